@@ -1,0 +1,113 @@
+"""mcore-zoo: Hugging Face causal-LM architectures on Megatron-Core ``GPTModel``, with parity proofs.
+
+Public API (everything else is internal)::
+
+    import mcore_zoo
+
+    arch = mcore_zoo.lookup("path/to/checkpoint")          # or an HF config / arch name
+    model = mcore_zoo.build_model("path/to/checkpoint", backend="te", load="path/to/checkpoint")
+    out = mcore_zoo.packed_forward(model, [ids_a, ids_b])   # THD packing, per-sequence logprobs
+    for name, tensor in mcore_zoo.iter_hf_weights(model):    # streaming export to HF names
+        ...
+
+Importing this package is cheap: Megatron-Core, Transformer Engine and transformers are imported
+only by the functions that need them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+from .entry import ModelEntry
+from .errors import (
+    CheckpointFormatError,
+    ConfigError,
+    LayoutError,
+    MissingTensorsError,
+    PluginConflictError,
+    PluginError,
+    ShapeMismatchError,
+    UnclassifiedConfigFieldsError,
+    UnexpectedTensorsError,
+    UnknownArchitectureError,
+    UnmappedParametersError,
+    UnsupportedConfigError,
+    WeightMapError,
+    ZooError,
+)
+from .hookspecs import hookimpl, hookspec
+from .registry import Registry, get_registry, lookup
+
+#: name -> "module:attr", imported on first access
+_LAZY = {
+    "Architecture": "mcore_zoo.architecture:Architecture",
+    "ArchConfig": "mcore_zoo.config.arch:ArchConfig",
+    "RopeSpec": "mcore_zoo.config.arch:RopeSpec",
+    "MoESpec": "mcore_zoo.config.arch:MoESpec",
+    "Parallelism": "mcore_zoo.config.arch:Parallelism",
+    "ConfigReader": "mcore_zoo.config.reader:ConfigReader",
+    "FieldReport": "mcore_zoo.config.reader:FieldReport",
+    "NumericsProfile": "mcore_zoo.numerics.profiles:NumericsProfile",
+    "get_profile": "mcore_zoo.numerics.profiles:get_profile",
+    "build_model": "mcore_zoo.build:build_model",
+    "model_provider": "mcore_zoo.build:model_provider",
+    "model_info": "mcore_zoo.build:model_info",
+    "ModelInfo": "mcore_zoo.build:ModelInfo",
+    "ensure_model_parallel": "mcore_zoo.parallel:ensure_model_parallel",
+    "WeightMap": "mcore_zoo.weights.rules:WeightMap",
+    "Rule": "mcore_zoo.weights.rules:Rule",
+    "Source": "mcore_zoo.weights.rules:Source",
+    "rule": "mcore_zoo.weights.rules:rule",
+    "HFCheckpoint": "mcore_zoo.weights.io:HFCheckpoint",
+    "load_hf_weights": "mcore_zoo.weights.load:load_hf_weights",
+    "load_hf_state_dict": "mcore_zoo.weights.load:load_hf_state_dict",
+    "iter_hf_weights": "mcore_zoo.weights.export:iter_hf_weights",
+    "save_hf_checkpoint": "mcore_zoo.weights.export:save_hf_checkpoint",
+    "PackedBatch": "mcore_zoo.packing:PackedBatch",
+    "PackedOutput": "mcore_zoo.packing:PackedOutput",
+    "pack_sequences": "mcore_zoo.packing:pack_sequences",
+    "packed_forward": "mcore_zoo.packing:packed_forward",
+    "alignment_for": "mcore_zoo.packing:alignment_for",
+}
+
+__all__ = [
+    "__version__",
+    "ModelEntry",
+    "hookimpl",
+    "hookspec",
+    "Registry",
+    "get_registry",
+    "lookup",
+    "ZooError",
+    "ConfigError",
+    "UnsupportedConfigError",
+    "UnclassifiedConfigFieldsError",
+    "LayoutError",
+    "PluginError",
+    "PluginConflictError",
+    "UnknownArchitectureError",
+    "WeightMapError",
+    "MissingTensorsError",
+    "UnexpectedTensorsError",
+    "UnmappedParametersError",
+    "ShapeMismatchError",
+    "CheckpointFormatError",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'mcore_zoo' has no attribute {name!r}")
+    module_name, attr = target.split(":")
+    value = getattr(importlib.import_module(module_name), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

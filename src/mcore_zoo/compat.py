@@ -1,0 +1,139 @@
+"""Megatron-Core version shims (0.16.x on Python 3.11, 0.19.x on Python 3.12), in one place.
+
+Everything that differs between the supported Megatron-Core releases goes through this module:
+config fields that were removed, the shape of MLP spec objects, keyword-only parallel-state
+initialisation, the GPTModel deprecation warning. See ``docs/mcore-compat.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+from typing import Any
+
+#: Tested range (inclusive lower, exclusive upper).
+SUPPORTED_MCORE = ((0, 16), (0, 20))
+
+
+@functools.lru_cache(maxsize=None)
+def mcore_version() -> tuple[int, int, int]:
+    from megatron.core import package_info
+
+    parts = []
+    for piece in package_info.__version__.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    while len(parts) < 3:
+        parts.append(0)
+    return tuple(parts)  # type: ignore[return-value]
+
+
+def check_mcore_version() -> None:
+    low, high = SUPPORTED_MCORE
+    version = mcore_version()
+    if not (low <= version[:2] < high):
+        import warnings
+
+        warnings.warn(
+            f"megatron-core {'.'.join(map(str, version))} is outside the tested range "
+            f"{low[0]}.{low[1]} - <{high[0]}.{high[1]}",
+            stacklevel=2,
+        )
+
+
+@functools.lru_cache(maxsize=None)
+def transformer_config_fields() -> frozenset[str]:
+    from megatron.core.transformer import TransformerConfig
+
+    return frozenset(f.name for f in dataclasses.fields(TransformerConfig))
+
+
+#: Fields that exist only in some supported versions; dropped where unknown (with their default
+#: meaning, so dropping is exact).
+_VERSION_OPTIONAL_FIELDS = {
+    "moe_use_legacy_grouped_gemm": False,
+    "moe_extended_tp": False,
+    "async_tensor_model_parallel_allreduce": False,
+}
+
+
+def make_transformer_config(cls: Any = None, **kwargs: Any) -> Any:
+    """Build a ``TransformerConfig`` (or subclass), dropping fields this version lacks.
+
+    Only fields listed as version-optional may be dropped, and only when they carry their neutral
+    value; any other unknown field raises :class:`~mcore_zoo.errors.ConfigError` naming it.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    cls = cls or TransformerConfig
+    known = {f.name for f in dataclasses.fields(cls)}
+    extras = {}
+    for name in list(kwargs):
+        if name in known:
+            continue
+        if name in _VERSION_OPTIONAL_FIELDS and kwargs[name] == _VERSION_OPTIONAL_FIELDS[name]:
+            kwargs.pop(name)
+        elif name.startswith("yarn_"):
+            extras[name] = kwargs.pop(name)  # read with getattr by mcore; not dataclass fields
+        else:
+            from .errors import ConfigError
+
+            raise ConfigError(f"{cls.__name__} (megatron-core {mcore_version()}) has no field {name!r}")
+    config = cls(**kwargs)
+    for name, value in extras.items():
+        setattr(config, name, value)
+    return config
+
+
+def mlp_submodule(linear_fc1: Any, linear_fc2: Any) -> Any:
+    """The ``TransformerLayerSubmodules.mlp`` value for a dense MLP, in this version's form.
+
+    0.16: ``ModuleSpec(MLP, submodules=MLPSubmodules(...))``; 0.19: ``partial(MLP.as_mlp_submodule,
+    submodules=...)``. Keyword arguments only (field order differs between versions).
+    """
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    submodules = MLPSubmodules(linear_fc1=linear_fc1, linear_fc2=linear_fc2)
+    if hasattr(MLP, "as_mlp_submodule"):
+        return functools.partial(MLP.as_mlp_submodule, submodules=submodules)
+    return ModuleSpec(module=MLP, submodules=submodules)
+
+
+def mlp_submodules_of(mlp_spec: Any) -> Any:
+    """Read the ``MLPSubmodules`` back from either form of :func:`mlp_submodule`."""
+    return getattr(mlp_spec, "submodules", None) or mlp_spec.keywords["submodules"]
+
+
+class _DropGPTDeprecation(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "GPTModel IS DEPRECATED" not in record.getMessage()
+
+
+@functools.lru_cache(maxsize=None)
+def silence_gpt_model_deprecation() -> None:
+    """0.19 logs a deprecation warning on every GPTModel construction; the zoo knows (GPTModel is
+    still what every trainer uses) and filters that one message."""
+    logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_DropGPTDeprecation())
+
+
+def initialize_model_parallel(**kwargs: Any) -> None:
+    """``parallel_state.initialize_model_parallel`` by keyword, dropping arguments this version
+    does not accept when they carry their default (positional order differs between versions)."""
+    from megatron.core import parallel_state
+
+    params = inspect.signature(parallel_state.initialize_model_parallel).parameters
+    accepted = {}
+    for name, value in kwargs.items():
+        if name in params:
+            accepted[name] = value
+        elif value not in (None, False, 1):
+            raise TypeError(f"initialize_model_parallel of megatron-core {mcore_version()} has no {name!r}")
+    parallel_state.initialize_model_parallel(**accepted)
+
+
+def accepts_name_kwarg() -> bool:
+    """0.19 passes ``name=`` to submodule builders."""
+    return mcore_version() >= (0, 19, 0)

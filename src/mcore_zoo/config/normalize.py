@@ -1,0 +1,64 @@
+"""Bring an HF config into one form: the ``to_dict()`` of transformers' own config class.
+
+Going through the config class gives converters exactly the values the HF model sees (defaults of
+absent fields, transformers-5 ``rope_parameters`` standardisation, derived fields such as
+``layer_types``). A model type transformers does not know is read as raw JSON; remote code runs
+only with ``trust_remote_code=True``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..errors import ConfigError
+
+
+def _config_class(model_type: str) -> Any:
+    try:
+        from transformers import CONFIG_MAPPING
+    except ImportError:  # pragma: no cover
+        return None
+    try:
+        return CONFIG_MAPPING[model_type]
+    except KeyError:
+        return None
+
+
+def read_json_config(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no HF config at {path}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} does not hold a JSON object")
+    return data
+
+
+def normalize_hf_config(source: Any, *, trust_remote_code: bool = False) -> dict[str, Any]:
+    """The HF config ``source`` (config object, dict, directory, config.json) as a normalised dict."""
+    if hasattr(source, "to_dict") and callable(source.to_dict) and not isinstance(source, Mapping):
+        return dict(source.to_dict())
+    if isinstance(source, Mapping):
+        raw = dict(source)
+    else:
+        path = Path(source)
+        raw = read_json_config(path)
+        if trust_remote_code and raw.get("auto_map"):
+            from transformers import AutoConfig
+
+            return dict(AutoConfig.from_pretrained(str(path), trust_remote_code=True).to_dict())
+    model_type = raw.get("model_type")
+    cls = _config_class(model_type) if model_type else None
+    if cls is None:
+        return raw
+    try:
+        return dict(cls.from_dict(raw).to_dict())
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"transformers rejects this {model_type!r} config: {exc}") from exc

@@ -1,0 +1,191 @@
+"""``ArchConfig`` -> Megatron-Core ``TransformerConfig`` + ``GPTModel`` keyword arguments.
+
+Parallel sizes, dtype, the numerics profile and user overrides apply on top of the architecture.
+:func:`validate_layout` rejects a layout that does not divide the model before anything is built
+or read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import LayoutError, ZooError
+from ..numerics.profiles import NumericsProfile
+from .arch import ArchConfig, Parallelism
+from .rope import yarn_attention_factor, yarn_mscale
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
+
+
+def validate_layout(arch: ArchConfig, parallel: Parallelism) -> None:
+    """Raise :class:`LayoutError` naming every way ``parallel`` fails to divide ``arch``."""
+    problems = []
+    tp, pp, cp = parallel.tp, parallel.pp, parallel.cp
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", parallel.ep)):
+        if value < 1:
+            problems.append(f"{name}={value} must be >= 1")
+    if tp > 1:
+        if arch.num_attention_heads % tp:
+            problems.append(f"num_attention_heads={arch.num_attention_heads} is not divisible by tp={tp}")
+        if arch.num_query_groups % tp:
+            problems.append(f"num_key_value_heads={arch.num_query_groups} is not divisible by tp={tp}")
+        if arch.ffn_hidden_size % tp:
+            problems.append(f"intermediate_size={arch.ffn_hidden_size} is not divisible by tp={tp}")
+        if arch.vocab_size % tp:
+            problems.append(f"vocab_size={arch.vocab_size} is not divisible by tp={tp}")
+    chunks = pp * (parallel.vpp or 1)
+    if parallel.vpp is not None and parallel.vpp > 1 and pp == 1:
+        problems.append(f"vpp={parallel.vpp} needs pp > 1")
+    if chunks > 1 and arch.num_layers % chunks:
+        problems.append(
+            f"num_hidden_layers={arch.num_layers} is not divisible by pp*vpp={pp}*{parallel.vpp or 1}"
+        )
+    if parallel.sequence_parallel and tp == 1:
+        problems.append("sequence_parallel needs tp > 1")
+    if arch.moe is not None and parallel.ep > 1 and arch.moe.num_experts % parallel.ep:
+        problems.append(f"num_experts={arch.moe.num_experts} is not divisible by ep={parallel.ep}")
+    if problems:
+        raise LayoutError(
+            f"{arch.architecture}: layout tp={tp} pp={pp} vpp={parallel.vpp} cp={cp} ep={parallel.ep}"
+            " does not fit the model:\n" + "\n".join(f"  - {p}" for p in problems)
+        )
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """How to build an mcore model from an :class:`ArchConfig`.
+
+    Attributes:
+        backend: ``"te"``, ``"local"`` or ``"portable"``.
+        parallel: the parallel layout.
+        params_dtype: parameter dtype (``bf16``/``fp16`` also set the mcore mixed-precision flags).
+        numerics: the numerics profile (already adapted to the device).
+        cpu: build for the CPU (``use_cpu_initialization``, CPU shim).
+        overrides: extra ``TransformerConfig`` fields set last (names are checked).
+        perform_initialization: run mcore's random init (off when weights will be loaded).
+    """
+
+    backend: str = "local"
+    parallel: Parallelism = Parallelism()
+    params_dtype: torch.dtype = torch.float32
+    numerics: NumericsProfile = None  # type: ignore[assignment]
+    cpu: bool = False
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    perform_initialization: bool = True
+
+
+def transformer_config_kwargs(arch: ArchConfig, options: BuildOptions) -> dict[str, Any]:
+    """The ``TransformerConfig`` keyword arguments for ``arch`` under ``options``."""
+    validate_layout(arch, options.parallel)
+    numerics = options.numerics
+    parallel = options.parallel
+    dtype = options.params_dtype
+    if arch.activation not in ACTIVATIONS:
+        raise ZooError(f"{arch.architecture}: activation {arch.activation!r} has no mcore function")
+    if arch.attn_output_bias != arch.mlp_bias:
+        raise ZooError(
+            f"{arch.architecture}: attention output bias ({arch.attn_output_bias}) and MLP bias"
+            f" ({arch.mlp_bias}) differ; Megatron-Core's add_bias_linear sets both"
+        )
+    kwargs: dict[str, Any] = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.head_dim,
+        normalization=arch.normalization,
+        layernorm_epsilon=arch.norm_eps,
+        gated_linear_unit=arch.gated_linear_unit,
+        activation_func=ACTIVATIONS[arch.activation],
+        add_bias_linear=arch.mlp_bias,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=arch.hidden_dropout,
+        attention_dropout=arch.attention_dropout,
+        init_method_std=arch.init_std,
+        softmax_scale=arch.softmax_scale,
+        rotary_interleaved=arch.rope.interleaved,
+        # parallel layout
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp,
+        context_parallel_size=parallel.cp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.etp,
+        sequence_parallel=parallel.sequence_parallel,
+        # dtype
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        # device and init
+        use_cpu_initialization=options.cpu,
+        perform_initialization=options.perform_initialization,
+        # numerics knobs
+        apply_rope_fusion=numerics.rope_fusion and options.backend == "te" and not _yarn_needs_mscale(arch),
+        bias_activation_fusion=numerics.bias_activation_fusion and arch.activation in ("silu", "gelu"),
+        masked_softmax_fusion=numerics.masked_softmax_fusion and options.backend == "local",
+        bias_dropout_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
+    if options.cpu:
+        kwargs["batch_p2p_sync"] = False  # gloo has no batched isend/irecv sync
+    if arch.sliding_window is not None:
+        # HF: key k is visible to query q iff q - W < k <= q  ->  (left, right) = (W - 1, 0)
+        kwargs["window_size"] = (arch.sliding_window - 1, 0)
+        if arch.sliding_window_layers is not None:
+            kwargs["window_attn_skip_freq"] = [int(f) for f in arch.sliding_window_layers]
+    if arch.rope.rope_type == "yarn":
+        kwargs.update(_yarn_fields(arch))
+    kwargs.update(arch.extra_transformer_config)
+    for name, value in options.overrides.items():
+        kwargs[name] = value
+    return kwargs
+
+
+def _yarn_needs_mscale(arch: ArchConfig) -> bool:
+    return arch.rope.rope_type == "yarn" and yarn_attention_factor(arch.rope) != 1.0
+
+
+def _yarn_fields(arch: ArchConfig) -> dict[str, Any]:
+    """mcore applies YaRN's cos/sin scale from these (non-dataclass) config attributes."""
+    rope = arch.rope
+    wanted = yarn_attention_factor(rope)
+    # mcore's _yarn_get_concentration_factor: ratio of mscales when both are set, else mscale(factor)
+    if rope.mscale and rope.mscale_all_dim:
+        mscale, mscale_all_dim = rope.mscale, rope.mscale_all_dim
+        got = yarn_mscale(rope.factor, mscale) / yarn_mscale(rope.factor, mscale_all_dim)
+    else:
+        mscale = mscale_all_dim = None
+        got = yarn_mscale(rope.factor)
+    if float(got) != wanted:
+        raise ZooError(
+            f"{arch.architecture}: YaRN attention factor {wanted!r} cannot be expressed through"
+            f" Megatron-Core's (factor, mscale, mscale_all_dim) form (gives {got!r})"
+        )
+    return {
+        "yarn_rotary_scaling_factor": rope.factor,
+        "yarn_mscale": mscale,
+        "yarn_mscale_all_dim": mscale_all_dim,
+        "yarn_original_max_position_embeddings": rope.original_max_position_embeddings,
+        "yarn_beta_fast": rope.beta_fast or 32,
+        "yarn_beta_slow": rope.beta_slow or 1,
+    }
+
+
+def gpt_model_kwargs(arch: ArchConfig) -> dict[str, Any]:
+    """``GPTModel`` arguments besides config and spec (vocab, positions, RoPE, tying)."""
+    return dict(
+        vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=arch.rope.partial_rotary_factor,
+        rotary_base=int(arch.rope.theta) if float(arch.rope.theta).is_integer() else arch.rope.theta,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+    )

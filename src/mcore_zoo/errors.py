@@ -1,0 +1,151 @@
+"""Errors raised by mcore-zoo.
+
+Every error names what it is about: the architecture, the config field and its value, the tensor
+and its shapes, the plugin and its distribution. All derive from :class:`ZooError` so that a
+trainer can catch the whole family in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+
+def _bullets(items: Iterable[str], limit: int = 40) -> str:
+    items = list(items)
+    shown = "\n".join(f"  - {item}" for item in items[:limit])
+    if len(items) > limit:
+        shown += f"\n  ... and {len(items) - limit} more"
+    return shown
+
+
+class ZooError(Exception):
+    """Base class of every error mcore-zoo raises on purpose."""
+
+
+# --------------------------------------------------------------------------- registry
+
+
+class UnknownArchitectureError(ZooError, LookupError):
+    """No registered plugin provides the requested architecture."""
+
+    def __init__(self, requested: str, supported: Sequence[str], load_failures: Sequence[str] = ()):
+        self.requested = requested
+        self.supported = list(supported)
+        self.load_failures = list(load_failures)
+        msg = f"no mcore-zoo plugin provides architecture {requested!r}.\nSupported architectures:\n"
+        msg += _bullets(self.supported) if self.supported else "  (none registered)"
+        if self.load_failures:
+            msg += "\nPlugins that failed to load (one of them may have provided it):\n"
+            msg += _bullets(self.load_failures)
+        super().__init__(msg)
+
+
+class PluginConflictError(ZooError):
+    """Two plugins claim the same architecture and neither (or both) declared ``override=True``."""
+
+    def __init__(self, architecture: str, claimants: Sequence[str]):
+        self.architecture = architecture
+        self.claimants = list(claimants)
+        super().__init__(
+            f"architecture {architecture!r} is claimed by more than one plugin:\n"
+            + _bullets(self.claimants)
+            + "\nUninstall or block one of them (MCORE_ZOO_BLOCK_PLUGINS=<plugin name>), or let exactly"
+            " one of them declare ModelEntry(override=True)."
+        )
+
+
+class PluginError(ZooError):
+    """A plugin is malformed: bad hook implementation, invalid entry, unresolvable reference."""
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+class ConfigError(ZooError):
+    """An HF config cannot be converted."""
+
+
+class UnsupportedConfigError(ConfigError):
+    """A config field holds a value the zoo cannot honour exactly (it is never approximated)."""
+
+    def __init__(self, architecture: str, field: str, value: Any, reason: str):
+        self.architecture = architecture
+        self.field = field
+        self.value = value
+        self.reason = reason
+        super().__init__(f"{architecture}: unsupported value {field}={value!r}: {reason}")
+
+
+class UnclassifiedConfigFieldsError(ConfigError):
+    """The HF config has fields the architecture's converter neither maps nor ignores."""
+
+    def __init__(self, architecture: str, fields: dict[str, Any]):
+        self.architecture = architecture
+        self.fields = dict(fields)
+        super().__init__(
+            f"{architecture}: the HF config has fields no converter rule classifies (mapped, ignored"
+            " with a reason, or rejected). They might change the model, so conversion stops:\n"
+            + _bullets(f"{k} = {v!r}" for k, v in sorted(self.fields.items()))
+            + "\nIf a field is harmless, pass ignore_fields={'<field>': '<reason>'}."
+        )
+
+
+class LayoutError(ConfigError):
+    """A parallel layout (TP/PP/VPP/CP/EP) that does not divide the model."""
+
+
+# --------------------------------------------------------------------------- weights
+
+
+class WeightMapError(ZooError):
+    """The weight map and a checkpoint or model do not agree."""
+
+
+class MissingTensorsError(WeightMapError):
+    """Tensors the weight map needs are absent from the checkpoint."""
+
+    def __init__(self, names: Sequence[str], source: str = "checkpoint"):
+        self.names = sorted(names)
+        super().__init__(f"{source} is missing {len(self.names)} tensor(s):\n" + _bullets(self.names))
+
+
+class UnexpectedTensorsError(WeightMapError):
+    """Checkpoint tensors that no weight-map rule consumes and none explicitly ignores."""
+
+    def __init__(self, names: Sequence[str], source: str = "checkpoint"):
+        self.names = sorted(names)
+        super().__init__(
+            f"{source} has {len(self.names)} tensor(s) that no weight-map rule consumes or ignores"
+            " (they would be silently dropped):\n" + _bullets(self.names)
+        )
+
+
+class UnmappedParametersError(WeightMapError):
+    """mcore parameters that no rule gives a source: they would stay at random init."""
+
+    def __init__(self, names: Sequence[str]):
+        self.names = sorted(names)
+        super().__init__(
+            f"{len(self.names)} mcore parameter(s) have no source in the weight map and would stay at"
+            " random initialisation:\n" + _bullets(self.names)
+        )
+
+
+class ShapeMismatchError(WeightMapError):
+    """A tensor whose shape is not the one the weight map and config imply."""
+
+    def __init__(self, name: str, expected: Sequence[int], got: Sequence[int], context: str = ""):
+        self.name = name
+        self.expected = tuple(expected)
+        self.got = tuple(got)
+        extra = f" ({context})" if context else ""
+        super().__init__(f"tensor {name!r} has shape {self.got}, expected {self.expected}{extra}")
+
+
+class CheckpointFormatError(WeightMapError):
+    """A checkpoint file that cannot be read: truncated, corrupt, not safetensors, bad index."""
+
+    def __init__(self, path: str, reason: str):
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"cannot read checkpoint file {self.path}: {reason}")

@@ -1,0 +1,122 @@
+"""Numerics profiles: which kernels and op orders a model build uses.
+
+A profile is a set of named knobs. Each knob is one place where Megatron-Core / Transformer Engine
+and the HF reference may compute the same math in a different order; the parity report measures
+what each one costs (flip one knob, measure |dlogp| and KL).
+
+Built-in profiles:
+
+* ``default`` - the fast path: the backend's own norms and fusions (TE fused RoPE, fused
+  bias-activation, fused softmax) where the device supports them. RoPE frequencies are still
+  computed the HF way (it costs nothing and is required for Llama 3 / YaRN anyway).
+* ``hf-exact`` - reproduce the HF op order: RMSNorm normalises in fp32, casts, then multiplies
+  the weight; no fused RoPE / activation / softmax; attention computed as HF ``eager`` (or
+  ``sdpa`` with ``attention="sdpa"``) math. With the ``local`` or ``portable`` backend this is
+  bit-identical to transformers on CPU fp32 and GPU bf16 (see docs/parity).
+
+Knobs that need CUDA kernels are switched off automatically on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Union
+
+from ..errors import ZooError
+
+
+@dataclass(frozen=True)
+class NumericsProfile:
+    """Knobs (see module docstring).
+
+    Attributes:
+        norm: ``"mcore"`` (the backend's RMSNorm kernel) or ``"hf"`` (HF op order).
+        rope_freqs: ``"hf"`` (inv_freq computed on the CPU as transformers does, then moved) or
+            ``"mcore"`` (Megatron-Core's own computation; only plain RoPE without scaling).
+        rope_fusion: TE fused RoPE kernel (``te`` backend, CUDA only).
+        bias_activation_fusion: fused (bias +) SwiGLU/GeLU kernel.
+        masked_softmax_fusion: fused scale-mask-softmax (``local`` attention, CUDA only).
+        attention: the core attention. ``"backend"``: the backend's own (mcore
+            ``DotProductAttention`` for ``local``, ``TEDotProductAttention`` for ``te``, the
+            portable ``auto`` kernel for ``portable``). Any other value puts the zoo's
+            :class:`~mcore_zoo.specs.portable.PortableAttention` with that kernel into every
+            backend: ``"auto"`` (CUDA: torch varlen flash attention, else flash-attn, else SDPA;
+            CPU: SDPA), ``"sdpa"`` (as HF's sdpa implementation calls it), ``"eager"`` (HF eager op
+            order), ``"varlen"`` (torch varlen_attn), ``"flash"`` (flash-attn package).
+        fuse_norm_into_linear: ``te`` backend fuses input/pre-MLP norms into the next GEMM.
+    """
+
+    name: str
+    norm: str = "mcore"
+    rope_freqs: str = "hf"
+    rope_fusion: bool = True
+    bias_activation_fusion: bool = True
+    masked_softmax_fusion: bool = True
+    attention: str = "backend"
+    fuse_norm_into_linear: bool = True
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        checks = {
+            "norm": ("mcore", "hf"),
+            "rope_freqs": ("hf", "mcore"),
+            "attention": ("backend", "auto", "sdpa", "eager", "varlen", "flash"),
+        }
+        for knob, allowed in checks.items():
+            if getattr(self, knob) not in allowed:
+                raise ZooError(f"numerics profile {self.name!r}: {knob}={getattr(self, knob)!r} not in {allowed}")
+
+    def with_knobs(self, **knobs: Any) -> "NumericsProfile":
+        name = self.name + "".join(f"+{k}={v}" for k, v in sorted(knobs.items()))
+        return dataclasses.replace(self, name=name, **knobs)
+
+    def for_device(self, cuda: bool) -> "NumericsProfile":
+        """Switch off knobs whose kernels need CUDA when running on the CPU."""
+        if cuda:
+            return self
+        return dataclasses.replace(
+            self, rope_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False
+        )
+
+    def knobs(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("name", "description")}
+
+
+PROFILES: dict[str, NumericsProfile] = {
+    "default": NumericsProfile(
+        name="default",
+        description="backend kernels and fusions; RoPE frequencies computed as HF does",
+    ),
+    "hf-exact": NumericsProfile(
+        name="hf-exact",
+        norm="hf",
+        rope_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        attention="eager",
+        fuse_norm_into_linear=False,
+        description="HF op order everywhere (norms, RoPE, attention math); bitwise vs HF eager",
+    ),
+    "hf-exact-sdpa": NumericsProfile(
+        name="hf-exact-sdpa",
+        norm="hf",
+        rope_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        attention="sdpa",
+        fuse_norm_into_linear=False,
+        description="as hf-exact, attention as HF's sdpa implementation",
+    ),
+}
+
+
+def get_profile(profile: Union[str, NumericsProfile, None]) -> NumericsProfile:
+    if profile is None:
+        return PROFILES["default"]
+    if isinstance(profile, NumericsProfile):
+        return profile
+    try:
+        return PROFILES[profile]
+    except KeyError:
+        raise ZooError(f"unknown numerics profile {profile!r}; known: {sorted(PROFILES)}") from None

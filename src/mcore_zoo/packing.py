@@ -1,0 +1,235 @@
+"""THD sequence packing and the packed forward.
+
+Variable-length sequences are concatenated into one ``[1, T]`` row; ``cu_seqlens`` marks where each
+starts. Each sequence is padded to a multiple of ``align`` (what tensor / context parallelism
+need: ``tp`` under sequence parallel, ``2 * cp * tp`` under context parallel), and mcore receives
+``PackedSeqParams(qkv_format="thd")`` with both the real (``cu_seqlens_q``) and padded
+(``cu_seqlens_q_padded``) boundaries. Positions restart at 0 for every sequence.
+
+:func:`packed_forward` runs a zoo-built model on such a pack and returns per-sequence logits and
+per-token log-probabilities of the next token (``logprobs[i][j] = log p(tokens[j + 1] | tokens[:j + 1])``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from .errors import ZooError
+
+
+def alignment_for(tp: int = 1, cp: int = 1, sequence_parallel: bool = False) -> int:
+    """Per-sequence padding multiple for a layout (the rule proven in verl / mbridge)."""
+    if cp > 1:
+        return 2 * cp * tp
+    if sequence_parallel:
+        return tp
+    return 1
+
+
+@dataclass
+class PackedBatch:
+    """Sequences packed into one THD row.
+
+    Attributes:
+        input_ids: ``[1, T]`` long, sequences back to back, each padded to ``align``.
+        position_ids: ``[1, T]`` long, restarting at 0 per sequence (pads continue counting).
+        cu_seqlens: ``[n + 1]`` int32, boundaries of the real tokens (cumulative lengths).
+        cu_seqlens_padded: ``[n + 1]`` int32, boundaries of the padded slots.
+        lengths: real length of each sequence.
+        max_seqlen: longest padded slot.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
+    lengths: list[int]
+    max_seqlen: int
+    align: int = 1
+
+    @property
+    def total(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def to(self, device: Union[str, torch.device]) -> "PackedBatch":
+        return PackedBatch(
+            self.input_ids.to(device),
+            self.position_ids.to(device),
+            self.cu_seqlens.to(device),
+            self.cu_seqlens_padded.to(device),
+            list(self.lengths),
+            self.max_seqlen,
+            self.align,
+        )
+
+    def packed_seq_params(self) -> Any:
+        """Megatron-Core ``PackedSeqParams`` for this pack."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=self.cu_seqlens,
+            cu_seqlens_kv=self.cu_seqlens,
+            cu_seqlens_q_padded=self.cu_seqlens_padded,
+            cu_seqlens_kv_padded=self.cu_seqlens_padded,
+            max_seqlen_q=self.max_seqlen,
+            max_seqlen_kv=self.max_seqlen,
+        )
+
+    def unpack(self, packed: torch.Tensor) -> list[torch.Tensor]:
+        """``[1, T, ...]`` (or ``[T, ...]``) -> one ``[len_i, ...]`` tensor per sequence."""
+        if packed.dim() >= 2 and packed.shape[0] == 1 and packed.shape[1] == self.total:
+            packed = packed[0]
+        starts = self.cu_seqlens_padded.tolist()
+        return [packed[s : s + n] for s, n in zip(starts, self.lengths)]
+
+
+def pack_sequences(
+    sequences: Union[Sequence[torch.Tensor], torch.Tensor],
+    attention_mask: Optional[torch.Tensor] = None,
+    *,
+    align: int = 1,
+    pad_token_id: int = 0,
+) -> PackedBatch:
+    """Pack token sequences (a list of 1-D tensors, or a padded ``[B, S]`` batch + 0/1 mask).
+
+    With a mask, each row's tokens are those where the mask is 1 (left or right padding); they
+    must be contiguous.
+    """
+    if isinstance(sequences, torch.Tensor) and sequences.dim() == 2:
+        rows = []
+        for b in range(sequences.shape[0]):
+            if attention_mask is None:
+                rows.append(sequences[b])
+                continue
+            keep = attention_mask[b].bool()
+            idx = keep.nonzero().flatten()
+            if idx.numel() and int(idx[-1] - idx[0] + 1) != idx.numel():
+                raise ZooError(f"row {b}: attention_mask has holes; only left/right padding can be packed")
+            rows.append(sequences[b][keep])
+        sequences = rows
+    elif attention_mask is not None:
+        raise ZooError("attention_mask goes with a padded [B, S] batch")
+    if not sequences:
+        raise ZooError("nothing to pack")
+    lengths = [int(s.numel()) for s in sequences]
+    if min(lengths) < 1:
+        raise ZooError("cannot pack an empty sequence")
+    padded = [-(-n // align) * align for n in lengths]
+    total = sum(padded)
+    device = sequences[0].device
+    input_ids = torch.full((1, total), pad_token_id, dtype=torch.long, device=device)
+    position_ids = torch.zeros((1, total), dtype=torch.long, device=device)
+    offset = 0
+    for seq, n, p in zip(sequences, lengths, padded):
+        input_ids[0, offset : offset + n] = seq.reshape(-1).to(torch.long)
+        position_ids[0, offset : offset + p] = torch.arange(p, device=device)
+        offset += p
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
+    cu_padded = torch.zeros_like(cu)
+    cu[1:] = torch.tensor(lengths, device=device).cumsum(0)
+    cu_padded[1:] = torch.tensor(padded, device=device).cumsum(0)
+    # mcore/TE read the real boundaries relative to padded slots: real token k of sequence i sits
+    # at cu_padded[i] + k; cu_seqlens counts real tokens (lengths) only.
+    return PackedBatch(input_ids, position_ids, cu, cu_padded, lengths, max(padded), align)
+
+
+@dataclass
+class PackedOutput:
+    """Per-sequence results of a packed forward (lists in input order).
+
+    ``logits[i]``: ``[len_i, vocab]`` (float as the model computes); ``logprobs[i]``: ``[len_i - 1]``
+    float32 log-probabilities of the next token.
+    """
+
+    logits: Optional[list[torch.Tensor]] = None
+    logprobs: Optional[list[torch.Tensor]] = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def next_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits.float())[j, tokens[j + 1]]`` for ``j < len - 1`` (HF's usual formula)."""
+    logp = torch.log_softmax(logits[:-1].float(), dim=-1)
+    return logp.gather(-1, tokens[1:].reshape(-1, 1).to(logp.device)).squeeze(-1)
+
+
+def _gather_vocab(logits: torch.Tensor) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() == 1:
+        return logits
+    return gather_from_tensor_model_parallel_region(logits)
+
+
+def packed_forward(
+    model: torch.nn.Module,
+    sequences: Union[Sequence[torch.Tensor], torch.Tensor, PackedBatch],
+    attention_mask: Optional[torch.Tensor] = None,
+    *,
+    layout: str = "thd",
+    return_logits: bool = True,
+    return_logprobs: bool = True,
+    align: Optional[int] = None,
+) -> PackedOutput:
+    """Run ``model`` (a zoo-built, single-stage GPTModel) on variable-length sequences.
+
+    Args:
+        sequences: list of 1-D token tensors, a padded ``[B, S]`` batch with ``attention_mask``,
+            or an already built :class:`PackedBatch`.
+        layout: ``"thd"`` (one packed row, ``PackedSeqParams``) or ``"bshd"`` (right-padded batch,
+            causal mask; every backend supports it).
+        align: per-sequence padding multiple (default: what the model's layout needs).
+
+    Vocab-parallel logits are gathered across tensor-parallel ranks. Pipeline- and context-parallel
+    models go through ``mcore_zoo.distributed.forward``.
+    """
+    from .build import model_info
+
+    info = model_info(model)
+    parallel = info.options.parallel
+    if parallel.pp > 1 or parallel.cp > 1:
+        raise ZooError("packed_forward runs single-stage models; use mcore_zoo.distributed.forward for PP/CP")
+    device = next(model.parameters()).device
+    if isinstance(sequences, PackedBatch):
+        batch = sequences
+    else:
+        batch = pack_sequences(
+            sequences,
+            attention_mask,
+            align=align or alignment_for(parallel.tp, parallel.cp, parallel.sequence_parallel),
+        )
+    batch = batch.to(device)
+    if layout == "thd":
+        if info.backend == "local" and info.numerics.attention == "backend":
+            raise ZooError(
+                "backend 'local' cannot run THD: Megatron-Core's DotProductAttention rejects packed"
+                " input. Use backend='portable' or 'te', a numerics profile with a zoo attention"
+                " kernel (e.g. 'hf-exact'), or layout='bshd'."
+            )
+        logits = model(batch.input_ids, batch.position_ids, None, packed_seq_params=batch.packed_seq_params())
+        logits = _gather_vocab(logits)
+        per_seq = batch.unpack(logits)
+    elif layout == "bshd":
+        seqs = batch.unpack(batch.input_ids)
+        width = max(batch.lengths)
+        if parallel.sequence_parallel:
+            width = -(-width // parallel.tp) * parallel.tp
+        ids = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
+        for i, s in enumerate(seqs):
+            ids[i, : s.numel()] = s
+        positions = torch.arange(width, device=device).unsqueeze(0).expand(len(seqs), -1)
+        logits = _gather_vocab(model(ids, positions, None))
+        per_seq = [logits[i, :n] for i, n in enumerate(batch.lengths)]
+    else:
+        raise ZooError(f"unknown layout {layout!r}; use 'thd' or 'bshd'")
+    out = PackedOutput()
+    if return_logits:
+        out.logits = per_seq
+    if return_logprobs:
+        tokens = batch.unpack(batch.input_ids)
+        out.logprobs = [next_token_logprobs(l, t) for l, t in zip(per_seq, tokens)]
+    return out

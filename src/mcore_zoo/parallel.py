@@ -1,0 +1,100 @@
+"""Process groups: work under ``torchrun``, inside a trainer that already initialised Megatron's
+parallel state, or in a plain single process (CLI, tests).
+
+The zoo never re-initialises what a trainer set up: :func:`ensure_model_parallel` only creates the
+default process group and Megatron-Core's groups when they do not exist yet.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import compat, cpu_shim
+from .config.arch import Parallelism
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_process_group(backend: Optional[str] = None) -> None:
+    """Initialise ``torch.distributed`` if needed: from torchrun's environment when present, else
+    as a single process. ``backend`` defaults to NCCL with CUDA, gloo without."""
+    if dist.is_initialized():
+        return
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend=backend)
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    dist.init_process_group(backend=backend, rank=0, world_size=1)
+
+
+def ensure_model_parallel(parallel: Optional[Parallelism] = None, *, seed: int = 1234) -> Parallelism:
+    """Make sure Megatron-Core's parallel state exists; return the layout in effect.
+
+    If it is already initialised (a trainer did it), its layout is returned and ``parallel`` must
+    agree with it (when given). Otherwise the process group and Megatron's groups are created for
+    ``parallel`` (default: everything 1) and the model-parallel RNG is seeded.
+    """
+    from megatron.core import parallel_state
+
+    cpu_shim.activate()
+    if parallel_state.model_parallel_is_initialized():
+        current = Parallelism.from_mpu()
+        if parallel is not None:
+            mismatch = [
+                f"{name}: requested {getattr(parallel, name)}, initialised {getattr(current, name)}"
+                for name in ("tp", "pp", "cp", "ep")
+                if getattr(parallel, name) != getattr(current, name)
+            ]
+            if mismatch:
+                from .errors import LayoutError
+
+                raise LayoutError("Megatron parallel state already initialised differently: " + "; ".join(mismatch))
+            return parallel
+        return current
+    parallel = parallel or Parallelism()
+    ensure_process_group()
+    compat.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp,
+        context_parallel_size=parallel.cp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.etp,
+    )
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return parallel
+
+
+def destroy_model_parallel() -> None:
+    """Tear down Megatron's groups and the default process group (tests, CLI)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def tp_rank_and_size() -> tuple[int, int]:
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+    )

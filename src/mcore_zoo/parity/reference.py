@@ -1,0 +1,114 @@
+"""Reference HF models with random weights that make parity tests able to fail.
+
+transformers initialises linears with std 0.02 and norms to 1, biases to 0. At that scale attention
+is almost uniform (a wrong RoPE base barely moves the logits), swapped norms are invisible (all
+ones) and swapped biases too (all zeros). :func:`randomize_` gives every parameter a distinct,
+unit-preserving random value and scales query/key projections so that attention logits have a
+standard deviation of about ``attention_logit_std``: attention is sharp and position-sensitive.
+
+:func:`write_reference_checkpoint` saves such a model the way users get checkpoints
+(``save_pretrained``, safetensors); load the reference back with :func:`load_reference` which uses
+``from_pretrained(dtype=...)`` - never ``.to(dtype)``, which would also round RoPE's ``inv_freq``
+buffer to bf16.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Any, Optional, Union
+
+import torch
+
+#: parameter-name patterns of query / key projections (fused ones are scaled whole)
+QK_PATTERNS = (r"\bq_proj\.weight$", r"\bk_proj\.weight$", r"\bqkv_proj\.weight$", r"\bquery_key_value\.weight$",
+               r"\bWqkv\.weight$", r"\bc_attn\.weight$", r"\bq_a_proj\.weight$", r"\bq_b_proj\.weight$",
+               r"\bkv_a_proj_with_mqa\.weight$", r"\bkv_b_proj\.weight$")  # fmt: skip
+_QK = re.compile("|".join(QK_PATTERNS))
+_LN = re.compile(r"(^|\.)ln[_\w]*\.weight$")
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0, *, attention_logit_std: float = 3.0) -> torch.nn.Module:
+    """Re-initialise every parameter of an HF model in place (see module docstring).
+
+    * 1-D parameters named like norms: ``1 + N(0, 0.1)``; other 1-D (biases): ``N(0, 0.1)``.
+    * embeddings: ``N(0, 1 / sqrt(hidden))`` (O(1) logits also when the output layer is tied).
+    * query/key projections: ``N(0, sqrt(attention_logit_std / fan_in))``, so ``q.k / sqrt(d)``
+      has std ~ ``attention_logit_std`` for unit-RMS inputs.
+    * other matrices: ``N(0, 1 / sqrt(fan_in))``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            data = torch.empty(param.shape, dtype=torch.float32)
+            if param.dim() == 1:
+                is_norm = "norm" in name or _LN.search(name) is not None
+                data.normal_(0.0, 0.1, generator=gen)
+                if is_norm:
+                    data += 1.0
+            elif "embed" in name or "wte" in name:
+                # 1/sqrt(hidden): tied output layers then give O(1) logits like untied ones
+                data.normal_(0.0, 1.0 / math.sqrt(param.shape[-1]), generator=gen)
+            else:
+                fan_in = param.shape[-1]
+                std = math.sqrt(attention_logit_std / fan_in) if _QK.search(name) else 1.0 / math.sqrt(fan_in)
+                data.normal_(0.0, std, generator=gen)
+            param.copy_(data.to(param.dtype))
+    return model
+
+
+def hf_config_object(config: Any, attn_implementation: str = "eager") -> Any:
+    """A transformers config object from a dict / path / config object."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(config, PretrainedConfig):
+        return config
+    if isinstance(config, dict):
+        cfg = dict(config)
+        model_type = cfg.pop("model_type")
+        obj = AutoConfig.for_model(model_type, **cfg)
+    else:
+        obj = AutoConfig.from_pretrained(str(config))
+    obj._attn_implementation = attn_implementation
+    return obj
+
+
+def write_reference_checkpoint(
+    architecture: Any,
+    config: Any,
+    out_dir: Union[str, os.PathLike],
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    attention_logit_std: float = 3.0,
+) -> str:
+    """Build the HF reference model of ``architecture`` with random weights; save it to ``out_dir``.
+
+    ``architecture`` is a registry :class:`~mcore_zoo.architecture.Architecture` (its entry names
+    the transformers class). Returns ``out_dir``.
+    """
+    cls = architecture.reference_model_class()
+    hf_config = hf_config_object(config)
+    torch.manual_seed(seed)
+    model = cls(hf_config).to(torch.float32)
+    randomize_(model, seed, attention_logit_std=attention_logit_std)
+    model = model.to(dtype)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    return str(out_dir)
+
+
+def load_reference(
+    architecture: Any,
+    checkpoint: Union[str, os.PathLike],
+    *,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "eager",
+    device: Optional[Union[str, torch.device]] = None,
+) -> torch.nn.Module:
+    """Load the HF reference model the way users do: ``from_pretrained(dtype=...)``."""
+    cls = architecture.reference_model_class()
+    model = cls.from_pretrained(str(checkpoint), dtype=dtype, attn_implementation=attn_implementation)
+    if device is not None:
+        model = model.to(device)
+    return model.eval()

@@ -1,0 +1,157 @@
+"""Layer specs for GPT-style decoders, per backend.
+
+:func:`gpt_layer_specs` returns the ``TransformerBlockSubmodules`` of one pipeline stage (or virtual
+stage): its layer specs and the final norm. Building the block spec ourselves (rather than calling
+``get_gpt_layer_*_spec``, whose signatures differ between Megatron-Core releases) keeps the norm
+classes, core attention and fusions under the numerics profile's control.
+
+Backends:
+
+* ``te`` - Transformer Engine linears and fused attention. With the ``default`` profile the input
+  and pre-MLP norms are fused into ``linear_qkv`` / ``linear_fc1`` (``layer_norm_weight``).
+* ``local`` - Megatron-Core modules without TE (mcore ``DotProductAttention``: no THD).
+* ``portable`` - ``local`` with :class:`~mcore_zoo.specs.portable.PortableAttention` (THD on CPU
+  and GPU, SDPA / varlen / flash-attn / HF-eager math).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+from ..config.arch import ArchConfig
+from ..errors import ZooError
+from ..numerics.profiles import NumericsProfile
+
+
+def have_transformer_engine() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _pieces(arch: ArchConfig, backend: str, numerics: NumericsProfile) -> dict[str, Any]:
+    """The module classes for one backend and profile."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from .norms import HFRMSNorm
+
+    if arch.normalization != "RMSNorm" and numerics.norm == "hf":
+        raise ZooError(f"{arch.architecture}: the hf norm order is implemented for RMSNorm only")
+    if backend in ("local", "portable"):
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        norm = HFRMSNorm if numerics.norm == "hf" else WrappedTorchNorm
+        core = _core_attention(backend, numerics, DotProductAttention)
+        return dict(
+            input_layernorm=norm,
+            pre_mlp_layernorm=norm,
+            linear_qkv=ColumnParallelLinear,
+            linear_proj=RowParallelLinear,
+            core_attention=core,
+            linear_fc1=ColumnParallelLinear,
+            linear_fc2=RowParallelLinear,
+            qk_norm=norm,
+            final_norm=norm,
+        )
+    if backend == "te":
+        if not have_transformer_engine():
+            raise ZooError("backend 'te' needs Transformer Engine (pip install 'mcore-zoo[te]')")
+        from megatron.core.extensions.transformer_engine import (
+            TEColumnParallelLinear,
+            TEDotProductAttention,
+            TELayerNormColumnParallelLinear,
+            TENorm,
+            TERowParallelLinear,
+        )
+
+        norm = HFRMSNorm if numerics.norm == "hf" else TENorm
+        fused = numerics.fuse_norm_into_linear and numerics.norm == "mcore"
+        return dict(
+            input_layernorm=IdentityOp if fused else norm,
+            pre_mlp_layernorm=IdentityOp if fused else norm,
+            linear_qkv=TELayerNormColumnParallelLinear if fused else TEColumnParallelLinear,
+            linear_proj=TERowParallelLinear,
+            core_attention=_core_attention(backend, numerics, TEDotProductAttention),
+            linear_fc1=TELayerNormColumnParallelLinear if fused else TEColumnParallelLinear,
+            linear_fc2=TERowParallelLinear,
+            qk_norm=norm,
+            final_norm=norm,
+        )
+    raise ZooError(f"unknown backend {backend!r}; known: te, local, portable")
+
+
+def _core_attention(backend: str, numerics: NumericsProfile, own: Any) -> Any:
+    """The backend's own core attention, or PortableAttention with the profile's kernel."""
+    from .portable import PortableAttention
+
+    if numerics.attention == "backend":
+        if backend == "portable":
+            return functools.partial(PortableAttention, kernel="auto")
+        return own
+    return functools.partial(PortableAttention, kernel=numerics.attention)
+
+
+def gpt_layer_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile) -> Any:
+    """The ``ModuleSpec`` of one decoder layer."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    from ..compat import mlp_submodule
+
+    p = _pieces(arch, backend, numerics)
+    qk_norm = p["qk_norm"] if arch.qk_norm else IdentityOp
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=p["input_layernorm"],
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=p["linear_qkv"],
+                    core_attention=p["core_attention"],
+                    linear_proj=p["linear_proj"],
+                    q_layernorm=qk_norm,
+                    k_layernorm=qk_norm,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=p["pre_mlp_layernorm"],
+            mlp=mlp_submodule(p["linear_fc1"], p["linear_fc2"]),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def gpt_layer_specs(
+    arch: ArchConfig,
+    backend: str,
+    numerics: NumericsProfile,
+    *,
+    config: Any,
+    vp_stage: Optional[int] = None,
+    pp_rank: Optional[int] = None,
+) -> Any:
+    """``TransformerBlockSubmodules`` for the layers of one (virtual) pipeline stage.
+
+    ``config`` is the ``TransformerConfig`` (it decides how many layers this stage builds).
+    """
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    layer = gpt_layer_spec(arch, backend, numerics)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * count, layer_norm=_pieces(arch, backend, numerics)["final_norm"]
+    )

@@ -1,0 +1,264 @@
+"""Zoo-owned core attention for the ``portable`` backend: THD packing without Transformer Engine.
+
+Megatron-Core's local ``DotProductAttention`` rejects packed (THD) input. :class:`PortableAttention`
+is a drop-in ``core_attention`` module (same constructor and call signature as mcore's) that runs
+BSHD and THD on CPU and GPU with one of these kernels:
+
+* ``eager`` - HF's ``eager_attention_forward`` op for op (matmul, scale, additive mask, fp32
+  softmax, cast, dropout, matmul); each packed sequence is computed on exactly its own length, so a
+  packed sequence is bitwise what HF computes for that sequence alone.
+* ``sdpa`` - ``torch.nn.functional.scaled_dot_product_attention`` called the way HF's ``sdpa``
+  implementation calls it (per sequence for THD).
+* ``varlen`` - ``torch.nn.attention.varlen.varlen_attn`` (CUDA, one call for the whole pack).
+* ``flash`` - the flash-attn package's ``flash_attn_varlen_func`` (CUDA, one call).
+* ``auto`` - ``varlen`` on CUDA when available, else ``flash`` when installed, else ``sdpa``.
+
+Shapes (``np``/``ng`` = attention heads / query groups of this tensor-parallel rank):
+BSHD/SBHD in ``[s, b, np|ng, hn]`` -> out ``[s, b, np*hn]``; THD in ``[t, np|ng, hn]`` -> out
+``[t, np*hn]``. Sliding windows follow HF (a query sees the last ``W`` keys, itself included),
+per layer as ``config.window_attn_skip_freq`` says.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+KERNELS = ("auto", "eager", "sdpa", "varlen", "flash")
+
+
+def _repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[b, ng, s, d] -> [b, ng*n_rep, s, d], as HF's ``repeat_kv``."""
+    batch, groups, slen, head_dim = hidden_states.shape
+    if n_rep == 1:
+        return hidden_states
+    hidden_states = hidden_states[:, :, None, :, :].expand(batch, groups, n_rep, slen, head_dim)
+    return hidden_states.reshape(batch, groups * n_rep, slen, head_dim)
+
+
+def _allowed_mask(sq: int, sk: int, window: Optional[int], device: torch.device) -> torch.Tensor:
+    """Bool [sq, sk], True where the query may attend (causal, bottom-right aligned, windowed)."""
+    q_idx = torch.arange(sq, device=device)[:, None] + (sk - sq)
+    k_idx = torch.arange(sk, device=device)[None, :]
+    allowed = k_idx <= q_idx
+    if window is not None:
+        allowed = allowed & (k_idx > q_idx - window)
+    return allowed
+
+
+def _varlen_available() -> bool:
+    try:
+        from torch.nn.attention import varlen  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _flash_attn_varlen() -> Any:
+    try:
+        from flash_attn import flash_attn_varlen_func  # type: ignore
+
+        return flash_attn_varlen_func
+    except ImportError:
+        pass
+    try:
+        from flash_attn.cute import flash_attn_varlen_func  # type: ignore
+
+        return flash_attn_varlen_func
+    except ImportError:
+        return None
+
+
+def resolve_kernel(kernel: str, device: torch.device) -> str:
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown portable attention kernel {kernel!r}; known: {KERNELS}")
+    if kernel != "auto":
+        return kernel
+    if device.type == "cuda":
+        if _varlen_available():
+            return "varlen"
+        if _flash_attn_varlen() is not None:
+            return "flash"
+    return "sdpa"
+
+
+class PortableAttention(torch.nn.Module):
+    """Core attention (see module docstring). Built by mcore's ``SelfAttention`` like its own."""
+
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        attn_mask_type: Any = None,
+        attention_type: str = "self",
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Any = None,
+        kernel: str = "auto",
+        **_: Any,
+    ) -> None:
+        super().__init__()
+        from megatron.core.transformer.utils import is_layer_window_attention
+
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown portable attention kernel {kernel!r}; known: {KERNELS}")
+        self.config = config
+        self.layer_number = max(1, layer_number)
+        self.kernel = kernel
+        tp = config.tensor_model_parallel_size
+        self.heads = config.num_attention_heads // tp
+        self.groups = (config.num_query_groups or config.num_attention_heads) // tp
+        self.head_dim = config.kv_channels
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        self.window: Optional[int] = None
+        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, self.layer_number):
+            left, right = config.window_size
+            if right != 0:
+                raise ValueError(f"PortableAttention supports causal windows only, got {config.window_size}")
+            self.window = None if left < 0 else left + 1
+        self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+
+    # ------------------------------------------------------------------ entry point
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Any = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        if attention_bias is not None:
+            raise NotImplementedError("PortableAttention does not take an attention bias")
+        kernel = resolve_kernel(self.kernel, query.device)
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            return self._thd(query, key, value, packed_seq_params, kernel)
+        # [s, b, h, d] -> [b, h, s, d]
+        q = query.permute(1, 2, 0, 3)
+        k = key.permute(1, 2, 0, 3)
+        v = value.permute(1, 2, 0, 3)
+        allowed = None
+        if attention_mask is not None:  # mcore convention: True = masked out
+            allowed = ~attention_mask.bool()
+            causal = _allowed_mask(q.shape[2], k.shape[2], self.window, q.device)
+            allowed = allowed & causal
+        out = self._attend(q, k, v, kernel, allowed)  # [b, s, h, d]
+        b, s = out.shape[0], out.shape[1]
+        return out.reshape(b, s, -1).transpose(0, 1).contiguous()
+
+    # ------------------------------------------------------------------ THD
+    def _thd(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any, kernel: str) -> torch.Tensor:
+        if query.dim() == 4:  # [t, 1, h, d]
+            query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
+        starts = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        lengths = params.cu_seqlens_q.diff()
+        if kernel in ("varlen", "flash"):
+            return self._thd_fused(query, key, value, params, kernel)
+        out = query.new_zeros(query.shape[0], self.heads, self.head_dim)
+        starts_list = starts.tolist()
+        for i, length in enumerate(lengths.tolist()):
+            if length == 0:
+                continue
+            s0 = starts_list[i]
+            q = query[s0 : s0 + length].unsqueeze(0).transpose(1, 2)  # [1, h, L, d]
+            k = key[s0 : s0 + length].unsqueeze(0).transpose(1, 2)
+            v = value[s0 : s0 + length].unsqueeze(0).transpose(1, 2)
+            out[s0 : s0 + length] = self._attend(q, k, v, kernel, None)[0]
+        return out.reshape(out.shape[0], -1)
+
+    def _thd_fused(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any, kernel: str) -> torch.Tensor:
+        cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        cu_k = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
+        max_q = int(params.max_seqlen_q)
+        max_k = int(params.max_seqlen_kv)
+        left = -1 if self.window is None else self.window - 1
+        dropout = self.dropout_p if self.training else 0.0
+        if kernel == "varlen":
+            if dropout:
+                raise NotImplementedError("torch varlen attention has no dropout; use kernel='flash' or 'sdpa'")
+            from torch.nn.attention.varlen import varlen_attn
+
+            out = varlen_attn(
+                query, key, value, cu_q.int(), cu_k.int(), max_q, max_k,
+                scale=self.scale, window_size=(left, 0), enable_gqa=self.heads != self.groups,
+            )  # fmt: skip
+        else:
+            fn = _flash_attn_varlen()
+            if fn is None:
+                raise RuntimeError("kernel='flash' needs the flash-attn package")
+            out = fn(
+                query, key, value, cu_q.int(), cu_k.int(), max_q, max_k,
+                dropout_p=dropout, softmax_scale=self.scale, causal=True, window_size=(left, 0),
+            )  # fmt: skip
+            if isinstance(out, tuple):
+                out = out[0]
+        return out.reshape(out.shape[0], -1)
+
+    # ------------------------------------------------------------------ math
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kernel: str,
+        allowed: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """[b, h, sq, d], [b, g, sk, d] -> [b, sq, h, d]; ``allowed`` bool [b|1, 1, sq, sk] or None."""
+        n_rep = self.heads // self.groups
+        dropout = self.dropout_p if self.training else 0.0
+        if kernel == "eager":
+            return self._eager(q, k, v, n_rep, dropout, allowed)
+        if kernel in ("sdpa", "varlen", "flash"):
+            return self._sdpa(q, k, v, n_rep, dropout, allowed)
+        raise ValueError(kernel)
+
+    def _eager(self, q, k, v, n_rep, dropout, allowed):  # type: ignore[no-untyped-def]
+        key_states = _repeat_kv(k, n_rep)
+        value_states = _repeat_kv(v, n_rep)
+        attn_weights = torch.matmul(q, key_states.transpose(2, 3)) * self.scale
+        if allowed is None:
+            allowed = _allowed_mask(q.shape[2], k.shape[2], self.window, q.device)
+        if not bool(allowed.all()):
+            mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+            mask = mask.masked_fill(~allowed, torch.finfo(q.dtype).min)
+            attn_weights = attn_weights + mask
+        attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(q.dtype)
+        if dropout:
+            attn_weights = self._dropout(attn_weights, dropout)
+        attn_output = torch.matmul(attn_weights, value_states)
+        return attn_output.transpose(1, 2).contiguous()
+
+    def _sdpa(self, q, k, v, n_rep, dropout, allowed):  # type: ignore[no-untyped-def]
+        kwargs: dict[str, Any] = {}
+        is_causal = allowed is None and self.window is None and q.shape[2] > 1
+        if allowed is None and self.window is not None:
+            allowed = _allowed_mask(q.shape[2], k.shape[2], self.window, q.device)
+        if n_rep > 1:
+            if allowed is None and k.shape[-1] == v.shape[-1] <= 256:
+                kwargs["enable_gqa"] = True
+            else:
+                k = _repeat_kv(k, n_rep)
+                v = _repeat_kv(v, n_rep)
+        if is_causal and k.shape[2] > q.shape[2]:
+            k, v = k[:, :, : q.shape[2]], v[:, :, : q.shape[2]]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, dropout_p=dropout, scale=self.scale, is_causal=is_causal, **kwargs
+        )
+        return out.transpose(1, 2).contiguous()
+
+    def _dropout(self, probs: torch.Tensor, p: float) -> torch.Tensor:
+        from megatron.core import tensor_parallel
+
+        if self.config.sequence_parallel:
+            return F.dropout(probs, p=p, training=True)
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            return F.dropout(probs, p=p, training=True)
+
+    def extra_repr(self) -> str:
+        return f"kernel={self.kernel}, heads={self.heads}, groups={self.groups}, window={self.window}"

@@ -1,0 +1,194 @@
+"""Load HF weights into a zoo-built model (any TP rank / pipeline stage / VPP chunk).
+
+Fail closed, and before a single weight is read:
+
+1. every HF tensor the whole model needs is in the checkpoint (else :class:`MissingTensorsError`);
+2. every checkpoint tensor is consumed by a rule or explicitly ignored (else
+   :class:`UnexpectedTensorsError`);
+3. every parameter of every local chunk has a rule (else :class:`UnmappedParametersError`);
+4. every HF tensor has the shape the rule and the model imply (else :class:`ShapeMismatchError`):
+   expected HF shapes come from running the rule's inverse transform on the parameter's shape.
+
+Then each rank reads only its tensor-parallel chunk of each source (``safe_open.get_slice``),
+fuses, and copies into the parameter: one rule's tensors in memory at a time.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from ..build import as_chunks, model_info
+from ..errors import MissingTensorsError, ShapeMismatchError, UnexpectedTensorsError, UnmappedParametersError
+from .io import HFCheckpoint
+from .rules import BoundRule, TransformContext, WeightMap
+
+
+@dataclass
+class LoadReport:
+    """What a load did: parameters written, HF tensors read, bytes read, ignored tensors."""
+
+    parameters: int = 0
+    tensors_read: int = 0
+    bytes_read: int = 0
+    ignored: dict[str, str] = field(default_factory=dict)
+
+
+def expected_hf_shapes(bound: BoundRule, param_shape: Sequence[int], ctx: TransformContext) -> list[tuple[int, ...]]:
+    """The full (all TP ranks) HF shapes a rule needs for an mcore parameter of ``param_shape``."""
+    meta = torch.empty(tuple(param_shape), device="meta")
+    pieces = bound.transform.split(meta, ctx)
+    shapes = []
+    for piece, axis in zip(pieces, bound.tp_axes):
+        shape = list(piece.shape)
+        if axis is not None:
+            shape[axis] *= ctx.tp_size
+        shapes.append(tuple(shape))
+    return shapes
+
+
+def check_coverage(wmap: WeightMap, names: set[str], source: str) -> dict[str, str]:
+    """Raise for missing / unconsumed HF tensors; return ``{ignored name: reason}``."""
+    needed = wmap.hf_names()
+    missing = sorted(needed - names)
+    if missing:
+        raise MissingTensorsError(missing, source=source)
+    ignored = {}
+    unexpected = []
+    for name in sorted(names - needed):
+        reason = wmap.is_ignored(name)
+        if reason is None:
+            unexpected.append(name)
+        else:
+            ignored[name] = reason
+    if unexpected:
+        raise UnexpectedTensorsError(unexpected, source=source)
+    return ignored
+
+
+def _tp() -> tuple[int, int, Any]:
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 0, 1, None
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
+
+
+def _expert_slot() -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 0, 1
+    return ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
+
+
+def bind_chunk(wmap: WeightMap, chunk: torch.nn.Module) -> list[BoundRule]:
+    """Bound rules of one chunk, with expert-parallel offsets applied."""
+    if wmap.arch.moe is None:
+        return wmap.bind(chunk)
+    ep_rank, ep_size = _expert_slot()
+    local = wmap.arch.moe.num_experts // ep_size
+    return wmap.bind(chunk, expert_offset=ep_rank * local, num_local_experts=local)
+
+
+def plan_load(model: Union[torch.nn.Module, Sequence[torch.nn.Module]], checkpoint: HFCheckpoint) -> tuple[list[tuple[torch.nn.Module, list[BoundRule]]], dict[str, str]]:
+    """All checks of the module docstring; returns the per-chunk bound rules and ignored tensors."""
+    chunks = as_chunks(model)
+    info = model_info(chunks[0])
+    wmap = info.weight_map
+    ignored = check_coverage(wmap, checkpoint.keys(), str(checkpoint.path))
+    tp_rank, tp_size, _ = _tp()
+    ctx = TransformContext(info.arch, tp_rank, tp_size)
+    plan = []
+    unmapped: list[str] = []
+    for index, chunk in enumerate(chunks):
+        params = dict(chunk.named_parameters())
+        bound = bind_chunk(wmap, chunk)
+        covered = {b.mcore for b in bound}
+        prefix = f"chunk{index}." if len(chunks) > 1 else ""
+        unmapped += [prefix + n for n in params if n not in covered]
+        for b in bound:
+            expected = expected_hf_shapes(b, params[b.mcore].shape, ctx)
+            for name, shape in zip(b.hf, expected):
+                got = checkpoint.shape(name)
+                if tuple(got) != tuple(shape):
+                    raise ShapeMismatchError(
+                        name, shape, got, context=f"feeds mcore {b.mcore!r} {tuple(params[b.mcore].shape)} via {b.transform}"
+                    )
+        plan.append((chunk, bound))
+    if unmapped:
+        raise UnmappedParametersError(unmapped)
+    return plan, ignored
+
+
+def load_hf_weights(
+    model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
+    checkpoint: Union[str, os.PathLike, HFCheckpoint],
+    *,
+    allow_torch_load: bool = False,
+) -> LoadReport:
+    """Load an HF checkpoint into ``model`` (a zoo-built GPTModel, or its list of VPP chunks).
+
+    Each tensor-parallel rank reads only its chunks. Raises before writing anything if the
+    checkpoint and the model's weight map disagree (see module docstring).
+    """
+    own = not isinstance(checkpoint, HFCheckpoint)
+    ckpt = HFCheckpoint(checkpoint, allow_torch_load=allow_torch_load) if own else checkpoint
+    try:
+        plan, ignored = plan_load(model, ckpt)
+        info = model_info(as_chunks(model)[0])
+        tp_rank, tp_size, _ = _tp()
+        ctx = TransformContext(info.arch, tp_rank, tp_size)
+        report = LoadReport(ignored=ignored)
+        for chunk, bound in plan:
+            params = dict(chunk.named_parameters())
+            for b in bound:
+                param = params[b.mcore]
+                pieces = [ckpt.read(n, axis=a, rank=tp_rank, size=tp_size) for n, a in zip(b.hf, b.tp_axes)]
+                tensor = b.transform.fuse(pieces, ctx)
+                if tuple(tensor.shape) != tuple(param.shape):  # guarded by plan_load; kept as a last line
+                    raise ShapeMismatchError(b.mcore, param.shape, tensor.shape, context="after fusing")
+                with torch.no_grad():
+                    param.copy_(tensor)
+                report.parameters += 1
+                report.tensors_read += len(pieces)
+                report.bytes_read += sum(p.numel() * p.element_size() for p in pieces)
+        return report
+    finally:
+        if own:
+            ckpt.close()
+
+
+def load_hf_state_dict(
+    model: Union[torch.nn.Module, Sequence[torch.nn.Module]], state_dict: dict[str, torch.Tensor]
+) -> LoadReport:
+    """Load from an in-memory HF state dict (e.g. ``hf_model.state_dict()``), same checks."""
+    return load_hf_weights(model, _DictCheckpoint(state_dict))  # type: ignore[arg-type]
+
+
+class _DictCheckpoint(HFCheckpoint):
+    """An :class:`HFCheckpoint` view of an in-memory state dict."""
+
+    def __init__(self, state_dict: dict[str, torch.Tensor]) -> None:  # noqa: D401 - no file IO
+        self.path = "<state_dict>"  # type: ignore[assignment]
+        self._state = state_dict
+
+    def keys(self) -> set[str]:
+        return set(self._state)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self._state:
+            raise MissingTensorsError([name], source="state dict")
+        return tuple(self._state[name].shape)
+
+    def read(self, name: str, *, axis: Optional[int] = None, rank: int = 0, size: int = 1) -> torch.Tensor:
+        tensor = self._state[name]
+        if axis is None or size == 1:
+            return tensor
+        return torch.chunk(tensor, size, dim=axis)[rank]
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,318 @@
+"""The declarative HF <-> Megatron-Core weight table.
+
+One :class:`Rule` says: this mcore parameter is made from these HF tensors by this transform, and
+each HF tensor is split across tensor-parallel ranks along this axis. Everything else derives from
+the rules: loading (any TP rank reads only its chunk of each HF tensor, then fuses), export (split,
+then gather each HF piece along its axis), re-sharding for an inference TP size, coverage checks
+(every mcore parameter has a source, every checkpoint tensor is consumed or explicitly ignored) and
+the round-trip test.
+
+Templates use ``{layer}`` (decoder layer) and ``{expert}`` (MoE expert) placeholders. In mcore names
+they are *local* indices (within this pipeline stage / expert-parallel rank), in HF names *global*
+ones; :meth:`WeightMap.bind` maps between them from the built model.
+
+Canonical mcore names are those of the ``local`` spec (``input_layernorm.weight``...). Backends
+that fuse a norm into the following linear (TE: ``linear_qkv.layer_norm_weight``) are resolved
+through :data:`FUSED_NORM_ALIASES`, so one table serves every backend.
+
+Tensor-parallel chunks of every fused parameter are contiguous per HF source: QKV is interleaved
+per query group (rank r owns groups ``[r*G/tp, (r+1)*G/tp)``, i.e. a contiguous block of q, of k and
+of v rows), gate/up are split per half before concatenation. So a TP rank reads chunk ``r`` of each
+source along its axis and fuses the chunks with the same transform as at TP=1.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import torch
+
+from ..config.arch import ArchConfig
+
+#: canonical (local-spec) suffix -> alternative suffix used by backends that fuse norms into linears
+FUSED_NORM_ALIASES: dict[str, str] = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
+}
+
+
+@dataclass(frozen=True)
+class TransformContext:
+    """What a transform needs to know: the architecture and this rank's tensor-parallel slot."""
+
+    arch: ArchConfig
+    tp_rank: int = 0
+    tp_size: int = 1
+
+
+class Transform:
+    """HF pieces <-> one mcore tensor. Works on this rank's TP chunk of every piece."""
+
+    name = "transform"
+
+    def fuse(self, pieces: Sequence[torch.Tensor], ctx: TransformContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def split(self, tensor: torch.Tensor, ctx: TransformContext) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class Identity(Transform):
+    name = "identity"
+
+    def fuse(self, pieces: Sequence[torch.Tensor], ctx: TransformContext) -> torch.Tensor:
+        (piece,) = pieces
+        return piece
+
+    def split(self, tensor: torch.Tensor, ctx: TransformContext) -> list[torch.Tensor]:
+        return [tensor]
+
+
+class FuseQKV(Transform):
+    """q, k, v projections (weights ``[rows, in]`` or biases ``[rows]``) -> mcore ``linear_qkv``.
+
+    mcore's layout is interleaved per query group: for each group g, the ``heads_per_group`` query
+    heads of g, then g's key head, then g's value head.
+    """
+
+    name = "qkv-interleave"
+
+    def fuse(self, pieces: Sequence[torch.Tensor], ctx: TransformContext) -> torch.Tensor:
+        q, k, v = pieces
+        hd = ctx.arch.head_dim
+        groups = k.shape[0] // hd
+        rest = q.shape[1:]
+        q = q.reshape(groups, ctx.arch.heads_per_group * hd, *rest)
+        k = k.reshape(groups, hd, *rest)
+        v = v.reshape(groups, hd, *rest)
+        return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+    def split(self, tensor: torch.Tensor, ctx: TransformContext) -> list[torch.Tensor]:
+        hd = ctx.arch.head_dim
+        per_group = (ctx.arch.heads_per_group + 2) * hd
+        rest = tensor.shape[1:]
+        groups = tensor.shape[0] // per_group
+        t = tensor.reshape(groups, per_group, *rest)
+        q_rows = ctx.arch.heads_per_group * hd
+        q = t[:, :q_rows].reshape(-1, *rest)
+        k = t[:, q_rows : q_rows + hd].reshape(-1, *rest)
+        v = t[:, q_rows + hd :].reshape(-1, *rest)
+        return [q, k, v]
+
+
+class Concat(Transform):
+    """Pieces concatenated along dim 0 (gate/up -> ``linear_fc1``)."""
+
+    name = "concat"
+
+    def fuse(self, pieces: Sequence[torch.Tensor], ctx: TransformContext) -> torch.Tensor:
+        return torch.cat(list(pieces), dim=0)
+
+    def split(self, tensor: torch.Tensor, ctx: TransformContext) -> list[torch.Tensor]:
+        return list(torch.chunk(tensor, self.parts, dim=0))
+
+    def __init__(self, parts: int = 2) -> None:
+        self.parts = parts
+
+
+IDENTITY = Identity()
+QKV = FuseQKV()
+GATE_UP = Concat(2)
+
+
+@dataclass(frozen=True)
+class Source:
+    """One HF tensor of a rule. ``tp_axis``: axis split across TP ranks, ``None`` = replicated."""
+
+    hf: str
+    tp_axis: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Rule:
+    """mcore parameter <- HF tensors.
+
+    Attributes:
+        mcore: canonical mcore parameter name template.
+        sources: the HF tensors, in the order ``transform`` takes them.
+        transform: pieces <-> mcore tensor.
+        export: emit the sources on export (``False`` for a tied output layer whose source is the
+            embedding, already exported by the embedding rule).
+        layer_kind: for ``{layer}`` rules of MoE models: ``"all"`` layers, only ``"dense"`` ones or
+            only ``"moe"`` ones (``ArchConfig.moe.layer_pattern`` decides which is which).
+        note: shown by ``mcore-zoo show``.
+    """
+
+    mcore: str
+    sources: tuple[Source, ...]
+    transform: Transform = IDENTITY
+    export: bool = True
+    layer_kind: str = "all"
+    note: str = ""
+
+    @property
+    def tp_axes(self) -> tuple[Optional[int], ...]:
+        return tuple(s.tp_axis for s in self.sources)
+
+
+def rule(
+    mcore: str,
+    hf: str | Sequence[str],
+    *,
+    tp_axis: Optional[int] = None,
+    transform: Transform = IDENTITY,
+    export: bool = True,
+    layer_kind: str = "all",
+    note: str = "",
+) -> Rule:
+    """Shorthand: every source shares ``tp_axis``."""
+    names = [hf] if isinstance(hf, str) else list(hf)
+    return Rule(mcore, tuple(Source(n, tp_axis) for n in names), transform, export, layer_kind, note)
+
+
+_PLACEHOLDER = re.compile(r"\{(layer|expert)\}")
+
+
+def _fill(template: str, **values: int) -> str:
+    return _PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), template)
+
+
+@dataclass(frozen=True)
+class BoundRule:
+    """A rule with its placeholders filled: one concrete mcore parameter and its HF tensors."""
+
+    rule: Rule
+    mcore: str
+    hf: tuple[str, ...]
+
+    @property
+    def transform(self) -> Transform:
+        return self.rule.transform
+
+    @property
+    def tp_axes(self) -> tuple[Optional[int], ...]:
+        return self.rule.tp_axes
+
+
+@dataclass
+class WeightMap:
+    """All rules of one architecture instance, plus HF tensors to ignore on load.
+
+    Attributes:
+        arch: the converted architecture.
+        rules: the rules (layer rules use ``{layer}``; expert rules ``{expert}`` too).
+        ignored: ``(regex, reason)`` for checkpoint tensors that are deliberately not loaded
+            (e.g. rotary ``inv_freq`` buffers saved by old transformers).
+    """
+
+    arch: ArchConfig
+    rules: list[Rule]
+    ignored: list[tuple[str, str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        seen: dict[str, Rule] = {}
+        for r in self.rules:
+            if r.mcore in seen:
+                raise ValueError(f"{self.arch.architecture}: two rules for mcore {r.mcore!r}")
+            seen[r.mcore] = r
+        self._ignored = [(re.compile(p), reason) for p, reason in self.ignored]
+
+    # ------------------------------------------------------------------ expansion
+    def expand_full(self) -> list[BoundRule]:
+        """Every bound rule of the whole model (global indices on both sides)."""
+        return list(self._expand(range(self.arch.num_layers), None))
+
+    def _expand(self, layers: Iterable[int], layer_to_global: Optional[Mapping[int, int]], experts: Optional[Mapping[int, int]] = None) -> Iterable[BoundRule]:
+        layers = list(layers)
+        num_experts = self.arch.moe.num_experts if self.arch.moe else 0
+        expert_map = experts if experts is not None else {e: e for e in range(num_experts)}
+        for r in self.rules:
+            has_layer = "{layer}" in r.mcore
+            has_expert = "{expert}" in r.mcore
+            layer_iter = layers if has_layer else [None]
+            for local_layer in layer_iter:
+                global_layer = (
+                    None
+                    if local_layer is None
+                    else (layer_to_global[local_layer] if layer_to_global is not None else local_layer)
+                )
+                kind = "moe" if has_expert else r.layer_kind
+                if has_layer and kind != "all" and (kind == "moe") != self._layer_has_experts(global_layer):
+                    continue
+                expert_iter = expert_map.items() if has_expert else [(None, None)]
+                for local_e, global_e in expert_iter:
+                    mvals = {"layer": local_layer, "expert": local_e}
+                    hvals = {"layer": global_layer, "expert": global_e}
+                    yield BoundRule(
+                        r,
+                        _fill(r.mcore, **{k: v for k, v in mvals.items() if v is not None}),
+                        tuple(_fill(s.hf, **{k: v for k, v in hvals.items() if v is not None}) for s in r.sources),
+                    )
+
+    def _layer_has_experts(self, global_layer: Optional[int]) -> bool:
+        moe = self.arch.moe
+        if moe is None or global_layer is None:
+            return False
+        if moe.layer_pattern is None:
+            return True
+        return bool(moe.layer_pattern[global_layer])
+
+    def hf_names(self) -> set[str]:
+        """Every HF tensor name the whole model's rules consume."""
+        return {name for b in self.expand_full() for name in b.hf}
+
+    def is_ignored(self, hf_name: str) -> Optional[str]:
+        for pattern, reason in self._ignored:
+            if pattern.fullmatch(hf_name):
+                return reason
+        return None
+
+    # ------------------------------------------------------------------ binding to a model
+    def bind(self, module: torch.nn.Module, *, expert_offset: int = 0, num_local_experts: Optional[int] = None) -> list[BoundRule]:
+        """Bound rules for the parameters that exist in ``module`` (one GPTModel chunk).
+
+        Local layer ``i`` maps to the global HF layer ``decoder.layers[i].layer_number - 1``. Rules
+        whose mcore parameter does not exist in this chunk (other pipeline stages; the output
+        layer under tied embeddings) are dropped; mcore names are resolved through
+        :data:`FUSED_NORM_ALIASES` when the backend fuses norms.
+        """
+        names = {n for n, _ in module.named_parameters()}
+        layers = _decoder_layers(module)
+        layer_map = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
+        experts = None
+        if self.arch.moe is not None:
+            local = num_local_experts if num_local_experts is not None else self.arch.moe.num_experts
+            experts = {e: expert_offset + e for e in range(local)}
+        bound = []
+        for b in self._expand(layer_map.keys(), layer_map, experts):
+            name = resolve_mcore_name(b.mcore, names)
+            if name is None:
+                continue
+            bound.append(BoundRule(b.rule, name, b.hf))
+        return bound
+
+
+def resolve_mcore_name(name: str, existing: set[str]) -> Optional[str]:
+    """``name`` if the model has it, else its fused-norm alias if the model has that, else None."""
+    if name in existing:
+        return name
+    for canonical, alias in FUSED_NORM_ALIASES.items():
+        if name.endswith(canonical):
+            candidate = name[: -len(canonical)] + alias
+            if candidate in existing:
+                return candidate
+    return None
+
+
+def _decoder_layers(module: torch.nn.Module) -> Sequence[Any]:
+    decoder = getattr(module, "decoder", None)
+    if decoder is None:
+        return []
+    return list(decoder.layers)

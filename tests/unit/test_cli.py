@@ -1,0 +1,67 @@
+"""``mcore-zoo`` subcommands, in process (exit codes and output) and one conversion round trip."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mcore_zoo.cli import main
+
+
+def test_list_and_plugins(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "LlamaForCausalLM" in out and "mcore-zoo" in out
+    assert main(["list", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["architecture"] for r in rows} >= {"Qwen3ForCausalLM", "MistralForCausalLM"}
+    assert main(["plugins", "--json"]) == 0
+    plugins = json.loads(capsys.readouterr().out)["plugins"]
+    assert all(p["status"] == "loaded" for p in plugins if p["builtin"])
+
+
+def test_show_json_classifies_every_field(capsys):
+    assert main(["show", "Qwen3ForCausalLM", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    kinds = {f["field"]: f["kind"] for f in shown["fields"]}
+    assert kinds["head_dim"] == "mapped" and kinds["use_cache"] == "ignored"
+    assert shown["transformer_config"]["qk_layernorm"] is True
+    assert shown["transformer_config"]["kv_channels"] == 24
+    assert any(r["transform"] == "qkv-interleave" for r in shown["weight_rules"])
+
+
+def test_show_published_config_with_layout(capsys):
+    from ..conftest import CONFIGS
+
+    assert main(["show", "--config", str(CONFIGS / "llama-3.1-8b.json"), "--tp", "8", "--pp", "4", "--json"]) == 0
+    tc = json.loads(capsys.readouterr().out)["transformer_config"]
+    assert tc["tensor_model_parallel_size"] == 8 and tc["pipeline_model_parallel_size"] == 4
+
+
+def test_errors_exit_2_with_the_reason(capsys):
+    from ..conftest import CONFIGS
+
+    assert main(["show", "--config", str(CONFIGS / "llama-3.1-8b.json"), "--tp", "3"]) == 2
+    assert "not divisible by tp=3" in capsys.readouterr().err
+    assert main(["show", "GPT2LMHeadModel"]) == 2
+    assert "LlamaForCausalLM" in capsys.readouterr().err
+
+
+def test_convert_round_trip_through_dist_checkpoint(mpu, reference_checkpoint, tmp_path):
+    hf = reference_checkpoint("Qwen2ForCausalLM")
+    assert main(["convert", "--hf", str(hf), "--out", str(tmp_path / "mcore")]) == 0
+    assert (tmp_path / "mcore" / "mcore_zoo.json").is_file()
+    assert main(["convert", "--mcore", str(tmp_path / "mcore"), "--out", str(tmp_path / "back")]) == 0
+    a = load_file(str(hf / "model.safetensors"))
+    b = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    # refuses to overwrite, leaves the existing output alone
+    assert main(["convert", "--hf", str(hf), "--out", str(tmp_path / "mcore")]) == 2
+
+
+def test_convert_needs_a_direction(tmp_path, capsys):
+    assert main(["convert", "--out", str(tmp_path / "x")]) == 2
+    assert "exactly one of" in capsys.readouterr().err

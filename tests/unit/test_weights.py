@@ -1,0 +1,205 @@
+"""Weight map: bitwise HF -> mcore -> HF round trips covering every tensor, HF checkpoints that
+transformers loads, and every bad-input path failing closed with the offending name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import mcore_zoo
+from mcore_zoo.build import model_info
+from mcore_zoo.errors import (
+    CheckpointFormatError,
+    MissingTensorsError,
+    ShapeMismatchError,
+    UnexpectedTensorsError,
+    UnmappedParametersError,
+)
+from mcore_zoo.weights.io import HFCheckpoint
+from mcore_zoo.weights.rules import WeightMap
+
+from ..conftest import CASE_IDS, CASES
+
+
+def _hf_state(ckpt: Path) -> dict[str, torch.Tensor]:
+    state = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return state
+
+
+@pytest.mark.parametrize("case_id,arch_name,overrides", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("backend", ["local", "portable"])
+def test_round_trip_is_bitwise_and_covers_every_tensor(mpu, reference_checkpoint, case_id, arch_name, overrides, backend):
+    ckpt = reference_checkpoint(arch_name, overrides)
+    source = _hf_state(ckpt)
+    model = mcore_zoo.build_model(ckpt, backend=backend, load=ckpt)
+    exported = dict(mcore_zoo.iter_hf_weights(model))
+    assert set(exported) == set(source), f"{case_id}: {set(exported) ^ set(source)}"
+    for name, tensor in source.items():
+        assert torch.equal(exported[name], tensor), f"{case_id}: {name}"
+
+
+def test_saved_checkpoint_loads_in_transformers(mpu, reference_checkpoint, hf_reference, tmp_path):
+    ckpt = reference_checkpoint("Qwen2ForCausalLM")  # tied embeddings: no lm_head in the files
+    model = mcore_zoo.build_model(ckpt, backend="portable", load=ckpt)
+    out = tmp_path / "export"
+    files = mcore_zoo.save_hf_checkpoint(model, out, max_shard_size="40KB")
+    assert len(files) > 1 and (out / "model.safetensors.index.json").is_file()
+    reloaded = hf_reference("Qwen2ForCausalLM", out)
+    original = hf_reference("Qwen2ForCausalLM", ckpt)
+    ids = torch.randint(0, 256, (2, 17))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, original(ids).logits)
+    # the sharded export loads back into the zoo too
+    again = mcore_zoo.build_model(out, backend="portable", load=out)
+    for (n1, t1), (n2, t2) in zip(mcore_zoo.iter_hf_weights(model), mcore_zoo.iter_hf_weights(again)):
+        assert n1 == n2 and torch.equal(t1, t2)
+
+
+def test_export_casts_dtype_and_records_it(mpu, reference_checkpoint, tmp_path):
+    ckpt = reference_checkpoint("LlamaForCausalLM")
+    model = mcore_zoo.build_model(ckpt, backend="local", load=ckpt)
+    mcore_zoo.save_hf_checkpoint(model, tmp_path / "bf16", dtype=torch.bfloat16)
+    state = _hf_state(tmp_path / "bf16")
+    assert {t.dtype for t in state.values()} == {torch.bfloat16}
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
+
+
+def test_load_from_in_memory_state_dict(mpu, reference_checkpoint, hf_reference):
+    ckpt = reference_checkpoint("Qwen3ForCausalLM")
+    hf = hf_reference("Qwen3ForCausalLM", ckpt)
+    model = mcore_zoo.build_model(ckpt, backend="local")
+    mcore_zoo.load_hf_state_dict(model, hf.state_dict())
+    for name, tensor in mcore_zoo.iter_hf_weights(model):
+        assert torch.equal(tensor, hf.state_dict()[name])
+
+
+# ---------------------------------------------------------------------------- bad input
+def _copy(ckpt: Path, dst: Path) -> Path:
+    shutil.copytree(ckpt, dst)
+    return dst
+
+
+def _rewrite(ckpt: Path, edit) -> None:
+    path = ckpt / "model.safetensors"
+    state = load_file(str(path))
+    edit(state)
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
+def test_missing_tensor_is_named(mpu, reference_checkpoint, tmp_path):
+    ckpt = _copy(reference_checkpoint("LlamaForCausalLM"), tmp_path / "c")
+    _rewrite(ckpt, lambda s: s.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(MissingTensorsError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        mcore_zoo.build_model(ckpt, backend="local", load=ckpt)
+
+
+def test_wrong_shape_is_named_before_anything_is_copied(mpu, reference_checkpoint, tmp_path):
+    ckpt = _copy(reference_checkpoint("LlamaForCausalLM"), tmp_path / "c")
+
+    def shrink(state):
+        state["model.layers.0.self_attn.k_proj.weight"] = state["model.layers.0.self_attn.k_proj.weight"][:-1]
+
+    _rewrite(ckpt, shrink)
+    model = mcore_zoo.build_model(ckpt, backend="local")
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(ShapeMismatchError) as err:
+        mcore_zoo.load_hf_weights(model, ckpt)
+    assert "model.layers.0.self_attn.k_proj.weight" in str(err.value) and "(31, 64)" in str(err.value)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_unexpected_tensor_is_named(mpu, reference_checkpoint, tmp_path):
+    ckpt = _copy(reference_checkpoint("MistralForCausalLM"), tmp_path / "c")
+    _rewrite(ckpt, lambda s: s.__setitem__("model.layers.0.self_attn.mystery.weight", torch.zeros(2)))
+    with pytest.raises(UnexpectedTensorsError, match="mystery"):
+        mcore_zoo.build_model(ckpt, backend="local", load=ckpt)
+
+
+def test_ignored_tensors_are_reported_not_loaded(mpu, reference_checkpoint, tmp_path):
+    ckpt = _copy(reference_checkpoint("LlamaForCausalLM"), tmp_path / "c")
+    _rewrite(ckpt, lambda s: s.__setitem__("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(8)))
+    model = mcore_zoo.build_model(ckpt, backend="local")
+    report = mcore_zoo.load_hf_weights(model, ckpt)
+    assert "model.layers.0.self_attn.rotary_emb.inv_freq" in report.ignored
+
+
+def test_unmapped_parameter_would_stay_random_and_is_refused(mpu, reference_checkpoint):
+    ckpt = reference_checkpoint("LlamaForCausalLM")
+    model = mcore_zoo.build_model(ckpt, backend="local")
+    info = model_info(model)
+    good = info.weight_map
+    info._weight_map = WeightMap(good.arch, [r for r in good.rules if "pre_mlp_layernorm" not in r.mcore], good.ignored + [(r".*post_attention_layernorm.*", "test")])
+    with pytest.raises(UnmappedParametersError, match=r"decoder\.layers\.0\.pre_mlp_layernorm\.weight"):
+        mcore_zoo.load_hf_weights(model, ckpt)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
+def test_corrupt_safetensors_is_a_clear_error(mpu, reference_checkpoint, tmp_path, damage):
+    ckpt = _copy(reference_checkpoint("LlamaForCausalLM"), tmp_path / "c")
+    path = ckpt / "model.safetensors"
+    data = path.read_bytes()
+    if damage == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "garbage":
+        path.write_bytes(b"\x20\x00\x00\x00\x00\x00\x00\x00{definitely not a header}" + data[40:])
+    else:
+        path.write_bytes(b"")
+    with pytest.raises(CheckpointFormatError, match="model.safetensors"):
+        mcore_zoo.build_model(ckpt, backend="local", load=ckpt)
+
+
+def test_index_naming_a_missing_shard(mpu, reference_checkpoint, tmp_path):
+    ckpt = reference_checkpoint("LlamaForCausalLM")
+    model = mcore_zoo.build_model(ckpt, backend="local", load=ckpt)
+    out = tmp_path / "sharded"
+    mcore_zoo.save_hf_checkpoint(model, out, max_shard_size="40KB")
+    victim = sorted(out.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(CheckpointFormatError, match=victim.name):
+        HFCheckpoint(out)
+
+
+def test_pickle_weights_are_refused_by_default(tmp_path):
+    torch.save({"w": torch.zeros(2)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointFormatError, match="allow_torch_load"):
+        HFCheckpoint(tmp_path)
+    assert HFCheckpoint(tmp_path, allow_torch_load=True).keys() == {"w"}
+
+
+def test_no_partial_output_when_export_fails(mpu, reference_checkpoint, tmp_path, monkeypatch):
+    ckpt = reference_checkpoint("LlamaForCausalLM")
+    model = mcore_zoo.build_model(ckpt, backend="local", load=ckpt)
+    from mcore_zoo.weights import export as export_mod
+
+    real = export_mod.iter_hf_weights
+
+    def failing(*args, **kwargs):
+        for i, item in enumerate(real(*args, **kwargs)):
+            if i == 5:
+                raise RuntimeError("disk full")
+            yield item
+
+    monkeypatch.setattr(export_mod, "iter_hf_weights", failing)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="disk full"):
+        mcore_zoo.save_hf_checkpoint(model, out, max_shard_size="10KB")
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_refuses_to_overwrite(mpu, reference_checkpoint, tmp_path):
+    ckpt = reference_checkpoint("LlamaForCausalLM")
+    model = mcore_zoo.build_model(ckpt, backend="local", load=ckpt)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("x")
+    with pytest.raises(FileExistsError):
+        mcore_zoo.save_hf_checkpoint(model, tmp_path / "out")
+    assert (tmp_path / "out" / "keep.txt").read_text() == "x"
