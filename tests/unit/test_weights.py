@@ -203,3 +203,49 @@ def test_export_refuses_to_overwrite(mpu, reference_checkpoint, tmp_path):
     with pytest.raises(FileExistsError):
         mcore_zoo.save_hf_checkpoint(model, tmp_path / "out")
     assert (tmp_path / "out" / "keep.txt").read_text() == "x"
+
+
+def test_fused_hf_tensors_via_selected_parts(mpu, reference_checkpoint):
+    """Phi-3-style fused ``qkv_proj`` / ``gate_up_proj``: one HF tensor split into several sources
+    by ``select`` ranges loads like the separate tensors and exports back fused, bitwise."""
+    from mcore_zoo.weights.dense import HF_LAYER, LAYER
+    from mcore_zoo.weights.rules import GATE_UP, QKV, Rule, split_rows
+
+    ckpt = reference_checkpoint("LlamaForCausalLM")
+    source = _hf_state(ckpt)
+    plain = mcore_zoo.build_model(ckpt, backend="local", load=ckpt)
+    model = mcore_zoo.build_model(ckpt, backend="local")
+    info = model_info(model)
+    arch = info.arch
+    q, kv, ffn = arch.num_attention_heads * arch.head_dim, arch.num_query_groups * arch.head_dim, arch.ffn_hidden_size
+    fused_rules = []
+    for r in info.weight_map.rules:
+        if r.mcore.endswith("linear_qkv.weight"):
+            r = Rule(r.mcore, split_rows(HF_LAYER + "self_attn.qkv_proj.weight", [q, kv, kv]), QKV)
+        elif r.mcore.endswith("linear_fc1.weight"):
+            r = Rule(r.mcore, split_rows(HF_LAYER + "mlp.gate_up_proj.weight", [ffn, ffn]), GATE_UP)
+        fused_rules.append(r)
+    info._weight_map = WeightMap(arch, fused_rules, info.weight_map.ignored)
+    fused = {}
+    for name, tensor in source.items():
+        if ".k_proj." in name or ".v_proj." in name or ".up_proj." in name:
+            continue
+        if ".q_proj." in name:
+            prefix = name.split("q_proj")[0]
+            fused[prefix + "qkv_proj.weight"] = torch.cat([tensor, source[prefix + "k_proj.weight"], source[prefix + "v_proj.weight"]])
+        elif ".gate_proj." in name:
+            prefix = name.split("gate_proj")[0]
+            fused[prefix + "gate_up_proj.weight"] = torch.cat([tensor, source[prefix + "up_proj.weight"]])
+        else:
+            fused[name] = tensor
+    mcore_zoo.load_hf_state_dict(model, fused)
+    for (n1, p1), (n2, p2) in zip(plain.named_parameters(), model.named_parameters()):
+        assert n1 == n2 and torch.equal(p1, p2), n1
+    exported = dict(mcore_zoo.iter_hf_weights(model))
+    assert set(exported) == set(fused) and all(torch.equal(exported[k], fused[k]) for k in fused)
+    # a fused tensor with one row too many is a shape error naming it
+    bad = dict(fused)
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    bad[name] = torch.cat([bad[name], bad[name][:1]])
+    with pytest.raises(ShapeMismatchError, match="qkv_proj"):
+        mcore_zoo.load_hf_state_dict(model, bad)

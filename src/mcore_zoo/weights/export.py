@@ -63,10 +63,18 @@ def iter_hf_weights(
                 continue
             local = params[b.mcore].detach()
             pieces = b.transform.split(local, ctx)
-            for name, axis, piece in zip(b.hf, b.tp_axes, pieces):
+            parts: dict[str, list[tuple[tuple[int, int, int], torch.Tensor]]] = {}
+            for name, axis, select, piece in zip(b.hf, b.tp_axes, b.selects, pieces):
                 if gather_tp and axis is not None and tp_size > 1:
                     piece = _gather_tp(piece, axis, group, tp_size)
+                if select is not None:  # a part of a fused HF tensor: emit once all parts are here
+                    parts.setdefault(name, []).append((select, piece))
+                    continue
                 yield name, piece.to(dtype) if dtype is not None else piece
+            for name, selected in parts.items():
+                selected.sort(key=lambda item: item[0][1])
+                tensor = torch.cat([piece for _, piece in selected], dim=selected[0][0][0])
+                yield name, tensor.to(dtype) if dtype is not None else tensor
 
 
 def hf_config_for_export(model: Any, dtype: Optional[torch.dtype] = None) -> dict[str, Any]:

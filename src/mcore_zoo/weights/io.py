@@ -150,20 +150,22 @@ class HFCheckpoint:
         except KeyError:
             raise MissingTensorsError([name], source=str(self.path)) from None
 
-    def read(self, name: str, *, axis: Optional[int] = None, rank: int = 0, size: int = 1) -> torch.Tensor:
-        """Tensor ``name``, or (``axis`` given, ``size > 1``) chunk ``rank`` of ``size`` along ``axis``.
+    def read(
+        self,
+        name: str,
+        *,
+        axis: Optional[int] = None,
+        rank: int = 0,
+        size: int = 1,
+        select: Optional[tuple[int, int, int]] = None,
+    ) -> torch.Tensor:
+        """Tensor ``name``; or its range ``select=(axis, start, stop)``; or (``axis`` given,
+        ``size > 1``) chunk ``rank`` of ``size`` along ``axis`` (of the selected range).
 
-        Only the chunk's bytes are read. Raises if ``axis`` does not divide by ``size``.
+        Only those bytes are read. Raises if the range does not divide by ``size``.
         """
         file = self._file_of(name)
-        shape = self.shape(name)
-        if axis is None or size == 1:
-            index: Any = None
-        else:
-            if shape[axis] % size:
-                raise ZooError(f"tensor {name!r} dim {axis} = {shape[axis]} is not divisible into {size} chunks")
-            step = shape[axis] // size
-            index = tuple(slice(None) for _ in range(axis)) + (slice(rank * step, (rank + 1) * step),)
+        index = chunk_index(name, self.shape(name), axis=axis, rank=rank, size=size, select=select)
         try:
             if file in self._bin:
                 tensor = self._bin[file][name]
@@ -186,6 +188,36 @@ class HFCheckpoint:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def chunk_index(
+    name: str,
+    shape: tuple[int, ...],
+    *,
+    axis: Optional[int] = None,
+    rank: int = 0,
+    size: int = 1,
+    select: Optional[tuple[int, int, int]] = None,
+) -> Optional[tuple[slice, ...]]:
+    """The index of a tensor-parallel chunk within an optional ``(axis, start, stop)`` range."""
+    if select is None and (axis is None or size == 1):
+        return None
+    bounds = [(0, n) for n in shape]
+    if select is not None:
+        sel_axis, start, stop = select
+        if stop > shape[sel_axis]:
+            raise ZooError(f"tensor {name!r} dim {sel_axis} = {shape[sel_axis]} has no range [{start}, {stop})")
+        bounds[sel_axis] = (start, stop)
+    if axis is not None and size > 1:
+        lo, hi = bounds[axis]
+        if (hi - lo) % size:
+            raise ZooError(f"tensor {name!r} dim {axis} range {hi - lo} is not divisible into {size} chunks")
+        step = (hi - lo) // size
+        bounds[axis] = (lo + rank * step, lo + (rank + 1) * step)
+    index = [slice(lo, hi) for lo, hi in bounds]
+    while index and index[-1] == slice(0, shape[len(index) - 1]):
+        index.pop()  # get_slice accepts fewer dims than the tensor has
+    return tuple(index) or None
 
 
 # ---------------------------------------------------------------------------- writing

@@ -23,7 +23,7 @@ import torch
 
 from ..build import as_chunks, model_info
 from ..errors import MissingTensorsError, ShapeMismatchError, UnexpectedTensorsError, UnmappedParametersError
-from .io import HFCheckpoint
+from .io import HFCheckpoint, chunk_index
 from .rules import BoundRule, TransformContext, WeightMap
 
 
@@ -38,7 +38,8 @@ class LoadReport:
 
 
 def expected_hf_shapes(bound: BoundRule, param_shape: Sequence[int], ctx: TransformContext) -> list[tuple[int, ...]]:
-    """The full (all TP ranks) HF shapes a rule needs for an mcore parameter of ``param_shape``."""
+    """Per source, the shape (all TP ranks together) of what it reads from the HF tensor, for an
+    mcore parameter of ``param_shape``: the whole tensor, or its ``select`` range."""
     meta = torch.empty(tuple(param_shape), device="meta")
     pieces = bound.transform.split(meta, ctx)
     shapes = []
@@ -48,6 +49,35 @@ def expected_hf_shapes(bound: BoundRule, param_shape: Sequence[int], ctx: Transf
             shape[axis] *= ctx.tp_size
         shapes.append(tuple(shape))
     return shapes
+
+
+def _region_shape(full: Sequence[int], select: Optional[tuple[int, int, int]]) -> tuple[int, ...]:
+    shape = list(full)
+    if select is not None:
+        axis, start, stop = select
+        shape[axis] = min(stop, shape[axis]) - start
+    return tuple(shape)
+
+
+def _check_bound_shapes(bound: BoundRule, param_shape: Sequence[int], ctx: TransformContext, shape_of: Any) -> None:
+    expected = expected_hf_shapes(bound, param_shape, ctx)
+    extent: dict[str, int] = {}
+    for name, want, select in zip(bound.hf, expected, bound.selects):
+        got = tuple(shape_of(name))
+        region = _region_shape(got, select)
+        if region != tuple(want):
+            what = name if select is None else f"{name}[{select[1]}:{select[2]} along dim {select[0]}]"
+            raise ShapeMismatchError(
+                what, want, region, context=f"feeds mcore {bound.mcore!r} {tuple(param_shape)} via {bound.transform}"
+            )
+        if select is not None:
+            extent[name] = max(extent.get(name, 0), select[2])
+    for name, stop in extent.items():
+        axis = next(s[0] for n, s in zip(bound.hf, bound.selects) if n == name)
+        if shape_of(name)[axis] != stop:
+            raise ShapeMismatchError(
+                name, (stop,), (shape_of(name)[axis],), context=f"dim {axis}: the rule's parts cover {stop} of it"
+            )
 
 
 def check_coverage(wmap: WeightMap, names: set[str], source: str) -> dict[str, str]:
@@ -111,13 +141,7 @@ def plan_load(model: Union[torch.nn.Module, Sequence[torch.nn.Module]], checkpoi
         prefix = f"chunk{index}." if len(chunks) > 1 else ""
         unmapped += [prefix + n for n in params if n not in covered]
         for b in bound:
-            expected = expected_hf_shapes(b, params[b.mcore].shape, ctx)
-            for name, shape in zip(b.hf, expected):
-                got = checkpoint.shape(name)
-                if tuple(got) != tuple(shape):
-                    raise ShapeMismatchError(
-                        name, shape, got, context=f"feeds mcore {b.mcore!r} {tuple(params[b.mcore].shape)} via {b.transform}"
-                    )
+            _check_bound_shapes(b, params[b.mcore].shape, ctx, checkpoint.shape)
         plan.append((chunk, bound))
     if unmapped:
         raise UnmappedParametersError(unmapped)
@@ -147,7 +171,10 @@ def load_hf_weights(
             params = dict(chunk.named_parameters())
             for b in bound:
                 param = params[b.mcore]
-                pieces = [ckpt.read(n, axis=a, rank=tp_rank, size=tp_size) for n, a in zip(b.hf, b.tp_axes)]
+                pieces = [
+                    ckpt.read(n, axis=a, rank=tp_rank, size=tp_size, select=sel)
+                    for n, a, sel in zip(b.hf, b.tp_axes, b.selects)
+                ]
                 tensor = b.transform.fuse(pieces, ctx)
                 if tuple(tensor.shape) != tuple(param.shape):  # guarded by plan_load; kept as a last line
                     raise ShapeMismatchError(b.mcore, param.shape, tensor.shape, context="after fusing")
@@ -184,11 +211,10 @@ class _DictCheckpoint(HFCheckpoint):
             raise MissingTensorsError([name], source="state dict")
         return tuple(self._state[name].shape)
 
-    def read(self, name: str, *, axis: Optional[int] = None, rank: int = 0, size: int = 1) -> torch.Tensor:
+    def read(self, name: str, *, axis: Optional[int] = None, rank: int = 0, size: int = 1, select: Any = None) -> torch.Tensor:
         tensor = self._state[name]
-        if axis is None or size == 1:
-            return tensor
-        return torch.chunk(tensor, size, dim=axis)[rank]
+        index = chunk_index(name, tuple(tensor.shape), axis=axis, rank=rank, size=size, select=select)
+        return tensor if index is None else tensor[index]
 
     def close(self) -> None:
         pass

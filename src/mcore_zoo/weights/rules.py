@@ -129,10 +129,20 @@ GATE_UP = Concat(2)
 
 @dataclass(frozen=True)
 class Source:
-    """One HF tensor of a rule. ``tp_axis``: axis split across TP ranks, ``None`` = replicated."""
+    """One HF tensor (or a contiguous part of one) feeding a rule.
+
+    Attributes:
+        hf: HF tensor name template.
+        tp_axis: axis split across tensor-parallel ranks (``None`` = replicated).
+        select: ``(axis, start, stop)``: only this range of the HF tensor (fused HF tensors such as
+            Phi-3's ``qkv_proj``: q, k and v are three sources selecting three row ranges). TP
+            chunks are taken within the range. All parts of one HF tensor must belong to one rule,
+            and together they must cover it.
+    """
 
     hf: str
     tp_axis: Optional[int] = None
+    select: Optional[tuple[int, int, int]] = None
 
 
 @dataclass(frozen=True)
@@ -177,6 +187,15 @@ def rule(
     return Rule(mcore, tuple(Source(n, tp_axis) for n in names), transform, export, layer_kind, note)
 
 
+def split_rows(hf: str, sizes: Sequence[int], *, tp_axis: Optional[int] = 0, axis: int = 0) -> tuple[Source, ...]:
+    """Sources for consecutive parts of one fused HF tensor (e.g. ``qkv_proj`` -> q, k, v rows)."""
+    sources, start = [], 0
+    for size in sizes:
+        sources.append(Source(hf, tp_axis, (axis, start, start + size)))
+        start += size
+    return tuple(sources)
+
+
 _PLACEHOLDER = re.compile(r"\{(layer|expert)\}")
 
 
@@ -200,6 +219,10 @@ class BoundRule:
     def tp_axes(self) -> tuple[Optional[int], ...]:
         return self.rule.tp_axes
 
+    @property
+    def selects(self) -> tuple[Optional[tuple[int, int, int]], ...]:
+        return tuple(s.select for s in self.rule.sources)
+
 
 @dataclass
 class WeightMap:
@@ -218,10 +241,20 @@ class WeightMap:
 
     def __post_init__(self) -> None:
         seen: dict[str, Rule] = {}
+        owner: dict[str, str] = {}
         for r in self.rules:
             if r.mcore in seen:
                 raise ValueError(f"{self.arch.architecture}: two rules for mcore {r.mcore!r}")
             seen[r.mcore] = r
+            for s in r.sources:
+                if s.select is None:
+                    continue
+                if owner.setdefault(s.hf, r.mcore) != r.mcore:
+                    raise ValueError(f"{self.arch.architecture}: parts of {s.hf!r} are split over several rules")
+            for name in {s.hf for s in r.sources if s.select is not None}:
+                parts = sorted(s.select for s in r.sources if s.hf == name)
+                if parts[0][1] != 0 or any(a[2] != b[1] or a[0] != b[0] for a, b in zip(parts, parts[1:])):
+                    raise ValueError(f"{self.arch.architecture}: parts of {name!r} are not contiguous: {parts}")
         self._ignored = [(re.compile(p), reason) for p, reason in self.ignored]
 
     # ------------------------------------------------------------------ expansion
