@@ -129,7 +129,7 @@ def transformer_config_kwargs(arch: ArchConfig, options: BuildOptions) -> dict[s
         # numerics knobs
         apply_rope_fusion=numerics.rope_fusion and options.backend == "te" and not _yarn_needs_mscale(arch),
         bias_activation_fusion=numerics.bias_activation_fusion and arch.activation in ("silu", "gelu"),
-        masked_softmax_fusion=numerics.masked_softmax_fusion and options.backend == "local",
+        masked_softmax_fusion=numerics.masked_softmax_fusion and options.backend == "local" and fused_softmax_available(),
         bias_dropout_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
@@ -147,6 +147,16 @@ def transformer_config_kwargs(arch: ArchConfig, options: BuildOptions) -> dict[s
     for name, value in options.overrides.items():
         kwargs[name] = value
     return kwargs
+
+
+def fused_softmax_available() -> bool:
+    """Megatron's fused scale-mask-softmax needs its CUDA extension (not in the megatron-core wheel)."""
+    try:
+        import scaled_masked_softmax_cuda  # noqa: F401
+        import scaled_upper_triang_masked_softmax_cuda  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _yarn_needs_mscale(arch: ArchConfig) -> bool:

@@ -45,6 +45,10 @@ class NumericsProfile:
             CPU: SDPA), ``"sdpa"`` (as HF's sdpa implementation calls it), ``"eager"`` (HF eager op
             order), ``"varlen"`` (torch varlen_attn), ``"flash"`` (flash-attn package).
         fuse_norm_into_linear: ``te`` backend fuses input/pre-MLP norms into the next GEMM.
+        linear_bias: ``"separate"`` (mcore: round the GEMM, then add the bias; MLP / output
+            projections add it later still) or ``"fused"`` (``F.linear(x, W, b)``: bias in the GEMM
+            epilogue, as ``torch.nn.Linear``; ``local`` / ``portable`` backends - TE linears
+            always fuse it).
     """
 
     name: str
@@ -55,6 +59,7 @@ class NumericsProfile:
     masked_softmax_fusion: bool = True
     attention: str = "backend"
     fuse_norm_into_linear: bool = True
+    linear_bias: str = "separate"
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -62,6 +67,7 @@ class NumericsProfile:
             "norm": ("mcore", "hf"),
             "rope_freqs": ("hf", "mcore"),
             "attention": ("backend", "auto", "sdpa", "eager", "varlen", "flash"),
+            "linear_bias": ("separate", "fused"),
         }
         for knob, allowed in checks.items():
             if getattr(self, knob) not in allowed:
@@ -96,7 +102,8 @@ PROFILES: dict[str, NumericsProfile] = {
         masked_softmax_fusion=False,
         attention="eager",
         fuse_norm_into_linear=False,
-        description="HF op order everywhere (norms, RoPE, attention math); bitwise vs HF eager",
+        linear_bias="fused",
+        description="HF op order everywhere (norms, RoPE, attention math, biases); bitwise vs HF eager",
     ),
     "hf-exact-sdpa": NumericsProfile(
         name="hf-exact-sdpa",
@@ -106,6 +113,7 @@ PROFILES: dict[str, NumericsProfile] = {
         masked_softmax_fusion=False,
         attention="sdpa",
         fuse_norm_into_linear=False,
+        linear_bias="fused",
         description="as hf-exact, attention as HF's sdpa implementation",
     ),
 }

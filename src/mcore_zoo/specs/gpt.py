@@ -47,14 +47,19 @@ def _pieces(arch: ArchConfig, backend: str, numerics: NumericsProfile) -> dict[s
 
         norm = HFRMSNorm if numerics.norm == "hf" else WrappedTorchNorm
         core = _core_attention(backend, numerics, DotProductAttention)
+        column, row = ColumnParallelLinear, RowParallelLinear
+        if numerics.linear_bias == "fused":
+            from .linears import FusedBiasColumnParallelLinear, FusedBiasRowParallelLinear
+
+            column, row = FusedBiasColumnParallelLinear, FusedBiasRowParallelLinear
         return dict(
             input_layernorm=norm,
             pre_mlp_layernorm=norm,
-            linear_qkv=ColumnParallelLinear,
-            linear_proj=RowParallelLinear,
+            linear_qkv=column,
+            linear_proj=row,
             core_attention=core,
-            linear_fc1=ColumnParallelLinear,
-            linear_fc2=RowParallelLinear,
+            linear_fc1=column,
+            linear_fc2=row,
             qk_norm=norm,
             final_norm=norm,
         )

@@ -5,10 +5,11 @@ is a drop-in ``core_attention`` module (same constructor and call signature as m
 BSHD and THD on CPU and GPU with one of these kernels:
 
 * ``eager`` - HF's ``eager_attention_forward`` op for op (matmul, scale, additive mask, fp32
-  softmax, cast, dropout, matmul); each packed sequence is computed on exactly its own length, so a
-  packed sequence is bitwise what HF computes for that sequence alone.
+  softmax, cast, dropout, matmul); each packed sequence is computed on exactly its own length, and
+  sequences of equal length in one batched call, so packed sequences get exactly what HF computes
+  for them alone or batched.
 * ``sdpa`` - ``torch.nn.functional.scaled_dot_product_attention`` called the way HF's ``sdpa``
-  implementation calls it (per sequence for THD).
+  implementation calls it (for THD: per length, equal lengths batched).
 * ``varlen`` - ``torch.nn.attention.varlen.varlen_attn`` (CUDA, one call for the whole pack).
 * ``flash`` - the flash-attn package's ``flash_attn_varlen_func`` (CUDA, one call).
 * ``auto`` - ``varlen`` on CUDA when available, else ``flash`` when installed, else ``sdpa``.
@@ -161,15 +162,19 @@ class PortableAttention(torch.nn.Module):
         if kernel in ("varlen", "flash"):
             return self._thd_fused(query, key, value, params, kernel)
         out = query.new_zeros(query.shape[0], self.heads, self.head_dim)
-        starts_list = starts.tolist()
-        for i, length in enumerate(lengths.tolist()):
-            if length == 0:
-                continue
-            s0 = starts_list[i]
-            q = query[s0 : s0 + length].unsqueeze(0).transpose(1, 2)  # [1, h, L, d]
-            k = key[s0 : s0 + length].unsqueeze(0).transpose(1, 2)
-            v = value[s0 : s0 + length].unsqueeze(0).transpose(1, 2)
-            out[s0 : s0 + length] = self._attend(q, k, v, kernel, None)[0]
+        # Sequences of equal length go through one batched call, as HF computes a batch of equal
+        # lengths: same kernels, same results (and fewer launches).
+        by_length: dict[int, list[int]] = {}
+        for start, length in zip(starts.tolist(), lengths.tolist()):
+            if length:
+                by_length.setdefault(length, []).append(start)
+        for length, group in by_length.items():
+            rows = torch.cat([torch.arange(s0, s0 + length, device=query.device) for s0 in group])
+            shape = (len(group), length)
+            q = query[rows].view(*shape, *query.shape[1:]).transpose(1, 2)  # [g, h, L, d]
+            k = key[rows].view(*shape, *key.shape[1:]).transpose(1, 2)
+            v = value[rows].view(*shape, *value.shape[1:]).transpose(1, 2)
+            out[rows] = self._attend(q, k, v, kernel, None).reshape(-1, self.heads, self.head_dim)
         return out.reshape(out.shape[0], -1)
 
     def _thd_fused(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any, kernel: str) -> torch.Tensor:

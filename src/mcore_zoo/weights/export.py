@@ -36,13 +36,16 @@ def iter_hf_weights(
     *,
     gather_tp: bool = True,
     dtype: Optional[torch.dtype] = None,
+    grads: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every HF tensor this rank's chunks hold.
 
     With ``gather_tp`` (default) tensor-parallel pieces are all-gathered, so every TP rank yields
     full tensors (all TP ranks must iterate together). Without it each rank yields its own chunks.
     Pipeline stages yield their own layers only (see ``mcore_zoo.distributed`` for gathering
-    across stages). Tensors are detached; ``dtype`` casts them.
+    across stages). Tensors are detached; ``dtype`` casts them. ``grads=True`` yields the
+    parameters' ``.grad`` under HF names instead (gradient parity checks; a parameter without a
+    gradient raises).
     """
     from megatron.core import parallel_state as ps
 
@@ -61,7 +64,10 @@ def iter_hf_weights(
         for b in bind_chunk(wmap, chunk):
             if not b.rule.export:
                 continue
-            local = params[b.mcore].detach()
+            param = params[b.mcore]
+            if grads and param.grad is None:
+                raise ZooError(f"parameter {b.mcore!r} has no gradient")
+            local = (param.grad if grads else param).detach()
             pieces = b.transform.split(local, ctx)
             parts: dict[str, list[tuple[tuple[int, int, int], torch.Tensor]]] = {}
             for name, axis, select, piece in zip(b.hf, b.tp_axes, b.selects, pieces):
