@@ -1,0 +1,197 @@
+"""What exactness costs in speed (GPU, bf16).
+
+1. GEMM level: ``torch.matmul`` at LLM shapes, for several row counts ``M``, with cuBLAS defaults
+   and with split-K disabled (``CUBLAS_WORKSPACE_CONFIG=:0:0``; measured in a child process since
+   cuBLAS reads the variable once).
+2. Model level: a Llama-8B-shaped stack (hidden 4096, FFN 14336, 32/8 heads, head_dim 128; a few
+   layers) - forward and forward+backward time and peak memory for the fast path (``te`` default)
+   and the exact profiles, next to transformers eager / sdpa.
+
+    PYTHONPATH=src python bench/gpu/numerics_speed.py --out OUT [--layers 4]
+
+Writes ``OUT/numerics_speed.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+
+SHAPES = [(4096, 6144), (4096, 28672), (14336, 4096), (4096, 128256)]
+ROWS = [37, 100, 512, 2048, 8192]
+
+
+def gemm_times(repeat: int = 30) -> dict[str, float]:
+    out = {}
+    for k, n in SHAPES:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        for m in ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            for _ in range(3):
+                x @ w.t()
+            torch.cuda.synchronize()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(repeat):
+                x @ w.t()
+            end.record()
+            torch.cuda.synchronize()
+            out[f"{k}x{n}@M{m}"] = start.elapsed_time(end) / repeat
+    return out
+
+
+def gemm_child() -> None:
+    print(json.dumps(gemm_times()))
+
+
+def llama_config(layers: int) -> dict[str, Any]:
+    return dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=32000, hidden_size=4096,
+                intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
+                head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0)  # fmt: skip
+
+
+def time_step(fn: Any, backward: bool, repeat: int = 5) -> tuple[float, float]:
+    def step() -> None:
+        out = fn()
+        if backward:
+            out.float().mean().backward()
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeat * 1000, torch.cuda.max_memory_allocated() / 2**30
+
+
+def model_times(layers: int, batch: int, seq: int) -> dict[str, Any]:
+    import mcore_zoo
+    from mcore_zoo.parallel import ensure_model_parallel
+
+    ensure_model_parallel()
+    config = llama_config(layers)
+    ids = torch.randint(0, 32000, (batch, seq), device="cuda")
+    positions = torch.arange(seq, device="cuda").expand(batch, -1)
+    results: dict[str, Any] = {}
+    variants = [
+        ("te/default", "te", "default"),
+        ("te/hf-exact", "te", "hf-exact"),
+        ("local/hf-exact", "local", "hf-exact"),
+        ("portable/hf-exact-sdpa", "portable", "hf-exact-sdpa"),
+        ("portable/default (varlen)", "portable", "default"),
+    ]
+    for name, backend, profile in variants:
+        try:
+            model = mcore_zoo.build_model(config, backend=backend, numerics=profile, params_dtype=torch.bfloat16)
+            entry = {}
+            fwd = lambda: model(ids, positions, None)  # noqa: E731
+            with torch.no_grad():
+                entry["bshd_forward_ms"], entry["bshd_forward_gib"] = time_step(fwd, False)
+            entry["bshd_train_ms"], entry["bshd_train_gib"] = time_step(fwd, True)
+            if not (backend == "local" and mcore_zoo.get_profile(profile).attention == "backend"):
+                batch_packed = mcore_zoo.pack_sequences(list(ids))
+                psp = batch_packed.packed_seq_params()
+                thd = lambda: model(batch_packed.input_ids, batch_packed.position_ids, None, packed_seq_params=psp)  # noqa: E731
+                with torch.no_grad():
+                    entry["thd_forward_ms"], entry["thd_forward_gib"] = time_step(thd, False)
+                entry["thd_train_ms"], entry["thd_train_gib"] = time_step(thd, True)
+            results[name] = entry
+            del model
+        except Exception as exc:
+            results[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-1500:]}
+        torch.cuda.empty_cache()
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    for attn in ("eager", "sdpa"):
+        try:
+            hf_config = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+            hf = LlamaForCausalLM._from_config(hf_config, attn_implementation=attn, dtype=torch.bfloat16).cuda()
+            entry = {}
+            fwd = lambda: hf(ids).logits  # noqa: E731
+            with torch.no_grad():
+                entry["bshd_forward_ms"], entry["bshd_forward_gib"] = time_step(fwd, False)
+            entry["bshd_train_ms"], entry["bshd_train_gib"] = time_step(fwd, True)
+            results[f"transformers/{attn}"] = entry
+            del hf
+        except Exception as exc:
+            results[f"transformers/{attn}"] = {"error": f"{type(exc).__name__}: {exc}"}
+        torch.cuda.empty_cache()
+    return results
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [f"# Numerics speed on {report['gpu']}", "", report["versions"], ""]
+    lines += ["## GEMM: split-K disabled (`CUBLAS_WORKSPACE_CONFIG=:0:0`) vs default", ""]
+    lines += ["| K x N | " + " | ".join(f"M={m}" for m in ROWS) + " |", "| --- |" + " --- |" * len(ROWS)]
+    default, nosplit = report["gemm"]["default"], report["gemm"]["no_split_k"]
+    for k, n in SHAPES:
+        cells = []
+        for m in ROWS:
+            key = f"{k}x{n}@M{m}"
+            cells.append(f"{nosplit[key] / default[key]:.2f}x ({default[key] * 1000:.0f} us)")
+        lines.append(f"| {k} x {n} | " + " | ".join(cells) + " |")
+    lines += ["", "Cells: time without split-K / default time (default time in microseconds).", ""]
+    m = report["model"]
+    lines += [f"## Model: Llama-8B-shaped, {m['layers']} layers, batch {m['batch']} x {m['seq']} tokens, bf16", ""]
+    lines += ["| variant | BSHD fwd ms | BSHD fwd+bwd ms | THD fwd ms | THD fwd+bwd ms | peak GiB (fwd+bwd) |", "| --- | --- | --- | --- | --- | --- |"]
+    for name, e in m["results"].items():
+        if "error" in e:
+            lines.append(f"| {name} | error: `{e['error'][:80]}` | | | | |")
+            continue
+        lines.append(
+            f"| {name} | {e['bshd_forward_ms']:.1f} | {e['bshd_train_ms']:.1f} | {e.get('thd_forward_ms', float('nan')):.1f} "
+            f"| {e.get('thd_train_ms', float('nan')):.1f} | {e['bshd_train_gib']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--gemm-child", action="store_true")
+    args = parser.parse_args(argv)
+    if args.gemm_child:
+        gemm_child()
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    gemm = {}
+    for tag, extra in (("default", {}), ("no_split_k", {"CUBLAS_WORKSPACE_CONFIG": ":0:0", "CUBLASLT_WORKSPACE_SIZE": "0"})):
+        env = {k: v for k, v in os.environ.items() if k not in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")}
+        env.update(extra)
+        proc = subprocess.run([sys.executable, __file__, "--gemm-child"], env=env, capture_output=True, text=True, check=True)
+        gemm[tag] = json.loads(proc.stdout.strip().splitlines()[-1])
+    import megatron.core
+
+    report = {
+        "gpu": torch.cuda.get_device_name(),
+        "versions": f"torch {torch.__version__}, megatron-core {megatron.core.__version__}",
+        "gemm": gemm,
+        "model": {"layers": args.layers, "batch": args.batch, "seq": args.seq,
+                  "results": model_times(args.layers, args.batch, args.seq)},  # fmt: skip
+    }
+    with open(os.path.join(args.out, "numerics_speed.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    text = markdown(report)
+    with open(os.path.join(args.out, "numerics_speed.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
