@@ -58,7 +58,7 @@ def hf_to_mcore(
     from .weights.io import atomic_output_dir
 
     dtype = parse_dtype(params_dtype) or torch.float32
-    model = build_model(hf_dir, backend=backend, params_dtype=dtype, load=hf_dir, device="cpu" if not torch.cuda.is_available() else None)
+    model = build_model(hf_dir, backend=backend, params_dtype=dtype, load=hf_dir)
     info = model_info(model)
     out = Path(out_dir)
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
@@ -114,7 +114,6 @@ def mcore_to_hf(
 
     meta = read_meta(mcore_dir)
     params_dtype = parse_dtype(meta.get("params_dtype"))
-    model = build_model(meta["hf_config"], backend=meta.get("backend", "local"), params_dtype=params_dtype,
-                        device="cpu" if not torch.cuda.is_available() else None)  # fmt: skip
+    model = build_model(meta["hf_config"], backend=meta.get("backend", "local"), params_dtype=params_dtype)
     load_mcore_checkpoint(model, mcore_dir)
     return save_hf_checkpoint(model, out_dir, dtype=parse_dtype(dtype), max_shard_size=max_shard_size, overwrite=overwrite)
