@@ -208,7 +208,11 @@ def _one(args: argparse.Namespace, arch: Optional[str], formats: list[str]) -> t
         return EXIT_USAGE, None
     if args.out:
         stem = args.name or report["model"]["architecture"]
-        paths = write_reports(report, Path(args.out), stem, formats)
+        try:
+            paths = write_reports(report, Path(args.out), stem, formats)
+        except OSError as exc:
+            _error(args, arch, exc)
+            return EXIT_USAGE, None
         progress.note("wrote " + ", ".join(str(p) for p in paths))
     else:
         sys.stdout.write(to_markdown(report))

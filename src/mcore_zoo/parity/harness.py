@@ -272,6 +272,7 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
         main = run_mcore(spec, sequences, capture=opts.layers, export_dir=export_dir)
         runs[main.label] = main
     add(ref, main, "parity", True, criterion)
+    export = check_export(source.checkpoint, export_dir, dtype) if export_dir is not None else None
     if opts.baseline:
         other = "sdpa" if opts.reference == "eager" else "eager"
         with progress.stage(f"transformers ({other}) baseline"):
@@ -308,7 +309,8 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
     if decoder is not None:
         _decode_worst(comparisons, sequences, decoder)
     gating = [c for c in comparisons if c["gating"]]
-    verdict = "pass" if all(c["passed"] for c in gating) else "fail"
+    export_ok = export is None or export["bitwise_equal_to_checkpoint"]
+    verdict = "pass" if all(c["passed"] for c in gating) and export_ok else "fail"
     from .environment import environment
 
     return {
@@ -324,9 +326,33 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
         "device": device,
         "tolerances": tol.as_dict(),
         "runs": {label: run.info for label, run in runs.items()},
+        "export": export,
         "comparisons": comparisons,
         "environment": environment(device),
         "timings": dict(progress.timings),
+    }
+
+
+def check_export(checkpoint: Path, export_dir: Path, dtype: torch.dtype) -> dict[str, Any]:
+    """Compare the mcore model's HF export (what vLLM loads) with the source checkpoint, tensor by
+    tensor (source cast to the run dtype): names must match and values be identical."""
+    from ..weights.io import HFCheckpoint
+
+    src, exp = HFCheckpoint(checkpoint), HFCheckpoint(export_dir)
+    try:
+        ignored = {"lm_head.weight"} if "lm_head.weight" not in exp.keys() else set()
+        missing = sorted(src.keys() - exp.keys() - ignored)
+        extra = sorted(exp.keys() - src.keys())
+        different = sorted(n for n in src.keys() & exp.keys() if not torch.equal(src.read(n).to(dtype), exp.read(n)))
+    finally:
+        src.close()
+        exp.close()
+    return {
+        "tensors": len(exp.keys()),
+        "missing": missing,
+        "unexpected": extra,
+        "different": different,
+        "bitwise_equal_to_checkpoint": not (missing or extra or different),
     }
 
 

@@ -220,7 +220,14 @@ def _environment_md(report: dict[str, Any]) -> list[str]:
         if info["engine"] == "megatron-core":
             knobs = ", ".join(f"{k}={val}" for k, val in info["numerics_knobs"].items())
             fusions = ", ".join(f"{k}={val}" for k, val in info["fusions"].items())
-            lines.append(f"- **`{label}`**: numerics profile `{info['numerics_profile']}` ({knobs}); fusion flags: {fusions}")
+            lines.append(f"- **`{label}`**: numerics profile `{info['numerics_profile']}` ({knobs}); fusion flags: {fusions};"
+                         f" attention_backend={info.get('attention_backend', '-')}")  # fmt: skip
+    export = report.get("export")
+    if export:
+        verdict = "bitwise equal to the checkpoint" if export["bitwise_equal_to_checkpoint"] else (
+            f"DIFFERS from the checkpoint (missing {export['missing']}, unexpected {export['unexpected']},"
+            f" different {export['different']})")  # fmt: skip
+        lines.append(f"- **HF export** (the weights vLLM loaded): {export['tensors']} tensors, {verdict}")
     lines += ["", "Engines:", ""]
     lines += _md_table(["run", "engine", "dtype", "batching", "numerics", "modules / loading"], _engine_rows(report))
     timings = ", ".join(f"{k} {val:.1f} s" for k, val in report["timings"].items())

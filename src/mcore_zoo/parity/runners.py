@@ -172,6 +172,7 @@ def describe_mcore(model: torch.nn.Module) -> dict[str, Any]:
         "numerics_profile": info.numerics.name,
         "numerics_knobs": info.numerics.knobs(),
         "fusions": {name: bool(getattr(info.config, name, False)) for name in FUSION_FIELDS},
+        "attention_backend": str(getattr(info.config, "attention_backend", "")).split(".")[-1],
         "modules": modules,
     }
 
@@ -345,6 +346,7 @@ def run_vllm(
         "python": str(python),
         "versions": result["versions"],
         "dtype": _dtype_name(dtype),
+        "batching": "one generate() call, prompt log-probs (vLLM schedules the batch)",
         "weights": "HF export of the mcore model (mcore_zoo.save_hf_checkpoint)",
         "log_probs": "full vocabulary" if full else f"top-{result['topk']} (KL not computed)",
         "settings": result["settings"],
