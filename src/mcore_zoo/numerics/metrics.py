@@ -45,6 +45,10 @@ class Tolerance:
         top1_min: lower bound of the top-1 agreement.
         hidden_rel: a capture site whose ``rel_mean_abs`` exceeds this is flagged in the per-layer
             table (diagnostic: the verdict is decided by the log-prob metrics).
+        baseline_factor: when set and a baseline comparison exists (HF's other attention
+            implementation vs the reference, same dtype), each bound is relaxed to ``factor`` times
+            the baseline's value where that is looser (:meth:`relaxed_by`): a candidate may differ
+            from the reference at most ``factor`` times as much as transformers differs from itself.
     """
 
     mean_abs_dlogp: Optional[float] = None
@@ -53,6 +57,21 @@ class Tolerance:
     kl_mean: Optional[float] = None
     top1_min: Optional[float] = None
     hidden_rel: float = 1e-4
+    baseline_factor: Optional[float] = None
+
+    def relaxed_by(self, baseline: Optional[dict[str, Any]]) -> "Tolerance":
+        """Bounds loosened to ``baseline_factor`` x the baseline's metrics (see class docstring)."""
+        f = self.baseline_factor
+        if f is None or not baseline:
+            return self
+        changes: dict[str, Optional[float]] = {}
+        for key in ("mean_abs_dlogp", "p99_abs_dlogp", "max_abs_dlogp", "kl_mean"):
+            bound, value = getattr(self, key), baseline.get(key)
+            if bound is not None and value is not None:
+                changes[key] = max(bound, f * value)
+        if self.top1_min is not None and baseline.get("top1_agreement") is not None:
+            changes["top1_min"] = min(self.top1_min, max(0.0, 1.0 - f * (1.0 - baseline["top1_agreement"])))
+        return replace(self, **changes)
 
     def with_overrides(self, **values: Optional[float]) -> "Tolerance":
         known = {f.name for f in fields(self)}
@@ -68,17 +87,19 @@ class Tolerance:
 #: Default tolerances per compute dtype (docs/parity/README.md explains each number).
 #:
 #: * float32: CPU fp32 is bit-identical to transformers for the ``hf-exact`` profile and within a
-#:   few ulps (logits within 1e-6 relative) for stock Megatron-Core kernels; on GPU, stock ``local``
-#:   measured 8.8e-6 mean |dlogp|. A wrong RoPE base or weight map gives |dlogp| of order 1.
-#: * bfloat16: on GPU (H200, random 1024-hidden 8-layer Llama with sharp attention) stock ``te``
-#:   measured 4.7e-2 mean |dlogp| and 80% top-1 vs HF eager; HF's own sdpa vs eager 3.4e-2 / 84%.
-#:   The bounds leave 2x room over ``te``; p99 / max are shown but not gated (bf16 tails are wide).
+#:   few ulps (logits within 1e-6 relative, |dlogp| ~1e-6) for stock kernels; on GPU, stock
+#:   ``local`` measured 8.8e-6 mean |dlogp|. A wrong RoPE base or weight map gives |dlogp| of order 1.
+#: * bfloat16: floors from GPU measurements (H200, random 1024-hidden 8-layer Llama with sharp
+#:   attention, vs HF eager): stock ``te`` 4.7e-2 mean |dlogp|, 80% top-1; HF's own sdpa 3.4e-2 /
+#:   84%. On such random models the gap grows with depth and vocabulary (CPU, 8 layers, vocab 128k:
+#:   HF sdpa vs eager 6.5e-2 / 82%), so each bound is also relaxed to 2x HF's own sdpa-vs-eager gap
+#:   measured in the same run. p99 / max are shown but not gated (bf16 tails are wide).
 #: * float16: provisional (3 more mantissa bits than bf16), not yet measured on GPU.
 TOLERANCES: dict[str, Tolerance] = {
     "float32": Tolerance(mean_abs_dlogp=5e-5, p99_abs_dlogp=5e-4, max_abs_dlogp=5e-3, kl_mean=1e-7,
                          top1_min=0.99, hidden_rel=1e-4),  # fmt: skip
-    "bfloat16": Tolerance(mean_abs_dlogp=0.1, kl_mean=0.05, top1_min=0.7, hidden_rel=0.2),
-    "float16": Tolerance(mean_abs_dlogp=0.03, kl_mean=0.01, top1_min=0.8, hidden_rel=0.05),
+    "bfloat16": Tolerance(mean_abs_dlogp=0.05, kl_mean=0.02, top1_min=0.8, hidden_rel=0.2, baseline_factor=2.0),
+    "float16": Tolerance(mean_abs_dlogp=0.02, kl_mean=0.01, top1_min=0.85, hidden_rel=0.05, baseline_factor=2.0),
 }
 
 

@@ -181,9 +181,10 @@ def cmd_parity_report(args: argparse.Namespace) -> int:
     codes = []
     summary = []
     for arch in archs:
-        code, report = _one(args, arch, formats)
+        code, report, error = _one(args, arch, formats)
+        _free_memory()
         codes.append(code)
-        summary.append((arch or (report or {}).get("model", {}).get("architecture", "?"), code, report))
+        summary.append((arch or "?", code, report, error))
     if len(archs) > 1:
         _print_summary(summary, Path(args.out))
     if EXIT_USAGE in codes:
@@ -191,7 +192,8 @@ def cmd_parity_report(args: argparse.Namespace) -> int:
     return EXIT_FAIL if EXIT_FAIL in codes else EXIT_OK
 
 
-def _one(args: argparse.Namespace, arch: Optional[str], formats: list[str]) -> tuple[int, Optional[dict[str, Any]]]:
+def _one(args: argparse.Namespace, arch: Optional[str], formats: list[str]) -> tuple[int, Optional[dict[str, Any]], Optional[str]]:
+    """Run one report; returns (exit code, report or None, error message or None)."""
     from ..errors import ZooError
     from .harness import Progress, run_parity
     from .report import to_markdown, write_reports
@@ -202,17 +204,17 @@ def _one(args: argparse.Namespace, arch: Optional[str], formats: list[str]) -> t
         report = run_parity(opts, progress)
     except (_Usage, ZooError, FileNotFoundError, FileExistsError, ValueError, ImportError, OSError) as exc:
         _error(args, arch, exc)
-        return EXIT_USAGE, None
+        return EXIT_USAGE, None, f"{type(exc).__name__}: {exc}"
     except Exception as exc:  # a crash in an engine is not a parity verdict
         _error(args, arch, exc, always_trace=True)
-        return EXIT_USAGE, None
+        return EXIT_USAGE, None, f"{type(exc).__name__}: {exc}"
     if args.out:
         stem = args.name or report["model"]["architecture"]
         try:
             paths = write_reports(report, Path(args.out), stem, formats)
         except OSError as exc:
             _error(args, arch, exc)
-            return EXIT_USAGE, None
+            return EXIT_USAGE, None, f"{type(exc).__name__}: {exc}"
         progress.note("wrote " + ", ".join(str(p) for p in paths))
     else:
         sys.stdout.write(to_markdown(report))
@@ -223,7 +225,20 @@ def _one(args: argparse.Namespace, arch: Optional[str], formats: list[str]) -> t
         where = f" (first divergent site: {c['first_divergent_site']})" if c["first_divergent_site"] else ""
         line += f"\n  {c['name']}: {'; '.join(c['failures'])}{where}"
     print(line, file=sys.stderr if not args.out else sys.stdout)
-    return (EXIT_OK if report["verdict"] == "pass" else EXIT_FAIL), report
+    return (EXIT_OK if report["verdict"] == "pass" else EXIT_FAIL), report, None
+
+
+def _free_memory() -> None:
+    import gc
+
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:  # pragma: no cover
+        pass
 
 
 def _error(args: argparse.Namespace, arch: Optional[str], exc: BaseException, always_trace: bool = False) -> None:
@@ -233,21 +248,23 @@ def _error(args: argparse.Namespace, arch: Optional[str], exc: BaseException, al
         traceback.print_exc()
 
 
-def _print_summary(summary: list[tuple[str, int, Optional[dict[str, Any]]]], out: Path) -> None:
+def _print_summary(summary: list[tuple[str, int, Optional[dict[str, Any]], Optional[str]]], out: Path) -> None:
     """One line per architecture on stdout and ``summary.md`` next to the reports."""
     from .report import fmt, pct
 
     lines = ["| architecture | result | mcore vs HF: mean abs dlogp | max abs dlogp | top-1 | bitwise | report |",
              "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-    for arch, code, report in summary:
+    for arch, code, report, error in summary:
         if report is None:
-            lines.append(f"| `{arch}` | ERROR (exit {code}) | | | | | |")
+            message = (error or "").splitlines()[0][:300].replace("|", "\\|") if error else ""
+            lines.append(f"| `{arch}` | ERROR (exit {code}): {message} | | | | | |")
             continue
         c = next(c for c in report["comparisons"] if c["role"] == "parity")
         m = c["metrics"]
         stem = report["model"]["architecture"]
+        link = f"{stem}.md" if (out / f"{stem}.md").exists() else f"{stem}.json"
         lines.append(f"| `{arch}` | {report['verdict'].upper()} | {fmt(m['mean_abs_dlogp'])} | {fmt(m['max_abs_dlogp'])}"
-                     f" | {pct(m['top1_agreement'])} | {fmt(m['bitwise_equal'])} | [{stem}.md]({stem}.md) |")  # fmt: skip
+                     f" | {pct(m['top1_agreement'])} | {fmt(m['bitwise_equal'])} | [{link}]({link}) |")  # fmt: skip
     text = "\n".join(lines) + "\n"
     (out / "summary.md").write_text(text)
     print(text)

@@ -76,6 +76,12 @@ def _tolerance_line(report: dict[str, Any]) -> str:
     if t.get("top1_min") is not None:
         parts.append(f"top-1 >= {pct(t['top1_min'])}")
     gates = ", ".join(parts) or "none"
+    floor = report.get("tolerance_floor") or t
+    if t.get("baseline_factor") and floor != t:
+        gates += (f" (the dtype's defaults relaxed to {fmt(t['baseline_factor'])}x transformers' own gap between"
+                  " its two attention implementations, the baseline row)")  # fmt: skip
+    elif t.get("baseline_factor"):
+        gates += f" (each bound would relax to {fmt(t['baseline_factor'])}x the baseline row's value where looser)"
     return (f"Tolerances ({report['dtype']}): {gates}. Per-layer rows are flagged when the relative mean error"
             f" exceeds {fmt(t['hidden_rel'])}"
             + (" (bitwise mode: any difference)." if report["mode"] == "bitwise" else "."))  # fmt: skip
@@ -257,7 +263,7 @@ def _svg_layer_curve(report: dict[str, Any]) -> str:
     if not series:
         return ""
     sites = [row["site"] for row in series[0][1]]
-    width, height, left, right, top, bottom = 720, 300, 60, 20, 20, 80
+    width, height, left, right, top, bottom = 760, 300, 60, 60, 20, 80
     floor = -12
     values = [row["rel_mean_abs"] for _, rows in series for row in rows if row["rel_mean_abs"] > 0]
     hi = math.ceil(math.log10(max(values))) if values else 0
@@ -285,7 +291,8 @@ def _svg_layer_curve(report: dict[str, Any]) -> str:
         color = PALETTE[k % len(PALETTE)]
         by_site = {row["site"]: row["rel_mean_abs"] for row in rows}
         pts = [(x(i), y(by_site[s]), by_site[s]) for i, s in enumerate(sites) if s in by_site]
-        parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.8" points="' + " ".join(f"{px:.1f},{py:.1f}" for px, py, _ in pts) + '"/>')
+        dash = "" if k == 0 else f' stroke-dasharray="{3 + 2 * k} {2 + k}"'
+        parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.8"{dash} points="' + " ".join(f"{px:.1f},{py:.1f}" for px, py, _ in pts) + '"/>')
         for px, py, v in pts:
             shape = f'<rect x="{px - 3:.1f}" y="{py - 3:.1f}" width="6" height="6" fill="white" stroke="{color}"/>' if v == 0 else f'<circle cx="{px:.1f}" cy="{py:.1f}" r="3" fill="{color}"/>'
             parts.append(shape)
@@ -370,7 +377,7 @@ def to_html(report: dict[str, Any]) -> str:
         classes = ["first" if r["site"] == first else ("flag" if r["flagged"] else "") for r in c["layers"]]
         body.append(_html_table(["site", "max abs", "mean abs", "rel mean abs", "1 - cos (worst token)", "bitwise", ""], _layer_rows(c), classes))
     for c in report["comparisons"]:
-        if c["worst_tokens"]:
+        if c["worst_tokens"] and (c["role"] == "parity" or not c["passed"]):
             body.append(f"<h2>Worst tokens: {html.escape(c['name'])}</h2>")
             body.append(_html_table(["seq", "pos", "next token", "ref logp", "cand logp", "|dlogp|", "ref top-1", "cand top-1"], _worst_rows(c)))
     env_md = _environment_md(report)
