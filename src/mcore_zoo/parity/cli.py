@@ -15,7 +15,6 @@ import argparse
 import os
 import sys
 import traceback
-import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -131,24 +130,6 @@ def _options(args: argparse.Namespace, arch: Optional[str]) -> Any:
     )  # fmt: skip
 
 
-def quiet_libraries() -> None:
-    """Silence import-time warnings and progress bars of the libraries (not our progress lines)."""
-    warnings.filterwarnings("ignore", message=".*Apex.*")
-    warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", message="full scope is deprecated")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-    except Exception:  # pragma: no cover - transformers missing is reported by the run itself
-        pass
-
-
 def _architectures(args: argparse.Namespace) -> list[Optional[str]]:
     if not args.arch:
         return [None]
@@ -165,6 +146,8 @@ def _architectures(args: argparse.Namespace) -> list[Optional[str]]:
 
 def cmd_parity_report(args: argparse.Namespace) -> int:
     from ..errors import ZooError
+
+    from .runners import quiet_libraries
 
     quiet_libraries()
     formats = [f.strip() for f in args.format.split(",") if f.strip()]

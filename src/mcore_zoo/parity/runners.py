@@ -242,7 +242,29 @@ def _run_mcore_here(spec: McoreSpec, sequences: list[torch.Tensor], capture: boo
 
 
 def _mcore_rank(spec: McoreSpec, sequences: list[torch.Tensor], capture: bool, export_dir: Optional[str]) -> Optional[RunResult]:
+    quiet_libraries()  # spawned ranks: library import warnings are noise here
     return _run_mcore_here(spec, sequences, capture, export_dir)
+
+
+def quiet_libraries() -> None:
+    """Silence import-time warnings and progress bars of the libraries (not the harness's own lines)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*Apex.*")
+    warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+    warnings.filterwarnings("ignore", message="full scope is deprecated")
+    warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except Exception:  # pragma: no cover - a missing transformers is reported by the run itself
+        pass
 
 
 def run_mcore(
