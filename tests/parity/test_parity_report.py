@@ -219,3 +219,19 @@ def test_invariance_matrix_with_tp2(tmp_path):
     assert report["runs"]["mcore-portable-thd-tp2"]["tp"] == 2
     assert rows["mcore-portable-thd-b1"]["metrics"]["bitwise_equal"]
     assert torch.tensor(tp2["metrics"]["top1_agreement"]) == 1.0
+
+
+def test_bfloat16_bounds_relax_to_the_baseline_but_not_user_bounds(tmp_path):
+    """Half precision: each default bound becomes max(floor, 2 x HF sdpa-vs-eager gap); a --tol bound stays."""
+    args = ["parity-report", "--arch", "LlamaForCausalLM", "--dtype", "bfloat16", "-q", "--format", "json"]
+    assert main(args + ["--out", str(tmp_path / "a")]) == 0
+    report = _report(tmp_path / "a", "LlamaForCausalLM")
+    base = next(c for c in report["comparisons"] if c["role"] == "baseline")["metrics"]
+    tol, floor = report["tolerances"], report["tolerance_floor"]
+    assert tol["mean_abs_dlogp"] == max(floor["mean_abs_dlogp"], 2 * base["mean_abs_dlogp"])
+    assert tol["top1_min"] == min(floor["top1_min"], 1 - 2 * (1 - base["top1_agreement"]))
+    assert not _parity(report)["metrics"]["bitwise_equal"]  # bf16 kernels differ: the check is not vacuous
+    assert main(args + ["--out", str(tmp_path / "b"), "--tol", "mean_abs_dlogp=1e-9"]) == 1
+    report = _report(tmp_path / "b", "LlamaForCausalLM")
+    assert report["tolerances"]["mean_abs_dlogp"] == 1e-9
+    assert _parity(report)["failures"][0].startswith("mean_abs_dlogp")

@@ -26,7 +26,9 @@ def register(sub: Any) -> None:
     p = sub.add_parser(
         "parity-report",
         help="numerical parity of the mcore model vs transformers (and vLLM), per token and per layer",
-        description=__doc__.split("\n\n")[0] + " Reports in JSON, Markdown and HTML (docs/parity/README.md).",
+        description="Numerical parity of the Megatron-Core model against transformers (and vLLM), per token"
+        " and per layer. Reports in JSON, Markdown and HTML (docs/parity/README.md).\n\n"
+        + __doc__.split("\n\n")[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
             "Default (no --out): the Markdown report is printed. Exit codes: 0 pass, 1 parity failure,"
@@ -145,8 +147,6 @@ def _architectures(args: argparse.Namespace) -> list[Optional[str]]:
 
 
 def cmd_parity_report(args: argparse.Namespace) -> int:
-    from ..errors import ZooError
-
     from .runners import quiet_libraries
 
     quiet_libraries()

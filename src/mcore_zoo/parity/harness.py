@@ -273,7 +273,7 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
                           attn_implementation=other, device=device, capture=opts.layers)  # fmt: skip
             runs[base.label] = base
         add(ref, base, "baseline", False, "tolerance")
-        tol = tol.relaxed_by(comparisons[-1]["metrics"])
+        tol = tol.relaxed_by(comparisons[-1]["metrics"]).with_overrides(**opts.tolerances)  # --tol: as given
     spec = McoreSpec(str(source.checkpoint), r["backend"], r["profile"], dtype, r["layout"], opts.tp, device)
     export_dir = work / "export" if opts.vllm_python else None
     with progress.stage(f"megatron-core ({spec.label}, numerics {r['profile'].name})"):

@@ -42,8 +42,19 @@ def pct(value: Optional[float]) -> str:
     return "-" if value is None else f"{100 * value:.2f}%"
 
 
+def _finite(value: Any) -> Any:
+    """Non-finite floats as strings ("nan", "inf"): the JSON stays standard."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def to_json(report: dict[str, Any]) -> str:
-    return json.dumps(report, indent=2, sort_keys=False, default=str) + "\n"
+    return json.dumps(_finite(report), indent=2, allow_nan=False, default=str) + "\n"
 
 
 # ---------------------------------------------------------------------------- shared pieces

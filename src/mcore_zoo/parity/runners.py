@@ -219,9 +219,12 @@ def _run_mcore_here(spec: McoreSpec, sequences: list[torch.Tensor], capture: boo
     t_run = time.perf_counter()
     logits = [l.detach().to("cpu") for l in logits]
     rank, _ = tp_rank_and_size()
-    if export_dir is not None:
-        target = export_dir if rank == 0 else tempfile.mkdtemp(prefix="mcore-zoo-export-")
-        mcore_zoo.save_hf_checkpoint(model, target, dtype=spec.dtype, overwrite=True)
+    if export_dir is not None:  # every TP rank takes part in the gathers; rank 0 writes the files
+        if rank == 0:
+            mcore_zoo.save_hf_checkpoint(model, export_dir, dtype=spec.dtype, overwrite=True)
+        else:
+            with tempfile.TemporaryDirectory(prefix="mcore-zoo-export-") as scratch:
+                mcore_zoo.save_hf_checkpoint(model, Path(scratch) / "export", dtype=spec.dtype)
     info = {
         "engine": "megatron-core",
         "backend": spec.backend,
