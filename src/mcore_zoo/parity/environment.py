@@ -13,7 +13,7 @@ PACKAGES = ("mcore-zoo", "torch", "transformers", "megatron-core", "transformer-
             "flash-attn", "safetensors", "numpy")  # fmt: skip
 
 #: environment variables that change kernels or their determinism
-ENV_PREFIXES = ("NVTE_", "CUBLAS_", "CUDNN_", "NCCL_ALGO", "TORCH_CUDNN", "TORCH_ALLOW_TF32", "VLLM_", "OMP_NUM_THREADS")
+ENV_PREFIXES = ("NVTE_", "CUBLAS_", "CUBLASLT_", "CUDNN_", "NCCL_ALGO", "TORCH_CUDNN", "TORCH_ALLOW_TF32", "VLLM_", "OMP_NUM_THREADS")
 
 
 def _version(name: str) -> str:

@@ -27,6 +27,7 @@ rollout        vLLM vs mcore                           no        the trainer / r
 from __future__ import annotations
 
 import datetime
+import os
 import shlex
 import sys
 import tempfile
@@ -310,6 +311,20 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
         add(main, vllm, "rollout", False, "tolerance")
     if decoder is not None:
         _decode_worst(comparisons, sequences, decoder)
+    notes = []
+    if opts.bitwise and device == "cuda" and os.environ.get("CUBLAS_WORKSPACE_CONFIG") != ":0:0":
+        notes.append("cuBLAS split-K is allowed (CUBLAS_WORKSPACE_CONFIG is not ':0:0'): a THD pack multiplies"
+                     " more rows than each sequence alone and some shapes then sum in another order; start"
+                     " the process with CUBLAS_WORKSPACE_CONFIG=:0:0 CUBLASLT_WORKSPACE_SIZE=0 for bitwise THD.")  # fmt: skip
+    for label, run in runs.items():
+        odd = run.info.get("params_not_in_dtype")
+        if odd:
+            listed = ", ".join(f"{name} ({dt})" for name, dt in sorted(odd.items()))
+            notes.append(f"{label}: parameters not in {r['dtype_name']}: {listed}. A trainer's mixed-precision"
+                         " wrapper may cast them; this run measures the model as built.")  # fmt: skip
+    if source.random_weights and r["dtype_name"] != "float32" and opts.baseline:
+        notes.append("random weights with sharp attention amplify rounding differences layer after layer; the"
+                     " baseline row shows how far transformers' own two attention implementations drift apart.")  # fmt: skip
     gating = [c for c in comparisons if c["gating"]]
     export_ok = export is None or export["bitwise_equal_to_checkpoint"]
     verdict = "pass" if all(c["passed"] for c in gating) and export_ok else "fail"
@@ -330,6 +345,7 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
         "tolerance_floor": r["tolerance"].as_dict(),
         "runs": {label: run.info for label, run in runs.items()},
         "export": export,
+        "notes": notes,
         "comparisons": comparisons,
         "environment": environment(device),
         "timings": dict(progress.timings),

@@ -194,6 +194,8 @@ def to_markdown(report: dict[str, Any]) -> str:
     for c in failing:
         where = f"; first divergent site: **{c['first_divergent_site']}**" if c["first_divergent_site"] else ""
         lines.append(f"- **Failed**: `{c['name']}`: {'; '.join(c['failures'])}{where}.")
+    for note in report.get("notes") or []:
+        lines.append(f"- **Note**: {note}")
     lines += ["", "## Summary", ""]
     header = ["comparison", "role", "criterion", *SUMMARY_COLUMNS, "result"]
     lines += _md_table(header, _summary_rows(report))
@@ -369,6 +371,8 @@ def to_html(report: dict[str, Any]) -> str:
         if c["gating"] and not c["passed"]:
             where = f"; first divergent site: <b>{html.escape(c['first_divergent_site'])}</b>" if c["first_divergent_site"] else ""
             body.append(f'<p class="fail">Failed: {html.escape(c["name"])}: {html.escape("; ".join(c["failures"]))}{where}</p>')
+    for note in report.get("notes") or []:
+        body.append(f'<p class="muted"><b>Note</b>: {html.escape(note)}</p>')
     body.append("<h2>Summary</h2>")
     rows = _summary_rows(report)
     classes = ["" if not c["gating"] else ("" if c["passed"] else "first") for c in report["comparisons"]]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import tempfile
 import time
@@ -168,12 +169,17 @@ def describe_mcore(model: torch.nn.Module) -> dict[str, Any]:
     }
     if attn is not None and getattr(attn, "q_layernorm", None) is not None:
         modules["q_layernorm"] = _module_name(attn.q_layernorm)
+    other_dtypes = {}
+    for name, param in model.named_parameters():  # parameters not in the run's params_dtype
+        if param.dtype != info.options.params_dtype:
+            other_dtypes[re.sub(r"\.\d+\.", ".*.", name)] = _dtype_name(param.dtype)
     return {
         "numerics_profile": info.numerics.name,
         "numerics_knobs": info.numerics.knobs(),
         "fusions": {name: bool(getattr(info.config, name, False)) for name in FUSION_FIELDS},
         "attention_backend": str(getattr(info.config, "attention_backend", "")).split(".")[-1],
         "modules": modules,
+        "params_not_in_dtype": other_dtypes,
     }
 
 
