@@ -34,7 +34,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -223,8 +223,6 @@ def compare(
 # ---------------------------------------------------------------------------- the run
 def run_parity(opts: ParityOptions, progress: Optional[Progress] = None) -> dict[str, Any]:
     """Run every engine the options ask for and return the report dict (schema in docs/parity)."""
-    from .inputs import make_sequences, prepare_model
-
     progress = progress or Progress(enabled=False)
     started = datetime.datetime.now(datetime.timezone.utc)
     r = resolve(opts)
@@ -236,14 +234,15 @@ def run_parity(opts: ParityOptions, progress: Optional[Progress] = None) -> dict
         tmp = tempfile.TemporaryDirectory(prefix="mcore-zoo-parity-")
         work = Path(tmp.name)
     try:
-        return _run(opts, r, work, progress, started, make_sequences, prepare_model)
+        return _run(opts, r, work, progress, started)
     finally:
         if tmp is not None:
             tmp.cleanup()
 
 
-def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress, started: Any,
-         make_sequences: Callable[..., Any], prepare_model: Callable[..., Any]) -> dict[str, Any]:  # fmt: skip
+def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress, started: Any) -> dict[str, Any]:
+    from .inputs import make_sequences, prepare_model
+
     device, dtype, tol = r["device"], r["dtype"], r["tolerance"]
     with progress.stage("model"):
         source = prepare_model(arch=opts.arch, model=opts.model, config=opts.config,
@@ -311,20 +310,7 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
         add(main, vllm, "rollout", False, "tolerance")
     if decoder is not None:
         _decode_worst(comparisons, sequences, decoder)
-    notes = []
-    if opts.bitwise and device == "cuda" and os.environ.get("CUBLAS_WORKSPACE_CONFIG") != ":0:0":
-        notes.append("cuBLAS split-K is allowed (CUBLAS_WORKSPACE_CONFIG is not ':0:0'): a THD pack multiplies"
-                     " more rows than each sequence alone and some shapes then sum in another order; start"
-                     " the process with CUBLAS_WORKSPACE_CONFIG=:0:0 CUBLASLT_WORKSPACE_SIZE=0 for bitwise THD.")  # fmt: skip
-    for label, run in runs.items():
-        odd = run.info.get("params_not_in_dtype")
-        if odd:
-            listed = ", ".join(f"{name} ({dt})" for name, dt in sorted(odd.items()))
-            notes.append(f"{label}: parameters not in {r['dtype_name']}: {listed}. A trainer's mixed-precision"
-                         " wrapper may cast them; this run measures the model as built.")  # fmt: skip
-    if source.random_weights and r["dtype_name"] != "float32" and opts.baseline:
-        notes.append("random weights with sharp attention amplify rounding differences layer after layer; the"
-                     " baseline row shows how far transformers' own two attention implementations drift apart.")  # fmt: skip
+    notes = _notes(opts, r, source, runs, device)
     gating = [c for c in comparisons if c["gating"]]
     export_ok = export is None or export["bitwise_equal_to_checkpoint"]
     verdict = "pass" if all(c["passed"] for c in gating) and export_ok else "fail"
@@ -350,6 +336,27 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
         "environment": environment(device),
         "timings": dict(progress.timings),
     }
+
+
+def _notes(opts: ParityOptions, r: dict[str, Any], source: Any, runs: dict[str, RunResult], device: str) -> list[str]:
+    """Caveats of this run, shown under the verdict."""
+    notes = []
+    if opts.bitwise and device == "cuda" and os.environ.get("CUBLAS_WORKSPACE_CONFIG") != ":0:0":
+        notes.append("cuBLAS split-K is allowed (CUBLAS_WORKSPACE_CONFIG is not ':0:0'): a THD pack multiplies"
+                     " more rows than each sequence alone and some shapes then sum in another order; start"
+                     " the process with CUBLAS_WORKSPACE_CONFIG=:0:0 CUBLASLT_WORKSPACE_SIZE=0 for bitwise THD.")  # fmt: skip
+    odd: dict[str, list[str]] = {}
+    for label, run in runs.items():
+        if run.info.get("params_not_in_dtype"):
+            listed = ", ".join(f"{name} ({dt})" for name, dt in sorted(run.info["params_not_in_dtype"].items()))
+            odd.setdefault(listed, []).append(label)
+    for listed, labels in odd.items():
+        notes.append(f"{', '.join(labels)}: parameters not in {r['dtype_name']}: {listed}. A trainer's"
+                     " mixed-precision wrapper may cast them; this run measures the model as built.")  # fmt: skip
+    if source.random_weights and r["dtype_name"] != "float32" and opts.baseline:
+        notes.append("random weights with sharp attention amplify rounding differences layer after layer; the"
+                     " baseline row shows how far transformers' own two attention implementations drift apart.")  # fmt: skip
+    return notes
 
 
 def check_export(checkpoint: Path, export_dir: Path, dtype: torch.dtype) -> dict[str, Any]:
