@@ -235,3 +235,16 @@ def test_bfloat16_bounds_relax_to_the_baseline_but_not_user_bounds(tmp_path):
     report = _report(tmp_path / "b", "LlamaForCausalLM")
     assert report["tolerances"]["mean_abs_dlogp"] == 1e-9
     assert _parity(report)["failures"][0].startswith("mean_abs_dlogp")
+
+
+def test_unusable_tokenizer_falls_back_to_random_ids_with_a_note(tmp_path, reference_checkpoint):
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(reference_checkpoint("LlamaForCausalLM"), ckpt)
+    (ckpt / "tokenizer_config.json").write_text('{"tokenizer_class": "NoSuchTokenizer"}')
+    out = tmp_path / "out"
+    assert main(["parity-report", "--model", str(ckpt), "--out", str(out), "-q", "--format", "json"]) == 0
+    report = _report(out, "LlamaForCausalLM")
+    assert report["inputs"]["source"] == "random" and "not usable" in report["notes"][0]
+    assert main(["parity-report", "--model", str(ckpt), "--tokens", "tokenizer", "-q"]) == 2

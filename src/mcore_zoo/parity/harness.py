@@ -310,7 +310,7 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
         add(main, vllm, "rollout", False, "tolerance")
     if decoder is not None:
         _decode_worst(comparisons, sequences, decoder)
-    notes = _notes(opts, r, source, runs, device)
+    notes = _notes(opts, r, source, token_info, runs, device)
     gating = [c for c in comparisons if c["gating"]]
     export_ok = export is None or export["bitwise_equal_to_checkpoint"]
     verdict = "pass" if all(c["passed"] for c in gating) and export_ok else "fail"
@@ -338,9 +338,10 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
     }
 
 
-def _notes(opts: ParityOptions, r: dict[str, Any], source: Any, runs: dict[str, RunResult], device: str) -> list[str]:
+def _notes(opts: ParityOptions, r: dict[str, Any], source: Any, token_info: dict[str, Any],
+           runs: dict[str, RunResult], device: str) -> list[str]:  # fmt: skip
     """Caveats of this run, shown under the verdict."""
-    notes = []
+    notes = [token_info["note"]] if token_info.get("note") else []
     if opts.bitwise and device == "cuda" and os.environ.get("CUBLAS_WORKSPACE_CONFIG") != ":0:0":
         notes.append("cuBLAS split-K is allowed (CUBLAS_WORKSPACE_CONFIG is not ':0:0'): a THD pack multiplies"
                      " more rows than each sequence alone and some shapes then sum in another order; start"

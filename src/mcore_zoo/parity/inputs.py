@@ -278,13 +278,21 @@ def make_sequences(
         raise ZooError(f"unknown --tokens {mode!r}; use auto, tokenizer or random")
     if mode == "tokenizer" and tokenizer is None:
         raise ZooError("--tokens tokenizer: the model has no tokenizer files")
+    fallback = None
     if tokenizer is not None and mode != "random":
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(tokenizer), trust_remote_code=trust_remote_code)
-        ids = tok(SAMPLE_TEXT, add_special_tokens=False)["input_ids"]
-        if max(ids) >= vocab_size:
-            raise ZooError(f"tokenizer {tokenizer} produces id {max(ids)} >= vocab_size {vocab_size}")
+        try:
+            tok = AutoTokenizer.from_pretrained(str(tokenizer), trust_remote_code=trust_remote_code)
+            ids = tok(SAMPLE_TEXT, add_special_tokens=False)["input_ids"]
+            if max(ids) >= vocab_size:
+                raise ZooError(f"tokenizer {tokenizer} produces id {max(ids)} >= vocab_size {vocab_size}")
+        except Exception as exc:
+            if mode == "tokenizer":
+                raise ZooError(f"--tokens tokenizer: cannot use the tokenizer in {tokenizer}: {exc}") from exc
+            fallback = f"tokenizer in {tokenizer} not usable ({type(exc).__name__}: {exc}); random ids instead"
+            tokenizer = None
+    if tokenizer is not None and mode != "random":
         bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
         stream = ids * (1 + max(lengths) * len(lengths) // max(1, len(ids)))
         seqs, offset = [], 0
@@ -296,7 +304,10 @@ def make_sequences(
                       "total_tokens": sum(lengths), "text": "built-in sample text", "_decode": tok}  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(0, vocab_size, (n,), generator=gen) for n in lengths]
-    return seqs, {"source": "random", "seed": seed, "lengths": lengths, "total_tokens": sum(lengths)}
+    info: dict[str, Any] = {"source": "random", "seed": seed, "lengths": lengths, "total_tokens": sum(lengths)}
+    if fallback:
+        info["note"] = fallback
+    return seqs, info
 
 
 def ensure_dir(path: os.PathLike) -> Path:
