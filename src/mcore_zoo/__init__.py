@@ -71,6 +71,8 @@ _LAZY = {
     "pack_sequences": "mcore_zoo.packing:pack_sequences",
     "packed_forward": "mcore_zoo.packing:packed_forward",
     "alignment_for": "mcore_zoo.packing:alignment_for",
+    "ParityOptions": "mcore_zoo.parity.harness:ParityOptions",
+    "run_parity": "mcore_zoo.parity.harness:run_parity",
 }
 
 __all__ = [

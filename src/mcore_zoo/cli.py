@@ -5,6 +5,7 @@
     mcore-zoo show ARCH | --config PATH        HF field classification, TransformerConfig, weight map
     mcore-zoo convert --hf DIR --out DIR       HF -> Megatron-Core distributed checkpoint
     mcore-zoo convert --mcore DIR --out DIR    and back to HF
+    mcore-zoo parity-report --arch ARCH        mcore vs transformers (and vLLM), per token and layer
 
 Exit codes: 0 success, 1 a check failed (parity, conflicts with --strict), 2 usage or load error.
 ``plugins`` and ``list`` import neither Megatron-Core nor Transformer Engine.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from typing import Any, Callable, Optional, Sequence
 
@@ -267,13 +269,20 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sequence-parallel", action="store_true")
 
 
+def _register_parity_report(sub: Any) -> None:
+    from .parity.cli import register
+
+    register(sub)
+
+
 #: Commands contributed by other modules (parity-report, new-plugin): ``register(subparsers)``.
-_EXTRA_COMMANDS: list[Callable[[Any], None]] = []
+_EXTRA_COMMANDS: list[Callable[[Any], None]] = [_register_parity_report]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.command_line = "mcore-zoo " + shlex.join(list(argv) if argv is not None else sys.argv[1:])
     try:
         return int(args.func(args) or EXIT_OK)
     except (ZooError, FileNotFoundError, FileExistsError) as exc:

@@ -1,0 +1,316 @@
+"""What a parity run is fed: a model (checkpoint, config with random weights, or an architecture's
+embedded example) and token sequences.
+
+Random weights come from :func:`mcore_zoo.parity.reference.write_reference_checkpoint` (sharp
+attention, every parameter distinct) and are saved with ``save_pretrained``: the reference is then
+loaded with ``from_pretrained(dtype=...)`` exactly like a real checkpoint (DESIGN's parity traps).
+
+:func:`scale_config` shrinks a published config (``--scale tiny|small``) while keeping what
+decides the numerics: the GQA ratio, ``head_dim``, RoPE (type, base, scaling), biases, norms, tied
+embeddings, sliding windows. Only depth, the number of heads (hence the width), the MLP width and,
+for ``tiny``, the vocabulary change; every change is recorded in the report.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ..errors import ZooError
+
+#: preset -> (layers, largest hidden size, largest vocabulary or None)
+SCALES: dict[str, tuple[int, int, Optional[int]]] = {
+    "tiny": (2, 512, 512),
+    "small": (8, 1024, None),
+}
+
+#: Published configs of one real model per built-in architecture (``--arch X --scale ...``).
+PUBLISHED = Path(__file__).parent / "configs"
+
+#: Text tokenized when a checkpoint ships a tokenizer (public-domain English, several registers).
+SAMPLE_TEXT = (
+    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of"
+    " foolishness, it was the epoch of belief, it was the epoch of incredulity.\n"
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
+    "The mitochondrion is a double-membrane-bound organelle found in most eukaryotic organisms; it"
+    " generates most of the cell's supply of adenosine triphosphate, used as a source of chemical energy.\n"
+    "Question: what is 17 * 23? Answer: 17 * 23 = 391, because 17 * 20 = 340 and 17 * 3 = 51.\n"
+    "Call me Ishmael. Some years ago - never mind how long precisely - having little or no money in my"
+    " purse, and nothing particular to interest me on shore, I thought I would sail about a little.\n"
+)
+
+
+@dataclass
+class ModelSource:
+    """The model of a parity run.
+
+    Attributes:
+        architecture: the registry's :class:`~mcore_zoo.architecture.Architecture`.
+        checkpoint: HF checkpoint directory that both the reference and the mcore model load.
+        kind: ``"checkpoint"`` (``--model``), ``"config"`` (``--config --random-weights``) or
+            ``"example"`` (the architecture's embedded tiny config).
+        origin: path or description of where the config came from.
+        random_weights: the weights were generated (seeded) by the harness.
+        scale: the ``--scale`` preset applied, if any.
+        changes: config fields changed by ``--scale`` / ``--set``: ``{field: [old, new]}``.
+        tokenizer: directory holding a tokenizer, if any.
+        config: the HF config dict the checkpoint carries.
+    """
+
+    architecture: Any
+    checkpoint: Path
+    kind: str
+    origin: str
+    random_weights: bool
+    seed: int = 0
+    scale: Optional[str] = None
+    changes: dict[str, list[Any]] = field(default_factory=dict)
+    tokenizer: Optional[Path] = None
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> dict[str, Any]:
+        c = self.config
+        heads = c.get("num_attention_heads")
+        return {
+            "architecture": self.architecture.name,
+            "provided_by": self.architecture.origin,
+            "kind": self.kind,
+            "origin": self.origin,
+            "random_weights": self.random_weights,
+            "seed": self.seed if self.random_weights else None,
+            "scale": self.scale,
+            "changes": self.changes,
+            "shape": {
+                "layers": c.get("num_hidden_layers"),
+                "hidden": c.get("hidden_size"),
+                "intermediate": c.get("intermediate_size"),
+                "heads": heads,
+                "kv_heads": c.get("num_key_value_heads", heads),
+                "head_dim": c.get("head_dim") or (c.get("hidden_size", 0) // heads if heads else None),
+                "vocab": c.get("vocab_size"),
+                "tied_embeddings": c.get("tie_word_embeddings"),
+            },
+        }
+
+
+def _set_path(config: dict[str, Any], key: str, value: Any, changes: dict[str, list[Any]]) -> None:
+    old = config.get(key)
+    if old != value:
+        changes.setdefault(key, [old, value])
+        changes[key][1] = value
+        config[key] = value
+
+
+def scale_config(config: dict[str, Any], preset: str) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+    """Shrink ``config`` with preset ``tiny`` or ``small`` (see module docstring).
+
+    Heads: the largest number of key/value heads (at most the original, at least 1, preferring 2+
+    so that TP=2 stays possible) whose ``heads * head_dim`` fits the preset's width; query heads
+    keep the GQA ratio. Hidden and MLP widths shrink by the same factor as the heads.
+    """
+    if preset not in SCALES:
+        raise ZooError(f"unknown --scale {preset!r}; known: {sorted(SCALES)}")
+    layers, max_hidden, max_vocab = SCALES[preset]
+    c = dict(config)
+    changes: dict[str, list[Any]] = {}
+    heads = int(c["num_attention_heads"])
+    kv = int(c.get("num_key_value_heads") or heads)
+    if heads % kv:
+        raise ZooError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
+    ratio = heads // kv
+    hidden = int(c["hidden_size"])
+    head_dim = int(c.get("head_dim") or hidden // heads)
+    new_kv = 1
+    for candidate in range(min(kv, 8), 0, -1):
+        if candidate * ratio * head_dim * hidden // (heads * head_dim) <= max_hidden:
+            new_kv = candidate
+            break
+    new_heads = new_kv * ratio
+    factor = new_heads / heads
+    new_hidden = hidden * new_heads // heads
+    if "head_dim" in c or new_hidden // new_heads != head_dim:
+        _set_path(c, "head_dim", head_dim, changes)  # keep head_dim explicit where it was derived
+    _set_path(c, "num_attention_heads", new_heads, changes)
+    _set_path(c, "num_key_value_heads", new_kv, changes)
+    _set_path(c, "hidden_size", new_hidden, changes)
+    if "intermediate_size" in c:
+        inter = max(64, int(math.ceil(c["intermediate_size"] * factor / 64)) * 64)
+        _set_path(c, "intermediate_size", inter, changes)
+    old_layers = int(c["num_hidden_layers"])
+    new_layers = min(layers, old_layers)
+    _set_path(c, "num_hidden_layers", new_layers, changes)
+    if isinstance(c.get("layer_types"), list):
+        _set_path(c, "layer_types", list(c["layer_types"][:new_layers]), changes)
+    if isinstance(c.get("max_window_layers"), int) and c["max_window_layers"] >= old_layers:
+        _set_path(c, "max_window_layers", new_layers, changes)
+    elif isinstance(c.get("max_window_layers"), int):
+        _set_path(c, "max_window_layers", max(0, c["max_window_layers"] * new_layers // old_layers), changes)
+    if max_vocab is not None and int(c["vocab_size"]) > max_vocab:
+        _set_path(c, "vocab_size", max_vocab, changes)
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = c.get(key)
+            if isinstance(value, int) and value >= max_vocab:
+                _set_path(c, key, max_vocab - 1, changes)
+            elif isinstance(value, list):
+                _set_path(c, key, [min(v, max_vocab - 1) for v in value], changes)
+    return c, changes
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """``["key=value", ...]`` (values parsed as JSON when possible) -> dict."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ZooError(f"--set {item!r}: expected KEY=VALUE")
+        key, raw = item.split("=", 1)
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw
+    return out
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+
+
+def prepare_model(
+    *,
+    arch: Optional[str] = None,
+    model: Optional[str] = None,
+    config: Optional[str] = None,
+    random_weights: bool = False,
+    scale: Optional[str] = None,
+    settings: Optional[dict[str, Any]] = None,
+    dtype: torch.dtype = torch.float32,
+    work_dir: Path,
+    seed: int = 0,
+) -> ModelSource:
+    """Resolve the model of a run; writes a random-weight checkpoint under ``work_dir`` if needed.
+
+    Exactly one of ``model`` (HF checkpoint dir), ``config`` (config.json or dir; needs
+    ``random_weights``) or ``arch`` (its embedded example, or with ``scale`` its published config
+    shipped in ``parity/configs``) must be given. ``settings`` (``--set``) override config fields.
+    """
+    from ..config.normalize import read_json_config
+    from ..registry import get_registry, lookup
+    from .reference import write_reference_checkpoint
+
+    given = [name for name, value in (("--model", model), ("--config", config), ("--arch", arch)) if value]
+    if len(given) != 1:
+        raise ZooError("give exactly one of --arch NAME, --config PATH --random-weights, --model DIR"
+                       + (f" (got {', '.join(given)})" if given else ""))  # fmt: skip
+    settings = dict(settings or {})
+    if model is not None and not random_weights:
+        if scale or settings:
+            raise ZooError("--scale / --set change the config, so they need random weights:"
+                           " use --config PATH --random-weights (or --model DIR --random-weights)")  # fmt: skip
+        path = Path(model)
+        if not path.is_dir():
+            raise FileNotFoundError(f"--model {model}: not a checkpoint directory")
+        architecture = lookup(str(path))
+        return ModelSource(
+            architecture, path, "checkpoint", str(path), False,
+            tokenizer=path if _has_tokenizer(path) else None, config=read_json_config(path),
+        )  # fmt: skip
+    if model is not None:
+        config = model
+    if config is not None:
+        if not random_weights:
+            raise ZooError(f"--config {config}: a config has no weights; add --random-weights (or use --model DIR)")
+        raw = read_json_config(config)
+        architecture = lookup(raw)
+        kind, origin = "config", str(config)
+    else:
+        architecture = get_registry().get(arch)
+        kind = "example"
+        if scale:
+            published = PUBLISHED / f"{architecture.name}.json"
+            if not published.is_file():
+                raise ZooError(
+                    f"--scale with --arch {architecture.name}: no published config is shipped for it;"
+                    " pass --config PATH --random-weights --scale ..."
+                )
+            raw = read_json_config(published)
+            kind, origin = "config", f"published config shipped with mcore-zoo ({published.name}: {raw.get('_source', '')})"
+            raw.pop("_source", None)
+        else:
+            raw = architecture.example_config()
+            origin = f"embedded example config of {architecture.name}"
+    changes: dict[str, list[Any]] = {}
+    if scale:
+        raw, changes = scale_config(raw, scale)
+    for key, value in settings.items():
+        _set_path(raw, key, value, changes)
+    out = Path(work_dir) / "reference"
+    write_reference_checkpoint(architecture, raw, out, seed=seed, dtype=dtype)
+    saved = read_json_config(out)
+    tokenizer = None
+    if model is not None and _has_tokenizer(Path(model)) and not changes.get("vocab_size"):
+        tokenizer = Path(model)
+    return ModelSource(architecture, out, kind, origin, True, seed, scale, changes, tokenizer, saved)
+
+
+def make_sequences(
+    lengths: list[int],
+    vocab_size: int,
+    *,
+    tokenizer: Optional[Path] = None,
+    mode: str = "auto",
+    seed: int = 0,
+    trust_remote_code: bool = False,
+) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """Token sequences of the given lengths and a description for the report.
+
+    ``mode``: ``"auto"`` (the tokenizer's encoding of :data:`SAMPLE_TEXT` when a tokenizer is
+    present, else seeded random ids), ``"tokenizer"`` (required) or ``"random"``. Sequences are
+    consecutive windows of the encoded text (wrapping around).
+    """
+    if not lengths or min(lengths) < 2:
+        raise ZooError(f"--lengths {lengths}: every sequence needs at least 2 tokens")
+    if mode not in ("auto", "tokenizer", "random"):
+        raise ZooError(f"unknown --tokens {mode!r}; use auto, tokenizer or random")
+    if mode == "tokenizer" and tokenizer is None:
+        raise ZooError("--tokens tokenizer: the model has no tokenizer files")
+    fallback = None
+    if tokenizer is not None and mode != "random":
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(str(tokenizer), trust_remote_code=trust_remote_code)
+            ids = tok(SAMPLE_TEXT, add_special_tokens=False)["input_ids"]
+            if max(ids) >= vocab_size:
+                raise ZooError(f"tokenizer {tokenizer} produces id {max(ids)} >= vocab_size {vocab_size}")
+        except Exception as exc:
+            if mode == "tokenizer":
+                raise ZooError(f"--tokens tokenizer: cannot use the tokenizer in {tokenizer}: {exc}") from exc
+            fallback = f"tokenizer in {tokenizer} not usable ({type(exc).__name__}: {exc}); random ids instead"
+            tokenizer = None
+    if tokenizer is not None and mode != "random":
+        bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+        stream = ids * (1 + max(lengths) * len(lengths) // max(1, len(ids)))
+        seqs, offset = [], 0
+        for n in lengths:
+            body = (bos + stream[offset : offset + n])[:n]
+            offset += n
+            seqs.append(torch.tensor(body, dtype=torch.long))
+        return seqs, {"source": "tokenizer", "tokenizer": str(tokenizer), "lengths": lengths,
+                      "total_tokens": sum(lengths), "text": "built-in sample text", "_decode": tok}  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, vocab_size, (n,), generator=gen) for n in lengths]
+    info: dict[str, Any] = {"source": "random", "seed": seed, "lengths": lengths, "total_tokens": sum(lengths)}
+    if fallback:
+        info["note"] = fallback
+    return seqs, info
+
+
+def ensure_dir(path: os.PathLike) -> Path:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
