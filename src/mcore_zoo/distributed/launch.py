@@ -12,6 +12,7 @@ Inside a launched function, set up Megatron's groups with
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -41,7 +42,9 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, backen
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
     try:
-        value = fn(*args)
+        # Pickled to bytes here: through the queue, torch shares tensor storage by file descriptor,
+        # which the parent can no longer fetch once this process has exited.
+        value = pickle.dumps(fn(*args), protocol=pickle.HIGHEST_PROTOCOL)
         results.put((rank, True, value))
     except BaseException as exc:  # reported to the parent with the traceback
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
@@ -89,7 +92,7 @@ def launch(
         while not results.empty():
             rank, ok, value = results.get()
             if ok:
-                collected[rank] = value
+                collected[rank] = pickle.loads(value)  # written by our own ranks (_entry) just above
             else:
                 failures.append(f"rank {rank}: {value}")
 
