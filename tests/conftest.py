@@ -1,4 +1,8 @@
-"""Shared fixtures: a single-process Megatron parallel state, tiny reference checkpoints, cases."""
+"""Shared fixtures: a single-process Megatron parallel state, tiny reference checkpoints, cases.
+
+The fixtures delegate to :mod:`mcore_zoo.testing` (the helpers the conformance suite ships to
+plugin authors), so the zoo's own tests and third-party plugins use the same machinery.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +13,12 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from mcore_zoo.testing.common import random_sequences  # noqa: F401 - re-exported for the tests
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures"
 CONFIGS = FIXTURES / "configs"
 
@@ -36,53 +43,98 @@ CASE_IDS = [c[0] for c in CASES]
 
 
 def case_config(arch_name: str, overrides: dict[str, Any]) -> dict[str, Any]:
-    import mcore_zoo
+    from mcore_zoo.testing.common import case_config as make
 
-    config = mcore_zoo.lookup(arch_name).example_config()
-    config.update(overrides)
-    return config
+    return make(arch_name, overrides)
 
 
 @pytest.fixture(scope="session")
-def mpu() -> Any:
+def mpu(zoo_mpu: Any) -> Any:
     """Megatron parallel state for this (single) process: gloo, everything 1."""
-    from mcore_zoo.parallel import ensure_model_parallel
-
-    return ensure_model_parallel()
+    return zoo_mpu
 
 
 @pytest.fixture(scope="session")
-def reference_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+def reference_checkpoint(zoo_reference_checkpoint: Callable[..., Path]) -> Callable[..., Path]:
     """``reference_checkpoint(arch_name, overrides={}, seed=0) -> dir``: an HF checkpoint with
     random, sharp-attention weights (cached per session)."""
-    import mcore_zoo
-    from mcore_zoo.parity.reference import write_reference_checkpoint
-
-    cache: dict[Any, Path] = {}
-
-    def make(arch_name: str, overrides: dict[str, Any] | None = None, seed: int = 0) -> Path:
-        overrides = overrides or {}
-        key = (arch_name, repr(sorted(overrides.items())), seed)
-        if key not in cache:
-            out = tmp_path_factory.mktemp(arch_name)
-            write_reference_checkpoint(mcore_zoo.lookup(arch_name), case_config(arch_name, overrides), out, seed=seed)
-            cache[key] = out
-        return cache[key]
-
-    return make
+    return zoo_reference_checkpoint
 
 
 @pytest.fixture
-def hf_reference() -> Callable[..., torch.nn.Module]:
-    import mcore_zoo
-    from mcore_zoo.parity.reference import load_reference
-
-    def load(arch_name: str, checkpoint: Path, attn: str = "eager") -> torch.nn.Module:
-        return load_reference(mcore_zoo.lookup(arch_name), checkpoint, attn_implementation=attn)
-
-    return load
+def hf_reference(zoo_hf_reference: Callable[..., torch.nn.Module]) -> Callable[..., torch.nn.Module]:
+    return zoo_hf_reference
 
 
-def random_sequences(lengths: list[int], vocab: int, seed: int = 0) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=gen) for n in lengths]
+# ---------------------------------------------------------------------------- plugin packages
+def pip_install_target(source: Path, target: Path, workdir: Path) -> None:
+    """``pip install --no-deps --target target source``, building from a copy of ``source`` (pip
+    builds in place, and parallel test workers must not share a build directory).
+
+    Offline (``--no-index --no-build-isolation``) when this environment has a setuptools that can
+    build wheels by itself (>= 70.1; torch depends on setuptools), else with pip's build isolation.
+    """
+    import shutil
+    import subprocess
+    import sys
+
+    copy = workdir / f"build-{source.name}"
+    shutil.copytree(source, copy, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", ".pytest_cache"))
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check", "-q",
+           "--target", str(target), str(copy)]  # fmt: skip
+    if _setuptools_builds_wheels():
+        cmd[4:4] = ["--no-index", "--no-build-isolation"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+def _setuptools_builds_wheels() -> bool:
+    try:
+        import setuptools
+    except ImportError:
+        return False
+    major, minor = (int(x) for x in setuptools.__version__.split(".")[:2])
+    return (major, minor) >= (70, 1)
+
+
+def uninstall_from_target(target: Path, distribution: str) -> list[Path]:
+    """Remove an installed distribution from a ``--target`` directory the way ``pip uninstall``
+    does: every file its ``RECORD`` lists, then directories left empty. Returns the removed files."""
+    import csv
+
+    name = distribution.replace("-", "_")
+    (info,) = [p for p in target.glob("*.dist-info") if p.name.lower().startswith(name.lower() + "-")]
+    removed = []
+    with (info / "RECORD").open() as f:
+        for row in csv.reader(f):
+            path = (target / row[0]).resolve()
+            if path.is_file() and target.resolve() in path.parents:
+                path.unlink()
+                removed.append(path)
+                if path.suffix == ".py":  # bytecode written after installation, as pip removes it
+                    for cached in path.parent.glob(f"__pycache__/{path.stem}.*.pyc"):
+                        cached.unlink()
+                        removed.append(cached)
+    for directory in sorted({p.parent for p in removed}, key=lambda p: len(p.parts), reverse=True):
+        directory = directory.resolve()
+        while directory != target.resolve() and directory.is_dir() and not any(directory.iterdir()):
+            directory.rmdir()
+            directory = directory.parent
+    return removed
+
+
+#: torch.distributed rendezvous variables this process may have set for its own process group
+_DIST_ENV = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}
+
+
+def subprocess_env(*pythonpath: Path, **extra: str) -> dict[str, str]:
+    """This environment for a child process, with ``pythonpath`` first on ``PYTHONPATH`` and
+    nothing of the parent pytest run (xdist worker ids, addopts, its process group's rendezvous) or
+    of mcore-zoo's plugin switches."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "MCORE_ZOO_")) and k not in _DIST_ENV}
+    paths = [str(p) for p in pythonpath] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.update(extra)
+    return env

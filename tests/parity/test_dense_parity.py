@@ -1,8 +1,10 @@
-"""CPU fp32 parity of every built-in family against the real transformers model.
+"""CPU fp32 parity of every built-in family against the real transformers model, beyond what the
+conformance suite checks (``test_builtin_conformance.py``: eager THD and ``hf-exact`` BSHD bitwise,
+THD packing, TP=2, a RoPE mutation): the SDPA kernel, stock Megatron-Core numerics, and weight-map
+mutations that the same comparison must catch.
 
 Random weights with sharp attention (``mcore_zoo.parity.reference``), reference loaded with
-``from_pretrained``. Equality is bitwise (``torch.equal``); the mutation tests at the bottom show
-that the same comparison fails when RoPE or the weight map is wrong.
+``from_pretrained``; tolerances are those of ``mcore_zoo.testing.common`` (``REL_TOL``).
 """
 
 from __future__ import annotations
@@ -13,38 +15,12 @@ import torch
 import mcore_zoo
 from mcore_zoo.build import model_info
 from mcore_zoo.numerics.profiles import get_profile
+from mcore_zoo.testing.common import PARITY_LENGTHS, assert_same, scale_is_power_of_two
 from mcore_zoo.weights.rules import FuseQKV, Rule, WeightMap
 
 from ..conftest import CASE_IDS, CASES, random_sequences
 
-LENGTHS = [37, 50, 12, 1, 29]
-
-#: Where bitwise equality is not reachable, logits must agree to 1e-6 relative to the largest
-#: reference logit (a few fp32 ulps). Two such places, both measured, both explained:
-#: * a one-token sequence run alone makes every GEMM a single row: the CPU BLAS then takes its
-#:   matrix-vector path, while the same row inside a pack goes through the matrix-matrix kernel,
-#:   which sums in another order;
-#: * Megatron-Core's own ``DotProductAttention`` folds the softmax scale into ``baddbmm(alpha=)``
-#:   while HF multiplies after the matmul: identical only when ``head_dim ** -0.5`` is a power of
-#:   two (head_dim 16, 64, 256 ...), not for Qwen3's example head_dim 24 (nor 128).
-REL_TOL = 1e-6
-
-
-def assert_same(got, ref, what, exact=None):
-    diff = (got - ref).abs().max().item()
-    if exact is None:
-        exact = got.shape[0] > 1
-    if exact:
-        assert torch.equal(got, ref), f"{what}: max |diff| {diff}"
-    else:
-        bound = REL_TOL * max(1.0, ref.abs().max().item())
-        assert diff <= bound, f"{what}: max |diff| {diff} > {bound}"
-
-
-def _scale_is_power_of_two(head_dim):
-    import math
-
-    return math.log2(head_dim) % 2 == 0
+LENGTHS = list(PARITY_LENGTHS)
 
 
 def _build(checkpoint, backend, attention="eager", **kw):
@@ -53,18 +29,18 @@ def _build(checkpoint, backend, attention="eager", **kw):
 
 
 @pytest.mark.parametrize("case_id,arch_name,overrides", CASES, ids=CASE_IDS)
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_portable_thd_bitwise_vs_hf(mpu, reference_checkpoint, hf_reference, case_id, arch_name, overrides, attn):
-    """Packed THD through the portable backend == HF on each sequence alone, bit for bit."""
+def test_portable_thd_sdpa_bitwise_vs_hf_sdpa(mpu, reference_checkpoint, hf_reference, case_id, arch_name, overrides):
+    """Packed THD through the portable backend with the SDPA kernel == HF's sdpa implementation on
+    each sequence alone, bit for bit (the conformance suite checks the eager kernel)."""
     ckpt = reference_checkpoint(arch_name, overrides)
-    hf = hf_reference(arch_name, ckpt, attn)
-    model = _build(ckpt, "portable", attention=attn)
+    hf = hf_reference(arch_name, ckpt, "sdpa")
+    model = _build(ckpt, "portable", attention="sdpa")
     seqs = random_sequences(LENGTHS, hf.config.vocab_size)
     with torch.no_grad():
         out = mcore_zoo.packed_forward(model, seqs, layout="thd")
         for seq, logits, logprobs in zip(seqs, out.logits, out.logprobs):
             ref = hf(seq[None]).logits[0]
-            assert_same(logits, ref, f"{case_id}/{attn} len {seq.numel()}")
+            assert_same(logits, ref, f"{case_id}/sdpa len {seq.numel()}")
             ref_lp = torch.log_softmax(ref[:-1].float(), -1).gather(-1, seq[1:, None]).squeeze(-1)
             assert logprobs.shape == (seq.numel() - 1,)
             if seq.numel() > 1:
@@ -72,66 +48,20 @@ def test_portable_thd_bitwise_vs_hf(mpu, reference_checkpoint, hf_reference, cas
 
 
 @pytest.mark.parametrize("case_id,arch_name,overrides", CASES, ids=CASE_IDS)
-@pytest.mark.parametrize("numerics", ["default", "hf-exact"])
-def test_local_bshd_vs_hf(mpu, reference_checkpoint, hf_reference, case_id, arch_name, overrides, numerics):
-    """The local spec (BSHD, batch of 3) vs HF eager on the same batch.
-
-    ``default`` is stock Megatron-Core (its norms and DotProductAttention): bitwise where the
-    softmax scale is a power of two, else within REL_TOL. ``hf-exact`` is bitwise everywhere.
-    """
+def test_local_default_numerics_vs_hf(mpu, reference_checkpoint, hf_reference, case_id, arch_name, overrides):
+    """Stock Megatron-Core (its norms and DotProductAttention, BSHD batch of 3) vs HF eager: bitwise
+    where the softmax scale is a power of two, else within REL_TOL. (``hf-exact`` is bitwise
+    everywhere: the conformance suite checks it.)"""
     ckpt = reference_checkpoint(arch_name, overrides)
     hf = hf_reference(arch_name, ckpt, "eager")
-    model = mcore_zoo.build_model(ckpt, backend="local", numerics=numerics, load=ckpt).eval()
+    model = mcore_zoo.build_model(ckpt, backend="local", numerics="default", load=ckpt).eval()
     ids = torch.stack(random_sequences([40, 40, 40], hf.config.vocab_size, seed=1))
     positions = torch.arange(40).expand(3, -1)
     with torch.no_grad():
         ours = model(ids, positions, None)
         ref = hf(ids).logits
     head_dim = getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads
-    exact = numerics == "hf-exact" or _scale_is_power_of_two(head_dim)
-    assert_same(ours, ref, f"{case_id}/{numerics}", exact=exact)
-
-
-@pytest.mark.parametrize("case_id,arch_name,overrides", CASES, ids=CASE_IDS)
-def test_thd_equals_each_sequence_alone(mpu, reference_checkpoint, case_id, arch_name, overrides):
-    """The packed forward of the mcore model equals the same model on each sequence alone."""
-    ckpt = reference_checkpoint(arch_name, overrides)
-    model = _build(ckpt, "portable", attention="sdpa")
-    seqs = random_sequences(LENGTHS, 256, seed=2)
-    with torch.no_grad():
-        packed = mcore_zoo.packed_forward(model, seqs, layout="thd").logits
-        for seq, got in zip(seqs, packed):
-            alone = model(seq[None], torch.arange(seq.numel())[None], None)[0]
-            assert_same(got, alone, f"{case_id} len {seq.numel()}")
-
-
-def test_thd_alignment_padding_does_not_change_results(mpu, reference_checkpoint):
-    """Padding every sequence to a multiple of 8 (what TP/CP need) leaves real tokens unchanged."""
-    ckpt = reference_checkpoint("LlamaForCausalLM")
-    model = _build(ckpt, "portable")
-    seqs = random_sequences(LENGTHS, 256, seed=3)
-    with torch.no_grad():
-        plain = mcore_zoo.packed_forward(model, seqs, align=1).logits
-        padded = mcore_zoo.packed_forward(model, seqs, align=8).logits
-    for a, b in zip(plain, padded):
-        assert torch.equal(a, b)
-
-
-def test_padded_batch_with_mask_packs_like_list(mpu, reference_checkpoint):
-    ckpt = reference_checkpoint("Qwen2ForCausalLM")
-    model = _build(ckpt, "portable")
-    seqs = random_sequences([7, 11], 256, seed=4)
-    batch = torch.zeros(2, 11, dtype=torch.long)
-    mask = torch.zeros(2, 11, dtype=torch.long)
-    batch[0, 4:] = seqs[0]  # left padded
-    mask[0, 4:] = 1
-    batch[1] = seqs[1]
-    mask[1] = 1
-    with torch.no_grad():
-        a = mcore_zoo.packed_forward(model, seqs).logprobs
-        b = mcore_zoo.packed_forward(model, batch, mask).logprobs
-    for x, y in zip(a, b):
-        assert torch.equal(x, y)
+    assert_same(ours, ref, case_id, exact=scale_is_power_of_two(head_dim))
 
 
 def test_local_backend_refuses_thd_clearly(mpu, reference_checkpoint):
@@ -146,23 +76,6 @@ def _max_diff_vs_hf(model, hf, seqs):
     with torch.no_grad():
         out = mcore_zoo.packed_forward(model, seqs).logits
         return max((o - hf(s[None]).logits[0]).abs().max().item() for o, s in zip(out, seqs))
-
-
-@pytest.mark.parametrize("arch_name", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
-def test_mutation_wrong_rope_base_is_caught(mpu, reference_checkpoint, hf_reference, arch_name):
-    """A RoPE base off by 2x must break parity by a wide margin (attention is position-sensitive)."""
-    ckpt = reference_checkpoint(arch_name)
-    hf = hf_reference(arch_name, ckpt)
-    config = mcore_zoo.registry.read_config_dict(ckpt)
-    key = "rope_parameters" if "rope_parameters" in config else None
-    if key:
-        config[key] = dict(config[key], rope_theta=config[key]["rope_theta"] * 2)
-    else:
-        config["rope_theta"] = config["rope_theta"] * 2
-    numerics = get_profile("default").with_knobs(attention="eager")
-    model = mcore_zoo.build_model(config, backend="portable", numerics=numerics, load=ckpt).eval()
-    seqs = random_sequences([40, 25], hf.config.vocab_size)
-    assert _max_diff_vs_hf(model, hf, seqs) > 1e-2
 
 
 class _SwapFirstTwoQueryHeads(FuseQKV):

@@ -268,3 +268,21 @@ def test_parallel_sizes_and_overrides_apply():
 def test_bf16_sets_mixed_precision_flags():
     _, _, _, tc = prepare(case_config("Qwen3ForCausalLM", {}), params_dtype=torch.bfloat16)
     assert tc.bf16 and tc.params_dtype is torch.bfloat16 and not tc.fp16
+
+
+def test_partial_rotary_factor_duplicated_in_rope_parameters():
+    """transformers 5 copies a top-level ``partial_rotary_factor`` into ``rope_parameters``: the copy
+    is classified as a duplicate; a disagreeing copy is refused (transformers would use the inner one)."""
+    base = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}
+    reader = ConfigReader({**base, "partial_rotary_factor": 0.5}, "X")
+    assert read_rope(reader, max_position_embeddings=64).partial_rotary_factor == 0.5
+    assert reader.records["partial_rotary_factor"].kind == "ignored"
+    with pytest.raises(UnsupportedConfigError, match="partial_rotary_factor=0.25"):
+        read_rope(ConfigReader({**base, "partial_rotary_factor": 0.25}, "X"), max_position_embeddings=64)
+
+
+def test_config_class_validation_errors_become_config_errors():
+    """transformers' own validators raise KeyError / ValueError; the zoo reports a ConfigError."""
+    config = case_config("LlamaForCausalLM", {"rope_scaling": {"rope_type": "yarn"}})  # yarn needs a factor
+    with pytest.raises(mcore_zoo.ConfigError, match="transformers rejects"):
+        mcore_zoo.lookup(config).convert(config)

@@ -60,5 +60,5 @@ def normalize_hf_config(source: Any, *, trust_remote_code: bool = False) -> dict
         return raw
     try:
         return dict(cls.from_dict(raw).to_dict())
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"transformers rejects this {model_type!r} config: {exc}") from exc
+    except Exception as exc:  # validators raise TypeError, ValueError, KeyError and their own types
+        raise ConfigError(f"transformers rejects this {model_type!r} config: {type(exc).__name__}: {exc}") from exc

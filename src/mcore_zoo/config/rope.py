@@ -64,10 +64,19 @@ def read_rope(reader: ConfigReader, *, max_position_embeddings: int) -> RopeSpec
             params["rope_theta"] = reader.map("rope_theta", "RotaryEmbedding base (rope_theta)", 10000.0)
         if reader.has("rope_parameters"):
             reader.ignore("rope_parameters", "null")
-    if reader.has("partial_rotary_factor") and "partial_rotary_factor" not in params:
-        params["partial_rotary_factor"] = reader.map(
-            "partial_rotary_factor", "rotary_percent (share of head_dim rotated)"
-        )
+    if reader.has("partial_rotary_factor"):
+        if "partial_rotary_factor" not in params:
+            params["partial_rotary_factor"] = reader.map(
+                "partial_rotary_factor", "rotary_percent (share of head_dim rotated)"
+            )
+        else:  # transformers 5 copies the top-level field into rope_parameters, which wins
+            reader.expect(
+                "partial_rotary_factor",
+                params["partial_rotary_factor"],
+                reason=f"differs from {source}.partial_rotary_factor={params['partial_rotary_factor']!r},"
+                " which transformers uses",
+                detail=f"duplicated in {source}.partial_rotary_factor, which is used",
+            )
 
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)

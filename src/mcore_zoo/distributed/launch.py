@@ -42,10 +42,10 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, backen
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
     try:
-        value = fn(*args)
-        # plain pickle bytes: the queue's own pickler would pass tensors as file descriptors through
-        # this process's resource sharer, which is gone once the rank exits (FileNotFoundError)
-        results.put((rank, True, pickle.dumps(value)))
+        # Pickled to bytes here: through the queue, torch shares tensor storage by file descriptor,
+        # which the parent can no longer fetch once this process has exited.
+        value = pickle.dumps(fn(*args), protocol=pickle.HIGHEST_PROTOCOL)
+        results.put((rank, True, value))
     except BaseException as exc:  # reported to the parent with the traceback
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise
@@ -92,7 +92,7 @@ def launch(
         while not results.empty():
             rank, ok, value = results.get()
             if ok:
-                collected[rank] = pickle.loads(value)
+                collected[rank] = pickle.loads(value)  # written by our own ranks (_entry) just above
             else:
                 failures.append(f"rank {rank}: {value}")
 

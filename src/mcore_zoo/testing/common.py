@@ -1,0 +1,110 @@
+"""Test helpers shared by mcore-zoo's own tests and the conformance suite (CPU, fp32).
+
+* :func:`assert_same` - the bitwise-or-documented-tolerance comparison every parity check uses;
+* :func:`random_sequences` - reproducible token sequences;
+* :class:`ReferenceCheckpoints` - tiny HF reference checkpoints with random, sharp-attention
+  weights (see :mod:`mcore_zoo.parity.reference`), written once per configuration;
+* :func:`case_config` - an architecture's example config with overrides.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+#: Lengths of the sequences packed by the parity and THD checks: one of them a single token, two of
+#: them longer than the example configs' sliding windows.
+PARITY_LENGTHS = (37, 50, 12, 1, 29)
+
+#: Where bitwise equality is not reachable, logits must agree to 1e-6 relative to the largest
+#: reference logit (a few fp32 ulps). Two such places, both measured, both explained:
+#:
+#: * a one-token sequence run alone makes every GEMM a single row: the CPU BLAS then takes its
+#:   matrix-vector path, while the same row inside a pack goes through the matrix-matrix kernel,
+#:   which sums in another order;
+#: * Megatron-Core's own ``DotProductAttention`` folds the softmax scale into ``baddbmm(alpha=)``
+#:   while HF multiplies after the matmul: identical only when ``head_dim ** -0.5`` is a power of
+#:   two (head_dim 16, 64, 256 ...), not for Qwen3's example head_dim 24 (nor 128).
+REL_TOL = 1e-6
+
+#: Tensor parallelism sums partial products of row-parallel layers across ranks (another summation
+#: order than one GEMM): logits agree to 1e-5 relative to the largest reference logit.
+TP_REL_TOL = 1e-5
+
+
+def max_abs_diff(got: Any, ref: Any) -> float:
+    return (got.float() - ref.float()).abs().max().item() if got.numel() else 0.0
+
+
+def assert_same(got: Any, ref: Any, what: str, exact: Optional[bool] = None, rel_tol: float = REL_TOL) -> None:
+    """Assert ``got == ref`` bitwise (``exact``; default: when ``got`` has more than one row), else
+    within ``rel_tol`` of the largest reference value. The message says by how much they differ."""
+    import torch
+
+    if tuple(got.shape) != tuple(ref.shape):
+        raise AssertionError(f"{what}: shape {tuple(got.shape)} != reference {tuple(ref.shape)}")
+    diff = max_abs_diff(got, ref)
+    if exact is None:
+        exact = got.shape[0] > 1
+    if exact:
+        if not torch.equal(got, ref):
+            raise AssertionError(f"{what}: not bitwise equal, max |diff| {diff:.3e}")
+    else:
+        bound = rel_tol * max(1.0, ref.abs().max().item())
+        if not diff <= bound:
+            raise AssertionError(f"{what}: max |diff| {diff:.3e} > {bound:.3e}")
+
+
+def scale_is_power_of_two(head_dim: int) -> bool:
+    """Whether ``head_dim ** -0.5`` is a power of two (see :data:`REL_TOL`)."""
+    return math.log2(head_dim) % 2 == 0
+
+
+def random_sequences(lengths: Sequence[int], vocab: int, seed: int = 0) -> list:
+    """One random ``long`` token tensor per length (reproducible through ``seed``)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen) for n in lengths]
+
+
+def case_config(arch_name: str, overrides: Optional[Mapping[str, Any]] = None, *, registry: Any = None) -> dict:
+    """The example config of ``arch_name`` (from the registry) with ``overrides`` applied."""
+    from ..registry import get_registry
+
+    config = (registry or get_registry()).get(arch_name).example_config()
+    config.update(overrides or {})
+    return config
+
+
+def load_safetensors_dir(path: "str | os.PathLike") -> dict:
+    """Every tensor of the ``*.safetensors`` files in ``path`` (small test checkpoints only)."""
+    from safetensors.torch import load_file
+
+    state: dict = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    return state
+
+
+class ReferenceCheckpoints:
+    """``refs(architecture, config, seed=0) -> Path``: an HF checkpoint of ``architecture`` (a
+    registry :class:`~mcore_zoo.architecture.Architecture`) at ``config`` (a dict), with random
+    sharp-attention weights, written under ``make_dir(name)`` once per (architecture, config, seed).
+    """
+
+    def __init__(self, make_dir: Callable[[str], Path]) -> None:
+        self._make_dir = make_dir
+        self._cache: dict = {}
+
+    def __call__(self, architecture: Any, config: Mapping[str, Any], seed: int = 0) -> Path:
+        from ..parity.reference import write_reference_checkpoint
+
+        key = (architecture.name, architecture.plugin, repr(sorted(config.items(), key=lambda kv: kv[0])), seed)
+        if key not in self._cache:
+            out = Path(self._make_dir(architecture.name))
+            write_reference_checkpoint(architecture, dict(config), out, seed=seed)
+            self._cache[key] = out
+        return self._cache[key]
