@@ -159,9 +159,23 @@ def build_chunk(
         **kwargs,
         **extra,
     )
+    _cast_parameters(model, options.params_dtype)
     install_rope(model, arch, options.numerics)
     setattr(model, INFO_ATTR, ModelInfo(architecture, arch, options, config, vp_stage))
     return model
+
+
+def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Give every floating-point parameter ``params_dtype``.
+
+    Megatron-Core's torch-norm wrapper (``local`` / ``portable`` default norms) creates fp32
+    weights whatever ``params_dtype`` says, relying on a trainer's ``Float16Module`` to cast later;
+    HF keeps norm weights in the model dtype, so a model that is used as built must too.
+    """
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
 
 
 def install_rope(model: torch.nn.Module, arch: ArchConfig, numerics: NumericsProfile) -> None:
