@@ -248,3 +248,19 @@ def test_unusable_tokenizer_falls_back_to_random_ids_with_a_note(tmp_path, refer
     report = _report(out, "LlamaForCausalLM")
     assert report["inputs"]["source"] == "random" and "not usable" in report["notes"][0]
     assert main(["parity-report", "--model", str(ckpt), "--tokens", "tokenizer", "-q"]) == 2
+
+
+def test_ablation_flips_each_knob_alone_and_does_not_gate(tmp_path):
+    """--ablation: one non-gating row per knob that can change this model; flipping the attention
+    kernel of the local backend back to Megatron-Core's own (which folds the softmax scale into
+    baddbmm; Qwen3's head_dim 24 makes that visible) must show up as a non-bitwise row."""
+    code = main(["parity-report", "--arch", "Qwen3ForCausalLM", "--backend", "local", "--bitwise", "--ablation",
+                 "--out", str(tmp_path), "-q", "--format", "json,md"])  # fmt: skip
+    report = _report(tmp_path, "Qwen3ForCausalLM")
+    assert code == 0 and report["verdict"] == "pass"
+    rows = {c["knob"]["name"]: c for c in report["comparisons"] if c["role"] == "ablation"}
+    assert set(rows) == {"norm", "attention"}  # CPU: no fusions; no biases: linear_bias cannot matter
+    assert not any(c["gating"] for c in rows.values())
+    assert rows["attention"]["knob"] == {"name": "attention", "value": "backend", "from": "eager"}
+    assert not rows["attention"]["metrics"]["bitwise_equal"]
+    assert "## Ablation: each numerics knob flipped alone" in (tmp_path / "Qwen3ForCausalLM.md").read_text()

@@ -81,6 +81,9 @@ def register(sub: Any) -> None:
     g.add_argument("--invariance", action="store_true",
                    help="also compare the mcore model with itself: THD vs BSHD, batch 1 vs N")
     g.add_argument("--invariance-tp", type=int, metavar="K", help="... and TP K vs TP 1 (spawns K ranks)")
+    g.add_argument("--ablation", action="store_true",
+                   help="also run the model with each numerics knob flipped alone (default <-> hf-exact)"
+                        " and report what each costs (not gating)")  # fmt: skip
     g = p.add_argument_group("output")
     g.add_argument("--out", metavar="DIR", help="write <name>.json, .md and .html there")
     g.add_argument("--name", help="file stem (default: the architecture)")
@@ -126,7 +129,7 @@ def _options(args: argparse.Namespace, arch: Optional[str]) -> Any:
         device=args.device, backend=args.backend, numerics=args.numerics, knobs=_pairs(args.knob, "--knob"),
         layout=args.layout, tp=args.tp, reference=args.reference, baseline=not args.no_baseline,
         layers=not args.no_layers, bitwise=args.bitwise, tolerances=tolerances, invariance=args.invariance,
-        invariance_tp=args.invariance_tp, vllm_python=vllm_python, vllm_kwargs=_pairs(args.vllm_arg, "--vllm-arg"),
+        invariance_tp=args.invariance_tp, ablation=args.ablation, vllm_python=vllm_python, vllm_kwargs=_pairs(args.vllm_arg, "--vllm-arg"),
         worst=args.worst, work_dir=args.work_dir, trust_remote_code=args.trust_remote_code,
         command=getattr(args, "command_line", None),
     )  # fmt: skip

@@ -21,6 +21,8 @@ invariance     TP k vs TP 1 (mcore)                    yes       tolerance (row-
                                                                  partial products in another order)
 rollout        vLLM vs HF                              yes       tolerance (other kernels)
 rollout        vLLM vs mcore                           no        the trainer / rollout mismatch
+ablation       mcore, one numerics knob flipped, vs    no        what that knob costs (``--ablation``)
+               HF
 =============  =====================================  ========  ====================================
 """
 
@@ -81,6 +83,7 @@ class ParityOptions:
     tolerances: dict[str, Optional[float]] = field(default_factory=dict)
     invariance: bool = False
     invariance_tp: Optional[int] = None
+    ablation: bool = False
     vllm_python: Optional[str] = None
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
     worst: int = 10
@@ -296,6 +299,17 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
                 result = run_mcore(variant, sequences, capture=opts.layers)
                 runs[result.label] = result
             add(main, result, "invariance", True, crit)
+    if opts.ablation:
+        for knob, value, profile in ablation_profiles(r["profile"], spec.backend, source.architecture, source.config, device):
+            variant = replace(spec, numerics=profile, tag=f"{knob}={value}")
+            if spec.backend == "local" and profile.attention == "backend":
+                # mcore's own attention runs BSHD only: one sequence per forward, so no padding
+                variant = replace(variant, layout="bshd", per_sequence=True)
+            with progress.stage(f"megatron-core ablation ({knob}={value})"):
+                result = run_mcore(variant, sequences, capture=False)
+                runs[result.label] = result
+            add(ref, result, "ablation", False, criterion)
+            comparisons[-1]["knob"] = {"name": knob, "value": value, "from": getattr(r["profile"], knob)}
     if opts.vllm_python:
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -336,6 +350,51 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
         "environment": environment(device),
         "timings": dict(progress.timings),
     }
+
+
+#: knob -> backends where flipping it changes the built model
+_KNOB_BACKENDS = {
+    "norm": ("te", "local", "portable"),
+    "rope_freqs": ("te", "local", "portable"),
+    "rope_fusion": ("te",),
+    "bias_activation_fusion": ("te", "local", "portable"),
+    "masked_softmax_fusion": ("local",),
+    "attention": ("te", "local", "portable"),
+    "fuse_norm_into_linear": ("te",),
+    "linear_bias": ("local", "portable"),
+}
+
+
+def ablation_profiles(
+    profile: Any, backend: str, architecture: Any, config: dict[str, Any], device: str
+) -> list[tuple[str, Any, Any]]:
+    """``(knob, value, profile)`` for every knob where ``default`` and ``hf-exact`` differ, flipped
+    alone from ``profile`` to the other profile's value; knobs that cannot change this model on
+    this backend and device are left out."""
+    from ..config.transformer import fused_softmax_available
+    from ..numerics.profiles import get_profile
+
+    cuda = device == "cuda"
+    other = get_profile("default" if profile.norm == "hf" else "hf-exact").for_device(cuda)
+    arch = architecture.convert(config)
+    out = []
+    for knob, backends in _KNOB_BACKENDS.items():
+        value = getattr(other, knob)
+        if value == getattr(profile, knob) or backend not in backends:
+            continue
+        flipped = profile.with_knobs(**{knob: value}).for_device(cuda)
+        if flipped.knobs() == profile.knobs():
+            continue  # the device switches it off anyway
+        if knob == "rope_freqs" and arch.rope.rope_type != "default":
+            continue  # mcore cannot compute these frequencies
+        if knob == "masked_softmax_fusion" and (flipped.attention != "backend" or not fused_softmax_available()):
+            continue
+        if knob == "linear_bias" and not (arch.qkv_bias or arch.mlp_bias or arch.attn_output_bias):
+            continue
+        if knob == "fuse_norm_into_linear" and flipped.norm != "mcore":
+            continue
+        out.append((knob, value, flipped))
+    return out
 
 
 def _notes(opts: ParityOptions, r: dict[str, Any], source: Any, token_info: dict[str, Any],

@@ -77,6 +77,21 @@ def _summary_rows(report: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def _parity(report: dict[str, Any]) -> dict[str, Any]:
+    return next(c for c in report["comparisons"] if c["role"] == "parity")
+
+
+def _ablation_rows(report: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for c in report["comparisons"]:
+        if c["role"] != "ablation":
+            continue
+        m, k = c["metrics"], c.get("knob", {})
+        rows.append([f"`{k.get('name')}`", f"`{k.get('from')}`", f"`{k.get('value')}`", fmt(m["mean_abs_dlogp"]),
+                     fmt(m["max_abs_dlogp"]), fmt(m["kl_mean"]), pct(m["top1_agreement"]), fmt(m["bitwise_equal"])])  # fmt: skip
+    return rows
+
+
 def _tolerance_line(report: dict[str, Any]) -> str:
     t = report["tolerances"]
     parts = []
@@ -201,6 +216,13 @@ def to_markdown(report: dict[str, Any]) -> str:
     lines += _md_table(header, _summary_rows(report))
     lines += ["", _tolerance_line(report) + " `exp|dlogp|` is the mean of exp(|dlogp|)"
               " (token_mult_prob_error; 1 is perfect).", ""]  # fmt: skip
+    ablation = _ablation_rows(report)
+    if ablation:
+        lines += ["## Ablation: each numerics knob flipped alone", "",
+                  f"From profile `{report['runs'][_parity(report)['candidate']].get('numerics_profile', '?')}`; every row changes one"
+                  f" knob and is compared with `{_parity(report)['reference']}` (the parity row is the baseline).", ""]
+        lines += _md_table(["knob", "from", "to", "mean |dlogp|", "max |dlogp|", "KL", "top-1", "bitwise"], ablation)
+        lines.append("")
     for c in report["comparisons"]:
         if not c["layers"] or c["role"] == "baseline":
             continue
@@ -378,6 +400,10 @@ def to_html(report: dict[str, Any]) -> str:
     classes = ["" if not c["gating"] else ("" if c["passed"] else "first") for c in report["comparisons"]]
     body.append(_html_table(["comparison", "role", "criterion", *SUMMARY_COLUMNS, "result"], rows, classes))
     body.append(f'<p class="muted">{html.escape(_tolerance_line(report))} exp|dlogp| is token_mult_prob_error (1 is perfect).</p>')
+    ablation = _ablation_rows(report)
+    if ablation:
+        body.append("<h2>Ablation: each numerics knob flipped alone</h2>")
+        body.append(_html_table(["knob", "from", "to", "mean |dlogp|", "max |dlogp|", "KL", "top-1", "bitwise"], ablation))
     body.append("<h2>Plots</h2><div class='plots'>")
     body.append(_svg_layer_curve(report))
     body.append("</div><div class='plots'>")

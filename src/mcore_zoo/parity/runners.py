@@ -119,6 +119,7 @@ class McoreSpec:
         tp: tensor-parallel size (> 1 runs on spawned ranks).
         device: ``cpu`` or ``cuda``.
         per_sequence: run each sequence in its own forward (batch 1) instead of all at once.
+        tag: appended to the label (ablation runs: the flipped knob).
     """
 
     checkpoint: str
@@ -129,6 +130,7 @@ class McoreSpec:
     tp: int = 1
     device: str = "cpu"
     per_sequence: bool = False
+    tag: str = ""
 
     @property
     def label(self) -> str:
@@ -137,6 +139,8 @@ class McoreSpec:
             parts.append(f"tp{self.tp}")
         if self.per_sequence:
             parts.append("b1")
+        if self.tag:
+            parts.append(self.tag)
         return "-".join(parts)
 
 
