@@ -12,6 +12,7 @@ Inside a launched function, set up Megatron's groups with
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -42,7 +43,9 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, backen
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
     try:
         value = fn(*args)
-        results.put((rank, True, value))
+        # plain pickle (bytes): torch's queue pickler would share tensor storage through file
+        # descriptors served by this process, which is gone by the time the parent reads them
+        results.put((rank, True, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)))
     except BaseException as exc:  # reported to the parent with the traceback
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise
@@ -89,7 +92,7 @@ def launch(
         while not results.empty():
             rank, ok, value = results.get()
             if ok:
-                collected[rank] = value
+                collected[rank] = pickle.loads(value)
             else:
                 failures.append(f"rank {rank}: {value}")
 
