@@ -1,9 +1,19 @@
 """HF checkpoint IO: streaming safetensors reads (whole tensors or TP chunks) and sharded writes.
 
-Reading never materialises the checkpoint: :class:`HFCheckpoint` memory-maps each file and reads
-one tensor, or one contiguous chunk of it (``get_slice``), at a time. Every file header is
-validated when the checkpoint is opened, so a truncated or corrupt file fails before any weight is
-copied. Pickle-based ``.bin`` files are refused unless ``allow_torch_load=True`` (then read with
+Reading never materialises the checkpoint: :class:`HFCheckpoint` reads one tensor, or one
+tensor-parallel chunk of it, at a time, and only the bytes of that chunk. Every file is validated
+by ``safetensors.safe_open`` when the checkpoint is opened (so a truncated or corrupt file fails
+before any weight is copied); the bytes are then read with positional reads (``os.preadv``)
+straight into the destination - for :meth:`HFCheckpoint.read_into`, into the parameter itself,
+also when the destination is a strided view (a query group's rows inside a fused QKV weight).
+
+Why not ``safe_open(...).get_slice``: in current safetensors it returns views of a memory map of
+the whole file; every page a load touches then stays in the process's resident set until the file
+is closed (a TP=1 load peaks at twice the model size) and each byte is copied twice (page fault,
+then into the parameter). Positional reads copy once and leave nothing mapped. The chunk
+arithmetic (:func:`chunk_index`) is the same either way.
+
+Pickle-based ``.bin`` files are refused unless ``allow_torch_load=True`` (then read with
 ``torch.load(weights_only=True)``).
 
 Writing goes through :func:`atomic_output_dir`: files are written into a temporary sibling
@@ -15,15 +25,18 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
+import struct
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from ..errors import CheckpointFormatError, MissingTensorsError, ZooError
+from ..errors import CheckpointFormatError, MissingTensorsError, ShapeMismatchError, ZooError
 
 SAFE_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -33,6 +46,44 @@ _DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lives in a safetensors file (``offset``: absolute byte offset of its data)."""
+
+    file: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
+    """Parse a safetensors header (8-byte little-endian length, JSON) into :class:`TensorEntry`\ s."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise CheckpointFormatError(str(path), "file shorter than a safetensors header")
+        (length,) = struct.unpack("<Q", head)
+        header = json.loads(f.read(length))
+    base = 8 + length
+    entries = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        if meta["dtype"] not in _DTYPES:
+            raise CheckpointFormatError(str(path), f"tensor {name!r} has unsupported dtype {meta['dtype']}")
+        begin, _end = meta["data_offsets"]
+        entries[name] = TensorEntry(path.name, _DTYPES[meta["dtype"]], tuple(meta["shape"]), base + begin)
+    return entries
 
 
 class HFCheckpoint:
@@ -48,9 +99,11 @@ class HFCheckpoint:
         from safetensors import safe_open
 
         self.path = Path(path)
-        self._handles: dict[str, Any] = {}
+        self._entries: dict[str, TensorEntry] = {}
+        self._fds: dict[str, int] = {}
         self._where: dict[str, str] = {}
         self._bin: dict[str, dict[str, torch.Tensor]] = {}
+        self.bytes_read = 0
         files = self._files(allow_torch_load)
         for file in files:
             if file.endswith(".bin"):
@@ -60,15 +113,21 @@ class HFCheckpoint:
             if not full.is_file():
                 raise CheckpointFormatError(str(full), "listed in the index but missing")
             try:
-                handle = safe_open(str(full), framework="pt", device="cpu")
-                keys = list(handle.keys())
+                with safe_open(str(full), framework="pt", device="cpu") as handle:  # validates the file
+                    keys = set(handle.keys())
+                entries = read_safetensors_header(full)
+            except CheckpointFormatError:
+                raise
             except Exception as exc:  # safetensors raises SafetensorError / OSError
                 raise CheckpointFormatError(str(full), f"{type(exc).__name__}: {exc}") from exc
-            self._handles[file] = handle
-            for key in keys:
+            if set(entries) != keys:
+                raise CheckpointFormatError(str(full), "header disagrees with safetensors' reading of it")
+            self._fds[file] = os.open(full, os.O_RDONLY)
+            for key, entry in entries.items():
                 if key in self._where:
                     raise CheckpointFormatError(str(full), f"tensor {key!r} also in {self._where[key]}")
                 self._where[key] = file
+                self._entries[key] = entry
         self._check_index_consistency()
 
     # ------------------------------------------------------------------ discovery
@@ -136,13 +195,18 @@ class HFCheckpoint:
         file = self._file_of(name)
         if file in self._bin:
             return tuple(self._bin[file][name].shape)
-        return tuple(self._handles[file].get_slice(name).get_shape())
+        return self._entries[name].shape
 
     def dtype(self, name: str) -> torch.dtype:
         file = self._file_of(name)
         if file in self._bin:
             return self._bin[file][name].dtype
-        return _DTYPES[self._handles[file].get_slice(name).get_dtype()]
+        return self._entries[name].dtype
+
+    def entry(self, name: str) -> Optional[TensorEntry]:
+        """File, dtype, shape and byte offset of a safetensors tensor (``None`` for ``.bin``)."""
+        self._file_of(name)
+        return self._entries.get(name)
 
     def _file_of(self, name: str) -> str:
         try:
@@ -162,25 +226,67 @@ class HFCheckpoint:
         """Tensor ``name``; or its range ``select=(axis, start, stop)``; or (``axis`` given,
         ``size > 1``) chunk ``rank`` of ``size`` along ``axis`` (of the selected range).
 
-        Only those bytes are read. Raises if the range does not divide by ``size``.
+        Only those bytes are read, into a new tensor. Raises if the range does not divide by ``size``.
         """
         file = self._file_of(name)
-        index = chunk_index(name, self.shape(name), axis=axis, rank=rank, size=size, select=select)
+        box = chunk_box(name, self.shape(name), axis=axis, rank=rank, size=size, select=select)
+        if file in self._bin:
+            tensor = self._bin[file][name]
+            return tensor[tuple(slice(lo, hi) for lo, hi in box)].clone()
+        out = torch.empty(tuple(hi - lo for lo, hi in box), dtype=self._entries[name].dtype)
+        self._read_box(name, box, out)
+        return out
+
+    def read_into(
+        self,
+        name: str,
+        out: torch.Tensor,
+        *,
+        axis: Optional[int] = None,
+        rank: int = 0,
+        size: int = 1,
+        select: Optional[tuple[int, int, int]] = None,
+    ) -> int:
+        """Read what :meth:`read` would return into ``out`` (same number of elements, filled in
+        row-major order; any shape, strides, dtype or device). Returns the bytes read.
+
+        A CPU ``out`` of the file's dtype is filled in place by positional reads, without an
+        intermediate copy; anything else goes through one temporary of the chunk's size.
+        """
+        file = self._file_of(name)
+        box = chunk_box(name, self.shape(name), axis=axis, rank=rank, size=size, select=select)
+        shape = tuple(hi - lo for lo, hi in box)
+        if out.numel() != math.prod(shape):
+            raise ShapeMismatchError(name, tuple(out.shape), shape, context="destination of read_into")
+        if file in self._bin or out.device.type != "cpu" or out.dtype != self._entries[name].dtype:
+            tensor = self.read(name, axis=axis, rank=rank, size=size, select=select)
+            with torch.no_grad():
+                out.copy_(tensor.reshape(out.shape))
+            return tensor.numel() * tensor.element_size()
+        return self._read_box(name, box, out)
+
+    def _read_box(self, name: str, box: Sequence[tuple[int, int]], out: torch.Tensor) -> int:
+        entry = self._entries[name]
+        fd = self._fds[entry.file]
+        itemsize = out.element_size()
+        storage = out.untyped_storage()
+        raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),)).numpy()
+        view = memoryview(raw)
+        total = 0
         try:
-            if file in self._bin:
-                tensor = self._bin[file][name]
-                return (tensor if index is None else tensor[index]).clone()
-            handle = self._handles[file]
-            if index is None:
-                return handle.get_tensor(name)
-            return handle.get_slice(name)[index]
-        except ZooError:
-            raise
-        except Exception as exc:
-            raise CheckpointFormatError(str(self._full(file)), f"reading {name!r}: {exc}") from exc
+            for file_elem, dest_elem, count in _pair_runs(_source_runs(entry.shape, box), _dest_runs(out)):
+                start = dest_elem * itemsize
+                _pread_exact(fd, view[start : start + count * itemsize], entry.offset + file_elem * itemsize)
+                total += count * itemsize
+        except OSError as exc:
+            raise CheckpointFormatError(str(self._full(entry.file)), f"reading {name!r}: {exc}") from exc
+        self.bytes_read += total
+        return total
 
     def close(self) -> None:
-        self._handles.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
         self._bin.clear()
 
     def __enter__(self) -> "HFCheckpoint":
@@ -190,7 +296,7 @@ class HFCheckpoint:
         self.close()
 
 
-def chunk_index(
+def chunk_box(
     name: str,
     shape: tuple[int, ...],
     *,
@@ -198,10 +304,9 @@ def chunk_index(
     rank: int = 0,
     size: int = 1,
     select: Optional[tuple[int, int, int]] = None,
-) -> Optional[tuple[slice, ...]]:
-    """The index of a tensor-parallel chunk within an optional ``(axis, start, stop)`` range."""
-    if select is None and (axis is None or size == 1):
-        return None
+) -> list[tuple[int, int]]:
+    """``[(start, stop)]`` per dimension of tensor-parallel chunk ``rank`` of ``size`` along
+    ``axis``, within an optional ``(axis, start, stop)`` range. Raises if it does not divide."""
     bounds = [(0, n) for n in shape]
     if select is not None:
         sel_axis, start, stop = select
@@ -214,13 +319,99 @@ def chunk_index(
             raise ZooError(f"tensor {name!r} dim {axis} range {hi - lo} is not divisible into {size} chunks")
         step = (hi - lo) // size
         bounds[axis] = (lo + rank * step, lo + (rank + 1) * step)
-    index = [slice(lo, hi) for lo, hi in bounds]
+    return bounds
+
+
+def chunk_index(
+    name: str,
+    shape: tuple[int, ...],
+    *,
+    axis: Optional[int] = None,
+    rank: int = 0,
+    size: int = 1,
+    select: Optional[tuple[int, int, int]] = None,
+) -> Optional[tuple[slice, ...]]:
+    """:func:`chunk_box` as an index (trailing whole dimensions dropped; ``None``: everything)."""
+    index = [slice(lo, hi) for lo, hi in chunk_box(name, shape, axis=axis, rank=rank, size=size, select=select)]
     while index and index[-1] == slice(0, shape[len(index) - 1]):
-        index.pop()  # get_slice accepts fewer dims than the tensor has
+        index.pop()
     return tuple(index) or None
 
 
+def _source_runs(shape: Sequence[int], box: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int]]:
+    """Contiguous ``(element offset, length)`` runs of a box inside a row-major tensor, in order."""
+    if not shape:
+        yield 0, 1
+        return
+    partial = [d for d, (lo, hi) in enumerate(box) if (lo, hi) != (0, shape[d])]
+    k = partial[-1] if partial else 0
+    inner = math.prod(shape[k + 1 :])
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    length = (box[k][1] - box[k][0]) * inner
+    if length == 0:
+        return
+    outer = [range(lo, hi) for lo, hi in box[:k]]
+    for index in _product(outer):
+        yield sum(i * st for i, st in zip(index, strides)) + box[k][0] * strides[k], length
+
+
+def _dest_runs(out: torch.Tensor) -> Iterator[tuple[int, int]]:
+    """Contiguous ``(element offset in the storage, length)`` runs of ``out``, row-major order."""
+    shape, stride = list(out.shape), list(out.stride())
+    d, run = len(shape) - 1, 1
+    while d >= 0 and (shape[d] == 1 or stride[d] == run):
+        run *= shape[d]
+        d -= 1
+    base = out.storage_offset()
+    if out.numel() == 0:
+        return
+    for index in _product([range(n) for n in shape[: d + 1]]):
+        yield base + sum(i * st for i, st in zip(index, stride)), run
+
+
+def _product(ranges: Sequence[range]) -> Iterator[tuple[int, ...]]:
+    import itertools
+
+    return itertools.product(*ranges)
+
+
+def _pair_runs(source: Iterator[tuple[int, int]], dest: Iterator[tuple[int, int]]) -> Iterator[tuple[int, int, int]]:
+    """Merge two run lists covering the same number of elements: ``(src, dst, count)`` pieces."""
+    src_off, src_left = 0, 0
+    dst_off, dst_left = 0, 0
+    while True:
+        if src_left == 0:
+            nxt = next(source, None)
+            if nxt is None:
+                return
+            src_off, src_left = nxt
+        if dst_left == 0:
+            dst_off, dst_left = next(dest)
+        n = min(src_left, dst_left)
+        yield src_off, dst_off, n
+        src_off, src_left = src_off + n, src_left - n
+        dst_off, dst_left = dst_off + n, dst_left - n
+
+
+def _pread_exact(fd: int, buffer: memoryview, offset: int) -> None:
+    """Fill ``buffer`` from ``fd`` at ``offset`` (looping over short reads)."""
+    done, want = 0, len(buffer)
+    while done < want:
+        got = os.preadv(fd, [buffer[done : done + (1 << 30)]], offset + done)
+        if got == 0:
+            raise OSError(f"unexpected end of file at byte {offset + done}")
+        done += got
+
+
 # ---------------------------------------------------------------------------- writing
+
+
+def check_output_dir(path: str | os.PathLike, *, overwrite: bool = False) -> None:
+    """Raise ``FileExistsError`` if ``path`` exists and is not empty (unless ``overwrite``)."""
+    final = Path(path)
+    occupied = (final.is_dir() and any(final.iterdir())) or final.is_file()
+    if occupied and not overwrite:
+        raise FileExistsError(f"{final} exists and is not empty (pass overwrite=True)")
 
 
 @contextlib.contextmanager
@@ -231,9 +422,7 @@ def atomic_output_dir(path: str | os.PathLike, *, overwrite: bool = False) -> It
     On any exception the temporary directory is removed and ``path`` is untouched.
     """
     final = Path(path)
-    occupied = (final.is_dir() and any(final.iterdir())) or final.is_file()
-    if occupied and not overwrite:
-        raise FileExistsError(f"{final} exists and is not empty (pass overwrite=True)")
+    check_output_dir(final, overwrite=overwrite)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
     try:
