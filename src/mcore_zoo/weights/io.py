@@ -1,17 +1,20 @@
 """HF checkpoint IO: streaming safetensors reads (whole tensors or TP chunks) and sharded writes.
 
 Reading never materialises the checkpoint: :class:`HFCheckpoint` reads one tensor, or one
-tensor-parallel chunk of it, at a time, and only the bytes of that chunk. Every file is validated
-by ``safetensors.safe_open`` when the checkpoint is opened (so a truncated or corrupt file fails
-before any weight is copied); the bytes are then read with positional reads (``os.preadv``)
-straight into the destination - for :meth:`HFCheckpoint.read_into`, into the parameter itself,
-also when the destination is a strided view (a query group's rows inside a fused QKV weight).
+tensor-parallel chunk of it, at a time. Every file header is validated when the checkpoint is
+opened (dtypes, sizes, offsets tiling the data section exactly, the file length), so a truncated
+or corrupt file fails before any weight is copied - without mapping the files. A read
+then maps only the byte range of that chunk (``mmap``), copies the chunk - a strided view of the
+mapping - into its destination with one torch copy (multi-threaded; casting if the dtypes differ;
+for :meth:`HFCheckpoint.read_into` the destination is the parameter itself, also when it is a
+strided view such as a query group's rows inside a fused QKV weight) and unmaps it.
 
-Why not ``safe_open(...).get_slice``: in current safetensors it returns views of a memory map of
-the whole file; every page a load touches then stays in the process's resident set until the file
-is closed (a TP=1 load peaks at twice the model size) and each byte is copied twice (page fault,
-then into the parameter). Positional reads copy once and leave nothing mapped. The chunk
-arithmetic (:func:`chunk_index`) is the same either way.
+Why not keep ``safe_open(...).get_slice`` for the bytes: in current safetensors it returns views of
+a memory map of the whole file; every page a load touches then stays in the process's resident
+set until the file is closed (a TP=1 load peaked at twice the model size). Mapping one chunk at a
+time leaves at most one tensor's file pages mapped. Positional reads (``preadv``) were measured
+too: the kernel then faults the destination in page by page inside its copy, which is slower than
+torch's copy from a mapping. The chunk arithmetic (:func:`chunk_box`) is the same either way.
 
 Pickle-based ``.bin`` files are refused unless ``allow_torch_load=True`` (then read with
 ``torch.load(weights_only=True)``).
@@ -26,10 +29,12 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import mmap
 import os
 import shutil
 import struct
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
@@ -67,22 +72,47 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
-    """Parse a safetensors header (8-byte little-endian length, JSON) into :class:`TensorEntry`\ s."""
+    """Parse and validate a safetensors header (8-byte little-endian length, JSON) into
+    :class:`TensorEntry`\ s, as the format requires: known dtypes, sizes that match the shapes,
+    data offsets that tile the data section exactly (no holes, no overlaps, nothing missing)."""
+
+    def bad(reason: str) -> CheckpointFormatError:
+        return CheckpointFormatError(str(path), reason)
+
+    size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) != 8:
-            raise CheckpointFormatError(str(path), "file shorter than a safetensors header")
+            raise bad("file shorter than a safetensors header")
         (length,) = struct.unpack("<Q", head)
-        header = json.loads(f.read(length))
-    base = 8 + length
-    entries = {}
+        if length > size - 8:
+            raise bad(f"header length {length} exceeds the file ({size} bytes)")
+        try:
+            header = json.loads(f.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise bad(f"header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
+    base, entries, spans = 8 + length, {}, []
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        if meta["dtype"] not in _DTYPES:
-            raise CheckpointFormatError(str(path), f"tensor {name!r} has unsupported dtype {meta['dtype']}")
-        begin, _end = meta["data_offsets"]
-        entries[name] = TensorEntry(path.name, _DTYPES[meta["dtype"]], tuple(meta["shape"]), base + begin)
+        try:
+            dtype, shape, (begin, end) = _DTYPES[meta["dtype"]], tuple(int(n) for n in meta["shape"]), meta["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"tensor {name!r}: malformed entry {meta!r}") from None
+        if any(n < 0 for n in shape) or not 0 <= begin <= end or end - begin != math.prod(shape) * _itemsize(dtype):
+            raise bad(f"tensor {name!r}: data_offsets {[begin, end]} do not hold {meta['dtype']} {list(shape)}")
+        entries[name] = TensorEntry(path.name, dtype, shape, base + begin)
+        spans.append((begin, end, name))
+    spans.sort()
+    position = 0
+    for begin, end, name in spans:
+        if begin != position:
+            raise bad(f"tensor {name!r} starts at byte {begin} of the data section, expected {position}")
+        position = end
+    if base + position != size:
+        raise bad(f"data section ends at byte {base + position}, the file has {size} bytes (truncated or padded)")
     return entries
 
 
@@ -96,8 +126,6 @@ class HFCheckpoint:
     """
 
     def __init__(self, path: str | os.PathLike, *, allow_torch_load: bool = False) -> None:
-        from safetensors import safe_open
-
         self.path = Path(path)
         self._entries: dict[str, TensorEntry] = {}
         self._fds: dict[str, int] = {}
@@ -113,15 +141,9 @@ class HFCheckpoint:
             if not full.is_file():
                 raise CheckpointFormatError(str(full), "listed in the index but missing")
             try:
-                with safe_open(str(full), framework="pt", device="cpu") as handle:  # validates the file
-                    keys = set(handle.keys())
                 entries = read_safetensors_header(full)
-            except CheckpointFormatError:
-                raise
-            except Exception as exc:  # safetensors raises SafetensorError / OSError
+            except OSError as exc:
                 raise CheckpointFormatError(str(full), f"{type(exc).__name__}: {exc}") from exc
-            if set(entries) != keys:
-                raise CheckpointFormatError(str(full), "header disagrees with safetensors' reading of it")
             self._fds[file] = os.open(full, os.O_RDONLY)
             for key, entry in entries.items():
                 if key in self._where:
@@ -250,15 +272,15 @@ class HFCheckpoint:
         """Read what :meth:`read` would return into ``out`` (same number of elements, filled in
         row-major order; any shape, strides, dtype or device). Returns the bytes read.
 
-        A CPU ``out`` of the file's dtype is filled in place by positional reads, without an
-        intermediate copy; anything else goes through one temporary of the chunk's size.
+        The chunk is copied straight from the file mapping into ``out`` (no intermediate tensor
+        for safetensors files, whatever ``out``'s device or dtype).
         """
         file = self._file_of(name)
         box = chunk_box(name, self.shape(name), axis=axis, rank=rank, size=size, select=select)
         shape = tuple(hi - lo for lo, hi in box)
         if out.numel() != math.prod(shape):
             raise ShapeMismatchError(name, tuple(out.shape), shape, context="destination of read_into")
-        if file in self._bin or out.device.type != "cpu" or out.dtype != self._entries[name].dtype:
+        if file in self._bin:
             tensor = self.read(name, axis=axis, rank=rank, size=size, select=select)
             with torch.no_grad():
                 out.copy_(tensor.reshape(out.shape))
@@ -266,22 +288,37 @@ class HFCheckpoint:
         return self._read_box(name, box, out)
 
     def _read_box(self, name: str, box: Sequence[tuple[int, int]], out: torch.Tensor) -> int:
+        """Copy the ``box`` of tensor ``name`` into ``out`` through a mapping of just its bytes."""
         entry = self._entries[name]
-        fd = self._fds[entry.file]
-        itemsize = out.element_size()
-        storage = out.untyped_storage()
-        raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),)).numpy()
-        view = memoryview(raw)
-        total = 0
+        shape = tuple(hi - lo for lo, hi in box)
+        if math.prod(shape) == 0:
+            return 0
+        itemsize = _itemsize(entry.dtype)
+        strides = [math.prod(entry.shape[d + 1 :]) for d in range(len(entry.shape))]
+        first = sum(lo * st for (lo, _), st in zip(box, strides))
+        last = sum((hi - 1) * st for (_, hi), st in zip(box, strides))
+        start, stop = entry.offset + first * itemsize, entry.offset + (last + 1) * itemsize
+        base = start - start % mmap.ALLOCATIONGRANULARITY
         try:
-            for file_elem, dest_elem, count in _pair_runs(_source_runs(entry.shape, box), _dest_runs(out)):
-                start = dest_elem * itemsize
-                _pread_exact(fd, view[start : start + count * itemsize], entry.offset + file_elem * itemsize)
-                total += count * itemsize
-        except OSError as exc:
+            mapping = mmap.mmap(self._fds[entry.file], stop - base, offset=base, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as exc:
             raise CheckpointFormatError(str(self._full(entry.file)), f"reading {name!r}: {exc}") from exc
-        self.bytes_read += total
-        return total
+        raw = source = None
+        try:
+            with warnings.catch_warnings():  # read-only buffer: torch warns that it is not writable
+                warnings.simplefilter("ignore")
+                raw = torch.frombuffer(mapping, dtype=torch.uint8)[start - base :]
+            if (start - base) % itemsize:  # misaligned for a typed view (not written by safetensors)
+                raw = raw.clone()
+            source = raw.view(entry.dtype).as_strided(shape, strides)
+            with torch.no_grad():
+                out.copy_(source if tuple(out.shape) == shape else source.reshape(out.shape))
+        finally:
+            raw = source = None  # release the buffer before unmapping
+            mapping.close()
+        nbytes = math.prod(shape) * itemsize
+        self.bytes_read += nbytes
+        return nbytes
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -338,71 +375,6 @@ def chunk_index(
     return tuple(index) or None
 
 
-def _source_runs(shape: Sequence[int], box: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int]]:
-    """Contiguous ``(element offset, length)`` runs of a box inside a row-major tensor, in order."""
-    if not shape:
-        yield 0, 1
-        return
-    partial = [d for d, (lo, hi) in enumerate(box) if (lo, hi) != (0, shape[d])]
-    k = partial[-1] if partial else 0
-    inner = math.prod(shape[k + 1 :])
-    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
-    length = (box[k][1] - box[k][0]) * inner
-    if length == 0:
-        return
-    outer = [range(lo, hi) for lo, hi in box[:k]]
-    for index in _product(outer):
-        yield sum(i * st for i, st in zip(index, strides)) + box[k][0] * strides[k], length
-
-
-def _dest_runs(out: torch.Tensor) -> Iterator[tuple[int, int]]:
-    """Contiguous ``(element offset in the storage, length)`` runs of ``out``, row-major order."""
-    shape, stride = list(out.shape), list(out.stride())
-    d, run = len(shape) - 1, 1
-    while d >= 0 and (shape[d] == 1 or stride[d] == run):
-        run *= shape[d]
-        d -= 1
-    base = out.storage_offset()
-    if out.numel() == 0:
-        return
-    for index in _product([range(n) for n in shape[: d + 1]]):
-        yield base + sum(i * st for i, st in zip(index, stride)), run
-
-
-def _product(ranges: Sequence[range]) -> Iterator[tuple[int, ...]]:
-    import itertools
-
-    return itertools.product(*ranges)
-
-
-def _pair_runs(source: Iterator[tuple[int, int]], dest: Iterator[tuple[int, int]]) -> Iterator[tuple[int, int, int]]:
-    """Merge two run lists covering the same number of elements: ``(src, dst, count)`` pieces."""
-    src_off, src_left = 0, 0
-    dst_off, dst_left = 0, 0
-    while True:
-        if src_left == 0:
-            nxt = next(source, None)
-            if nxt is None:
-                return
-            src_off, src_left = nxt
-        if dst_left == 0:
-            dst_off, dst_left = next(dest)
-        n = min(src_left, dst_left)
-        yield src_off, dst_off, n
-        src_off, src_left = src_off + n, src_left - n
-        dst_off, dst_left = dst_off + n, dst_left - n
-
-
-def _pread_exact(fd: int, buffer: memoryview, offset: int) -> None:
-    """Fill ``buffer`` from ``fd`` at ``offset`` (looping over short reads)."""
-    done, want = 0, len(buffer)
-    while done < want:
-        got = os.preadv(fd, [buffer[done : done + (1 << 30)]], offset + done)
-        if got == 0:
-            raise OSError(f"unexpected end of file at byte {offset + done}")
-        done += got
-
-
 # ---------------------------------------------------------------------------- writing
 
 
@@ -450,6 +422,31 @@ def _parse_size(size: int | str) -> int:
     return int(text)
 
 
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: Optional[dict[str, str]] = None) -> None:
+    """Write a safetensors file straight from the tensors' memory (``safetensors.torch.save_file``
+    first flattens every tensor into a bytes copy, doubling the memory a shard needs). CPU,
+    contiguous tensors; the header is padded to 8 bytes as safetensors writes it."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, tensor in tensors.items():
+        if tensor.dtype not in _DTYPE_NAMES:
+            raise ZooError(f"tensor {name!r}: dtype {tensor.dtype} has no safetensors name")
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for tensor in tensors.values():
+            if tensor.numel():
+                f.write(memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
+
+
 class SafetensorsShardWriter:
     """Write tensors into ``model-XXXXX-of-YYYYY.safetensors`` shards of bounded size.
 
@@ -480,12 +477,10 @@ class SafetensorsShardWriter:
         self.total_bytes += nbytes
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
-
         if not self._buffer:
             return
         tmp_name = f"shard-{len(self._shards):05d}.tmp"
-        save_file(self._buffer, str(self.directory / tmp_name), metadata=self.metadata)
+        write_safetensors(self.directory / tmp_name, self._buffer, self.metadata)
         self._shards.append((tmp_name, list(self._buffer)))
         self._buffer = {}
         self._buffer_bytes = 0
