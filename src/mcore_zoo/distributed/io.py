@@ -23,6 +23,7 @@ checkpoint from a single process holding one parameter at a time:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import os
 from dataclasses import dataclass
@@ -107,7 +108,10 @@ def sharded_layout(model: torch.nn.Module) -> ShardedLayout:
     return ShardedLayout(params, chunks, serialised, common)
 
 
-def _planner(layout: ShardedLayout, produce: Callable[[str], torch.Tensor]) -> Any:
+@functools.lru_cache(maxsize=None)
+def _streaming_save_planner() -> type:
+    """The planner class, created once (a class made per call would sit in a reference cycle
+    with whatever its methods close over - parameters included - until the cyclic GC runs)."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
@@ -116,8 +120,9 @@ def _planner(layout: ShardedLayout, produce: Callable[[str], torch.Tensor]) -> A
         """DefaultSavePlanner for the ``ShardedObject`` bytes, plus one lazily produced write item
         per chunk; the most recently produced parameter is kept until its chunks are written."""
 
-        def __init__(self) -> None:
+        def __init__(self, layout: ShardedLayout, produce: Callable[[str], torch.Tensor]) -> None:
             super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+            self.layout, self.produce = layout, produce
             self._chunks = {(c.key, c.global_offset): c for c in layout.chunks}
             self._current: tuple[Optional[str], Optional[torch.Tensor]] = (None, None)
 
@@ -133,7 +138,7 @@ def _planner(layout: ShardedLayout, produce: Callable[[str], torch.Tensor]) -> A
                         size=torch.Size(c.global_shape),
                     ),
                 )
-                for c in layout.chunks
+                for c in self.layout.chunks
             ]
             self.plan = dataclasses.replace(plan, items=list(plan.items) + items)
             return self.plan
@@ -148,14 +153,14 @@ def _planner(layout: ShardedLayout, produce: Callable[[str], torch.Tensor]) -> A
             name, tensor = self._current
             if name != chunk.param:
                 self._current = (None, None)  # drop the previous parameter first
-                tensor = produce(chunk.param)
-                want = layout.params[chunk.param]
+                tensor = self.produce(chunk.param)
+                want = self.layout.params[chunk.param]
                 if tuple(tensor.shape) != want[0] or tensor.dtype != want[1]:
                     raise ZooError(f"{chunk.param}: produced {tuple(tensor.shape)} {tensor.dtype}, expected {want[0]} {want[1]}")
                 self._current = (chunk.param, tensor)
             return chunk.of(tensor).reshape(chunk.sizes).contiguous()
 
-    return StreamingSavePlanner()
+    return StreamingSavePlanner
 
 
 def write_streaming(layout: ShardedLayout, produce: Callable[[str], torch.Tensor], directory: str | os.PathLike) -> None:
@@ -166,24 +171,29 @@ def write_streaming(layout: ShardedLayout, produce: Callable[[str], torch.Tensor
     from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 
     writer = dcp.FileSystemWriter(str(directory), single_file_per_rank=True, thread_count=1, per_thread_copy_ahead=0)
-    dcp.save(dict(layout.objects), storage_writer=writer, planner=_planner(layout, produce), no_dist=True)
+    dcp.save(dict(layout.objects), storage_writer=writer, planner=_streaming_save_planner()(layout, produce), no_dist=True)
     torch.save(layout.common, os.path.join(str(directory), COMMON_STATE_FNAME))
     save_config(CheckpointingConfig("torch_dist"), str(directory))
 
 
-def _region_planner(requests: dict[tuple[str, tuple[int, ...]], tuple[torch.Tensor, tuple[int, ...]]]) -> Any:
+@functools.lru_cache(maxsize=None)
+def _region_load_planner() -> type:
     """A DCP load planner filling ``{(key, global offset): (destination, global shape)}`` regions
-    (any chunking on disk; the overlaps are read)."""
+    (any chunking on disk; the overlaps are read). Created once: see :func:`_streaming_save_planner`."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
     from torch.distributed.checkpoint.planner import LoadPlan
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
     class RegionLoadPlanner(DefaultLoadPlanner):
+        def __init__(self, requests: dict[tuple[str, tuple[int, ...]], tuple[torch.Tensor, tuple[int, ...]]]) -> None:
+            super().__init__()
+            self.requests = requests
+
         def create_local_plan(self) -> LoadPlan:
             items = []
             stored = self.metadata.state_dict_metadata
-            for (key, offset), (dest, global_shape) in requests.items():
+            for (key, offset), (dest, global_shape) in self.requests.items():
                 md = stored.get(key)
                 if not isinstance(md, TensorStorageMetadata):
                     raise ZooError(f"distributed checkpoint has no tensor {key!r}")
@@ -194,9 +204,9 @@ def _region_planner(requests: dict[tuple[str, tuple[int, ...]], tuple[torch.Tens
             return LoadPlan(items)
 
         def lookup_tensor(self, index: Any) -> torch.Tensor:
-            return requests[(index.fqn, tuple(index.offset))][0]
+            return self.requests[(index.fqn, tuple(index.offset))][0]
 
-    return RegionLoadPlanner()
+    return RegionLoadPlanner
 
 
 def read_params(
@@ -221,7 +231,7 @@ def read_params(
             tensors[name] = torch.empty(shape, dtype=dtype or param_dtype)
             for c in by_param.get(name, []):
                 requests[(c.key, c.global_offset)] = (c.of(tensors[name]).view(c.sizes), c.global_shape)
-        dcp.load({}, storage_reader=dcp.FileSystemReader(str(directory)), planner=_region_planner(requests), no_dist=True)
+        dcp.load({}, storage_reader=dcp.FileSystemReader(str(directory)), planner=_region_load_planner()(requests), no_dist=True)
         yield tensors
 
 
