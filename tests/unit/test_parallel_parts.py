@@ -199,3 +199,36 @@ def test_dist_checkpoint_of_another_model_is_refused(mpu, reference_checkpoint, 
     qwen = reference_checkpoint("Qwen2ForCausalLM")  # has QKV biases Llama lacks
     with pytest.raises(ZooError, match="linear_qkv.bias"):
         load_mcore_checkpoint(mcore_zoo.build_model(qwen, backend="local"), tmp_path / "llama")
+
+
+@pytest.mark.parametrize(
+    "offsets,message",
+    [
+        ([[0, 16], [24, 40]], "starts at byte 24 of the data section, expected 16"),  # a hole
+        ([[0, 16], [8, 24]], "starts at byte 8"),  # overlap
+        ([[0, 16], [16, 30]], "do not hold F32"),  # size does not match the shape
+    ],
+)
+def test_safetensors_header_is_validated_without_mapping_the_file(tmp_path, offsets, message):
+    import struct
+
+    from mcore_zoo.errors import CheckpointFormatError
+    from mcore_zoo.weights.io import HFCheckpoint
+
+    header = {"a": {"dtype": "F32", "shape": [4], "data_offsets": offsets[0]},
+              "b": {"dtype": "F32", "shape": [4], "data_offsets": offsets[1]}}  # fmt: skip
+    blob = json.dumps(header).encode()
+    data = bytes(max(end for _, end in offsets))
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + data)
+    with pytest.raises(CheckpointFormatError, match=message):
+        HFCheckpoint(tmp_path)
+
+
+def test_shard_writer_output_is_read_by_safetensors(tmp_path):
+    from mcore_zoo.weights.io import write_safetensors
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"x": torch.randn(3, 5, generator=gen).bfloat16(), "y": torch.arange(7), "z": torch.ones(()), "e": torch.empty(0, 4)}
+    write_safetensors(tmp_path / "t.safetensors", tensors, {"producer": "test"})
+    back = load_file(str(tmp_path / "t.safetensors"))
+    assert set(back) == set(tensors) and all(torch.equal(back[k], tensors[k]) for k in tensors)
