@@ -39,7 +39,36 @@ def _mismatches(exported: dict, source: dict) -> list[str]:
     return names + [k for k in source if k in exported and not torch.equal(exported[k], source[k])]
 
 
-def _run_layouts(ckpt: str, mcore_dir: str, out_dir: str, layouts: list) -> dict:
+def _refusals_of_a_model_built_for_another_layout(ckpt: str, mcore_dir: str) -> list[str]:
+    """A TP1 model under a TP2 parallel state: every entry point refuses before IO/collectives."""
+    from megatron.core import parallel_state as ps
+
+    from mcore_zoo.convert import load_mcore_checkpoint
+    from mcore_zoo.errors import LayoutError
+    from mcore_zoo.parallel import ensure_model_parallel
+
+    ensure_model_parallel(Parallelism())
+    model = mcore_zoo.build_model(ckpt, backend="portable", numerics=NUMERICS)
+    ps.destroy_model_parallel()
+    ensure_model_parallel(Parallelism(tp=2))
+    calls = {
+        "load_hf_weights": lambda: mcore_zoo.load_hf_weights(model, ckpt),
+        "load_mcore_checkpoint": lambda: load_mcore_checkpoint(model, mcore_dir),
+        "forward": lambda: mcore_zoo.distributed_forward(model, random_sequences([5], 256)),
+        "iter_hf_weights": lambda: next(mcore_zoo.iter_hf_weights(model)),
+    }
+    refused = []
+    for name, call in calls.items():
+        try:
+            call()
+        except LayoutError as exc:
+            if "tp: model built for 1, parallel state has 2" in str(exc):
+                refused.append(name)
+    ps.destroy_model_parallel()
+    return refused
+
+
+def _run_layouts(ckpt: str, mcore_dir: str, out_dir: str, layouts: list, mismatch: bool = False) -> dict:
     """On every rank: for each layout, load / forward / export / save / reload; return findings."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -51,6 +80,8 @@ def _run_layouts(ckpt: str, mcore_dir: str, out_dir: str, layouts: list) -> dict
     source = _source(ckpt)
     seqs = random_sequences(LENGTHS, 256)
     found: dict = {}
+    if mismatch:
+        found["refused"] = _refusals_of_a_model_built_for_another_layout(ckpt, mcore_dir)
     for name, parallel in layouts:
         r: dict = {}
         if name.startswith("trainer-"):
@@ -159,7 +190,8 @@ def _check(found: list[dict], ckpt: Path, hf, ref: list[torch.Tensor], out_dir: 
 @pytest.mark.slow
 def test_two_ranks_pp2_cp2_tp2sp(reference_checkpoint, hf_reference, mpu, tmp_path):
     """PP2 (tied embeddings across stages), CP2 (portable K/V all-gather; the two CP ranks are one
-    data-parallel-like replica group, so the second is fed by broadcast) and TP2 + SP."""
+    data-parallel-like replica group, so the second is fed by broadcast) and TP2 + SP; first, a
+    model built for TP1 is refused under a TP2 parallel state by every entry point."""
     from mcore_zoo.convert import hf_to_mcore
 
     ckpt = reference_checkpoint("Qwen2ForCausalLM", {"num_hidden_layers": 4})
@@ -169,7 +201,9 @@ def test_two_ranks_pp2_cp2_tp2sp(reference_checkpoint, hf_reference, mpu, tmp_pa
         ("cp2", Parallelism(cp=2)),
         ("tp2sp", Parallelism(tp=2, sequence_parallel=True)),
     ]
-    found = launch(_run_layouts, 2, str(ckpt), str(tmp_path / "mcore"), str(tmp_path), layouts)
+    found = launch(_run_layouts, 2, str(ckpt), str(tmp_path / "mcore"), str(tmp_path), layouts, True)
+    for rank in found:
+        assert rank.pop("refused") == ["load_hf_weights", "load_mcore_checkpoint", "forward", "iter_hf_weights"]
     worst = _check(found, ckpt, hf_reference("Qwen2ForCausalLM", ckpt), _reference_logits(ckpt), tmp_path, 2)
     print("max |dlogit| vs the single-process model:", worst)
     assert found[0]["pp2"]["bytes_read"] and found[1]["pp2"]["bytes_read"]  # stages read their own halves

@@ -120,9 +120,10 @@ def iter_hf_buckets(
     """Yield the model's HF tensors as lists ``[(hf_name, tensor), ...]`` of at most ``bucket_size``
     bytes, gathered over TP and PP (see module docstring). Every rank of the job must iterate to
     the end. ``ranks``: global ranks that receive buckets (default: all); the others yield nothing.
-    The tensors of a bucket are views of one flat buffer under pipeline parallelism; keep a
-    reference (or copy) only as long as needed - memory stays bounded when each bucket is
-    released before the next is requested."""
+    Under pipeline parallelism the tensors of a bucket are views of one flat buffer; without it
+    they may be views of the parameters themselves (TP = 1, an HF tensor that is a whole
+    parameter): read them, do not modify them. Memory stays bounded when each bucket is released
+    before the next is requested."""
     from megatron.core import parallel_state as ps
 
     layout = current_layout(model)
