@@ -256,6 +256,9 @@ def markdown(results: dict[str, Any]) -> str:
     ]
     if "error" in results.get("reference", {}):
         return "\n".join(lines + [f"Reference run failed: `{results['reference']['error']}`", ""])
+    scales = [e["max_abs_logit"] for e in results["layouts"].values() if "max_abs_logit" in e]
+    if scales:
+        lines += [f"Largest reference |logit|: {scales[0]:.3g}.", ""]
     lines += [
         "| layout | max abs dlogit | mean abs dlogp | max abs dlogp | top-1 agreement | load s | forward s |",
         "| --- | --- | --- | --- | --- | --- | --- |",
