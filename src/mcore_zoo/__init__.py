@@ -10,6 +10,9 @@ Public API (everything else is internal)::
     for name, tensor in mcore_zoo.iter_hf_weights(model):    # streaming export to HF names
         ...
 
+Parallel layouts (TP / SP / PP / VPP / CP) go through the same calls; see docs/parallel.md
+(``iter_hf_buckets``, ``iter_hf_shards``, ``distributed_forward``, ``load_mcore_checkpoint``).
+
 Importing this package is cheap: Megatron-Core, Transformer Engine and transformers are imported
 only by the functions that need them.
 """
@@ -70,7 +73,12 @@ _LAZY = {
     "load_hf_weights": "mcore_zoo.weights.load:load_hf_weights",
     "load_hf_state_dict": "mcore_zoo.weights.load:load_hf_state_dict",
     "iter_hf_weights": "mcore_zoo.weights.export:iter_hf_weights",
+    "iter_hf_buckets": "mcore_zoo.distributed.export:iter_hf_buckets",
+    "iter_hf_shards": "mcore_zoo.distributed.export:iter_hf_shards",
     "save_hf_checkpoint": "mcore_zoo.weights.export:save_hf_checkpoint",
+    "distributed_forward": "mcore_zoo.distributed.forward:forward",
+    "launch": "mcore_zoo.distributed.launch:launch",
+    "load_mcore_checkpoint": "mcore_zoo.convert:load_mcore_checkpoint",
     "PackedBatch": "mcore_zoo.packing:PackedBatch",
     "PackedOutput": "mcore_zoo.packing:PackedOutput",
     "pack_sequences": "mcore_zoo.packing:pack_sequences",

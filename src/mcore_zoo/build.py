@@ -235,7 +235,8 @@ def build_model(
     """
     from .parallel import ensure_model_parallel
 
-    parallel = ensure_model_parallel(parallel)
+    # convert and validate the layout first: a layout that does not divide the model is an error
+    # before any process group is created or any weight is read
     architecture, arch, options, config = prepare(
         source,
         architecture=architecture,
@@ -248,8 +249,9 @@ def build_model(
         trust_remote_code=trust_remote_code,
         perform_initialization=load is None,
     )
+    ensure_model_parallel(options.parallel)
     provider = _provider(architecture, arch, options, config)
-    chunks = _build_stage_chunks(provider, parallel)
+    chunks = _build_stage_chunks(provider, options.parallel)
     target = torch.device(device) if device is not None else (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     )
@@ -258,7 +260,7 @@ def build_model(
         from .weights.load import load_hf_weights
 
         load_hf_weights(chunks, load)
-    return chunks if parallel.vpp else chunks[0]
+    return chunks if options.parallel.vpp else chunks[0]
 
 
 def _build_stage_chunks(provider: Callable[..., torch.nn.Module], parallel: Parallelism) -> list[torch.nn.Module]:

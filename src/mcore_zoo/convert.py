@@ -1,27 +1,36 @@
-"""Offline conversion between HF checkpoints and Megatron-Core distributed checkpoints.
+"""Offline conversion between HF checkpoints and Megatron-Core distributed checkpoints, streaming.
 
-``hf_to_mcore`` loads an HF checkpoint into a zoo-built model and saves it with
-``megatron.core.dist_checkpointing`` (``torch_dist`` format): the result loads at any TP/PP through
-dist_checkpointing's resharding. ``mcore_to_hf`` goes back: load the distributed checkpoint into
-a model of the recorded architecture, then write an HF checkpoint.
+``hf_to_mcore`` writes a ``torch_dist`` checkpoint once; :func:`load_mcore_checkpoint` (and any
+Megatron-LM style ``dist_checkpointing.load``) then loads it at any TP / PP / VPP through
+dist_checkpointing's resharding. Both directions run in one process and hold one parameter
+(HF -> mcore) or one decoder layer (mcore -> HF, plus the HF shard being written, see
+``max_shard_size``) at a time: the model is never materialised, so a model larger than the
+process's memory converts. How: the single-process model is built on the ``meta`` device, its
+``sharded_state_dict`` gives every checkpoint key, shape and offset, and parameters are produced
+from the HF files with the same weight-map rules as :func:`mcore_zoo.load_hf_weights`
+(:mod:`mcore_zoo.distributed.io`).
 
 A ``mcore_zoo.json`` beside the distributed checkpoint records the architecture and the HF
-config, so the way back needs nothing else. Both directions write atomically.
+config, so the way back needs nothing else. Both directions write atomically. Key names are the
+fused-norm ones (``linear_qkv.layer_norm_weight``) whatever the backend, so a checkpoint converted
+with the CPU ``local`` backend loads into a Transformer Engine model.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+from collections import Counter
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 
 from .errors import ZooError
 
 META_FILE = "mcore_zoo.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
@@ -36,11 +45,42 @@ def parse_dtype(name: Optional[Union[str, torch.dtype]]) -> Optional[torch.dtype
         raise ZooError(f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}") from None
 
 
-def _barrier() -> None:
+def _single_process() -> None:
+    """Conversion runs in one process at TP = PP = 1; create that state if there is none."""
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
-    if dist.is_initialized():
-        dist.barrier()
+    from .parallel import ensure_model_parallel
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise ZooError("checkpoint conversion runs in a single process (it streams; no parallelism needed)")
+    if ps.model_parallel_is_initialized() and ps.get_model_parallel_group().size() > 1:
+        raise ZooError("checkpoint conversion needs TP = PP = 1 in this process")
+    ensure_model_parallel()
+
+
+def meta_model(source: Any, *, backend: str = "local", params_dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
+    """The single-process (TP = PP = 1) model on the ``meta`` device: names, shapes, sharding
+    metadata and the bound weight map, without memory."""
+    from .build import build_chunk, prepare
+    from .config.arch import Parallelism
+
+    _single_process()
+    architecture, arch, options, config = prepare(
+        source, backend=backend, params_dtype=params_dtype, parallel=Parallelism(),
+        overrides={"use_cpu_initialization": True}, perform_initialization=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        return build_chunk(architecture, arch, options, config)
+
+
+def _checkpoint_dtype(ckpt: Any) -> torch.dtype:
+    """The dtype holding most of the checkpoint's bytes."""
+    counts: Counter = Counter()
+    for name in ckpt.keys():
+        shape = ckpt.shape(name)
+        counts[ckpt.dtype(name)] += int(torch.Size(shape).numel())
+    return counts.most_common(1)[0][0]
 
 
 def hf_to_mcore(
@@ -51,27 +91,43 @@ def hf_to_mcore(
     backend: str = "local",
     overwrite: bool = False,
 ) -> Path:
-    """HF checkpoint -> Megatron-Core distributed checkpoint (see module docstring)."""
-    from megatron.core import dist_checkpointing
+    """HF checkpoint -> Megatron-Core ``torch_dist`` checkpoint, one parameter in memory at a time.
 
-    from .build import build_model, model_info
-    from .weights.io import atomic_output_dir
+    ``params_dtype`` defaults to the dtype of the HF weights. Every check of
+    :func:`mcore_zoo.load_hf_weights` (coverage both ways, shapes) runs before anything is written.
+    """
+    from .build import model_info
+    from .distributed.io import sharded_layout, write_streaming
+    from .weights.io import HFCheckpoint, atomic_output_dir
+    from .weights.load import bind_chunk, plan_load, read_rule_into
+    from .weights.rules import TransformContext
 
-    dtype = parse_dtype(params_dtype) or torch.float32
-    model = build_model(hf_dir, backend=backend, params_dtype=dtype, load=hf_dir)
-    info = model_info(model)
-    out = Path(out_dir)
-    with atomic_output_dir(out, overwrite=overwrite) as tmp:
-        dist_checkpointing.save(model.sharded_state_dict(), str(tmp))
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "architecture": info.arch.architecture,
-            "hf_config": info.arch.hf_config,
-            "params_dtype": str(dtype).replace("torch.", ""),
-            "backend": backend,
-        }
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-        _barrier()
+    with HFCheckpoint(hf_dir) as ckpt:
+        dtype = parse_dtype(params_dtype) or _checkpoint_dtype(ckpt)
+        model = meta_model(hf_dir, backend=backend, params_dtype=dtype)
+        info = model_info(model)
+        plan_load(model, ckpt)  # coverage, unmapped parameters, shapes: all before writing
+        rules = {b.mcore: b for b in bind_chunk(info.weight_map, model)}
+        layout = sharded_layout(model)
+        ctx = TransformContext(info.arch)
+
+        def produce(name: str) -> torch.Tensor:
+            shape, param_dtype = layout.params[name]
+            tensor = torch.empty(shape, dtype=param_dtype)
+            read_rule_into(ckpt, rules[name], tensor, ctx)
+            return tensor
+
+        out = Path(out_dir)
+        with atomic_output_dir(out, overwrite=overwrite) as tmp:
+            write_streaming(layout, produce, tmp)
+            meta = {
+                "format_version": FORMAT_VERSION,
+                "architecture": info.arch.architecture,
+                "hf_config": info.arch.hf_config,
+                "params_dtype": str(dtype).replace("torch.", ""),
+                "backend": backend,
+            }
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return out
 
 
@@ -81,23 +137,47 @@ def read_meta(mcore_dir: Union[str, os.PathLike]) -> dict[str, Any]:
         raise ZooError(f"{mcore_dir} has no {META_FILE}: not a checkpoint written by mcore-zoo convert")
     meta = json.loads(path.read_text())
     if meta.get("format_version") != FORMAT_VERSION:
-        raise ZooError(f"{path}: format_version {meta.get('format_version')!r} is not {FORMAT_VERSION}")
+        raise ZooError(
+            f"{path}: format_version {meta.get('format_version')!r} is not {FORMAT_VERSION}; convert the HF checkpoint again"
+        )
     return meta
 
 
 def load_mcore_checkpoint(model: Any, mcore_dir: Union[str, os.PathLike]) -> None:
-    """Load a distributed checkpoint into ``model`` (any layout); every key must be present."""
+    """Load a distributed checkpoint into ``model`` - this rank's chunk, or its list of VPP chunks -
+    at any layout. Every rank of the job calls it (one collective load). Every parameter must be
+    found and every checkpoint tensor used; only ``_extra_state`` entries (Transformer Engine's
+    FP8 metadata) may be absent from the checkpoint."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     from .build import as_chunks
+    from .distributed.layout import current_layout
 
-    for chunk in as_chunks(model):
-        state = dist_checkpointing.load(chunk.sharded_state_dict(), str(mcore_dir), strict=StrictHandling.RAISE_ALL)
-        missing, unexpected = chunk.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise ZooError(f"distributed checkpoint {mcore_dir} does not match the model: missing {missing}, unexpected {unexpected}")
+    chunks = as_chunks(model)
+    current_layout(chunks)  # before any IO
+    request = {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+    state, missing, unexpected = dist_checkpointing.load(request, str(mcore_dir), strict=StrictHandling.RETURN_ALL)
+    absent = sorted(k for k in unexpected if not re.search(r"_extra_state(/|$)", k))  # asked for, not stored
+    if absent or missing:
+        raise ZooError(
+            f"distributed checkpoint {mcore_dir} does not match the model: not in the checkpoint {absent},"
+            f" in the checkpoint but not in the model {sorted(missing)}"
+        )
+    for i, chunk in enumerate(chunks):
+        not_loaded, extra = chunk.load_state_dict(state[f"chunk{i}"], strict=False)
+        not_loaded = [k for k in not_loaded if not k.endswith("_extra_state")]
+        if not_loaded or extra:
+            raise ZooError(f"distributed checkpoint {mcore_dir} does not match the model: missing {not_loaded}, unexpected {extra}")
+
+
+def _layer_groups(names: list[str]) -> Iterator[list[str]]:
+    """Parameter names grouped by decoder layer (others one by one), in model order."""
+    groups: dict[Any, list[str]] = {}
+    for name in names:
+        m = re.match(r"decoder\.layers\.(\d+)\.", name)
+        groups.setdefault(("layer", int(m.group(1))) if m else ("single", name), []).append(name)
+    yield from groups.values()
 
 
 def mcore_to_hf(
@@ -108,12 +188,30 @@ def mcore_to_hf(
     max_shard_size: Union[int, str] = "5GB",
     overwrite: bool = False,
 ) -> list[str]:
-    """Megatron-Core distributed checkpoint (written by :func:`hf_to_mcore`) -> HF checkpoint."""
-    from .build import build_model
-    from .weights.export import save_hf_checkpoint
+    """Megatron-Core distributed checkpoint (written by :func:`hf_to_mcore`, or saved by a training
+    job from a zoo-built model of any layout) -> HF checkpoint, one decoder layer at a time."""
+    from .build import model_info
+    from .distributed.io import read_params, sharded_layout
+    from .weights.export import export_rule, hf_config_for_export, write_hf_checkpoint
+    from .weights.load import bind_chunk
+    from .weights.rules import TransformContext
 
     meta = read_meta(mcore_dir)
-    params_dtype = parse_dtype(meta.get("params_dtype"))
-    model = build_model(meta["hf_config"], backend=meta.get("backend", "local"), params_dtype=params_dtype)
-    load_mcore_checkpoint(model, mcore_dir)
-    return save_hf_checkpoint(model, out_dir, dtype=parse_dtype(dtype), max_shard_size=max_shard_size, overwrite=overwrite)
+    model = meta_model(meta["hf_config"], backend=meta.get("backend", "local"), params_dtype=parse_dtype(meta.get("params_dtype")))
+    info = model_info(model)
+    rules = {b.mcore: b for b in bind_chunk(info.weight_map, model) if b.rule.export}
+    layout = sharded_layout(model)
+    ctx = TransformContext(info.arch)
+    out_dtype = parse_dtype(dtype)
+
+    def items() -> Iterator[tuple[str, torch.Tensor]]:
+        for group in read_params(layout, _layer_groups(list(layout.params)), mcore_dir):
+            for name, tensor in group.items():
+                if name in rules:
+                    for hf_name, hf_tensor in export_rule(rules[name], tensor, ctx):
+                        yield hf_name, hf_tensor.to(out_dtype) if out_dtype is not None else hf_tensor
+
+    return write_hf_checkpoint(
+        items(), out_dir, needed=info.weight_map.hf_names(), config=hf_config_for_export(model, out_dtype),
+        max_shard_size=max_shard_size, overwrite=overwrite,
+    )  # fmt: skip

@@ -9,8 +9,10 @@ a process where CUDA is unavailable (:func:`activate` is a no-op when ``torch.cu
 * the causal / sliding-window mask helpers that hard-code ``device="cuda"``;
 * the model-parallel RNG tracker (which forks CUDA generator states) is replaced by one that
   forks CPU generator states, seeded per tensor-parallel rank like the original;
-* pipeline schedules: ``batch_p2p_sync`` must be off on gloo, and the one tensor the schedules
-  create with ``device="cuda"`` is created on the CPU.
+* pipeline schedules: ``batch_p2p_sync`` must be off on gloo, and the tensors the schedules
+  create with ``device="cuda"`` are created on the CPU;
+* the first/last pipeline stage all-reduce of tied embeddings, which moves the weight to CUDA
+  first, keeps it on the CPU.
 
 Models must be built with ``use_cpu_initialization=True`` (the zoo's builders do).
 """
@@ -48,6 +50,7 @@ def activate() -> bool:
         _patch_masks()
         _install_cpu_rng_tracker()
         _patch_schedules()
+        _patch_tied_embedding_setup()
         _ACTIVE = True
         return True
 
@@ -149,25 +152,56 @@ def _install_cpu_rng_tracker() -> None:
             tracker.add(name, seed)
 
 
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full")
+
+
 def _patch_schedules() -> None:
-    """Pipeline schedules create one tensor with ``device="cuda"``; make that the CPU."""
+    """Pipeline schedules create tensors with ``device="cuda"`` (0.16 and 0.19:
+    ``total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")``); create them on the CPU."""
     try:
         from megatron.core.pipeline_parallel import schedules
     except Exception:  # pragma: no cover - schedules import optional pieces
         return
-    original_tensor = torch.tensor
 
-    def tensor_on_cpu(*args: Any, **kwargs: Any) -> torch.Tensor:
-        if kwargs.get("device") == "cuda":
-            kwargs["device"] = "cpu"
-        return original_tensor(*args, **kwargs)
+    def on_cpu(factory: Any) -> Any:
+        @functools.wraps(factory)
+        def make(*args: Any, **kwargs: Any) -> torch.Tensor:
+            device = kwargs.get("device")
+            if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda"):
+                kwargs["device"] = "cpu"
+            return factory(*args, **kwargs)
+
+        return make
+
+    patched = {name: on_cpu(getattr(torch, name)) for name in _FACTORIES}
 
     class _TorchProxy:
-        """``schedules.torch`` with ``tensor`` creating CUDA-requested tensors on the CPU."""
+        """``schedules.torch`` whose tensor factories put CUDA-requested tensors on the CPU."""
 
         def __getattr__(self, name: str) -> Any:
-            if name == "tensor":
-                return tensor_on_cpu
-            return getattr(torch, name)
+            return patched[name] if name in patched else getattr(torch, name)
 
     schedules.torch = _TorchProxy()  # type: ignore[attr-defined]
+
+
+def _patch_tied_embedding_setup() -> None:
+    """``LanguageModule.setup_embeddings_and_output_layer`` moves the shared embedding to CUDA
+    (``weight.data = weight.data.cuda()``) before the first/last-stage all-reduce of tied weights
+    (pipeline parallel only); keep it on the CPU for that call."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.setup_embeddings_and_output_layer
+    if getattr(original, "_mcore_zoo_cpu", False):
+        return
+
+    @functools.wraps(original)
+    def setup(self: Any) -> None:
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *a, **k: t  # type: ignore[assignment]
+        try:
+            original(self)
+        finally:
+            torch.Tensor.cuda = cuda  # type: ignore[assignment]
+
+    setup._mcore_zoo_cpu = True  # type: ignore[attr-defined]
+    LanguageModule.setup_embeddings_and_output_layer = setup  # type: ignore[assignment]

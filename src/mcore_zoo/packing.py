@@ -86,6 +86,51 @@ class PackedBatch:
         starts = self.cu_seqlens_padded.tolist()
         return [packed[s : s + n] for s, n in zip(starts, self.lengths)]
 
+    def context_parallel_index(self, cp_rank: int, cp_size: int) -> torch.Tensor:
+        """Pack positions held by context-parallel rank ``cp_rank`` (see :func:`zigzag_index`)."""
+        return zigzag_index(self.cu_seqlens_padded, cp_rank, cp_size)
+
+    def context_parallel_shard(self, cp_rank: int, cp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's ``(input_ids, position_ids)``, each ``[1, T / cp_size]``; positions are
+        the tokens' original positions in their sequence. The ``PackedSeqParams`` stay global."""
+        index = self.context_parallel_index(cp_rank, cp_size).to(self.input_ids.device)
+        return self.input_ids[:, index], self.position_ids[:, index]
+
+    def merge_context_parallel(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Per-rank outputs ``[T / cp, ...]`` (rank order) -> the whole pack ``[T, ...]``, in pack order."""
+        size = len(parts)
+        index = torch.cat([self.context_parallel_index(r, size) for r in range(size)]).to(parts[0].device)
+        merged = parts[0].new_empty((self.total, *parts[0].shape[1:]))
+        merged[index] = torch.cat(list(parts))
+        return merged
+
+
+def zigzag_index(cu_seqlens_padded: torch.Tensor, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """Load-balanced context-parallel split of a THD pack.
+
+    Each sequence's padded slot is cut into ``2 * cp_size`` equal chunks; rank ``r`` holds chunk
+    ``r`` followed by chunk ``2 * cp_size - 1 - r`` (so every rank gets as much causal-attention work
+    as the others). Returns the pack positions of this rank's tokens, in its local order: sequence
+    ``i`` occupies local rows ``[cu_padded[i] / cp, cu_padded[i + 1] / cp)``, which is what
+    Megatron-Core's THD RoPE and Transformer Engine's context-parallel attention expect.
+    """
+    if not 0 <= cp_rank < cp_size:
+        raise ZooError(f"context-parallel rank {cp_rank} is not in [0, {cp_size})")
+    bounds = cu_seqlens_padded.tolist()
+    pieces = []
+    for start, stop in zip(bounds, bounds[1:]):
+        slot = stop - start
+        if slot % (2 * cp_size):
+            raise ZooError(
+                f"a packed slot of {slot} tokens cannot be split into 2*cp={2 * cp_size} chunks;"
+                f" pack with align=alignment_for(cp={cp_size}, ...)"
+            )
+        chunk = slot // (2 * cp_size)
+        pieces.append(torch.arange(start + cp_rank * chunk, start + (cp_rank + 1) * chunk))
+        back = 2 * cp_size - 1 - cp_rank
+        pieces.append(torch.arange(start + back * chunk, start + (back + 1) * chunk))
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+
 
 def pack_sequences(
     sequences: Union[Sequence[torch.Tensor], torch.Tensor],
@@ -184,15 +229,21 @@ def packed_forward(
             causal mask; every backend supports it).
         align: per-sequence padding multiple (default: what the model's layout needs).
 
-    Vocab-parallel logits are gathered across tensor-parallel ranks. Pipeline- and context-parallel
-    models go through ``mcore_zoo.distributed.forward``.
+    Vocab-parallel logits are gathered across tensor-parallel ranks. Pipeline-parallel (``model``
+    may then be this rank's list of virtual-pipeline chunks) and context-parallel models are run
+    by :func:`mcore_zoo.distributed.forward` (THD only; it takes no ``align``).
     """
-    from .build import model_info
+    from .build import as_chunks, model_info
 
-    info = model_info(model)
+    info = model_info(as_chunks(model)[0])
     parallel = info.options.parallel
-    if parallel.pp > 1 or parallel.cp > 1:
-        raise ZooError("packed_forward runs single-stage models; use mcore_zoo.distributed.forward for PP/CP")
+    if isinstance(model, (list, tuple)) or parallel.pp > 1 or parallel.cp > 1:
+        if layout != "thd" or isinstance(sequences, PackedBatch) or align is not None:
+            raise ZooError("pipeline / context-parallel models run THD packs built by mcore_zoo.distributed.forward;"
+                           " pass the sequences (no layout, PackedBatch or align)")
+        from .distributed.forward import forward
+
+        return forward(model, sequences, attention_mask, return_logits=return_logits, return_logprobs=return_logprobs)
     device = next(model.parameters()).device
     if isinstance(sequences, PackedBatch):
         batch = sequences

@@ -66,6 +66,13 @@ def ensure_model_parallel(parallel: Optional[Parallelism] = None, *, seed: int =
         return current
     parallel = parallel or Parallelism()
     ensure_process_group()
+    world = dist.get_world_size()
+    if world % parallel.world_size_needed():
+        from .errors import LayoutError
+
+        raise LayoutError(
+            f"world size {world} is not divisible by tp*pp*cp = {parallel.tp}*{parallel.pp}*{parallel.cp}"
+        )
     compat.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,

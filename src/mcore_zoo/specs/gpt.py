@@ -133,8 +133,20 @@ def gpt_layer_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile) ->
             pre_mlp_layernorm=p["pre_mlp_layernorm"],
             mlp=mlp_submodule(p["linear_fc1"], p["linear_fc2"]),
             mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map=_fused_norm_keys(p),
         ),
     )
+
+
+def _fused_norm_keys(pieces: dict[str, Any]) -> dict[str, str]:
+    """Distributed-checkpoint keys of separate norms, renamed to those of norms fused into the next
+    linear (``linear_qkv.layer_norm_weight``), as Megatron-Core's own local spec does: one
+    checkpoint then loads into every backend."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    if pieces["input_layernorm"] is IdentityOp:
+        return {}
+    return {"input_layernorm.": "self_attention.linear_qkv.layer_norm_", "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 
 
 def gpt_layer_specs(
@@ -155,6 +167,12 @@ def gpt_layer_specs(
         get_num_layers_to_build,
     )
 
+    if backend in ("local", "portable") and numerics.norm != "hf" and getattr(config, "sequence_parallel", False):
+        raise ZooError(
+            f"{arch.architecture}: sequence_parallel with backend {backend!r} needs norms that support it;"
+            " Megatron-Core's torch norm does not. Use backend 'te', or a numerics profile with"
+            " norm='hf' (e.g. 'hf-exact'), whose HFRMSNorm marks its weight sequence-parallel"
+        )
     layer = gpt_layer_spec(arch, backend, numerics)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(

@@ -14,6 +14,14 @@ BSHD and THD on CPU and GPU with one of these kernels:
 * ``flash`` - the flash-attn package's ``flash_attn_varlen_func`` (CUDA, one call).
 * ``auto`` - ``varlen`` on CUDA when available, else ``flash`` when installed, else ``sdpa``.
 
+Context parallelism (THD only): each rank holds the zigzag share of every sequence (chunks ``r`` and
+``2 * cp - 1 - r`` of ``2 * cp``, see :func:`mcore_zoo.packing.zigzag_index`). Keys and values are
+all-gathered over the context-parallel group (differentiable: the backward all-reduces and keeps
+this rank's rows), each sequence's K/V is reassembled in position order, and every local query
+chunk attends to the keys up to its own position (sdpa / eager math per chunk, whatever
+``kernel`` says; ``varlen`` / ``flash`` fall back to ``sdpa`` there). Memory per rank: the whole
+pack's K/V, ``T x 2 x groups x head_dim`` - the simple all-gather scheme, not a ring.
+
 Shapes (``np``/``ng`` = attention heads / query groups of this tensor-parallel rank):
 BSHD/SBHD in ``[s, b, np|ng, hn]`` -> out ``[s, b, np*hn]``; THD in ``[t, np|ng, hn]`` -> out
 ``[t, np*hn]``. Sliding windows follow HF (a query sees the last ``W`` keys, itself included),
@@ -84,6 +92,28 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
         if _flash_attn_varlen() is not None:
             return "flash"
     return "sdpa"
+
+
+class _AllGatherRows(torch.autograd.Function):
+    """``[n, ...]`` on each rank of ``group`` -> ``[size, n, ...]``; backward sums the gradient over
+    the group and keeps this rank's rows (all-reduce: works on every backend, gloo included)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.group = group
+        out = tensor.new_empty((group.size(), *tensor.shape))
+        dist.all_gather(list(out.unbind(0)), tensor, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.group.rank()], None
 
 
 class PortableAttention(torch.nn.Module):
@@ -157,6 +187,8 @@ class PortableAttention(torch.nn.Module):
     def _thd(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any, kernel: str) -> torch.Tensor:
         if query.dim() == 4:  # [t, 1, h, d]
             query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
+        if self.cp_group is not None and self.cp_group.size() > 1:
+            return self._thd_context_parallel(query, key, value, params, "sdpa" if kernel in ("varlen", "flash") else kernel)
         starts = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         lengths = params.cu_seqlens_q.diff()
         if kernel in ("varlen", "flash"):
@@ -203,6 +235,39 @@ class PortableAttention(torch.nn.Module):
             )  # fmt: skip
             if isinstance(out, tuple):
                 out = out[0]
+        return out.reshape(out.shape[0], -1)
+
+    def _thd_context_parallel(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any, kernel: str) -> torch.Tensor:
+        """THD under context parallelism (see module docstring). ``cu_seqlens*`` are global."""
+        group = self.cp_group
+        cp, rank = group.size(), group.rank()
+        keys = _AllGatherRows.apply(key.contiguous(), group)  # [cp, t_local, g, d]
+        values = _AllGatherRows.apply(value.contiguous(), group)
+        padded = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        bounds = padded.tolist()
+        lengths = params.cu_seqlens_q.diff().tolist()
+        out = query.new_zeros(query.shape[0], self.heads, self.head_dim)
+        for i, length in enumerate(lengths):
+            slot = bounds[i + 1] - bounds[i]
+            chunk = slot // (2 * cp)
+            local = bounds[i] // cp  # this sequence's first row on every rank
+            if length == 0 or chunk == 0:
+                continue
+            # chunk j of the sequence lives on rank j (first half of its slot) or 2cp-1-j (second half)
+            order = [(j, 0) if j < cp else (2 * cp - 1 - j, chunk) for j in range(2 * cp)]
+            k_seq = torch.cat([keys[r, local + off : local + off + chunk] for r, off in order])
+            v_seq = torch.cat([values[r, local + off : local + off + chunk] for r, off in order])
+            for half, j in ((0, rank), (1, 2 * cp - 1 - rank)):
+                n_q = min(max(length - j * chunk, 0), chunk)  # real (non-pad) queries of this chunk
+                if n_q == 0:
+                    continue
+                end = j * chunk + n_q
+                row = local + half * chunk
+                q = query[row : row + n_q].unsqueeze(0).transpose(1, 2)  # [1, h, n_q, d]
+                k = k_seq[:end].unsqueeze(0).transpose(1, 2)
+                v = v_seq[:end].unsqueeze(0).transpose(1, 2)
+                allowed = _allowed_mask(n_q, end, self.window, query.device)
+                out[row : row + n_q] = self._attend(q, k, v, kernel, allowed)[0]
         return out.reshape(out.shape[0], -1)
 
     # ------------------------------------------------------------------ math

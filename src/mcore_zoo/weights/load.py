@@ -9,8 +9,23 @@ Fail closed, and before a single weight is read:
 4. every HF tensor has the shape the rule and the model imply (else :class:`ShapeMismatchError`):
    expected HF shapes come from running the rule's inverse transform on the parameter's shape.
 
-Then each rank reads only its tensor-parallel chunk of each source (``safe_open.get_slice``),
-fuses, and copies into the parameter: one rule's tensors in memory at a time.
+The layout is checked first (:func:`mcore_zoo.distributed.layout.current_layout`: the model was
+built for the running parallel state and the layout divides the model), so a bad layout fails
+before the checkpoint is even opened.
+
+Then each rank reads only its tensor-parallel chunk of each source
+(:meth:`~mcore_zoo.weights.io.HFCheckpoint.read_into`): straight into the parameter when the
+rule's transform can say where each piece goes (:meth:`Transform.views`: QKV groups, gate/up
+halves), else into a temporary that is fused and copied - one rule's tensors at a time.
+
+Data-parallel replicas (and context-parallel ranks, which hold the same weights) do not multiply
+the storage traffic: with ``replicas="broadcast"`` (default) only the first rank of each
+data-parallel group reads, and every parameter is broadcast over that group (NCCL on GPUs; the
+interconnect is faster than shared storage). ``replicas="read"`` makes every rank read its own
+copy (when storage is local and fast, or no collective may be issued). Pipeline stages and tensor-
+parallel ranks always read disjoint parts; the one exception is a tied embedding, which the first
+and last pipeline stages both read (both hold it; Megatron keeps the two copies equal in training
+by all-reducing their gradients over the embedding group).
 """
 
 from __future__ import annotations
@@ -24,16 +39,18 @@ import torch
 from ..build import as_chunks, model_info
 from ..errors import MissingTensorsError, ShapeMismatchError, UnexpectedTensorsError, UnmappedParametersError
 from .io import HFCheckpoint, chunk_index
-from .rules import BoundRule, TransformContext, WeightMap
+from .rules import BoundRule, TransformContext, WeightMap, direct_views
 
 
 @dataclass
 class LoadReport:
-    """What a load did: parameters written, HF tensors read, bytes read, ignored tensors."""
+    """What a load did on this rank: parameters written, HF tensors and bytes read from storage,
+    bytes received by broadcast from a data-parallel replica, ignored checkpoint tensors."""
 
     parameters: int = 0
     tensors_read: int = 0
     bytes_read: int = 0
+    bytes_received: int = 0
     ignored: dict[str, str] = field(default_factory=dict)
 
 
@@ -148,17 +165,39 @@ def plan_load(model: Union[torch.nn.Module, Sequence[torch.nn.Module]], checkpoi
     return plan, ignored
 
 
+def _replica_group(param: torch.Tensor) -> Any:
+    """The group of ranks holding identical copies of ``param`` (None when alone)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return None
+    if getattr(param, "allreduce", True):
+        group = ps.get_data_parallel_group(with_context_parallel=True)
+    else:  # expert parameters
+        group = ps.get_expert_data_parallel_group()
+    return group if group is not None and group.size() > 1 else None
+
+
 def load_hf_weights(
     model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
     checkpoint: Union[str, os.PathLike, HFCheckpoint],
     *,
     allow_torch_load: bool = False,
+    replicas: str = "broadcast",
 ) -> LoadReport:
     """Load an HF checkpoint into ``model`` (a zoo-built GPTModel, or its list of VPP chunks).
 
-    Each tensor-parallel rank reads only its chunks. Raises before writing anything if the
-    checkpoint and the model's weight map disagree (see module docstring).
+    Every rank of the job calls it with its own chunks. Each tensor-parallel rank reads only its
+    chunks; ``replicas`` says how data-parallel copies get theirs (module docstring). Raises before
+    writing anything if the layout is wrong or the checkpoint and the weight map disagree.
     """
+    import torch.distributed as dist
+
+    from ..distributed.layout import current_layout
+
+    if replicas not in ("broadcast", "read"):
+        raise ValueError(f"replicas={replicas!r}; use 'broadcast' or 'read'")
+    current_layout(model, all_chunks=False)  # before any IO
     own = not isinstance(checkpoint, HFCheckpoint)
     ckpt = HFCheckpoint(checkpoint, allow_torch_load=allow_torch_load) if own else checkpoint
     try:
@@ -171,22 +210,39 @@ def load_hf_weights(
             params = dict(chunk.named_parameters())
             for b in bound:
                 param = params[b.mcore]
-                pieces = [
-                    ckpt.read(n, axis=a, rank=tp_rank, size=tp_size, select=sel)
-                    for n, a, sel in zip(b.hf, b.tp_axes, b.selects)
-                ]
-                tensor = b.transform.fuse(pieces, ctx)
-                if tuple(tensor.shape) != tuple(param.shape):  # guarded by plan_load; kept as a last line
-                    raise ShapeMismatchError(b.mcore, param.shape, tensor.shape, context="after fusing")
-                with torch.no_grad():
-                    param.copy_(tensor)
+                group = _replica_group(param) if replicas == "broadcast" else None
+                source = None if group is None else dist.get_process_group_ranks(group)[0]
+                if group is None or dist.get_rank() == source:
+                    report.bytes_read += read_rule_into(ckpt, b, param, ctx)
+                    report.tensors_read += len(b.hf)
+                if group is not None:
+                    dist.broadcast(param.data, src=source, group=group)
+                    if dist.get_rank() != source:
+                        report.bytes_received += param.numel() * param.element_size()
                 report.parameters += 1
-                report.tensors_read += len(pieces)
-                report.bytes_read += sum(p.numel() * p.element_size() for p in pieces)
         return report
     finally:
         if own:
             ckpt.close()
+
+
+def read_rule_into(ckpt: HFCheckpoint, b: BoundRule, param: torch.Tensor, ctx: TransformContext) -> int:
+    """Fill ``param`` (a parameter or any tensor of its shape) from the rule's HF sources - this
+    TP rank's chunks - and return the bytes read."""
+    tp_rank, tp_size = ctx.tp_rank, ctx.tp_size
+    views = direct_views(b.transform, param.data, ctx)
+    if views is not None:
+        return sum(
+            ckpt.read_into(n, view, axis=a, rank=tp_rank, size=tp_size, select=sel)
+            for n, a, sel, view in zip(b.hf, b.tp_axes, b.selects, views)
+        )
+    pieces = [ckpt.read(n, axis=a, rank=tp_rank, size=tp_size, select=sel) for n, a, sel in zip(b.hf, b.tp_axes, b.selects)]
+    tensor = b.transform.fuse(pieces, ctx)
+    if tuple(tensor.shape) != tuple(param.shape):  # guarded by plan_load; kept as a last line
+        raise ShapeMismatchError(b.mcore, param.shape, tensor.shape, context="after fusing")
+    with torch.no_grad():
+        param.copy_(tensor)
+    return sum(p.numel() * p.element_size() for p in pieces)
 
 
 def load_hf_state_dict(
@@ -215,6 +271,14 @@ class _DictCheckpoint(HFCheckpoint):
         tensor = self._state[name]
         index = chunk_index(name, tuple(tensor.shape), axis=axis, rank=rank, size=size, select=select)
         return tensor if index is None else tensor[index]
+
+    def read_into(self, name: str, out: torch.Tensor, **kwargs: Any) -> int:
+        tensor = self.read(name, **kwargs)
+        if out.numel() != tensor.numel():
+            raise ShapeMismatchError(name, tuple(out.shape), tuple(tensor.shape), context="destination of read_into")
+        with torch.no_grad():
+            out.copy_(tensor.reshape(out.shape))
+        return tensor.numel() * tensor.element_size()
 
     def close(self) -> None:
         pass

@@ -60,6 +60,12 @@ class Transform:
     def split(self, tensor: torch.Tensor, ctx: TransformContext) -> list[torch.Tensor]:
         raise NotImplementedError
 
+    def views(self, out: torch.Tensor, ctx: TransformContext) -> Optional[list[torch.Tensor]]:
+        """Optional: views of ``out`` such that filling view ``i`` with piece ``i`` (same number of
+        elements, row-major order) gives ``fuse(pieces)``. Lets loading read every piece straight
+        into the parameter; ``None`` (the default) means pieces are read, fused, then copied."""
+        return None
+
     def __repr__(self) -> str:
         return self.name
 
@@ -73,6 +79,9 @@ class Identity(Transform):
 
     def split(self, tensor: torch.Tensor, ctx: TransformContext) -> list[torch.Tensor]:
         return [tensor]
+
+    def views(self, out: torch.Tensor, ctx: TransformContext) -> list[torch.Tensor]:
+        return [out]
 
 
 class FuseQKV(Transform):
@@ -106,6 +115,13 @@ class FuseQKV(Transform):
         v = t[:, q_rows + hd :].reshape(-1, *rest)
         return [q, k, v]
 
+    def views(self, out: torch.Tensor, ctx: TransformContext) -> list[torch.Tensor]:
+        hd = ctx.arch.head_dim
+        q_rows = ctx.arch.heads_per_group * hd
+        rest = out.shape[1:]
+        t = out.view(-1, q_rows + 2 * hd, *rest)  # [groups, per_group, ...]
+        return [t[:, :q_rows], t[:, q_rows : q_rows + hd], t[:, q_rows + hd :]]
+
 
 class Concat(Transform):
     """Pieces concatenated along dim 0 (gate/up -> ``linear_fc1``)."""
@@ -118,8 +134,23 @@ class Concat(Transform):
     def split(self, tensor: torch.Tensor, ctx: TransformContext) -> list[torch.Tensor]:
         return list(torch.chunk(tensor, self.parts, dim=0))
 
+    def views(self, out: torch.Tensor, ctx: TransformContext) -> list[torch.Tensor]:
+        return self.split(out, ctx)
+
     def __init__(self, parts: int = 2) -> None:
         self.parts = parts
+
+
+def direct_views(transform: Transform, out: torch.Tensor, ctx: TransformContext) -> Optional[list[torch.Tensor]]:
+    """``transform.views(out, ctx)`` if they can be trusted to mean ``fuse``: a subclass that
+    overrides ``fuse`` without overriding ``views`` too gets ``None`` (pieces are then fused)."""
+
+    def owner(attr: str) -> type:
+        return next(c for c in type(transform).__mro__ if attr in c.__dict__)
+
+    if not issubclass(owner("views"), owner("fuse")):
+        return None
+    return transform.views(out, ctx)
 
 
 IDENTITY = Identity()

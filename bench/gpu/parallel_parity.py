@@ -1,0 +1,280 @@
+"""Parallel-layout parity: TP / PP / CP (and more on 4 GPUs) against the same model on one GPU.
+
+Run from the repository root, with ``PYTHONPATH=src``::
+
+    torchrun --nproc_per_node 2 bench/gpu/parallel_parity.py --out out/parallel-2gpu
+    torchrun --nproc_per_node 4 bench/gpu/parallel_parity.py --out out/parallel-4gpu
+
+Every rank first runs the whole model alone (the one-GPU reference; each rank is its own
+data-parallel replica), then each layout in turn: build (``te`` backend, bf16, default numerics),
+load the HF checkpoint with ``mcore_zoo.load_hf_weights`` (sharded reads), run the packed THD
+forward (``mcore_zoo.packed_forward``; pipeline / context parallel go through
+``mcore_zoo.distributed.forward``) and compare logits and next-token log-probabilities with the
+reference. The model is a random Llama (hidden 1024, 8 layers, GQA 16/4, sharp attention) written
+by rank 0 with ``mcore_zoo.parity.reference.write_reference_checkpoint``. Failures are recorded per
+layout (a failure on some ranks only can stall the job until the 10-minute process-group timeout).
+Writes ``parallel_parity.json`` and ``parallel_parity.md`` to ``--out``; exits 1 if any layout
+failed.
+
+On a machine without GPUs, ``--device cpu`` runs the same logic on gloo with the ``portable``
+backend in fp32 (``--tiny`` shrinks the model): this is how the script is tested.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+LAYOUTS = {
+    # name: (tp, pp, vpp, cp, sequence_parallel)
+    "tp2": (2, 1, None, 1, False),
+    "tp2-sp": (2, 1, None, 1, True),
+    "pp2": (1, 2, None, 1, False),
+    "cp2": (1, 1, None, 2, False),
+    "tp4": (4, 1, None, 1, False),
+    "tp2-pp2": (2, 2, None, 1, False),
+    "tp2-cp2": (2, 1, None, 2, True),
+    "pp2-vpp2": (1, 2, 2, 1, False),
+    "pp2-cp2": (1, 2, None, 2, False),
+}
+DEFAULT_LAYOUTS = {
+    2: ["tp2", "tp2-sp", "pp2", "cp2"],
+    4: ["tp2", "tp2-sp", "pp2", "cp2", "tp4", "tp2-pp2", "tp2-cp2", "pp2-vpp2", "pp2-cp2"],
+}
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="directory for parallel_parity.json / .md")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--backend", default=None, help="default: te on cuda, portable on cpu")
+    p.add_argument("--numerics", default=None, help="default: 'default' on cuda, 'hf-exact' on cpu")
+    p.add_argument("--dtype", default=None, help="bfloat16 | float32 (default: bf16 on cuda, fp32 on cpu)")
+    p.add_argument("--arch", default="LlamaForCausalLM")
+    p.add_argument("--layouts", default=None, help="comma-separated subset of: " + ", ".join(LAYOUTS))
+    p.add_argument("--lengths", default="100,512,37,300", help="packed sequence lengths")
+    p.add_argument("--tiny", action="store_true", help="hidden 64, 4 layers, vocab 256 (CPU test runs)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def model_config(args: argparse.Namespace) -> dict[str, Any]:
+    import mcore_zoo
+
+    config = mcore_zoo.lookup(args.arch).example_config()
+    if args.tiny:
+        config.update(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=4, vocab_size=256, head_dim=8)  # fmt: skip
+    else:
+        config.update(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                      num_key_value_heads=4, vocab_size=32000, head_dim=64, max_position_embeddings=4096)  # fmt: skip
+    return config
+
+
+def init(args: argparse.Namespace) -> None:
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=datetime.timedelta(minutes=10))
+
+
+def write_checkpoint(args: argparse.Namespace, dtype: torch.dtype) -> str:
+    """Rank 0 writes the random reference checkpoint into a temporary directory; all ranks get it."""
+    import mcore_zoo
+    from mcore_zoo.parity.reference import write_reference_checkpoint
+
+    path = [None]
+    if dist.get_rank() == 0:
+        path[0] = tempfile.mkdtemp(prefix="mcore-zoo-parallel-parity-")
+        write_reference_checkpoint(mcore_zoo.lookup(args.arch), model_config(args), path[0], seed=args.seed, dtype=dtype)
+    dist.broadcast_object_list(path, src=0)
+    dist.barrier()
+    return path[0]
+
+
+def run_layout(args: argparse.Namespace, ckpt: str, parallel: Any, dtype: torch.dtype, seqs: list[torch.Tensor]) -> dict[str, Any]:
+    """Build, load and run one layout on every rank; returns logits/logprobs (CPU, fp32) and timings."""
+    import mcore_zoo
+    from mcore_zoo.parallel import ensure_model_parallel
+
+    ensure_model_parallel(parallel)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    model = mcore_zoo.build_model(ckpt, backend=args.backend, numerics=args.numerics, params_dtype=dtype, parallel=parallel)
+    report = mcore_zoo.load_hf_weights(model, ckpt)
+    sync()
+    t1 = time.perf_counter()
+    for chunk in model if isinstance(model, list) else [model]:
+        chunk.eval()
+    with torch.no_grad():
+        out = mcore_zoo.packed_forward(model, [s.to(args.device) for s in seqs])
+    sync()
+    t2 = time.perf_counter()
+    return {
+        "logits": [l.float().cpu() for l in out.logits],
+        "logprobs": [l.float().cpu() for l in out.logprobs],
+        "load_s": t1 - t0,
+        "forward_s": t2 - t1,
+        "bytes_read": report.bytes_read,
+    }
+
+
+def compare(got: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
+    dlogit = max((a - b).abs().max().item() for a, b in zip(got["logits"], ref["logits"]))
+    dlp = torch.cat([(a - b).abs() for a, b in zip(got["logprobs"], ref["logprobs"])])
+    top1 = torch.cat([a.argmax(-1) == b.argmax(-1) for a, b in zip(got["logits"], ref["logits"])]).float().mean().item()
+    scale = max(b.abs().max().item() for b in ref["logits"])
+    return {"max_abs_dlogit": dlogit, "max_abs_logit": scale, "mean_abs_dlogp": dlp.mean().item(),
+            "max_abs_dlogp": dlp.max().item(), "top1_agreement": top1}  # fmt: skip
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    args.backend = args.backend or ("te" if args.device == "cuda" else "portable")
+    args.numerics = args.numerics or ("default" if args.device == "cuda" else "hf-exact")
+    dtype = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}[
+        args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    ]
+    init(args)
+    from megatron.core import parallel_state as ps
+
+    import mcore_zoo
+    from mcore_zoo.config.arch import Parallelism
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    names = args.layouts.split(",") if args.layouts else DEFAULT_LAYOUTS.get(world, DEFAULT_LAYOUTS[2])
+    config = model_config(args)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    seqs = [torch.randint(0, config["vocab_size"], (int(n),), generator=gen) for n in args.lengths.split(",")]
+    ckpt = write_checkpoint(args, dtype)
+    results: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "world_size": world,
+        "backend": args.backend,
+        "numerics": args.numerics,
+        "dtype": str(dtype).replace("torch.", ""),
+        "model": {k: config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")},
+        "architecture": args.arch,
+        "lengths": [int(s.numel()) for s in seqs],
+        "versions": {"torch": torch.__version__, "megatron-core": _version("megatron-core"), "transformer-engine": _version("transformer-engine"), "mcore-zoo": mcore_zoo.__version__},
+        "layouts": {},
+    }
+    reference = None
+    try:
+        reference = run_layout(args, ckpt, Parallelism(), dtype, seqs)
+        results["reference"] = {"load_s": reference["load_s"], "forward_s": reference["forward_s"]}
+    except Exception as exc:  # nothing to compare with: record and stop
+        results["reference"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    finally:
+        ps.destroy_model_parallel()
+        _release_memory(args)
+    for name in names if reference is not None else []:
+        tp, pp, vpp, cp, sp = LAYOUTS[name]
+        entry: dict[str, Any] = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "sequence_parallel": sp}
+        if world % (tp * pp * cp):
+            entry["error"] = f"world size {world} does not fit"
+        else:
+            try:
+                got = run_layout(args, ckpt, Parallelism(tp=tp, pp=pp, vpp=vpp, cp=cp, sequence_parallel=sp), dtype, seqs)
+                entry.update(compare(got, reference), load_s=got["load_s"], forward_s=got["forward_s"], bytes_read_rank=got["bytes_read"])
+            except Exception as exc:
+                entry["error"] = f"{type(exc).__name__}: {exc}"
+                entry["traceback"] = traceback.format_exc()
+            finally:
+                if ps.model_parallel_is_initialized():
+                    ps.destroy_model_parallel()
+                _release_memory(args)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, entry)
+        results["layouts"][name] = _merge(gathered)
+    if rank == 0:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "parallel_parity.json").write_text(json.dumps(results, indent=2) + "\n")
+        (out / "parallel_parity.md").write_text(markdown(results))
+        print(markdown(results))
+        shutil.rmtree(ckpt, ignore_errors=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    failed = reference is None or any("error" in e for e in results["layouts"].values())
+    return 1 if failed else 0
+
+
+def _release_memory(args: argparse.Namespace) -> None:
+    """Free the previous layout's model before the next one is built."""
+    import gc
+
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """One entry per layout: rank 0's numbers, the worst over ranks, every rank's error."""
+    merged = dict(per_rank[0])
+    for key in ("max_abs_dlogit", "max_abs_dlogp", "mean_abs_dlogp"):
+        values = [e[key] for e in per_rank if key in e]
+        if values:
+            merged[key] = max(values)
+    errors = {str(r): e["error"] for r, e in enumerate(per_rank) if "error" in e}
+    if errors:
+        merged["error"] = errors
+    return merged
+
+
+def _version(dist_name: str) -> Optional[str]:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist_name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def markdown(results: dict[str, Any]) -> str:
+    m = results["model"]
+    lines = [
+        f"# Parallel layouts vs one device ({results['world_size']} x {results['device']})",
+        "",
+        f"{results['architecture']} random weights: hidden {m['hidden_size']}, {m['num_hidden_layers']} layers,"
+        f" {m['num_attention_heads']}/{m['num_key_value_heads']} heads, vocab {m['vocab_size']};"
+        f" backend `{results['backend']}`, numerics `{results['numerics']}`, {results['dtype']};"
+        f" packed sequences of {results['lengths']} tokens. Versions: "
+        + ", ".join(f"{k} {v}" for k, v in results["versions"].items() if v),
+        "",
+    ]
+    if "error" in results.get("reference", {}):
+        return "\n".join(lines + [f"Reference run failed: `{results['reference']['error']}`", ""])
+    scales = [e["max_abs_logit"] for e in results["layouts"].values() if "max_abs_logit" in e]
+    if scales:
+        lines += [f"Largest reference |logit|: {scales[0]:.3g}.", ""]
+    lines += [
+        "| layout | max abs dlogit | mean abs dlogp | max abs dlogp | top-1 agreement | load s | forward s |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"| 1 device (reference) | - | - | - | - | {results['reference']['load_s']:.2f} | {results['reference']['forward_s']:.3f} |",
+    ]
+    for name, e in results["layouts"].items():
+        if "error" in e:
+            first = next(iter(e["error"].values())) if isinstance(e["error"], dict) else e["error"]
+            lines.append(f"| {name} | failed: `{str(first)[:120]}` | | | | | |")
+            continue
+        lines.append(
+            f"| {name} | {e['max_abs_dlogit']:.3g} | {e['mean_abs_dlogp']:.3g} | {e['max_abs_dlogp']:.3g}"
+            f" | {100 * e['top1_agreement']:.2f}% | {e['load_s']:.2f} | {e['forward_s']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""Export from any TP / PP / VPP layout to HF names, in bounded buckets (rollout weight sync).
+
+:func:`iter_hf_buckets` is the engine behind :func:`mcore_zoo.iter_hf_weights`:
+
+1. *Plan* (no data moves): each rank lists the HF tensors its chunks export - names, gathered
+   shapes, dtypes - by running the export on meta tensors; the pipeline stages exchange their lists
+   (one ``all_gather_object`` over the pipeline group). Every rank now knows the whole model in HF
+   order (virtual stage by virtual stage) and which stage owns each tensor.
+2. *Buckets*: consecutive tensors of one stage, at most ``bucket_size`` bytes (a larger tensor is
+   a bucket of its own).
+3. *Move*: the owning stage's TP ranks all-gather each tensor's pieces (the same rule table as
+   loading; QKV / gate-up split per group / half), pack the bucket into one flat buffer and send it
+   over the pipeline group - ``broadcast`` when every stage wants it, point-to-point sends to the
+   chosen ranks otherwise. Receivers unpack views of the buffer.
+
+Memory per rank: one bucket, plus - on the owner - one gathered tensor while it is packed.
+
+:func:`iter_hf_shards` re-splits each gathered tensor for a target inference TP size along the
+axis the rule table gives (fused HF tensors such as ``qkv_proj`` part by part), so a rollout rank
+receives exactly its shard.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from ..build import as_chunks, model_info
+from ..config.arch import Parallelism
+from ..config.transformer import validate_layout
+from ..errors import LayoutError, ZooError
+from ..weights.export import iter_stage_hf_weights
+from ..weights.io import _parse_size
+from .layout import current_layout
+
+_ALIGN = 64  # bytes; every tensor in a bucket starts at a multiple (views of any dtype stay legal)
+
+
+@dataclass(frozen=True)
+class ExportEntry:
+    """One HF tensor of the model as export will produce it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    stage: int  # pipeline rank that holds it
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def export_plan(model: Union[torch.nn.Module, Sequence[torch.nn.Module]], *, dtype: Optional[torch.dtype] = None) -> list[ExportEntry]:
+    """Every HF tensor of the model in export order (collective over the pipeline group)."""
+    from megatron.core import parallel_state as ps
+
+    layout = current_layout(model)
+    chunks = as_chunks(model)
+    local: list[tuple[int, str, tuple[int, ...], str]] = []
+    for vp, chunk in enumerate(chunks):
+        for name, meta in iter_stage_hf_weights(chunk, dtype=dtype, meta=True):
+            local.append((vp, name, tuple(meta.shape), str(meta.dtype)))
+    if layout.pp == 1:
+        stages = [local]
+    else:
+        stages = [None] * layout.pp
+        dist.all_gather_object(stages, local, group=ps.get_pipeline_model_parallel_group())
+    entries = []
+    for vp in range(layout.vpp):
+        for stage, items in enumerate(stages):
+            for item_vp, name, shape, dt in items:
+                if item_vp == vp:
+                    entries.append(ExportEntry(name, shape, getattr(torch, dt.replace("torch.", "")), stage))
+    seen: set[str] = set()
+    for e in entries:
+        if e.name in seen:
+            raise ZooError(f"HF tensor {e.name!r} is exported by more than one pipeline stage")
+        seen.add(e.name)
+    return entries
+
+
+def _buckets(entries: list[ExportEntry], limit: int) -> list[list[ExportEntry]]:
+    buckets: list[list[ExportEntry]] = []
+    used = 0
+    for e in entries:
+        size = _aligned(e.nbytes)
+        if buckets and buckets[-1][0].stage == e.stage and used + size <= limit:
+            buckets[-1].append(e)
+            used += size
+        else:
+            buckets.append([e])
+            used = size
+    return buckets
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _unpack(buffer: torch.Tensor, bucket: list[ExportEntry]) -> list[tuple[str, torch.Tensor]]:
+    out, offset = [], 0
+    for e in bucket:
+        view = buffer[offset : offset + e.nbytes].view(e.dtype).view(e.shape)
+        out.append((e.name, view))
+        offset += _aligned(e.nbytes)
+    return out
+
+
+def iter_hf_buckets(
+    model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
+    *,
+    bucket_size: Union[int, str] = "512MB",
+    dtype: Optional[torch.dtype] = None,
+    ranks: Optional[Sequence[int]] = None,
+    grads: bool = False,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Yield the model's HF tensors as lists ``[(hf_name, tensor), ...]`` of at most ``bucket_size``
+    bytes, gathered over TP and PP (see module docstring). Every rank of the job must iterate to
+    the end. ``ranks``: global ranks that receive buckets (default: all); the others yield nothing.
+    Under pipeline parallelism the tensors of a bucket are views of one flat buffer; without it
+    they may be views of the parameters themselves (TP = 1, an HF tensor that is a whole
+    parameter): read them, do not modify them. Memory stays bounded when each bucket is released
+    before the next is requested. ``grads=True`` gathers the parameters' gradients instead."""
+    from megatron.core import parallel_state as ps
+
+    layout = current_layout(model)
+    limit = _parse_size(bucket_size)
+    wanted = None if ranks is None else set(int(r) for r in ranks)
+    me = dist.get_rank() if dist.is_initialized() else 0
+    if wanted is not None and ps.model_parallel_is_initialized():
+        group_ranks = dist.get_process_group_ranks(ps.get_model_parallel_group())
+        if not wanted.intersection(group_ranks):
+            return  # no receiver in this model-parallel group: nothing to gather
+    receive = wanted is None or me in wanted
+    local = iter_stage_hf_weights(model, dtype=dtype, grads=grads)
+    if layout.pp == 1:
+        bucket: list[tuple[str, torch.Tensor]] = []
+        used = 0
+        for name, tensor in local:  # TP gathers happen here, on every TP rank
+            size = _aligned(tensor.numel() * tensor.element_size())
+            if bucket and used + size > limit:
+                if receive:
+                    yield bucket
+                bucket, used = [], 0
+            bucket.append((name, tensor))
+            used += size
+        if bucket and receive:
+            yield bucket
+        return
+    entries = export_plan(model, dtype=dtype)
+    pp_group = ps.get_pipeline_model_parallel_group()
+    pp_ranks = dist.get_process_group_ranks(pp_group)
+    destinations = [r for r in pp_ranks if wanted is None or r in wanted]
+    device = next(as_chunks(model)[0].parameters()).device
+    for bucket_entries in _buckets(entries, limit):
+        owner = bucket_entries[0].stage
+        src = pp_ranks[owner]
+        total = sum(_aligned(e.nbytes) for e in bucket_entries)
+        if layout.pp_rank == owner:
+            buffer = torch.empty(total, dtype=torch.uint8, device=device)
+            for (name, view), e in zip(_unpack(buffer, bucket_entries), bucket_entries):
+                got_name, tensor = next(local)
+                if got_name != e.name or tuple(tensor.shape) != e.shape:
+                    raise ZooError(f"export plan out of step: planned {e.name} {e.shape}, got {got_name} {tuple(tensor.shape)}")
+                view.copy_(tensor)
+                del tensor
+        elif me in destinations:
+            buffer = torch.empty(total, dtype=torch.uint8, device=device)
+        else:
+            buffer = None
+        _move(buffer, src, me, destinations, pp_ranks, pp_group)
+        if receive and buffer is not None:
+            yield _unpack(buffer, bucket_entries)
+        del buffer
+    if next(local, None) is not None:
+        raise ZooError("export plan out of step: this stage has tensors the plan does not list")
+
+
+def _move(buffer: Optional[torch.Tensor], src: int, me: int, destinations: list[int], pp_ranks: list[int], group: Any) -> None:
+    """Bring the owner's bucket to the destinations of this pipeline group."""
+    others = [r for r in destinations if r != src]
+    if not others:
+        return
+    if set(others) == set(pp_ranks) - {src}:
+        dist.broadcast(buffer, src=src, group=group)
+    elif me == src:
+        for r in others:
+            dist.send(buffer, dst=r)
+    elif me in others:
+        dist.recv(buffer, src=src)
+
+
+def iter_hf_shards(
+    model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
+    target_tp: int,
+    *,
+    target_rank: Optional[int] = None,
+    dtype: Optional[torch.dtype] = None,
+    ranks: Optional[Sequence[int]] = None,
+    bucket_size: Union[int, str] = "512MB",
+) -> Iterator[tuple[str, Union[torch.Tensor, list[torch.Tensor]]]]:
+    """HF tensors split for an inference engine running at tensor-parallel size ``target_tp``.
+
+    Yields ``(hf_name, shards)`` with ``shards[r]`` what inference rank ``r`` holds (replicated
+    tensors: the same tensor ``target_tp`` times), or ``(hf_name, shard)`` for one ``target_rank``.
+    Splits follow the rule table's TP axes - column-parallel weights by rows, row-parallel ones by
+    columns, the vocabulary by rows - and fused HF tensors part by part (rank ``r`` of
+    ``qkv_proj`` is ``[q_r; k_r; v_r]``). Raises :class:`LayoutError` up front when ``target_tp``
+    does not divide the model (heads, KV heads, FFN, vocab). Same collective contract as
+    :func:`mcore_zoo.iter_hf_weights`.
+    """
+    info = model_info(as_chunks(model)[0])
+    validate_layout(info.arch, Parallelism(tp=target_tp))
+    if target_rank is not None and not 0 <= target_rank < target_tp:
+        raise LayoutError(f"target_rank {target_rank} is not in [0, {target_tp})")
+    specs: dict[str, list[tuple[Optional[tuple[int, int, int]], Optional[int]]]] = {}
+    for b in info.weight_map.expand_full():
+        if not b.rule.export:  # a tied output layer: its source is exported by the embedding rule
+            continue
+        for name, axis, select in zip(b.hf, b.tp_axes, b.selects):
+            specs.setdefault(name, []).append((select, axis))
+    from ..weights.export import iter_hf_weights
+
+    for name, tensor in iter_hf_weights(model, dtype=dtype, ranks=ranks, bucket_size=bucket_size):
+        shards = _split_for_tp(name, tensor, specs[name], target_tp)
+        yield name, (shards if target_rank is None else shards[target_rank])
+
+
+def _split_for_tp(name: str, tensor: torch.Tensor, spec: list[tuple[Optional[tuple[int, int, int]], Optional[int]]], tp: int) -> list[torch.Tensor]:
+    def chunks(t: torch.Tensor, axis: Optional[int], what: str) -> list[torch.Tensor]:
+        if axis is None or tp == 1:
+            return [t] * tp
+        if t.shape[axis] % tp:
+            raise LayoutError(f"{what} dim {axis} = {t.shape[axis]} is not divisible by target tp={tp}")
+        return list(torch.chunk(t, tp, dim=axis))
+
+    if len(spec) == 1 and spec[0][0] is None:
+        return chunks(tensor, spec[0][1], name)
+    parts = []
+    for select, axis in sorted(spec, key=lambda s: s[0][1]):  # type: ignore[index]
+        sel_axis, start, stop = select  # type: ignore[misc]
+        parts.append((sel_axis, chunks(tensor.narrow(sel_axis, start, stop - start), axis, f"{name}[{start}:{stop}]")))
+    return [torch.cat([p[r] for _, p in parts], dim=parts[0][0]) for r in range(tp)]
+
+
+__all__ = ["ExportEntry", "export_plan", "iter_hf_buckets", "iter_hf_shards"]

@@ -1,0 +1,35 @@
+"""``bench/gpu/parallel_parity.py`` (the multi-GPU parity job) runs under torchrun on CPU (gloo,
+portable backend, fp32) and reports every layout; a layout that cannot run is recorded, not fatal."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_parallel_parity_script_under_torchrun_on_cpu(tmp_path):
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "bench/gpu/parallel_parity.py", "--device", "cpu", "--tiny", "--layouts", "tp2,pp2,cp2,tp4",
+        "--lengths", "37,64,20", "--out", str(tmp_path),
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stderr[-4000:]  # tp4 cannot run on 2 ranks
+    report = json.loads((tmp_path / "parallel_parity.json").read_text())
+    assert report["world_size"] == 2 and report["backend"] == "portable" and report["dtype"] == "float32"
+    for name in ("tp2", "pp2", "cp2"):
+        entry = report["layouts"][name]
+        assert "error" not in entry, entry.get("traceback", entry)
+        assert entry["max_abs_dlogit"] <= 1e-5 and entry["top1_agreement"] == 1.0, (name, entry)
+    assert "does not fit" in str(report["layouts"]["tp4"]["error"])
+    table = (tmp_path / "parallel_parity.md").read_text()
+    assert "| cp2 |" in table and "| tp4 | failed" in table
