@@ -3,7 +3,9 @@
 # Run from the repository root with megatron-core and Transformer Engine importable and
 # PYTHONPATH=src (see ../shared/gpu/README.md):   bash bench/gpu/run_all.sh OUT [PHASE...]
 # Phases: single (per-GPU jobs in parallel), speed, multi (torchrun 2 / 4). Default: all three.
-# Each job logs to OUT/logs/; a failing job is recorded and the others go on.
+# Each job logs to OUT/logs/; a failing (or, past its time limit, killed) job is recorded and the
+# others go on. Limits: JOB_TIMEOUT (single-GPU jobs, default 420 s), MULTI_TIMEOUT (torchrun jobs,
+# default 240 s: a layout failing on some ranks only would otherwise wait for NCCL's timeout).
 set -uo pipefail
 out=${1:?usage: run_all.sh OUT [single|speed|multi]...}
 shift
@@ -17,7 +19,8 @@ report=($py -m mcore_zoo.cli parity-report --dtype bfloat16 --device cuda --scal
 job() {  # job NAME GPU CMD...: run on one GPU in the background, log, record the exit code
   local name=$1 gpu=$2
   shift 2
-  ( CUDA_VISIBLE_DEVICES=$gpu "$@" > "$out/logs/$name.log" 2>&1; echo "$name exit $?" >> "$out/logs/status" ) &
+  ( CUDA_VISIBLE_DEVICES=$gpu timeout "${JOB_TIMEOUT:-420}" "$@" > "$out/logs/$name.log" 2>&1
+    echo "$name exit $?" >> "$out/logs/status" ) &
 }
 
 if [[ " $phases " == *" single "* ]]; then
@@ -39,12 +42,13 @@ if [[ " $phases " == *" single "* ]]; then
 fi
 
 if [[ " $phases " == *" speed "* ]]; then
-  CUDA_VISIBLE_DEVICES=0 $py bench/gpu/numerics_speed.py --out "$out/speed" > "$out/logs/speed.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0 timeout "${JOB_TIMEOUT:-420}" $py bench/gpu/numerics_speed.py --out "$out/speed" \
+      > "$out/logs/speed.log" 2>&1
   echo "speed exit $?" >> "$out/logs/status"
 fi
 
 if [[ " $phases " == *" multi "* ]] && (( ngpu >= 2 )); then
-  tr() { local n=$1; shift; $py -m torch.distributed.run --standalone --nproc_per_node "$n" "$@"; }
+  tr() { local n=$1; shift; timeout "${MULTI_TIMEOUT:-240}" $py -m torch.distributed.run --standalone --nproc_per_node "$n" "$@"; }
   tr 2 bench/gpu/parallel_parity.py --out "$out/parallel-2gpu" > "$out/logs/parallel-2gpu.log" 2>&1
   echo "parallel-2gpu exit $?" >> "$out/logs/status"
   tr 2 bench/gpu/parallel_parity.py --backend local --numerics hf-exact --layouts tp2,pp2 \
@@ -54,7 +58,7 @@ if [[ " $phases " == *" multi "* ]] && (( ngpu >= 2 )); then
     tr 4 bench/gpu/parallel_parity.py --out "$out/parallel-4gpu" > "$out/logs/parallel-4gpu.log" 2>&1
     echo "parallel-4gpu exit $?" >> "$out/logs/status"
   fi
-  CUDA_VISIBLE_DEVICES=0,1 "${report[@]}" --arch LlamaForCausalLM --backend te --invariance-tp 2 \
+  CUDA_VISIBLE_DEVICES=0,1 timeout "${MULTI_TIMEOUT:-240}" "${report[@]}" --arch LlamaForCausalLM --backend te --invariance-tp 2 \
       --out "$out/parity/te-bf16-tp2" > "$out/logs/te-tp2.log" 2>&1
   echo "te-bf16-tp2 exit $?" >> "$out/logs/status"
 fi
