@@ -2,19 +2,20 @@
 # Every GPU measurement the docs cite, on one machine with 4 GPUs (fewer: phases serialise).
 # Run from the repository root with megatron-core and Transformer Engine importable and
 # PYTHONPATH=src (see ../shared/gpu/README.md):   bash bench/gpu/run_all.sh OUT [PHASE...]
-# Phases: single (per-GPU jobs in parallel), speed, multi (torchrun 2 / 4). Default: all three.
+# Phases: reports (parity-report jobs, one GPU each, in parallel), checks (GPU tests and the
+# backend / profile grid), speed, multi (torchrun 2 / 4). Default: all four.
 # Each job logs to OUT/logs/; a failing (or, past its time limit, killed) job is recorded and the
 # others go on. Limits: JOB_TIMEOUT (single-GPU jobs, default 420 s), MULTI_TIMEOUT (torchrun jobs,
 # default 240 s: a layout failing on some ranks only would otherwise wait for NCCL's timeout).
 set -uo pipefail
 out=${1:?usage: run_all.sh OUT [single|speed|multi]...}
 shift
-phases=${*:-single speed multi}
+phases=${*:-reports checks speed multi}
 mkdir -p "$out/logs"
 py=${PYTHON:-python3}
 ngpu=$($py -c 'import torch; print(torch.cuda.device_count())')
 nosplit=(env CUBLAS_WORKSPACE_CONFIG=:0:0 CUBLASLT_WORKSPACE_SIZE=0)
-report=($py -m mcore_zoo.cli parity-report --dtype bfloat16 --device cuda --scale small -q)
+report=($py -m mcore_zoo.cli parity-report --dtype bfloat16 --device cuda --scale small -q -v)
 
 job() {  # job NAME GPU CMD...: run on one GPU in the background, log, record the exit code
   local name=$1 gpu=$2
@@ -23,8 +24,8 @@ job() {  # job NAME GPU CMD...: run on one GPU in the background, log, record th
     echo "$name exit $?" >> "$out/logs/status" ) &
 }
 
-if [[ " $phases " == *" single "* ]]; then
-  g() { echo $(( $1 % ngpu )); }
+g() { echo $(( $1 % ngpu )); }
+if [[ " $phases " == *" reports "* ]]; then
   # te (the fast path) vs HF eager for every architecture: B=4 x 512, invariance matrix, ablation
   job te-bf16 "$(g 0)" "${report[@]}" --arch all --backend te --lengths 512,512,512,512 --invariance --ablation \
       --out "$out/parity/te-bf16"
@@ -34,6 +35,15 @@ if [[ " $phases " == *" single "* ]]; then
   # hf-exact-sdpa on portable vs HF sdpa
   job portable-sdpa-bitwise "$(g 2)" "${nosplit[@]}" "${report[@]}" --arch all --backend portable --bitwise \
       --reference sdpa --lengths 512,512,512,512,300,100,37 --out "$out/parity/portable-sdpa-bf16-bitwise"
+  wait
+  if (( ngpu >= 2 )); then
+    CUDA_VISIBLE_DEVICES=0,1 timeout "${JOB_TIMEOUT:-420}" "${report[@]}" --arch LlamaForCausalLM --backend te \
+        --invariance-tp 2 --out "$out/parity/te-bf16-tp2" > "$out/logs/te-tp2.log" 2>&1
+    echo "te-bf16-tp2 exit $?" >> "$out/logs/status"
+  fi
+fi
+
+if [[ " $phases " == *" checks "* ]]; then
   # asserting GPU tests, then the full backend / profile / ablation grid
   job gpu-tests "$(g 3)" bash -c "$py -m pytest tests/gpu -q -p no:cacheprovider && \
       $py bench/gpu/dense_numerics.py --out $out/dense && \
@@ -58,8 +68,5 @@ if [[ " $phases " == *" multi "* ]] && (( ngpu >= 2 )); then
     tr 4 bench/gpu/parallel_parity.py --out "$out/parallel-4gpu" > "$out/logs/parallel-4gpu.log" 2>&1
     echo "parallel-4gpu exit $?" >> "$out/logs/status"
   fi
-  CUDA_VISIBLE_DEVICES=0,1 timeout "${MULTI_TIMEOUT:-240}" "${report[@]}" --arch LlamaForCausalLM --backend te --invariance-tp 2 \
-      --out "$out/parity/te-bf16-tp2" > "$out/logs/te-tp2.log" 2>&1
-  echo "te-bf16-tp2 exit $?" >> "$out/logs/status"
 fi
 cat "$out/logs/status"

@@ -55,7 +55,7 @@ def environment(device: str) -> dict[str, Any]:
         hardware["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         hardware["compute_capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
         hardware["cuda"] = torch.version.cuda
-        hardware["cudnn"] = torch.backends.cudnn.version()
+        hardware["cudnn"] = _cudnn_version()
         settings.update(
             matmul_allow_tf32=torch.backends.cuda.matmul.allow_tf32,
             cudnn_allow_tf32=torch.backends.cudnn.allow_tf32,
@@ -64,3 +64,13 @@ def environment(device: str) -> dict[str, Any]:
         )
     settings["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
     return {"versions": versions, "hardware": hardware, "settings": settings}
+
+
+def _cudnn_version() -> Any:
+    """cuDNN's version, or why it could not be read. Asking torch loads cuDNN; on machines that also
+    have a system cuDNN of another version its sub-libraries can fail to link - that must not cost
+    the report (every run has finished by the time the environment is read)."""
+    try:
+        return torch.backends.cudnn.version()
+    except Exception as exc:  # OSError / RuntimeError from the dynamic loader
+        return f"unavailable ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
