@@ -228,6 +228,8 @@ def run_parity(opts: ParityOptions, progress: Optional[Progress] = None) -> dict
     """Run every engine the options ask for and return the report dict (schema in docs/parity)."""
     progress = progress or Progress(enabled=False)
     started = datetime.datetime.now(datetime.timezone.utc)
+    import megatron.core  # noqa: F401 - before transformers touches CUDA: Transformer Engine (which
+    # megatron.core imports) must load its cuDNN first where a second, system cuDNN also exists
     r = resolve(opts)
     tmp = None
     if opts.work_dir:

@@ -5,11 +5,13 @@ is a drop-in ``core_attention`` module (same constructor and call signature as m
 BSHD and THD on CPU and GPU with one of these kernels:
 
 * ``eager`` - HF's ``eager_attention_forward`` op for op (matmul, scale, additive mask, fp32
-  softmax, cast, dropout, matmul); each packed sequence is computed on exactly its own length, and
-  sequences of equal length in one batched call, so packed sequences get exactly what HF computes
-  for them alone or batched.
+  softmax, cast, dropout, matmul); each packed sequence is computed on exactly its own length
+  (sequences of equal length in one batched call: batched matmuls give each batch element the same
+  result as alone), so packed sequences get exactly what HF computes for them alone or batched.
 * ``sdpa`` - ``torch.nn.functional.scaled_dot_product_attention`` called the way HF's ``sdpa``
-  implementation calls it (for THD: per length, equal lengths batched).
+  implementation calls it, one call per packed sequence: SDPA picks its kernel by batch shape, so
+  a packed sequence gets what HF sdpa computes for that sequence alone (not what it computes for it
+  inside a batch - HF's own sdpa differs between those two).
 * ``varlen`` - ``torch.nn.attention.varlen.varlen_attn`` (CUDA, one call for the whole pack).
 * ``flash`` - the flash-attn package's ``flash_attn_varlen_func`` (CUDA, one call).
 * ``auto`` - ``varlen`` on CUDA when available, else ``flash`` when installed, else ``sdpa``.
@@ -194,13 +196,15 @@ class PortableAttention(torch.nn.Module):
         if kernel in ("varlen", "flash"):
             return self._thd_fused(query, key, value, params, kernel)
         out = query.new_zeros(query.shape[0], self.heads, self.head_dim)
-        # Sequences of equal length go through one batched call, as HF computes a batch of equal
-        # lengths: same kernels, same results (and fewer launches).
-        by_length: dict[int, list[int]] = {}
+        # eager: sequences of equal length go through one batched call (batched matmuls give each
+        # element the result it gets alone; fewer launches). sdpa: one call per sequence, as HF
+        # sdpa on that sequence alone (SDPA chooses kernels by batch shape).
+        groups: dict[Any, list[int]] = {}
         for start, length in zip(starts.tolist(), lengths.tolist()):
             if length:
-                by_length.setdefault(length, []).append(start)
-        for length, group in by_length.items():
+                groups.setdefault(length if kernel == "eager" else (length, start), []).append(start)
+        for group_key, group in groups.items():
+            length = group_key if kernel == "eager" else group_key[0]
             rows = torch.cat([torch.arange(s0, s0 + length, device=query.device) for s0 in group])
             shape = (len(group), length)
             q = query[rows].view(*shape, *query.shape[1:]).transpose(1, 2)  # [g, h, L, d]
