@@ -310,8 +310,10 @@ class PortableAttention(torch.nn.Module):
 
     def _sdpa(self, q, k, v, n_rep, dropout, allowed):  # type: ignore[no-untyped-def]
         kwargs: dict[str, Any] = {}
-        is_causal = allowed is None and self.window is None and q.shape[2] > 1
-        if allowed is None and self.window is not None:
+        # HF skips the mask (is_causal) when the window cannot bite: no mask or kv_len <= window
+        bites = self.window is not None and k.shape[2] > self.window
+        is_causal = allowed is None and not bites and q.shape[2] > 1
+        if allowed is None and bites:
             allowed = _allowed_mask(q.shape[2], k.shape[2], self.window, q.device)
         if n_rep > 1:
             if allowed is None and k.shape[-1] == v.shape[-1] <= 256:
