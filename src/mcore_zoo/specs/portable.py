@@ -223,12 +223,9 @@ class PortableAttention(torch.nn.Module):
         if kernel == "varlen":
             if dropout:
                 raise NotImplementedError("torch varlen attention has no dropout; use kernel='flash' or 'sdpa'")
-            from torch.nn.attention.varlen import varlen_attn
-
-            out = varlen_attn(
-                query, key, value, cu_q.int(), cu_k.int(), max_q, max_k,
-                scale=self.scale, window_size=(left, 0), enable_gqa=self.heads != self.groups,
-            )  # fmt: skip
+            out = self._varlen(query, key, value, cu_q.int(), cu_k.int(), max_q, max_k, left)
+            if out is None:  # this torch's varlen_attn cannot express the call: one SDPA call per sequence
+                return self._thd(query, key, value, params, "sdpa")
         else:
             fn = _flash_attn_varlen()
             if fn is None:
@@ -273,6 +270,36 @@ class PortableAttention(torch.nn.Module):
                 allowed = _allowed_mask(n_q, end, self.window, query.device)
                 out[row : row + n_q] = self._attend(q, k, v, kernel, allowed)[0]
         return out.reshape(out.shape[0], -1)
+
+    def _varlen(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_q: torch.Tensor,
+                cu_k: torch.Tensor, max_q: int, max_k: int, left: int) -> Optional[torch.Tensor]:  # fmt: skip
+        """``torch.nn.attention.varlen.varlen_attn`` with what this torch's signature offers
+        (torch <= 2.11: ``is_causal`` only, default scale, equal head counts; later: ``scale``,
+        ``window_size``, ``enable_gqa``). ``None`` when it cannot express this layer's attention."""
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+
+        params = inspect.signature(varlen_attn).parameters
+        kwargs: dict[str, Any] = {}
+        if "window_size" in params:
+            kwargs["window_size"] = (left, 0)
+        elif "is_causal" in params and left < 0:
+            kwargs["is_causal"] = True
+        else:
+            return None
+        if "scale" in params:
+            kwargs["scale"] = self.scale
+        elif self.scale != 1.0 / math.sqrt(self.head_dim):
+            return None
+        if self.heads != self.groups:
+            if "enable_gqa" in params:
+                kwargs["enable_gqa"] = True
+            else:
+                n_rep = self.heads // self.groups
+                key = key.repeat_interleave(n_rep, dim=1)
+                value = value.repeat_interleave(n_rep, dim=1)
+        return varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, **kwargs)
 
     # ------------------------------------------------------------------ math
     def _attend(
