@@ -150,9 +150,9 @@ def markdown(report: dict[str, Any]) -> str:
         if "error" in e:
             lines.append(f"| {name} | error: `{e['error'][:80]}` | | | | |")
             continue
+        thd = [f"{e[k]:.1f}" if k in e else "-" for k in ("thd_forward_ms", "thd_train_ms")]
         lines.append(
-            f"| {name} | {e['bshd_forward_ms']:.1f} | {e['bshd_train_ms']:.1f} | {e.get('thd_forward_ms', float('nan')):.1f} "
-            f"| {e.get('thd_train_ms', float('nan')):.1f} | {e['bshd_train_gib']:.1f} |"
+            f"| {name} | {e['bshd_forward_ms']:.1f} | {e['bshd_train_ms']:.1f} | {thd[0]} | {thd[1]} | {e['bshd_train_gib']:.1f} |"
         )
     return "\n".join(lines) + "\n"
 

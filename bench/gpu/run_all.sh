@@ -38,7 +38,7 @@ if [[ " $phases " == *" reports "* ]]; then
   wait
   if (( ngpu >= 2 )); then
     CUDA_VISIBLE_DEVICES=0,1 timeout "${JOB_TIMEOUT:-420}" "${report[@]}" --arch LlamaForCausalLM --backend te \
-        --invariance-tp 2 --out "$out/parity/te-bf16-tp2" > "$out/logs/te-tp2.log" 2>&1
+        --invariance-tp 2 --lengths 512,300,100,37 --out "$out/parity/te-bf16-tp2" > "$out/logs/te-tp2.log" 2>&1
     echo "te-bf16-tp2 exit $?" >> "$out/logs/status"
   fi
 fi

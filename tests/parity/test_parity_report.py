@@ -207,8 +207,9 @@ def test_usage_and_load_errors_exit_2(args, message, capsys):
 
 @pytest.mark.slow
 def test_invariance_matrix_with_tp2(tmp_path):
-    """TP2 (gloo, two spawned ranks) vs TP1, THD vs BSHD and batch 1 vs N, in one report."""
-    code = main(["parity-report", "--arch", "Qwen2ForCausalLM", "--invariance", "--invariance-tp", "2",
+    """TP2 (gloo, two spawned ranks) vs TP1, THD vs BSHD and batch 1 vs N, in one report
+    (--invariance-tp alone asks for the whole matrix)."""
+    code = main(["parity-report", "--arch", "Qwen2ForCausalLM", "--invariance-tp", "2",
                  "--out", str(tmp_path), "-q", "--format", "json,md"])  # fmt: skip
     assert code == 0
     report = _report(tmp_path, "Qwen2ForCausalLM")

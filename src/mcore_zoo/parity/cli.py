@@ -80,7 +80,7 @@ def register(sub: Any) -> None:
                         " hidden_rel; 'none' to stop gating it)")  # fmt: skip
     g.add_argument("--invariance", action="store_true",
                    help="also compare the mcore model with itself: THD vs BSHD, batch 1 vs N")
-    g.add_argument("--invariance-tp", type=int, metavar="K", help="... and TP K vs TP 1 (spawns K ranks)")
+    g.add_argument("--invariance-tp", type=int, metavar="K", help="the invariance matrix with TP K vs TP 1 (spawns K ranks)")
     g.add_argument("--ablation", action="store_true",
                    help="also run the model with each numerics knob flipped alone (default <-> hf-exact)"
                         " and report what each costs (not gating)")  # fmt: skip

@@ -287,7 +287,7 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
     comparisons.insert(0, compare(ref, main, role="parity", gating=True, criterion=criterion, tol=tol,
                                   worst=opts.worst, device=cmp_device))  # fmt: skip
     export = check_export(source.checkpoint, export_dir, dtype) if export_dir is not None else None
-    if opts.invariance:
+    if opts.invariance or opts.invariance_tp:
         # a right-padded batch changes the reduction lengths of the attention GEMMs: never bitwise
         variants = [(replace(spec, layout="bshd" if spec.layout == "thd" else "thd"), "tolerance")]
         if spec.backend == "local" and r["profile"].attention == "backend":
