@@ -19,8 +19,8 @@ only by the functions that need them.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+
+from ._lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -114,15 +114,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    target = _LAZY.get(name)
-    if target is None:
-        raise AttributeError(f"module 'mcore_zoo' has no attribute {name!r}")
-    module_name, attr = target.split(":")
-    value = getattr(importlib.import_module(module_name), attr)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())

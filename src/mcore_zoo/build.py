@@ -10,7 +10,6 @@ converted config, backend and numerics profile; loading, export and the packed f
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 

@@ -16,8 +16,9 @@ import mcore_zoo
 from mcore_zoo.build import model_info
 from mcore_zoo.numerics.profiles import get_profile
 from mcore_zoo.testing.common import PARITY_LENGTHS, assert_same, scale_is_power_of_two
-from mcore_zoo.weights.rules import FuseQKV, Rule, WeightMap
+from mcore_zoo.weights.rules import Rule, WeightMap
 
+from .mutations import SwapFirstTwoQueryHeads, SwapQueryAndKey
 from ..conftest import CASE_IDS, CASES, random_sequences
 
 LENGTHS = list(PARITY_LENGTHS)
@@ -78,32 +79,7 @@ def _max_diff_vs_hf(model, hf, seqs):
         return max((o - hf(s[None]).logits[0]).abs().max().item() for o, s in zip(out, seqs))
 
 
-class _SwapFirstTwoQueryHeads(FuseQKV):
-    name = "qkv-interleave-with-swapped-heads"
-
-    def fuse(self, pieces, ctx):
-        q, k, v = pieces
-        hd = ctx.arch.head_dim
-        q = torch.cat([q[hd : 2 * hd], q[:hd], q[2 * hd :]])
-        return super().fuse([q, k, v], ctx)
-
-
-class _SwapQK(FuseQKV):
-    name = "qkv-interleave-with-q-k-swapped"
-
-    def fuse(self, pieces, ctx):
-        q, k, v = pieces
-        hd = ctx.arch.head_dim
-        groups = k.shape[0] // hd
-        # put each group's key head in place of its first query head and vice versa
-        qg = q.reshape(groups, -1, *q.shape[1:]).clone()
-        kg = k.reshape(groups, hd, *k.shape[1:]).clone()
-        first = qg[:, :hd].clone()
-        qg[:, :hd] = kg
-        return super().fuse([qg.reshape(q.shape), first.reshape(k.shape), v], ctx)
-
-
-@pytest.mark.parametrize("transform", [_SwapFirstTwoQueryHeads(), _SwapQK()], ids=["swap-q-heads", "swap-q-k"])
+@pytest.mark.parametrize("transform", [SwapFirstTwoQueryHeads(), SwapQueryAndKey()], ids=["swap-q-heads", "swap-q-k"])
 def test_mutation_broken_weight_map_is_caught(mpu, reference_checkpoint, hf_reference, transform):
     ckpt = reference_checkpoint("LlamaForCausalLM")
     hf = hf_reference("LlamaForCausalLM", ckpt)

@@ -15,8 +15,9 @@ import torch
 
 from mcore_zoo.architecture import Architecture
 from mcore_zoo.cli import main
-from mcore_zoo.weights.rules import FuseQKV, Rule, WeightMap
+from mcore_zoo.weights.rules import Rule, WeightMap
 
+from .mutations import SwapQueryAndKey
 from ..conftest import ARCHS, CONFIGS
 
 
@@ -82,22 +83,8 @@ class _SwapQKHeadsInLayer(WeightMap):
         for i, b in enumerate(bound):
             if b.mcore == target:
                 r = b.rule
-                bound[i] = type(b)(Rule(r.mcore, r.sources, _SwapQK(), r.export, r.layer_kind, r.note), b.mcore, b.hf)
+                bound[i] = type(b)(Rule(r.mcore, r.sources, SwapQueryAndKey(), r.export, r.layer_kind, r.note), b.mcore, b.hf)
         return bound
-
-
-class _SwapQK(FuseQKV):
-    name = "qkv-interleave-with-q-k-swapped"
-
-    def fuse(self, pieces, ctx):
-        q, k, v = pieces
-        hd = ctx.arch.head_dim
-        groups = k.shape[0] // hd
-        qg = q.reshape(groups, -1, *q.shape[1:]).clone()
-        kg = k.reshape(groups, hd, *k.shape[1:]).clone()
-        first = qg[:, :hd].clone()
-        qg[:, :hd] = kg
-        return super().fuse([qg.reshape(q.shape), first.reshape(k.shape), v], ctx)
 
 
 def test_broken_weight_map_fails_and_names_the_guilty_layer(tmp_path, monkeypatch, capsys):

@@ -195,7 +195,7 @@ def test_export_refuses_to_overwrite(mpu, reference_checkpoint, tmp_path):
 def test_fused_hf_tensors_via_selected_parts(mpu, reference_checkpoint):
     """Phi-3-style fused ``qkv_proj`` / ``gate_up_proj``: one HF tensor split into several sources
     by ``select`` ranges loads like the separate tensors and exports back fused, bitwise."""
-    from mcore_zoo.weights.dense import HF_LAYER, LAYER
+    from mcore_zoo.weights.dense import HF_LAYER
     from mcore_zoo.weights.rules import GATE_UP, QKV, Rule, split_rows
 
     ckpt = reference_checkpoint("LlamaForCausalLM")

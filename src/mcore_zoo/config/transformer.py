@@ -8,7 +8,7 @@ or read.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F

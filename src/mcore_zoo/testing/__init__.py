@@ -20,8 +20,8 @@ summary, and fixtures for a plugin's own extra tests (``zoo_mpu``, ``zoo_referen
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+
+from .._lazy import lazy_attributes
 
 _LAZY = {
     "ConformanceSuite": "mcore_zoo.testing.suite:ConformanceSuite",
@@ -43,15 +43,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    target = _LAZY.get(name)
-    if target is None:
-        raise AttributeError(f"module 'mcore_zoo.testing' has no attribute {name!r}")
-    module_name, attr = target.split(":")
-    value = getattr(importlib.import_module(module_name), attr)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
