@@ -35,6 +35,9 @@ if [[ " $phases " == *" reports "* ]]; then
   # hf-exact-sdpa on portable vs HF sdpa
   job portable-sdpa-bitwise "$(g 2)" "${nosplit[@]}" "${report[@]}" --arch all --backend portable --bitwise \
       --reference sdpa --lengths 512,512,512,512,300,100,37 --out "$out/parity/portable-sdpa-bf16-bitwise"
+  # portable (default kernel: torch varlen_attn) vs HF eager
+  job portable-bf16 "$(g 3)" "${report[@]}" --arch all --backend portable --lengths 512,512,512,512,300,100,37 \
+      --invariance --out "$out/parity/portable-bf16"
   wait
   if (( ngpu >= 2 )); then
     CUDA_VISIBLE_DEVICES=0,1 timeout "${JOB_TIMEOUT:-420}" "${report[@]}" --arch LlamaForCausalLM --backend te \

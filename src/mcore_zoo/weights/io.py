@@ -72,9 +72,9 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
-    """Parse and validate a safetensors header (8-byte little-endian length, JSON) into
-    :class:`TensorEntry`\ s, as the format requires: known dtypes, sizes that match the shapes,
-    data offsets that tile the data section exactly (no holes, no overlaps, nothing missing)."""
+    """Parse and validate a safetensors header (8-byte little-endian length, JSON) into one
+    :class:`TensorEntry` per tensor, as the format requires: known dtypes, sizes that match the
+    shapes, data offsets that tile the data section exactly (no holes, no overlaps, nothing missing)."""
 
     def bad(reason: str) -> CheckpointFormatError:
         return CheckpointFormatError(str(path), reason)
