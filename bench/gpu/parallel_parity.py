@@ -61,6 +61,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--backend", default=None, help="default: te on cuda, portable on cpu")
     p.add_argument("--numerics", default=None, help="default: 'default' on cuda, 'hf-exact' on cpu")
+    p.add_argument("--knob", action="append", default=[], metavar="KNOB=VALUE",
+                   help="override one knob of the numerics profile (e.g. attention=eager); repeatable")
     p.add_argument("--dtype", default=None, help="bfloat16 | float32 (default: bf16 on cuda, fp32 on cpu)")
     p.add_argument("--arch", default="LlamaForCausalLM")
     p.add_argument("--layouts", default=None, help="comma-separated subset of: " + ", ".join(LAYOUTS))
@@ -143,6 +145,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     args.backend = args.backend or ("te" if args.device == "cuda" else "portable")
     args.numerics = args.numerics or ("default" if args.device == "cuda" else "hf-exact")
+    if args.knob:
+        from mcore_zoo.numerics.profiles import get_profile
+        from mcore_zoo.parity.inputs import parse_set
+
+        args.numerics = get_profile(args.numerics).with_knobs(**parse_set(args.knob))
     dtype = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}[
         args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     ]
@@ -162,7 +169,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "world_size": world,
         "backend": args.backend,
-        "numerics": args.numerics,
+        "numerics": getattr(args.numerics, "name", args.numerics),
         "dtype": str(dtype).replace("torch.", ""),
         "model": {k: config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")},
         "architecture": args.arch,
