@@ -155,6 +155,26 @@ def test_bf16_distance_to_fp32_naive(capsys):
     assert orig["logprob"] <= 0.1 and orig["entropy"] <= 0.05
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.75])
+def test_fused_and_separate_casts_agree_bitwise(monkeypatch, temperature):
+    """The cast-fused path (CUDA's) and the separate-cast path (CPU's default for bf16) compute the
+    same fp32 values and round the gradient once: bit-identical results."""
+    from mcore_zoo.distributed import vocab_parallel
+
+    logits, targets, g_lp, g_h = _case(40, 700, seed=13, scale=3.0, dtype=torch.bfloat16)
+    out = {}
+    for fused in (True, False):
+        monkeypatch.setattr(vocab_parallel, "FUSED_CASTS", fused)
+        for entropy in (True, False):
+            out[fused, entropy] = _run(
+                token_logprobs_and_entropy, logits, targets, g_lp, g_h,
+                temperature=temperature, chunk_tokens=9, compute_entropy=entropy,
+            )  # fmt: skip
+    for entropy in (True, False):
+        for a, b in zip(out[True, entropy], out[False, entropy]):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
 # ---------------------------------------------------------------------------- mutations
 def test_mutations_fail_the_comparison():
     """The comparisons above can fail: a temperature off by 0.1%, the two upstream gradients swapped,

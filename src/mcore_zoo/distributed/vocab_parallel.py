@@ -46,40 +46,56 @@ exactly the identity, so the single-process result does not depend on it.
 What is saved for backward, and memory
 --------------------------------------
 Saved: the logits shard itself, in its own dtype (no copy: the same tensor the caller passed,
-``2 * V/tp`` bytes per token in bf16), the int64 targets (8 B/token) and three fp32 per-token
-statistics ``M``, ``s`` and ``a`` (12 B/token; ``a`` only with entropy). The softmax is recomputed
-in backward, chunk by chunk, from the saved logits.
+``2 * V/tp`` bytes per token in bf16), per token the local target column (int64) and two masks
+(owned, not ignored), and the fp32 statistics ``M``, ``s`` and ``a`` (``a`` only with entropy):
+22 B/token besides the logits. The softmax is recomputed in backward, chunk by chunk, from the
+saved logits.
 
 Peak extra memory (beyond the logits shard the caller already holds), ``Vl = V / tp``, ``c`` the
 chunk, all per chunk of fp32 work buffers:
 
 * forward: ``c * Vl * 4`` bytes (log-prob only) or ``2 * c * Vl * 4`` (with entropy), plus
   ~40 B/token of statistics;
-* backward: ``2 * c * Vl * 4`` bytes of work buffers plus the gradient, ``Vl * itemsize`` per
-  token (none with ``inplace_backward=True``).
+* backward: the same work buffers (``c * Vl * 4`` bytes, twice that with entropy) plus the
+  gradient, ``Vl * itemsize`` per token (none with ``inplace_backward=True``).
 
 Megatron-Core's ``labels`` path (``tensor_parallel.vocab_parallel_cross_entropy``, the default,
 unfused; ``fusions.fused_cross_entropy`` stores the same) casts the whole shard to fp32
 (``T * Vl * 4`` B), turns that copy into the softmax in place and saves it for backward, where it
 becomes the fp32 gradient that autograd then casts to the input dtype. Per token, with bf16
-logits: it holds ``4 Vl`` bytes from forward to backward (plus the ``2 Vl`` logits until the
-forward ends, so ``6 Vl`` at its forward peak) and ``6 Vl`` at its backward peak (fp32 gradient +
-bf16 cast); this head holds ``2 Vl`` bytes (the logits) between forward and backward, peaks at
-``2 Vl`` + one chunk in forward and ``4 Vl`` + one chunk in backward (``2 Vl`` + one chunk with
-``inplace_backward``). At ``V = 151936``, tp 1, that is 1.2 MB/token less than the labels path at
-every point, and one chunk (default :data:`DEFAULT_CHUNK_BYTES`) of fp32 buffers on top.
+logits (``GPTModel`` frees them once the loss is computed):
 
-Work: per element of the shard, log-prob only, the forward reads the input twice (max, then
-``z - M``) and makes one fp32 buffer pass for ``exp`` and one for the sum; the backward one
-``z - M``, one ``exp``, and one fused scale-and-cast into the gradient buffer - about 40 bytes
-of memory traffic per element in all against ~52 for Megatron-Core's unfused path (cast, max,
-subtract, exp, sum, divide; multiply, cast). Entropy adds two fp32 passes in forward and three in
-backward.
+=========================  ====================  ==========================================
+                           labels path           this head (``inplace_backward=True``)
+=========================  ====================  ==========================================
+forward peak               ``6 Vl``              ``2 Vl`` + one chunk
+held forward -> backward   ``4 Vl`` (softmax)    ``2 Vl`` (the logits) + 22 B
+backward peak              ``6 Vl``              ``4 Vl`` + one chunk (``2 Vl`` + one chunk)
+=========================  ====================  ==========================================
 
-Exactness: in fp32 on one process, the forward applies the same operations in the same order as
-``torch.log_softmax(x / tau)`` (max, ``exp(z - max)`` summed, ``(z_t - max) - log s``): CPU tests
-hold it within 1e-6 of the naive formula, and the entropy and both gradients too
-(``tests/unit/test_logprob_head.py``).
+At ``V = 151936``, tp 1, ``2 Vl`` is 0.30 MB/token: 2.5 GB less held between forward and backward
+at 8192 tokens, 5 GB less at the forward peak, 2.5 GB (5 GB in place) less at the backward peak,
+against one chunk of fp32 buffers (default :data:`DEFAULT_CHUNK_BYTES`, twice with entropy).
+
+Work, in bytes of memory traffic per element of the shard (bf16 logits, CUDA, where a cast is
+fused into the op that reads or writes; log-prob only): forward ``amax`` of the input (2),
+``z - M`` into the fp32 buffer (2 + 4), ``exp`` in place (4 + 4), row sums (4): 20; backward
+``z - M`` (6), ``exp`` in place (8), one fused scale-and-cast into the gradient buffer (4 + 2):
+20. In all 40 B/element against ~52 for Megatron-Core's unfused path (forward: cast 6, max 4,
+subtract 8, exp 8, sum 4, divide 8; backward: multiply 8, autograd's cast of the fp32 gradient 6);
+the scatter / gather of the target column is per token. Entropy adds about 16 B forward (a
+second buffer, a product and a sum) and 20 B backward. A temperature other than 1 adds one pass
+(8 B) each way. No host synchronisation anywhere (no ``.item()``, no boolean indexing), so the
+chunks queue asynchronously on a GPU. On CPU, where a mixed-dtype op first casts its input into a
+temporary, the cast is a separate pass into the work buffer (:data:`FUSED_CASTS`).
+
+Exactness: the arithmetic is fp32 whatever the input dtype (a bf16 shard loses nothing beyond
+its own rounding; the gradient is rounded once to the input dtype). In fp32 the log-prob is
+``(z_t - M) - log s``, rounded once at the scale of the result; ``torch.log_softmax`` on CPU
+rounds the log-sum-exp ``M + log s`` first, so the two differ by up to an ulp of the log-sum-exp:
+the CPU tests hold the head within ``1e-6 + 2 ulp(value)`` of the naive formula for log-probs,
+entropy and both gradients, temperatures and chunkings, and against fp64 no less accurate than
+the naive fp32 formula (``tests/unit/test_logprob_head.py``).
 """
 
 from __future__ import annotations
@@ -107,16 +123,41 @@ def default_chunk_tokens(vocab_local: int) -> int:
     return max(1, DEFAULT_CHUNK_BYTES // (4 * max(1, vocab_local)))
 
 
+#: Whether the casts between the input dtype and fp32 are fused into the arithmetic (one kernel
+#: reads bf16 and writes fp32, or the reverse). ``None``: on CUDA, or when the input is fp32 (no
+#: cast at all). On CPU, TensorIterator implements a mixed-dtype op by first casting the input to
+#: a full temporary, so there the cast is a separate pass into the work buffer instead (same
+#: values: the fp32 arithmetic and the final single rounding are the same either way).
+FUSED_CASTS: Optional[bool] = None
+
+
+def _fused(x: torch.Tensor) -> bool:
+    return FUSED_CASTS if FUSED_CASTS is not None else (x.is_cuda or x.dtype == torch.float32)
+
+
 def _scaled(x: torch.Tensor, tau: Optional[torch.Tensor]) -> torch.Tensor:
-    """``x / tau`` in fp32 (a fresh buffer), or ``x`` itself when ``tau`` is None."""
+    """``x / tau`` in fp32 for a small tensor, or ``x`` itself when ``tau`` is None."""
     return x if tau is None else torch.div(x, tau)
 
 
 def _shifted(x: torch.Tensor, tau: Optional[torch.Tensor], m: torch.Tensor) -> torch.Tensor:
-    """A fresh fp32 buffer ``x / tau - m`` (``m [c, 1]`` fp32), in one pass when ``tau`` is None."""
-    if tau is None:
-        return torch.sub(x, m)  # promoted to fp32 by the [c, 1] fp32 operand: one read, one write
-    return torch.div(x, tau).sub_(m)
+    """A fresh fp32 work buffer ``x / tau - m`` (``m [c, 1]`` fp32)."""
+    if _fused(x):
+        if tau is None:
+            return torch.sub(x, m)  # promoted to fp32 by the [c, 1] fp32 operand: one read, one write
+        return torch.div(x, tau).sub_(m)
+    d = x.to(torch.float32, copy=True)
+    if tau is not None:
+        d.div_(tau)
+    return d.sub_(m)
+
+
+def _store(d: torch.Tensor, coef: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = d * coef``, computed in fp32 and rounded once to ``out``'s dtype (``d`` is consumed)."""
+    if _fused(out):
+        torch.mul(d, coef, out=out)
+    else:
+        out.copy_(d.mul_(coef))
 
 
 class _TokenLogprobEntropy(torch.autograd.Function):
@@ -136,7 +177,7 @@ class _TokenLogprobEntropy(torch.autograd.Function):
         size, rank = _group_size_rank(group)
         n, vl = logits.shape
         dev = logits.device
-        tau = None if temperature == 1.0 else torch.tensor([temperature], dtype=torch.float32, device=dev)
+        tau = None if temperature == 1.0 else torch.full((1,), temperature, dtype=torch.float32, device=dev)
 
         start = rank * vl
         local = targets - start
@@ -211,7 +252,7 @@ class _TokenLogprobEntropy(torch.autograd.Function):
         n, _ = logits.shape
         dev = logits.device
         temperature = ctx.tau
-        tau = None if temperature == 1.0 else torch.tensor([temperature], dtype=torch.float32, device=dev)
+        tau = None if temperature == 1.0 else torch.full((1,), temperature, dtype=torch.float32, device=dev)
 
         valid = ctx.saved_tensors[-1]
         if g is None:
@@ -241,7 +282,7 @@ class _TokenLogprobEntropy(torch.autograd.Function):
                 d.mul_(e)
                 del e
             d.scatter_add_(-1, idx[lo:hi], onehot[lo:hi])
-            torch.mul(d, coef[lo:hi], out=grad[lo:hi])  # computed in fp32, rounded once
+            _store(d, coef[lo:hi], grad[lo:hi])
             del d
         return (grad,) + none
 
