@@ -146,15 +146,18 @@ def make_variant(name: str, temperature: float, chunk: Any) -> Callable[..., tup
 def make_inputs(args: argparse.Namespace, device: torch.device) -> tuple[torch.Tensor, ...]:
     """logits [T, V] (std 3) of ``--dtype``, targets, upstream gradients of log-prob and entropy."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    base = (torch.randn(args.tokens, args.vocab, generator=gen) * 3).to(device=device, dtype=dtype)
-    targets = torch.randint(0, args.vocab, (args.tokens,), generator=gen).to(device)
-    g = torch.randn(args.tokens, generator=gen).to(device)
-    h = torch.randn(args.tokens, generator=gen).to(device)
+    gen = torch.Generator(device=device).manual_seed(0)  # generated where they live
+    base = torch.randn(args.tokens, args.vocab, generator=gen, device=device).mul_(3).to(dtype)
+    targets = torch.randint(0, args.vocab, (args.tokens,), generator=gen, device=device)
+    g = torch.randn(args.tokens, generator=gen, device=device)
+    h = torch.randn(args.tokens, generator=gen, device=device)
     return base, targets, g, h
 
 
-def setup_variant(name: str, args: argparse.Namespace, inputs: tuple[torch.Tensor, ...]) -> Callable[..., dict[str, Any]]:
+Inputs = tuple[torch.Tensor, ...]
+
+
+def setup_variant(name: str, args: argparse.Namespace, inputs: Inputs) -> Callable[..., dict[str, Any]]:
     """A function running one forward + backward of ``name`` on a fresh leaf copy of the logits."""
     fn = make_variant(name, args.temperature, args.chunk_tokens)
     base, targets, g, h = inputs
@@ -182,7 +185,7 @@ def setup_variant(name: str, args: argparse.Namespace, inputs: tuple[torch.Tenso
     return once
 
 
-def measure_memory(name: str, args: argparse.Namespace, mem: Any, inputs: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+def measure_memory(name: str, args: argparse.Namespace, mem: Any, inputs: Inputs) -> dict[str, Any]:
     once = setup_variant(name, args, inputs)
     once(mem)  # warm-up (kernels, lazy imports)
     m = once(mem, keep=True)
@@ -196,7 +199,7 @@ def measure_memory(name: str, args: argparse.Namespace, mem: Any, inputs: tuple[
     }
 
 
-def measure_times(names: list[str], args: argparse.Namespace, mem: Any, inputs: tuple[torch.Tensor, ...]) -> dict[str, dict[str, float]]:
+def measure_times(names: list[str], args: argparse.Namespace, mem: Any, inputs: Inputs) -> dict[str, dict[str, float]]:
     """Median times; the variants take turns in each round, so that drifts hit all alike."""
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     fns = {n: setup_variant(n, args, inputs) for n in names}
@@ -206,13 +209,18 @@ def measure_times(names: list[str], args: argparse.Namespace, mem: Any, inputs: 
         for n, fn in fns.items():
             runs[n].append(fn(mem))
     return {
-        n: {"ms": 1e3 * statistics.median(r["time_s"] for r in rs), "fwd_ms": 1e3 * statistics.median(r["fwd_s"] for r in rs)}
+        n: {
+            "ms": 1e3 * statistics.median(r["time_s"] for r in rs),
+            "fwd_ms": 1e3 * statistics.median(r["fwd_s"] for r in rs),
+        }
         for n, rs in runs.items()
     }
 
 
 def main(argv: Any = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=32000, help="V / tp: this rank's vocabulary slice")
@@ -255,7 +263,11 @@ def main(argv: Any = None) -> int:
         r.update(times[r["variant"]])
     ref = next((r["_logprob"] for r in results if r["variant"] in ("naive", "naive-lp")), None)
     baseline = next((r for r in results if r["variant"] == "megatron-ce"), None)
-    print(f"\n| variant | fwd+bwd ms | fwd ms | saved MB | saved B/token | peak MB | peak B/token | time / megatron-ce | max abs dlogp vs naive |")
+    itemsize = inputs[0].element_size()
+    print(
+        "\n| variant | fwd+bwd ms | fwd ms | saved MB | saved B/token | peak MB | peak B/token"
+        " | time / megatron-ce | max abs dlogp vs naive |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         lp = r.pop("_logprob")
@@ -263,12 +275,13 @@ def main(argv: Any = None) -> int:
         ratio = f"{r['ms'] / baseline['ms']:.2f}x" if baseline else "-"
         dl = f"{r['max_abs_dlogprob_vs_naive']:.2e}" if ref is not None else "-"
         print(
-            f"| {r['variant']} | {r['ms']:.1f} | {r['fwd_ms']:.1f} | {r['saved_mb']:.0f} | {r['saved_b_per_token']:.0f} "
+            f"| {r['variant']} | {r['ms']:.1f} | {r['fwd_ms']:.1f} | {r['saved_mb']:.0f} "
+            f"| {r['saved_b_per_token']:.0f} "
             f"| {r['peak_mb']:.0f} | {r['peak_b_per_token']:.0f} | {ratio} | {dl} |"
         )
     print(
-        f"\ninputs: logits {args.tokens * args.vocab * torch.finfo(getattr(torch, {'bf16': 'bfloat16', 'fp16': 'float16', 'fp32': 'float32'}[args.dtype])).bits // 8 / MB:.0f} MB "
-        f"({args.vocab * (2 if args.dtype != 'fp32' else 4)} B/token); one [T, V] fp32 = {args.tokens * args.vocab * 4 / MB:.0f} MB"
+        f"\ninputs: logits {args.tokens * args.vocab * itemsize / MB:.0f} MB ({args.vocab * itemsize} B/token);"
+        f" one [T, V] fp32 = {args.tokens * args.vocab * 4 / MB:.0f} MB"
     )
     if args.json:
         with open(args.json, "w") as f:

@@ -216,7 +216,7 @@ def _tp_rank(logits, targets, g_lp, g_h, temperature, chunk, offset_error):
 
 
 @pytest.mark.slow
-def test_tp2_gloo_matches_one_process():
+def test_tp2_gloo_matches_one_process(capsys):
     from mcore_zoo.distributed import launch
 
     t, v, temperature, chunk = 45, 2 * 501, 0.9, 8
@@ -228,6 +228,9 @@ def test_tp2_gloo_matches_one_process():
     keep = targets >= 0
     naive = _naive(logits, targets.clamp(min=0), torch.where(keep, g_lp, 0.0), g_h, temperature=temperature)
     ranks = launch(_tp_rank, 2, logits, targets, g_lp, g_h, temperature, chunk, 0, backend="gloo")
+    gathered = (ranks[0]["logprob"], ranks[0]["entropy"], torch.cat([r["grad"] for r in ranks], dim=-1))
+    with capsys.disabled():
+        print(f"\n[logprob head, TP2 gloo] vs one process: {_errors(gathered, one)}")
     for r in ranks:  # every rank has the full per-token results
         assert _close(r["logprob"], one[0])
         assert _close(r["entropy"], one[1])

@@ -5,12 +5,15 @@
 * :func:`iter_hf_buckets`, :func:`iter_hf_shards` - export from any layout, in bounded buckets,
   optionally re-split for an inference TP size.
 * :func:`current_layout` - this rank's place in the parallel state, checked against a model.
+* :func:`token_logprobs_and_entropy` - per-token log-probs and entropy from vocab-parallel logits,
+  chunked, with a hand-written backward (:mod:`.vocab_parallel`).
 """
 
 from .export import ExportEntry, export_plan, iter_hf_buckets, iter_hf_shards
 from .forward import forward
 from .launch import launch
 from .layout import Layout, current_layout
+from .vocab_parallel import token_logprobs_and_entropy
 
 __all__ = [
     "launch",
@@ -21,4 +24,5 @@ __all__ = [
     "ExportEntry",
     "current_layout",
     "Layout",
+    "token_logprobs_and_entropy",
 ]

@@ -327,7 +327,8 @@ def token_logprobs_and_entropy(
         raise TypeError(f"logits_shard must be a float tensor, got {logits_shard.dtype}")
     if targets.shape != logits_shard.shape[:-1]:
         raise ValueError(
-            f"targets {tuple(targets.shape)} must match logits_shard {tuple(logits_shard.shape)} without its last dimension"
+            f"targets {tuple(targets.shape)} must match logits_shard {tuple(logits_shard.shape)}"
+            " without its last dimension"
         )
     if targets.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"targets must be integer token ids, got {targets.dtype}")
