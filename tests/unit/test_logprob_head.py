@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from mcore_zoo.distributed.vocab_parallel import naive_logprobs_and_entropy, token_logprobs_and_entropy
 
@@ -130,6 +132,39 @@ def test_at_large_logit_scale_no_less_accurate_than_naive():
         assert head[key] <= max(naive[key], TOL), (key, head, naive)
 
 
+class _LargestFp32(TorchDispatchMode):
+    """Records the largest fp32 storage any op (forward or backward) produces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nbytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                self.nbytes = max(self.nbytes, t.untyped_storage().nbytes())
+        return out
+
+
+@pytest.mark.parametrize("entropy", [True, False])
+def test_never_materialises_full_fp32_logits(entropy):
+    """Forward + backward on bf16 logits: no fp32 tensor larger than one chunk ``[c, V]``; the
+    naive formula, seen through the same probe, makes ``[T, V]`` ones."""
+    t, v, chunk = 64, 1000, 8
+    logits, targets, g_lp, g_h = _case(t, v, seed=17, dtype=torch.bfloat16)
+    for fn, bound in ((token_logprobs_and_entropy, chunk * v * 4), (naive_logprobs_and_entropy, None)):
+        x = logits.clone().requires_grad_()
+        kw = {"chunk_tokens": chunk, "temperature": 0.9, "compute_entropy": entropy} if bound else {}
+        with _LargestFp32() as probe:
+            lp, h = fn(x, targets, **kw)
+            ((lp * g_lp).sum() + ((h * g_h).sum() if h is not None else 0.0)).backward()
+        if bound:
+            assert probe.nbytes == bound, (probe.nbytes, bound)
+        else:
+            assert probe.nbytes >= t * v * 4
+
+
 # ---------------------------------------------------------------------------- bf16
 def test_bf16_distance_to_fp32_naive(capsys):
     """bf16 logits in, fp32 statistics inside, bf16 gradient out. Reported: the distance to the fp32
@@ -187,6 +222,15 @@ def test_mutations_fail_the_comparison():
     assert swapped["grad"] > TOL, swapped
     shifted = _errors(_run(token_logprobs_and_entropy, logits, (targets + 1) % 997, g_lp, g_h, temperature=0.7), ref)
     assert shifted["logprob"] > TOL and shifted["grad"] > TOL, shifted
+
+
+def test_without_autograd():
+    logits, targets, _, _ = _case(10, 50, seed=19)
+    ref = naive_logprobs_and_entropy(logits, targets)
+    for ctx in (torch.inference_mode, torch.no_grad):
+        with ctx():
+            lp, h = token_logprobs_and_entropy(logits.clone().requires_grad_(), targets, chunk_tokens=3)
+        assert not lp.requires_grad and _close(lp, ref[0]) and _close(h, ref[1])
 
 
 def test_rejects_bad_arguments():
