@@ -15,7 +15,8 @@ gradients; forward + backward of ``sum(g * logprob) [+ sum(h * entropy)]``):
 * ``chunked`` / ``chunked-lp``: :func:`mcore_zoo.distributed.vocab_parallel.token_logprobs_and_entropy`
   with / without entropy; ``chunked-lp-inplace`` with ``inplace_backward=True``;
 * ``megatron-ce``: ``megatron.core.tensor_parallel.vocab_parallel_cross_entropy`` (upstream
-  gradient ``-g``, so the logits receive the same gradient as ``chunked-lp``).
+  gradient ``-g``, so the logits receive the same gradient as ``chunked-lp``; with a temperature
+  other than 1 it is given ``logits / temperature``, one more copy in the logits' dtype).
 
 Reported per variant: median wall time of forward + backward (``--repeat`` runs after a warm-up),
 ``saved``: memory held between forward and backward beyond the inputs and outputs, ``peak``: the

@@ -111,6 +111,12 @@ def test_leading_dims_ignored_targets_and_inplace_backward():
     grads = torch.autograd.grad((lp * g_lp).sum() + (h * g_h).sum(), x)
     assert grads[0].data_ptr() == x.data_ptr()
     assert _close(grads[0], ref[2])
+    # ... and another node that saved the logits and runs its backward later fails loudly
+    y = logits.clone().requires_grad_() * 1.0
+    other = (y * y).sum()
+    lp, h = token_logprobs_and_entropy(y, targets, chunk_tokens=5, inplace_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (other + lp.sum()).backward()
     # negative targets: log-prob 0, no log-prob gradient, entropy unchanged
     ignored = targets.clone()
     ignored[::3] = -100
