@@ -63,6 +63,7 @@ class ProcessGroups:
     ep: Any = None
     expert_dp: Any = None  # ranks holding identical expert weights
     model_parallel: Any = None  # TP x PP (x CP): one model replica
+    embedding: Any = None  # first and last pipeline stage: tied embedding copies (PP > 1)
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ class Placement:
             ep=ps.get_expert_model_parallel_group(),
             expert_dp=ps.get_expert_data_parallel_group(),
             model_parallel=ps.get_model_parallel_group(),
+            embedding=ps.get_embedding_group(check_initialized=False),
         )
         return cls(
             parallel=parallel,

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ZooError
-from ..handle import ModelHandle, handle_of
+from ..handle import ModelHandle, handle_of, unwrap
 from ..packing import PackedBatch, PackedOutput, alignment_for, next_token_logprobs, pack_sequences
 from ..placement import Placement
 
@@ -61,9 +61,14 @@ class Microbatch:
     position_ids: torch.Tensor
     labels: torch.Tensor
     members: list[int]
+    index: Optional[torch.Tensor] = None  # pack positions of this CP rank's tokens (None: all, in order)
 
     def packed_seq_params(self) -> Any:
         return self.batch.packed_seq_params()
+
+    def local(self, packed: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a ``[T, ...]`` tensor laid out like the whole pack."""
+        return packed if self.index is None else packed[self.index.to(packed.device)]
 
 
 def _shifted_labels(batch: PackedBatch) -> torch.Tensor:
@@ -79,7 +84,7 @@ def make_microbatch(batch: PackedBatch, layout: Placement, members: list[int]) -
     labels = _shifted_labels(batch)
     if layout.cp > 1:
         index = batch.context_parallel_index(layout.cp_rank, layout.cp).to(batch.input_ids.device)
-        return Microbatch(batch, batch.input_ids[:, index], batch.position_ids[:, index], labels[:, index], members)
+        return Microbatch(batch, batch.input_ids[:, index], batch.position_ids[:, index], labels[:, index], members, index)
     return Microbatch(batch, batch.input_ids, batch.position_ids, labels, members)
 
 
@@ -112,6 +117,55 @@ def split_microbatches(lengths: Sequence[int], count: Optional[int], max_tokens:
     if current:
         groups.append(current)
     return groups
+
+
+def partition_by_tokens(lengths: Sequence[int], max_tokens: Optional[int] = None, count: Optional[int] = None,
+                        multiple_of: int = 1) -> list[list[int]]:  # fmt: skip
+    """Balanced groups of sequence indices (not contiguous): the fewest groups - at least ``count``,
+    a multiple of ``multiple_of`` where there are enough sequences - whose token sums stay within
+    ``max_tokens`` (a longer sequence gets a group of its own), filled longest-first into the
+    lightest group. Each group lists its indices in ascending order; groups are ordered by their
+    first index. Used for micro-batches under a token budget and to spread a batch over
+    data-parallel ranks (``count=dp``)."""
+    n = len(lengths)
+    if n == 0:
+        return []
+    total = sum(lengths)
+    k = max(1, count or 1, -(-total // max_tokens) if max_tokens else 1)
+
+    def fill(k: int) -> list[list[int]]:
+        groups: list[list[int]] = [[] for _ in range(k)]
+        load = [0] * k
+        for i in sorted(range(n), key=lambda i: (-lengths[i], i)):
+            g = min(range(k), key=lambda g: (load[g], g))
+            groups[g].append(i)
+            load[g] += lengths[i]
+        return [sorted(g) for g in groups if g]
+
+    while True:
+        k = min(n, -(-k // multiple_of) * multiple_of) if n >= multiple_of else min(n, k)
+        groups = fill(k)
+        fits = max_tokens is None or all(len(g) == 1 or sum(lengths[i] for i in g) <= max_tokens for g in groups)
+        if fits or k >= n:
+            return sorted(groups, key=lambda g: g[0])
+        k += 1
+
+
+def build_microbatches(layout: Placement, seqs: Sequence[torch.Tensor], groups: Sequence[Sequence[int]], *,
+                       align: int, pad_token_id: int, device: torch.device) -> list[Microbatch]:  # fmt: skip
+    """One packed micro-batch per group of sequence indices (this rank's CP share), plus padding
+    micro-batches up to what the interleaved pipeline schedule accepts (a multiple of ``pp``, at
+    least ``pp``)."""
+    micro = [
+        make_microbatch(pack_sequences([seqs[i] for i in g], align=align, pad_token_id=pad_token_id).to(device), layout, list(g))
+        for g in groups
+    ]
+    if layout.vpp > 1:
+        target = max(layout.pp, -(-len(micro) // layout.pp) * layout.pp)
+        filler = torch.full((align,), pad_token_id, dtype=torch.long)
+        while len(micro) < target:
+            micro.append(make_microbatch(pack_sequences([filler], align=align).to(device), layout, []))
+    return micro
 
 
 # ---------------------------------------------------------------------------- collectives
@@ -158,9 +212,13 @@ def _gather_cp(local: torch.Tensor, mb: Microbatch, layout: Placement) -> torch.
 
 
 def _collect(mb: Microbatch, output: torch.Tensor, layout: Placement, want_logits: bool, want_logprobs: bool,
-             bshd: bool = False) -> dict:  # fmt: skip
+             bshd: bool = False, want_values: bool = False) -> dict:  # fmt: skip
     """Last stage: model output ``[1, T / cp, V / tp]`` (BSHD: ``[B, S, V / tp]``) -> per-sequence
-    logits / log-probs."""
+    logits / log-probs; a value head's ``[1, T / cp, 1]`` -> per-sequence values."""
+    if want_values:
+        if bshd:
+            return {"values": [row[:n, 0].float() for row, n in zip(output, mb.batch.lengths)]}
+        return {"values": [v[:, 0].float() for v in mb.batch.unpack(_gather_cp(output[0], mb, layout))]}
     if bshd:
         logits = [row[:n] for row, n in zip(_gather_vocab(output, layout), mb.batch.lengths)]
         tokens = mb.batch.unpack(mb.batch.input_ids)
@@ -184,9 +242,9 @@ def _collect(mb: Microbatch, output: torch.Tensor, layout: Placement, want_logit
 
 # ---------------------------------------------------------------------------- forward
 @contextlib.contextmanager
-def _variable_seq_lengths(chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
+def _variable_seq_lengths(configs_of: Sequence[Any]) -> Iterator[None]:
     """Micro-batches of different packed lengths: let the schedule communicate shapes."""
-    configs = {id(c.config): c.config for c in chunks}
+    configs = {id(c): c for c in configs_of}
     saved = {k: cfg.variable_seq_lengths for k, cfg in configs.items()}
     for cfg in configs.values():
         cfg.variable_seq_lengths = True
@@ -197,23 +255,33 @@ def _variable_seq_lengths(chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
             cfg.variable_seq_lengths = saved[k]
 
 
-def _run_pipeline(given: list[Any], micro: list[Microbatch], layout: Placement, step: Any) -> list[dict]:
+def run_schedule(given: Sequence[Any], micro: list[Microbatch], layout: Placement, step: Any, *,
+                 forward_only: bool = True) -> list[Any]:  # fmt: skip
+    """Megatron-Core's schedule for this layout (``get_forward_backward_func()``: no pipelining,
+    1F1B or interleaved) over ``micro``; ``given`` are this rank's chunks as the caller holds them
+    (wrappers such as DDP included). Forward-only runs collect ``step``'s non-loss data; training
+    runs (``forward_only=False``) return what the loss functions reported. Every rank of the
+    pipeline group runs the same number of micro-batches of the same packed lengths."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     fb = get_forward_backward_func()
     iterators = [iter(micro) for _ in given]
     longest = max(mb.batch.total for mb in micro)
-    with _variable_seq_lengths(given):
+    with _variable_seq_lengths([unwrap(c).config for c in given]):
         return fb(
             forward_step_func=step,
             data_iterator=iterators if layout.vpp > 1 else iterators[0],
-            model=given if layout.vpp > 1 else given[0],
+            model=list(given) if layout.vpp > 1 else given[0],
             num_microbatches=len(micro),
             seq_length=longest,
             micro_batch_size=1,
-            forward_only=True,
-            collect_non_loss_data=True,
+            forward_only=forward_only,
+            collect_non_loss_data=forward_only,
         )
+
+
+def _run_pipeline(given: list[Any], micro: list[Microbatch], layout: Placement, step: Any) -> list[dict]:
+    return run_schedule(given, micro, layout, step, forward_only=True)
 
 
 def packed_forward(
@@ -312,21 +380,17 @@ def generic_forward(
         if num_microbatches is None and max_tokens_per_microbatch is None:
             num_microbatches = 1 if layout.pp == 1 else min(len(seqs), layout.pp)
         groups = split_microbatches(lengths, num_microbatches, max_tokens_per_microbatch)
-        micro = [
-            make_microbatch(pack_sequences([seqs[i] for i in g], align=align, pad_token_id=pad_token_id).to(device), layout, g)
-            for g in groups
-        ]
-    if layout.vpp > 1:  # the interleaved schedule wants a multiple of pp micro-batches (at least pp)
-        target = max(layout.pp, -(-len(micro) // layout.pp) * layout.pp)
-        filler = torch.full((align,), pad_token_id, dtype=torch.long)
-        while len(micro) < target:
-            micro.append(make_microbatch(pack_sequences([filler], align=align).to(device), layout, []))
-    collect = functools.partial(_collect, layout=layout, want_logits=return_logits, want_logprobs=return_logprobs)
+        micro = build_microbatches(layout, seqs, groups, align=align, pad_token_id=pad_token_id, device=device)
+    if getattr(handle.options, "head", "lm") == "value":  # a critic: values instead of logits / log-probs
+        return_logits = return_logprobs = False
+    want_values = not (return_logits or return_logprobs) and getattr(handle.options, "head", "lm") == "value"
+    collect = functools.partial(_collect, layout=layout, want_logits=return_logits, want_logprobs=return_logprobs,
+                                want_values=want_values)  # fmt: skip
     if not staged:  # one stage, whole sequences on this rank: differentiable
         run = _run_bshd if seq_format == "bshd" else _run_thd
         stored = [collect(mb, run(chunks[0], mb, layout), bshd=seq_format == "bshd") for mb in micro]
         out = PackedOutput()
-        _assemble(out, stored, micro, len(lengths), return_logits, return_logprobs)
+        _assemble(out, stored, micro, len(lengths), return_logits, return_logprobs, want_values)
         return out
 
     def step(data_iterator: Iterator[Microbatch], chunk: Any) -> tuple[torch.Tensor, Any]:
@@ -344,9 +408,9 @@ def generic_forward(
         ]  # fmt: skip
         out = PackedOutput()
         if layout.last_stage:
-            _assemble(out, stored, micro, len(lengths), return_logits, return_logprobs)
+            _assemble(out, stored, micro, len(lengths), return_logits, return_logprobs, want_values)
         if broadcast and layout.pp > 1:
-            _broadcast_from_last_stage(out, lengths, handle, return_logits, return_logprobs, device)
+            _broadcast_from_last_stage(out, lengths, handle, return_logits, return_logprobs, device, want_values)
     return out
 
 
@@ -368,10 +432,11 @@ def _run_bshd(chunk: torch.nn.Module, mb: Microbatch, layout: Placement) -> torc
     return chunk(ids, positions, None)
 
 
-def _assemble(out: PackedOutput, stored: list[dict], micro: list[Microbatch], n: int, want_logits: bool, want_logprobs: bool) -> None:
+def _assemble(out: PackedOutput, stored: list[dict], micro: list[Microbatch], n: int, want_logits: bool, want_logprobs: bool,
+              want_values: bool = False) -> None:  # fmt: skip
     if len(stored) != len(micro):
         raise ZooError(f"pipeline schedule returned {len(stored)} results for {len(micro)} micro-batches")
-    for key, wanted in (("logits", want_logits), ("logprobs", want_logprobs)):
+    for key, wanted in (("logits", want_logits), ("logprobs", want_logprobs), ("values", want_values)):
         if not wanted:
             continue
         per_seq: list[Optional[torch.Tensor]] = [None] * n
@@ -381,11 +446,16 @@ def _assemble(out: PackedOutput, stored: list[dict], micro: list[Microbatch], n:
         setattr(out, key, per_seq)
 
 
-def _broadcast_from_last_stage(out: PackedOutput, lengths: list[int], handle: ModelHandle, want_logits: bool, want_logprobs: bool, device: torch.device) -> None:
+def _broadcast_from_last_stage(out: PackedOutput, lengths: list[int], handle: ModelHandle, want_logits: bool, want_logprobs: bool, device: torch.device,
+                               want_values: bool = False) -> None:  # fmt: skip
     """Send the last stage's per-sequence results to the other stages of its pipeline group."""
     layout = handle.placement
     group = layout.groups.pp
     src = dist.get_process_group_ranks(group)[-1]
+    if want_values:
+        flat = torch.cat(out.values) if layout.last_stage else torch.empty((sum(lengths),), dtype=torch.float32, device=device)
+        dist.broadcast(flat, src=src, group=group)
+        out.values = list(torch.split(flat, lengths))
     vocab = handle.arch_config.vocab_size
     if want_logits:
         dtype = handle.params_dtype
@@ -407,4 +477,14 @@ def _broadcast_from_last_stage(out: PackedOutput, lengths: list[int], handle: Mo
         out.logprobs = list(torch.split(flat, sizes))
 
 
-__all__ = ["packed_forward", "generic_forward", "Microbatch", "make_microbatch", "split_microbatches", "vocab_parallel_logprobs"]
+__all__ = [
+    "packed_forward",
+    "generic_forward",
+    "Microbatch",
+    "make_microbatch",
+    "split_microbatches",
+    "partition_by_tokens",
+    "build_microbatches",
+    "run_schedule",
+    "vocab_parallel_logprobs",
+]

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..handle import ModelHandle, handle_of
 from ..placement import Placement
 from ..weights.io import HFCheckpoint
-from ..weights.load import DictCheckpoint, LoadReport, plan_load, read_rule_into
+from ..weights.load import DictCheckpoint, LoadReport, absent_tensors, plan_load, read_rule_into
 
 
 def _replica_group(param: torch.Tensor, placement: Placement) -> Optional[Any]:
@@ -61,7 +61,7 @@ def load_hf_weights(
         plan, ignored = plan_load(handle, ckpt)
         ctx = handle.transform_context()
         rank = handle.placement.rank
-        report = LoadReport(ignored=ignored)
+        report = LoadReport(ignored=ignored, absent=absent_tensors(handle.weight_map, ckpt.keys()))
         for chunk, bound in plan:
             params = dict(chunk.named_parameters())
             for b in bound:
