@@ -80,8 +80,11 @@ def _shifted_labels(batch: PackedBatch) -> torch.Tensor:
 
 
 def make_microbatch(batch: PackedBatch, layout: Placement, members: list[int]) -> Microbatch:
-    """This rank's share of a packed micro-batch."""
+    """This rank's share of a packed micro-batch. Segments after the ``members`` (padding added to
+    fill a micro-batch) predict nothing: their labels are -1."""
     labels = _shifted_labels(batch)
+    if len(batch.lengths) > len(members):
+        labels[0, int(batch.cu_seqlens_padded[len(members)]) :] = -1
     if layout.cp > 1:
         index = batch.context_parallel_index(layout.cp_rank, layout.cp).to(batch.input_ids.device)
         return Microbatch(batch, batch.input_ids[:, index], batch.position_ids[:, index], labels[:, index], members, index)
@@ -152,19 +155,26 @@ def partition_by_tokens(lengths: Sequence[int], max_tokens: Optional[int] = None
 
 
 def build_microbatches(layout: Placement, seqs: Sequence[torch.Tensor], groups: Sequence[Sequence[int]], *,
-                       align: int, pad_token_id: int, device: torch.device) -> list[Microbatch]:  # fmt: skip
+                       align: int, pad_token_id: int, device: torch.device, at_least: int = 0,
+                       same_length: bool = False) -> list[Microbatch]:  # fmt: skip
     """One packed micro-batch per group of sequence indices (this rank's CP share), plus padding
-    micro-batches up to what the interleaved pipeline schedule accepts (a multiple of ``pp``, at
-    least ``pp``)."""
-    micro = [
-        make_microbatch(pack_sequences([seqs[i] for i in g], align=align, pad_token_id=pad_token_id).to(device), layout, list(g))
-        for g in groups
-    ]
+    micro-batches up to ``at_least`` and to what the interleaved pipeline schedule accepts (a
+    multiple of ``pp``, at least ``pp``). ``same_length``: every pack padded to the longest with
+    a trailing padding segment (not a member; its labels are -1)."""
+    groups = [list(g) for g in groups]
+    target = max(at_least, len(groups))
     if layout.vpp > 1:
-        target = max(layout.pp, -(-len(micro) // layout.pp) * layout.pp)
-        filler = torch.full((align,), pad_token_id, dtype=torch.long)
-        while len(micro) < target:
-            micro.append(make_microbatch(pack_sequences([filler], align=align).to(device), layout, []))
+        target = max(layout.pp, -(-target // layout.pp) * layout.pp)
+    groups += [[] for _ in range(target - len(groups))]
+    padded = [sum(-(-int(seqs[i].numel()) // align) * align for i in g) or align for g in groups]
+    longest = max(padded)
+    micro = []
+    for g, total in zip(groups, padded):
+        parts = [seqs[i] for i in g] or [torch.full((align,), pad_token_id, dtype=torch.long)]
+        if same_length and total < longest:
+            parts = [*parts, torch.full((longest - total,), pad_token_id, dtype=torch.long)]
+        pack = pack_sequences(parts, align=align, pad_token_id=pad_token_id).to(device)
+        micro.append(make_microbatch(pack, layout, g))
     return micro
 
 
@@ -242,17 +252,32 @@ def _collect(mb: Microbatch, output: torch.Tensor, layout: Placement, want_logit
 
 # ---------------------------------------------------------------------------- forward
 @contextlib.contextmanager
-def _variable_seq_lengths(configs_of: Sequence[Any]) -> Iterator[None]:
-    """Micro-batches of different packed lengths: let the schedule communicate shapes."""
+def _p2p_settings(configs_of: Sequence[Any], **settings: Any) -> Iterator[None]:
+    """Set ``TransformerConfig`` fields (``variable_seq_lengths``, ``batch_p2p_comm``) for one
+    schedule run, then restore them."""
     configs = {id(c): c for c in configs_of}
-    saved = {k: cfg.variable_seq_lengths for k, cfg in configs.items()}
+    saved = {k: {name: getattr(cfg, name) for name in settings} for k, cfg in configs.items()}
     for cfg in configs.values():
-        cfg.variable_seq_lengths = True
+        for name, value in settings.items():
+            setattr(cfg, name, value)
     try:
         yield
     finally:
         for k, cfg in configs.items():
-            cfg.variable_seq_lengths = saved[k]
+            for name, value in saved[k].items():
+                setattr(cfg, name, value)
+
+
+def two_way_pipeline(layout: Placement, forward_only: bool) -> bool:
+    """Whether the schedule sends to and receives from one peer in both directions at once: the
+    interleaved schedule's steady state with two stages (the next stage is also the previous one).
+
+    Megatron-Core then exchanges activations and gradients with the same rank in one batch of
+    point-to-point operations whose order differs on the two sides (shapes always, tensors with
+    ``batch_p2p_comm``): messages pair up wrongly (a hang, or swapped tensors when the shapes
+    agree). Such a run uses packs of one length (no shape exchange) and unbatched operations
+    (ordered by rank parity)."""
+    return layout.vpp > 1 and layout.pp == 2 and not forward_only
 
 
 def run_schedule(given: Sequence[Any], micro: list[Microbatch], layout: Placement, step: Any, *,
@@ -261,13 +286,19 @@ def run_schedule(given: Sequence[Any], micro: list[Microbatch], layout: Placemen
     1F1B or interleaved) over ``micro``; ``given`` are this rank's chunks as the caller holds them
     (wrappers such as DDP included). Forward-only runs collect ``step``'s non-loss data; training
     runs (``forward_only=False``) return what the loss functions reported. Every rank of the
-    pipeline group runs the same number of micro-batches of the same packed lengths."""
+    pipeline group runs the same number of micro-batches of the same packed lengths (all of one
+    length where :func:`two_way_pipeline`)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     fb = get_forward_backward_func()
     iterators = [iter(micro) for _ in given]
     longest = max(mb.batch.total for mb in micro)
-    with _variable_seq_lengths([unwrap(c).config for c in given]):
+    settings: dict[str, Any] = {"variable_seq_lengths": True}
+    if two_way_pipeline(layout, forward_only):
+        if any(mb.batch.total != longest for mb in micro):
+            raise ZooError("an interleaved two-stage training schedule needs micro-batches of one packed length")
+        settings = {"variable_seq_lengths": False, "batch_p2p_comm": False}
+    with _p2p_settings([unwrap(c).config for c in given], **settings):
         return fb(
             forward_step_func=step,
             data_iterator=iterators if layout.vpp > 1 else iterators[0],
@@ -486,5 +517,6 @@ __all__ = [
     "partition_by_tokens",
     "build_microbatches",
     "run_schedule",
+    "two_way_pipeline",
     "vocab_parallel_logprobs",
 ]

@@ -69,8 +69,8 @@ import torch.distributed as dist
 
 from ..errors import ZooError
 from ..handle import ModelHandle, handle_of
-from ..packing import alignment_for, pack_sequences
-from .forward import Microbatch, _sequences, build_microbatches, make_microbatch, partition_by_tokens, run_schedule
+from ..packing import alignment_for
+from .forward import Microbatch, _sequences, build_microbatches, partition_by_tokens, run_schedule, two_way_pipeline
 from .vocab_parallel import token_logprobs_and_entropy
 
 
@@ -154,7 +154,7 @@ def _token_layout(mb: Microbatch, device: torch.device) -> tuple[torch.Tensor, t
     """``(sequence index, real-token mask)`` of this rank's positions."""
     seq = torch.full((mb.batch.total,), -1, dtype=torch.long)
     for k, (start, n) in enumerate(zip(mb.batch.cu_seqlens_padded.tolist(), mb.batch.lengths)):
-        seq[start : start + n] = mb.members[k] if mb.members else -1
+        seq[start : start + n] = mb.members[k] if k < len(mb.members) else -1
     seq = mb.local(seq).to(device)
     return seq, seq >= 0
 
@@ -315,10 +315,9 @@ def train_step(
         if want > len(groups):
             groups = partition_by_tokens(padded, max_tokens_per_microbatch, want, multiple_of=layout.pp if interleaved else 1)
     device = handle.device
-    micro = build_microbatches(layout, seqs, groups, align=align, pad_token_id=pad_token_id, device=device)
-    filler = torch.full((align,), pad_token_id, dtype=torch.long)
-    while len(micro) < want:  # a replica with fewer sequences than another needs micro-batches
-        micro.append(make_microbatch(pack_sequences([filler], align=align).to(device), layout, []))
+    # a replica with fewer sequences than another gets padding micro-batches (at_least=want)
+    micro = build_microbatches(layout, seqs, groups, align=align, pad_token_id=pad_token_id, device=device,
+                               at_least=want, same_length=two_way_pipeline(layout, forward_only=False))  # fmt: skip
     factor = len(micro) / float(loss_normalizer) / (1 if wrapped else layout.cp)
 
     def loss_func(mb: Microbatch, index: int, output: torch.Tensor) -> tuple[torch.Tensor, dict]:
