@@ -4,8 +4,9 @@ a critic) after ``train_step`` equal the single-process gradients, under HF name
 
 Two launches (2 and 4 ranks) run several layouts each in the same processes. Every layout runs
 the actor (LM head) and the critic (value head loaded from a ``score`` checkpoint, whose export is
-checked bitwise against that checkpoint); a mutation (the CP gradient reduction switched off)
-shows that the comparison fails when gradients are wrong.
+checked bitwise against that checkpoint); one layout wraps the model in Megatron-Core's DDP; a
+mutation (the CP gradient reduction switched off) shows that the comparison fails when gradients
+are wrong.
 """
 
 from __future__ import annotations
@@ -60,7 +61,10 @@ def _grads(model) -> dict[str, torch.Tensor]:
 def _update(model, batch: dict, critic: bool, **kw) -> tuple[dict, float]:
     ex = _example()
     for c in model if isinstance(model, list) else [model]:
-        c.zero_grad(set_to_none=True)
+        if hasattr(c, "zero_grad_buffer"):  # Megatron DDP: gradients live in its buffers
+            c.zero_grad_buffer()
+        else:
+            c.zero_grad(set_to_none=True)
     if critic:
         loss_fn, keys = ex.value_loss(clip=0.05), ("old_values", "returns", "loss_mask")
     else:
@@ -73,9 +77,18 @@ def _update(model, batch: dict, critic: bool, **kw) -> tuple[dict, float]:
     return _grads(model), result.loss.item()
 
 
-def _build(ckpt: str, parallel: Parallelism, critic: bool):
+def _build(ckpt: str, parallel: Parallelism, critic: bool, ddp: bool = False):
     kw = {"head": "value"} if critic else {}
-    return mcore_zoo.build_model(ckpt, backend="portable", numerics=NUMERICS, parallel=parallel, load=ckpt, **kw)
+    model = mcore_zoo.build_model(ckpt, backend="portable", numerics=NUMERICS, parallel=parallel, load=ckpt, **kw)
+    if not ddp:
+        return model
+    # as Megatron's training loop sets a DDP-wrapped model up: the schedule reduces the gradients
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    wrapped = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    model.config.finalize_model_grads_func = finalize_model_grads
+    model.config.no_sync_func = wrapped.no_sync
+    return wrapped
 
 
 def _run_layouts(ckpt: str, value_ckpt: str, layouts: list, mutate: bool) -> dict:
@@ -89,13 +102,15 @@ def _run_layouts(ckpt: str, value_ckpt: str, layouts: list, mutate: bool) -> dic
     found: dict = {}
     for name, parallel, kw in layouts:
         ensure_model_parallel(parallel)
+        kw = dict(kw)
+        ddp = kw.pop("ddp", False)
         r: dict = {}
-        actor = _build(ckpt, parallel, critic=False)
+        actor = _build(ckpt, parallel, critic=False, ddp=ddp)
         r["actor"], r["actor_loss"] = _update(actor, batch, False, **kw)
-        critic = _build(value_ckpt, parallel, critic=True)
+        critic = _build(value_ckpt, parallel, critic=True, ddp=ddp)
         r["critic"], r["critic_loss"] = _update(critic, batch, True, **kw)
         r["critic_export"] = {k: v.clone() for k, v in mcore_zoo.iter_hf_weights(critic)}
-        if mutate and parallel.cp > 1:  # the CP gradient sum left out: the comparison must fail
+        if mutate and parallel.cp > 1 and not ddp:  # the CP gradient sum left out: the comparison must fail
             saved = train._all_reduce_flat
             train._all_reduce_flat = lambda grads, group: None
             try:
@@ -184,12 +199,15 @@ def checkpoints(reference_checkpoint, tmp_path_factory):
 @pytest.mark.slow
 def test_two_ranks_tp2_pp2_cp2(checkpoints, mpu):
     """TP2, PP2 (tied embeddings: the two copies' gradients summed), CP2 (zigzag shares; plus the
-    mutation) - each with several micro-batches from a token budget."""
+    mutation), CP2 with the model wrapped in Megatron-Core's DDP (gradients in ``main_grad``,
+    reduced by the wrapper through the schedule's ``finalize_model_grads_func``) - each with
+    several micro-batches."""
     ckpt, value_ckpt = checkpoints["tied"]
     layouts = [
         ("tp2", Parallelism(tp=2), {"max_tokens_per_microbatch": 48}),
         ("pp2", Parallelism(pp=2), {"max_tokens_per_microbatch": 40}),
         ("cp2", Parallelism(cp=2), {"num_microbatches": 2}),
+        ("cp2-ddp", Parallelism(cp=2), {"num_microbatches": 3, "ddp": True}),  # main_grad, the wrapper reduces
     ]
     ref = _reference(ckpt, value_ckpt, layouts)
     found = launch(_run_layouts, 2, str(ckpt), str(value_ckpt), layouts, True)

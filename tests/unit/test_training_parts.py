@@ -136,3 +136,11 @@ def test_value_head_from_a_causal_lm_checkpoint_needs_an_explicit_init(reference
     assert torch.count_nonzero(critic.output_layer.weight) == 0
     with pytest.raises(ZooError, match="value_head_init"):
         mcore_zoo.build_model(ckpt, backend="portable", value_head_init="zeros")
+
+
+def test_the_training_profile_is_default_with_hf_norms():
+    from mcore_zoo.numerics.profiles import get_profile
+
+    default, training = get_profile("default").knobs(), get_profile("training").knobs()
+    changed = {k: v for k, v in training.items() if default[k] != v}
+    assert changed == {"norm": "hf", "fuse_norm_into_linear": False}
