@@ -18,7 +18,8 @@ gradients; forward + backward of ``sum(g * logprob) [+ sum(h * entropy)]``):
   gradient ``-g``, so the logits receive the same gradient as ``chunked-lp``; with a temperature
   other than 1 it is given ``logits / temperature``, one more copy in the logits' dtype).
 
-Reported per variant: median wall time of forward + backward (``--repeat`` runs after a warm-up),
+Reported per variant: median (and min) wall time of forward + backward (``--repeat`` runs after a
+warm-up, the variants taking turns),
 ``saved``: memory held between forward and backward beyond the inputs and outputs, ``peak``: the
 highest memory above the inputs (logits, targets, upstream gradients) during forward + backward,
 the gradient included; both also per token. CUDA: ``torch.cuda.memory_allocated`` /
@@ -212,6 +213,7 @@ def measure_times(names: list[str], args: argparse.Namespace, mem: Any, inputs: 
     return {
         n: {
             "ms": 1e3 * statistics.median(r["time_s"] for r in rs),
+            "min_ms": 1e3 * min(r["time_s"] for r in rs),
             "fwd_ms": 1e3 * statistics.median(r["fwd_s"] for r in rs),
         }
         for n, rs in runs.items()
@@ -229,10 +231,13 @@ def main(argv: Any = None) -> int:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--chunk-tokens", type=int, default=None, help="default: the head's own (256 MiB fp32 buffers)")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="CPU: torch.set_num_threads (default: torch's)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.device == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: no CUDA device")
@@ -266,17 +271,17 @@ def main(argv: Any = None) -> int:
     baseline = next((r for r in results if r["variant"] == "megatron-ce"), None)
     itemsize = inputs[0].element_size()
     print(
-        "\n| variant | fwd+bwd ms | fwd ms | saved MB | saved B/token | peak MB | peak B/token"
+        "\n| variant | fwd+bwd ms | min ms | fwd ms | saved MB | saved B/token | peak MB | peak B/token"
         " | time / megatron-ce | max abs dlogp vs naive |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         lp = r.pop("_logprob")
         r["max_abs_dlogprob_vs_naive"] = (lp - ref).abs().max().item() if ref is not None else None
         ratio = f"{r['ms'] / baseline['ms']:.2f}x" if baseline else "-"
         dl = f"{r['max_abs_dlogprob_vs_naive']:.2e}" if ref is not None else "-"
         print(
-            f"| {r['variant']} | {r['ms']:.1f} | {r['fwd_ms']:.1f} | {r['saved_mb']:.0f} "
+            f"| {r['variant']} | {r['ms']:.1f} | {r['min_ms']:.1f} | {r['fwd_ms']:.1f} | {r['saved_mb']:.0f} "
             f"| {r['saved_b_per_token']:.0f} "
             f"| {r['peak_mb']:.0f} | {r['peak_b_per_token']:.0f} | {ratio} | {dl} |"
         )

@@ -252,42 +252,54 @@ def test_rejects_bad_arguments():
 
 
 # ---------------------------------------------------------------------------- TP2 on gloo
-def _tp_rank(logits, targets, g_lp, g_h, temperature, chunk, offset_error):
+def _tp_rank(logits, targets, g_lp, g_h, temperature, chunk):
     import torch.distributed as dist
 
     rank, size = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(list(range(size)))
     vl = logits.shape[-1] // size
-    # offset_error: a rank that believes it owns another slice (a mutation that must fail)
-    shard = logits[:, ((rank + offset_error) % size) * vl :][:, :vl].clone().requires_grad_()
-    lp, h = token_logprobs_and_entropy(shard, targets, tp_group=group, temperature=temperature, chunk_tokens=chunk)
-    ((lp * g_lp).sum() + (h * g_h).sum()).backward()
-    return {"logprob": lp.detach(), "entropy": h.detach(), "grad": shard.grad}
+    out = {}
+    # "swapped": a rank that believes it owns the other slice (a mutation that must fail)
+    for name, owner, entropy in (("tp", rank, True), ("tp-lp", rank, False), ("swapped", (rank + 1) % size, True)):
+        shard = logits[:, owner * vl : (owner + 1) * vl].clone().requires_grad_()
+        lp, h = token_logprobs_and_entropy(
+            shard, targets, tp_group=group, temperature=temperature, chunk_tokens=chunk, compute_entropy=entropy
+        )
+        ((lp * g_lp).sum() + ((h * g_h).sum() if h is not None else 0.0)).backward()
+        out[name] = (lp.detach(), h.detach() if h is not None else None, shard.grad)
+    return out
 
 
 @pytest.mark.slow
 def test_tp2_gloo_matches_one_process(capsys):
+    """Two gloo ranks, each with half the vocabulary: log-probs, entropy and the gathered logit
+    gradients equal one process (and the naive formula); with entropy and without."""
     from mcore_zoo.distributed import launch
 
     t, v, temperature, chunk = 45, 2 * 501, 0.9, 8
     logits, targets, g_lp, g_h = _case(t, v, seed=21)
-    # targets on both halves, and one ignored position
+    # targets on both halves and at their edges, and one ignored position
     targets[:4] = torch.tensor([0, 500, 501, v - 1])
     targets[4] = -100
     one = _run(token_logprobs_and_entropy, logits, targets, g_lp, g_h, temperature=temperature, chunk_tokens=chunk)
     keep = targets >= 0
+    zero = torch.zeros_like(g_h)
     naive = _naive(logits, targets.clamp(min=0), torch.where(keep, g_lp, 0.0), g_h, temperature=temperature)
-    ranks = launch(_tp_rank, 2, logits, targets, g_lp, g_h, temperature, chunk, 0, backend="gloo")
-    gathered = (ranks[0]["logprob"], ranks[0]["entropy"], torch.cat([r["grad"] for r in ranks], dim=-1))
+    naive_lp = _naive(logits, targets.clamp(min=0), torch.where(keep, g_lp, 0.0), zero, temperature=temperature)
+    ranks = launch(_tp_rank, 2, logits, targets, g_lp, g_h, temperature, chunk, backend="gloo")
+
+    def gathered(name):
+        lp, h, _ = ranks[0][name]
+        for r in ranks[1:]:  # every rank has the full per-token results
+            assert torch.equal(r[name][0], lp) and (h is None or torch.equal(r[name][1], h))
+        return lp, h, torch.cat([r[name][2] for r in ranks], dim=-1)
+
+    tp, tp_lp = gathered("tp"), gathered("tp-lp")
     with capsys.disabled():
-        print(f"\n[logprob head, TP2 gloo] vs one process: {_errors(gathered, one)}")
-    for r in ranks:  # every rank has the full per-token results
-        assert _close(r["logprob"], one[0])
-        assert _close(r["entropy"], one[1])
-    grad = torch.cat([r["grad"] for r in ranks], dim=-1)
-    assert _close(grad, one[2])
-    assert _close(grad, naive[2]) and _close(ranks[0]["entropy"], naive[1])
-    assert _close(ranks[0]["logprob"][keep], naive[0][keep])
-    # mutation: each rank uses the other's vocabulary slice (wrong vocab offset) -> must differ
-    bad = launch(_tp_rank, 2, logits, targets, g_lp, g_h, temperature, chunk, 1, backend="gloo")
-    assert (bad[0]["logprob"] - one[0]).abs().max() > TOL
+        print(f"\n[logprob head, TP2 gloo] vs one process: {_errors(tp, one)}")
+    assert max(_excess(tp, one).values()) <= TOL
+    assert _close(tp[0][keep], naive[0][keep]) and _close(tp[1], naive[1]) and _close(tp[2], naive[2])
+    assert tp_lp[1] is None
+    assert _close(tp_lp[0], tp[0]) and _close(tp_lp[2], naive_lp[2])
+    # mutation: the ranks swap their vocabulary slices (a wrong vocab offset) -> must differ
+    assert (gathered("swapped")[0] - one[0]).abs().max() > TOL

@@ -66,11 +66,12 @@ becomes the fp32 gradient that autograd then casts to the input dtype. Per token
 logits (``GPTModel`` frees them once the loss is computed):
 
 =========================  ====================  ==========================================
-                           labels path           this head (``inplace_backward=True``)
+                           labels path           this head
 =========================  ====================  ==========================================
 forward peak               ``6 Vl``              ``2 Vl`` + one chunk
 held forward -> backward   ``4 Vl`` (softmax)    ``2 Vl`` (the logits) + 22 B
-backward peak              ``6 Vl``              ``4 Vl`` + one chunk (``2 Vl`` + one chunk)
+backward peak              ``6 Vl``              ``4 Vl`` + one chunk (``2 Vl`` + one chunk
+                                                 with ``inplace_backward=True``)
 =========================  ====================  ==========================================
 
 At ``V = 151936``, tp 1, ``2 Vl`` is 0.30 MB/token: 2.5 GB less held between forward and backward
