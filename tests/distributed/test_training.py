@@ -3,8 +3,9 @@ update (``examples/rl_step.py``: PPO actor loss with entropy and KL terms; clipp
 a critic) after ``train_step`` equal the single-process gradients, under HF names, within 1e-5.
 
 Two launches (2 and 4 ranks) run several layouts each in the same processes. Every layout runs
-the actor (LM head) and the critic (value head loaded from a ``score`` checkpoint, whose export is
-checked bitwise against that checkpoint); one layout wraps the model in Megatron-Core's DDP; a
+the actor (LM head) and the critic (value head loaded from a ``score`` checkpoint, whose values
+from ``packed_forward`` are compared too and whose export is checked bitwise against that
+checkpoint); one layout wraps the model in Megatron-Core's DDP; a
 mutation (the CP gradient reduction switched off) shows that the comparison fails when gradients
 are wrong.
 """
@@ -110,6 +111,8 @@ def _run_layouts(ckpt: str, value_ckpt: str, layouts: list, mutate: bool) -> dic
         critic = _build(value_ckpt, parallel, critic=True, ddp=ddp)
         r["critic"], r["critic_loss"] = _update(critic, batch, True, **kw)
         r["critic_export"] = {k: v.clone() for k, v in mcore_zoo.iter_hf_weights(critic)}
+        with torch.no_grad():
+            r["values"] = mcore_zoo.packed_forward(critic, batch["seqs"]).values
         if mutate and parallel.cp > 1 and not ddp:  # the CP gradient sum left out: the comparison must fail
             saved = train._all_reduce_flat
             train._all_reduce_flat = lambda grads, group: None
@@ -153,6 +156,7 @@ def _reference(ckpt: Path, value_ckpt: Path, layouts: list) -> dict:
         "actor": _update(actor, batch, False),
         "critic": _update(critic, batch, True),
         "critic_export": {k: v.clone() for k, v in mcore_zoo.iter_hf_weights(critic)},
+        "values": mcore_zoo.packed_forward(critic, batch["seqs"]).values,
     }
 
 
@@ -172,6 +176,8 @@ def _check(found: list[dict], ref: dict, value_source: dict, world: int) -> dict
             assert actor <= TOL, f"{where}: actor gradients differ by {actor}"
             assert critic <= TOL, f"{where}: critic gradients differ by {critic}"
             assert abs(r["actor_loss"] - ref["actor"][1]) <= TOL and abs(r["critic_loss"] - ref["critic"][1]) <= TOL, where
+            values = max((a - b).abs().max().item() for a, b in zip(r["values"], ref["values"]))
+            assert values <= TOL, f"{where}: critic values (packed_forward) differ by {values}"
             exported = r["critic_export"]
             assert set(exported) == set(value_source), where
             assert all(torch.equal(exported[k], value_source[k]) for k in value_source), f"{where}: critic export"

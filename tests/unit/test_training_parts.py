@@ -70,6 +70,20 @@ def test_train_step_gradients_equal_the_naive_formula_and_accumulate(mpu):
         assert (p.grad - before[name] - got[name]).abs().max() <= 1e-5, name
 
 
+def test_packed_forward_log_probs_at_a_temperature(mpu):
+    from mcore_zoo.testing.common import case_config
+
+    config = case_config("LlamaForCausalLM", {"num_hidden_layers": 1})
+    model = mcore_zoo.build_model(config, backend="portable")
+    seqs = random_sequences(LENGTHS, config["vocab_size"])
+    with torch.no_grad():
+        out = mcore_zoo.packed_forward(model, seqs, temperature=0.6)
+        cheap = mcore_zoo.packed_forward(model, seqs, temperature=0.6, return_logits=False).logprobs
+    for logits, s, lp, lp2 in zip(out.logits, seqs, out.logprobs, cheap):
+        want = torch.log_softmax(logits[:-1].float() / 0.6, -1).gather(-1, s[1:, None]).squeeze(-1)
+        assert torch.equal(lp, want) and (lp2 - want).abs().max() <= 1e-5
+
+
 def test_train_step_refuses_malformed_token_data_and_losses(mpu):
     from mcore_zoo.testing.common import case_config
 

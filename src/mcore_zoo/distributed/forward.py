@@ -25,8 +25,9 @@ back into per-sequence order. Contract:
   :func:`mcore_zoo.packing.alignment_for` chooses.
 
 Log-probabilities without logits (``return_logits=False``) are computed where the vocab-parallel
-logits live (fp32 max / log-sum-exp / target all-reduces over the TP group, as in Megatron's
-cross entropy), so no rank ever holds ``tokens x vocab``; only ``[tokens]`` floats are gathered.
+logits live, by the chunked head of :mod:`.vocab_parallel` (per-token max / sum all-reduces over
+the TP group), so no rank ever holds ``tokens x vocab`` in fp32; only ``[tokens]`` floats are
+gathered.
 """
 
 from __future__ import annotations
@@ -188,28 +189,17 @@ def _gather_vocab(logits: torch.Tensor, layout: Placement) -> torch.Tensor:
     return gather_from_tensor_model_parallel_region(logits)
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, layout: Placement) -> torch.Tensor:
-    """``log_softmax(logits)[label]`` in fp32 where ``logits [..., V / tp]`` is this TP rank's vocab
-    slice; positions with ``label < 0`` give 0. TP ranks must call it together."""
-    logits = logits.float()
-    valid = labels >= 0
-    labels = labels.clamp(min=0)
-    if layout.tp == 1:
-        out = torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-        return out.masked_fill(~valid, 0.0)
-    group = layout.groups.tp
-    vmax = logits.max(dim=-1).values
-    dist.all_reduce(vmax, op=dist.ReduceOp.MAX, group=group)
-    shifted = logits - vmax.unsqueeze(-1)
-    sumexp = shifted.exp().sum(dim=-1)
-    dist.all_reduce(sumexp, group=group)
-    width = logits.shape[-1]
-    start = layout.tp_rank * width
-    local = (labels >= start) & (labels < start + width)
-    picked = shifted.gather(-1, (labels - start).clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)
-    picked = torch.where(local, picked, torch.zeros_like(picked))
-    dist.all_reduce(picked, group=group)
-    return (picked - sumexp.log()).masked_fill(~valid, 0.0)
+def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, layout: Placement, temperature: float = 1.0) -> torch.Tensor:
+    """``log_softmax(logits / temperature)[label]`` in fp32 where ``logits [..., V / tp]`` is this TP
+    rank's vocab slice; positions with ``label < 0`` give 0. TP ranks must call it together.
+
+    Computed by :func:`~mcore_zoo.distributed.vocab_parallel.token_logprobs_and_entropy` (chunked:
+    no ``[T, V]`` fp32 copy of the logits; within ``1e-6 + 2 ulp`` of ``torch.log_softmax``)."""
+    from .vocab_parallel import token_logprobs_and_entropy
+
+    group = layout.groups.tp if layout.tp > 1 else None
+    logprobs, _ = token_logprobs_and_entropy(logits, labels, tp_group=group, temperature=temperature, compute_entropy=False)
+    return logprobs
 
 
 def _gather_cp(local: torch.Tensor, mb: Microbatch, layout: Placement) -> torch.Tensor:
@@ -222,7 +212,7 @@ def _gather_cp(local: torch.Tensor, mb: Microbatch, layout: Placement) -> torch.
 
 
 def _collect(mb: Microbatch, output: torch.Tensor, layout: Placement, want_logits: bool, want_logprobs: bool,
-             bshd: bool = False, want_values: bool = False) -> dict:  # fmt: skip
+             bshd: bool = False, want_values: bool = False, temperature: float = 1.0) -> dict:  # fmt: skip
     """Last stage: model output ``[1, T / cp, V / tp]`` (BSHD: ``[B, S, V / tp]``) -> per-sequence
     logits / log-probs; a value head's ``[1, T / cp, 1]`` -> per-sequence values."""
     if want_values:
@@ -234,7 +224,7 @@ def _collect(mb: Microbatch, output: torch.Tensor, layout: Placement, want_logit
         tokens = mb.batch.unpack(mb.batch.input_ids)
         result = {"logits": logits} if want_logits else {}
         if want_logprobs:
-            result["logprobs"] = [next_token_logprobs(l, t) for l, t in zip(logits, tokens)]
+            result["logprobs"] = [next_token_logprobs(_tempered(l, temperature), t) for l, t in zip(logits, tokens)]
         return result
     local = output[0]
     result: dict[str, list[torch.Tensor]] = {}
@@ -243,11 +233,15 @@ def _collect(mb: Microbatch, output: torch.Tensor, layout: Placement, want_logit
         result["logits"] = logits
         if want_logprobs:
             tokens = mb.batch.unpack(mb.batch.input_ids)
-            result["logprobs"] = [next_token_logprobs(l, t) for l, t in zip(logits, tokens)]
+            result["logprobs"] = [next_token_logprobs(_tempered(l, temperature), t) for l, t in zip(logits, tokens)]
     elif want_logprobs:
-        lp = vocab_parallel_logprobs(local, mb.labels[0].to(local.device), layout)
+        lp = vocab_parallel_logprobs(local, mb.labels[0].to(local.device), layout, temperature)
         result["logprobs"] = [x[: max(n - 1, 0)] for x, n in zip(mb.batch.unpack(_gather_cp(lp, mb, layout)), mb.batch.lengths)]
     return result
+
+
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return logits if temperature == 1.0 else logits.float() / temperature
 
 
 # ---------------------------------------------------------------------------- forward
@@ -356,6 +350,7 @@ def generic_forward(
     max_tokens_per_microbatch: Optional[int] = None,
     broadcast: bool = True,
     pad_token_id: int = 0,
+    temperature: float = 1.0,
 ) -> PackedOutput:
     """Packed forward of this rank's model chunks under the model's placement.
 
@@ -374,6 +369,8 @@ def generic_forward(
             without pipeline parallelism, else ``min(len(sequences), pp)``.
         max_tokens_per_microbatch: alternatively, a token budget per micro-batch.
         broadcast: send the results from the last pipeline stage to every stage.
+        temperature: log-probs of ``softmax(logits / temperature)`` (what a rollout sampled from;
+            ``train_step`` takes the same); logits are returned as the model computes them.
 
     Returns:
         :class:`~mcore_zoo.packing.PackedOutput`; on non-last pipeline stages with
@@ -415,8 +412,10 @@ def generic_forward(
     if getattr(handle.options, "head", "lm") == "value":  # a critic: values instead of logits / log-probs
         return_logits = return_logprobs = False
     want_values = not (return_logits or return_logprobs) and getattr(handle.options, "head", "lm") == "value"
+    if not temperature > 0:
+        raise ZooError(f"temperature must be > 0, got {temperature}")
     collect = functools.partial(_collect, layout=layout, want_logits=return_logits, want_logprobs=return_logprobs,
-                                want_values=want_values)  # fmt: skip
+                                want_values=want_values, temperature=temperature)  # fmt: skip
     if not staged:  # one stage, whole sequences on this rank: differentiable
         run = _run_bshd if seq_format == "bshd" else _run_thd
         stored = [collect(mb, run(chunks[0], mb, layout), bshd=seq_format == "bshd") for mb in micro]
