@@ -62,12 +62,12 @@ class Architecture:
         unsupported values raise, naming the field.
         """
         from .config.arch import ArchConfig
-        from .config.normalize import normalize_hf_config
+        from .config.normalize import normalize_with_defaults
         from .config.reader import ConfigReader
         from .errors import PluginError
 
-        config = normalize_hf_config(hf_config, trust_remote_code=trust_remote_code)
-        reader = ConfigReader(config, self.name, ignore_fields)
+        config, defaulted = normalize_with_defaults(hf_config, trust_remote_code=trust_remote_code)
+        reader = ConfigReader(config, self.name, ignore_fields, defaulted=defaulted)
         arch = self.entry.resolve("converter")(reader)
         if not isinstance(arch, ArchConfig):
             raise PluginError(f"{self.origin}: converter returned {type(arch).__name__}, expected ArchConfig")

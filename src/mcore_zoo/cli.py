@@ -213,6 +213,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     if bool(args.hf) == bool(args.mcore):
         raise ZooError("convert needs exactly one of --hf DIR (to mcore) or --mcore DIR (to HF)")
+    from .weights.io import parse_size
+
+    try:
+        parse_size(args.max_shard_size)
+    except ZooError as exc:
+        raise ZooError(f"--max-shard-size {args.max_shard_size!r}: {exc}") from None
     if args.hf:
         out = hf_to_mcore(args.hf, args.out, params_dtype=args.dtype, backend=args.backend, overwrite=args.overwrite)
         print(f"wrote Megatron-Core distributed checkpoint {out}")
@@ -234,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="mcore-zoo", description="HF architectures on Megatron-Core, with parity proofs.")
     parser.add_argument("--version", action="version", version=f"mcore-zoo {__version__}")
+    parser.add_argument("--debug", action="store_true", help=f"show the traceback of an error (or {ENV_DEBUG}=1)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars, only warnings that are errors")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plugins", help="list plugins, their distributions and load failures")
@@ -297,14 +305,49 @@ def _register_new_plugin(sub: Any) -> None:
 _EXTRA_COMMANDS: list[Callable[[Any], None]] = [_register_parity_report, _register_new_plugin]
 
 
+#: Set (to anything but 0) to get the traceback of an error, like ``--debug``.
+ENV_DEBUG = "MCORE_ZOO_DEBUG"
+
+
+def describe_error(exc: BaseException) -> str:
+    """One message for an error reaching the command line: the zoo's own message, an OS error's
+    file and reason, or the exception type and text of anything else."""
+    from .errors import OutputExistsError
+
+    if isinstance(exc, OutputExistsError):
+        exc.hint = "--overwrite"
+        return str(exc)
+    if isinstance(exc, ZooError):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f"{exc.filename}: " if exc.filename else ""
+        return f"{where}{exc.strerror}"
+    text = " ".join(str(exc).split()) or "(no message)"
+    return f"{type(exc).__name__}: {text} (unexpected; run with --debug or {ENV_DEBUG}=1 for the traceback)"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    import logging
+    import os
+
     parser = build_parser()
     args = parser.parse_args(argv)
     args.command_line = "mcore-zoo " + shlex.join(list(argv) if argv is not None else sys.argv[1:])
+    debug = args.debug or os.environ.get(ENV_DEBUG, "0") not in ("", "0")
+    logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING if not args.quiet else logging.ERROR,
+                        format="mcore-zoo: %(levelname)s: %(message)s")  # fmt: skip
+    from .progress import set_quiet
+
+    set_quiet(args.quiet)
     try:
         return int(args.func(args) or EXIT_OK)
-    except (ZooError, FileNotFoundError, FileExistsError) as exc:
-        print(f"mcore-zoo {args.command}: error: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"mcore-zoo {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if debug:
+            raise
+        print(f"mcore-zoo {args.command}: error: {describe_error(exc)}", file=sys.stderr)
         return EXIT_USAGE
 
 

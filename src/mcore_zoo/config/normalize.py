@@ -33,9 +33,13 @@ def read_json_config(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"no HF config at {path}")
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not UTF-8 text: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        raise ConfigError(f"{path} is not valid JSON: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it: {exc.strerror or exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} does not hold a JSON object")
     return data
@@ -43,8 +47,14 @@ def read_json_config(path: str | Path) -> dict[str, Any]:
 
 def normalize_hf_config(source: Any, *, trust_remote_code: bool = False) -> dict[str, Any]:
     """The HF config ``source`` (config object, dict, directory, config.json) as a normalised dict."""
+    return normalize_with_defaults(source, trust_remote_code=trust_remote_code)[0]
+
+
+def normalize_with_defaults(source: Any, *, trust_remote_code: bool = False) -> tuple[dict[str, Any], frozenset[str]]:
+    """:func:`normalize_hf_config` and the top-level fields that only transformers' defaults filled
+    in (absent from the given dict or file; empty for a config object, whose origin is unknown)."""
     if hasattr(source, "to_dict") and callable(source.to_dict) and not isinstance(source, Mapping):
-        return dict(source.to_dict())
+        return dict(source.to_dict()), frozenset()
     if isinstance(source, Mapping):
         raw = dict(source)
     else:
@@ -53,12 +63,14 @@ def normalize_hf_config(source: Any, *, trust_remote_code: bool = False) -> dict
         if trust_remote_code and raw.get("auto_map"):
             from transformers import AutoConfig
 
-            return dict(AutoConfig.from_pretrained(str(path), trust_remote_code=True).to_dict())
+            full = dict(AutoConfig.from_pretrained(str(path), trust_remote_code=True).to_dict())
+            return full, frozenset(set(full) - set(raw))
     model_type = raw.get("model_type")
     cls = _config_class(model_type) if model_type else None
     if cls is None:
-        return raw
+        return raw, frozenset()
     try:
-        return dict(cls.from_dict(raw).to_dict())
+        full = dict(cls.from_dict(raw).to_dict())
     except Exception as exc:  # validators raise TypeError, ValueError, KeyError and their own types
         raise ConfigError(f"transformers rejects this {model_type!r} config: {type(exc).__name__}: {exc}") from exc
+    return full, frozenset(set(full) - set(raw))

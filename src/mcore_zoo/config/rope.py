@@ -89,6 +89,8 @@ def read_rope(reader: ConfigReader, *, max_position_embeddings: int) -> RopeSpec
     theta = params.pop("rope_theta", None)
     if theta is None:
         raise reader.unsupported(f"{source}.rope_theta", None, "RoPE base is missing")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+        raise reader.unsupported(f"{source}.rope_theta", theta, "RoPE base must be a positive number")
     unknown = set(params) - _KEYS[rope_type]
     if unknown:
         key = sorted(unknown)[0]

@@ -169,10 +169,12 @@ def write_hf_checkpoint(
     config: dict[str, Any],
     max_shard_size: Union[int, str] = "5GB",
     overwrite: bool = False,
+    inputs: Sequence[Union[str, os.PathLike]] = (),
 ) -> list[str]:
     """Write ``(hf_name, tensor)`` items as an HF checkpoint (atomically); every name in ``needed``
-    must come by. Returns the weight file names."""
-    with atomic_output_dir(out_dir, overwrite=overwrite) as tmp:
+    must come by. Returns the weight file names. ``inputs``: directories the output may not be
+    or contain."""
+    with atomic_output_dir(out_dir, overwrite=overwrite, inputs=inputs) as tmp:
         writer = SafetensorsShardWriter(tmp, max_shard_size, metadata={"producer": "mcore-zoo"})
         written = set()
         for name, tensor in items:

@@ -40,6 +40,7 @@ from ..build import as_chunks, model_info
 from ..errors import MissingTensorsError, ShapeMismatchError, UnexpectedTensorsError, UnmappedParametersError
 from .io import HFCheckpoint, chunk_index
 from .rules import BoundRule, TransformContext, WeightMap, direct_views
+from .tied import check_tied_output
 
 
 @dataclass
@@ -147,6 +148,7 @@ def plan_load(model: Union[torch.nn.Module, Sequence[torch.nn.Module]], checkpoi
     info = model_info(chunks[0])
     wmap = info.weight_map
     ignored = check_coverage(wmap, checkpoint.keys(), str(checkpoint.path))
+    check_tied_output(wmap, checkpoint)
     tp_rank, tp_size, _ = _tp()
     ctx = TransformContext(info.arch, tp_rank, tp_size)
     plan = []
