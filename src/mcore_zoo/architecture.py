@@ -7,6 +7,8 @@ megatron-core, transformers) is imported inside the methods.
 
 from __future__ import annotations
 
+import copy
+
 import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional
@@ -103,7 +105,7 @@ class Architecture:
 
         if not self.entry.example_config:
             raise PluginError(f"{self.origin}: {self.name} has no example_config")
-        config = dict(self.entry.example_config)
+        config = copy.deepcopy(dict(self.entry.example_config))
         config.setdefault("architectures", [self.name])
         config.setdefault("model_type", self.entry.model_type)
         return config

@@ -241,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mcore-zoo", description="HF architectures on Megatron-Core, with parity proofs.")
     parser.add_argument("--version", action="version", version=f"mcore-zoo {__version__}")
     parser.add_argument("--debug", action="store_true", help=f"show the traceback of an error (or {ENV_DEBUG}=1)")
-    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars, only warnings that are errors")
+    parser.add_argument("-q", "--quiet", dest="global_quiet", action="store_true",
+                        help="no progress output; only errors")  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plugins", help="list plugins, their distributions and load failures")
@@ -319,23 +320,51 @@ def describe_error(exc: BaseException) -> str:
         return str(exc)
     if isinstance(exc, ZooError):
         return str(exc)
-    if isinstance(exc, OSError) and exc.strerror:
+    if isinstance(exc, OSError):
+        if not exc.strerror:  # raised with a message of its own (FileNotFoundError("no HF config at ..."))
+            return " ".join(str(exc).split())
         where = f"{exc.filename}: " if exc.filename else ""
         return f"{where}{exc.strerror}"
     text = " ".join(str(exc).split()) or "(no message)"
     return f"{type(exc).__name__}: {text} (unexpected; run with --debug or {ENV_DEBUG}=1 for the traceback)"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+class _OwnRecords:
+    """Only mcore-zoo's records reach the terminal (libraries log tracebacks of errors the zoo
+    reports itself); ``--debug`` lets everything through."""
+
+    def __init__(self, debug: bool) -> None:
+        self.debug = debug
+
+    def filter(self, record: Any) -> bool:
+        return self.debug or record.name == "mcore_zoo" or record.name.startswith("mcore_zoo.")
+
+
+def _configure_logging(debug: bool, quiet: bool) -> None:
     import logging
+
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if getattr(handler, "_mcore_zoo", False):
+            root.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    handler._mcore_zoo = True  # type: ignore[attr-defined]
+    handler.setFormatter(logging.Formatter("mcore-zoo: %(levelname)s: %(message)s"))
+    handler.addFilter(_OwnRecords(debug))
+    handler.setLevel(logging.DEBUG if debug else logging.ERROR if quiet else logging.WARNING)
+    root.addHandler(handler)
+    logging.getLogger("mcore_zoo").setLevel(logging.DEBUG if debug else logging.INFO)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
     import os
 
     parser = build_parser()
     args = parser.parse_args(argv)
     args.command_line = "mcore-zoo " + shlex.join(list(argv) if argv is not None else sys.argv[1:])
     debug = args.debug or os.environ.get(ENV_DEBUG, "0") not in ("", "0")
-    logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING if not args.quiet else logging.ERROR,
-                        format="mcore-zoo: %(levelname)s: %(message)s")  # fmt: skip
+    args.quiet = args.global_quiet or getattr(args, "quiet", False)  # parity-report has its own --quiet too
+    _configure_logging(debug, args.quiet)
     from .progress import set_quiet
 
     set_quiet(args.quiet)
@@ -344,7 +373,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print(f"mcore-zoo {args.command}: interrupted", file=sys.stderr)
         return 130
-    except Exception as exc:
+    except (SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:  # some libraries raise BaseException subclasses (torch's CheckpointException)
         if debug:
             raise
         print(f"mcore-zoo {args.command}: error: {describe_error(exc)}", file=sys.stderr)

@@ -204,11 +204,15 @@ def _reading_dist_checkpoint(mcore_dir: Union[str, os.PathLike]) -> Iterator[Non
         yield
     except ZooError:
         raise
-    except Exception as exc:  # torch.distributed.checkpoint raises CheckpointException, pickle, EOF, ...
-        detail = " ".join(str(exc).split())[:300] or type(exc).__name__
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:  # torch's CheckpointException is a BaseException; pickle, EOF, ...
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        # torch's CheckpointException embeds each rank's traceback: its last line is the cause
+        detail = (lines[-1] if "Traceback" in str(exc) else " ".join(lines))[:300] or type(exc).__name__
         raise InputError(
             f"distributed checkpoint {mcore_dir} cannot be read (damaged or truncated .metadata / .distcp files?):"
-            f" {type(exc).__name__}: {detail}"
+            f" {detail}"
         ) from exc
 
 

@@ -279,3 +279,67 @@ def test_output_directories_follow_the_umask(tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "out").stat().st_mode & 0o777 == 0o755
+
+
+# ---------------------------------------------------------------------------- 6. config values
+def _config_dir(tmp_path: Path, edit) -> Path:
+    from mcore_zoo.testing.common import case_config
+
+    config = case_config("LlamaForCausalLM")
+    edit(config)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_show_marks_fields_only_transformers_defaults_filled(tmp_path, capsys):
+    from mcore_zoo.cli import main
+
+    path = _config_dir(tmp_path, lambda c: (c.pop("hidden_size"), c.pop("head_dim", None)))
+    assert main(["show", "--config", str(path), "--json"]) == 0
+    fields = {f["field"]: f for f in json.loads(capsys.readouterr().out)["fields"]}
+    assert fields["hidden_size"]["value"] == 4096 and fields["hidden_size"]["present"] is False
+    assert fields["num_hidden_layers"]["present"] is True
+    assert fields["rope_parameters"]["present"] is True  # derived from rope_theta / rope_scaling
+
+
+def test_rope_theta_that_is_not_a_number_is_refused(tmp_path):
+    from mcore_zoo.errors import UnsupportedConfigError
+
+    path = _config_dir(tmp_path, lambda c: c.update(rope_theta="ten thousand"))
+    with pytest.raises(UnsupportedConfigError, match="rope_theta='ten thousand'"):
+        mcore_zoo.lookup(str(path)).convert(str(path))
+
+
+def test_non_utf8_config_is_named(tmp_path):
+    from mcore_zoo.errors import ConfigError
+    from mcore_zoo.config.normalize import normalize_hf_config
+
+    (tmp_path / "config.json").write_bytes(b'{"model_type": "llama", "name": "\xff"}')
+    with pytest.raises(ConfigError, match="config.json is not UTF-8"):
+        normalize_hf_config(tmp_path)
+
+
+def test_parity_model_refuses_bin_before_transformers_reads_it(tmp_path, reference_checkpoint, monkeypatch):
+    from mcore_zoo.parity.inputs import prepare_model
+
+    src = reference_checkpoint("LlamaForCausalLM")
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    torch.save(load_file(str(src / "model.safetensors")), tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointFormatError, match="allow_torch_load"):
+        prepare_model(model=str(tmp_path), work_dir=tmp_path / "work")
+
+
+def test_unknown_numerics_knob_is_named():
+    from mcore_zoo.numerics.profiles import get_profile
+
+    with pytest.raises(ZooError, match="unknown numerics knob 'foo'"):
+        get_profile("default").with_knobs(foo="bar")
+
+
+def test_max_shard_size_must_be_a_size():
+    from mcore_zoo.weights.io import parse_size
+
+    assert parse_size("1.5KiB") == 1536 and parse_size(10) == 10 and parse_size("5GB") == 5 * 10**9
+    for bad in ("abc", "0", "-1MB", "GB"):
+        with pytest.raises(ZooError, match="size"):
+            parse_size(bad)

@@ -8,6 +8,7 @@ only with ``trust_remote_code=True``.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any, Mapping
@@ -64,13 +65,25 @@ def normalize_with_defaults(source: Any, *, trust_remote_code: bool = False) -> 
             from transformers import AutoConfig
 
             full = dict(AutoConfig.from_pretrained(str(path), trust_remote_code=True).to_dict())
-            return full, frozenset(set(full) - set(raw))
+            return full, _defaulted(full, raw)
     model_type = raw.get("model_type")
     cls = _config_class(model_type) if model_type else None
     if cls is None:
         return raw, frozenset()
-    try:
-        full = dict(cls.from_dict(raw).to_dict())
+    try:  # transformers may edit nested dicts it is given (rope_scaling gains rope_theta): pass a copy
+        full = dict(cls.from_dict(copy.deepcopy(raw)).to_dict())
     except Exception as exc:  # validators raise TypeError, ValueError, KeyError and their own types
         raise ConfigError(f"transformers rejects this {model_type!r} config: {type(exc).__name__}: {exc}") from exc
-    return full, frozenset(set(full) - set(raw))
+    return full, _defaulted(full, raw)
+
+
+#: Fields transformers derives from others that are present (not defaults): field -> its sources.
+_DERIVED = {"rope_parameters": ("rope_theta", "rope_scaling"), "layer_types": ("sliding_window", "use_sliding_window", "max_window_layers")}
+
+
+def _defaulted(full: Mapping[str, Any], raw: Mapping[str, Any]) -> frozenset[str]:
+    absent = set(full) - set(raw)
+    for name, sources in _DERIVED.items():
+        if any(source in raw for source in sources):
+            absent.discard(name)
+    return frozenset(absent)
