@@ -21,6 +21,7 @@ from .config.arch import ArchConfig, Parallelism
 from .config.rope import inv_freq
 from .config.transformer import BuildOptions, gpt_model_kwargs, transformer_config_kwargs, validate_layout
 from .errors import ZooError
+from .provenance import warn_provider
 from .numerics.profiles import NumericsProfile, get_profile
 
 INFO_ATTR = "mcore_zoo"
@@ -106,6 +107,7 @@ def prepare(
     from megatron.core.transformer import TransformerConfig  # noqa: F401 - fail early if absent
 
     architecture = _resolve(source, architecture)
+    warn_provider(architecture)  # a third-party plugin (or an override of a built-in) is named
     arch = architecture.convert(source, ignore_fields=ignore_fields, trust_remote_code=trust_remote_code)
     cuda = torch.cuda.is_available()
     profile = get_profile(numerics).for_device(cuda)

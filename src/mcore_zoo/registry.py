@@ -37,6 +37,7 @@ from .architecture import Architecture
 from .config.normalize import read_json_config
 from .entry import ModelEntry
 from .errors import PluginConflictError, PluginError, UnknownArchitectureError
+from .provenance import PluginTimeout, call_with_timeout
 
 ENTRY_POINT_GROUP = "mcore_zoo"
 DISTRIBUTION = "mcore-zoo"
@@ -199,7 +200,11 @@ class Registry:
             record.status = "blocked"
             return
         try:
-            plugin = loader()
+            plugin = call_with_timeout(loader, f"import of {record.module!r}")
+        except PluginTimeout as exc:
+            record.status = "failed"
+            record.error = str(exc)
+            return
         except BaseException as exc:  # an import may raise anything, SystemExit included
             if isinstance(exc, KeyboardInterrupt):
                 raise
@@ -239,7 +244,7 @@ class Registry:
             record.error = "does not implement the required hook mcore_zoo_architectures"
             return
         try:
-            entries = list(impls[0].function())
+            entries = call_with_timeout(lambda: list(impls[0].function()), f"{record.name}'s mcore_zoo_architectures hook")
             for entry in entries:
                 if not isinstance(entry, ModelEntry):
                     raise PluginError(
