@@ -103,6 +103,10 @@ def hf_to_mcore(
     from .weights.load import bind_chunk, plan_load, read_rule_into
     from .weights.rules import TransformContext
 
+    from .hf_assets import MCORE_ASSET_DIR, copy_assets
+    from .hub import resolve
+
+    hf_dir = resolve(hf_dir)  # a Hugging Face Hub id: its snapshot
     with HFCheckpoint(hf_dir) as ckpt:
         dtype = parse_dtype(params_dtype) or _checkpoint_dtype(ckpt)
         model = meta_model(hf_dir, backend=backend, params_dtype=dtype)
@@ -130,6 +134,8 @@ def hf_to_mcore(
                 "backend": backend,
             }
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+            (tmp / MCORE_ASSET_DIR).mkdir()
+            copy_assets(hf_dir, tmp / MCORE_ASSET_DIR)  # tokenizer, generation_config.json: for the way back
     return out
 
 
@@ -269,6 +275,7 @@ def mcore_to_hf(
     from .weights.load import bind_chunk
     from .weights.rules import TransformContext
 
+    from .hf_assets import MCORE_ASSET_DIR
     from .progress import progress
 
     meta = read_meta(mcore_dir)
@@ -290,5 +297,5 @@ def mcore_to_hf(
 
     return write_hf_checkpoint(
         items(), out_dir, needed=info.weight_map.hf_names(), config=hf_config_for_export(model, out_dtype),
-        max_shard_size=max_shard_size, overwrite=overwrite, inputs=[mcore_dir],
+        max_shard_size=max_shard_size, overwrite=overwrite, inputs=[mcore_dir], assets=Path(mcore_dir) / MCORE_ASSET_DIR,
     )  # fmt: skip

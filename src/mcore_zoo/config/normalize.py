@@ -28,7 +28,9 @@ def _config_class(model_type: str) -> Any:
 
 
 def read_json_config(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
+    from ..hub import resolve
+
+    path = Path(resolve(path))  # a Hugging Face Hub id becomes its snapshot directory
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
@@ -59,7 +61,9 @@ def normalize_with_defaults(source: Any, *, trust_remote_code: bool = False) -> 
     if isinstance(source, Mapping):
         raw = dict(source)
     else:
-        path = Path(source)
+        from ..hub import resolve
+
+        path = Path(resolve(source))
         raw = read_json_config(path)
         if trust_remote_code and raw.get("auto_map"):
             from transformers import AutoConfig

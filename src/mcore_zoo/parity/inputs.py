@@ -211,7 +211,9 @@ def prepare_model(
         if scale or settings:
             raise ZooError("--scale / --set change the config, so they need random weights:"
                            " use --config PATH --random-weights (or --model DIR --random-weights)")  # fmt: skip
-        path = Path(model)
+        from ..hub import resolve
+
+        path = Path(resolve(model))
         if not path.is_dir():
             raise FileNotFoundError(f"--model {model}: not a checkpoint directory")
         architecture = lookup(str(path))

@@ -19,6 +19,7 @@ import torch
 
 from ..build import as_chunks, model_info
 from ..errors import MissingTensorsError, ZooError
+from ..hf_assets import copy_assets, source_of
 from .io import SafetensorsShardWriter, atomic_output_dir, check_output_dir
 from .load import bind_chunk
 from .rules import BoundRule, TransformContext
@@ -170,10 +171,12 @@ def write_hf_checkpoint(
     max_shard_size: Union[int, str] = "5GB",
     overwrite: bool = False,
     inputs: Sequence[Union[str, os.PathLike]] = (),
+    assets: Optional[Union[str, os.PathLike]] = None,
 ) -> list[str]:
     """Write ``(hf_name, tensor)`` items as an HF checkpoint (atomically); every name in ``needed``
     must come by. Returns the weight file names. ``inputs``: directories the output may not be
-    or contain."""
+    or contain; ``assets``: a directory whose tokenizer files and ``generation_config.json`` are
+    copied next to the weights (:mod:`mcore_zoo.hf_assets`)."""
     with atomic_output_dir(out_dir, overwrite=overwrite, inputs=inputs) as tmp:
         writer = SafetensorsShardWriter(tmp, max_shard_size, metadata={"producer": "mcore-zoo"})
         written = set()
@@ -185,6 +188,7 @@ def write_hf_checkpoint(
             raise MissingTensorsError(sorted(missing), source="export")
         files = writer.close()
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        copy_assets(assets, tmp)
     return files
 
 
@@ -197,7 +201,8 @@ def save_hf_checkpoint(
     overwrite: bool = False,
     writer_rank: int = 0,
 ) -> list[str]:
-    """Write a complete HF checkpoint (safetensors + config.json) that transformers loads.
+    """Write a complete HF checkpoint (safetensors + config.json) that transformers loads, with the
+    tokenizer files and ``generation_config.json`` of the checkpoint the model was loaded from.
 
     Any layout: in a multi-process job every rank calls it; global rank ``writer_rank`` gathers
     the tensors (bucket by bucket) and writes, the others take part in the gathers. Every rank
@@ -212,7 +217,7 @@ def save_hf_checkpoint(
     config = hf_config_for_export(chunks, dtype)
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return write_hf_checkpoint(iter_hf_weights(chunks, dtype=dtype), out_dir, needed=needed, config=config,
-                                   max_shard_size=max_shard_size, overwrite=overwrite)  # fmt: skip
+                                   max_shard_size=max_shard_size, overwrite=overwrite, assets=source_of(chunks))  # fmt: skip
     writer = dist.get_rank() == writer_rank
     verdict: list[Any] = [None]
     if writer:  # a refusal known up front must not leave the other ranks inside the gathers
@@ -227,8 +232,8 @@ def save_hf_checkpoint(
     outcome: list[Any] = [None]
     if writer:
         try:
-            outcome[0] = ("ok", write_hf_checkpoint(items, out_dir, needed=needed, config=config,
-                                                    max_shard_size=max_shard_size, overwrite=overwrite))  # fmt: skip
+            outcome[0] = ("ok", write_hf_checkpoint(items, out_dir, needed=needed, config=config, max_shard_size=max_shard_size,
+                                                    overwrite=overwrite, assets=source_of(chunks)))  # fmt: skip
         except Exception as exc:
             outcome[0] = ("error", f"{type(exc).__name__}: {exc}")
             _drain(items)  # keep the collectives matched so the other ranks get the verdict

@@ -174,12 +174,15 @@ class HFCheckpoint:
 
     Args:
         path: directory with ``model.safetensors``, ``model.safetensors.index.json`` + shards, or
-            (with ``allow_torch_load``) ``pytorch_model*.bin``; or one ``.safetensors`` file.
+            (with ``allow_torch_load``) ``pytorch_model*.bin``; or one ``.safetensors`` file; or a
+            Hugging Face Hub id (``org/name[@revision]``, :mod:`mcore_zoo.hub`).
         allow_torch_load: permit pickle-based ``.bin`` files (``torch.load(weights_only=True)``).
     """
 
     def __init__(self, path: str | os.PathLike, *, allow_torch_load: bool = False) -> None:
-        self.path = Path(path)
+        from ..hub import resolve
+
+        self.path = Path(resolve(path))  # a Hugging Face Hub id: its (safetensors-only) snapshot
         self._entries: dict[str, TensorEntry] = {}
         self._fds: dict[str, int] = {}
         self._where: dict[str, str] = {}

@@ -40,6 +40,7 @@ from ..build import as_chunks, model_info
 from ..errors import MissingTensorsError, ShapeMismatchError, UnexpectedTensorsError, UnmappedParametersError
 from .io import HFCheckpoint, chunk_index
 from .rules import BoundRule, TransformContext, WeightMap, direct_views
+from ..hf_assets import remember_source
 from .tied import check_tied_output
 
 
@@ -222,6 +223,8 @@ def load_hf_weights(
                     if dist.get_rank() != source:
                         report.bytes_received += param.numel() * param.element_size()
                 report.parameters += 1
+        if own:
+            remember_source(model, ckpt.path)  # save_hf_checkpoint copies its tokenizer files
         return report
     finally:
         if own:
