@@ -340,6 +340,27 @@ class _OwnRecords:
         return self.debug or record.name == "mcore_zoo" or record.name.startswith("mcore_zoo.")
 
 
+def _stderr_handler_class() -> type:
+    import logging
+
+    class StderrHandler(logging.StreamHandler):
+        """Writes to whatever ``sys.stderr`` is when a record is emitted."""
+
+        @property  # type: ignore[override]
+        def stream(self) -> Any:
+            return sys.stderr
+
+        @stream.setter
+        def stream(self, value: Any) -> None:
+            pass
+
+    return StderrHandler
+
+
+def _StderrHandler() -> Any:  # noqa: N802 - a factory; logging is imported lazily
+    return _stderr_handler_class()()
+
+
 def _configure_logging(debug: bool, quiet: bool) -> None:
     import logging
 
@@ -347,7 +368,7 @@ def _configure_logging(debug: bool, quiet: bool) -> None:
     for handler in list(root.handlers):
         if getattr(handler, "_mcore_zoo", False):
             root.removeHandler(handler)
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler._mcore_zoo = True  # type: ignore[attr-defined]
     handler.setFormatter(logging.Formatter("mcore-zoo: %(levelname)s: %(message)s"))
     handler.addFilter(_OwnRecords(debug))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 from collections import Counter
@@ -29,6 +30,8 @@ from typing import Any, Iterator, Optional, Union
 import torch
 
 from .errors import InputError, OutputError, ZooError
+
+logger = logging.getLogger(__name__)
 
 META_FILE = "mcore_zoo.json"
 FORMAT_VERSION = 2
@@ -136,6 +139,7 @@ def hf_to_mcore(
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
             (tmp / MCORE_ASSET_DIR).mkdir()
             copy_assets(hf_dir, tmp / MCORE_ASSET_DIR)  # tokenizer, generation_config.json: for the way back
+    logger.info("wrote distributed checkpoint %s (%d parameters, %s)", out, len(layout.params), meta["params_dtype"])
     return out
 
 

@@ -22,8 +22,16 @@ def set_quiet(quiet: bool) -> None:
 
 
 def enabled() -> bool:
+    """Bars are shown: not quiet, standard error is a terminal, and this is rank 0 of a job."""
     if _quiet or os.environ.get(ENV_QUIET, "0") not in ("", "0"):
         return False
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+            return False
+    except ImportError:  # pragma: no cover
+        pass
     try:
         return sys.stderr.isatty()
     except (AttributeError, ValueError):

@@ -12,6 +12,7 @@ tensor of the model is missing from what was exported.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
@@ -20,9 +21,12 @@ import torch
 from ..build import as_chunks, model_info
 from ..errors import MissingTensorsError, ZooError
 from ..hf_assets import copy_assets, source_of
+from ..progress import progress
 from .io import SafetensorsShardWriter, atomic_output_dir, check_output_dir
 from .load import bind_chunk
 from .rules import BoundRule, TransformContext
+
+logger = logging.getLogger(__name__)
 
 
 def _gather_tp(piece: torch.Tensor, axis: int, group: Any, size: int) -> torch.Tensor:
@@ -180,7 +184,7 @@ def write_hf_checkpoint(
     with atomic_output_dir(out_dir, overwrite=overwrite, inputs=inputs) as tmp:
         writer = SafetensorsShardWriter(tmp, max_shard_size, metadata={"producer": "mcore-zoo"})
         written = set()
-        for name, tensor in items:
+        for name, tensor in progress(items, total=len(needed), desc="writing HF checkpoint", unit="tensor"):
             writer.add(name, tensor)
             written.add(name)
         missing = needed - written
@@ -189,6 +193,7 @@ def write_hf_checkpoint(
         files = writer.close()
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         copy_assets(assets, tmp)
+    logger.info("wrote HF checkpoint %s: %d tensors in %d file(s)", out_dir, len(written), len(files))
     return files
 
 

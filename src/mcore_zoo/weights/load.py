@@ -30,6 +30,7 @@ by all-reducing their gradients over the embedding group).
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
@@ -41,7 +42,10 @@ from ..errors import MissingTensorsError, ShapeMismatchError, UnexpectedTensorsE
 from .io import HFCheckpoint, chunk_index
 from .rules import BoundRule, TransformContext, WeightMap, direct_views
 from ..hf_assets import remember_source
+from ..progress import progress
 from .tied import check_tied_output
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -211,7 +215,7 @@ def load_hf_weights(
         report = LoadReport(ignored=ignored)
         for chunk, bound in plan:
             params = dict(chunk.named_parameters())
-            for b in bound:
+            for b in progress(bound, total=len(bound), desc="loading HF weights", unit="param"):
                 param = params[b.mcore]
                 group = _replica_group(param) if replicas == "broadcast" else None
                 source = None if group is None else dist.get_process_group_ranks(group)[0]
@@ -225,6 +229,7 @@ def load_hf_weights(
                 report.parameters += 1
         if own:
             remember_source(model, ckpt.path)  # save_hf_checkpoint copies its tokenizer files
+        logger.info("loaded %d parameters from %s (%.1f MB read)", report.parameters, ckpt.path, report.bytes_read / 1e6)
         return report
     finally:
         if own:
