@@ -13,6 +13,8 @@ Behaviour:
 * Two plugins claiming one architecture: :class:`~mcore_zoo.errors.PluginConflictError` (naming both
   plugins and distributions) when that architecture is looked up, and the conflict is shown by
   ``mcore-zoo plugins`` / ``list``, unless exactly one entry says ``override=True``.
+* A plugin's import and its ``mcore_zoo_architectures`` hook each get ``MCORE_ZOO_PLUGIN_TIMEOUT``
+  seconds (default 30): a plugin that blocks is recorded as a load failure (:mod:`mcore_zoo.provenance`).
 * ``MCORE_ZOO_DISABLE_PLUGIN_AUTOLOAD=1`` loads only the built-in plugins (plus the entry-point
   names listed in ``MCORE_ZOO_PLUGINS=a,b``); ``MCORE_ZOO_BLOCK_PLUGINS=a,b`` blocks plugins by
   entry-point name (built-ins too).
