@@ -19,13 +19,13 @@ import torch
 from . import compat, cpu_shim
 from .architecture import Architecture
 from .config.arch import ArchConfig
-from .config.normalize import normalize_hf_config
 from .config.rope import inv_freq
 from .config.transformer import BuildOptions, gpt_model_kwargs, transformer_config_kwargs, validate_layout
 from .errors import ZooError
 from .handle import ModelHandle
 from .numerics.profiles import NumericsProfile, get_profile
 from .placement import Parallelism, Placement
+from .provenance import warn_provider
 
 
 def _default_dtype() -> torch.dtype:
@@ -94,12 +94,14 @@ def prepare(
     before anything is built or read."""
     from megatron.core.transformer import TransformerConfig  # noqa: F401 - fail early if absent
 
-    hf_config = normalize_hf_config(source, trust_remote_code=trust_remote_code)
-    if architecture is None:
-        from .registry import lookup
+    from .registry import lookup, read_config_dict
 
+    remote = trust_remote_code and not isinstance(source, Mapping) and not hasattr(source, "to_dict")
+    hf_config = source if remote else read_config_dict(source)  # the file is read once (remote code: by transformers)
+    if architecture is None:
         architecture = lookup(hf_config)
-    arch = architecture.config_from_hf(hf_config, ignore_fields=ignore_fields)
+    warn_provider(architecture)  # a third-party plugin (or an override of a built-in) is named
+    arch = architecture.config_from_hf(hf_config, ignore_fields=ignore_fields, trust_remote_code=trust_remote_code)
     cuda = torch.cuda.is_available()
     profile = get_profile(numerics).for_device(cuda)
     if parallel is None:

@@ -215,6 +215,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     if bool(args.hf) == bool(args.mcore):
         raise ZooError("convert needs exactly one of --hf DIR (to mcore) or --mcore DIR (to HF)")
+    from .weights.io import parse_size
+
+    try:
+        parse_size(args.max_shard_size)
+    except ZooError as exc:
+        raise ZooError(f"--max-shard-size {args.max_shard_size!r}: {exc}") from None
     if args.hf:
         out = hf_to_mcore(args.hf, args.out, params_dtype=args.dtype, backend=args.backend, overwrite=args.overwrite)
         print(f"wrote Megatron-Core distributed checkpoint {out}")
@@ -236,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="mcore-zoo", description="HF architectures on Megatron-Core, with parity proofs.")
     parser.add_argument("--version", action="version", version=f"mcore-zoo {__version__}")
+    parser.add_argument("--debug", action="store_true", help=f"show the traceback of an error (or {ENV_DEBUG}=1)")
+    parser.add_argument("-q", "--quiet", dest="global_quiet", action="store_true",
+                        help="no progress output; only errors")  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plugins", help="list plugins, their distributions and load failures")
@@ -299,14 +308,100 @@ def _register_new_plugin(sub: Any) -> None:
 _EXTRA_COMMANDS: list[Callable[[Any], None]] = [_register_parity_report, _register_new_plugin]
 
 
+#: Set (to anything but 0) to get the traceback of an error, like ``--debug``.
+ENV_DEBUG = "MCORE_ZOO_DEBUG"
+
+
+def describe_error(exc: BaseException) -> str:
+    """One message for an error reaching the command line: the zoo's own message, an OS error's
+    file and reason, or the exception type and text of anything else."""
+    from .errors import OutputExistsError
+
+    if isinstance(exc, OutputExistsError):
+        exc.hint = "--overwrite"
+        return str(exc)
+    if isinstance(exc, ZooError):
+        return str(exc)
+    if isinstance(exc, OSError):
+        if not exc.strerror:  # raised with a message of its own (FileNotFoundError("no HF config at ..."))
+            return " ".join(str(exc).split())
+        where = f"{exc.filename}: " if exc.filename else ""
+        return f"{where}{exc.strerror}"
+    text = " ".join(str(exc).split()) or "(no message)"
+    return f"{type(exc).__name__}: {text} (unexpected; run with --debug or {ENV_DEBUG}=1 for the traceback)"
+
+
+class _OwnRecords:
+    """Only mcore-zoo's records reach the terminal (libraries log tracebacks of errors the zoo
+    reports itself); ``--debug`` lets everything through."""
+
+    def __init__(self, debug: bool) -> None:
+        self.debug = debug
+
+    def filter(self, record: Any) -> bool:
+        return self.debug or record.name == "mcore_zoo" or record.name.startswith("mcore_zoo.")
+
+
+def _stderr_handler_class() -> type:
+    import logging
+
+    class StderrHandler(logging.StreamHandler):
+        """Writes to whatever ``sys.stderr`` is when a record is emitted."""
+
+        @property  # type: ignore[override]
+        def stream(self) -> Any:
+            return sys.stderr
+
+        @stream.setter
+        def stream(self, value: Any) -> None:
+            pass
+
+    return StderrHandler
+
+
+def _StderrHandler() -> Any:  # noqa: N802 - a factory; logging is imported lazily
+    return _stderr_handler_class()()
+
+
+def _configure_logging(debug: bool, quiet: bool) -> None:
+    import logging
+
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if getattr(handler, "_mcore_zoo", False):
+            root.removeHandler(handler)
+    handler = _StderrHandler()
+    handler._mcore_zoo = True  # type: ignore[attr-defined]
+    handler.setFormatter(logging.Formatter("mcore-zoo: %(levelname)s: %(message)s"))
+    handler.addFilter(_OwnRecords(debug))
+    handler.setLevel(logging.DEBUG if debug else logging.ERROR if quiet else logging.WARNING)
+    root.addHandler(handler)
+    logging.getLogger("mcore_zoo").setLevel(logging.DEBUG if debug else logging.INFO)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    import os
+
     parser = build_parser()
     args = parser.parse_args(argv)
     args.command_line = "mcore-zoo " + shlex.join(list(argv) if argv is not None else sys.argv[1:])
+    debug = args.debug or os.environ.get(ENV_DEBUG, "0") not in ("", "0")
+    args.quiet = args.global_quiet or getattr(args, "quiet", False)  # parity-report has its own --quiet too
+    _configure_logging(debug, args.quiet)
+    from .progress import set_quiet
+
+    set_quiet(args.quiet)
     try:
         return int(args.func(args) or EXIT_OK)
-    except (ZooError, FileNotFoundError, FileExistsError) as exc:
-        print(f"mcore-zoo {args.command}: error: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"mcore-zoo {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:  # some libraries raise BaseException subclasses (torch's CheckpointException)
+        if debug:
+            raise
+        print(f"mcore-zoo {args.command}: error: {describe_error(exc)}", file=sys.stderr)
         return EXIT_USAGE
 
 

@@ -12,6 +12,7 @@ loading, export, re-sharding, distributed checkpoints, the packed forward - star
 * ``placement`` - the parallel sizes, this rank's coordinates and the process groups
   (:class:`~mcore_zoo.placement.Placement`, taken once at build time);
 * ``chunks`` - this rank's ``GPTModel`` chunks (one, or one per virtual-pipeline stage), unwrapped;
+* ``hf_source`` - the HF checkpoint the weights came from (its tokenizer files travel with exports);
 * the weight map, and its rules bound to each chunk (expert-parallel offsets applied, TP axes
   checked against Megatron-Core's own ``partition_dim``), computed once.
 
@@ -47,6 +48,7 @@ class ModelHandle:
     options: "BuildOptions"
     transformer_config: Any
     placement: Placement
+    hf_source: Optional[str] = None  # the HF checkpoint directory the weights were loaded from
     _chunks: dict[int, torch.nn.Module] = field(default_factory=dict, repr=False)
     _weight_map: Optional[WeightMap] = field(default=None, repr=False)
     _bound: dict[int, list[BoundRule]] = field(default_factory=dict, repr=False)

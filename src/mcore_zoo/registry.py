@@ -13,6 +13,8 @@ Behaviour:
 * Two plugins claiming one architecture: :class:`~mcore_zoo.errors.PluginConflictError` (naming both
   plugins and distributions) when that architecture is looked up, and the conflict is shown by
   ``mcore-zoo plugins`` / ``list``, unless exactly one entry says ``override=True``.
+* A plugin's import and its ``mcore_zoo_architectures`` hook each get ``MCORE_ZOO_PLUGIN_TIMEOUT``
+  seconds (default 30): a plugin that blocks is recorded as a load failure (:mod:`mcore_zoo.provenance`).
 * ``MCORE_ZOO_DISABLE_PLUGIN_AUTOLOAD=1`` loads only the built-in plugins (plus the entry-point
   names listed in ``MCORE_ZOO_PLUGINS=a,b``); ``MCORE_ZOO_BLOCK_PLUGINS=a,b`` blocks plugins by
   entry-point name (built-ins too).
@@ -42,6 +44,7 @@ from .architecture import Architecture, Contributed
 from .config.normalize import read_json_config
 from .entry import Extension, ModelEntry
 from .errors import PluginConflictError, PluginError, UnknownArchitectureError
+from .provenance import PluginTimeout, call_with_timeout
 
 ENTRY_POINT_GROUP = "mcore_zoo"
 DISTRIBUTION = "mcore-zoo"
@@ -189,7 +192,11 @@ class Registry:
             record.status = "blocked"
             return
         try:
-            plugin = loader()
+            plugin = call_with_timeout(loader, f"import of {record.module!r}")
+        except PluginTimeout as exc:
+            record.status = "failed"
+            record.error = str(exc)
+            return
         except BaseException as exc:  # an import may raise anything, SystemExit included
             if isinstance(exc, KeyboardInterrupt):
                 raise
@@ -249,7 +256,8 @@ class Registry:
         """Call ``hook`` of one plugin through the plugin manager; its results, type-checked."""
         others = [p for name, p in self._pm.list_name_plugin() if name != plugin_name]
         try:
-            results = self._pm.subset_hook_caller(hook, remove_plugins=others)()
+            caller = self._pm.subset_hook_caller(hook, remove_plugins=others)
+            results = call_with_timeout(caller, f"{plugin_name}'s {hook} hook")
             items = [item for result in results for item in (result or [])]
             for item in items:
                 if not isinstance(item, kind):

@@ -308,7 +308,8 @@ def save_hf_checkpoint(
     overwrite: bool = False,
     writer_rank: int = 0,
 ) -> list[str]:
-    """Write a complete HF checkpoint (safetensors + config.json) that transformers loads.
+    """Write a complete HF checkpoint (safetensors + config.json) that transformers loads, with the
+    tokenizer files and ``generation_config.json`` of the checkpoint the model was loaded from.
 
     Any layout: in a multi-process job every rank calls it; global rank ``writer_rank`` gathers
     the tensors (bucket by bucket) and writes, the others take part in the gathers. Every rank
@@ -320,7 +321,7 @@ def save_hf_checkpoint(
     config = hf_config_for_export(handle, dtype)
     if not handle.placement.distributed:
         return write_hf_checkpoint(iter_hf_weights(handle, dtype=dtype), out_dir, needed=needed, config=config,
-                                   max_shard_size=max_shard_size, overwrite=overwrite)  # fmt: skip
+                                   max_shard_size=max_shard_size, overwrite=overwrite, assets=handle.hf_source)  # fmt: skip
     writer = handle.placement.rank == writer_rank
     verdict: list[Any] = [None]
     if writer:  # a refusal known up front must not leave the other ranks inside the gathers
@@ -335,8 +336,8 @@ def save_hf_checkpoint(
     outcome: list[Any] = [None]
     if writer:
         try:
-            outcome[0] = ("ok", write_hf_checkpoint(items, out_dir, needed=needed, config=config,
-                                                    max_shard_size=max_shard_size, overwrite=overwrite))  # fmt: skip
+            outcome[0] = ("ok", write_hf_checkpoint(items, out_dir, needed=needed, config=config, max_shard_size=max_shard_size,
+                                                    overwrite=overwrite, assets=handle.hf_source))  # fmt: skip
         except Exception as exc:
             outcome[0] = ("error", f"{type(exc).__name__}: {exc}")
             _drain(items)  # keep the collectives matched so the other ranks get the verdict

@@ -18,6 +18,7 @@ over the embedding group).
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Optional, Sequence, Union
 
@@ -26,8 +27,11 @@ import torch.distributed as dist
 
 from ..handle import ModelHandle, handle_of
 from ..placement import Placement
+from ..progress import progress
 from ..weights.io import HFCheckpoint
 from ..weights.load import DictCheckpoint, LoadReport, plan_load, read_rule_into
+
+logger = logging.getLogger(__name__)
 
 
 def _replica_group(param: torch.Tensor, placement: Placement) -> Optional[Any]:
@@ -64,7 +68,7 @@ def load_hf_weights(
         report = LoadReport(ignored=ignored)
         for chunk, bound in plan:
             params = dict(chunk.named_parameters())
-            for b in bound:
+            for b in progress(bound, total=len(bound), desc="loading HF weights", unit="param"):
                 param = params[b.mcore]
                 group = _replica_group(param, handle.placement) if replicas == "broadcast" else None
                 source = None if group is None else dist.get_process_group_ranks(group)[0]
@@ -76,6 +80,9 @@ def load_hf_weights(
                     if rank != source:
                         report.bytes_received += param.numel() * param.element_size()
                 report.parameters += 1
+        if own and os.path.isdir(ckpt.path):
+            handle.hf_source = os.path.realpath(ckpt.path)  # save_hf_checkpoint copies its tokenizer files
+        logger.info("loaded %d parameters from %s (%.1f MB read)", report.parameters, ckpt.path, report.bytes_read / 1e6)
         return report
     finally:
         if own:

@@ -74,6 +74,12 @@ class NumericsProfile:
                 raise ZooError(f"numerics profile {self.name!r}: {knob}={getattr(self, knob)!r} not in {allowed}")
 
     def with_knobs(self, **knobs: Any) -> "NumericsProfile":
+        valid = set(self.knobs())
+        unknown = sorted(set(knobs) - valid)
+        if unknown:
+            from ..errors import ZooError
+
+            raise ZooError(f"unknown numerics knob {unknown[0]!r}; knobs: {', '.join(sorted(valid))}")
         name = self.name + "".join(f"+{k}={v}" for k, v in sorted(knobs.items()))
         return dataclasses.replace(self, name=name, **knobs)
 

@@ -11,17 +11,22 @@ config.json), atomically. The job-wide export - TP gathers, pipeline buckets, re
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
 from ..errors import MissingTensorsError, ZooError
+from ..hf_assets import copy_assets
+from ..progress import progress
 from .io import SafetensorsShardWriter, atomic_output_dir
 from .rules import BoundRule, TransformContext
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..handle import ModelHandle
+
+logger = logging.getLogger(__name__)
 
 #: ``gather(piece, axis)``: join this rank's tensor-parallel piece with the other TP ranks' pieces
 Gather = Callable[[torch.Tensor, int], torch.Tensor]
@@ -112,13 +117,17 @@ def write_hf_checkpoint(
     config: dict[str, Any],
     max_shard_size: Union[int, str] = "5GB",
     overwrite: bool = False,
+    inputs: Sequence[Union[str, os.PathLike]] = (),
+    assets: Optional[Union[str, os.PathLike]] = None,
 ) -> list[str]:
     """Write ``(hf_name, tensor)`` items as an HF checkpoint (atomically); every name in ``needed``
-    must come by. Returns the weight file names."""
-    with atomic_output_dir(out_dir, overwrite=overwrite) as tmp:
+    must come by. Returns the weight file names. ``inputs``: directories the output may not be
+    or contain; ``assets``: a directory whose tokenizer files and ``generation_config.json`` are
+    copied next to the weights (:mod:`mcore_zoo.hf_assets`)."""
+    with atomic_output_dir(out_dir, overwrite=overwrite, inputs=inputs) as tmp:
         writer = SafetensorsShardWriter(tmp, max_shard_size, metadata={"producer": "mcore-zoo"})
         written = set()
-        for name, tensor in items:
+        for name, tensor in progress(items, total=len(needed), desc="writing HF checkpoint", unit="tensor"):
             writer.add(name, tensor)
             written.add(name)
         missing = needed - written
@@ -126,4 +135,6 @@ def write_hf_checkpoint(
             raise MissingTensorsError(sorted(missing), source="export")
         files = writer.close()
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        copy_assets(assets, tmp)
+    logger.info("wrote HF checkpoint %s: %d tensors in %d file(s)", out_dir, len(written), len(files))
     return files

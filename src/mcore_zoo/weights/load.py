@@ -26,6 +26,7 @@ import torch
 from ..errors import MissingTensorsError, ShapeMismatchError, UnexpectedTensorsError, UnmappedParametersError
 from .io import HFCheckpoint, chunk_index
 from .rules import BoundRule, TransformContext, WeightMap, direct_views
+from .tied import check_tied_output
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..handle import ModelHandle
@@ -108,6 +109,7 @@ def check_coverage(wmap: WeightMap, names: set[str], source: str) -> dict[str, s
 def plan_load(handle: "ModelHandle", checkpoint: HFCheckpoint) -> tuple[list[tuple[torch.nn.Module, list[BoundRule]]], dict[str, str]]:
     """All checks of the module docstring; returns the per-chunk bound rules and ignored tensors."""
     ignored = check_coverage(handle.weight_map, checkpoint.keys(), str(checkpoint.path))
+    check_tied_output(handle.weight_map, checkpoint)
     ctx = handle.transform_context()
     chunks = handle.chunks
     plan = []
