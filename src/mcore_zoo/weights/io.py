@@ -53,9 +53,13 @@ BIN_INDEX = "pytorch_model.bin.index.json"
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "BOOL": torch.bool,
 }  # fmt: skip
+# F8_E4M3 is the "fn" variant (no infinities, NaN = 0x7f/0xff), as safetensors and every FP8
+# checkpoint use it; 1-byte floats size and map like U8. Other dtypes (F8_E8M0, F4, F6_*, ...)
+# are refused when the header is read, naming the tensor and its dtype.
 
 
 @dataclass(frozen=True)
