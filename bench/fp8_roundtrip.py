@@ -17,6 +17,7 @@ binade of scales, measured exhaustively, stands for all of them. It prints:
   ``requantize_block(dequantize_block(q, s))`` returns the same fp8 bytes and the same scale;
 * **448-only block**: the worst case (only +-448 and 0): how often the scale comes back, and that
   the export always dequantizes to the same fp32 values;
+* **bf16 width**: how many fp32 scales a bf16 (fp16) dequantized 128x128 block is consistent with;
 * **random blocks**: reference-quantized random normal weights of several block shapes, loaded in
   fp32 and in bf16 and exported with ``requantize_block``: fp8 bytes, scale bytes, and whether a
   second load gives the same values.
@@ -119,6 +120,29 @@ def random_blocks(blocks: int) -> None:
         print(line)
 
 
+def bf16_width(blocks: int) -> None:
+    """How many fp32 scales a bf16 / fp16 dequantized 128x128 block is consistent with."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(blocks * 128, 128, generator=g) * 0.02
+    q, s = quantize_block(w)
+    qa = q.double().abs().reshape(blocks, -1)
+    s0 = s.reshape(-1)
+    ulp = (torch.nextafter(s0, torch.tensor(float("inf"))) - s0).double()
+    for dtype in (torch.bfloat16, torch.float16):
+        wa = dequantize_block(q, s, dtype).abs().reshape(blocks, -1)
+        v, b = wa.double(), wa.view(torch.int16)
+        prev, nxt = (b - 1).clamp(min=0).view(dtype).double(), (b + 1).view(dtype).double()
+        nz = qa > 0
+        low = torch.where(nz, (v + prev) / 2 / qa.clamp(min=1e-30), -float("inf")).amax(1)
+        high = torch.where(nz, (v + nxt) / 2 / qa.clamp(min=1e-30), float("inf")).amin(1)
+        width = (high - low) / ulp
+        inside = bool(((s0.double() >= low) & (s0.double() <= high)).all())
+        print(
+            f"{str(dtype)[6:]} 128x128 blocks ({blocks}): consistent with {float(width.min()):.0f} to"
+            f" {float(width.max()):.0f} fp32 scales (median {float(width.median()):.0f}); original inside: {inside}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--chunk", type=int, default=1 << 16)
@@ -131,6 +155,7 @@ def main() -> None:
         torch.tensor([448.0, -448.0, 0.0]).to(torch.float8_e4m3fn), args.chunk, "448-only block (+-448, 0)"
     )
     random_blocks(args.blocks)
+    bf16_width(256)
 
 
 if __name__ == "__main__":

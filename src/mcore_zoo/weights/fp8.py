@@ -38,7 +38,7 @@ Round trip (:func:`requantize_block`), measured facts
     * The reference quantizer is not idempotent on its own scales. Re-quantizing the fp32
       dequantization of a block whose largest fp8 magnitude is 448 (every non-zero block it
       writes) recomputes ``amax = fl(448 * s)`` and from it a new scale that differs from ``s`` by
-      1 or 2 ulp for 13.3% of all amax values of a binade (22.7% of all forward scales, 38.2% of
+      1 or 2 ulp for 11.8% of all amax values of a binade (22.7% of all forward scales, 38.2% of
       all fp32 scales). The fp8 bytes never change.
     * No formula of ``amax`` alone can do better: ``s -> fl(448 * s)`` is not injective (in the
       upper part of each binade, 7*s steps by 7 ulp onto a grid of 8), so some distinct scales
@@ -47,9 +47,10 @@ Round trip (:func:`requantize_block`), measured facts
       reference quantizer, then searches the ``scale_inv`` within ``SCALE_WINDOW`` (8) ulp of the
       reference one for a scale under which the reference fp8 values dequantize (in the weight's
       own dtype) bit for bit to the given weights; the reference scale is preferred, then the
-      nearest (the smaller on a tie). Blocks that no such scale reproduces (trained weights) keep
-      the reference result, so on weights that are not exact dequantizations it equals
-      :func:`quantize_block`.
+      nearest (the smaller on a tie). Blocks the window does not settle get a second search (the
+      middle of the scale interval all elements allow, verified the same way). Blocks that no
+      scale reproduces (trained weights) keep the reference result, so on weights that are not
+      exact dequantizations it equals :func:`quantize_block`.
 
     Guarantees for a checkpoint written by the reference quantizer (or with DeepSeek's
     ``scale_inv = amax / 448``), for scales ``2^-117 <= s <= 2^119`` (every product ``q * s`` a
@@ -65,11 +66,15 @@ Round trip (:func:`requantize_block`), measured facts
       of random weights quantized with blocks of 128x128 down to 1x8. A block whose
       dequantization is the same under several scales (e.g. only +-448 and zeros: 89.3% of the
       scales of a binade come back) cannot be told apart from another checkpoint.
-    * bf16 training dtype: the fp8 bytes come back exactly (the relative error of the scaled
-      values stays near 2^-8, while the nearest e4m3 rounding boundary is at least 2^-5 away),
-      the scale bytes in general do not (bf16 keeps 8 of the scale's 24 bits): see
-      ``docs/fp8.md`` for the measured rates. Passing the checkpoint's own ``scale_inv``
-      (``requantize_block(w, scale_inv=s)``) returns ``(q, s)`` exactly in bf16 too.
+    * bf16 (and fp16) training dtype: the fp8 bytes come back exactly (the relative error of the
+      scaled values stays near 2^-8, while the nearest e4m3 rounding boundary is at least 2^-5
+      away), and the export dequantizes bit for bit to what was loaded (a second search, over the
+      intersection of the scale intervals each element allows, finds a scale that reproduces the
+      block). The scale bytes cannot come back: e4m3 values carry 8 mantissa patterns, so a bf16
+      128x128 block is consistent with about 3,000 to 12,000 consecutive fp32 scales (median
+      11,651; fp16: 252 to about 1,100) and nothing in it singles out the original. Passing the
+      checkpoint's own ``scale_inv`` (``requantize_block(w, scale_inv=s)``) returns ``(q, s)``
+      exactly in bf16 too.
     * Zero blocks always get ``scale_inv = 1`` (the reference convention); a checkpoint storing
       another scale for an all-zero block is reproduced only with ``scale_inv=``.
 """
@@ -349,6 +354,56 @@ def _nudge(x: torch.Tensor, ulps: int) -> torch.Tensor:
     return (x.view(torch.int32) + ulps).view(torch.float32)
 
 
+def _interval_stage(
+    idx: torch.Tensor,
+    qf: torch.Tensor,
+    target: torch.Tensor,
+    native: torch.Tensor,
+    int_dtype: torch.dtype,
+    dtype: torch.dtype,
+    flat_inv: torch.Tensor,
+    found: torch.Tensor,
+) -> None:
+    """Second search, for blocks the window did not settle (a bf16 or fp16 dequantization moves
+    the reference scale by up to ~2^-8, far beyond the window): every element ``w = dtype(q * c)``
+    confines ``c`` to ``[lo / |q|, hi / |q|]``, ``[lo, hi]`` being the values that round to ``|w|``
+    in ``dtype``; the block's intersection of those intervals holds the scale the block was
+    dequantized with. Its midpoint (rounded to fp32, then +-1, +-2 ulp) is verified bit for bit
+    like every window candidate; blocks with an empty intersection (trained weights) are left."""
+    bsize = qf.shape[1]
+    for start in range(0, idx.numel(), max(1, (1 << 22) // bsize)):  # bounded float64 temporaries
+        part = idx[start : start + max(1, (1 << 22) // bsize)]
+        qa = qf[part].abs().double()
+        wbits = target[part]
+        wabs = native.permute(0, 1, 3, 2, 4).reshape(-1, bsize)[part].abs()
+        abits = wabs.view(int_dtype)
+        v = wabs.double()
+        prev = (abits - 1).clamp(min=0).view(dtype).double()
+        nxt = (abits + 1).view(dtype).double()
+        lo, hi = (v + prev) / 2, (v + nxt) / 2
+        nonzero = qa > 0
+        inf = torch.full_like(v, float("inf"))
+        low = torch.where(nonzero, lo / qa.clamp(min=1e-30), -inf).amax(dim=1)
+        high = torch.where(nonzero, hi / qa.clamp(min=1e-30), inf).amin(dim=1)
+        possible = (low <= high) & torch.isfinite(low) & torch.isfinite(high) & (low > 0)
+        possible &= ~((qa == 0) & (v != 0)).any(dim=1)
+        if not possible.any():
+            continue
+        mid = ((low + high) / 2).to(torch.float32)
+        undecided = possible.clone()
+        for k in (0, -1, 1, -2, 2):
+            if not undecided.any():
+                break
+            rows = undecided.nonzero().flatten()
+            cand = _nudge(mid[rows], k) if k else mid[rows]
+            back = (qf[part[rows]] * cand[:, None]).to(dtype).view(int_dtype)
+            ok = (back == wbits[rows]).all(dim=1)
+            hit = rows[ok]
+            flat_inv[part[hit]] = cand[ok]
+            found[part[hit]] = True
+            undecided[hit] = False
+
+
 def requantize_block(
     weight: torch.Tensor,
     block: Sequence[int] = (128, 128),
@@ -357,9 +412,9 @@ def requantize_block(
     scale_inv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The export quantizer: :func:`quantize_block`, except that each block which is an exact
-    dequantization (in ``weight.dtype``) of the reference fp8 values under a ``scale_inv`` within
-    :data:`SCALE_WINDOW` ulp of the reference one gets that scale (the reference scale first, then
-    the nearest, the smaller on a tie). So ``dequantize_block(*requantize_block(w), w.dtype) == w``
+    dequantization (in ``weight.dtype``) of the reference fp8 values under some ``scale_inv`` gets
+    such a scale: within :data:`SCALE_WINDOW` ulp of the reference one (the reference scale first,
+    then the nearest, the smaller on a tie), else the middle of the interval the elements allow. So ``dequantize_block(*requantize_block(w), w.dtype) == w``
     for such blocks, and a reference-quantized checkpoint loaded in fp32 comes back byte for byte
     (see the module docstring for the exact statement).
 
@@ -408,6 +463,8 @@ def requantize_block(
         flat_inv[hit] = cand[hit]
         found[hit] = True
         undecided[hit] = False
+    if undecided.any():
+        _interval_stage(undecided.nonzero().flatten(), qf, target, native, int_dtype, dtype, flat_inv, found)
     # q is recomputed for blocks whose scale moved: the same values (asserted), kept explicit.
     moved = found & (flat_inv != reference_inv)
     if moved.any():
