@@ -97,7 +97,7 @@ def test_reader_new_dtypes_bitwise(tmp_path):
         k: v["dtype"] for k, v in _header(tmp_path / "model.safetensors").items() if k != "__metadata__"
     }
     assert header_dtypes == {"e4m3": "F8_E4M3", "e5m2": "F8_E5M2", "u16": "U16", "u32": "U32", "u64": "U64"}
-    with HFCheckpoint(tmp_path) as ckpt:
+    with HFCheckpoint(tmp_path, allow_fp8=True) as ckpt:
         for name, tensor in tensors.items():
             assert ckpt.dtype(name) == tensor.dtype
             assert same_bits(ckpt.read(name), tensor), name
@@ -122,7 +122,15 @@ def test_reader_refuses_other_quantized_dtypes(tmp_path):
     blob += b" " * (-len(blob) % 8)
     path.write_bytes(struct.pack("<Q", len(blob)) + blob + data[8 + length :])
     with pytest.raises(CheckpointFormatError, match="F8_E8M0"):
+        HFCheckpoint(tmp_path, allow_fp8=True)
+
+
+def test_reader_reads_fp8_only_when_asked(tmp_path):
+    save_file({"w": torch.zeros(2, 2, dtype=torch.float8_e4m3fn)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointFormatError, match=r"not supported \(F8_E4M3\)"):
         HFCheckpoint(tmp_path)
+    with HFCheckpoint(tmp_path, allow_fp8=True) as ckpt:
+        assert ckpt.dtype("w") == torch.float8_e4m3fn
 
 
 def _header(path: Path) -> dict:
@@ -342,7 +350,7 @@ def test_checkpoint_round_trip_identical_bytes(tmp_path):
     src.parent.mkdir()
     tensors, fmt = _tiny_fp8_checkpoint(src)
     _, hf_dequant = hf_ops()
-    with HFCheckpoint(src.parent) as ckpt:
+    with HFCheckpoint(src.parent, allow_fp8=True) as ckpt:
         plan = plan_fp8_tensors({k: (ckpt.dtype(k), ckpt.shape(k)) for k in ckpt.keys()}, fmt)
         assert set(plan.quantized) == {
             k for k in tensors if k.endswith(".weight") and tensors[k].dtype == E4M3
