@@ -49,8 +49,9 @@ Round trip (:func:`requantize_block`), measured facts
       own dtype) bit for bit to the given weights; the reference scale is preferred, then the
       nearest (the smaller on a tie). Blocks the window does not settle get a second search (the
       middle of the scale interval all elements allow, verified the same way). Blocks that no
-      scale reproduces (trained weights) keep the reference result, so on weights that are not
-      exact dequantizations it equals :func:`quantize_block`.
+      scale reproduces keep the reference result, so on weights that are not exact
+      dequantizations it equals :func:`quantize_block` (trained 128x128 blocks in practice; a
+      block of one or a few elements may be reproducible and then gets such a scale).
 
     Guarantees for a checkpoint written by the reference quantizer (or with DeepSeek's
     ``scale_inv = amax / 448``), for scales ``2^-117 <= s <= 2^119`` (every product ``q * s`` a
@@ -63,17 +64,18 @@ Round trip (:func:`requantize_block`), measured facts
       returns ``s`` itself whenever the block's values determine it - provably whenever the block
       holds a power-of-two fp8 magnitude (``fl(2^k * s)`` is exact, so one scale fits); measured:
       all 2^23 scales of a binade for a block holding the 254 finite e4m3 values, and every block
-      of random weights quantized with blocks of 128x128 down to 1x8. A block whose
-      dequantization is the same under several scales (e.g. only +-448 and zeros: 89.3% of the
-      scales of a binade come back) cannot be told apart from another checkpoint.
+      of random weights quantized with blocks of 128x128, 16x16 and 4x4 (1x8: all but 1 of 65,536;
+      1x1: 95.3%). A block whose dequantization is the same under several scales (e.g. only +-448
+      and zeros: 89.3% of the scales of a binade come back) cannot be told apart from another
+      checkpoint; the export still dequantizes to the same values.
     * bf16 (and fp16) training dtype: the fp8 bytes come back exactly (the relative error of the
       scaled values stays near 2^-8, while the nearest e4m3 rounding boundary is at least 2^-5
-      away), and the export dequantizes bit for bit to what was loaded (a second search, over the
-      intersection of the scale intervals each element allows, finds a scale that reproduces the
-      block). The scale bytes cannot come back: e4m3 values carry 8 mantissa patterns, so a bf16
-      128x128 block is consistent with about 3,000 to 12,000 consecutive fp32 scales (median
-      11,651; fp16: 252 to about 1,100) and nothing in it singles out the original. Passing the
-      checkpoint's own ``scale_inv`` (``requantize_block(w, scale_inv=s)``) returns ``(q, s)``
+      away), and the export dequantizes bit for bit to what was loaded whenever a second search,
+      over the intersection of the scale intervals each element allows, finds a scale that
+      reproduces the block (measured: every random block, 128x128 down to 1x1). The scale bytes cannot come back: e4m3 values carry 8 mantissa patterns, so a bf16
+      128x128 block is consistent with 2,185 to 58,254 consecutive fp32 scales (median 14,043;
+      fp16: 252 to 4,096, median 993) and nothing in it singles out the original (measured: 1 of
+      2,048 random 128x128 blocks got its scale back). Passing the checkpoint's own ``scale_inv`` (``requantize_block(w, scale_inv=s)``) returns ``(q, s)``
       exactly in bf16 too.
     * Zero blocks always get ``scale_inv = 1`` (the reference convention); a checkpoint storing
       another scale for an all-zero block is reproduced only with ``scale_inv=``.
