@@ -53,9 +53,15 @@ BIN_INDEX = "pytorch_model.bin.index.json"
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "BOOL": torch.bool,
 }  # fmt: skip
+# F8_E4M3 is the "fn" variant (no infinities, NaN = 0x7f/0xff), as safetensors and every FP8
+# checkpoint use it; 1-byte floats size and map like U8. HFCheckpoint reads the FP8 ones only when
+# asked (``allow_fp8``, for mcore_zoo.weights.fp8); other quantized dtypes (F8_E8M0, F4, F6_*, ...)
+# are refused when the header is read, naming the tensor and its dtype.
+_FP8_READABLE = ("F8_E4M3", "F8_E5M2")
 
 
 @dataclass(frozen=True)
@@ -176,9 +182,13 @@ class HFCheckpoint:
             (with ``allow_torch_load``) ``pytorch_model*.bin``; or one ``.safetensors`` file; or a
             Hugging Face Hub id (``org/name[@revision]``, :mod:`mcore_zoo.hub`).
         allow_torch_load: permit pickle-based ``.bin`` files (``torch.load(weights_only=True)``).
+        allow_fp8: read ``F8_E4M3`` / ``F8_E5M2`` tensors as float8 (an FP8 block-quantized
+            checkpoint, dequantized by :mod:`mcore_zoo.weights.fp8`); refused by default.
     """
 
-    def __init__(self, path: str | os.PathLike, *, allow_torch_load: bool = False) -> None:
+    def __init__(
+        self, path: str | os.PathLike, *, allow_torch_load: bool = False, allow_fp8: bool = False
+    ) -> None:
         from ..hub import resolve
 
         self.path = Path(resolve(path))  # a Hugging Face Hub id: its (safetensors-only) snapshot
@@ -189,13 +199,13 @@ class HFCheckpoint:
         self.bytes_read = 0
         files = self._files(allow_torch_load)
         try:
-            self._open_all(files)
+            self._open_all(files, allow_fp8)
             self._check_index_consistency()
         except BaseException:
             self.close()
             raise
 
-    def _open_all(self, files: Sequence[str]) -> None:
+    def _open_all(self, files: Sequence[str], allow_fp8: bool = False) -> None:
         """Validate every file's header and open it; files are keyed by their path relative to
         the checkpoint directory, and one file reached under two names is refused."""
         resolved: dict[str, str] = {}
@@ -222,7 +232,7 @@ class HFCheckpoint:
                 raise CheckpointFormatError(str(full), f"{type(exc).__name__}: {exc.strerror}") from exc
             for key, entry in entries.items():
                 quantized = unsupported_dtype(entry.dtype_name)
-                if quantized:
+                if quantized and not (allow_fp8 and entry.dtype_name in _FP8_READABLE):
                     raise CheckpointFormatError(str(full), f"tensor {key!r}: {quantized}")
                 if key in self._where:
                     raise CheckpointFormatError(str(full), f"tensor {key!r} also in {self._where[key]}")
