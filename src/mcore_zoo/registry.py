@@ -51,6 +51,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "mistral": "mcore_zoo.plugins.mistral",
     "qwen2": "mcore_zoo.plugins.qwen2",
     "qwen3": "mcore_zoo.plugins.qwen3",
+    "qwen3_moe": "mcore_zoo.plugins.qwen3_moe",
 }
 
 

@@ -20,7 +20,7 @@ import torch
 from ..build import as_chunks, model_info
 from ..errors import MissingTensorsError, ZooError
 from .io import SafetensorsShardWriter, atomic_output_dir, check_output_dir
-from .load import bind_chunk
+from .load import bind_chunk, rule_slot
 from .rules import BoundRule, TransformContext
 
 
@@ -63,20 +63,22 @@ def iter_stage_hf_weights(
     chunks = as_chunks(model)
     info = model_info(chunks[0])
     wmap = info.weight_map
-    tp_rank, tp_size, group = _tp_slot()
-    ctx = TransformContext(info.arch, tp_rank, tp_size)
-    gather: Callable[[torch.Tensor, int], torch.Tensor]
-    if meta:
 
-        def gather(piece: torch.Tensor, axis: int) -> torch.Tensor:
-            shape = list(piece.shape)
-            shape[axis] *= tp_size
-            return piece.new_empty(shape)
+    def gather_for(b: BoundRule) -> tuple[TransformContext, Optional[Callable[[torch.Tensor, int], torch.Tensor]]]:
+        # expert rules split over expert-TP, the others over dense TP (weights.load.rule_slot)
+        rank, size, group = rule_slot(b)
+        ctx = TransformContext(info.arch, rank, size)
+        if not gather_tp or size == 1:
+            return ctx, None
+        if meta:
 
-    else:
+            def gather(piece: torch.Tensor, axis: int) -> torch.Tensor:
+                shape = list(piece.shape)
+                shape[axis] *= size
+                return piece.new_empty(shape)
 
-        def gather(piece: torch.Tensor, axis: int) -> torch.Tensor:
-            return _gather_tp(piece, axis, group, tp_size)
+            return ctx, gather
+        return ctx, lambda piece, axis: _gather_tp(piece, axis, group, size)
 
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype) if dtype is not None else t
@@ -91,8 +93,36 @@ def iter_stage_hf_weights(
                 raise ZooError(f"parameter {b.mcore!r} has no gradient")
             source = param.grad if grads else param
             local = torch.empty(param.shape, dtype=param.dtype, device="meta") if meta else source.detach()
-            for name, tensor in export_rule(b, local, ctx, gather if gather_tp and tp_size > 1 else None):
-                yield name, cast(tensor)
+            ctx, gather = gather_for(b)
+            for rb, tensor in _gather_experts(b, local, info.arch, meta=meta, enabled=gather_tp):
+                for name, piece in export_rule(rb, tensor, ctx, gather):
+                    yield name, cast(piece)
+
+
+def _gather_experts(b: BoundRule, tensor: torch.Tensor, arch: Any, *, meta: bool, enabled: bool) -> Iterator[tuple[BoundRule, torch.Tensor]]:
+    """Expert parallelism: ``(bound rule, mcore tensor)`` of this local expert on every EP rank
+    (all-gathered over the EP group, rank order = global expert order); other rules as they are."""
+    from ..weights.load import _expert_slot
+
+    if not b.is_expert or not enabled:
+        yield b, tensor
+        return
+    ep_rank, ep_size = _expert_slot()
+    if ep_size == 1:
+        yield b, tensor
+        return
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    per_rank = arch.moe.num_experts // ep_size
+    local_index = b.expert - ep_rank * per_rank
+    if meta:
+        parts = [tensor.new_empty(tensor.shape) for _ in range(ep_size)]
+    else:
+        parts = [torch.empty_like(tensor) for _ in range(ep_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=ps.get_expert_model_parallel_group())
+    for r, part in enumerate(parts):
+        yield b.for_expert(r * per_rank + local_index), part
 
 
 def export_rule(

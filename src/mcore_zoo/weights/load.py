@@ -132,6 +132,29 @@ def _expert_slot() -> tuple[int, int]:
     return ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
 
 
+def _etp() -> tuple[int, int, Any]:
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 0, 1, None
+    return (
+        ps.get_expert_tensor_parallel_rank(),
+        ps.get_expert_tensor_parallel_world_size(),
+        ps.get_expert_tensor_parallel_group(),
+    )
+
+
+def rule_slot(b: BoundRule) -> tuple[int, int, Any]:
+    """``(rank, size, group)`` of the tensor-parallel split of one bound rule: expert-TP for
+    expert parameters (``{expert}`` rules), dense TP otherwise."""
+    return _etp() if b.is_expert else _tp()
+
+
+def rule_context(b: BoundRule, arch: Any) -> TransformContext:
+    rank, size, _ = rule_slot(b)
+    return TransformContext(arch, rank, size)
+
+
 def bind_chunk(wmap: WeightMap, chunk: torch.nn.Module) -> list[BoundRule]:
     """Bound rules of one chunk, with expert-parallel offsets applied."""
     if wmap.arch.moe is None:
@@ -147,8 +170,6 @@ def plan_load(model: Union[torch.nn.Module, Sequence[torch.nn.Module]], checkpoi
     info = model_info(chunks[0])
     wmap = info.weight_map
     ignored = check_coverage(wmap, checkpoint.keys(), str(checkpoint.path))
-    tp_rank, tp_size, _ = _tp()
-    ctx = TransformContext(info.arch, tp_rank, tp_size)
     plan = []
     unmapped: list[str] = []
     for index, chunk in enumerate(chunks):
@@ -158,7 +179,7 @@ def plan_load(model: Union[torch.nn.Module, Sequence[torch.nn.Module]], checkpoi
         prefix = f"chunk{index}." if len(chunks) > 1 else ""
         unmapped += [prefix + n for n in params if n not in covered]
         for b in bound:
-            _check_bound_shapes(b, params[b.mcore].shape, ctx, checkpoint.shape)
+            _check_bound_shapes(b, params[b.mcore].shape, rule_context(b, info.arch), checkpoint.shape)
         plan.append((chunk, bound))
     if unmapped:
         raise UnmappedParametersError(unmapped)
@@ -203,8 +224,6 @@ def load_hf_weights(
     try:
         plan, ignored = plan_load(model, ckpt)
         info = model_info(as_chunks(model)[0])
-        tp_rank, tp_size, _ = _tp()
-        ctx = TransformContext(info.arch, tp_rank, tp_size)
         report = LoadReport(ignored=ignored)
         for chunk, bound in plan:
             params = dict(chunk.named_parameters())
@@ -213,7 +232,7 @@ def load_hf_weights(
                 group = _replica_group(param) if replicas == "broadcast" else None
                 source = None if group is None else dist.get_process_group_ranks(group)[0]
                 if group is None or dist.get_rank() == source:
-                    report.bytes_read += read_rule_into(ckpt, b, param, ctx)
+                    report.bytes_read += read_rule_into(ckpt, b, param, rule_context(b, info.arch))
                     report.tensors_read += len(b.hf)
                 if group is not None:
                     dist.broadcast(param.data, src=source, group=group)

@@ -241,6 +241,20 @@ class BoundRule:
     rule: Rule
     mcore: str
     hf: tuple[str, ...]
+    layer: Optional[int] = None  # global decoder layer (0-based), for {layer} rules
+    expert: Optional[int] = None  # global expert index, for {expert} rules
+
+    @property
+    def is_expert(self) -> bool:
+        """An expert-parallel parameter: sharded over EP (and expert TP, not dense TP)."""
+        return "{expert}" in self.rule.mcore
+
+    def for_expert(self, expert: int) -> "BoundRule":
+        """The same rule for global expert ``expert`` (HF names re-filled; the mcore name is kept:
+        export uses it to name another EP rank's copy of this local expert)."""
+        values = {"layer": self.layer, "expert": expert}
+        hf = tuple(_fill(s.hf, **{k: v for k, v in values.items() if v is not None}) for s in self.rule.sources)
+        return BoundRule(self.rule, self.mcore, hf, self.layer, expert)
 
     @property
     def transform(self) -> Transform:
@@ -318,6 +332,8 @@ class WeightMap:
                         r,
                         _fill(r.mcore, **{k: v for k, v in mvals.items() if v is not None}),
                         tuple(_fill(s.hf, **{k: v for k, v in hvals.items() if v is not None}) for s in r.sources),
+                        global_layer,
+                        global_e,
                     )
 
     def _layer_has_experts(self, global_layer: Optional[int]) -> bool:
@@ -359,7 +375,7 @@ class WeightMap:
             name = resolve_mcore_name(b.mcore, names)
             if name is None:
                 continue
-            bound.append(BoundRule(b.rule, name, b.hf))
+            bound.append(BoundRule(b.rule, name, b.hf, b.layer, b.expert))
         return bound
 
 
