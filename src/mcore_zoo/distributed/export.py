@@ -131,7 +131,11 @@ def iter_hf_buckets(
     limit = _parse_size(bucket_size)
     wanted = None if ranks is None else set(int(r) for r in ranks)
     me = dist.get_rank() if dist.is_initialized() else 0
-    if wanted is not None and ps.model_parallel_is_initialized():
+    # Expert parallelism: expert tensors are all-gathered over the EP group, which spans
+    # model-parallel groups, so every rank takes part in the gathers (and yields nothing unless
+    # it is in ``ranks``); the shortcut below is for EP = 1 only.
+    ep_size = ps.get_expert_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    if wanted is not None and ps.model_parallel_is_initialized() and ep_size == 1:
         group_ranks = dist.get_process_group_ranks(ps.get_model_parallel_group())
         if not wanted.intersection(group_ranks):
             return  # no receiver in this model-parallel group: nothing to gather
