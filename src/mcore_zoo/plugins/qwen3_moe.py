@@ -44,6 +44,7 @@ def read_window(reader):  # type: ignore[no-untyped-def]
     if reader.has("use_sliding_window"):
         use = reader.peek("use_sliding_window")
         reader.map("use_sliding_window", "sliding-window attention on every layer" if use else "false: full attention")
+    reader.ignore("max_window_layers", "not read by the transformers model: its window (if any) applies to every layer")
     window = reader.map("sliding_window", "window_size=(sliding_window - 1, 0) on every layer", None)
     if window is not None and (not isinstance(window, int) or window < 1):
         raise reader.unsupported("sliding_window", window, "must be a positive integer or null")
