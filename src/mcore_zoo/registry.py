@@ -52,6 +52,8 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "qwen2": "mcore_zoo.plugins.qwen2",
     "qwen3": "mcore_zoo.plugins.qwen3",
     "qwen3_moe": "mcore_zoo.plugins.qwen3_moe",
+    "qwen2_moe": "mcore_zoo.plugins.qwen2_moe",
+    "mixtral": "mcore_zoo.plugins.mixtral",
 }
 
 

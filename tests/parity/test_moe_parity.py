@@ -16,7 +16,7 @@ from mcore_zoo.testing.common import REL_TOL, max_abs_diff
 
 from ..conftest import random_sequences
 
-MOE_ARCHS = ["Qwen3MoeForCausalLM"]
+MOE_ARCHS = ["Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM"]
 
 
 def _build(source, checkpoint, backend="local", numerics="hf-exact"):
@@ -71,8 +71,10 @@ def test_experts_off_by_one_fail(mpu, reference_checkpoint, hf_reference, arch_n
         ("Qwen3MoeForCausalLM", {"norm_topk_prob": False}),
         ("Qwen3MoeForCausalLM", {"num_experts_per_tok": 1}),
         ("Qwen3MoeForCausalLM", {"mlp_only_layers": []}),
+        ("Qwen2MoeForCausalLM", {"norm_topk_prob": True}),
+        ("MixtralForCausalLM", {"num_experts_per_tok": 3}),
     ],
-    ids=["qwen3moe-no-renorm", "qwen3moe-top1", "qwen3moe-no-dense-layer"],
+    ids=["qwen3moe-no-renorm", "qwen3moe-top1", "qwen3moe-no-dense-layer", "qwen2moe-renorm", "mixtral-top3"],
 )
 def test_config_mutations_fail(mpu, reference_checkpoint, hf_reference, arch_name, overrides):
     """Building from a config that differs in one MoE field (weights of the real model) must

@@ -37,6 +37,16 @@ def read_expert_counts(reader: ConfigReader, *, experts_field: str, topk_field: 
     return experts, topk, ffn
 
 
+def read_no_jitter(reader: ConfigReader, field: str = "router_jitter_noise") -> None:
+    """HF Mixtral multiplies the whole MoE input (router *and* experts) by uniform noise in
+    training; Megatron-Core's ``moe_input_jitter_eps`` jitters the router input only, and the noise
+    cannot be reproduced anyway. Only 0 is exact."""
+    reader.expect(field, lambda v: not v, default=0.0, detail="0: no jitter (HF applies it in training only)",
+                  reason="router jitter noise multiplies the MoE input by random noise in training (router and"
+                  " experts); Megatron-Core jitters the router input only and the noise is not reproducible:"
+                  " set it to 0")  # fmt: skip
+
+
 def read_aux_loss(reader: ConfigReader, *, coef_field: str = "router_aux_loss_coef",
                   switch_field: Optional[str] = "output_router_logits") -> float:  # fmt: skip
     """HF adds ``coef * load_balancing_loss`` to the LM loss only when ``output_router_logits`` is

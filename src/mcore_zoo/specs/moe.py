@@ -11,6 +11,8 @@ What ``router="hf"`` changes against stock Megatron-Core (both are the same math
   (gating GEMM, z-loss, aux losses, expert-bias bookkeeping, router replay).
 * :class:`HFOrderSequentialMLP` - each expert's output is multiplied by its routing weight *after*
   ``linear_fc2``, as HF does; stock mcore multiplies the activation before ``linear_fc2``.
+* :class:`HFOrderSharedExpertMLP` - the shared-expert gate's sigmoid runs over the tokens in HF's
+  batch-major order (torch's vectorised sigmoid rounds a tensor's tail elements differently).
 
 Routing replay works with both (:mod:`mcore_zoo.routing`).
 """
@@ -172,6 +174,36 @@ def hf_experts_class() -> type:
     return HFOrderSequentialMLP
 
 
+def _shared_experts_class() -> type:
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    class HFOrderSharedExpertMLP(SharedExpertMLP):
+        """``SharedExpertMLP`` whose gate ``sigmoid(x @ gate.T)`` runs over the tokens in HF's
+        (batch-major) order: torch's vectorised sigmoid gives the last elements of a tensor
+        (the tail after the last full vector) other bits than the rest, so the element order
+        decides which tokens are rounded which way. Same math as the stock module."""
+
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            if not self.use_shared_expert_gate or hidden_states.dim() != 3:
+                return super().forward(hidden_states)
+            output, _ = super(SharedExpertMLP, self).forward(hidden_states)
+            logits = torch.nn.functional.linear(hidden_states, self.gate_weight)  # [s, b, 1]
+            gate = torch.sigmoid(logits.transpose(0, 1).contiguous()).transpose(0, 1)
+            return output * gate
+
+    return HFOrderSharedExpertMLP
+
+
+HFOrderSharedExpertMLP: Any = None
+
+
+def hf_shared_experts_class() -> type:
+    global HFOrderSharedExpertMLP
+    if HFOrderSharedExpertMLP is None:
+        HFOrderSharedExpertMLP = _shared_experts_class()
+    return HFOrderSharedExpertMLP
+
+
 def moe_mlp_submodule(arch: ArchConfig, pieces: dict[str, Any], router: str) -> Any:
     """The ``TransformerLayerSubmodules.mlp`` value of an MoE layer (this Megatron-Core version's
     form): ``MoELayer`` with sequential experts of ``pieces``' linears, shared experts, router."""
@@ -196,7 +228,8 @@ def moe_mlp_submodule(arch: ArchConfig, pieces: dict[str, Any], router: str) -> 
     )
     submodules = MoESubmodules(
         experts=ModuleSpec(module=experts_cls, submodules=linears),
-        shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=linears),
+        shared_experts=ModuleSpec(module=hf_shared_experts_class() if router == "hf" else SharedExpertMLP,
+                                  submodules=linears),  # fmt: skip
         router=router_builder,
     )
     if hasattr(MLP, "as_mlp_submodule"):  # 0.19: builder partials (see compat.mlp_submodule)

@@ -71,3 +71,17 @@ def moe_decoder_weight_map(arch: ArchConfig) -> WeightMap:
     if arch.tie_word_embeddings:
         ignored.append(("lm_head.weight", "tie_word_embeddings: the output layer is model.embed_tokens.weight"))
     return WeightMap(arch, rules, ignored)
+
+
+def mixtral_weight_map(arch: ArchConfig) -> WeightMap:
+    """Mixtral: every layer MoE, experts ``block_sparse_moe.experts.{e}.w1`` (gate) / ``w3`` (up) /
+    ``w2`` (down), router ``block_sparse_moe.gate``."""
+    rules = embedding_rules(arch)
+    rules.append(rule(LAYER + "input_layernorm.weight", HF_LAYER + "input_layernorm.weight"))
+    rules += attention_rules(arch)
+    rules.append(rule(LAYER + "pre_mlp_layernorm.weight", HF_LAYER + "post_attention_layernorm.weight"))
+    rules += routed_expert_rules(arch, hf_moe="block_sparse_moe.", gate="w1", up="w3", down="w2")
+    ignored = [ROTARY_BUFFER_IGNORED]
+    if arch.tie_word_embeddings:
+        ignored.append(("lm_head.weight", "tie_word_embeddings: the output layer is model.embed_tokens.weight"))
+    return WeightMap(arch, rules, ignored)
