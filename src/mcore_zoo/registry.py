@@ -54,6 +54,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "qwen3_moe": "mcore_zoo.plugins.qwen3_moe",
     "qwen2_moe": "mcore_zoo.plugins.qwen2_moe",
     "mixtral": "mcore_zoo.plugins.mixtral",
+    "glm4_moe": "mcore_zoo.plugins.glm4_moe",
 }
 
 

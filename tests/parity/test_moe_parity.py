@@ -16,7 +16,7 @@ from mcore_zoo.testing.common import REL_TOL, max_abs_diff
 
 from ..conftest import random_sequences
 
-MOE_ARCHS = ["Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM"]
+MOE_ARCHS = ["Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM"]
 
 
 def _build(source, checkpoint, backend="local", numerics="hf-exact"):
@@ -73,8 +73,12 @@ def test_experts_off_by_one_fail(mpu, reference_checkpoint, hf_reference, arch_n
         ("Qwen3MoeForCausalLM", {"mlp_only_layers": []}),
         ("Qwen2MoeForCausalLM", {"norm_topk_prob": True}),
         ("MixtralForCausalLM", {"num_experts_per_tok": 3}),
+        ("Glm4MoeForCausalLM", {"routed_scaling_factor": 1.0}),
+        ("Glm4MoeForCausalLM", {"topk_group": 2}),
+        ("Glm4MoeForCausalLM", {"norm_topk_prob": False}),
     ],
-    ids=["qwen3moe-no-renorm", "qwen3moe-top1", "qwen3moe-no-dense-layer", "qwen2moe-renorm", "mixtral-top3"],
+    ids=["qwen3moe-no-renorm", "qwen3moe-top1", "qwen3moe-no-dense-layer", "qwen2moe-renorm", "mixtral-top3",
+         "glm-unscaled", "glm-all-groups", "glm-no-renorm"],
 )
 def test_config_mutations_fail(mpu, reference_checkpoint, hf_reference, arch_name, overrides):
     """Building from a config that differs in one MoE field (weights of the real model) must
@@ -103,3 +107,27 @@ def test_stock_mcore_router_within_tolerance(mpu, reference_checkpoint, hf_refer
     ref = hf(ids).logits
     got = _logits(model, ids)
     assert max_abs_diff(got, ref) <= 10 * REL_TOL * max(1.0, ref.abs().max().item())
+
+
+def test_glm_expert_bias_matters(mpu, reference_checkpoint, hf_reference):
+    """GLM-4.5's e_score_correction_bias (loaded into the router's expert_bias buffer) changes
+    which experts are chosen: zeroing it must break parity."""
+    ckpt = reference_checkpoint("Glm4MoeForCausalLM")
+    hf = hf_reference("Glm4MoeForCausalLM", ckpt, "eager")
+    ids = _batch(hf.config.vocab_size)
+    model = _build(ckpt, ckpt)
+    with torch.no_grad():
+        biases = [layer.mlp.router.expert_bias for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
+        assert biases and all(b.abs().sum() > 0 for b in biases)
+        ref = hf(ids).logits
+        assert torch.equal(_logits(model, ids), ref)
+        for b in biases:
+            b.zero_()
+        diff = max_abs_diff(_logits(model, ids), ref)
+    assert diff > 1e-2, f"zeroed expert bias still agrees with transformers to {diff:.2e}"
+
+
+def test_glm_mtp_refused():
+    config = {**mcore_zoo.lookup("Glm4MoeForCausalLM").example_config(), "num_nextn_predict_layers": 1}
+    with pytest.raises(mcore_zoo.ConfigError, match="num_nextn_predict_layers"):
+        mcore_zoo.lookup("Glm4MoeForCausalLM").convert(config)

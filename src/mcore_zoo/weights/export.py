@@ -21,7 +21,7 @@ from ..build import as_chunks, model_info
 from ..errors import MissingTensorsError, ZooError
 from .io import SafetensorsShardWriter, atomic_output_dir, check_output_dir
 from .load import bind_chunk, rule_slot
-from .rules import BoundRule, TransformContext
+from .rules import BoundRule, TransformContext, model_tensors
 
 
 def _gather_tp(piece: torch.Tensor, axis: int, group: Any, size: int) -> torch.Tensor:
@@ -84,7 +84,7 @@ def iter_stage_hf_weights(
         return t.to(dtype) if dtype is not None else t
 
     for chunk in chunks:
-        params = dict(chunk.named_parameters())
+        params = model_tensors(chunk)  # parameters + checkpoint-state buffers (MoE expert_bias)
         for b in bind_chunk(wmap, chunk):
             if not b.rule.export:
                 continue

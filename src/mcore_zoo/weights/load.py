@@ -39,7 +39,7 @@ import torch
 from ..build import as_chunks, model_info
 from ..errors import MissingTensorsError, ShapeMismatchError, UnexpectedTensorsError, UnmappedParametersError
 from .io import HFCheckpoint, chunk_index
-from .rules import BoundRule, TransformContext, WeightMap, direct_views
+from .rules import BoundRule, TransformContext, WeightMap, direct_views, model_tensors
 
 
 @dataclass
@@ -173,11 +173,11 @@ def plan_load(model: Union[torch.nn.Module, Sequence[torch.nn.Module]], checkpoi
     plan = []
     unmapped: list[str] = []
     for index, chunk in enumerate(chunks):
-        params = dict(chunk.named_parameters())
+        params = model_tensors(chunk)  # parameters + checkpoint-state buffers (MoE expert_bias)
         bound = bind_chunk(wmap, chunk)
         covered = {b.mcore for b in bound}
         prefix = f"chunk{index}." if len(chunks) > 1 else ""
-        unmapped += [prefix + n for n in params if n not in covered]
+        unmapped += [prefix + n for n, _ in chunk.named_parameters() if n not in covered]
         for b in bound:
             _check_bound_shapes(b, params[b.mcore].shape, rule_context(b, info.arch), checkpoint.shape)
         plan.append((chunk, bound))
@@ -226,7 +226,7 @@ def load_hf_weights(
         info = model_info(as_chunks(model)[0])
         report = LoadReport(ignored=ignored)
         for chunk, bound in plan:
-            params = dict(chunk.named_parameters())
+            params = model_tensors(chunk)
             for b in bound:
                 param = params[b.mcore]
                 group = _replica_group(param) if replicas == "broadcast" else None

@@ -85,3 +85,22 @@ def mixtral_weight_map(arch: ArchConfig) -> WeightMap:
     if arch.tie_word_embeddings:
         ignored.append(("lm_head.weight", "tie_word_embeddings: the output layer is model.embed_tokens.weight"))
     return WeightMap(arch, rules, ignored)
+
+
+def glm4_moe_weight_map(arch: ArchConfig) -> WeightMap:
+    """GLM-4.5: dense MLPs in the first ``first_k_dense_replace`` layers, then router (+ its
+    ``e_score_correction_bias`` -> the router's ``expert_bias`` buffer), routed experts and the
+    shared experts (``mlp.shared_experts.*``, no gate)."""
+    rules = embedding_rules(arch)
+    rules.append(rule(LAYER + "input_layernorm.weight", HF_LAYER + "input_layernorm.weight"))
+    rules += attention_rules(arch)
+    rules.append(rule(LAYER + "pre_mlp_layernorm.weight", HF_LAYER + "post_attention_layernorm.weight"))
+    rules += gated_mlp_rules(arch, layer_kind="dense")
+    rules += routed_expert_rules(arch)
+    rules.append(rule(LAYER + "mlp.router.expert_bias", HF_LAYER + "mlp.gate.e_score_correction_bias", layer_kind="moe",
+                      note="buffer: added to the sigmoid scores to choose experts, not to weight them"))  # fmt: skip
+    rules += shared_expert_rules(arch, hf_shared="mlp.shared_experts.")
+    ignored = [ROTARY_BUFFER_IGNORED]
+    if arch.tie_word_embeddings:
+        ignored.append(("lm_head.weight", "tie_word_embeddings: the output layer is model.embed_tokens.weight"))
+    return WeightMap(arch, rules, ignored)

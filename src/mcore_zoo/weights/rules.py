@@ -363,7 +363,7 @@ class WeightMap:
         layer under tied embeddings) are dropped; mcore names are resolved through
         :data:`FUSED_NORM_ALIASES` when the backend fuses norms.
         """
-        names = {n for n, _ in module.named_parameters()}
+        names = set(model_tensors(module))
         layers = _decoder_layers(module)
         layer_map = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
         experts = None
@@ -377,6 +377,16 @@ class WeightMap:
                 continue
             bound.append(BoundRule(b.rule, name, b.hf, b.layer, b.expert))
         return bound
+
+
+def model_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a rule may target: every parameter, and the buffers that hold checkpoint state (MoE
+    routers' ``expert_bias``, HF ``e_score_correction_bias``). Only parameters must have a rule."""
+    tensors: dict[str, torch.Tensor] = dict(module.named_parameters())
+    for name, buffer in module.named_buffers():
+        if name.endswith(".expert_bias"):
+            tensors[name] = buffer
+    return tensors
 
 
 def resolve_mcore_name(name: str, existing: set[str]) -> Optional[str]:
