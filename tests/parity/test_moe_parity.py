@@ -131,3 +131,28 @@ def test_glm_mtp_refused():
     config = {**mcore_zoo.lookup("Glm4MoeForCausalLM").example_config(), "num_nextn_predict_layers": 1}
     with pytest.raises(mcore_zoo.ConfigError, match="num_nextn_predict_layers"):
         mcore_zoo.lookup("Glm4MoeForCausalLM").convert(config)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["qwen3-30b-a3b.json", "mixtral-8x7b-v0.1.json"])
+def test_published_config_converts_and_parity_report_passes(tmp_path, capsys, config):
+    """Published MoE configs: every field classified, ``show --json`` carries the MoE block, and
+    ``parity-report --random-weights --scale tiny`` passes on the CPU."""
+    import json
+
+    from mcore_zoo.cli import main
+
+    from ..conftest import CONFIGS
+
+    published = json.loads((CONFIGS / config).read_text())
+    assert main(["show", "--config", str(CONFIGS / config), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    experts = published.get("num_experts", published.get("num_local_experts"))
+    assert shown["moe"]["num_experts"] == experts
+    assert shown["moe"]["top_k"] == published["num_experts_per_tok"]
+    assert shown["moe"]["expert_ffn_hidden_size"] == published.get("moe_intermediate_size", published["intermediate_size"])
+    assert shown["transformer_config"]["num_moe_experts"] == experts
+    assert all(f["kind"] in ("mapped", "ignored") and f["detail"] for f in shown["fields"])  # all classified
+    code = main(["parity-report", "--config", str(CONFIGS / config), "--random-weights", "--scale", "tiny",
+                 "--out", str(tmp_path), "-q", "--format", "json"])  # fmt: skip
+    assert code == 0
