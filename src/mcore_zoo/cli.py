@@ -15,6 +15,7 @@ Exit codes: 0 success, 1 a check failed (parity, conflicts with --strict), 2 usa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import sys
@@ -173,6 +174,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             "transformer_config": {k: _jsonable(v) for k, v in tc.items()},
             "gpt_model": {k: _jsonable(v) for k, v in gm.items()},
             "rope": arch.rope.as_dict(),
+            "moe": _jsonable(dataclasses.asdict(arch.moe)) if arch.moe is not None else None,
             "weight_rules": rules,
             "ignored_hf_tensors": [{"pattern": p, "reason": r} for p, r in wmap.ignored],
         }, indent=2))  # fmt: skip

@@ -47,8 +47,10 @@ def validate_layout(arch: ArchConfig, parallel: Parallelism) -> None:
         )
     if parallel.sequence_parallel and tp == 1:
         problems.append("sequence_parallel needs tp > 1")
-    if arch.moe is not None and parallel.ep > 1 and arch.moe.num_experts % parallel.ep:
-        problems.append(f"num_experts={arch.moe.num_experts} is not divisible by ep={parallel.ep}")
+    if arch.moe is not None or parallel.ep > 1:  # MoE: experts over ep, expert FFN over etp
+        from .moe import moe_layout_problems
+
+        problems += moe_layout_problems(arch, parallel.ep, parallel.etp, tp)
     if problems:
         raise LayoutError(
             f"{arch.architecture}: layout tp={tp} pp={pp} vpp={parallel.vpp} cp={cp} ep={parallel.ep}"
@@ -144,6 +146,10 @@ def transformer_config_kwargs(arch: ArchConfig, options: BuildOptions) -> dict[s
             kwargs["window_attn_skip_freq"] = [int(f) for f in arch.sliding_window_layers]
     if arch.rope.rope_type == "yarn":
         kwargs.update(_yarn_fields(arch))
+    if arch.moe is not None:  # MoE fields (mcore_zoo.config.moe): router, experts, dispatcher
+        from .moe import moe_config_kwargs
+
+        kwargs.update(moe_config_kwargs(arch, cuda=not options.cpu))
     kwargs.update(arch.extra_transformer_config)
     for name, value in options.overrides.items():
         kwargs[name] = value

@@ -30,6 +30,7 @@ from ..placement import Placement
 from ..progress import progress
 from ..weights.io import HFCheckpoint
 from ..weights.load import DictCheckpoint, LoadReport, plan_load, read_rule_into
+from ..weights.rules import model_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -63,17 +64,16 @@ def load_hf_weights(
     ckpt = HFCheckpoint(checkpoint, allow_torch_load=allow_torch_load) if own else checkpoint
     try:
         plan, ignored = plan_load(handle, ckpt)
-        ctx = handle.transform_context()
         rank = handle.placement.rank
         report = LoadReport(ignored=ignored)
         for chunk, bound in plan:
-            params = dict(chunk.named_parameters())
+            params = model_tensors(chunk)  # parameters + checkpoint-state buffers (MoE expert_bias)
             for b in progress(bound, total=len(bound), desc="loading HF weights", unit="param"):
                 param = params[b.mcore]
                 group = _replica_group(param, handle.placement) if replicas == "broadcast" else None
                 source = None if group is None else dist.get_process_group_ranks(group)[0]
                 if group is None or rank == source:
-                    report.bytes_read += read_rule_into(ckpt, b, param, ctx)
+                    report.bytes_read += read_rule_into(ckpt, b, param, handle.transform_context(b))
                     report.tensors_read += len(b.hf)
                 if group is not None:
                     dist.broadcast(param.data, src=source, group=group)

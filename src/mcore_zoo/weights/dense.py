@@ -42,16 +42,17 @@ def attention_rules(arch: ArchConfig, *, hf_attn: str = "self_attn.") -> list[Ru
     return rules
 
 
-def gated_mlp_rules(arch: ArchConfig, *, hf_mlp: str = "mlp.", mcore_mlp: str = "mlp.") -> list[Rule]:
-    """A gated MLP: ``linear_fc1`` from gate / up, ``linear_fc2`` from down (+ biases)."""
-    m, c = HF_LAYER + hf_mlp, LAYER + mcore_mlp
+def gated_mlp_rules(arch: ArchConfig, *, hf_mlp: str = "mlp.", mcore_mlp: str = "mlp.", layer_kind: str = "all") -> list[Rule]:
+    """A gated MLP: ``linear_fc1`` from gate / up, ``linear_fc2`` from down (+ biases).
+    ``layer_kind="dense"``: only in the dense layers of an MoE model."""
+    m, c, k = HF_LAYER + hf_mlp, LAYER + mcore_mlp, layer_kind
     rules = [
-        fused_gate_up(c + "linear_fc1.weight", gate=m + "gate_proj.weight", up=m + "up_proj.weight"),
-        row_parallel(c + "linear_fc2.weight", m + "down_proj.weight"),
+        fused_gate_up(c + "linear_fc1.weight", gate=m + "gate_proj.weight", up=m + "up_proj.weight", layer_kind=k),
+        row_parallel(c + "linear_fc2.weight", m + "down_proj.weight", layer_kind=k),
     ]
     if arch.mlp_bias:
-        rules.append(fused_gate_up(c + "linear_fc1.bias", gate=m + "gate_proj.bias", up=m + "up_proj.bias"))
-        rules.append(replicated(c + "linear_fc2.bias", m + "down_proj.bias"))
+        rules.append(fused_gate_up(c + "linear_fc1.bias", gate=m + "gate_proj.bias", up=m + "up_proj.bias", layer_kind=k))
+        rules.append(replicated(c + "linear_fc2.bias", m + "down_proj.bias", layer_kind=k))
     return rules
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -21,7 +21,7 @@ from ..errors import MissingTensorsError, ZooError
 from ..hf_assets import copy_assets
 from ..progress import progress
 from .io import SafetensorsShardWriter, atomic_output_dir
-from .rules import BoundRule, TransformContext
+from .rules import BoundRule, TransformContext, model_tensors
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..handle import ModelHandle
@@ -30,13 +30,16 @@ logger = logging.getLogger(__name__)
 
 #: ``gather(piece, axis)``: join this rank's tensor-parallel piece with the other TP ranks' pieces
 Gather = Callable[[torch.Tensor, int], torch.Tensor]
+#: ``expert_copies(bound, tensor, meta)``: every expert-parallel rank's copy of a local expert
+ExpertCopies = Callable[[BoundRule, torch.Tensor, bool], Iterable[tuple[BoundRule, torch.Tensor]]]
 
 
 def stage_hf_weights(
     handle: "ModelHandle",
     *,
     chunks: Optional[Sequence[torch.nn.Module]] = None,
-    gather: Optional[Gather] = None,
+    gather_for: Optional[Callable[[BoundRule], Optional[Gather]]] = None,
+    expert_copies: Optional[ExpertCopies] = None,
     dtype: Optional[torch.dtype] = None,
     meta: bool = False,
     grads: bool = False,
@@ -44,22 +47,17 @@ def stage_hf_weights(
     """``(hf_name, tensor)`` for the HF tensors this rank's chunks hold (its pipeline stage only),
     in model order (``chunks``: only these of the handle's chunks).
 
-    ``gather`` joins tensor-parallel pieces (``None``: each rank's own pieces). ``meta=True``
-    yields meta tensors of the shapes and dtypes the real iteration would yield (gathered shapes
-    when ``gather`` is given), without reading a parameter or calling ``gather`` (export planning).
+    ``gather_for(bound)`` gives the function that joins a rule's tensor-parallel pieces (``None``,
+    or no ``gather_for``: each rank's own pieces). ``expert_copies(bound, tensor, meta)`` gives, for
+    an expert rule, every expert-parallel rank's copy of this local expert as ``(bound rule of that
+    expert, tensor)`` pairs (``None``: only this rank's experts). Both are supplied by
+    :mod:`mcore_zoo.distributed.export`, which owns the collectives. ``meta=True`` yields meta
+    tensors of the shapes and dtypes the real iteration would yield (gathered shapes where a
+    gather is given), without reading a parameter or communicating (export planning).
     ``grads=True`` yields the parameters' ``.grad`` instead (a parameter without a gradient raises).
     """
-    ctx = handle.transform_context()
-    tp_size = ctx.tp_size
-    if meta and gather is not None:
-
-        def gather(piece: torch.Tensor, axis: int) -> torch.Tensor:
-            shape = list(piece.shape)
-            shape[axis] *= tp_size
-            return piece.new_empty(shape)
-
     for chunk in handle.chunks if chunks is None else chunks:
-        params = dict(chunk.named_parameters())
+        params = model_tensors(chunk)  # parameters + checkpoint-state buffers (MoE expert_bias)
         for b in handle.bound_rules(chunk):
             if not b.rule.export:
                 continue
@@ -68,8 +66,25 @@ def stage_hf_weights(
                 raise ZooError(f"parameter {b.mcore!r} has no gradient")
             source = param.grad if grads else param
             local = torch.empty(param.shape, dtype=param.dtype, device="meta") if meta else source.detach()
-            for name, tensor in export_rule(b, local, ctx, gather if tp_size > 1 else None):
-                yield name, (tensor.to(dtype) if dtype is not None else tensor)
+            ctx = handle.transform_context(b)
+            gather = gather_for(b) if gather_for is not None else None
+            if gather is not None and meta:
+                gather = _meta_gather(ctx.tp_size)
+            copies = expert_copies(b, local, meta) if expert_copies is not None and b.is_expert else [(b, local)]
+            for rb, tensor in copies:
+                for name, piece in export_rule(rb, tensor, ctx, gather):
+                    yield name, (piece.to(dtype) if dtype is not None else piece)
+
+
+def _meta_gather(size: int) -> Gather:
+    """What a TP gather of ``size`` pieces returns, as a meta tensor."""
+
+    def gather(piece: torch.Tensor, axis: int) -> torch.Tensor:
+        shape = list(piece.shape)
+        shape[axis] *= size
+        return piece.new_empty(shape)
+
+    return gather
 
 
 def export_rule(

@@ -25,7 +25,7 @@ import torch
 
 from ..errors import MissingTensorsError, ShapeMismatchError, UnexpectedTensorsError, UnmappedParametersError
 from .io import HFCheckpoint, chunk_index
-from .rules import BoundRule, TransformContext, WeightMap, direct_views
+from .rules import BoundRule, TransformContext, WeightMap, direct_views, model_tensors
 from .tied import check_tied_output
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -110,18 +110,17 @@ def plan_load(handle: "ModelHandle", checkpoint: HFCheckpoint) -> tuple[list[tup
     """All checks of the module docstring; returns the per-chunk bound rules and ignored tensors."""
     ignored = check_coverage(handle.weight_map, checkpoint.keys(), str(checkpoint.path))
     check_tied_output(handle.weight_map, checkpoint)
-    ctx = handle.transform_context()
     chunks = handle.chunks
     plan = []
     unmapped: list[str] = []
     for index, chunk in enumerate(chunks):
-        params = dict(chunk.named_parameters())
+        params = model_tensors(chunk)  # parameters + checkpoint-state buffers (MoE expert_bias)
         bound = handle.bound_rules(chunk)
         covered = {b.mcore for b in bound}
         prefix = f"chunk{index}." if len(chunks) > 1 else ""
-        unmapped += [prefix + n for n in params if n not in covered]
+        unmapped += [prefix + n for n, _ in chunk.named_parameters() if n not in covered]
         for b in bound:
-            _check_bound_shapes(b, params[b.mcore].shape, ctx, checkpoint.shape)
+            _check_bound_shapes(b, params[b.mcore].shape, handle.transform_context(b), checkpoint.shape)
         plan.append((chunk, bound))
     if unmapped:
         raise UnmappedParametersError(unmapped)
