@@ -22,6 +22,7 @@ from .config.rope import inv_freq
 from .config.transformer import BuildOptions, gpt_model_kwargs, transformer_config_kwargs, validate_layout
 from .errors import ZooError
 from .provenance import warn_provider
+from .vocab import install_logit_mask, padded_vocab_size
 from .numerics.profiles import NumericsProfile, get_profile
 
 INFO_ATTR = "mcore_zoo"
@@ -99,6 +100,7 @@ def prepare(
     ignore_fields: Optional[Mapping[str, str]] = None,
     trust_remote_code: bool = False,
     perform_initialization: bool = True,
+    make_vocab_size_divisible_by: Optional[int] = None,
 ) -> tuple[Architecture, ArchConfig, BuildOptions, Any]:
     """Convert and configure without building: ``(architecture, arch, options, TransformerConfig)``.
 
@@ -115,6 +117,8 @@ def prepare(
         from megatron.core import parallel_state
 
         parallel = Parallelism.from_mpu() if parallel_state.model_parallel_is_initialized() else Parallelism()
+    if make_vocab_size_divisible_by is not None:  # Megatron's padded vocabulary (mcore_zoo.vocab)
+        arch = arch.replace(padded_vocab_size=padded_vocab_size(arch.vocab_size, make_vocab_size_divisible_by, parallel.tp))
     validate_layout(arch, parallel)
     options = BuildOptions(
         backend=backend,
@@ -162,6 +166,7 @@ def build_chunk(
     )
     _cast_parameters(model, options.params_dtype)
     install_rope(model, arch, options.numerics)
+    install_logit_mask(model, arch)
     setattr(model, INFO_ATTR, ModelInfo(architecture, arch, options, config, vp_stage))
     return model
 
@@ -214,6 +219,7 @@ def build_model(
     load: Any = None,
     trust_remote_code: bool = False,
     device: Optional[Union[str, torch.device]] = None,
+    make_vocab_size_divisible_by: Optional[int] = None,
 ) -> Union[torch.nn.Module, list[torch.nn.Module]]:
     """Build the Megatron-Core model for an HF architecture.
 
@@ -229,6 +235,8 @@ def build_model(
         ignore_fields: ``{hf_field: reason}`` to accept HF config fields no rule classifies.
         load: an HF checkpoint directory to load weights from (every parameter must be covered).
         device: where the model lives (default: the current CUDA device, else CPU).
+        make_vocab_size_divisible_by: pad the embedding and output layer to a multiple of this
+            times TP, as Megatron trainers do; loading and export stay exact (:mod:`mcore_zoo.vocab`).
 
     Returns:
         One ``GPTModel`` for this rank's pipeline stage, or a list of virtual-pipeline chunks when
@@ -249,6 +257,7 @@ def build_model(
         ignore_fields=ignore_fields,
         trust_remote_code=trust_remote_code,
         perform_initialization=load is None,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
     )
     ensure_model_parallel(options.parallel)
     provider = _provider(architecture, arch, options, config)

@@ -22,6 +22,7 @@ def terminal(monkeypatch):
     """A terminal as standard error (installed by :func:`_attach` inside the test: pytest's own
     capture swaps ``sys.stderr`` between setup and the call)."""
     monkeypatch.delenv(progress.ENV_QUIET, raising=False)
+    progress.set_quiet(False)
     yield _Terminal()
     progress.set_quiet(False)
 

@@ -314,7 +314,7 @@ def _broadcast_from_last_stage(out: PackedOutput, lengths: list[int], layout: La
 
     group = ps.get_pipeline_model_parallel_group()
     src = ps.get_pipeline_model_parallel_last_rank()
-    vocab = info.arch.vocab_size
+    vocab = info.arch.padded_vocab_size or info.arch.vocab_size
     if want_logits:
         dtype = info.options.params_dtype
         flat = (

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..config.arch import ArchConfig
-from .rules import GATE_UP, QKV, Rule, WeightMap, rule
+from .rules import GATE_UP, IDENTITY, QKV, Rule, Transform, WeightMap, rule
 
 LAYER = "decoder.layers.{layer}."
 HF_LAYER = "model.layers.{layer}."
@@ -71,8 +71,9 @@ def gated_mlp_rules(arch: ArchConfig, *, hf_mlp: str = "mlp.", layer_kind: str =
 
 def embedding_rules(arch: ArchConfig) -> list[Rule]:
     """Word embeddings, final norm and output layer (tied or not)."""
+    pad = vocab_transform(arch)
     rules = [
-        rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", tp_axis=0),
+        rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", tp_axis=0, transform=pad),
         rule("decoder.final_layernorm.weight", "model.norm.weight"),
     ]
     if arch.tie_word_embeddings:
@@ -82,13 +83,23 @@ def embedding_rules(arch: ArchConfig) -> list[Rule]:
                 "output_layer.weight",
                 "model.embed_tokens.weight",
                 tp_axis=0,
+                transform=pad,
                 export=False,
                 note="tied: the last pipeline stage's copy of the embedding",
             )
         )
     else:
-        rules.append(rule("output_layer.weight", "lm_head.weight", tp_axis=0))
+        rules.append(rule("output_layer.weight", "lm_head.weight", tp_axis=0, transform=pad))
     return rules
+
+
+def vocab_transform(arch: ArchConfig) -> Transform:
+    """Identity, or :class:`~mcore_zoo.vocab.PadVocab` for a padded vocabulary."""
+    if not arch.padded_vocab_size or arch.padded_vocab_size == arch.vocab_size:
+        return IDENTITY
+    from ..vocab import PadVocab
+
+    return PadVocab(arch.vocab_size, arch.padded_vocab_size)
 
 
 def dense_decoder_weight_map(arch: ArchConfig) -> WeightMap:
