@@ -19,7 +19,7 @@ What it measures (all in one run, same files, warm page cache - the files were j
   bytes) + the largest checkpoint tensor + 10%;
 * **export**: ``mcore_zoo.iter_hf_weights`` (TP1: no communication; TP2: all-gathers) and
   ``mcore_zoo.save_hf_checkpoint`` to disk;
-* **convert**: ``mcore_zoo.convert.hf_to_mcore`` and back (``mcore_to_hf``, 100 MB shards), with
+* **convert**: ``mcore_zoo.dist_checkpoint.hf_to_mcore`` and back (``mcore_to_hf``, 100 MB shards), with
   their peak RSS, in a process whose private data is capped (``RLIMIT_DATA``, default 1000 MB,
   half the default model): they stream, so they fit.
 
@@ -148,7 +148,7 @@ def run_baseline_sliced(ckpt: str) -> dict[str, Any]:
 
     rank, size = dist.get_rank(), dist.get_world_size()
     arch = mcore_zoo.lookup(ckpt)
-    axes = {n: a for b in arch.weight_map(arch.convert(ckpt)).expand_full() for n, a in zip(b.hf, b.tp_axes)}
+    axes = {n: a for b in arch.weight_map(arch.config_from_hf(ckpt)).expand_full() for n, a in zip(b.hf, b.tp_axes)}
 
     def slices() -> Iterator[tuple[str, torch.Tensor]]:
         for file in sorted(Path(ckpt).glob("*.safetensors")):
@@ -180,7 +180,7 @@ def run_load(ckpt: str, out_dir: str, export: bool) -> dict[str, Any]:
     import torch.distributed as dist
 
     import mcore_zoo
-    from mcore_zoo.config.arch import Parallelism
+    from mcore_zoo.placement import Parallelism
     from mcore_zoo.parallel import ensure_model_parallel
     from mcore_zoo.weights.io import HFCheckpoint
 
@@ -226,7 +226,7 @@ def run_convert(ckpt: str, out_dir: str, cap: int) -> dict[str, Any]:
     than the model: an implementation that materialised the model would fail."""
     import resource
 
-    from mcore_zoo.convert import hf_to_mcore, mcore_to_hf, meta_model
+    from mcore_zoo.dist_checkpoint import hf_to_mcore, mcore_to_hf, meta_model
 
     meta_model(ckpt)  # imports Megatron-Core & co. outside the timed, memory-measured region
     limit = _status("VmData") + cap

@@ -157,7 +157,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from megatron.core import parallel_state as ps
 
     import mcore_zoo
-    from mcore_zoo.config.arch import Parallelism
+    from mcore_zoo.placement import Parallelism
 
     world, rank = dist.get_world_size(), dist.get_rank()
     names = args.layouts.split(",") if args.layouts else DEFAULT_LAYOUTS.get(world, DEFAULT_LAYOUTS[2])

@@ -11,7 +11,8 @@ Public API (everything else is internal)::
         ...
 
 Parallel layouts (TP / SP / PP / VPP / CP) go through the same calls; see docs/parallel.md
-(``iter_hf_buckets``, ``iter_hf_shards``, ``distributed_forward``, ``load_mcore_checkpoint``).
+(``iter_hf_buckets``, ``iter_hf_shards``, ``load_mcore_checkpoint``); ``packed_forward`` runs
+every layout.
 
 Importing this package is cheap: Megatron-Core, Transformer Engine and transformers are imported
 only by the functions that need them.
@@ -21,10 +22,8 @@ from __future__ import annotations
 
 
 from ._lazy import lazy_attributes
-
-__version__ = "0.1.0"
-
-from .entry import ModelEntry
+from ._version import __version__
+from .entry import Extension, ModelEntry
 from .errors import (
     CheckpointFormatError,
     ConfigError,
@@ -50,15 +49,16 @@ _LAZY = {
     "ArchConfig": "mcore_zoo.config.arch:ArchConfig",
     "RopeSpec": "mcore_zoo.config.arch:RopeSpec",
     "MoESpec": "mcore_zoo.config.arch:MoESpec",
-    "Parallelism": "mcore_zoo.config.arch:Parallelism",
+    "Parallelism": "mcore_zoo.placement:Parallelism",
+    "Placement": "mcore_zoo.placement:Placement",
     "ConfigReader": "mcore_zoo.config.reader:ConfigReader",
     "FieldReport": "mcore_zoo.config.reader:FieldReport",
     "NumericsProfile": "mcore_zoo.numerics.profiles:NumericsProfile",
     "get_profile": "mcore_zoo.numerics.profiles:get_profile",
     "build_model": "mcore_zoo.build:build_model",
     "model_provider": "mcore_zoo.build:model_provider",
-    "model_info": "mcore_zoo.build:model_info",
-    "ModelInfo": "mcore_zoo.build:ModelInfo",
+    "handle_of": "mcore_zoo.handle:handle_of",
+    "ModelHandle": "mcore_zoo.handle:ModelHandle",
     "ensure_model_parallel": "mcore_zoo.parallel:ensure_model_parallel",
     "WeightMap": "mcore_zoo.weights.rules:WeightMap",
     "Rule": "mcore_zoo.weights.rules:Rule",
@@ -70,19 +70,19 @@ _LAZY = {
     "read_dense_decoder": "mcore_zoo.config.common:read_dense_decoder",
     "classify_common_fields": "mcore_zoo.config.common:classify_common_fields",
     "HFCheckpoint": "mcore_zoo.weights.io:HFCheckpoint",
-    "load_hf_weights": "mcore_zoo.weights.load:load_hf_weights",
-    "load_hf_state_dict": "mcore_zoo.weights.load:load_hf_state_dict",
-    "iter_hf_weights": "mcore_zoo.weights.export:iter_hf_weights",
+    "load_hf_weights": "mcore_zoo.distributed.load:load_hf_weights",
+    "load_hf_state_dict": "mcore_zoo.distributed.load:load_hf_state_dict",
+    "iter_hf_weights": "mcore_zoo.distributed.export:iter_hf_weights",
     "iter_hf_buckets": "mcore_zoo.distributed.export:iter_hf_buckets",
     "iter_hf_shards": "mcore_zoo.distributed.export:iter_hf_shards",
-    "save_hf_checkpoint": "mcore_zoo.weights.export:save_hf_checkpoint",
-    "distributed_forward": "mcore_zoo.distributed.forward:forward",
+    "save_hf_checkpoint": "mcore_zoo.distributed.export:save_hf_checkpoint",
+    "generic_forward": "mcore_zoo.distributed.forward:generic_forward",
     "launch": "mcore_zoo.distributed.launch:launch",
-    "load_mcore_checkpoint": "mcore_zoo.convert:load_mcore_checkpoint",
+    "load_mcore_checkpoint": "mcore_zoo.dist_checkpoint:load_mcore_checkpoint",
     "PackedBatch": "mcore_zoo.packing:PackedBatch",
     "PackedOutput": "mcore_zoo.packing:PackedOutput",
     "pack_sequences": "mcore_zoo.packing:pack_sequences",
-    "packed_forward": "mcore_zoo.packing:packed_forward",
+    "packed_forward": "mcore_zoo.distributed.forward:packed_forward",
     "alignment_for": "mcore_zoo.packing:alignment_for",
     "ParityOptions": "mcore_zoo.parity.harness:ParityOptions",
     "run_parity": "mcore_zoo.parity.harness:run_parity",
@@ -91,6 +91,7 @@ _LAZY = {
 __all__ = [
     "__version__",
     "ModelEntry",
+    "Extension",
     "hookimpl",
     "hookspec",
     "Registry",

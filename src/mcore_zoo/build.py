@@ -1,91 +1,81 @@
 """Build Megatron-Core ``GPTModel`` instances for a registered architecture.
 
-:func:`build_model` is the one-call path (convert, spec, build, install RoPE, load weights);
-:func:`model_provider` returns the ``(pre_process, post_process, vp_stage) -> GPTModel`` callable
-that Megatron's ``get_model`` and trainers built on it expect.
+:func:`build_model` is the one-call path (config conversion, spec, build, install RoPE, load
+weights); :func:`model_provider` returns the ``(pre_process, post_process, vp_stage) -> GPTModel``
+callable that Megatron's ``get_model`` and trainers built on it expect.
 
-Every model built here carries a :class:`ModelInfo` (``model.mcore_zoo``) with its architecture,
-converted config, backend and numerics profile; loading, export and the packed forward read it.
+Every model built here carries a :class:`~mcore_zoo.handle.ModelHandle` (``chunk.mcore_zoo``)
+with its architecture, converted config, build options and placement; loading, export and the
+packed forward read it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
 from . import compat, cpu_shim
 from .architecture import Architecture
-from .config.arch import ArchConfig, Parallelism
+from .config.arch import ArchConfig
 from .config.rope import inv_freq
 from .config.transformer import BuildOptions, gpt_model_kwargs, transformer_config_kwargs, validate_layout
 from .errors import ZooError
+from .handle import ModelHandle
+from .numerics.profiles import NumericsProfile, get_profile
+from .placement import Parallelism, Placement
 from .provenance import warn_provider
 from .vocab import install_logit_mask, padded_vocab_size
-from .numerics.profiles import NumericsProfile, get_profile
-
-INFO_ATTR = "mcore_zoo"
-
-
-@dataclass
-class ModelInfo:
-    """What the zoo knows about a model it built (attached as ``model.mcore_zoo``)."""
-
-    architecture: Architecture
-    arch: ArchConfig
-    options: BuildOptions
-    config: Any  # TransformerConfig
-    vp_stage: Optional[int] = None
-    _weight_map: Any = field(default=None, repr=False)
-
-    @property
-    def backend(self) -> str:
-        return self.options.backend
-
-    @property
-    def numerics(self) -> NumericsProfile:
-        return self.options.numerics
-
-    @property
-    def weight_map(self) -> Any:
-        if self._weight_map is None:
-            self._weight_map = self.architecture.weight_map(self.arch)
-        return self._weight_map
-
-
-def unwrap(model: Any) -> torch.nn.Module:
-    """Strip DDP / Float16Module-style wrappers (``.module`` chains)."""
-    while not hasattr(model, INFO_ATTR) and hasattr(model, "module"):
-        model = model.module
-    return model
-
-
-def model_info(model: Any) -> ModelInfo:
-    """The :class:`ModelInfo` of a zoo-built model (wrappers are looked through)."""
-    inner = unwrap(model)
-    info = getattr(inner, INFO_ATTR, None)
-    if not isinstance(info, ModelInfo):
-        raise ZooError("this model was not built by mcore_zoo.build_model (no ModelInfo attached)")
-    return info
-
-
-def as_chunks(model: Union[torch.nn.Module, Sequence[torch.nn.Module]]) -> list[torch.nn.Module]:
-    """A model or a list of virtual-pipeline chunks, as a list of unwrapped chunks."""
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    return [unwrap(c) for c in chunks]
-
-
-def _resolve(source: Any, architecture: Optional[Architecture]) -> Architecture:
-    if architecture is not None:
-        return architecture
-    from .registry import lookup
-
-    return lookup(source)
 
 
 def _default_dtype() -> torch.dtype:
     return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """Everything decided before a module is built: the architecture, its converted config, the
+    build options (parallel sizes validated against the model) and the ``TransformerConfig``."""
+
+    architecture: Architecture
+    arch_config: ArchConfig
+    options: BuildOptions
+    transformer_config: Any
+
+    def new_handle(self) -> ModelHandle:
+        """A handle for a model built from this plan under the running parallel state."""
+        placement = Placement.current().with_model_options(self.options.parallel)
+        return ModelHandle(self.architecture, self.arch_config, self.options, self.transformer_config, placement)
+
+    def build_chunk(self, *, pre_process: bool = True, post_process: bool = True,
+                    vp_stage: Optional[int] = None, pg_collection: Any = None) -> torch.nn.Module:
+        """One ``GPTModel``: a whole model, a pipeline stage or a virtual-pipeline chunk (no handle
+        attached)."""  # fmt: skip
+        from megatron.core.models.gpt import GPTModel
+
+        cpu_shim.activate()
+        compat.silence_gpt_model_deprecation()
+        arch, options = self.arch_config, self.options
+        specs = self.architecture.layer_specs(arch, options.backend, options.numerics,
+                                              config=self.transformer_config, vp_stage=vp_stage)  # fmt: skip
+        extra: dict[str, Any] = {}
+        if vp_stage is not None:
+            extra["vp_stage"] = vp_stage
+        if pg_collection is not None:
+            extra["pg_collection"] = pg_collection
+        model = GPTModel(
+            config=self.transformer_config,
+            transformer_layer_spec=specs,
+            pre_process=pre_process,
+            post_process=post_process,
+            **gpt_model_kwargs(arch),
+            **extra,
+        )
+        _cast_parameters(model, options.params_dtype)
+        install_rope(model, arch, options.numerics)
+        install_logit_mask(model, arch)
+        return model
 
 
 def prepare(
@@ -101,22 +91,24 @@ def prepare(
     trust_remote_code: bool = False,
     perform_initialization: bool = True,
     make_vocab_size_divisible_by: Optional[int] = None,
-) -> tuple[Architecture, ArchConfig, BuildOptions, Any]:
-    """Convert and configure without building: ``(architecture, arch, options, TransformerConfig)``.
-
-    Validates the parallel layout against the model before anything is built or read.
-    """
+) -> BuildPlan:
+    """Convert and configure without building. The HF config is read once; the parallel layout
+    (default: the initialised parallel state's, else all 1) is validated against the model here,
+    before anything is built or read."""
     from megatron.core.transformer import TransformerConfig  # noqa: F401 - fail early if absent
 
-    architecture = _resolve(source, architecture)
+    from .registry import lookup, read_config_dict
+
+    remote = trust_remote_code and not isinstance(source, Mapping) and not hasattr(source, "to_dict")
+    hf_config = source if remote else read_config_dict(source)  # the file is read once (remote code: by transformers)
+    if architecture is None:
+        architecture = lookup(hf_config)
     warn_provider(architecture)  # a third-party plugin (or an override of a built-in) is named
-    arch = architecture.convert(source, ignore_fields=ignore_fields, trust_remote_code=trust_remote_code)
+    arch = architecture.config_from_hf(hf_config, ignore_fields=ignore_fields, trust_remote_code=trust_remote_code)
     cuda = torch.cuda.is_available()
     profile = get_profile(numerics).for_device(cuda)
     if parallel is None:
-        from megatron.core import parallel_state
-
-        parallel = Parallelism.from_mpu() if parallel_state.model_parallel_is_initialized() else Parallelism()
+        parallel = Placement.current().parallel
     if make_vocab_size_divisible_by is not None:  # Megatron's padded vocabulary (mcore_zoo.vocab)
         arch = arch.replace(padded_vocab_size=padded_vocab_size(arch.vocab_size, make_vocab_size_divisible_by, parallel.tp))
     validate_layout(arch, parallel)
@@ -130,45 +122,7 @@ def prepare(
         perform_initialization=perform_initialization,
     )
     config = compat.make_transformer_config(**transformer_config_kwargs(arch, options))
-    return architecture, arch, options, config
-
-
-def build_chunk(
-    architecture: Architecture,
-    arch: ArchConfig,
-    options: BuildOptions,
-    config: Any,
-    *,
-    pre_process: bool = True,
-    post_process: bool = True,
-    vp_stage: Optional[int] = None,
-    pg_collection: Any = None,
-) -> torch.nn.Module:
-    """Build one ``GPTModel`` (a whole model, a pipeline stage, or a virtual-pipeline chunk)."""
-    from megatron.core.models.gpt import GPTModel
-
-    cpu_shim.activate()
-    compat.silence_gpt_model_deprecation()
-    specs = architecture.layer_specs(arch, options.backend, options.numerics, config=config, vp_stage=vp_stage)
-    kwargs = gpt_model_kwargs(arch)
-    extra: dict[str, Any] = {}
-    if vp_stage is not None:
-        extra["vp_stage"] = vp_stage
-    if pg_collection is not None:
-        extra["pg_collection"] = pg_collection
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=specs,
-        pre_process=pre_process,
-        post_process=post_process,
-        **kwargs,
-        **extra,
-    )
-    _cast_parameters(model, options.params_dtype)
-    install_rope(model, arch, options.numerics)
-    install_logit_mask(model, arch)
-    setattr(model, INFO_ATTR, ModelInfo(architecture, arch, options, config, vp_stage))
-    return model
+    return BuildPlan(architecture, arch, options, config)
 
 
 def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -224,8 +178,7 @@ def build_model(
     """Build the Megatron-Core model for an HF architecture.
 
     Args:
-        source: HF config (object or dict), checkpoint directory, config.json path, or an
-            architecture name together with ``load``/an example config.
+        source: HF config (object or dict), checkpoint directory or config.json path.
         backend: ``"te"``, ``"local"`` or ``"portable"`` (see :mod:`mcore_zoo.specs.gpt`).
         numerics: profile name (``"default"``, ``"hf-exact"``, ...) or a NumericsProfile.
         params_dtype: default bf16 on CUDA, fp32 on CPU.
@@ -240,13 +193,14 @@ def build_model(
 
     Returns:
         One ``GPTModel`` for this rank's pipeline stage, or a list of virtual-pipeline chunks when
-        ``parallel.vpp`` is set. Each carries ``.mcore_zoo`` (:class:`ModelInfo`).
+        ``parallel.vpp`` is set. Each carries its :class:`~mcore_zoo.handle.ModelHandle`
+        (``.mcore_zoo``).
     """
     from .parallel import ensure_model_parallel
 
     # convert and validate the layout first: a layout that does not divide the model is an error
     # before any process group is created or any weight is read
-    architecture, arch, options, config = prepare(
+    plan = prepare(
         source,
         architecture=architecture,
         backend=backend,
@@ -259,18 +213,17 @@ def build_model(
         perform_initialization=load is None,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
     )
-    ensure_model_parallel(options.parallel)
-    provider = _provider(architecture, arch, options, config)
-    chunks = _build_stage_chunks(provider, options.parallel)
+    ensure_model_parallel(plan.options.parallel)
+    provide = _provider(plan)
     target = torch.device(device) if device is not None else (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     )
-    chunks = [c.to(target) for c in chunks]
+    chunks = [c.to(target) for c in _build_stage_chunks(provide, plan.options.parallel)]
     if load is not None:
-        from .weights.load import load_hf_weights
+        from .distributed.load import load_hf_weights
 
         load_hf_weights(chunks, load)
-    return chunks if options.parallel.vpp else chunks[0]
+    return chunks if plan.options.parallel.vpp else chunks[0]
 
 
 def _build_stage_chunks(provider: Callable[..., torch.nn.Module], parallel: Parallelism) -> list[torch.nn.Module]:
@@ -290,15 +243,19 @@ def _build_stage_chunks(provider: Callable[..., torch.nn.Module], parallel: Para
     return chunks
 
 
-def _provider(architecture: Architecture, arch: ArchConfig, options: BuildOptions, config: Any) -> Callable[..., torch.nn.Module]:
-    def provide(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None, **kwargs: Any) -> torch.nn.Module:
-        return build_chunk(
-            architecture, arch, options, config,
-            pre_process=pre_process, post_process=post_process, vp_stage=vp_stage, **kwargs,
-        )  # fmt: skip
+def _provider(plan: BuildPlan) -> Callable[..., torch.nn.Module]:
+    """The provider callable; every chunk it builds joins one handle (created at the first call,
+    when the parallel state exists)."""
+    handles: list[ModelHandle] = []
 
-    provide.transformer_config = config  # type: ignore[attr-defined]
-    provide.arch = arch  # type: ignore[attr-defined]
+    def provide(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None, **kwargs: Any) -> torch.nn.Module:
+        if not handles:
+            handles.append(plan.new_handle())
+        chunk = plan.build_chunk(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage, **kwargs)
+        return handles[0].attach(chunk, vp_stage)
+
+    provide.transformer_config = plan.transformer_config  # type: ignore[attr-defined]
+    provide.arch_config = plan.arch_config  # type: ignore[attr-defined]
     return provide
 
 
@@ -308,10 +265,9 @@ def model_provider(source: Any, **kwargs: Any) -> Callable[..., torch.nn.Module]
     Takes the same arguments as :func:`build_model` except ``load``/``device`` (a trainer loads
     after wrapping, with :func:`mcore_zoo.load_hf_weights`). Parallel state must be initialised
     (Megatron's ``get_model`` runs inside an initialised job). The callable exposes
-    ``.transformer_config`` and ``.arch``.
+    ``.transformer_config`` and ``.arch_config``; the chunks it builds share one model handle.
     """
     for key in ("load", "device"):
         if key in kwargs:
             raise TypeError(f"model_provider does not take {key!r}")
-    architecture, arch, options, config = prepare(source, **kwargs)
-    return _provider(architecture, arch, options, config)
+    return _provider(prepare(source, **kwargs))

@@ -133,7 +133,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- show
 def cmd_show(args: argparse.Namespace) -> int:
     from .build import prepare
-    from .config.arch import Parallelism
+    from .placement import Parallelism
     from .config.transformer import gpt_model_kwargs, transformer_config_kwargs
     from .numerics.profiles import get_profile
 
@@ -151,11 +151,12 @@ def cmd_show(args: argparse.Namespace) -> int:
     from .cpu_shim import activate
 
     activate()
-    architecture, arch, options, config = prepare(
+    plan = prepare(
         source, architecture=architecture, backend=args.backend, numerics=get_profile(args.numerics), parallel=parallel
     )
+    arch = plan.arch_config
     wmap = architecture.weight_map(arch)
-    tc = {k: getattr(config, k) for k in transformer_config_kwargs(arch, options)}
+    tc = {k: getattr(plan.transformer_config, k) for k in transformer_config_kwargs(arch, plan.options)}
     gm = gpt_model_kwargs(arch)
     rules = [
         {"mcore": r.mcore, "hf": [s.hf for s in r.sources], "tp_axis": [s.tp_axis for s in r.sources],
@@ -167,6 +168,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(json.dumps({
             "architecture": arch.architecture,
             "provided_by": architecture.origin,
+            "contributions": architecture.provenance(),
             "fields": arch.fields.as_dict()["fields"],
             "transformer_config": {k: _jsonable(v) for k, v in tc.items()},
             "gpt_model": {k: _jsonable(v) for k, v in gm.items()},
@@ -209,7 +211,7 @@ def _jsonable(value: Any) -> Any:
 
 # ---------------------------------------------------------------------------- convert
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .convert import hf_to_mcore, mcore_to_hf
+    from .dist_checkpoint import hf_to_mcore, mcore_to_hf
 
     if bool(args.hf) == bool(args.mcore):
         raise ZooError("convert needs exactly one of --hf DIR (to mcore) or --mcore DIR (to HF)")
@@ -237,7 +239,7 @@ def _table(rows: Sequence[Sequence[str]]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from ._version import __version__
 
     parser = argparse.ArgumentParser(prog="mcore-zoo", description="HF architectures on Megatron-Core, with parity proofs.")
     parser.add_argument("--version", action="version", version=f"mcore-zoo {__version__}")

@@ -30,26 +30,6 @@ def mcore_version() -> tuple[int, int, int]:
     return tuple(parts)  # type: ignore[return-value]
 
 
-def check_mcore_version() -> None:
-    low, high = SUPPORTED_MCORE
-    version = mcore_version()
-    if not (low <= version[:2] < high):
-        import warnings
-
-        warnings.warn(
-            f"megatron-core {'.'.join(map(str, version))} is outside the tested range "
-            f"{low[0]}.{low[1]} - <{high[0]}.{high[1]}",
-            stacklevel=2,
-        )
-
-
-@functools.lru_cache(maxsize=None)
-def transformer_config_fields() -> frozenset[str]:
-    from megatron.core.transformer import TransformerConfig
-
-    return frozenset(f.name for f in dataclasses.fields(TransformerConfig))
-
-
 #: Fields that exist only in some supported versions; dropped where unknown (with their default
 #: meaning, so dropping is exact).
 _VERSION_OPTIONAL_FIELDS = {
@@ -102,11 +82,6 @@ def mlp_submodule(linear_fc1: Any, linear_fc2: Any) -> Any:
     return ModuleSpec(module=MLP, submodules=submodules)
 
 
-def mlp_submodules_of(mlp_spec: Any) -> Any:
-    """Read the ``MLPSubmodules`` back from either form of :func:`mlp_submodule`."""
-    return getattr(mlp_spec, "submodules", None) or mlp_spec.keywords["submodules"]
-
-
 class _DropGPTDeprecation(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return "GPTModel IS DEPRECATED" not in record.getMessage()
@@ -133,7 +108,3 @@ def initialize_model_parallel(**kwargs: Any) -> None:
             raise TypeError(f"initialize_model_parallel of megatron-core {mcore_version()} has no {name!r}")
     parallel_state.initialize_model_parallel(**accepted)
 
-
-def accepts_name_kwarg() -> bool:
-    """0.19 passes ``name=`` to submodule builders."""
-    return mcore_version() >= (0, 19, 0)

@@ -34,10 +34,6 @@ def needed() -> bool:
     return not torch.cuda.is_available()
 
 
-def is_active() -> bool:
-    return _ACTIVE
-
-
 def activate() -> bool:
     """Install the CPU patches if this process has no CUDA. Idempotent. Returns whether active."""
     global _ACTIVE

@@ -41,17 +41,21 @@ class UnknownArchitectureError(ZooError, LookupError):
 
 
 class PluginConflictError(ZooError):
-    """Two plugins claim the same architecture and neither (or both) declared ``override=True``."""
+    """Two plugins claim the same architecture and neither (or both) declared ``override=True``, or
+    two plugins' extensions replace the same contribution (``contribution`` is then set)."""
 
-    def __init__(self, architecture: str, claimants: Sequence[str]):
+    def __init__(self, architecture: str, claimants: Sequence[str], contribution: str = ""):
         self.architecture = architecture
+        self.contribution = contribution
         self.claimants = list(claimants)
-        super().__init__(
-            f"architecture {architecture!r} is claimed by more than one plugin:\n"
-            + _bullets(self.claimants)
-            + "\nUninstall or block one of them (MCORE_ZOO_BLOCK_PLUGINS=<plugin name>), or let exactly"
-            " one of them declare ModelEntry(override=True)."
-        )
+        if contribution:
+            head = f"the {contribution} of architecture {architecture!r} is replaced by more than one plugin:\n"
+            advice = "\nUninstall or block one of them (MCORE_ZOO_BLOCK_PLUGINS=<plugin name>)."
+        else:
+            head = f"architecture {architecture!r} is claimed by more than one plugin:\n"
+            advice = ("\nUninstall or block one of them (MCORE_ZOO_BLOCK_PLUGINS=<plugin name>), or let exactly"
+                      " one of them declare ModelEntry(override=True).")  # fmt: skip
+        super().__init__(head + _bullets(self.claimants) + advice)
 
 
 class PluginError(ZooError):

@@ -1,7 +1,7 @@
 """The files transformers and vLLM need next to the weights: tokenizer files and
 ``generation_config.json``.
 
-A model remembers the HF checkpoint it was loaded from (:func:`remember_source`, called by
+A model's handle remembers the HF checkpoint it was loaded from (``ModelHandle.hf_source``, set by
 :func:`mcore_zoo.load_hf_weights`); :func:`mcore_zoo.save_hf_checkpoint` then copies that
 checkpoint's assets next to the exported weights. ``mcore-zoo convert`` carries them through the
 distributed checkpoint (in its ``hf_assets/`` folder) back to the HF side.
@@ -14,7 +14,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Union
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,6 @@ ASSET_PATTERNS = (
 #: The folder of a distributed checkpoint written by ``convert`` that holds the HF assets.
 MCORE_ASSET_DIR = "hf_assets"
 
-_SOURCE_ATTR = "_mcore_zoo_hf_source"
 
 
 def asset_files(directory: Union[str, os.PathLike, None]) -> list[Path]:
@@ -55,24 +54,3 @@ def copy_assets(source: Union[str, os.PathLike, None], target: Union[str, os.Pat
     if names:
         logger.debug("copied %s from %s", ", ".join(names), source)
     return names
-
-
-def remember_source(model: Any, directory: Union[str, os.PathLike]) -> None:
-    """Record on each chunk that its weights came from the HF checkpoint ``directory``."""
-    from .build import as_chunks
-
-    if not Path(directory).is_dir():
-        return
-    for chunk in as_chunks(model):
-        setattr(chunk, _SOURCE_ATTR, str(Path(directory).resolve()))
-
-
-def source_of(model: Union[Any, Sequence[Any]]) -> Optional[Path]:
-    """The HF checkpoint directory the model was loaded from, if known."""
-    from .build import as_chunks
-
-    for chunk in as_chunks(model):
-        value = getattr(chunk, _SOURCE_ATTR, None)
-        if value:
-            return Path(value)
-    return None

@@ -22,8 +22,13 @@ Hook list (version = the mcore-zoo version that added it):
 =========================  ==============  =============================================
 hook                       calling         added
 =========================  ==============  =============================================
-mcore_zoo_architectures    collected       0.1 - required: the plugin's architectures
+mcore_zoo_architectures    collected       0.1 - the architectures the plugin owns
+mcore_zoo_extensions       collected       0.2 - changes to architectures others own
 =========================  ==============  =============================================
+
+A plugin implements at least one of them. The registry calls each hook through the plugin manager,
+plugin by plugin (``PluginManager.subset_hook_caller``), so a plugin whose hook raises is recorded
+as failed without taking the others down, and every result is attributed to its plugin.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .entry import ModelEntry
+    from .entry import Extension, ModelEntry
 
 PROJECT_NAME = "mcore_zoo"
 
@@ -53,5 +58,20 @@ def mcore_zoo_architectures() -> "list[ModelEntry]":
     Two plugins returning the same ``architecture`` is an error at lookup, naming both plugins and
     their distributions, unless exactly one entry sets ``override=True``.
 
-    Added in 0.1. Required: a plugin without it is reported as failed.
+    Added in 0.1.
+    """
+
+
+@hookspec
+def mcore_zoo_extensions() -> "list[Extension]":
+    """Return :class:`~mcore_zoo.entry.Extension` objects: changes to architectures that another
+    plugin provides - one contribution replaced (converter, weight rules, layer spec, forward) or
+    the owner's config conversion / weight map amended.
+
+    Collected like :func:`mcore_zoo_architectures` and under the same rules (cheap, lazy
+    references). Two plugins replacing the same contribution of one architecture is an error at
+    lookup naming both; amendments compose (applied in plugin-name order). An extension for an
+    architecture nobody provides is reported by ``mcore-zoo plugins``.
+
+    Added in 0.2.
     """

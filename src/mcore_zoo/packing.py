@@ -6,13 +6,15 @@ need: ``tp`` under sequence parallel, ``2 * cp * tp`` under context parallel), a
 ``PackedSeqParams(qkv_format="thd")`` with both the real (``cu_seqlens_q``) and padded
 (``cu_seqlens_q_padded``) boundaries. Positions restart at 0 for every sequence.
 
-:func:`packed_forward` runs a zoo-built model on such a pack and returns per-sequence logits and
-per-token log-probabilities of the next token (``logprobs[i][j] = log p(tokens[j + 1] | tokens[:j + 1])``).
+Pure data: no model, no process group. The forward that runs a model on a pack is
+:func:`mcore_zoo.packed_forward` (:mod:`mcore_zoo.distributed.forward`); it returns
+:class:`PackedOutput` with per-token log-probabilities of the next token
+(``logprobs[i][j] = log p(tokens[j + 1] | tokens[:j + 1])``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -192,95 +194,9 @@ class PackedOutput:
 
     logits: Optional[list[torch.Tensor]] = None
     logprobs: Optional[list[torch.Tensor]] = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def next_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """``log_softmax(logits.float())[j, tokens[j + 1]]`` for ``j < len - 1`` (HF's usual formula)."""
     logp = torch.log_softmax(logits[:-1].float(), dim=-1)
     return logp.gather(-1, tokens[1:].reshape(-1, 1).to(logp.device)).squeeze(-1)
-
-
-def _gather_vocab(logits: torch.Tensor) -> torch.Tensor:
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() == 1:
-        return logits
-    return gather_from_tensor_model_parallel_region(logits)
-
-
-def packed_forward(
-    model: torch.nn.Module,
-    sequences: Union[Sequence[torch.Tensor], torch.Tensor, PackedBatch],
-    attention_mask: Optional[torch.Tensor] = None,
-    *,
-    layout: str = "thd",
-    return_logits: bool = True,
-    return_logprobs: bool = True,
-    align: Optional[int] = None,
-) -> PackedOutput:
-    """Run ``model`` (a zoo-built, single-stage GPTModel) on variable-length sequences.
-
-    Args:
-        sequences: list of 1-D token tensors, a padded ``[B, S]`` batch with ``attention_mask``,
-            or an already built :class:`PackedBatch`.
-        layout: ``"thd"`` (one packed row, ``PackedSeqParams``) or ``"bshd"`` (right-padded batch,
-            causal mask; every backend supports it).
-        align: per-sequence padding multiple (default: what the model's layout needs).
-
-    Vocab-parallel logits are gathered across tensor-parallel ranks. Pipeline-parallel (``model``
-    may then be this rank's list of virtual-pipeline chunks) and context-parallel models are run
-    by :func:`mcore_zoo.distributed.forward` (THD only; it takes no ``align``).
-    """
-    from .build import as_chunks, model_info
-
-    info = model_info(as_chunks(model)[0])
-    parallel = info.options.parallel
-    if isinstance(model, (list, tuple)) or parallel.pp > 1 or parallel.cp > 1:
-        if layout != "thd" or isinstance(sequences, PackedBatch) or align is not None:
-            raise ZooError("pipeline / context-parallel models run THD packs built by mcore_zoo.distributed.forward;"
-                           " pass the sequences (no layout, PackedBatch or align)")
-        from .distributed.forward import forward
-
-        return forward(model, sequences, attention_mask, return_logits=return_logits, return_logprobs=return_logprobs)
-    device = next(model.parameters()).device
-    if isinstance(sequences, PackedBatch):
-        batch = sequences
-    else:
-        batch = pack_sequences(
-            sequences,
-            attention_mask,
-            align=align or alignment_for(parallel.tp, parallel.cp, parallel.sequence_parallel),
-        )
-    batch = batch.to(device)
-    if layout == "thd":
-        if info.backend == "local" and info.numerics.attention == "backend":
-            raise ZooError(
-                "backend 'local' cannot run THD: Megatron-Core's DotProductAttention rejects packed"
-                " input. Use backend='portable' or 'te', a numerics profile with a zoo attention"
-                " kernel (e.g. 'hf-exact'), or layout='bshd'."
-            )
-        logits = model(batch.input_ids, batch.position_ids, None, packed_seq_params=batch.packed_seq_params())
-        logits = _gather_vocab(logits)
-        per_seq = batch.unpack(logits)
-    elif layout == "bshd":
-        seqs = batch.unpack(batch.input_ids)
-        width = max(batch.lengths)
-        if parallel.sequence_parallel:
-            width = -(-width // parallel.tp) * parallel.tp
-        ids = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
-        for i, s in enumerate(seqs):
-            ids[i, : s.numel()] = s
-        positions = torch.arange(width, device=device).unsqueeze(0).expand(len(seqs), -1)
-        logits = _gather_vocab(model(ids, positions, None))
-        per_seq = [logits[i, :n] for i, n in enumerate(batch.lengths)]
-    else:
-        raise ZooError(f"unknown layout {layout!r}; use 'thd' or 'bshd'")
-    out = PackedOutput()
-    if return_logits:
-        out.logits = per_seq
-    if return_logprobs:
-        tokens = batch.unpack(batch.input_ids)
-        out.logprobs = [next_token_logprobs(l, t) for l, t in zip(per_seq, tokens)]
-    return out

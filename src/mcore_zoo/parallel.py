@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import compat, cpu_shim
-from .config.arch import Parallelism
+from .placement import Parallelism, Placement
 
 
 def _free_port() -> int:
@@ -51,19 +51,11 @@ def ensure_model_parallel(parallel: Optional[Parallelism] = None, *, seed: int =
 
     cpu_shim.activate()
     if parallel_state.model_parallel_is_initialized():
-        current = Parallelism.from_mpu()
-        if parallel is not None:
-            mismatch = [
-                f"{name}: requested {getattr(parallel, name)}, initialised {getattr(current, name)}"
-                for name in ("tp", "pp", "cp", "ep")
-                if getattr(parallel, name) != getattr(current, name)
-            ]
-            if mismatch:
-                from .errors import LayoutError
-
-                raise LayoutError("Megatron parallel state already initialised differently: " + "; ".join(mismatch))
-            return parallel
-        return current
+        current = Placement.current()
+        if parallel is None:
+            return current.parallel
+        current.check_sizes(parallel, what="requested")
+        return parallel
     parallel = parallel or Parallelism()
     ensure_process_group()
     world = dist.get_world_size()
@@ -85,23 +77,3 @@ def ensure_model_parallel(parallel: Optional[Parallelism] = None, *, seed: int =
 
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return parallel
-
-
-def destroy_model_parallel() -> None:
-    """Tear down Megatron's groups and the default process group (tests, CLI)."""
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def tp_rank_and_size() -> tuple[int, int]:
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return 0, 1
-    return (
-        parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_tensor_model_parallel_world_size(),
-    )

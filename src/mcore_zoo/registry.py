@@ -18,13 +18,17 @@ Behaviour:
 * ``MCORE_ZOO_DISABLE_PLUGIN_AUTOLOAD=1`` loads only the built-in plugins (plus the entry-point
   names listed in ``MCORE_ZOO_PLUGINS=a,b``); ``MCORE_ZOO_BLOCK_PLUGINS=a,b`` blocks plugins by
   entry-point name (built-ins too).
-* Running from a source tree (no installed ``mcore-zoo`` distribution, e.g. ``PYTHONPATH=src``),
-  the built-in plugins are registered from :data:`BUILTIN_PLUGINS` through the same hook.
+* Built-ins come from the entry points alone (an editable install of a source checkout has them);
+  without an installed ``mcore-zoo`` distribution that is recorded as a load failure saying so.
+* Hooks are called through the plugin manager, one plugin at a time
+  (``PluginManager.subset_hook_caller``): results are attributed to their plugin, and a plugin
+  whose hook raises is recorded as failed while the others keep working.
+* Extensions (``mcore_zoo_extensions``) are attached to the architecture they name when it is
+  looked up; two replacing the same contribution raise :class:`PluginConflictError` then.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import threading
 import traceback
@@ -35,9 +39,10 @@ from typing import Any, Iterable, Mapping, Optional
 import pluggy
 
 from . import hookspecs
-from .architecture import Architecture
+from ._version import __version__
+from .architecture import Architecture, Contributed
 from .config.normalize import read_json_config
-from .entry import ModelEntry
+from .entry import Extension, ModelEntry
 from .errors import PluginConflictError, PluginError, UnknownArchitectureError
 from .provenance import PluginTimeout, call_with_timeout
 
@@ -47,14 +52,7 @@ ENV_DISABLE_AUTOLOAD = "MCORE_ZOO_DISABLE_PLUGIN_AUTOLOAD"
 ENV_PLUGINS = "MCORE_ZOO_PLUGINS"
 ENV_BLOCK = "MCORE_ZOO_BLOCK_PLUGINS"
 
-#: Built-in plugins: entry-point name -> module. ``pyproject.toml`` declares the same entry points
-#: (a test keeps the two equal); this table is used only when running from a source tree.
-BUILTIN_PLUGINS: dict[str, str] = {
-    "llama": "mcore_zoo.plugins.llama",
-    "mistral": "mcore_zoo.plugins.mistral",
-    "qwen2": "mcore_zoo.plugins.qwen2",
-    "qwen3": "mcore_zoo.plugins.qwen3",
-}
+HOOKS = ("mcore_zoo_architectures", "mcore_zoo_extensions")
 
 
 @dataclass
@@ -73,6 +71,7 @@ class PluginRecord:
     status: str = "pending"
     error: Optional[str] = None
     architectures: list[str] = field(default_factory=list)
+    extensions: list[str] = field(default_factory=list)
 
     @property
     def origin(self) -> str:
@@ -88,12 +87,6 @@ def _env_list(name: str) -> list[str]:
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
-
-
-def _package_version() -> str:
-    from . import __version__
-
-    return __version__
 
 
 class Registry:
@@ -121,6 +114,7 @@ class Registry:
         self._pm.add_hookspecs(hookspecs)
         self.plugins: dict[str, PluginRecord] = {}
         self._claims: dict[str, list[Architecture]] = {}
+        self._extensions: dict[str, list[Contributed]] = {}
         self._loaded = False
         self._lock = threading.RLock()
 
@@ -155,18 +149,14 @@ class Registry:
                     self._remember(record)
                     continue
                 self._load_one(record, ep.load)
-            if self.builtins:
-                for name, module in BUILTIN_PLUGINS.items():
-                    if name in seen_builtin:
-                        continue
-                    record = PluginRecord(
-                        name=name,
-                        module=module,
-                        distribution=DISTRIBUTION,
-                        version=f"{_package_version()} (source tree)",
-                        builtin=True,
-                    )
-                    self._load_one(record, lambda module=module: importlib.import_module(module))
+            if self.builtins and not seen_builtin:
+                record = PluginRecord(name="builtins", module="mcore_zoo.plugins", distribution=DISTRIBUTION,
+                                      version=f"{__version__} (not installed)", builtin=True, status="failed")  # fmt: skip
+                record.error = (
+                    "the built-in architectures are registered through mcore-zoo's entry points, and no"
+                    " installed mcore-zoo distribution provides them: install the package (pip install -e .)"
+                )
+                self._remember(record)
             return self
 
     def register(
@@ -235,41 +225,47 @@ class Registry:
             record.status = "failed"
             record.error = str(exc)
             return
-        impls = [
-            impl
-            for impl in self._pm.hook.mcore_zoo_architectures.get_hookimpls()
-            if impl.plugin_name == record.name
-        ]
-        if not impls:
+        implemented = {impl.plugin_name for name in HOOKS for impl in getattr(self._pm.hook, name).get_hookimpls()}
+        if record.name not in implemented:
             self._pm.unregister(name=record.name)
             record.status = "failed"
-            record.error = "does not implement the required hook mcore_zoo_architectures"
+            record.error = f"implements none of the hooks {', '.join(HOOKS)}"
             return
         try:
-            entries = call_with_timeout(lambda: list(impls[0].function()), f"{record.name}'s mcore_zoo_architectures hook")
-            for entry in entries:
-                if not isinstance(entry, ModelEntry):
-                    raise PluginError(
-                        f"mcore_zoo_architectures returned {type(entry).__name__}, expected ModelEntry"
-                    )
+            entries = self._call(record.name, "mcore_zoo_architectures", ModelEntry)
+            extensions = self._call(record.name, "mcore_zoo_extensions", Extension)
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt):
                 raise
             self._pm.unregister(name=record.name)
             record.status = "failed"
-            record.error = f"mcore_zoo_architectures raised {type(exc).__name__}: {exc}"
+            record.error = f"{getattr(exc, 'hook', 'a hook')} raised {type(exc).__name__}: {exc}"
             return
         record.status = "loaded"
         for entry in entries:
             record.architectures.append(entry.architecture)
             self._claims.setdefault(entry.architecture, []).append(
-                Architecture(
-                    entry=entry,
-                    plugin=record.name,
-                    distribution=record.distribution,
-                    version=record.version,
-                )
+                Architecture(entry=entry, plugin=record.name, distribution=record.distribution,
+                             version=record.version, builtin=record.builtin)  # fmt: skip
             )
+        for extension in extensions:
+            record.extensions.append(extension.architecture)
+            self._extensions.setdefault(extension.architecture, []).append(Contributed(extension, record.origin))
+
+    def _call(self, plugin_name: str, hook: str, kind: type) -> list[Any]:
+        """Call ``hook`` of one plugin through the plugin manager; its results, type-checked."""
+        others = [p for name, p in self._pm.list_name_plugin() if name != plugin_name]
+        try:
+            caller = self._pm.subset_hook_caller(hook, remove_plugins=others)
+            results = call_with_timeout(caller, f"{plugin_name}'s {hook} hook")
+            items = [item for result in results for item in (result or [])]
+            for item in items:
+                if not isinstance(item, kind):
+                    raise PluginError(f"{hook} returned {type(item).__name__}, expected {kind.__name__}")
+        except BaseException as exc:
+            exc.hook = hook  # type: ignore[attr-defined]
+            raise
+        return items
 
     @staticmethod
     def _dist_name(ep: metadata.EntryPoint) -> str:
@@ -310,13 +306,19 @@ class Registry:
                 supported=self.architectures(),
                 load_failures=[r.describe_failure().splitlines()[0] for r in self.failures()],
             )
+        extensions = tuple(sorted(self._extensions.get(architecture, []), key=lambda c: c.origin))
         if len(claims) == 1:
-            return claims[0]
+            return claims[0].replace(extensions=extensions)
         winners = [c for c in claims if c.entry.override]
         if len(winners) == 1:
-            losers = [c.origin for c in claims if c is not winners[0]]
-            return winners[0].with_overridden(losers)
+            losers = tuple(c.origin for c in claims if c is not winners[0])
+            return winners[0].replace(overridden=losers, extensions=extensions)
         raise PluginConflictError(architecture, [c.origin for c in claims])
+
+    def unclaimed_extensions(self) -> dict[str, list[str]]:
+        """Extensions for architectures no loaded plugin provides: ``{architecture: [origins]}``."""
+        self.load()
+        return {a: [c.origin for c in cs] for a, cs in self._extensions.items() if a not in self._claims}
 
     def by_model_type(self, model_type: str) -> list[str]:
         self.load()
@@ -370,13 +372,6 @@ def get_registry() -> Registry:
         if _DEFAULT is None:
             _DEFAULT = Registry()
         return _DEFAULT.load()
-
-
-def reset_registry() -> None:
-    """Forget the process-wide registry; the next :func:`get_registry` rediscovers plugins."""
-    global _DEFAULT
-    with _DEFAULT_LOCK:
-        _DEFAULT = None
 
 
 def lookup(source: Any) -> Architecture:

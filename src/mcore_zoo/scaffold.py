@@ -47,9 +47,9 @@ FIELD_HINTS = {
     "mlp_bias": "MLP biases: Megatron-Core's add_bias_linear switches o_proj and MLP biases together"
     " (see mcore_zoo.plugins.llama)",
     "sliding_window": "window on every layer: read_dense_decoder(reader, sliding_window=...)"
-    " (see mcore_zoo.plugins.mistral); per-layer windows: mcore_zoo.plugins.qwen2.read_qwen_window",
-    "use_sliding_window": "see mcore_zoo.plugins.qwen2.read_qwen_window",
-    "max_window_layers": "see mcore_zoo.plugins.qwen2.read_qwen_window",
+    " (see mcore_zoo.plugins.mistral); per-layer windows: mcore_zoo.plugin_api.read_qwen_window",
+    "use_sliding_window": "see mcore_zoo.plugin_api.read_qwen_window",
+    "max_window_layers": "see mcore_zoo.plugin_api.read_qwen_window",
     "layer_types": "per-layer attention kinds: mcore_zoo.config.common.read_layer_types",
     "use_bias": "biases of every linear layer: read_dense_decoder(reader, qkv_bias=..., attn_output_bias=...)"
     " and ArchConfig.mlp_bias",
@@ -229,7 +229,7 @@ Run the conformance suite (``pytest``) after every change: it names the contract
 
 from __future__ import annotations
 
-from mcore_zoo import ModelEntry, hookimpl
+from mcore_zoo.plugin_api import ModelEntry, hookimpl
 
 #: A tiny {a.architecture} for tests and parity runs (random weights make sense at this size).
 EXAMPLE_CONFIG = {example}
@@ -237,15 +237,14 @@ EXAMPLE_CONFIG = {example}
 
 def convert(reader):  # type: ignore[no-untyped-def]
     """HF ``{a.config_class}`` -> :class:`mcore_zoo.ArchConfig`, classifying every field."""
-    from mcore_zoo import read_dense_decoder
+    from mcore_zoo.plugin_api import read_dense_decoder
 
 {fields_todo}    return read_dense_decoder(reader)
 
 
 def weight_map(arch):  # type: ignore[no-untyped-def]
     """HF {a.architecture} tensors <-> Megatron-Core parameters (``{{layer}}``: decoder layer index)."""
-    from mcore_zoo import GATE_UP, QKV, WeightMap, rule
-    from mcore_zoo.weights.dense import HF_LAYER, LAYER, ROTARY_BUFFER_IGNORED, embedding_rules
+    from mcore_zoo.plugin_api import GATE_UP, HF_LAYER, LAYER, QKV, ROTARY_BUFFER_IGNORED, WeightMap, embedding_rules, rule
 
 {tensors_todo}    attn = HF_LAYER + "self_attn."
     mlp = HF_LAYER + "mlp."
@@ -293,11 +292,13 @@ def layer_spec(arch, backend, numerics, **kwargs):  # type: ignore[no-untyped-de
     return gpt_layer_specs(arch, backend, numerics, **kwargs)
 
 
-def forward(model, sequences, *args, **kwargs):  # type: ignore[no-untyped-def]
-    """THD-packed forward: the zoo's generic one (cu_seqlens, per-sequence log-probs)."""
-    from mcore_zoo.packing import packed_forward
+def forward(handle, sequences, attention_mask=None, **options):  # type: ignore[no-untyped-def]
+    """THD-packed forward, called by ``mcore_zoo.packed_forward`` for this architecture: the zoo's
+    generic one (cu_seqlens, every parallel layout, per-sequence log-probs). Wrap it to add inputs
+    or outputs; the contract is ``mcore_zoo.entry.FORWARD_CONTRACT``."""
+    from mcore_zoo.distributed.forward import generic_forward
 
-    return packed_forward(model, sequences, *args, **kwargs)
+    return generic_forward(handle, sequences, attention_mask, **options)
 
 
 @hookimpl
@@ -321,7 +322,7 @@ def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
 
 def render_pyproject(name: str) -> str:
     dist, package = _names(name)
-    from . import __version__
+    from ._version import __version__
 
     return f'''[build-system]
 requires = ["setuptools>=61"]

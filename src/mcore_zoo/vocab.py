@@ -85,11 +85,14 @@ def install_logit_mask(model: torch.nn.Module, arch: Any) -> None:
     if not padded or padded == arch.vocab_size or layer is None:
         return
     vocab = arch.vocab_size
+    from .placement import Placement
+
+    tp_rank = Placement.current().tp_rank  # the chunk is built for the running parallel state
 
     def mask(module: torch.nn.Module, args: Any, output: Any) -> Any:
         logits, bias = output if isinstance(output, tuple) else (output, None)
         width = logits.shape[-1]
-        start = _tp_rank() * width
+        start = tp_rank * width
         if start + width <= vocab:
             return output
         keep = torch.arange(start, start + width, device=logits.device) < vocab
@@ -97,9 +100,3 @@ def install_logit_mask(model: torch.nn.Module, arch: Any) -> None:
         return (logits, bias) if isinstance(output, tuple) else logits
 
     layer.register_forward_hook(mask)
-
-
-def _tp_rank() -> int:
-    from megatron.core import parallel_state as ps
-
-    return ps.get_tensor_model_parallel_rank() if ps.model_parallel_is_initialized() else 0

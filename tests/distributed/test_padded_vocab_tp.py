@@ -11,7 +11,7 @@ from mcore_zoo.distributed import launch
 
 def _run(ckpt: str) -> dict:
     import mcore_zoo
-    from mcore_zoo.config.arch import Parallelism
+    from mcore_zoo.placement import Parallelism
     from mcore_zoo.parallel import ensure_model_parallel
 
     ensure_model_parallel(Parallelism(tp=2))

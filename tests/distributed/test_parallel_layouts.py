@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import mcore_zoo
-from mcore_zoo.config.arch import Parallelism
+from mcore_zoo.placement import Parallelism
 from mcore_zoo.distributed import launch
 
 from ..conftest import random_sequences
@@ -43,7 +43,7 @@ def _refusals_of_a_model_built_for_another_layout(ckpt: str, mcore_dir: str) -> 
     """A TP1 model under a TP2 parallel state: every entry point refuses before IO/collectives."""
     from megatron.core import parallel_state as ps
 
-    from mcore_zoo.convert import load_mcore_checkpoint
+    from mcore_zoo.dist_checkpoint import load_mcore_checkpoint
     from mcore_zoo.errors import LayoutError
     from mcore_zoo.parallel import ensure_model_parallel
 
@@ -54,7 +54,7 @@ def _refusals_of_a_model_built_for_another_layout(ckpt: str, mcore_dir: str) -> 
     calls = {
         "load_hf_weights": lambda: mcore_zoo.load_hf_weights(model, ckpt),
         "load_mcore_checkpoint": lambda: load_mcore_checkpoint(model, mcore_dir),
-        "forward": lambda: mcore_zoo.distributed_forward(model, random_sequences([5], 256)),
+        "forward": lambda: mcore_zoo.packed_forward(model, random_sequences([5], 256)),
         "iter_hf_weights": lambda: next(mcore_zoo.iter_hf_weights(model)),
     }
     refused = []
@@ -73,7 +73,7 @@ def _run_layouts(ckpt: str, mcore_dir: str, out_dir: str, layouts: list, mismatc
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from mcore_zoo.convert import load_mcore_checkpoint
+    from mcore_zoo.dist_checkpoint import load_mcore_checkpoint
     from mcore_zoo.parallel import ensure_model_parallel
 
     rank = dist.get_rank()
@@ -100,7 +100,7 @@ def _run_layouts(ckpt: str, mcore_dir: str, out_dir: str, layouts: list, mismatc
             r["tied_output_equals_embedding"] = torch.equal(out_w, vocab)
         out = mcore_zoo.packed_forward(model, seqs)  # dispatches to distributed.forward for PP / CP
         r["logits"], r["logprobs"] = out.logits, out.logprobs
-        r["cheap_logprobs"] = mcore_zoo.distributed_forward(model, seqs, return_logits=False, num_microbatches=2).logprobs
+        r["cheap_logprobs"] = mcore_zoo.packed_forward(model, seqs, return_logits=False, num_microbatches=2).logprobs
         r["export"] = _mismatches(dict(mcore_zoo.iter_hf_weights(model, bucket_size="64KB")), source)
         to_rank0 = dict(mcore_zoo.iter_hf_weights(model, ranks=[0], bucket_size=1))
         r["export_rank0"] = _mismatches(to_rank0, source) if rank == 0 else sorted(to_rank0)
@@ -192,7 +192,7 @@ def test_two_ranks_pp2_cp2_tp2sp(reference_checkpoint, hf_reference, mpu, tmp_pa
     """PP2 (tied embeddings across stages), CP2 (portable K/V all-gather; the two CP ranks are one
     data-parallel-like replica group, so the second is fed by broadcast) and TP2 + SP; first, a
     model built for TP1 is refused under a TP2 parallel state by every entry point."""
-    from mcore_zoo.convert import hf_to_mcore
+    from mcore_zoo.dist_checkpoint import hf_to_mcore
 
     ckpt = reference_checkpoint("Qwen2ForCausalLM", {"num_hidden_layers": 4})
     hf_to_mcore(ckpt, tmp_path / "mcore")
@@ -218,7 +218,7 @@ def test_four_ranks_tp2pp2_pp2vpp2_tp2cp2(reference_checkpoint, hf_reference, mp
     """TP2 x PP2, PP2 x VPP2 (parallel state initialised by the caller, as in a trainer; two
     data-parallel replicas: one reads, one receives) and TP2 x CP2 with sequence parallel;
     Llama 3 RoPE scaling, untied embeddings."""
-    from mcore_zoo.convert import hf_to_mcore
+    from mcore_zoo.dist_checkpoint import hf_to_mcore
 
     ckpt = reference_checkpoint("LlamaForCausalLM", {"num_hidden_layers": 4})
     hf_to_mcore(ckpt, tmp_path / "mcore")

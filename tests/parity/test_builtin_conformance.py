@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
-from mcore_zoo.registry import BUILTIN_PLUGINS
+import tomllib
+
 from mcore_zoo.testing import ConformanceSuite
 
-from ..conftest import CASES
+from ..conftest import CASES, ROOT
 
 
 def _variants() -> dict:
@@ -18,5 +19,5 @@ def _variants() -> dict:
 
 
 class TestBuiltinConformance(ConformanceSuite):
-    plugin = tuple(BUILTIN_PLUGINS)
+    plugin = tuple(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["mcore_zoo"])
     variants = _variants()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import mcore_zoo
-from mcore_zoo.build import model_info
+from mcore_zoo.handle import handle_of
 from mcore_zoo.numerics.profiles import get_profile
 from mcore_zoo.testing.common import PARITY_LENGTHS, assert_same, scale_is_power_of_two
 from mcore_zoo.weights.rules import Rule, WeightMap
@@ -38,7 +38,7 @@ def test_portable_thd_sdpa_bitwise_vs_hf_sdpa(mpu, reference_checkpoint, hf_refe
     model = _build(ckpt, "portable", attention="sdpa")
     seqs = random_sequences(LENGTHS, hf.config.vocab_size)
     with torch.no_grad():
-        out = mcore_zoo.packed_forward(model, seqs, layout="thd")
+        out = mcore_zoo.packed_forward(model, seqs, seq_format="thd")
         for seq, logits, logprobs in zip(seqs, out.logits, out.logprobs):
             ref = hf(seq[None]).logits[0]
             assert_same(logits, ref, f"{case_id}/sdpa len {seq.numel()}")
@@ -69,7 +69,7 @@ def test_local_backend_refuses_thd_clearly(mpu, reference_checkpoint):
     ckpt = reference_checkpoint("LlamaForCausalLM")
     model = mcore_zoo.build_model(ckpt, backend="local", load=ckpt).eval()
     with pytest.raises(mcore_zoo.ZooError, match="portable"):
-        mcore_zoo.packed_forward(model, random_sequences([5], 256), layout="thd")
+        mcore_zoo.packed_forward(model, random_sequences([5], 256), seq_format="thd")
 
 
 # ---------------------------------------------------------------------------- mutations
@@ -85,7 +85,7 @@ def test_mutation_broken_weight_map_is_caught(mpu, reference_checkpoint, hf_refe
     hf = hf_reference("LlamaForCausalLM", ckpt)
     numerics = get_profile("default").with_knobs(attention="eager")
     model = mcore_zoo.build_model(ckpt, backend="portable", numerics=numerics).eval()
-    info = model_info(model)
+    info = handle_of(model)
     good = info.weight_map
     broken = [
         Rule(r.mcore, r.sources, transform, r.export, r.layer_kind, r.note) if r.mcore.endswith("linear_qkv.weight") else r

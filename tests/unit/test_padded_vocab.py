@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import mcore_zoo
-from mcore_zoo.build import model_info
+from mcore_zoo.handle import handle_of
 from mcore_zoo.vocab import padded_vocab_size
 
 
@@ -28,7 +28,7 @@ def test_padded_vocab_loads_and_exports_exactly(mpu, reference_checkpoint, tmp_p
     vocab = state["model.embed_tokens.weight"].shape[0]
     model = mcore_zoo.build_model(ckpt, backend="local", load=ckpt, make_vocab_size_divisible_by=100)
     padded = padded_vocab_size(vocab, 100)
-    assert padded > vocab and model_info(model).arch.padded_vocab_size == padded
+    assert padded > vocab and handle_of(model).arch_config.padded_vocab_size == padded
     emb = model.embedding.word_embeddings.weight
     assert emb.shape[0] == padded and torch.equal(emb[:vocab], state["model.embed_tokens.weight"])
     assert not emb[vocab:].any()
@@ -45,8 +45,8 @@ def test_padded_logprobs_equal_unpadded(mpu, reference_checkpoint):
     plain = mcore_zoo.build_model(ckpt, backend="local", load=ckpt)
     padded = mcore_zoo.build_model(ckpt, backend="local", load=ckpt, make_vocab_size_divisible_by=100)
     seqs = [torch.randint(0, 256, (9,)), torch.randint(0, 256, (5,))]
-    a = mcore_zoo.packed_forward(plain, seqs, layout="bshd")
-    b = mcore_zoo.packed_forward(padded, seqs, layout="bshd", return_logits=True)
+    a = mcore_zoo.packed_forward(plain, seqs, seq_format="bshd")
+    b = mcore_zoo.packed_forward(padded, seqs, seq_format="bshd", return_logits=True)
     vocab = a.logits[0].shape[-1] if a.logits else 256
     assert all(torch.isinf(l[:, vocab:]).all() for l in b.logits)
     for x, y in zip(a.logprobs, b.logprobs):

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import mcore_zoo
-from mcore_zoo.config.arch import Parallelism
+from mcore_zoo.placement import Parallelism
 from mcore_zoo.errors import LayoutError, ZooError
 from mcore_zoo.packing import pack_sequences, zigzag_index
 
@@ -57,13 +57,13 @@ def test_microbatch_split():
 
 def test_vocab_parallel_logprobs_single_rank_is_log_softmax():
     from mcore_zoo.distributed.forward import vocab_parallel_logprobs
-    from mcore_zoo.distributed.layout import Layout
+    from mcore_zoo.placement import Placement
     from mcore_zoo.packing import next_token_logprobs
 
     logits = torch.randn(7, 50)
     tokens = torch.randint(0, 50, (7,))
     labels = torch.cat([tokens[1:], torch.tensor([-1])])
-    got = vocab_parallel_logprobs(logits, labels, Layout(1, 0, 1, 0, 1, 0, 1, False))
+    got = vocab_parallel_logprobs(logits, labels, Placement.single())
     assert torch.equal(got[:-1], next_token_logprobs(logits, tokens)) and got[-1] == 0
 
 
@@ -92,10 +92,10 @@ def test_read_into_strided_views_and_other_dtypes(tmp_path):
 
 
 def test_transform_views_place_pieces_like_fuse(mpu, reference_checkpoint):
-    from mcore_zoo.build import model_info
+    from mcore_zoo.handle import handle_of
     from mcore_zoo.weights.rules import GATE_UP, QKV, FuseQKV, TransformContext, direct_views
 
-    arch = model_info(mcore_zoo.build_model(reference_checkpoint("LlamaForCausalLM"), backend="local")).arch
+    arch = handle_of(mcore_zoo.build_model(reference_checkpoint("LlamaForCausalLM"), backend="local")).arch_config
     ctx = TransformContext(arch)
     hd, groups = arch.head_dim, arch.num_query_groups
     q = torch.randn(groups * arch.heads_per_group * hd, 8)
@@ -170,7 +170,7 @@ def test_streaming_writer_matches_megatron_and_reads_back(mpu, reference_checkpo
     loader reads it into a model; the streaming reader reads a checkpoint Megatron itself saved."""
     from megatron.core import dist_checkpointing
 
-    from mcore_zoo.convert import hf_to_mcore, load_mcore_checkpoint, mcore_to_hf
+    from mcore_zoo.dist_checkpoint import hf_to_mcore, load_mcore_checkpoint, mcore_to_hf
 
     ckpt = reference_checkpoint("Qwen2ForCausalLM")
     source = load_file(str(ckpt / "model.safetensors"))
@@ -193,7 +193,7 @@ def test_streaming_writer_matches_megatron_and_reads_back(mpu, reference_checkpo
 
 
 def test_dist_checkpoint_of_another_model_is_refused(mpu, reference_checkpoint, tmp_path):
-    from mcore_zoo.convert import hf_to_mcore, load_mcore_checkpoint
+    from mcore_zoo.dist_checkpoint import hf_to_mcore, load_mcore_checkpoint
 
     hf_to_mcore(reference_checkpoint("LlamaForCausalLM"), tmp_path / "llama")
     qwen = reference_checkpoint("Qwen2ForCausalLM")  # has QKV biases Llama lacks

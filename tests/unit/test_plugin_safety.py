@@ -11,7 +11,8 @@ import pytest
 
 import mcore_zoo
 from mcore_zoo.provenance import provider_note
-from mcore_zoo.registry import Registry, reset_registry
+from mcore_zoo import registry as registry_module
+from mcore_zoo.registry import Registry
 
 from ..conftest import subprocess_env
 from .test_registry import make_dist, plugin_source
@@ -55,20 +56,17 @@ def test_list_returns_with_a_hanging_plugin(site):
     assert done.returncode == 0 and "LlamaForCausalLM" in done.stdout and "1 plugin(s) failed to load" in done.stdout
 
 
-def test_an_override_of_a_builtin_is_named_at_build(site, caplog):
+def test_an_override_of_a_builtin_is_named_at_build(site, caplog, monkeypatch):
     make_dist(site, "zoo-better-llama", "2.0", "better", "zoo_better_build", plugin_source("LlamaForCausalLM", override=True))
-    reset_registry()
-    try:
-        arch = mcore_zoo.lookup("LlamaForCausalLM")
-        note = provider_note(arch)
-        assert "'better'" in note and "zoo-better-llama 2.0" in note and "overrides plugin 'llama'" in note
-        with caplog.at_level(logging.WARNING, logger="mcore_zoo"):
-            from mcore_zoo.build import prepare
+    monkeypatch.setattr(registry_module, "_DEFAULT", None)  # rediscover, with the new distribution
+    arch = mcore_zoo.lookup("LlamaForCausalLM")
+    note = provider_note(arch)
+    assert "'better'" in note and "zoo-better-llama 2.0" in note and "overrides plugin 'llama'" in note
+    with caplog.at_level(logging.WARNING, logger="mcore_zoo"):
+        from mcore_zoo.build import prepare
 
-            prepare(Registry(autoload=False).load().get("LlamaForCausalLM").example_config(), backend="local")
-        assert any("'better'" in r.getMessage() and "override" in r.getMessage() for r in caplog.records)
-    finally:
-        reset_registry()
+        prepare(Registry(autoload=False).load().get("LlamaForCausalLM").example_config(), backend="local")
+    assert any("'better'" in r.getMessage() and "override" in r.getMessage() for r in caplog.records)
 
 
 def test_builtins_are_not_noted():

@@ -22,7 +22,7 @@ def terminal(monkeypatch):
     """A terminal as standard error (installed by :func:`_attach` inside the test: pytest's own
     capture swaps ``sys.stderr`` between setup and the call)."""
     monkeypatch.delenv(progress.ENV_QUIET, raising=False)
-    progress.set_quiet(False)
+    progress.set_quiet(False)  # whatever an earlier CLI call in this process asked for
     yield _Terminal()
     progress.set_quiet(False)
 
@@ -66,4 +66,4 @@ def test_messages_go_through_module_loggers(mpu, reference_checkpoint, caplog):
     ckpt = reference_checkpoint("LlamaForCausalLM")
     with caplog.at_level(logging.INFO, logger="mcore_zoo"):
         mcore_zoo.build_model(ckpt, backend="local", load=ckpt)
-    assert any(r.name == "mcore_zoo.weights.load" and "loaded" in r.getMessage() for r in caplog.records)
+    assert any(r.name == "mcore_zoo.distributed.load" and "loaded" in r.getMessage() for r in caplog.records)

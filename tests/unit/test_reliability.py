@@ -307,7 +307,7 @@ def test_rope_theta_that_is_not_a_number_is_refused(tmp_path):
 
     path = _config_dir(tmp_path, lambda c: c.update(rope_theta="ten thousand"))
     with pytest.raises(UnsupportedConfigError, match="rope_theta='ten thousand'"):
-        mcore_zoo.lookup(str(path)).convert(str(path))
+        mcore_zoo.lookup(str(path)).config_from_hf(str(path))
 
 
 def test_non_utf8_config_is_named(tmp_path):

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import mcore_zoo
-from mcore_zoo.build import model_info
+from mcore_zoo.handle import handle_of
 from mcore_zoo.errors import (
     CheckpointFormatError,
     MissingTensorsError,
@@ -121,7 +121,7 @@ def test_ignored_tensors_are_reported_not_loaded(mpu, reference_checkpoint, tmp_
 def test_unmapped_parameter_would_stay_random_and_is_refused(mpu, reference_checkpoint):
     ckpt = reference_checkpoint("LlamaForCausalLM")
     model = mcore_zoo.build_model(ckpt, backend="local")
-    info = model_info(model)
+    info = handle_of(model)
     good = info.weight_map
     info._weight_map = WeightMap(good.arch, [r for r in good.rules if "pre_mlp_layernorm" not in r.mcore], good.ignored + [(r".*post_attention_layernorm.*", "test")])
     with pytest.raises(UnmappedParametersError, match=r"decoder\.layers\.0\.pre_mlp_layernorm\.weight"):
@@ -164,7 +164,7 @@ def test_pickle_weights_are_refused_by_default(tmp_path):
 def test_no_partial_output_when_export_fails(mpu, reference_checkpoint, tmp_path, monkeypatch):
     ckpt = reference_checkpoint("LlamaForCausalLM")
     model = mcore_zoo.build_model(ckpt, backend="local", load=ckpt)
-    from mcore_zoo.weights import export as export_mod
+    from mcore_zoo.distributed import export as export_mod
 
     real = export_mod.iter_hf_weights
 
@@ -202,8 +202,8 @@ def test_fused_hf_tensors_via_selected_parts(mpu, reference_checkpoint):
     source = _hf_state(ckpt)
     plain = mcore_zoo.build_model(ckpt, backend="local", load=ckpt)
     model = mcore_zoo.build_model(ckpt, backend="local")
-    info = model_info(model)
-    arch = info.arch
+    info = handle_of(model)
+    arch = info.arch_config
     q, kv, ffn = arch.num_attention_heads * arch.head_dim, arch.num_query_groups * arch.head_dim, arch.ffn_hidden_size
     fused_rules = []
     for r in info.weight_map.rules:

@@ -25,7 +25,8 @@ def test_phi3_mini_4k_instruct_published_config():
     from mcore_zoo.build import prepare
 
     config = published("phi-3-mini-4k-instruct.json")
-    _, arch, _, tc = prepare(config)
+    plan = prepare(config)
+    arch, tc = plan.arch_config, plan.transformer_config
     assert (tc.num_layers, tc.hidden_size, tc.ffn_hidden_size) == (32, 3072, 8192)
     assert (tc.num_attention_heads, tc.num_query_groups, tc.kv_channels) == (32, 32, 96)
     assert tc.window_size == (2046, 0) and tc.hidden_dropout == 0.0
@@ -48,7 +49,7 @@ def _longrope(rope_type: str) -> dict:
 def test_longrope_is_refused_with_the_reason(rope_type):
     config = _longrope(rope_type)
     with pytest.raises(mcore_zoo.ConfigError, match="longrope") as err:
-        mcore_zoo.lookup(config).convert(config)
+        mcore_zoo.lookup(config).config_from_hf(config)
     if isinstance(err.value, UnsupportedConfigError):
         assert err.value.field.endswith(".rope_type") and err.value.value == "longrope"
         assert "short_factor" in str(err.value) and "original_max_position_embeddings" in str(err.value)
@@ -71,7 +72,7 @@ def test_values_the_model_cannot_honour_are_refused(field, value, needle):
     if field == "partial_rotary_factor":
         config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
     with pytest.raises(mcore_zoo.ConfigError, match=needle):
-        mcore_zoo.lookup(config).convert(config)
+        mcore_zoo.lookup(config).config_from_hf(config)
 
 
 @pytest.mark.parametrize(

@@ -110,14 +110,6 @@ class ArchConfig:
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
 
-    def layer_window(self, layer_index: int) -> Optional[int]:
-        """The sliding window of layer ``layer_index`` (0-based, global), or ``None``."""
-        if self.sliding_window is None:
-            return None
-        if self.sliding_window_layers is None or self.sliding_window_layers[layer_index]:
-            return self.sliding_window
-        return None
-
     def replace(self, **changes: Any) -> "ArchConfig":
         return dataclasses.replace(self, **changes)
 
@@ -131,38 +123,3 @@ class ArchConfig:
                 value = dataclasses.asdict(value)
             out[f.name] = value
         return out
-
-
-@dataclass(frozen=True)
-class Parallelism:
-    """A Megatron parallel layout.
-
-    ``vpp`` is the number of virtual pipeline chunks per stage (``None`` = no interleaving);
-    ``etp`` is the expert tensor-parallel size (``None`` = same as ``tp``).
-    """
-
-    tp: int = 1
-    pp: int = 1
-    vpp: Optional[int] = None
-    cp: int = 1
-    ep: int = 1
-    etp: Optional[int] = None
-    sequence_parallel: bool = False
-
-    @classmethod
-    def from_mpu(cls) -> "Parallelism":
-        """The layout of the already-initialised ``megatron.core.parallel_state``."""
-        from megatron.core import parallel_state as ps
-
-        vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-        return cls(
-            tp=ps.get_tensor_model_parallel_world_size(),
-            pp=ps.get_pipeline_model_parallel_world_size(),
-            vpp=vpp if vpp and vpp > 1 else None,
-            cp=ps.get_context_parallel_world_size(),
-            ep=ps.get_expert_model_parallel_world_size(),
-            etp=ps.get_expert_tensor_parallel_world_size(),
-        )
-
-    def world_size_needed(self) -> int:
-        return self.tp * self.pp * self.cp

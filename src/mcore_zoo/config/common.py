@@ -204,3 +204,32 @@ def read_layer_types(reader: ConfigReader, num_layers: int, sliding_window: Opti
         return None
     reader.map("layer_types", "window_attn_skip_freq (per-layer sliding-window pattern)")
     return flags
+
+
+def read_qwen_window(reader: ConfigReader, num_layers: int) -> tuple[Optional[int], Optional[tuple]]:
+    """Sliding-window fields shared by Qwen2 / Qwen3 (``use_sliding_window``, ``sliding_window``,
+    ``max_window_layers``, transformers-5 ``layer_types``) -> (window, per-layer flags)."""
+    use = reader.peek("use_sliding_window", False)
+    if not use:
+        reader.ignore("use_sliding_window", "false: full attention in every layer")
+        reader.ignore("sliding_window", "unused: use_sliding_window is false")
+        reader.ignore("max_window_layers", "unused: use_sliding_window is false")
+        window = None
+    else:
+        reader.map("use_sliding_window", "sliding-window attention on")
+        window = reader.map("sliding_window", "window_size=(sliding_window - 1, 0)")
+        if not isinstance(window, int) or window < 1:
+            raise reader.unsupported("sliding_window", window, "must be a positive integer")
+    if reader.has("layer_types"):
+        flags = read_layer_types(reader, num_layers, window)
+    elif window is not None:
+        first = reader.map("max_window_layers", "window_attn_skip_freq: layers >= max_window_layers slide")
+        flags = tuple(i >= first for i in range(num_layers))
+        flags = flags if any(flags) else None
+    else:
+        flags = None
+    if window is not None and reader.has("max_window_layers") and reader.has("layer_types"):
+        reader.ignore("max_window_layers", "already applied by transformers in layer_types")
+    if window is not None and flags is None:
+        window = None  # no layer slides
+    return window, flags

@@ -182,9 +182,6 @@ class FieldReport:
     architecture: str
     records: tuple[FieldRecord, ...]
 
-    def by_kind(self, kind: str) -> list[FieldRecord]:
-        return [r for r in self.records if r.kind == kind]
-
     def __getitem__(self, name: str) -> FieldRecord:
         for record in self.records:
             if record.field == name:
@@ -209,7 +206,3 @@ class FieldReport:
             lines.append(f"  {r.field:<{width}}  {r.kind:<7}  {value:<40}  {r.detail}{suffix}")
         return "\n".join(lines)
 
-
-def one_of(values: Collection[Any]) -> Callable[[Any], bool]:
-    values = list(values)
-    return lambda v: v in values

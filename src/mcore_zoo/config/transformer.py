@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from ..errors import LayoutError, ZooError
 from ..numerics.profiles import NumericsProfile
-from .arch import ArchConfig, Parallelism
+from ..placement import Parallelism
+from .arch import ArchConfig
 from .rope import yarn_attention_factor, yarn_mscale
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
@@ -79,8 +80,8 @@ class BuildOptions:
 
 
 def transformer_config_kwargs(arch: ArchConfig, options: BuildOptions) -> dict[str, Any]:
-    """The ``TransformerConfig`` keyword arguments for ``arch`` under ``options``."""
-    validate_layout(arch, options.parallel)
+    """The ``TransformerConfig`` keyword arguments for ``arch`` under ``options`` (whose layout
+    :func:`validate_layout` has accepted)."""
     numerics = options.numerics
     parallel = options.parallel
     dtype = options.params_dtype

@@ -1,24 +1,32 @@
-"""Multi-process helpers: launching, parallel layouts, the distributed forward and export.
+"""The only package that issues collectives: launching, loading, the one forward and the one export.
 
 * :func:`launch` - run a function on N fresh processes with a process group (tests, CLI, benches).
-* :func:`forward` - the THD-packed forward under TP (+SP) / PP / VPP / CP.
-* :func:`iter_hf_buckets`, :func:`iter_hf_shards` - export from any layout, in bounded buckets,
-  optionally re-split for an inference TP size.
-* :func:`current_layout` - this rank's place in the parallel state, checked against a model.
+* :func:`load_hf_weights` - sharded loading under any layout (:mod:`.load`).
+* :func:`packed_forward` / :func:`generic_forward` - the THD-packed forward under TP (+SP) / PP /
+  VPP / CP (:mod:`.forward`).
+* :func:`iter_hf_weights`, :func:`iter_hf_buckets`, :func:`iter_hf_shards`,
+  :func:`save_hf_checkpoint` - export from any layout, in bounded buckets, optionally re-split for
+  an inference TP size (:mod:`.export`).
+
+Every function takes a model (or its handle) and reads this rank's place from the handle's
+:class:`~mcore_zoo.placement.Placement`.
 """
 
-from .export import ExportEntry, export_plan, iter_hf_buckets, iter_hf_shards
-from .forward import forward
+from .export import ExportEntry, export_plan, iter_hf_buckets, iter_hf_shards, iter_hf_weights, save_hf_checkpoint
+from .forward import generic_forward, packed_forward
 from .launch import launch
-from .layout import Layout, current_layout
+from .load import load_hf_state_dict, load_hf_weights
 
 __all__ = [
     "launch",
-    "forward",
+    "load_hf_weights",
+    "load_hf_state_dict",
+    "packed_forward",
+    "generic_forward",
+    "iter_hf_weights",
     "iter_hf_buckets",
     "iter_hf_shards",
+    "save_hf_checkpoint",
     "export_plan",
     "ExportEntry",
-    "current_layout",
-    "Layout",
 ]

@@ -1,6 +1,7 @@
 """Export from any TP / PP / VPP layout to HF names, in bounded buckets (rollout weight sync).
 
-:func:`iter_hf_buckets` is the engine behind :func:`mcore_zoo.iter_hf_weights`:
+:func:`iter_hf_buckets` is the one export path: :func:`iter_hf_weights`, :func:`iter_hf_shards` and
+:func:`save_hf_checkpoint` all go through it.
 
 1. *Plan* (no data moves): each rank lists the HF tensors its chunks export - names, gathered
    shapes, dtypes - by running the export on meta tensors; the pipeline stages exchange their lists
@@ -18,24 +19,30 @@ Memory per rank: one bucket, plus - on the owner - one gathered tensor while it 
 :func:`iter_hf_shards` re-splits each gathered tensor for a target inference TP size along the
 axis the rule table gives (fused HF tensors such as ``qkv_proj`` part by part), so a rollout rank
 receives exactly its shard.
+
+Ranks and groups come from the model's handle (:class:`~mcore_zoo.placement.Placement`); this module
+and :mod:`mcore_zoo.distributed.load` / :mod:`~mcore_zoo.distributed.forward` are the only places
+that issue collectives.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
-from ..build import as_chunks, model_info
-from ..config.arch import Parallelism
 from ..config.transformer import validate_layout
 from ..errors import LayoutError, ZooError
-from ..weights.export import iter_stage_hf_weights
-from ..weights.io import _parse_size
-from .layout import current_layout
+from ..handle import ModelHandle, handle_of
+from ..placement import Parallelism, Placement
+from ..weights.export import hf_config_for_export, stage_hf_weights, write_hf_checkpoint
+from ..weights.io import _parse_size, check_output_dir
+
+Model = Union[ModelHandle, torch.nn.Module, Sequence[torch.nn.Module]]
 
 _ALIGN = 64  # bytes; every tensor in a bucket starts at a multiple (views of any dtype stay legal)
 
@@ -54,23 +61,36 @@ class ExportEntry:
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
-def export_plan(model: Union[torch.nn.Module, Sequence[torch.nn.Module]], *, dtype: Optional[torch.dtype] = None) -> list[ExportEntry]:
-    """Every HF tensor of the model in export order (collective over the pipeline group)."""
-    from megatron.core import parallel_state as ps
+def tp_gather(placement: Placement) -> Optional[Callable[[torch.Tensor, int], torch.Tensor]]:
+    """``gather(piece, axis)``: all-gather a tensor-parallel piece over the TP group (``None`` at
+    TP 1)."""
+    if placement.tp == 1:
+        return None
+    group, size = placement.groups.tp, placement.tp
 
-    layout = current_layout(model)
-    chunks = as_chunks(model)
+    def gather(piece: torch.Tensor, axis: int) -> torch.Tensor:
+        piece = piece.contiguous()
+        parts = [torch.empty_like(piece) for _ in range(size)]
+        dist.all_gather(parts, piece, group=group)
+        return torch.cat(parts, dim=axis)
+
+    return gather
+
+
+def export_plan(handle: ModelHandle, *, dtype: Optional[torch.dtype] = None) -> list[ExportEntry]:
+    """Every HF tensor of the model in export order (collective over the pipeline group)."""
+    placement = handle.placement
     local: list[tuple[int, str, tuple[int, ...], str]] = []
-    for vp, chunk in enumerate(chunks):
-        for name, meta in iter_stage_hf_weights(chunk, dtype=dtype, meta=True):
+    for vp, chunk in enumerate(handle.chunks):
+        for name, meta in _chunk_hf_weights(handle, chunk, dtype=dtype, meta=True):
             local.append((vp, name, tuple(meta.shape), str(meta.dtype)))
-    if layout.pp == 1:
+    if placement.pp == 1:
         stages = [local]
     else:
-        stages = [None] * layout.pp
-        dist.all_gather_object(stages, local, group=ps.get_pipeline_model_parallel_group())
+        stages = [None] * placement.pp
+        dist.all_gather_object(stages, local, group=placement.groups.pp)
     entries = []
-    for vp in range(layout.vpp):
+    for vp in range(placement.vpp):
         for stage, items in enumerate(stages):
             for item_vp, name, shape, dt in items:
                 if item_vp == vp:
@@ -81,6 +101,12 @@ def export_plan(model: Union[torch.nn.Module, Sequence[torch.nn.Module]], *, dty
             raise ZooError(f"HF tensor {e.name!r} is exported by more than one pipeline stage")
         seen.add(e.name)
     return entries
+
+
+def _chunk_hf_weights(handle: ModelHandle, chunk: Optional[torch.nn.Module] = None, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`~mcore_zoo.weights.export.stage_hf_weights` of one chunk (or all), TP-gathered."""
+    chunks = None if chunk is None else [chunk]
+    return stage_hf_weights(handle, chunks=chunks, gather=tp_gather(handle.placement), **kwargs)
 
 
 def _buckets(entries: list[ExportEntry], limit: int) -> list[list[ExportEntry]]:
@@ -111,7 +137,7 @@ def _unpack(buffer: torch.Tensor, bucket: list[ExportEntry]) -> list[tuple[str, 
 
 
 def iter_hf_buckets(
-    model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
+    model: Model,
     *,
     bucket_size: Union[int, str] = "512MB",
     dtype: Optional[torch.dtype] = None,
@@ -125,19 +151,19 @@ def iter_hf_buckets(
     they may be views of the parameters themselves (TP = 1, an HF tensor that is a whole
     parameter): read them, do not modify them. Memory stays bounded when each bucket is released
     before the next is requested. ``grads=True`` gathers the parameters' gradients instead."""
-    from megatron.core import parallel_state as ps
-
-    layout = current_layout(model)
+    handle = handle_of(model)
+    handle.check_current()
+    placement = handle.placement
     limit = _parse_size(bucket_size)
     wanted = None if ranks is None else set(int(r) for r in ranks)
-    me = dist.get_rank() if dist.is_initialized() else 0
-    if wanted is not None and ps.model_parallel_is_initialized():
-        group_ranks = dist.get_process_group_ranks(ps.get_model_parallel_group())
+    me = placement.rank
+    if wanted is not None and placement.groups.model_parallel is not None:
+        group_ranks = dist.get_process_group_ranks(placement.groups.model_parallel)
         if not wanted.intersection(group_ranks):
             return  # no receiver in this model-parallel group: nothing to gather
     receive = wanted is None or me in wanted
-    local = iter_stage_hf_weights(model, dtype=dtype, grads=grads)
-    if layout.pp == 1:
+    local = _chunk_hf_weights(handle, dtype=dtype, grads=grads)
+    if placement.pp == 1:
         bucket: list[tuple[str, torch.Tensor]] = []
         used = 0
         for name, tensor in local:  # TP gathers happen here, on every TP rank
@@ -151,16 +177,16 @@ def iter_hf_buckets(
         if bucket and receive:
             yield bucket
         return
-    entries = export_plan(model, dtype=dtype)
-    pp_group = ps.get_pipeline_model_parallel_group()
+    entries = export_plan(handle, dtype=dtype)
+    pp_group = placement.groups.pp
     pp_ranks = dist.get_process_group_ranks(pp_group)
     destinations = [r for r in pp_ranks if wanted is None or r in wanted]
-    device = next(as_chunks(model)[0].parameters()).device
+    device = handle.device
     for bucket_entries in _buckets(entries, limit):
         owner = bucket_entries[0].stage
         src = pp_ranks[owner]
         total = sum(_aligned(e.nbytes) for e in bucket_entries)
-        if layout.pp_rank == owner:
+        if placement.pp_rank == owner:
             buffer = torch.empty(total, dtype=torch.uint8, device=device)
             for (name, view), e in zip(_unpack(buffer, bucket_entries), bucket_entries):
                 got_name, tensor = next(local)
@@ -195,7 +221,7 @@ def _move(buffer: Optional[torch.Tensor], src: int, me: int, destinations: list[
 
 
 def iter_hf_shards(
-    model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
+    model: Model,
     target_tp: int,
     *,
     target_rank: Optional[int] = None,
@@ -213,19 +239,17 @@ def iter_hf_shards(
     does not divide the model (heads, KV heads, FFN, vocab). Same collective contract as
     :func:`mcore_zoo.iter_hf_weights`.
     """
-    info = model_info(as_chunks(model)[0])
-    validate_layout(info.arch, Parallelism(tp=target_tp))
+    handle = handle_of(model)
+    validate_layout(handle.arch_config, Parallelism(tp=target_tp))
     if target_rank is not None and not 0 <= target_rank < target_tp:
         raise LayoutError(f"target_rank {target_rank} is not in [0, {target_tp})")
     specs: dict[str, list[tuple[Optional[tuple[int, int, int]], Optional[int]]]] = {}
-    for b in info.weight_map.expand_full():
+    for b in handle.weight_map.expand_full():
         if not b.rule.export:  # a tied output layer: its source is exported by the embedding rule
             continue
         for name, axis, select in zip(b.hf, b.tp_axes, b.selects):
             specs.setdefault(name, []).append((select, axis))
-    from ..weights.export import iter_hf_weights
-
-    for name, tensor in iter_hf_weights(model, dtype=dtype, ranks=ranks, bucket_size=bucket_size):
+    for name, tensor in iter_hf_weights(handle, dtype=dtype, ranks=ranks, bucket_size=bucket_size):
         shards = _split_for_tp(name, tensor, specs[name], target_tp)
         yield name, (shards if target_rank is None else shards[target_rank])
 
@@ -247,4 +271,88 @@ def _split_for_tp(name: str, tensor: torch.Tensor, spec: list[tuple[Optional[tup
     return [torch.cat([p[r] for _, p in parts], dim=parts[0][0]) for r in range(tp)]
 
 
-__all__ = ["ExportEntry", "export_plan", "iter_hf_buckets", "iter_hf_shards"]
+def iter_hf_weights(
+    model: Model,
+    *,
+    gather_tp: bool = True,
+    dtype: Optional[torch.dtype] = None,
+    ranks: Optional[Sequence[int]] = None,
+    bucket_size: Union[int, str] = "512MB",
+    grads: bool = False,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for every HF tensor of the model, from any layout.
+
+    Every rank of the job must iterate to the end (the iteration issues collectives). By default
+    every rank receives every tensor, gathered over TP and PP (model order, one bucket of at most
+    ``bucket_size`` bytes - or one tensor, if larger - alive at a time). ``ranks``: only these
+    global ranks receive tensors; the others yield nothing (a model-parallel group without any of
+    them does no work at all). ``gather_tp=False``: each rank yields the pieces it holds, for its
+    own pipeline stage only, without communication. Tensors are detached; ``dtype`` casts them
+    (before any transfer). ``grads=True`` yields the parameters' gradients under HF names instead
+    (gradient parity checks).
+    """
+    handle = handle_of(model)
+    if not gather_tp:
+        yield from stage_hf_weights(handle, dtype=dtype, grads=grads)
+        return
+    for bucket in iter_hf_buckets(handle, bucket_size=bucket_size, dtype=dtype, ranks=ranks, grads=grads):
+        yield from bucket
+
+
+def save_hf_checkpoint(
+    model: Model,
+    out_dir: Union[str, os.PathLike],
+    *,
+    dtype: Optional[torch.dtype] = None,
+    max_shard_size: Union[int, str] = "5GB",
+    overwrite: bool = False,
+    writer_rank: int = 0,
+) -> list[str]:
+    """Write a complete HF checkpoint (safetensors + config.json) that transformers loads, with the
+    tokenizer files and ``generation_config.json`` of the checkpoint the model was loaded from.
+
+    Any layout: in a multi-process job every rank calls it; global rank ``writer_rank`` gathers
+    the tensors (bucket by bucket) and writes, the others take part in the gathers. Every rank
+    returns the weight file names, or raises if the writer failed. Nothing is left at ``out_dir``
+    if any step fails.
+    """
+    handle = handle_of(model)
+    needed = handle.weight_map.hf_names()
+    config = hf_config_for_export(handle, dtype)
+    if not handle.placement.distributed:
+        return write_hf_checkpoint(iter_hf_weights(handle, dtype=dtype), out_dir, needed=needed, config=config,
+                                   max_shard_size=max_shard_size, overwrite=overwrite, assets=handle.hf_source)  # fmt: skip
+    writer = handle.placement.rank == writer_rank
+    verdict: list[Any] = [None]
+    if writer:  # a refusal known up front must not leave the other ranks inside the gathers
+        try:
+            check_output_dir(out_dir, overwrite=overwrite)
+        except FileExistsError as exc:
+            verdict[0] = str(exc)
+    dist.broadcast_object_list(verdict, src=writer_rank)
+    if verdict[0] is not None:
+        raise FileExistsError(verdict[0])
+    items = iter_hf_weights(handle, dtype=dtype, ranks=[writer_rank])
+    outcome: list[Any] = [None]
+    if writer:
+        try:
+            outcome[0] = ("ok", write_hf_checkpoint(items, out_dir, needed=needed, config=config, max_shard_size=max_shard_size,
+                                                    overwrite=overwrite, assets=handle.hf_source))  # fmt: skip
+        except Exception as exc:
+            outcome[0] = ("error", f"{type(exc).__name__}: {exc}")
+            _drain(items)  # keep the collectives matched so the other ranks get the verdict
+    else:
+        _drain(items)
+    dist.broadcast_object_list(outcome, src=writer_rank)
+    status, value = outcome[0]
+    if status != "ok":
+        raise ZooError(f"save_hf_checkpoint failed on rank {writer_rank}: {value}")
+    return value
+
+
+def _drain(items: Iterator[Any]) -> None:
+    for _ in items:
+        pass
+
+
+__all__ = ["ExportEntry", "export_plan", "iter_hf_buckets", "iter_hf_shards", "iter_hf_weights", "save_hf_checkpoint", "tp_gather"]

@@ -1,21 +1,27 @@
-"""The THD-packed forward under any Megatron layout: TP (+SP), PP, VPP and CP.
+"""The one packed forward: every layout (TP (+SP), PP, VPP, CP), THD packs or BSHD batches.
 
-:func:`forward` packs variable-length sequences into micro-batches, gives each context-parallel
-rank its load-balanced (zigzag) share of every sequence, runs the model (directly, or through
-Megatron-Core's own pipeline schedule, forward-only), then gathers the outputs across
+:func:`packed_forward` is the public entry point: it finds the model's handle and runs the
+architecture's forward contribution (a plugin may provide its own, see
+:data:`mcore_zoo.entry.FORWARD_CONTRACT`); the default is :func:`generic_forward`.
+
+:func:`generic_forward` packs variable-length sequences into micro-batches, gives each
+context-parallel rank its load-balanced (zigzag) share of every sequence, runs the model (directly,
+or through Megatron-Core's own pipeline schedule, forward-only), then gathers the outputs across
 tensor-parallel (vocab), context-parallel (tokens) and - optionally - pipeline ranks and puts them
 back into per-sequence order. Contract:
 
 * every rank of one model-parallel group (TP x PP x CP) passes the same sequences (the usual
   Megatron convention); data-parallel replicas pass their own;
-* ``model`` is what this rank holds: one ``GPTModel`` (possibly wrapped, e.g. DDP) or the list of
-  its virtual-pipeline chunks;
+* ``model`` is what this rank holds: one ``GPTModel`` (possibly wrapped, e.g. DDP), the list of
+  its virtual-pipeline chunks, or the model's handle;
 * results are per sequence, in input order, on the last pipeline stage - and on every rank with
   ``broadcast=True`` (default);
+* without pipeline or context parallelism the forward is differentiable (the TP vocabulary gather
+  is Megatron-Core's autograd-aware one); under PP / CP it runs without gradients;
 * context parallelism: each sequence's padded slot is split into ``2 * cp`` chunks, rank ``r``
   keeps chunks ``r`` and ``2 * cp - 1 - r`` (:func:`mcore_zoo.packing.zigzag_index`); token
   positions are the original ones (RoPE is applied per CP chunk by Megatron-Core);
-* sequence parallel (``config.sequence_parallel``) needs nothing here besides the padding, which
+* sequence parallel needs nothing here besides the padding, which
   :func:`mcore_zoo.packing.alignment_for` chooses.
 
 Log-probabilities without logits (``return_logits=False``) are computed where the vocab-parallel
@@ -33,10 +39,10 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from ..build import as_chunks, model_info
 from ..errors import ZooError
+from ..handle import ModelHandle, handle_of
 from ..packing import PackedBatch, PackedOutput, alignment_for, next_token_logprobs, pack_sequences
-from .layout import Layout, current_layout
+from ..placement import Placement
 
 
 # ---------------------------------------------------------------------------- micro-batches
@@ -68,7 +74,7 @@ def _shifted_labels(batch: PackedBatch) -> torch.Tensor:
     return labels
 
 
-def make_microbatch(batch: PackedBatch, layout: Layout, members: list[int]) -> Microbatch:
+def make_microbatch(batch: PackedBatch, layout: Placement, members: list[int]) -> Microbatch:
     """This rank's share of a packed micro-batch."""
     labels = _shifted_labels(batch)
     if layout.cp > 1:
@@ -109,21 +115,16 @@ def split_microbatches(lengths: Sequence[int], count: Optional[int], max_tokens:
 
 
 # ---------------------------------------------------------------------------- collectives
-def _tp_group() -> Any:
-    from megatron.core import parallel_state as ps
-
-    return ps.get_tensor_model_parallel_group()
-
-
-def _gather_vocab(logits: torch.Tensor, layout: Layout) -> torch.Tensor:
+def _gather_vocab(logits: torch.Tensor, layout: Placement) -> torch.Tensor:
+    """Vocab-parallel logits ``[..., V / tp]`` -> ``[..., V]`` (autograd-aware)."""
     if layout.tp == 1:
         return logits
-    parts = [torch.empty_like(logits) for _ in range(layout.tp)]
-    dist.all_gather(parts, logits.contiguous(), group=_tp_group())
-    return torch.cat(parts, dim=-1)
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    return gather_from_tensor_model_parallel_region(logits)
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, layout: Layout) -> torch.Tensor:
+def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, layout: Placement) -> torch.Tensor:
     """``log_softmax(logits)[label]`` in fp32 where ``logits [..., V / tp]`` is this TP rank's vocab
     slice; positions with ``label < 0`` give 0. TP ranks must call it together."""
     logits = logits.float()
@@ -132,7 +133,7 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, layout: 
     if layout.tp == 1:
         out = torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
         return out.masked_fill(~valid, 0.0)
-    group = _tp_group()
+    group = layout.groups.tp
     vmax = logits.max(dim=-1).values
     dist.all_reduce(vmax, op=dist.ReduceOp.MAX, group=group)
     shifted = logits - vmax.unsqueeze(-1)
@@ -147,19 +148,26 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, layout: 
     return (picked - sumexp.log()).masked_fill(~valid, 0.0)
 
 
-def _gather_cp(local: torch.Tensor, mb: Microbatch, layout: Layout) -> torch.Tensor:
+def _gather_cp(local: torch.Tensor, mb: Microbatch, layout: Placement) -> torch.Tensor:
     """This CP rank's ``[T / cp, ...]`` -> the whole pack ``[T, ...]`` in pack order."""
     if layout.cp == 1:
         return local
-    from megatron.core import parallel_state as ps
-
     parts = [torch.empty_like(local) for _ in range(layout.cp)]
-    dist.all_gather(parts, local.contiguous(), group=ps.get_context_parallel_group())
+    dist.all_gather(parts, local.contiguous(), group=layout.groups.cp)
     return mb.batch.merge_context_parallel(parts)
 
 
-def _collect(mb: Microbatch, output: torch.Tensor, layout: Layout, want_logits: bool, want_logprobs: bool) -> dict:
-    """Last stage: model output ``[1, T / cp, V / tp]`` -> per-sequence logits / log-probs."""
+def _collect(mb: Microbatch, output: torch.Tensor, layout: Placement, want_logits: bool, want_logprobs: bool,
+             bshd: bool = False) -> dict:  # fmt: skip
+    """Last stage: model output ``[1, T / cp, V / tp]`` (BSHD: ``[B, S, V / tp]``) -> per-sequence
+    logits / log-probs."""
+    if bshd:
+        logits = [row[:n] for row, n in zip(_gather_vocab(output, layout), mb.batch.lengths)]
+        tokens = mb.batch.unpack(mb.batch.input_ids)
+        result = {"logits": logits} if want_logits else {}
+        if want_logprobs:
+            result["logprobs"] = [next_token_logprobs(l, t) for l, t in zip(logits, tokens)]
+        return result
     local = output[0]
     result: dict[str, list[torch.Tensor]] = {}
     if want_logits:
@@ -178,7 +186,7 @@ def _collect(mb: Microbatch, output: torch.Tensor, layout: Layout, want_logits: 
 @contextlib.contextmanager
 def _variable_seq_lengths(chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
     """Micro-batches of different packed lengths: let the schedule communicate shapes."""
-    configs = {id(c.config): c.config for c in as_chunks(chunks)}
+    configs = {id(c.config): c.config for c in chunks}
     saved = {k: cfg.variable_seq_lengths for k, cfg in configs.items()}
     for cfg in configs.values():
         cfg.variable_seq_lengths = True
@@ -189,7 +197,7 @@ def _variable_seq_lengths(chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
             cfg.variable_seq_lengths = saved[k]
 
 
-def _run_pipeline(given: list[Any], micro: list[Microbatch], layout: Layout, step: Any) -> list[dict]:
+def _run_pipeline(given: list[Any], micro: list[Microbatch], layout: Placement, step: Any) -> list[dict]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     fb = get_forward_backward_func()
@@ -208,27 +216,61 @@ def _run_pipeline(given: list[Any], micro: list[Microbatch], layout: Layout, ste
         )
 
 
-def forward(
-    model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
-    sequences: Union[Sequence[torch.Tensor], torch.Tensor],
+def packed_forward(
+    model: Union[ModelHandle, torch.nn.Module, Sequence[torch.nn.Module]],
+    sequences: Union[Sequence[torch.Tensor], torch.Tensor, PackedBatch],
+    attention_mask: Optional[torch.Tensor] = None,
+    **options: Any,
+) -> PackedOutput:
+    """Run a zoo-built model on variable-length sequences, through its architecture's forward.
+
+    ``model``: this rank's ``GPTModel`` (wrapped or not), its list of virtual-pipeline chunks, or
+    its handle. ``options`` are those of :func:`generic_forward` (the default forward; a plugin's
+    own forward takes the same, see :data:`mcore_zoo.entry.FORWARD_CONTRACT`).
+    """
+    handle = handle_of(model)
+    out = handle.architecture.forward(handle, sequences, attention_mask, **options)
+    if not isinstance(out, PackedOutput):
+        raise ZooError(f"{handle.architecture.provider_of('forward')}: forward returned {type(out).__name__}, expected PackedOutput")
+    return out
+
+
+def _sequences(sequences: Union[Sequence[torch.Tensor], torch.Tensor], attention_mask: Optional[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(sequences, torch.Tensor) and sequences.dim() == 2:
+        rows = pack_sequences(sequences, attention_mask)
+        return rows.unpack(rows.input_ids)
+    if attention_mask is not None:
+        raise ZooError("attention_mask goes with a padded [B, S] batch")
+    return [torch.as_tensor(s).reshape(-1) for s in sequences]
+
+
+def generic_forward(
+    handle: ModelHandle,
+    sequences: Union[Sequence[torch.Tensor], torch.Tensor, PackedBatch],
     attention_mask: Optional[torch.Tensor] = None,
     *,
+    seq_format: str = "thd",
     return_logits: bool = True,
     return_logprobs: bool = True,
+    align: Optional[int] = None,
     num_microbatches: Optional[int] = None,
     max_tokens_per_microbatch: Optional[int] = None,
     broadcast: bool = True,
     pad_token_id: int = 0,
 ) -> PackedOutput:
-    """Packed forward of this rank's model chunks under the initialised parallel state.
+    """Packed forward of this rank's model chunks under the model's placement.
 
     Args:
-        model: this rank's ``GPTModel`` (wrapped or not) or its list of virtual-pipeline chunks.
+        handle: the model's handle.
         sequences: 1-D token tensors (or a padded ``[B, S]`` batch with ``attention_mask``), the
-            same on every rank of the model-parallel group.
+            same on every rank of the model-parallel group; without PP / CP also a ready
+            :class:`~mcore_zoo.packing.PackedBatch` (run as one micro-batch).
+        seq_format: ``"thd"`` (packed rows, ``PackedSeqParams``) or ``"bshd"`` (one right-padded
+            batch with a causal mask; every backend supports it; no PP / CP).
         return_logits: per-sequence ``[len_i, vocab]`` logits (gathered over TP and CP: costs
             ``tokens x vocab`` memory on every rank that receives them).
         return_logprobs: per-sequence ``[len_i - 1]`` fp32 next-token log-probabilities.
+        align: per-sequence padding multiple (default and minimum: what the layout needs).
         num_microbatches: split into this many micro-batches (balanced by tokens). Default: 1
             without pipeline parallelism, else ``min(len(sequences), pp)``.
         max_tokens_per_microbatch: alternatively, a token budget per micro-batch.
@@ -236,42 +278,56 @@ def forward(
 
     Returns:
         :class:`~mcore_zoo.packing.PackedOutput`; on non-last pipeline stages with
-        ``broadcast=False`` its fields are ``None``. Gradients are not tracked.
+        ``broadcast=False`` its fields are ``None``.
     """
-    given = list(model) if isinstance(model, (list, tuple)) else [model]
-    chunks = as_chunks(given)
-    info = model_info(chunks[0])
-    layout = current_layout(chunks)
-    if isinstance(sequences, torch.Tensor) and sequences.dim() == 2:
-        rows = pack_sequences(sequences, attention_mask)
-        seqs = rows.unpack(rows.input_ids)
-    elif attention_mask is not None:
-        raise ZooError("attention_mask goes with a padded [B, S] batch")
-    else:
-        seqs = [torch.as_tensor(s).reshape(-1) for s in sequences]
-    if not seqs:
-        raise ZooError("nothing to run")
-    if info.backend == "local" and info.numerics.attention == "backend":
+    handle.check_current()
+    layout = handle.placement
+    chunks = handle.chunks
+    if seq_format not in ("thd", "bshd"):
+        raise ZooError(f"unknown seq_format {seq_format!r}; use 'thd' or 'bshd'")
+    staged = layout.pp > 1 or layout.cp > 1
+    if staged and (seq_format != "thd" or isinstance(sequences, PackedBatch)):
+        raise ZooError("pipeline / context-parallel models run THD packs built from the sequences;"
+                       " pass the sequences (no seq_format='bshd' or PackedBatch)")  # fmt: skip
+    if seq_format == "thd" and handle.backend == "local" and handle.numerics.attention == "backend":
         raise ZooError(
-            "backend 'local' cannot run THD: Megatron-Core's DotProductAttention rejects packed input;"
-            " use backend='portable' or 'te'"
+            "backend 'local' cannot run THD: Megatron-Core's DotProductAttention rejects packed"
+            " input. Use backend='portable' or 'te', a numerics profile with a zoo attention"
+            " kernel (e.g. 'hf-exact'), or seq_format='bshd'."
         )
-    device = next(chunks[0].parameters()).device
-    align = alignment_for(layout.tp, layout.cp, layout.sequence_parallel)
-    lengths = [int(s.numel()) for s in seqs]
-    if num_microbatches is None and max_tokens_per_microbatch is None:
-        num_microbatches = 1 if layout.pp == 1 else min(len(seqs), layout.pp)
-    groups = split_microbatches(lengths, num_microbatches, max_tokens_per_microbatch)
-    micro = [
-        make_microbatch(pack_sequences([seqs[i] for i in g], align=align, pad_token_id=pad_token_id).to(device), layout, g)
-        for g in groups
-    ]
+    device = handle.device
+    needed = alignment_for(layout.tp, layout.cp, layout.sequence_parallel)
+    if align is not None and align % needed:
+        raise ZooError(f"align={align} is not a multiple of {needed}, which this layout needs")
+    align = align or needed
+    if isinstance(sequences, PackedBatch):
+        batch = sequences.to(device)
+        micro = [make_microbatch(batch, layout, list(range(len(batch.lengths))))]
+        lengths = list(batch.lengths)
+    else:
+        seqs = _sequences(sequences, attention_mask)
+        if not seqs:
+            raise ZooError("nothing to run")
+        lengths = [int(s.numel()) for s in seqs]
+        if num_microbatches is None and max_tokens_per_microbatch is None:
+            num_microbatches = 1 if layout.pp == 1 else min(len(seqs), layout.pp)
+        groups = split_microbatches(lengths, num_microbatches, max_tokens_per_microbatch)
+        micro = [
+            make_microbatch(pack_sequences([seqs[i] for i in g], align=align, pad_token_id=pad_token_id).to(device), layout, g)
+            for g in groups
+        ]
     if layout.vpp > 1:  # the interleaved schedule wants a multiple of pp micro-batches (at least pp)
         target = max(layout.pp, -(-len(micro) // layout.pp) * layout.pp)
         filler = torch.full((align,), pad_token_id, dtype=torch.long)
         while len(micro) < target:
             micro.append(make_microbatch(pack_sequences([filler], align=align).to(device), layout, []))
     collect = functools.partial(_collect, layout=layout, want_logits=return_logits, want_logprobs=return_logprobs)
+    if not staged:  # one stage, whole sequences on this rank: differentiable
+        run = _run_bshd if seq_format == "bshd" else _run_thd
+        stored = [collect(mb, run(chunks[0], mb, layout), bshd=seq_format == "bshd") for mb in micro]
+        out = PackedOutput()
+        _assemble(out, stored, micro, len(lengths), return_logits, return_logprobs)
+        return out
 
     def step(data_iterator: Iterator[Microbatch], chunk: Any) -> tuple[torch.Tensor, Any]:
         mb = next(data_iterator)
@@ -283,16 +339,33 @@ def forward(
         return out, loss_func
 
     with torch.no_grad():
-        if layout.pp == 1:
-            stored = [collect(mb, given[0](mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())) for mb in micro]
-        else:
-            stored = _run_pipeline(given, micro, layout, step)
+        stored = _run_pipeline(chunks, micro, layout, step) if layout.pp > 1 else [
+            collect(mb, _run_thd(chunks[0], mb, layout)) for mb in micro
+        ]  # fmt: skip
         out = PackedOutput()
         if layout.last_stage:
-            _assemble(out, stored, micro, len(seqs), return_logits, return_logprobs)
+            _assemble(out, stored, micro, len(lengths), return_logits, return_logprobs)
         if broadcast and layout.pp > 1:
-            _broadcast_from_last_stage(out, lengths, layout, info, return_logits, return_logprobs, device)
+            _broadcast_from_last_stage(out, lengths, handle, return_logits, return_logprobs, device)
     return out
+
+
+def _run_thd(chunk: torch.nn.Module, mb: Microbatch, layout: Placement) -> torch.Tensor:
+    return chunk(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
+
+
+def _run_bshd(chunk: torch.nn.Module, mb: Microbatch, layout: Placement) -> torch.Tensor:
+    """The micro-batch's sequences as one right-padded ``[B, S]`` batch; returns ``[B, S, V / tp]``."""
+    batch = mb.batch
+    seqs = batch.unpack(batch.input_ids)
+    width = max(batch.lengths)
+    if layout.sequence_parallel:
+        width = -(-width // layout.tp) * layout.tp
+    ids = torch.zeros((len(seqs), width), dtype=torch.long, device=batch.input_ids.device)
+    for i, s in enumerate(seqs):
+        ids[i, : s.numel()] = s
+    positions = torch.arange(width, device=ids.device).unsqueeze(0).expand(len(seqs), -1)
+    return chunk(ids, positions, None)
 
 
 def _assemble(out: PackedOutput, stored: list[dict], micro: list[Microbatch], n: int, want_logits: bool, want_logprobs: bool) -> None:
@@ -308,15 +381,14 @@ def _assemble(out: PackedOutput, stored: list[dict], micro: list[Microbatch], n:
         setattr(out, key, per_seq)
 
 
-def _broadcast_from_last_stage(out: PackedOutput, lengths: list[int], layout: Layout, info: Any, want_logits: bool, want_logprobs: bool, device: torch.device) -> None:
+def _broadcast_from_last_stage(out: PackedOutput, lengths: list[int], handle: ModelHandle, want_logits: bool, want_logprobs: bool, device: torch.device) -> None:
     """Send the last stage's per-sequence results to the other stages of its pipeline group."""
-    from megatron.core import parallel_state as ps
-
-    group = ps.get_pipeline_model_parallel_group()
-    src = ps.get_pipeline_model_parallel_last_rank()
-    vocab = info.arch.padded_vocab_size or info.arch.vocab_size
+    layout = handle.placement
+    group = layout.groups.pp
+    src = dist.get_process_group_ranks(group)[-1]
+    vocab = handle.arch_config.padded_vocab_size or handle.arch_config.vocab_size
     if want_logits:
-        dtype = info.options.params_dtype
+        dtype = handle.params_dtype
         flat = (
             torch.cat([t.to(dtype) for t in out.logits])
             if layout.last_stage
@@ -335,4 +407,4 @@ def _broadcast_from_last_stage(out: PackedOutput, lengths: list[int], layout: La
         out.logprobs = list(torch.split(flat, sizes))
 
 
-__all__ = ["forward", "Microbatch", "make_microbatch", "split_microbatches", "vocab_parallel_logprobs"]
+__all__ = ["packed_forward", "generic_forward", "Microbatch", "make_microbatch", "split_microbatches", "vocab_parallel_logprobs"]

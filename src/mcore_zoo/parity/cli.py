@@ -62,8 +62,8 @@ def register(sub: Any) -> None:
     g.add_argument("--numerics", help="numerics profile (default: 'default'; 'hf-exact' with --bitwise)")
     g.add_argument("--knob", action="append", default=[], metavar="KNOB=VALUE",
                    help="override one knob of the profile (e.g. attention=eager, norm=hf); repeatable")
-    g.add_argument("--layout", default="auto", choices=("auto", "thd", "bshd"),
-                   help="mcore input layout (auto: thd unless the backend cannot)")
+    g.add_argument("--seq-format", default="auto", choices=("auto", "thd", "bshd"),
+                   help="mcore sequence format (auto: thd unless the backend cannot)")
     g.add_argument("--tp", type=int, default=1, help="tensor parallel size of the mcore run (spawned ranks)")
     g.add_argument("--reference", default="eager", choices=("eager", "sdpa"), help="HF attention of the reference")
     g.add_argument("--no-baseline", action="store_true", help="skip HF's other attention implementation (info row)")
@@ -127,7 +127,7 @@ def _options(args: argparse.Namespace, arch: Optional[str]) -> Any:
         arch=arch, model=args.model, config=args.config, random_weights=args.random_weights, scale=args.scale,
         settings=_pairs(args.set, "--set"), seed=args.seed, lengths=lengths, tokens=args.tokens, dtype=args.dtype,
         device=args.device, backend=args.backend, numerics=args.numerics, knobs=_pairs(args.knob, "--knob"),
-        layout=args.layout, tp=args.tp, reference=args.reference, baseline=not args.no_baseline,
+        seq_format=args.seq_format, tp=args.tp, reference=args.reference, baseline=not args.no_baseline,
         layers=not args.no_layers, bitwise=args.bitwise, tolerances=tolerances, invariance=args.invariance,
         invariance_tp=args.invariance_tp, ablation=args.ablation, vllm_python=vllm_python, vllm_kwargs=_pairs(args.vllm_arg, "--vllm-arg"),
         worst=args.worst, work_dir=args.work_dir, trust_remote_code=args.trust_remote_code,

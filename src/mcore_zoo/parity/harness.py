@@ -14,7 +14,7 @@ role           candidate vs reference                 gating    criterion
 parity         mcore (``--backend``) vs HF             yes       bitwise with ``--bitwise``, else
                                                                  the dtype's tolerances
 baseline       HF sdpa vs HF eager (or the reverse)    no        shows HF's own kernel noise
-invariance     batch 1 vs N (mcore, same layout)       yes       as parity
+invariance     batch 1 vs N (mcore, same format)       yes       as parity
 invariance     BSHD vs THD (mcore)                     yes       tolerance (padding changes the
                                                                  reduction length of attention GEMMs)
 invariance     TP k vs TP 1 (mcore)                    yes       tolerance (row-parallel layers sum
@@ -74,7 +74,7 @@ class ParityOptions:
     backend: str = "auto"
     numerics: Optional[str] = None
     knobs: dict[str, Any] = field(default_factory=dict)
-    layout: str = "auto"
+    seq_format: str = "auto"
     tp: int = 1
     reference: str = "eager"
     baseline: bool = True
@@ -133,7 +133,7 @@ def _have_te() -> bool:
 
 
 def resolve(opts: ParityOptions) -> dict[str, Any]:
-    """Fill the ``auto`` / unset options: device, dtype, backend, numerics profile, layout."""
+    """Fill the ``auto`` / unset options: device, dtype, backend, numerics profile, sequence format."""
     from ..numerics.profiles import get_profile
 
     cuda = torch.cuda.is_available()
@@ -161,19 +161,19 @@ def resolve(opts: ParityOptions) -> dict[str, Any]:
     if opts.knobs:
         profile = profile.with_knobs(**opts.knobs)
     profile = profile.for_device(device == "cuda")
-    layout = opts.layout
-    if layout == "auto":
-        layout = "bshd" if backend == "local" and profile.attention == "backend" else "thd"
-    if layout not in ("thd", "bshd"):
-        raise ZooError(f"--layout {layout!r}: use thd, bshd or auto")
-    if layout == "thd" and backend == "local" and profile.attention == "backend":
-        raise ZooError("--backend local with Megatron-Core's own attention cannot run THD: use --layout bshd,"
+    seq_format = opts.seq_format
+    if seq_format == "auto":
+        seq_format = "bshd" if backend == "local" and profile.attention == "backend" else "thd"
+    if seq_format not in ("thd", "bshd"):
+        raise ZooError(f"--seq-format {seq_format!r}: use thd, bshd or auto")
+    if seq_format == "thd" and backend == "local" and profile.attention == "backend":
+        raise ZooError("--backend local with Megatron-Core's own attention cannot run THD: use --seq-format bshd,"
                        " --backend portable, or a numerics profile with a zoo attention kernel (hf-exact)")  # fmt: skip
     if opts.tp < 1 or (opts.invariance_tp is not None and opts.invariance_tp < 2):
         raise ZooError("--tp must be >= 1 and --invariance-tp >= 2")
     tol = default_tolerance(dtype_name).with_overrides(**opts.tolerances)
     return {"device": device, "dtype_name": dtype_name, "dtype": DTYPES[dtype_name], "backend": backend,
-            "profile": profile, "layout": layout, "tolerance": tol}  # fmt: skip
+            "profile": profile, "seq_format": seq_format, "tolerance": tol}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- comparisons
@@ -279,7 +279,7 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
             runs[base.label] = base
         add(ref, base, "baseline", False, "tolerance")
         tol = tol.relaxed_by(comparisons[-1]["metrics"]).with_overrides(**opts.tolerances)  # --tol: as given
-    spec = McoreSpec(str(source.checkpoint), r["backend"], r["profile"], dtype, r["layout"], opts.tp, device)
+    spec = McoreSpec(str(source.checkpoint), r["backend"], r["profile"], dtype, r["seq_format"], opts.tp, device)
     export_dir = work / "export" if opts.vllm_python else None
     with progress.stage(f"megatron-core ({spec.label}, numerics {r['profile'].name})"):
         main = run_mcore(spec, sequences, capture=opts.layers, export_dir=export_dir)
@@ -289,9 +289,9 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
     export = check_export(source.checkpoint, export_dir, dtype) if export_dir is not None else None
     if opts.invariance or opts.invariance_tp:
         # a right-padded batch changes the reduction lengths of the attention GEMMs: never bitwise
-        variants = [(replace(spec, layout="bshd" if spec.layout == "thd" else "thd"), "tolerance")]
+        variants = [(replace(spec, seq_format="bshd" if spec.seq_format == "thd" else "thd"), "tolerance")]
         if spec.backend == "local" and r["profile"].attention == "backend":
-            variants = []  # local's own attention has no THD: nothing to compare the layout with
+            variants = []  # local's own attention has no THD: nothing to compare the format with
         variants.append((replace(spec, per_sequence=True), criterion))
         if opts.invariance_tp:
             tp_other = opts.invariance_tp if spec.tp == 1 else 1
@@ -306,7 +306,7 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
             variant = replace(spec, numerics=profile, tag=f"{knob}={value}")
             if spec.backend == "local" and profile.attention == "backend":
                 # mcore's own attention runs BSHD only: one sequence per forward, so no padding
-                variant = replace(variant, layout="bshd", per_sequence=True)
+                variant = replace(variant, seq_format="bshd", per_sequence=True)
             with progress.stage(f"megatron-core ablation ({knob}={value})"):
                 result = run_mcore(variant, sequences, capture=False)
                 runs[result.label] = result
@@ -378,7 +378,7 @@ def ablation_profiles(
 
     cuda = device == "cuda"
     other = get_profile("default" if profile.norm == "hf" else "hf-exact").for_device(cuda)
-    arch = architecture.convert(config)
+    arch = architecture.config_from_hf(config)
     out = []
     for knob, backends in _KNOB_BACKENDS.items():
         value = getattr(other, knob)
@@ -459,7 +459,7 @@ def _decode_worst(comparisons: list[dict[str, Any]], sequences: list[torch.Tenso
 
 
 def _zoo_version() -> str:
-    from .. import __version__
+    from .._version import __version__
 
     return __version__
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -314,8 +313,3 @@ def make_sequences(
         info["note"] = fallback
     return seqs, info
 
-
-def ensure_dir(path: os.PathLike) -> Path:
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    return path

@@ -165,7 +165,7 @@ def _engine_rows(report: dict[str, Any]) -> list[list[str]]:
     rows = []
     for label, info in report["runs"].items():
         if info["engine"] == "megatron-core":
-            what = f"backend `{info['backend']}`, {info['layout'].upper()}, TP {info['tp']}"
+            what = f"backend `{info['backend']}`, {info['seq_format'].upper()}, TP {info['tp']}"
             profile = f"`{info['numerics_profile']}`"
             modules = ", ".join(f"{k}={v}" for k, v in info["modules"].items())
         elif info["engine"] == "transformers":
@@ -453,12 +453,3 @@ def write_reports(report: dict[str, Any], out_dir: Path, stem: str, formats: Seq
         paths.append(path)
     return paths
 
-
-def load_report(path: Path) -> dict[str, Any]:
-    """Read a JSON report back (checks the schema version this code renders)."""
-    from .harness import SCHEMA_VERSION
-
-    report = json.loads(Path(path).read_text())
-    if report.get("schema_version") != SCHEMA_VERSION:
-        raise ValueError(f"{path}: schema_version {report.get('schema_version')!r}, this mcore-zoo reads {SCHEMA_VERSION}")
-    return report

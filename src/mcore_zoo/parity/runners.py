@@ -115,7 +115,7 @@ class McoreSpec:
         backend: ``te`` / ``local`` / ``portable``.
         numerics: a :class:`~mcore_zoo.numerics.profiles.NumericsProfile`.
         dtype: parameter / compute dtype.
-        layout: ``thd`` (one packed row) or ``bshd`` (right-padded batch).
+        seq_format: ``thd`` (one packed row) or ``bshd`` (right-padded batch).
         tp: tensor-parallel size (> 1 runs on spawned ranks).
         device: ``cpu`` or ``cuda``.
         per_sequence: run each sequence in its own forward (batch 1) instead of all at once.
@@ -126,7 +126,7 @@ class McoreSpec:
     backend: str
     numerics: Any
     dtype: torch.dtype
-    layout: str = "thd"
+    seq_format: str = "thd"
     tp: int = 1
     device: str = "cpu"
     per_sequence: bool = False
@@ -134,7 +134,7 @@ class McoreSpec:
 
     @property
     def label(self) -> str:
-        parts = ["mcore", self.backend, self.layout]
+        parts = ["mcore", self.backend, self.seq_format]
         if self.tp > 1:
             parts.append(f"tp{self.tp}")
         if self.per_sequence:
@@ -156,9 +156,9 @@ def _module_name(module: Any) -> str:
 
 def describe_mcore(model: torch.nn.Module) -> dict[str, Any]:
     """Backend modules, numerics profile and fusion flags of a zoo-built model."""
-    from ..build import model_info
+    from ..handle import handle_of
 
-    info = model_info(model)
+    info = handle_of(model)
     layer = model.decoder.layers[0] if len(model.decoder.layers) else None
     attn = getattr(layer, "self_attention", None)
     mlp = getattr(layer, "mlp", None)
@@ -180,8 +180,8 @@ def describe_mcore(model: torch.nn.Module) -> dict[str, Any]:
     return {
         "numerics_profile": info.numerics.name,
         "numerics_knobs": info.numerics.knobs(),
-        "fusions": {name: bool(getattr(info.config, name, False)) for name in FUSION_FIELDS},
-        "attention_backend": str(getattr(info.config, "attention_backend", "")).split(".")[-1],
+        "fusions": {name: bool(getattr(info.transformer_config, name, False)) for name in FUSION_FIELDS},
+        "attention_backend": str(getattr(info.transformer_config, "attention_backend", "")).split(".")[-1],
         "modules": modules,
         "params_not_in_dtype": other_dtypes,
     }
@@ -192,7 +192,7 @@ def _split_hidden(records: dict[str, list[torch.Tensor]], spec: McoreSpec, batch
     for site, recs in records.items():
         if spec.per_sequence:  # one record per sequence, each [1, padded len, h]
             out[site] = [rec[0, :n] for rec, n in zip(recs, lengths)]
-        elif spec.layout == "thd":
+        elif spec.seq_format == "thd":
             (rec,) = recs
             out[site] = [t.clone() for t in batch.unpack(rec)]
         else:
@@ -205,8 +205,9 @@ def _run_mcore_here(spec: McoreSpec, sequences: list[torch.Tensor], capture: boo
     """Build, run and (optionally) export in this process; returns None on TP ranks other than 0."""
     import mcore_zoo
     from ..packing import alignment_for, pack_sequences
-    from ..parallel import ensure_model_parallel, tp_rank_and_size
-    from ..config.arch import Parallelism
+    from ..handle import handle_of
+    from ..parallel import ensure_model_parallel
+    from ..placement import Parallelism
 
     ensure_model_parallel(Parallelism(tp=spec.tp))
     t0 = time.perf_counter()
@@ -220,15 +221,15 @@ def _run_mcore_here(spec: McoreSpec, sequences: list[torch.Tensor], capture: boo
     sites = mcore_sites(model) if capture else {}
     with torch.no_grad(), HiddenCapture(sites, to_bsh_mcore) as cap:
         if spec.per_sequence:
-            logits = [mcore_zoo.packed_forward(model, [s], layout=spec.layout, return_logprobs=False).logits[0]
+            logits = [mcore_zoo.packed_forward(model, [s], seq_format=spec.seq_format, return_logprobs=False).logits[0]
                       for s in sequences]  # fmt: skip
         else:
-            logits = mcore_zoo.packed_forward(model, batch, layout=spec.layout, return_logprobs=False).logits
+            logits = mcore_zoo.packed_forward(model, batch, seq_format=spec.seq_format, return_logprobs=False).logits
     if spec.device != "cpu" and torch.cuda.is_available():
         torch.cuda.synchronize()
     t_run = time.perf_counter()
     logits = [l.detach().to("cpu") for l in logits]
-    rank, _ = tp_rank_and_size()
+    rank = handle_of(model).placement.tp_rank
     if export_dir is not None:  # every TP rank takes part in the gathers; rank 0 writes the files
         if rank == 0:
             mcore_zoo.save_hf_checkpoint(model, export_dir, dtype=spec.dtype, overwrite=True)
@@ -238,12 +239,12 @@ def _run_mcore_here(spec: McoreSpec, sequences: list[torch.Tensor], capture: boo
     info = {
         "engine": "megatron-core",
         "backend": spec.backend,
-        "layout": spec.layout,
+        "seq_format": spec.seq_format,
         "tp": spec.tp,
         "dtype": _dtype_name(spec.dtype),
         "device": spec.device,
         "batching": "each sequence alone (batch 1)" if spec.per_sequence else (
-            "one THD pack (PackedSeqParams)" if spec.layout == "thd" else "one right-padded BSHD batch"),
+            "one THD pack (PackedSeqParams)" if spec.seq_format == "thd" else "one right-padded BSHD batch"),
         **describe_mcore(model),
         "seconds": {"build_and_load": round(t_load - t0, 3), "forward": round(t_run - t_load, 3)},
     }  # fmt: skip
@@ -294,9 +295,9 @@ def run_mcore(
     """
     export = str(export_dir) if export_dir is not None else None
     if spec.tp == 1:
-        from ..parallel import tp_rank_and_size
+        from ..placement import Placement
 
-        if tp_rank_and_size()[1] != 1:
+        if Placement.current().tp != 1:
             raise ZooError("this process already runs Megatron-Core with TP > 1; the parity runner needs TP=1 here")
         result = _run_mcore_here(spec, sequences, capture, export)
     else:

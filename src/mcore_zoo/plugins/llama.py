@@ -6,8 +6,7 @@ stays light (no torch / megatron): the converter imports what it needs when call
 
 from __future__ import annotations
 
-from mcore_zoo.entry import ModelEntry
-from mcore_zoo.hookspecs import hookimpl
+from mcore_zoo.plugin_api import ModelEntry, hookimpl
 
 EXAMPLE_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -37,7 +36,7 @@ EXAMPLE_CONFIG = {
 
 def convert(reader):  # type: ignore[no-untyped-def]
     """HF ``LlamaConfig`` -> ArchConfig. Biases: ``attention_bias`` (q, k, v, o) and ``mlp_bias``."""
-    from mcore_zoo.config.common import read_dense_decoder
+    from mcore_zoo.plugin_api import read_dense_decoder
 
     attention_bias = reader.map("attention_bias", "add_qkv_bias and add_bias_linear (q/k/v/o biases)", False)
     mlp_bias = reader.map_checked(
@@ -59,7 +58,7 @@ def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
             architecture="LlamaForCausalLM",
             model_type="llama",
             converter="mcore_zoo.plugins.llama:convert",
-            weight_rules="mcore_zoo.weights.dense:dense_decoder_weight_map",
+            weight_rules="mcore_zoo.plugin_api:dense_decoder_weight_map",
             example_config=EXAMPLE_CONFIG,
             description="Llama 2 / 3 / 3.1 / 3.2 (GQA, llama3 RoPE scaling, tied embeddings)",
         )

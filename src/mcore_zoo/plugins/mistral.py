@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from mcore_zoo.entry import ModelEntry
-from mcore_zoo.hookspecs import hookimpl
+from mcore_zoo.plugin_api import ModelEntry, hookimpl
 
 EXAMPLE_CONFIG = {
     "architectures": ["MistralForCausalLM"],
@@ -27,7 +26,7 @@ EXAMPLE_CONFIG = {
 def convert(reader):  # type: ignore[no-untyped-def]
     """HF ``MistralConfig`` -> ArchConfig. ``sliding_window`` applies to every layer (HF: a query
     sees the last ``sliding_window`` keys, itself included)."""
-    from mcore_zoo.config.common import read_dense_decoder
+    from mcore_zoo.plugin_api import read_dense_decoder
 
     window = reader.map(
         "sliding_window",
@@ -46,7 +45,7 @@ def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
             architecture="MistralForCausalLM",
             model_type="mistral",
             converter="mcore_zoo.plugins.mistral:convert",
-            weight_rules="mcore_zoo.weights.dense:dense_decoder_weight_map",
+            weight_rules="mcore_zoo.plugin_api:dense_decoder_weight_map",
             example_config=EXAMPLE_CONFIG,
             description="Mistral (sliding-window attention, GQA)",
         )

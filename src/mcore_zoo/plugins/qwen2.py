@@ -3,8 +3,7 @@ optional per-layer sliding window)."""
 
 from __future__ import annotations
 
-from mcore_zoo.entry import ModelEntry
-from mcore_zoo.hookspecs import hookimpl
+from mcore_zoo.plugin_api import ModelEntry, hookimpl
 
 EXAMPLE_CONFIG = {
     "architectures": ["Qwen2ForCausalLM"],
@@ -26,39 +25,8 @@ EXAMPLE_CONFIG = {
 }
 
 
-def read_qwen_window(reader, num_layers):  # type: ignore[no-untyped-def]
-    """Sliding-window fields shared by Qwen2 / Qwen3 (``use_sliding_window``, ``sliding_window``,
-    ``max_window_layers``, transformers-5 ``layer_types``) -> (window, per-layer flags)."""
-    from mcore_zoo.config.common import read_layer_types
-
-    use = reader.peek("use_sliding_window", False)
-    if not use:
-        reader.ignore("use_sliding_window", "false: full attention in every layer")
-        reader.ignore("sliding_window", "unused: use_sliding_window is false")
-        reader.ignore("max_window_layers", "unused: use_sliding_window is false")
-        window = None
-    else:
-        reader.map("use_sliding_window", "sliding-window attention on")
-        window = reader.map("sliding_window", "window_size=(sliding_window - 1, 0)")
-        if not isinstance(window, int) or window < 1:
-            raise reader.unsupported("sliding_window", window, "must be a positive integer")
-    if reader.has("layer_types"):
-        flags = read_layer_types(reader, num_layers, window)
-    elif window is not None:
-        first = reader.map("max_window_layers", "window_attn_skip_freq: layers >= max_window_layers slide")
-        flags = tuple(i >= first for i in range(num_layers))
-        flags = flags if any(flags) else None
-    else:
-        flags = None
-    if window is not None and reader.has("max_window_layers") and reader.has("layer_types"):
-        reader.ignore("max_window_layers", "already applied by transformers in layer_types")
-    if window is not None and flags is None:
-        window = None  # no layer slides
-    return window, flags
-
-
 def convert(reader):  # type: ignore[no-untyped-def]
-    from mcore_zoo.config.common import read_dense_decoder
+    from mcore_zoo.plugin_api import read_dense_decoder, read_qwen_window
 
     reader.expect("use_mrope", False, reason="multimodal RoPE (Qwen2-VL) is not supported by Qwen2ForCausalLM", default=False)
     window, flags = read_qwen_window(reader, reader.peek("num_hidden_layers"))
@@ -72,7 +40,7 @@ def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
             architecture="Qwen2ForCausalLM",
             model_type="qwen2",
             converter="mcore_zoo.plugins.qwen2:convert",
-            weight_rules="mcore_zoo.weights.dense:dense_decoder_weight_map",
+            weight_rules="mcore_zoo.plugin_api:dense_decoder_weight_map",
             example_config=EXAMPLE_CONFIG,
             description="Qwen2 / Qwen2.5 (q/k/v biases, tied embeddings on small sizes)",
         )

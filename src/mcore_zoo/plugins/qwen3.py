@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from mcore_zoo.entry import ModelEntry
-from mcore_zoo.hookspecs import hookimpl
+from mcore_zoo.plugin_api import ModelEntry, hookimpl
 
 EXAMPLE_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -27,8 +26,7 @@ EXAMPLE_CONFIG = {
 
 
 def convert(reader):  # type: ignore[no-untyped-def]
-    from mcore_zoo.config.common import read_dense_decoder
-    from mcore_zoo.plugins.qwen2 import read_qwen_window
+    from mcore_zoo.plugin_api import read_dense_decoder, read_qwen_window
 
     bias = reader.map("attention_bias", "add_qkv_bias and add_bias_linear (q/k/v/o biases)", False)
     if bias:
@@ -48,7 +46,7 @@ def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
             architecture="Qwen3ForCausalLM",
             model_type="qwen3",
             converter="mcore_zoo.plugins.qwen3:convert",
-            weight_rules="mcore_zoo.weights.dense:dense_decoder_weight_map",
+            weight_rules="mcore_zoo.plugin_api:dense_decoder_weight_map",
             example_config=EXAMPLE_CONFIG,
             description="Qwen3 dense (q/k RMSNorm, head_dim != hidden/heads)",
         )

@@ -38,6 +38,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from ..distributed.collectives import all_gather_rows
+
 KERNELS = ("auto", "eager", "sdpa", "varlen", "flash")
 
 
@@ -94,28 +96,6 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
         if _flash_attn_varlen() is not None:
             return "flash"
     return "sdpa"
-
-
-class _AllGatherRows(torch.autograd.Function):
-    """``[n, ...]`` on each rank of ``group`` -> ``[size, n, ...]``; backward sums the gradient over
-    the group and keeps this rank's rows (all-reduce: works on every backend, gloo included)."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
-        import torch.distributed as dist
-
-        ctx.group = group
-        out = tensor.new_empty((group.size(), *tensor.shape))
-        dist.all_gather(list(out.unbind(0)), tensor, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        import torch.distributed as dist
-
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad[ctx.group.rank()], None
 
 
 class PortableAttention(torch.nn.Module):
@@ -242,8 +222,8 @@ class PortableAttention(torch.nn.Module):
         """THD under context parallelism (see module docstring). ``cu_seqlens*`` are global."""
         group = self.cp_group
         cp, rank = group.size(), group.rank()
-        keys = _AllGatherRows.apply(key.contiguous(), group)  # [cp, t_local, g, d]
-        values = _AllGatherRows.apply(value.contiguous(), group)
+        keys = all_gather_rows(key.contiguous(), group)  # [cp, t_local, g, d]
+        values = all_gather_rows(value.contiguous(), group)
         padded = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         bounds = padded.tolist()
         lengths = params.cu_seqlens_q.diff().tolist()

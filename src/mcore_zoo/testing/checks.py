@@ -167,13 +167,13 @@ def check_config(architecture: Any, config: Mapping[str, Any], subject: str) -> 
                   " config class (transformers validates it): fix the value it names."):  # fmt: skip
         hf_config_object(dict(config))
     with contract("config", subject):
-        arch = architecture.convert(dict(config))
+        arch = architecture.config_from_hf(dict(config))
     blank = [r.field for r in arch.fields.records if not str(r.detail).strip()]
     if blank:
         fail("config", subject, f"fields classified without a target or reason: {blank}",
              "pass the mcore target to reader.map(...) and a reason to reader.ignore(...).")  # fmt: skip
     with contract("config", subject):
-        again = architecture.convert(dict(arch.hf_config))
+        again = architecture.config_from_hf(dict(arch.hf_config))
     if again != arch:
         first, second = arch.summary(), again.summary()
         diff = {k: (first[k], second.get(k)) for k in first if first[k] != second.get(k)}
@@ -185,14 +185,14 @@ def check_config(architecture: Any, config: Mapping[str, Any], subject: str) -> 
 # ---------------------------------------------------------------------------- weight map
 def check_weight_map(architecture: Any, checkpoint: Path, subject: str) -> None:
     """Bitwise HF -> mcore -> HF round trip that covers every tensor; no dead rules."""
-    from ..build import model_info
-    from ..weights.export import iter_hf_weights
+    from ..handle import handle_of
+    from ..distributed.export import iter_hf_weights
 
     torch = _torch()
     with contract("weight-map", subject):
         model = build(architecture, checkpoint, backend="local", numerics="default", load=checkpoint)
         source = load_safetensors_dir(checkpoint)
-        wmap = model_info(model).weight_map
+        wmap = handle_of(model).weight_map
         exported: dict[str, Any] = {}
         for name, tensor in iter_hf_weights(model):
             if name in exported:
@@ -224,7 +224,7 @@ def check_weight_map(architecture: Any, checkpoint: Path, subject: str) -> None:
 def check_parity(architecture: Any, checkpoint: Path, subject: str, *, sensitivity: bool = True) -> None:
     """Bitwise CPU fp32 parity with transformers (THD portable + BSHD hf-exact) and a RoPE mutation
     that must break it."""
-    from ..packing import packed_forward
+    from ..distributed.forward import packed_forward
 
     torch = _torch()
     with contract("parity", subject):
@@ -236,7 +236,7 @@ def check_parity(architecture: Any, checkpoint: Path, subject: str, *, sensitivi
     ids = torch.stack(random_sequences([40, 40, 40], vocab, seed=1))
     problems = []
     with torch.no_grad(), contract("parity", subject):
-        out = packed_forward(model, seqs, layout="thd")
+        out = packed_forward(model, seqs, seq_format="thd")
         for seq, logits, logprobs in zip(seqs, out.logits, out.logprobs):
             ref = hf(seq[None]).logits[0]
             try:
@@ -261,10 +261,10 @@ def check_parity(architecture: Any, checkpoint: Path, subject: str, *, sensitivi
 
 def check_rope_sensitivity(architecture: Any, checkpoint: Path, hf: Any, seqs: Sequence[Any], subject: str) -> None:
     """A model whose RoPE base is doubled must disagree with transformers by more than 1e-2."""
-    from ..packing import packed_forward
+    from ..distributed.forward import packed_forward
 
     torch = _torch()
-    config = dict(architecture.convert(str(checkpoint)).hf_config)
+    config = dict(architecture.config_from_hf(str(checkpoint)).hf_config)
     params = config.get("rope_parameters")
     if isinstance(params, dict) and params.get("rope_theta") is not None:
         config["rope_parameters"] = dict(params, rope_theta=params["rope_theta"] * 2)
@@ -366,24 +366,24 @@ def first_divergence(model: Any, hf: Any, ids: Any) -> tuple[str, str]:
 # ---------------------------------------------------------------------------- THD
 def check_thd(architecture: Any, checkpoint: Path, subject: str) -> None:
     """Packed THD == each sequence alone; alignment padding and masked padded batches change nothing."""
-    from ..build import model_info
+    from ..handle import handle_of
     from ..numerics.profiles import get_profile
-    from ..packing import packed_forward
+    from ..distributed.forward import packed_forward
 
     torch = _torch()
     problems = []
     with torch.no_grad(), contract("thd", subject):
         model = build(architecture, checkpoint, numerics=get_profile("default").with_knobs(attention="sdpa"), load=checkpoint)
-        vocab = model_info(model).arch.vocab_size
+        vocab = handle_of(model).arch_config.vocab_size
         seqs = random_sequences(PARITY_LENGTHS, vocab, seed=2)
-        packed = packed_forward(model, seqs, layout="thd", align=1).logits
+        packed = packed_forward(model, seqs, seq_format="thd", align=1).logits
         for seq, got in zip(seqs, packed):
             alone = model(seq[None], torch.arange(seq.numel())[None], None)[0]
             try:
                 assert_same(got, alone, f"packed vs alone, sequence of {seq.numel()} tokens")
             except AssertionError as exc:
                 problems.append(str(exc))
-        padded = packed_forward(model, seqs, layout="thd", align=8).logits
+        padded = packed_forward(model, seqs, seq_format="thd", align=8).logits
         for seq, a, b in zip(seqs, packed, padded):
             if not torch.equal(a, b):
                 problems.append(f"padding every sequence to a multiple of 8 changes the logits of the"
@@ -408,12 +408,12 @@ def tensor_parallel_rank(cases: Sequence[tuple[str, str, str]], tp: int) -> dict
     """Runs on every rank of a :func:`mcore_zoo.distributed.launch`: for each ``(subject,
     architecture, checkpoint)`` build with ``tensor_model_parallel_size=tp`` loading only this rank's
     chunks, run a packed forward and a gathered export. Errors are returned per case."""
-    from ..build import model_info
-    from ..config.arch import Parallelism
-    from ..packing import packed_forward
+    from ..handle import handle_of
+    from ..placement import Parallelism
+    from ..distributed.forward import packed_forward
     from ..parallel import ensure_model_parallel
     from ..registry import get_registry
-    from ..weights.export import iter_hf_weights
+    from ..distributed.export import iter_hf_weights
 
     torch = _torch()
     ensure_model_parallel(Parallelism(tp=tp))
@@ -422,7 +422,7 @@ def tensor_parallel_rank(cases: Sequence[tuple[str, str, str]], tp: int) -> dict
         try:
             architecture = get_registry().get(arch_name)
             model = build(architecture, checkpoint, load=checkpoint)
-            seqs = random_sequences(TP_LENGTHS, model_info(model).arch.vocab_size, seed=5)
+            seqs = random_sequences(TP_LENGTHS, handle_of(model).arch_config.vocab_size, seed=5)
             with torch.no_grad():
                 out = packed_forward(model, seqs)
             results[subject] = {"seqs": seqs, "logits": out.logits, "exported": dict(iter_hf_weights(model))}
@@ -449,7 +449,7 @@ def check_tensor_parallel(architecture: Any, checkpoint: Path, subject: str, ran
     with contract("tensor-parallel", subject):
         hf = reference(architecture, checkpoint)
         source = load_safetensors_dir(checkpoint)
-        expected = expected_export(architecture.weight_map(architecture.convert(str(checkpoint))), source)
+        expected = expected_export(architecture.weight_map(architecture.config_from_hf(str(checkpoint))), source)
     first = ranks[0][subject]
     with torch.no_grad():
         for seq, logits in zip(first["seqs"], first["logits"]):
@@ -492,7 +492,7 @@ def default_rejected(config: Mapping[str, Any]) -> dict[str, dict]:
 def check_bad_input(architecture: Any, config: Mapping[str, Any], checkpoint: Path, subject: str,
                     rejected: Optional[Mapping[str, Mapping[str, Any]]] = None) -> None:  # fmt: skip
     """Unknown fields, unsupported values and damaged checkpoints fail closed, naming the culprit."""
-    from ..build import model_info
+    from ..handle import handle_of
     from ..errors import (
         ConfigError,
         MissingTensorsError,
@@ -500,11 +500,11 @@ def check_bad_input(architecture: Any, config: Mapping[str, Any], checkpoint: Pa
         UnclassifiedConfigFieldsError,
         UnexpectedTensorsError,
     )
-    from ..weights.load import load_hf_state_dict
+    from ..distributed.load import load_hf_state_dict
 
     torch = _torch()
     try:
-        architecture.convert({**config, PROBE_FIELD: 1})
+        architecture.config_from_hf({**config, PROBE_FIELD: 1})
     except UnclassifiedConfigFieldsError as exc:
         if PROBE_FIELD not in exc.fields:
             fail("bad-input", subject, f"UnclassifiedConfigFieldsError does not name the unknown field: {exc}")
@@ -516,7 +516,7 @@ def check_bad_input(architecture: Any, config: Mapping[str, Any], checkpoint: Pa
              " classifies fields it does not know (a field that changes the model would pass silently)")  # fmt: skip
     for probe, overrides in (rejected if rejected is not None else default_rejected(config)).items():
         try:
-            architecture.convert({**config, **overrides})
+            architecture.config_from_hf({**config, **overrides})
         except ConfigError:
             pass
         except Exception as exc:
@@ -529,7 +529,7 @@ def check_bad_input(architecture: Any, config: Mapping[str, Any], checkpoint: Pa
     with contract("bad-input", subject):
         state = load_safetensors_dir(checkpoint)
         model = build(architecture, checkpoint, backend="local", numerics="default")
-        wmap = model_info(model).weight_map
+        wmap = handle_of(model).weight_map
     victim = next(
         (n for b in wmap.expand_full() if "{layer}" in b.rule.mcore for n in b.hf if n in state and state[n].dim() == 2),
         None,

@@ -40,7 +40,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    from .. import __version__
+    from .._version import __version__
 
     deps = ", ".join(f"{d} {_version(d)}" for d in ("megatron-core", "transformers", "torch"))
     return f"mcore-zoo {__version__} ({deps})"

@@ -225,7 +225,7 @@ class ConformanceSuite:
 
     def test_tensor_parallel(self, zoo_suite: _State) -> None:
         """One launch of ``tensor_parallel`` gloo ranks checks every example config."""
-        from ..config.arch import Parallelism
+        from ..placement import Parallelism
         from ..config.transformer import validate_layout
         from .checks import check_tensor_parallel, run_tensor_parallel
 
@@ -239,7 +239,7 @@ class ConformanceSuite:
             try:
                 architecture = zoo_suite.architecture(case)
                 with contract("tensor-parallel", f"{case.subject}, TP={tp}"):
-                    validate_layout(architecture.convert(zoo_suite.config(case)), Parallelism(tp=tp))
+                    validate_layout(architecture.config_from_hf(zoo_suite.config(case)), Parallelism(tp=tp))
                 runnable.append((case, architecture, zoo_suite.checkpoint(case, "tensor-parallel")))
             except ContractError as exc:
                 errors.append(exc)

@@ -1,9 +1,14 @@
-"""The weight table shared by Llama-like decoders (Llama, Mistral, Qwen2, Qwen3, ...)."""
+"""The weight table shared by Llama-like decoders (Llama, Mistral, Qwen2, Qwen3, ...).
+
+Plugins import these pieces from :mod:`mcore_zoo.plugin_api`.
+"""
 
 from __future__ import annotations
 
 from ..config.arch import ArchConfig
-from .rules import GATE_UP, IDENTITY, QKV, Rule, Transform, WeightMap, rule
+from .rules import (
+    IDENTITY, Rule, Transform, WeightMap, fused_gate_up, fused_qkv, replicated, row_parallel, rule,
+)  # fmt: skip
 
 LAYER = "decoder.layers.{layer}."
 HF_LAYER = "model.layers.{layer}."
@@ -14,58 +19,41 @@ ROTARY_BUFFER_IGNORED = (
 )
 
 
+def tied_lm_head_ignored(arch: ArchConfig) -> list[tuple[str, str]]:
+    """The ``lm_head.weight`` ignore pattern of a tied model (the output layer is the embedding)."""
+    if not arch.tie_word_embeddings:
+        return []
+    return [("lm_head.weight", "tie_word_embeddings: the output layer is model.embed_tokens.weight")]
+
+
 def attention_rules(arch: ArchConfig, *, hf_attn: str = "self_attn.") -> list[Rule]:
     """QKV (+bias), output projection (+bias), q/k norms."""
     a = HF_LAYER + hf_attn
+    qkv = LAYER + "self_attention.linear_qkv."
     rules = [
-        rule(
-            LAYER + "self_attention.linear_qkv.weight",
-            [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
-            tp_axis=0,
-            transform=QKV,
-        ),
-        rule(LAYER + "self_attention.linear_proj.weight", a + "o_proj.weight", tp_axis=1),
+        fused_qkv(qkv + "weight", q=a + "q_proj.weight", k=a + "k_proj.weight", v=a + "v_proj.weight"),
+        row_parallel(LAYER + "self_attention.linear_proj.weight", a + "o_proj.weight"),
     ]
     if arch.qkv_bias:
-        rules.append(
-            rule(
-                LAYER + "self_attention.linear_qkv.bias",
-                [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"],
-                tp_axis=0,
-                transform=QKV,
-            )
-        )
+        rules.append(fused_qkv(qkv + "bias", q=a + "q_proj.bias", k=a + "k_proj.bias", v=a + "v_proj.bias"))
     if arch.attn_output_bias:
-        rules.append(rule(LAYER + "self_attention.linear_proj.bias", a + "o_proj.bias"))
+        rules.append(replicated(LAYER + "self_attention.linear_proj.bias", a + "o_proj.bias"))
     if arch.qk_norm:
-        rules.append(rule(LAYER + "self_attention.q_layernorm.weight", a + "q_norm.weight"))
-        rules.append(rule(LAYER + "self_attention.k_layernorm.weight", a + "k_norm.weight"))
+        rules.append(replicated(LAYER + "self_attention.q_layernorm.weight", a + "q_norm.weight"))
+        rules.append(replicated(LAYER + "self_attention.k_layernorm.weight", a + "k_norm.weight"))
     return rules
 
 
-def gated_mlp_rules(arch: ArchConfig, *, hf_mlp: str = "mlp.", layer_kind: str = "all") -> list[Rule]:
-    m = HF_LAYER + hf_mlp
+def gated_mlp_rules(arch: ArchConfig, *, hf_mlp: str = "mlp.", mcore_mlp: str = "mlp.") -> list[Rule]:
+    """A gated MLP: ``linear_fc1`` from gate / up, ``linear_fc2`` from down (+ biases)."""
+    m, c = HF_LAYER + hf_mlp, LAYER + mcore_mlp
     rules = [
-        rule(
-            LAYER + "mlp.linear_fc1.weight",
-            [m + "gate_proj.weight", m + "up_proj.weight"],
-            tp_axis=0,
-            transform=GATE_UP,
-            layer_kind=layer_kind,
-        ),
-        rule(LAYER + "mlp.linear_fc2.weight", m + "down_proj.weight", tp_axis=1, layer_kind=layer_kind),
+        fused_gate_up(c + "linear_fc1.weight", gate=m + "gate_proj.weight", up=m + "up_proj.weight"),
+        row_parallel(c + "linear_fc2.weight", m + "down_proj.weight"),
     ]
     if arch.mlp_bias:
-        rules.append(
-            rule(
-                LAYER + "mlp.linear_fc1.bias",
-                [m + "gate_proj.bias", m + "up_proj.bias"],
-                tp_axis=0,
-                transform=GATE_UP,
-                layer_kind=layer_kind,
-            )
-        )
-        rules.append(rule(LAYER + "mlp.linear_fc2.bias", m + "down_proj.bias", layer_kind=layer_kind))
+        rules.append(fused_gate_up(c + "linear_fc1.bias", gate=m + "gate_proj.bias", up=m + "up_proj.bias"))
+        rules.append(replicated(c + "linear_fc2.bias", m + "down_proj.bias"))
     return rules
 
 
@@ -73,8 +61,9 @@ def embedding_rules(arch: ArchConfig) -> list[Rule]:
     """Word embeddings, final norm and output layer (tied or not)."""
     pad = vocab_transform(arch)
     rules = [
+        # column-parallel; a padded vocabulary pads the rows (mcore_zoo.vocab)
         rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", tp_axis=0, transform=pad),
-        rule("decoder.final_layernorm.weight", "model.norm.weight"),
+        replicated("decoder.final_layernorm.weight", "model.norm.weight"),
     ]
     if arch.tie_word_embeddings:
         # Only pipeline last stages with PP > 1 hold a separate output_layer.weight under tying.
@@ -104,12 +93,11 @@ def vocab_transform(arch: ArchConfig) -> Transform:
 
 def dense_decoder_weight_map(arch: ArchConfig) -> WeightMap:
     """Embedding, per-layer norms / attention / gated MLP, final norm, output layer."""
-    rules = embedding_rules(arch)
-    rules.append(rule(LAYER + "input_layernorm.weight", HF_LAYER + "input_layernorm.weight"))
-    rules += attention_rules(arch)
-    rules.append(rule(LAYER + "pre_mlp_layernorm.weight", HF_LAYER + "post_attention_layernorm.weight"))
-    rules += gated_mlp_rules(arch)
-    ignored = [ROTARY_BUFFER_IGNORED]
-    if arch.tie_word_embeddings:
-        ignored.append(("lm_head.weight", "tie_word_embeddings: the output layer is model.embed_tokens.weight"))
-    return WeightMap(arch, rules, ignored)
+    rules = [
+        *embedding_rules(arch),
+        replicated(LAYER + "input_layernorm.weight", HF_LAYER + "input_layernorm.weight"),
+        *attention_rules(arch),
+        replicated(LAYER + "pre_mlp_layernorm.weight", HF_LAYER + "post_attention_layernorm.weight"),
+        *gated_mlp_rules(arch),
+    ]
+    return WeightMap(arch, rules, [ROTARY_BUFFER_IGNORED, *tied_lm_head_ignored(arch)])

@@ -1,12 +1,11 @@
-"""Export a zoo-built model back to HF names, derived from the same rule table as loading.
+"""Export a zoo-built model back to HF names: the single-rank part, derived from the same rule
+table as loading.
 
-:func:`iter_hf_weights` is a streaming generator of ``(hf_name, tensor)`` for any layout: per
-rule, split the local mcore tensor into its HF pieces and all-gather each piece along its TP axis;
-under pipeline parallelism the stages' tensors are moved in bounded buckets
-(:func:`mcore_zoo.distributed.export.iter_hf_buckets`). Only one rule's tensors (or one bucket)
-are alive at a time. :func:`save_hf_checkpoint` writes a complete HF checkpoint (sharded
-safetensors + index + config.json) atomically from any layout and refuses to finish if any HF
-tensor of the model is missing from what was exported.
+:func:`stage_hf_weights` turns this rank's parameters into ``(hf_name, tensor)`` per rule (split
+each mcore tensor into its HF pieces; a caller-given ``gather`` joins tensor-parallel pieces), and
+:func:`write_hf_checkpoint` writes such items as an HF checkpoint (sharded safetensors + index +
+config.json), atomically. The job-wide export - TP gathers, pipeline buckets, re-sharding,
+``save_hf_checkpoint`` - is :mod:`mcore_zoo.distributed.export`.
 """
 
 from __future__ import annotations
@@ -14,81 +13,54 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
-from ..build import as_chunks, model_info
 from ..errors import MissingTensorsError, ZooError
-from ..hf_assets import copy_assets, source_of
+from ..hf_assets import copy_assets
 from ..progress import progress
-from .io import SafetensorsShardWriter, atomic_output_dir, check_output_dir
-from .load import bind_chunk
+from .io import SafetensorsShardWriter, atomic_output_dir
 from .rules import BoundRule, TransformContext
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..handle import ModelHandle
 
 logger = logging.getLogger(__name__)
 
-
-def _gather_tp(piece: torch.Tensor, axis: int, group: Any, size: int) -> torch.Tensor:
-    import torch.distributed as dist
-
-    piece = piece.contiguous()
-    parts = [torch.empty_like(piece) for _ in range(size)]
-    dist.all_gather(parts, piece, group=group)
-    return torch.cat(parts, dim=axis)
+#: ``gather(piece, axis)``: join this rank's tensor-parallel piece with the other TP ranks' pieces
+Gather = Callable[[torch.Tensor, int], torch.Tensor]
 
 
-def _tp_slot() -> tuple[int, int, Any]:
-    from megatron.core import parallel_state as ps
-
-    if not ps.model_parallel_is_initialized():
-        return 0, 1, None
-    return (
-        ps.get_tensor_model_parallel_rank(),
-        ps.get_tensor_model_parallel_world_size(),
-        ps.get_tensor_model_parallel_group(),
-    )
-
-
-def iter_stage_hf_weights(
-    model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
+def stage_hf_weights(
+    handle: "ModelHandle",
     *,
-    gather_tp: bool = True,
+    chunks: Optional[Sequence[torch.nn.Module]] = None,
+    gather: Optional[Gather] = None,
     dtype: Optional[torch.dtype] = None,
     meta: bool = False,
     grads: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, tensor)`` for the HF tensors this rank's chunks hold (its pipeline stage only).
+    """``(hf_name, tensor)`` for the HF tensors this rank's chunks hold (its pipeline stage only),
+    in model order (``chunks``: only these of the handle's chunks).
 
-    With ``gather_tp`` tensor-parallel pieces are all-gathered (all TP ranks must iterate
-    together). ``meta=True`` yields meta tensors of the shapes and dtypes the real iteration would
-    yield, without reading a parameter or issuing a collective (export planning). ``grads=True``
-    yields the parameters' ``.grad`` instead (a parameter without a gradient raises).
+    ``gather`` joins tensor-parallel pieces (``None``: each rank's own pieces). ``meta=True``
+    yields meta tensors of the shapes and dtypes the real iteration would yield (gathered shapes
+    when ``gather`` is given), without reading a parameter or calling ``gather`` (export planning).
+    ``grads=True`` yields the parameters' ``.grad`` instead (a parameter without a gradient raises).
     """
-    chunks = as_chunks(model)
-    info = model_info(chunks[0])
-    wmap = info.weight_map
-    tp_rank, tp_size, group = _tp_slot()
-    ctx = TransformContext(info.arch, tp_rank, tp_size)
-    gather: Callable[[torch.Tensor, int], torch.Tensor]
-    if meta:
+    ctx = handle.transform_context()
+    tp_size = ctx.tp_size
+    if meta and gather is not None:
 
         def gather(piece: torch.Tensor, axis: int) -> torch.Tensor:
             shape = list(piece.shape)
             shape[axis] *= tp_size
             return piece.new_empty(shape)
 
-    else:
-
-        def gather(piece: torch.Tensor, axis: int) -> torch.Tensor:
-            return _gather_tp(piece, axis, group, tp_size)
-
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dtype) if dtype is not None else t
-
-    for chunk in chunks:
+    for chunk in handle.chunks if chunks is None else chunks:
         params = dict(chunk.named_parameters())
-        for b in bind_chunk(wmap, chunk):
+        for b in handle.bound_rules(chunk):
             if not b.rule.export:
                 continue
             param = params[b.mcore]
@@ -96,8 +68,8 @@ def iter_stage_hf_weights(
                 raise ZooError(f"parameter {b.mcore!r} has no gradient")
             source = param.grad if grads else param
             local = torch.empty(param.shape, dtype=param.dtype, device="meta") if meta else source.detach()
-            for name, tensor in export_rule(b, local, ctx, gather if gather_tp and tp_size > 1 else None):
-                yield name, cast(tensor)
+            for name, tensor in export_rule(b, local, ctx, gather if tp_size > 1 else None):
+                yield name, (tensor.to(dtype) if dtype is not None else tensor)
 
 
 def export_rule(
@@ -127,40 +99,11 @@ def export_rule(
         yield name, torch.cat([piece for _, piece in selected], dim=selected[0][0][0])
 
 
-def iter_hf_weights(
-    model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
-    *,
-    gather_tp: bool = True,
-    dtype: Optional[torch.dtype] = None,
-    ranks: Optional[Sequence[int]] = None,
-    bucket_size: Union[int, str] = "512MB",
-    grads: bool = False,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for every HF tensor of the model, from any layout.
-
-    Every rank of the job must iterate to the end (the iteration issues collectives). By default
-    every rank receives every tensor, gathered over TP and PP (model order, one bucket of at most
-    ``bucket_size`` bytes - or one tensor, if larger - alive at a time). ``ranks``: only these
-    global ranks receive tensors; the others yield nothing (a model-parallel group without any of
-    them does no work at all). ``gather_tp=False``: each rank yields the pieces it holds, for its
-    own pipeline stage only, without communication. Tensors are detached; ``dtype`` casts them
-    (before any transfer). ``grads=True`` yields the parameters' gradients under HF names instead
-    (gradient parity checks).
-    """
-    if not gather_tp:
-        yield from iter_stage_hf_weights(model, gather_tp=False, dtype=dtype, grads=grads)
-        return
-    from ..distributed.export import iter_hf_buckets
-
-    for bucket in iter_hf_buckets(model, bucket_size=bucket_size, dtype=dtype, ranks=ranks, grads=grads):
-        yield from bucket
-
-
-def hf_config_for_export(model: Any, dtype: Optional[torch.dtype] = None) -> dict[str, Any]:
+def hf_config_for_export(handle: "ModelHandle", dtype: Optional[torch.dtype] = None) -> dict[str, Any]:
     """The HF config dict to save next to exported weights."""
-    info = model_info(as_chunks(model)[0])
-    config = dict(info.arch.hf_config)
-    config.setdefault("architectures", [info.arch.architecture])
+    arch = handle.arch_config
+    config = dict(arch.hf_config)
+    config.setdefault("architectures", [arch.architecture])
     if dtype is not None:
         name = str(dtype).replace("torch.", "")
         for key in ("dtype", "torch_dtype"):
@@ -200,62 +143,3 @@ def write_hf_checkpoint(
         copy_assets(assets, tmp)
     logger.info("wrote HF checkpoint %s: %d tensors in %d file(s)", out_dir, len(written), len(files))
     return files
-
-
-def save_hf_checkpoint(
-    model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
-    out_dir: Union[str, os.PathLike],
-    *,
-    dtype: Optional[torch.dtype] = None,
-    max_shard_size: Union[int, str] = "5GB",
-    overwrite: bool = False,
-    writer_rank: int = 0,
-) -> list[str]:
-    """Write a complete HF checkpoint (safetensors + config.json) that transformers loads, with the
-    tokenizer files and ``generation_config.json`` of the checkpoint the model was loaded from.
-
-    Any layout: in a multi-process job every rank calls it; global rank ``writer_rank`` gathers
-    the tensors (bucket by bucket) and writes, the others take part in the gathers. Every rank
-    returns the weight file names, or raises if the writer failed. Nothing is left at ``out_dir``
-    if any step fails.
-    """
-    import torch.distributed as dist
-
-    chunks = as_chunks(model)
-    info = model_info(chunks[0])
-    needed = info.weight_map.hf_names()
-    config = hf_config_for_export(chunks, dtype)
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return write_hf_checkpoint(iter_hf_weights(chunks, dtype=dtype), out_dir, needed=needed, config=config,
-                                   max_shard_size=max_shard_size, overwrite=overwrite, assets=source_of(chunks))  # fmt: skip
-    writer = dist.get_rank() == writer_rank
-    verdict: list[Any] = [None]
-    if writer:  # a refusal known up front must not leave the other ranks inside the gathers
-        try:
-            check_output_dir(out_dir, overwrite=overwrite)
-        except FileExistsError as exc:
-            verdict[0] = str(exc)
-    dist.broadcast_object_list(verdict, src=writer_rank)
-    if verdict[0] is not None:
-        raise FileExistsError(verdict[0])
-    items = iter_hf_weights(chunks, dtype=dtype, ranks=[writer_rank])
-    outcome: list[Any] = [None]
-    if writer:
-        try:
-            outcome[0] = ("ok", write_hf_checkpoint(items, out_dir, needed=needed, config=config, max_shard_size=max_shard_size,
-                                                    overwrite=overwrite, assets=source_of(chunks)))  # fmt: skip
-        except Exception as exc:
-            outcome[0] = ("error", f"{type(exc).__name__}: {exc}")
-            _drain(items)  # keep the collectives matched so the other ranks get the verdict
-    else:
-        _drain(items)
-    dist.broadcast_object_list(outcome, src=writer_rank)
-    status, value = outcome[0]
-    if status != "ok":
-        raise ZooError(f"save_hf_checkpoint failed on rank {writer_rank}: {value}")
-    return value
-
-
-def _drain(items: Iterator[Any]) -> None:
-    for _ in items:
-        pass

@@ -37,7 +37,6 @@ import os
 import posixpath
 import shutil
 import struct
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path

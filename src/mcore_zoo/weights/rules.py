@@ -218,6 +218,33 @@ def rule(
     return Rule(mcore, tuple(Source(n, tp_axis) for n in names), transform, export, layer_kind, note)
 
 
+def replicated(mcore: str, hf: str, *, note: str = "") -> Rule:
+    """A parameter every tensor-parallel rank holds whole (norms, row-parallel biases)."""
+    return rule(mcore, hf, note=note)
+
+
+def column_parallel(mcore: str, hf: str, *, note: str = "") -> Rule:
+    """A column-parallel weight (or bias, or the vocabulary): rows split across TP ranks."""
+    return rule(mcore, hf, tp_axis=0, note=note)
+
+
+def row_parallel(mcore: str, hf: str, *, note: str = "") -> Rule:
+    """A row-parallel weight: input columns split across TP ranks."""
+    return rule(mcore, hf, tp_axis=1, note=note)
+
+
+def fused_qkv(mcore: str, *, q: str, k: str, v: str, note: str = "") -> Rule:
+    """mcore ``linear_qkv`` (weight or bias) from separate q / k / v projections, interleaved per
+    query group, column-parallel."""
+    return rule(mcore, [q, k, v], tp_axis=0, transform=QKV, note=note)
+
+
+def fused_gate_up(mcore: str, *, gate: str, up: str, note: str = "") -> Rule:
+    """mcore ``linear_fc1`` (weight or bias) of a gated MLP from separate gate / up projections,
+    column-parallel (each TP rank holds its share of gate, then of up)."""
+    return rule(mcore, [gate, up], tp_axis=0, transform=GATE_UP, note=note)
+
+
 def split_rows(hf: str, sizes: Sequence[int], *, tp_axis: Optional[int] = 0, axis: int = 0) -> tuple[Source, ...]:
     """Sources for consecutive parts of one fused HF tensor (e.g. ``qkv_proj`` -> q, k, v rows)."""
     sources, start = [], 0

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 
 def weight_map(arch):  # type: ignore[no-untyped-def]
-    from mcore_zoo import GATE_UP, QKV, Rule, WeightMap, rule, split_rows
-    from mcore_zoo.weights.dense import HF_LAYER, LAYER, ROTARY_BUFFER_IGNORED, embedding_rules
+    from mcore_zoo.plugin_api import GATE_UP, HF_LAYER, LAYER, QKV, ROTARY_BUFFER_IGNORED, Rule, WeightMap, embedding_rules, rule, split_rows
 
     q_rows = arch.num_attention_heads * arch.head_dim
     kv_rows = arch.num_query_groups * arch.head_dim

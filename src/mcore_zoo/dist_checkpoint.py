@@ -69,17 +69,17 @@ def meta_model(
 ) -> torch.nn.Module:  # fmt: skip
     """The single-process (TP = PP = 1) model on the ``meta`` device: names, shapes, sharding
     metadata and the bound weight map, without memory."""
-    from .build import build_chunk, prepare
-    from .config.arch import Parallelism
+    from .build import prepare
+    from .placement import Parallelism
 
     _single_process()
-    architecture, arch, options, config = prepare(
+    plan = prepare(
         source, backend=backend, params_dtype=params_dtype, parallel=Parallelism(),
         overrides={"use_cpu_initialization": True}, perform_initialization=False,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
     )  # fmt: skip
     with torch.device("meta"):
-        return build_chunk(architecture, arch, options, config)
+        return plan.new_handle().attach(plan.build_chunk())
 
 
 def _checkpoint_dtype(ckpt: Any) -> torch.dtype:
@@ -106,11 +106,10 @@ def hf_to_mcore(
     the vocabulary as a Megatron trainer configured so expects it (recorded; the way back unpads). Every check of
     :func:`mcore_zoo.load_hf_weights` (coverage both ways, shapes) runs before anything is written.
     """
-    from .build import model_info
     from .distributed.io import sharded_layout, write_streaming
+    from .handle import handle_of
     from .weights.io import HFCheckpoint, atomic_output_dir
-    from .weights.load import bind_chunk, plan_load, read_rule_into
-    from .weights.rules import TransformContext
+    from .weights.load import plan_load, read_rule_into
 
     from .hf_assets import MCORE_ASSET_DIR, copy_assets
     from .hub import resolve
@@ -119,11 +118,11 @@ def hf_to_mcore(
     with HFCheckpoint(hf_dir) as ckpt:
         dtype = parse_dtype(params_dtype) or _checkpoint_dtype(ckpt)
         model = meta_model(hf_dir, backend=backend, params_dtype=dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
-        info = model_info(model)
-        plan_load(model, ckpt)  # coverage, unmapped parameters, shapes: all before writing
-        rules = {b.mcore: b for b in bind_chunk(info.weight_map, model)}
+        handle = handle_of(model)
+        plan_load(handle, ckpt)  # coverage, unmapped parameters, shapes: all before writing
+        rules = {b.mcore: b for b in handle.bound_rules(model)}
         layout = sharded_layout(model)
-        ctx = TransformContext(info.arch)
+        ctx = handle.transform_context()
 
         def produce(name: str) -> torch.Tensor:
             shape, param_dtype = layout.params[name]
@@ -137,8 +136,8 @@ def hf_to_mcore(
                 write_streaming(layout, _with_progress(produce, len(layout.params), "hf -> mcore"), tmp)
             meta = {
                 "format_version": FORMAT_VERSION,
-                "architecture": info.arch.architecture,
-                "hf_config": info.arch.hf_config,
+                "architecture": handle.arch_config.architecture,
+                "hf_config": handle.arch_config.hf_config,
                 "params_dtype": str(dtype).replace("torch.", ""),
                 "backend": backend,
                 "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
@@ -244,11 +243,11 @@ def load_mcore_checkpoint(model: Any, mcore_dir: Union[str, os.PathLike]) -> Non
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    from .build import as_chunks
-    from .distributed.layout import current_layout
+    from .handle import handle_of
 
-    chunks = as_chunks(model)
-    current_layout(chunks)  # before any IO
+    handle = handle_of(model)
+    handle.check_current()  # before any IO
+    chunks = handle.chunks
     request = {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
     state, missing, unexpected = dist_checkpointing.load(request, str(mcore_dir), strict=StrictHandling.RETURN_ALL)
     absent = sorted(k for k in unexpected if not re.search(r"_extra_state(/|$)", k))  # asked for, not stored
@@ -283,11 +282,9 @@ def mcore_to_hf(
 ) -> list[str]:
     """Megatron-Core distributed checkpoint (written by :func:`hf_to_mcore`, or saved by a training
     job from a zoo-built model of any layout) -> HF checkpoint, one decoder layer at a time."""
-    from .build import model_info
     from .distributed.io import read_params, sharded_layout
+    from .handle import handle_of
     from .weights.export import export_rule, hf_config_for_export, write_hf_checkpoint
-    from .weights.load import bind_chunk
-    from .weights.rules import TransformContext
 
     from .hf_assets import MCORE_ASSET_DIR
     from .progress import progress
@@ -295,10 +292,10 @@ def mcore_to_hf(
     meta = read_meta(mcore_dir)
     model = meta_model(meta["hf_config"], backend=meta.get("backend", "local"), params_dtype=parse_dtype(meta.get("params_dtype")),
                        make_vocab_size_divisible_by=meta.get("make_vocab_size_divisible_by"))  # fmt: skip
-    info = model_info(model)
-    rules = {b.mcore: b for b in bind_chunk(info.weight_map, model) if b.rule.export}
+    handle = handle_of(model)
+    rules = {b.mcore: b for b in handle.bound_rules(model) if b.rule.export}
     layout = sharded_layout(model)
-    ctx = TransformContext(info.arch)
+    ctx = handle.transform_context()
     out_dtype = parse_dtype(dtype)
 
     def items() -> Iterator[tuple[str, torch.Tensor]]:
@@ -311,6 +308,6 @@ def mcore_to_hf(
                             yield hf_name, hf_tensor.to(out_dtype) if out_dtype is not None else hf_tensor
 
     return write_hf_checkpoint(
-        items(), out_dir, needed=info.weight_map.hf_names(), config=hf_config_for_export(model, out_dtype),
+        items(), out_dir, needed=handle.weight_map.hf_names(), config=hf_config_for_export(handle, out_dtype),
         max_shard_size=max_shard_size, overwrite=overwrite, inputs=[mcore_dir], assets=Path(mcore_dir) / MCORE_ASSET_DIR,
     )  # fmt: skip

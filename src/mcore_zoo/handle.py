@@ -1,0 +1,166 @@
+"""The model handle: everything the zoo knows about a model it built, in one value.
+
+:func:`mcore_zoo.build_model` (and the provider of :func:`mcore_zoo.model_provider`) attach one
+:class:`ModelHandle` to every ``GPTModel`` chunk it builds (``chunk.mcore_zoo``). Every operation -
+loading, export, re-sharding, distributed checkpoints, the packed forward - starts with
+:func:`handle_of` and reads from the handle instead of re-deriving anything:
+
+* ``architecture`` - the registered :class:`~mcore_zoo.architecture.Architecture` (the plugin
+  contributions, extensions applied);
+* ``arch_config`` - the converted :class:`~mcore_zoo.config.arch.ArchConfig`;
+* ``options`` / ``transformer_config`` - how it was built;
+* ``placement`` - the parallel sizes, this rank's coordinates and the process groups
+  (:class:`~mcore_zoo.placement.Placement`, taken once at build time);
+* ``chunks`` - this rank's ``GPTModel`` chunks (one, or one per virtual-pipeline stage), unwrapped;
+* ``hf_source`` - the HF checkpoint the weights came from (its tokenizer files travel with exports);
+* the weight map, and its rules bound to each chunk (expert-parallel offsets applied, TP axes
+  checked against Megatron-Core's own ``partition_dim``), computed once.
+
+This module imports neither the build nor any operation, so all of them can import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+
+import torch
+
+from .errors import WeightMapError, ZooError
+from .placement import Placement
+from .weights.rules import BoundRule, TransformContext, WeightMap
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .architecture import Architecture
+    from .config.arch import ArchConfig
+    from .config.transformer import BuildOptions
+    from .numerics.profiles import NumericsProfile
+
+HANDLE_ATTR = "mcore_zoo"
+
+
+@dataclass(eq=False)
+class ModelHandle:
+    """One zoo-built model on this rank (see the module docstring)."""
+
+    architecture: "Architecture"
+    arch_config: "ArchConfig"
+    options: "BuildOptions"
+    transformer_config: Any
+    placement: Placement
+    hf_source: Optional[str] = None  # the HF checkpoint directory the weights were loaded from
+    _chunks: dict[int, torch.nn.Module] = field(default_factory=dict, repr=False)
+    _weight_map: Optional[WeightMap] = field(default=None, repr=False)
+    _bound: dict[int, list[BoundRule]] = field(default_factory=dict, repr=False)
+
+    # ------------------------------------------------------------------ chunks
+    def attach(self, chunk: torch.nn.Module, vp_stage: Optional[int] = None) -> torch.nn.Module:
+        """Record ``chunk`` as virtual-pipeline stage ``vp_stage`` (0 without VPP) of this model."""
+        setattr(chunk, HANDLE_ATTR, self)
+        self._chunks[vp_stage or 0] = chunk
+        self._bound.pop(id(chunk), None)
+        return chunk
+
+    @property
+    def chunks(self) -> list[torch.nn.Module]:
+        """This rank's chunks in virtual-pipeline order."""
+        return [self._chunks[k] for k in sorted(self._chunks)]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.chunks[0].parameters()).device
+
+    # ------------------------------------------------------------------ shortcuts
+    @property
+    def backend(self) -> str:
+        return self.options.backend
+
+    @property
+    def numerics(self) -> "NumericsProfile":
+        return self.options.numerics
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return self.options.params_dtype
+
+    # ------------------------------------------------------------------ weights
+    @property
+    def weight_map(self) -> WeightMap:
+        if self._weight_map is None:
+            self._weight_map = self.architecture.weight_map(self.arch_config)
+        return self._weight_map
+
+    def transform_context(self) -> TransformContext:
+        """What the weight transforms need: the architecture and this rank's TP slot."""
+        return TransformContext(self.arch_config, self.placement.tp_rank, self.placement.tp)
+
+    def bound_rules(self, chunk: torch.nn.Module) -> list[BoundRule]:
+        """The weight rules bound to ``chunk`` (cached): local layer / expert indices mapped to
+        global HF ones, and each rule's tensor-parallel axes checked against the parameter's own
+        ``partition_dim`` (Megatron-Core and Transformer Engine set it on every split parameter)."""
+        key = id(chunk)
+        if key not in self._bound:
+            wmap = self.weight_map
+            moe = self.arch_config.moe
+            if moe is None:
+                bound = wmap.bind(chunk)
+            else:
+                local = moe.num_experts // self.placement.ep
+                bound = wmap.bind(chunk, expert_offset=self.placement.ep_rank * local, num_local_experts=local)
+            params = dict(chunk.named_parameters())
+            for b in bound:
+                check_partition_dim(b, params[b.mcore])
+            self._bound[key] = bound
+        return self._bound[key]
+
+    # ------------------------------------------------------------------ checks
+    def check_current(self) -> None:
+        """Raise :class:`~mcore_zoo.errors.LayoutError` when the running parallel state is not the
+        one this model was built for, or this rank's chunks are incomplete."""
+        from .errors import LayoutError
+
+        self.placement.check_still_current()
+        if len(self._chunks) != self.placement.vpp:
+            raise LayoutError(
+                f"{self.arch_config.architecture}: {self.placement.vpp} virtual-pipeline chunk(s) per stage,"
+                f" {len(self._chunks)} built"
+            )
+
+
+def check_partition_dim(b: BoundRule, param: torch.Tensor) -> None:
+    """The rule's declared TP axes must be the parameter's ``partition_dim`` (split parameters) or
+    ``None`` (replicated ones). Raises :class:`WeightMapError` naming the parameter."""
+    if not hasattr(param, "tensor_model_parallel"):
+        return  # a module that does not declare its split (never the case for mcore / TE layers)
+    split = bool(param.tensor_model_parallel)
+    want = getattr(param, "partition_dim", None) if split else None
+    if split and want is None:
+        return
+    bad = [axis for axis in b.tp_axes if axis != want]
+    if bad:
+        raise WeightMapError(
+            f"rule for {b.mcore!r} declares tensor-parallel axes {list(b.tp_axes)}, but Megatron-Core"
+            + (f" splits the parameter along dim {want}" if split else " replicates the parameter")
+        )
+
+
+def unwrap(model: Any) -> torch.nn.Module:
+    """Strip DDP / Float16Module-style wrappers (``.module`` chains)."""
+    while not hasattr(model, HANDLE_ATTR) and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def handle_of(model: Union[ModelHandle, torch.nn.Module, Sequence[torch.nn.Module]]) -> ModelHandle:
+    """The :class:`ModelHandle` of a zoo-built model: a chunk (wrapped or not), the list of this
+    rank's chunks, or the handle itself."""
+    if isinstance(model, ModelHandle):
+        return model
+    first = model[0] if isinstance(model, (list, tuple)) and model else model
+    handle = getattr(unwrap(first), HANDLE_ATTR, None)
+    if not isinstance(handle, ModelHandle):
+        raise ZooError("this model was not built by mcore_zoo (no model handle attached)")
+    return handle
+
+
+__all__ = ["ModelHandle", "handle_of", "unwrap", "check_partition_dim", "HANDLE_ATTR"]

@@ -1,0 +1,200 @@
+"""Where a model sits in the job: the requested parallel sizes and this rank's place in them.
+
+Two values, computed once:
+
+* :class:`Parallelism` - the layout a user asks for (sizes only: ``tp``, ``pp``, ``vpp``, ``cp``,
+  ``ep``, ``etp``, sequence parallel). Pure data: it can be validated against an architecture
+  before any process group exists.
+* :class:`Placement` - the layout in effect for this process: the sizes, this rank's coordinate in
+  every group and the process groups themselves. :meth:`Placement.current` reads Megatron-Core's
+  ``parallel_state`` once (or describes a single process when it is not initialised); a built model
+  carries its placement in its handle (:mod:`mcore_zoo.handle`), and every operation (load, export,
+  forward, checkpoints) reads ranks and groups from there.
+
+This is the only module that asks Megatron-Core "which rank am I". It imports Megatron-Core lazily,
+so it can be imported by light modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .errors import LayoutError
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """A Megatron parallel layout (sizes only).
+
+    ``vpp`` is the number of virtual pipeline chunks per stage (``None`` = no interleaving);
+    ``etp`` is the expert tensor-parallel size (``None`` = same as ``tp``).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None
+    cp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None
+    sequence_parallel: bool = False
+
+    def world_size_needed(self) -> int:
+        """Ranks of one model replica's dense part: ``tp * pp * cp``."""
+        return self.tp * self.pp * self.cp
+
+    @property
+    def chunks_per_stage(self) -> int:
+        return self.vpp or 1
+
+    def replace(self, **changes: Any) -> "Parallelism":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """The process groups of one placement (``None`` where the group has one member or none exists)."""
+
+    tp: Any = None
+    pp: Any = None
+    cp: Any = None
+    dp_cp: Any = None  # data parallel with context parallel: ranks holding identical dense weights
+    ep: Any = None
+    expert_dp: Any = None  # ranks holding identical expert weights
+    model_parallel: Any = None  # TP x PP (x CP): one model replica
+
+
+@dataclass(frozen=True)
+class Placement:
+    """This process's place in the parallel layout of a model.
+
+    Attributes:
+        parallel: the sizes (:class:`Parallelism`).
+        rank, world_size: global rank and size (0 / 1 without ``torch.distributed``).
+        tp_rank, pp_rank, cp_rank, ep_rank, dp_rank: coordinates in each group.
+        groups: the process groups (not compared; ``None`` for a single process).
+    """
+
+    parallel: Parallelism = Parallelism()
+    rank: int = 0
+    world_size: int = 1
+    tp_rank: int = 0
+    pp_rank: int = 0
+    cp_rank: int = 0
+    ep_rank: int = 0
+    dp_rank: int = 0
+    groups: ProcessGroups = field(default_factory=ProcessGroups, compare=False, repr=False)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def single(cls, parallel: Optional[Parallelism] = None) -> "Placement":
+        """One process holding the whole model (no process groups needed)."""
+        return cls(parallel or Parallelism())
+
+    @classmethod
+    def current(cls) -> "Placement":
+        """The placement of the initialised Megatron parallel state (single process if none)."""
+        from megatron.core import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            return cls.single()
+        import torch.distributed as dist
+
+        vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+        parallel = Parallelism(
+            tp=ps.get_tensor_model_parallel_world_size(),
+            pp=ps.get_pipeline_model_parallel_world_size(),
+            vpp=vpp if vpp and vpp > 1 else None,
+            cp=ps.get_context_parallel_world_size(),
+            ep=ps.get_expert_model_parallel_world_size(),
+            etp=ps.get_expert_tensor_parallel_world_size(),
+        )
+        groups = ProcessGroups(
+            tp=ps.get_tensor_model_parallel_group(),
+            pp=ps.get_pipeline_model_parallel_group(),
+            cp=ps.get_context_parallel_group(),
+            dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
+            ep=ps.get_expert_model_parallel_group(),
+            expert_dp=ps.get_expert_data_parallel_group(),
+            model_parallel=ps.get_model_parallel_group(),
+        )
+        return cls(
+            parallel=parallel,
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            cp_rank=ps.get_context_parallel_rank(),
+            ep_rank=ps.get_expert_model_parallel_rank(),
+            dp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
+            groups=groups,
+        )
+
+    def with_model_options(self, parallel: Parallelism) -> "Placement":
+        """This placement with the model-only options of ``parallel`` (sequence parallel) applied;
+        the sizes must agree."""
+        self.check_sizes(parallel, what="requested")
+        return dataclasses.replace(self, parallel=parallel)
+
+    # ------------------------------------------------------------------ checks
+    def check_sizes(self, parallel: Parallelism, *, what: str = "model built for") -> None:
+        """Raise :class:`LayoutError` listing every size on which ``parallel`` and this placement
+        disagree (``vpp`` compared as chunks per stage)."""
+        mine = self.parallel
+        wrong = [
+            f"{name}: {what} {getattr(parallel, name)}, parallel state has {getattr(mine, name)}"
+            for name in ("tp", "pp", "cp", "ep")
+            if getattr(parallel, name) != getattr(mine, name)
+        ]
+        if parallel.chunks_per_stage != mine.chunks_per_stage:
+            wrong.append(f"vpp: {what} {parallel.vpp}, parallel state has {mine.vpp}")
+        if wrong:
+            raise LayoutError("model and parallel state disagree:\n" + "\n".join(f"  - {w}" for w in wrong))
+
+    def check_still_current(self) -> None:
+        """Raise :class:`LayoutError` when the running parallel state is not the one this placement
+        was taken from (a model built for TP 1 used under a TP 2 state, say)."""
+        Placement.current().check_sizes(self.parallel)
+
+    # ------------------------------------------------------------------ shortcuts
+    @property
+    def tp(self) -> int:
+        return self.parallel.tp
+
+    @property
+    def pp(self) -> int:
+        return self.parallel.pp
+
+    @property
+    def cp(self) -> int:
+        return self.parallel.cp
+
+    @property
+    def ep(self) -> int:
+        return self.parallel.ep
+
+    @property
+    def vpp(self) -> int:
+        """Virtual-pipeline chunks per stage (1 without interleaving)."""
+        return self.parallel.chunks_per_stage
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.parallel.sequence_parallel
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def distributed(self) -> bool:
+        """More than one process in the job."""
+        return self.world_size > 1
+
+
+__all__ = ["Parallelism", "Placement", "ProcessGroups"]
