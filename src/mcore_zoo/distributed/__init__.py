@@ -7,6 +7,8 @@
 * :func:`iter_hf_weights`, :func:`iter_hf_buckets`, :func:`iter_hf_shards`,
   :func:`save_hf_checkpoint` - export from any layout, in bounded buckets, optionally re-split for
   an inference TP size (:mod:`.export`).
+* :func:`token_logprobs_and_entropy` - per-token log-probs and entropy from vocab-parallel logits,
+  chunked, with a hand-written backward (:mod:`.vocab_parallel`).
 
 Every function takes a model (or its handle) and reads this rank's place from the handle's
 :class:`~mcore_zoo.placement.Placement`.
@@ -16,6 +18,7 @@ from .export import ExportEntry, export_plan, iter_hf_buckets, iter_hf_shards, i
 from .forward import generic_forward, packed_forward
 from .launch import launch
 from .load import load_hf_state_dict, load_hf_weights
+from .vocab_parallel import token_logprobs_and_entropy
 
 __all__ = [
     "launch",
@@ -29,4 +32,5 @@ __all__ = [
     "save_hf_checkpoint",
     "export_plan",
     "ExportEntry",
+    "token_logprobs_and_entropy",
 ]
