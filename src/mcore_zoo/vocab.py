@@ -8,9 +8,11 @@ tp`` rows so that the vocabulary divides evenly and GEMMs stay aligned. With
   and keeps its tensor-parallel rows (:class:`PadVocab`);
 * export: the gathered ``[Vp, H]`` tensor loses its padding rows before it is yielded, so they
   never reach the HF side (``iter_hf_weights``, ``save_hf_checkpoint``, ``convert``);
-* forward: the logits of the padding ids are masked to ``-inf`` (:func:`install_logit_mask`), so
-  log-probabilities are those of the HF vocabulary (the padding ids get probability 0 and no
-  gradient).
+* forward: the logits of the padding ids are set to :data:`PAD_LOGIT` (:func:`install_logit_mask`),
+  so log-probabilities are those of the HF vocabulary: their ``exp`` underflows to exactly 0 next to
+  any real logit, the padding ids get probability 0 and no gradient. The value is finite (not
+  ``-inf``) because entropy needs ``p * log p`` to be 0, not ``0 * -inf``
+  (:func:`mcore_zoo.distributed.token_logprobs_and_entropy` requires finite logits).
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ import torch
 
 from .errors import ZooError
 from .weights.rules import Transform, TransformContext
+
+#: The logit of a padding id: finite in every float dtype (and after a temperature of 0.01), and
+#: far enough below any real logit that its probability is exactly 0 in fp32 (e^-104 underflows).
+PAD_LOGIT = -1.0e4
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: Optional[int], tp: int = 1) -> int:
@@ -78,8 +84,8 @@ class PadVocab(Transform):
 
 
 def install_logit_mask(model: torch.nn.Module, arch: Any) -> None:
-    """Mask the logits of padding ids to ``-inf`` (the output layer's forward hook); no-op without
-    padding or on a stage without an output layer."""
+    """Set the logits of padding ids to :data:`PAD_LOGIT` (the output layer's forward hook); no-op
+    without padding or on a stage without an output layer."""
     padded = getattr(arch, "padded_vocab_size", None)
     layer = getattr(model, "output_layer", None)
     if not padded or padded == arch.vocab_size or layer is None:
@@ -96,7 +102,7 @@ def install_logit_mask(model: torch.nn.Module, arch: Any) -> None:
         if start + width <= vocab:
             return output
         keep = torch.arange(start, start + width, device=logits.device) < vocab
-        logits = logits.masked_fill(~keep, float("-inf"))
+        logits = logits.masked_fill(~keep, PAD_LOGIT)
         return (logits, bias) if isinstance(output, tuple) else logits
 
     layer.register_forward_hook(mask)

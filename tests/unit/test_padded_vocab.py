@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 import mcore_zoo
 from mcore_zoo.handle import handle_of
-from mcore_zoo.vocab import padded_vocab_size
+from mcore_zoo.vocab import PAD_LOGIT, padded_vocab_size
 
 
 def test_padded_size_follows_megatron():
@@ -48,9 +48,20 @@ def test_padded_logprobs_equal_unpadded(mpu, reference_checkpoint):
     a = mcore_zoo.packed_forward(plain, seqs, seq_format="bshd")
     b = mcore_zoo.packed_forward(padded, seqs, seq_format="bshd", return_logits=True)
     vocab = a.logits[0].shape[-1] if a.logits else 256
-    assert all(torch.isinf(l[:, vocab:]).all() for l in b.logits)
+    assert all((l[:, vocab:] == PAD_LOGIT).all() and l.isfinite().all() for l in b.logits)
     for x, y in zip(a.logprobs, b.logprobs):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
+    # the vocab-parallel head (finite logits required): same log-probs and entropy as unpadded
+    from mcore_zoo.distributed import token_logprobs_and_entropy
+
+    full = mcore_zoo.packed_forward(plain, seqs, seq_format="bshd", return_logits=True)
+    for unpadded, padded_logits, seq in zip(full.logits, b.logits, seqs):
+        targets = torch.cat([seq[1:], seq.new_full((1,), -100)])
+        lp_a, h_a = token_logprobs_and_entropy(unpadded, targets)
+        lp_b, h_b = token_logprobs_and_entropy(padded_logits, targets)
+        assert h_b.isfinite().all()
+        torch.testing.assert_close(lp_a, lp_b, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(h_a, h_b, rtol=1e-6, atol=1e-6)
 
 
 def test_convert_round_trip_with_padding(mpu, reference_checkpoint, tmp_path):
