@@ -26,6 +26,7 @@ from .handle import ModelHandle
 from .numerics.profiles import NumericsProfile, get_profile
 from .placement import Parallelism, Placement
 from .provenance import warn_provider
+from .vocab import install_logit_mask, padded_vocab_size
 
 
 def _default_dtype() -> torch.dtype:
@@ -73,6 +74,7 @@ class BuildPlan:
         )
         _cast_parameters(model, options.params_dtype)
         install_rope(model, arch, options.numerics)
+        install_logit_mask(model, arch)
         return model
 
 
@@ -88,6 +90,7 @@ def prepare(
     ignore_fields: Optional[Mapping[str, str]] = None,
     trust_remote_code: bool = False,
     perform_initialization: bool = True,
+    make_vocab_size_divisible_by: Optional[int] = None,
 ) -> BuildPlan:
     """Convert and configure without building. The HF config is read once; the parallel layout
     (default: the initialised parallel state's, else all 1) is validated against the model here,
@@ -106,6 +109,8 @@ def prepare(
     profile = get_profile(numerics).for_device(cuda)
     if parallel is None:
         parallel = Placement.current().parallel
+    if make_vocab_size_divisible_by is not None:  # Megatron's padded vocabulary (mcore_zoo.vocab)
+        arch = arch.replace(padded_vocab_size=padded_vocab_size(arch.vocab_size, make_vocab_size_divisible_by, parallel.tp))
     validate_layout(arch, parallel)
     options = BuildOptions(
         backend=backend,
@@ -168,6 +173,7 @@ def build_model(
     load: Any = None,
     trust_remote_code: bool = False,
     device: Optional[Union[str, torch.device]] = None,
+    make_vocab_size_divisible_by: Optional[int] = None,
 ) -> Union[torch.nn.Module, list[torch.nn.Module]]:
     """Build the Megatron-Core model for an HF architecture.
 
@@ -182,6 +188,8 @@ def build_model(
         ignore_fields: ``{hf_field: reason}`` to accept HF config fields no rule classifies.
         load: an HF checkpoint directory to load weights from (every parameter must be covered).
         device: where the model lives (default: the current CUDA device, else CPU).
+        make_vocab_size_divisible_by: pad the embedding and output layer to a multiple of this
+            times TP, as Megatron trainers do; loading and export stay exact (:mod:`mcore_zoo.vocab`).
 
     Returns:
         One ``GPTModel`` for this rank's pipeline stage, or a list of virtual-pipeline chunks when
@@ -203,6 +211,7 @@ def build_model(
         ignore_fields=ignore_fields,
         trust_remote_code=trust_remote_code,
         perform_initialization=load is None,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
     )
     ensure_model_parallel(plan.options.parallel)
     provide = _provider(plan)

@@ -224,7 +224,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     except ZooError as exc:
         raise ZooError(f"--max-shard-size {args.max_shard_size!r}: {exc}") from None
     if args.hf:
-        out = hf_to_mcore(args.hf, args.out, params_dtype=args.dtype, backend=args.backend, overwrite=args.overwrite)
+        out = hf_to_mcore(args.hf, args.out, params_dtype=args.dtype, backend=args.backend, overwrite=args.overwrite,
+                          make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)  # fmt: skip
         print(f"wrote Megatron-Core distributed checkpoint {out}")
     else:
         files = mcore_to_hf(args.mcore, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite)
@@ -277,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
     p.add_argument("--backend", default="local", choices=("te", "local", "portable"))
     p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
+                   help="--hf: pad the vocabulary to a multiple of N, as a Megatron trainer configured so expects")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_convert)
 
@@ -393,6 +396,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .progress import set_quiet
 
     set_quiet(args.quiet)
+    try:
+        return _run(args, debug)
+    finally:
+        set_quiet(False)  # in-process callers (tests, scripts) get their default back
+
+
+def _run(args: argparse.Namespace, debug: bool) -> int:
     try:
         return int(args.func(args) or EXIT_OK)
     except KeyboardInterrupt:

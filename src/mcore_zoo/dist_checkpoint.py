@@ -63,7 +63,10 @@ def _single_process() -> None:
     ensure_model_parallel()
 
 
-def meta_model(source: Any, *, backend: str = "local", params_dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
+def meta_model(
+    source: Any, *, backend: str = "local", params_dtype: Optional[torch.dtype] = None,
+    make_vocab_size_divisible_by: Optional[int] = None,
+) -> torch.nn.Module:  # fmt: skip
     """The single-process (TP = PP = 1) model on the ``meta`` device: names, shapes, sharding
     metadata and the bound weight map, without memory."""
     from .build import prepare
@@ -73,6 +76,7 @@ def meta_model(source: Any, *, backend: str = "local", params_dtype: Optional[to
     plan = prepare(
         source, backend=backend, params_dtype=params_dtype, parallel=Parallelism(),
         overrides={"use_cpu_initialization": True}, perform_initialization=False,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
     )  # fmt: skip
     with torch.device("meta"):
         return plan.new_handle().attach(plan.build_chunk())
@@ -94,10 +98,12 @@ def hf_to_mcore(
     params_dtype: Optional[Union[str, torch.dtype]] = None,
     backend: str = "local",
     overwrite: bool = False,
+    make_vocab_size_divisible_by: Optional[int] = None,
 ) -> Path:
     """HF checkpoint -> Megatron-Core ``torch_dist`` checkpoint, one parameter in memory at a time.
 
-    ``params_dtype`` defaults to the dtype of the HF weights. Every check of
+    ``params_dtype`` defaults to the dtype of the HF weights. ``make_vocab_size_divisible_by`` pads
+    the vocabulary as a Megatron trainer configured so expects it (recorded; the way back unpads). Every check of
     :func:`mcore_zoo.load_hf_weights` (coverage both ways, shapes) runs before anything is written.
     """
     from .distributed.io import sharded_layout, write_streaming
@@ -111,7 +117,7 @@ def hf_to_mcore(
     hf_dir = resolve(hf_dir)  # a Hugging Face Hub id: its snapshot
     with HFCheckpoint(hf_dir) as ckpt:
         dtype = parse_dtype(params_dtype) or _checkpoint_dtype(ckpt)
-        model = meta_model(hf_dir, backend=backend, params_dtype=dtype)
+        model = meta_model(hf_dir, backend=backend, params_dtype=dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
         handle = handle_of(model)
         plan_load(handle, ckpt)  # coverage, unmapped parameters, shapes: all before writing
         rules = {b.mcore: b for b in handle.bound_rules(model)}
@@ -134,6 +140,7 @@ def hf_to_mcore(
                 "hf_config": handle.arch_config.hf_config,
                 "params_dtype": str(dtype).replace("torch.", ""),
                 "backend": backend,
+                "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
             }
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
             (tmp / MCORE_ASSET_DIR).mkdir()
@@ -203,6 +210,9 @@ def read_meta(mcore_dir: Union[str, os.PathLike]) -> dict[str, Any]:
     for key in ("backend", "params_dtype"):
         if key in meta and not isinstance(meta[key], str):
             raise InputError(f"{path}: damaged (field {key!r} is not a string)")
+    pad = meta.get("make_vocab_size_divisible_by")
+    if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or pad < 1):
+        raise InputError(f"{path}: damaged (field 'make_vocab_size_divisible_by' is not a positive integer)")
     return meta
 
 
@@ -280,7 +290,8 @@ def mcore_to_hf(
     from .progress import progress
 
     meta = read_meta(mcore_dir)
-    model = meta_model(meta["hf_config"], backend=meta.get("backend", "local"), params_dtype=parse_dtype(meta.get("params_dtype")))
+    model = meta_model(meta["hf_config"], backend=meta.get("backend", "local"), params_dtype=parse_dtype(meta.get("params_dtype")),
+                       make_vocab_size_divisible_by=meta.get("make_vocab_size_divisible_by"))  # fmt: skip
     handle = handle_of(model)
     rules = {b.mcore: b for b in handle.bound_rules(model) if b.rule.export}
     layout = sharded_layout(model)

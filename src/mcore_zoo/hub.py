@@ -82,6 +82,8 @@ def _snapshot(repo: str, revision: Optional[str], cache_dir: Optional[str], offl
     except Exception as exc:  # offline cache miss, unknown repo or revision, network errors
         hint = " (HF_HUB_OFFLINE is set: only the local cache is used)" if offline else ""
         text = " ".join(str(exc).split())[:300]
-        raise HubError(f"{where}: cannot resolve it{hint}: {type(exc).__name__}: {text}") from None
+        raise HubError(
+            f"{where} (no local path of that name either): cannot resolve it{hint}: {type(exc).__name__}: {text}"
+        ) from None
     logger.info("%s resolved to %s", where, path)
     return Path(path)

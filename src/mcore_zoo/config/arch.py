@@ -130,6 +130,8 @@ class ArchConfig:
     init_std: float = 0.02
     moe: Optional[MoESpec] = None
     extra_transformer_config: Mapping[str, Any] = field(default_factory=dict)
+    #: rows of the embedding / output layer when padded (``make_vocab_size_divisible_by``); None: vocab_size
+    padded_vocab_size: Optional[int] = None
     hf_config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     fields: Optional[FieldReport] = field(default=None, compare=False, repr=False)
 

@@ -36,8 +36,8 @@ def validate_layout(arch: ArchConfig, parallel: Parallelism) -> None:
             problems.append(f"num_key_value_heads={arch.num_query_groups} is not divisible by tp={tp}")
         if arch.ffn_hidden_size % tp:
             problems.append(f"intermediate_size={arch.ffn_hidden_size} is not divisible by tp={tp}")
-        if arch.vocab_size % tp:
-            problems.append(f"vocab_size={arch.vocab_size} is not divisible by tp={tp}")
+        if (arch.padded_vocab_size or arch.vocab_size) % tp:
+            problems.append(f"vocab_size={arch.vocab_size} is not divisible by tp={tp} (make_vocab_size_divisible_by pads it)")
     chunks = pp * (parallel.vpp or 1)
     if parallel.vpp is not None and parallel.vpp > 1 and pp == 1:
         problems.append(f"vpp={parallel.vpp} needs pp > 1")
@@ -199,7 +199,7 @@ def _yarn_fields(arch: ArchConfig) -> dict[str, Any]:
 def gpt_model_kwargs(arch: ArchConfig) -> dict[str, Any]:
     """``GPTModel`` arguments besides config and spec (vocab, positions, RoPE, tying)."""
     return dict(
-        vocab_size=arch.vocab_size,
+        vocab_size=arch.padded_vocab_size or arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         position_embedding_type="rope",
         rotary_percent=arch.rope.partial_rotary_factor,

@@ -386,7 +386,7 @@ def _broadcast_from_last_stage(out: PackedOutput, lengths: list[int], handle: Mo
     layout = handle.placement
     group = layout.groups.pp
     src = dist.get_process_group_ranks(group)[-1]
-    vocab = handle.arch_config.vocab_size
+    vocab = handle.arch_config.padded_vocab_size or handle.arch_config.vocab_size
     if want_logits:
         dtype = handle.params_dtype
         flat = (

@@ -6,7 +6,9 @@ Plugins import these pieces from :mod:`mcore_zoo.plugin_api`.
 from __future__ import annotations
 
 from ..config.arch import ArchConfig
-from .rules import Rule, WeightMap, column_parallel, fused_gate_up, fused_qkv, replicated, row_parallel, rule
+from .rules import (
+    IDENTITY, Rule, Transform, WeightMap, fused_gate_up, fused_qkv, replicated, row_parallel, rule,
+)  # fmt: skip
 
 LAYER = "decoder.layers.{layer}."
 HF_LAYER = "model.layers.{layer}."
@@ -58,8 +60,10 @@ def gated_mlp_rules(arch: ArchConfig, *, hf_mlp: str = "mlp.", mcore_mlp: str = 
 
 def embedding_rules(arch: ArchConfig) -> list[Rule]:
     """Word embeddings, final norm and output layer (tied or not)."""
+    pad = vocab_transform(arch)
     rules = [
-        column_parallel("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+        # column-parallel; a padded vocabulary pads the rows (mcore_zoo.vocab)
+        rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", tp_axis=0, transform=pad),
         replicated("decoder.final_layernorm.weight", "model.norm.weight"),
     ]
     if arch.tie_word_embeddings:
@@ -69,13 +73,23 @@ def embedding_rules(arch: ArchConfig) -> list[Rule]:
                 "output_layer.weight",
                 "model.embed_tokens.weight",
                 tp_axis=0,
+                transform=pad,
                 export=False,
                 note="tied: the last pipeline stage's copy of the embedding",
             )
         )
     else:
-        rules.append(column_parallel("output_layer.weight", "lm_head.weight"))
+        rules.append(rule("output_layer.weight", "lm_head.weight", tp_axis=0, transform=pad))
     return rules
+
+
+def vocab_transform(arch: ArchConfig) -> Transform:
+    """Identity, or :class:`~mcore_zoo.vocab.PadVocab` for a padded vocabulary."""
+    if not arch.padded_vocab_size or arch.padded_vocab_size == arch.vocab_size:
+        return IDENTITY
+    from ..vocab import PadVocab
+
+    return PadVocab(arch.vocab_size, arch.padded_vocab_size)
 
 
 def dense_decoder_weight_map(arch: ArchConfig) -> WeightMap:

@@ -97,9 +97,14 @@ def export_rule(
     tensor-parallel pieces; ``None``: the pieces as they are). Parts of a fused HF tensor
     (``Source.select``) are concatenated back into it."""
     parts: dict[str, list[tuple[tuple[int, int, int], torch.Tensor]]] = {}
+    finish = getattr(b.transform, "finish", None)  # e.g. a padded vocabulary loses its padding rows
+    if finish is not None and gather is None and ctx.tp_size > 1:
+        raise ZooError(f"{b.mcore!r} ({b.transform}): exported only gathered over tensor parallelism")
     for name, axis, select, piece in zip(b.hf, b.tp_axes, b.selects, b.transform.split(tensor, ctx)):
         if gather is not None and axis is not None:
             piece = gather(piece, axis)
+        if finish is not None:
+            piece = finish(piece)
         if select is not None:  # a part of a fused HF tensor: emit once all parts are here
             parts.setdefault(name, []).append((select, piece))
             continue

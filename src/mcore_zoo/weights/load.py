@@ -47,6 +47,8 @@ class LoadReport:
 def expected_hf_shapes(bound: BoundRule, param_shape: Sequence[int], ctx: TransformContext) -> list[tuple[int, ...]]:
     """Per source, the shape (all TP ranks together) of what it reads from the HF tensor, for an
     mcore parameter of ``param_shape``: the whole tensor, or its ``select`` range."""
+    if getattr(bound.transform, "reads_whole", False):  # e.g. a padded vocabulary: whole HF tensors
+        return [tuple(bound.transform.hf_shape(param_shape, ctx))] * len(bound.hf)
     meta = torch.empty(tuple(param_shape), device="meta")
     pieces = bound.transform.split(meta, ctx)
     shapes = []
@@ -131,6 +133,8 @@ def read_rule_into(ckpt: HFCheckpoint, b: BoundRule, param: torch.Tensor, ctx: T
     """Fill ``param`` (a parameter or any tensor of its shape) from the rule's HF sources - this
     TP rank's chunks - and return the bytes read."""
     tp_rank, tp_size = ctx.tp_rank, ctx.tp_size
+    if getattr(b.transform, "reads_whole", False):  # the transform takes this rank's part itself
+        tp_rank, tp_size = 0, 1
     views = direct_views(b.transform, param.data, ctx)
     if views is not None:
         return sum(
