@@ -164,12 +164,12 @@ def run_arch(name: str, args: argparse.Namespace, device: torch.device, dtype: t
                 entry["bshd_ms"] = timed(lambda: model(ids.to(device), positions, None), device)
                 thd_ok = not (backend == "local" and getattr(mcore_zoo.get_profile(numerics), "attention", "backend") == "backend")
                 if thd_ok:
-                    eq = mcore_zoo.packed_forward(model, list(ids), layout="thd").logits
+                    eq = mcore_zoo.packed_forward(model, list(ids), seq_format="thd").logits
                     entry["thd_equal_lengths"] = merge([metrics(eq[b], ref["bshd"][b], ids[b]) for b in range(B)])
                     entry["thd_vs_own_bshd"] = merge([metrics(eq[b], bshd[b], ids[b]) for b in range(B)])
-                    mx = mcore_zoo.packed_forward(model, mixed_seqs, layout="thd").logits
+                    mx = mcore_zoo.packed_forward(model, mixed_seqs, seq_format="thd").logits
                     entry["thd_mixed_lengths"] = merge([metrics(o, r, s) for o, r, s in zip(mx, ref["mixed"], mixed_seqs)])
-                    entry["thd_ms"] = timed(lambda: mcore_zoo.packed_forward(model, list(ids), layout="thd", return_logprobs=False), device)
+                    entry["thd_ms"] = timed(lambda: mcore_zoo.packed_forward(model, list(ids), seq_format="thd", return_logprobs=False), device)
             result["variants"][vname] = entry
             del model
         except Exception as exc:  # record and go on

@@ -9,6 +9,7 @@ operation (those import it).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
@@ -115,11 +116,11 @@ class Architecture:
         ``amend_config``; unclassified fields or unsupported values raise, naming the field.
         """
         from .config.arch import ArchConfig
-        from .config.normalize import normalize_hf_config
+        from .config.normalize import normalize_with_defaults
         from .config.reader import ConfigReader
 
-        config = normalize_hf_config(hf_config, trust_remote_code=trust_remote_code)
-        reader = ConfigReader(config, self.name, ignore_fields)
+        config, defaulted = normalize_with_defaults(hf_config, trust_remote_code=trust_remote_code)
+        reader = ConfigReader(config, self.name, ignore_fields, defaulted=defaulted)
         arch = self.contribution("converter")(reader)
         if not isinstance(arch, ArchConfig):
             raise PluginError(f"{self.provider_of('converter')}: converter returned {type(arch).__name__}, expected ArchConfig")
@@ -161,7 +162,7 @@ class Architecture:
         """The entry's tiny example HF config (a dict), with ``architectures`` filled in."""
         if not self.entry.example_config:
             raise PluginError(f"{self.origin}: {self.name} has no example_config")
-        config = dict(self.entry.example_config)
+        config = copy.deepcopy(dict(self.entry.example_config))
         config.setdefault("architectures", [self.name])
         config.setdefault("model_type", self.entry.model_type)
         return config

@@ -19,13 +19,14 @@ import torch
 from . import compat, cpu_shim
 from .architecture import Architecture
 from .config.arch import ArchConfig
-from .config.normalize import normalize_hf_config
 from .config.rope import inv_freq
 from .config.transformer import BuildOptions, gpt_model_kwargs, transformer_config_kwargs, validate_layout
 from .errors import ZooError
 from .handle import ModelHandle
 from .numerics.profiles import NumericsProfile, get_profile
 from .placement import Parallelism, Placement
+from .provenance import warn_provider
+from .vocab import install_logit_mask, padded_vocab_size
 
 
 def _default_dtype() -> torch.dtype:
@@ -80,6 +81,8 @@ class BuildPlan:
             model.output_layer = ValueHead(self.transformer_config, options.value_head_init)
         _cast_parameters(model, options.params_dtype)
         install_rope(model, arch, options.numerics)
+        if options.head != "value":  # a value head has no vocabulary to mask
+            install_logit_mask(model, arch)
         return model
 
 
@@ -97,25 +100,30 @@ def prepare(
     perform_initialization: bool = True,
     head: str = "lm",
     value_head_init: Optional[str] = None,
+    make_vocab_size_divisible_by: Optional[int] = None,
 ) -> BuildPlan:
     """Convert and configure without building. The HF config is read once; the parallel layout
     (default: the initialised parallel state's, else all 1) is validated against the model here,
     before anything is built or read."""
     from megatron.core.transformer import TransformerConfig  # noqa: F401 - fail early if absent
 
-    hf_config = normalize_hf_config(source, trust_remote_code=trust_remote_code)
+    from .registry import lookup, read_config_dict
+
+    remote = trust_remote_code and not isinstance(source, Mapping) and not hasattr(source, "to_dict")
+    hf_config = source if remote else read_config_dict(source)  # the file is read once (remote code: by transformers)
     _check_head(head, value_head_init)
     if architecture is None:
-        from .registry import lookup
-
         architecture = lookup(_causal_lm_name(hf_config) if head == "value" else hf_config)
+    warn_provider(architecture)  # a third-party plugin (or an override of a built-in) is named
     if head == "value":
         ignore_fields = {**_value_head_fields(hf_config), **dict(ignore_fields or {})}
-    arch = architecture.config_from_hf(hf_config, ignore_fields=ignore_fields)
+    arch = architecture.config_from_hf(hf_config, ignore_fields=ignore_fields, trust_remote_code=trust_remote_code)
     cuda = torch.cuda.is_available()
     profile = get_profile(numerics).for_device(cuda)
     if parallel is None:
         parallel = Placement.current().parallel
+    if make_vocab_size_divisible_by is not None:  # Megatron's padded vocabulary (mcore_zoo.vocab)
+        arch = arch.replace(padded_vocab_size=padded_vocab_size(arch.vocab_size, make_vocab_size_divisible_by, parallel.tp))
     validate_layout(arch, parallel)
     options = BuildOptions(
         backend=backend,
@@ -146,10 +154,14 @@ def _check_head(head: str, value_head_init: Optional[str]) -> None:
 _HEAD_SUFFIXES = ("ForTokenClassification", "ForSequenceClassification")
 
 
-def _causal_lm_name(hf_config: dict) -> Any:
+def _config_dict(hf_config: Any) -> Mapping:
+    return hf_config if isinstance(hf_config, Mapping) else (hf_config.to_dict() if hasattr(hf_config, "to_dict") else {})
+
+
+def _causal_lm_name(hf_config: Any) -> Any:
     """The causal-LM architecture a critic checkpoint's decoder belongs to (``LlamaForTokenClassification``
     -> ``LlamaForCausalLM``); other configs are returned as they are."""
-    names = list(hf_config.get("architectures") or [])
+    names = list(_config_dict(hf_config).get("architectures") or [])
     for name in names:
         for suffix in _HEAD_SUFFIXES:
             if name.endswith(suffix):
@@ -157,9 +169,10 @@ def _causal_lm_name(hf_config: dict) -> Any:
     return hf_config
 
 
-def _value_head_fields(hf_config: dict) -> dict[str, str]:
+def _value_head_fields(hf_config: Any) -> dict[str, str]:
     """HF config fields of a classification head that a value head honours (one label, no
     dropout in effect); anything else is refused."""
+    hf_config = _config_dict(hf_config)
     classifier = any(str(n).endswith(_HEAD_SUFFIXES) for n in hf_config.get("architectures") or [])
     labels = hf_config.get("id2label")
     if classifier and labels is not None and len(labels) != 1:
@@ -221,6 +234,7 @@ def build_model(
     device: Optional[Union[str, torch.device]] = None,
     head: str = "lm",
     value_head_init: Optional[str] = None,
+    make_vocab_size_divisible_by: Optional[int] = None,
 ) -> Union[torch.nn.Module, list[torch.nn.Module]]:
     """Build the Megatron-Core model for an HF architecture.
 
@@ -241,6 +255,8 @@ def build_model(
             ``lm_head.weight``, if any, is skipped and reported as such.
         value_head_init: ``"zeros"`` / ``"normal"``: initialise the value head this way when the
             checkpoint has none (a causal-LM checkpoint); without it such a load fails.
+        make_vocab_size_divisible_by: pad the embedding and output layer to a multiple of this
+            times TP, as Megatron trainers do; loading and export stay exact (:mod:`mcore_zoo.vocab`).
 
     Returns:
         One ``GPTModel`` for this rank's pipeline stage, or a list of virtual-pipeline chunks when
@@ -264,6 +280,7 @@ def build_model(
         perform_initialization=load is None,
         head=head,
         value_head_init=value_head_init,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
     )
     ensure_model_parallel(plan.options.parallel)
     provide = _provider(plan)

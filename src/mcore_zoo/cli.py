@@ -15,6 +15,7 @@ Exit codes: 0 success, 1 a check failed (parity, conflicts with --strict), 2 usa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import sys
@@ -173,6 +174,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             "transformer_config": {k: _jsonable(v) for k, v in tc.items()},
             "gpt_model": {k: _jsonable(v) for k, v in gm.items()},
             "rope": arch.rope.as_dict(),
+            "moe": _jsonable(dataclasses.asdict(arch.moe)) if arch.moe is not None else None,
             "weight_rules": rules,
             "ignored_hf_tensors": [{"pattern": p, "reason": r} for p, r in wmap.ignored],
         }, indent=2))  # fmt: skip
@@ -215,8 +217,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     if bool(args.hf) == bool(args.mcore):
         raise ZooError("convert needs exactly one of --hf DIR (to mcore) or --mcore DIR (to HF)")
+    from .weights.io import parse_size
+
+    try:
+        parse_size(args.max_shard_size)
+    except ZooError as exc:
+        raise ZooError(f"--max-shard-size {args.max_shard_size!r}: {exc}") from None
     if args.hf:
-        out = hf_to_mcore(args.hf, args.out, params_dtype=args.dtype, backend=args.backend, overwrite=args.overwrite)
+        out = hf_to_mcore(args.hf, args.out, params_dtype=args.dtype, backend=args.backend, overwrite=args.overwrite,
+                          make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)  # fmt: skip
         print(f"wrote Megatron-Core distributed checkpoint {out}")
     else:
         files = mcore_to_hf(args.mcore, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite)
@@ -236,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="mcore-zoo", description="HF architectures on Megatron-Core, with parity proofs.")
     parser.add_argument("--version", action="version", version=f"mcore-zoo {__version__}")
+    parser.add_argument("--debug", action="store_true", help=f"show the traceback of an error (or {ENV_DEBUG}=1)")
+    parser.add_argument("-q", "--quiet", dest="global_quiet", action="store_true",
+                        help="no progress output; only errors")  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plugins", help="list plugins, their distributions and load failures")
@@ -266,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
     p.add_argument("--backend", default="local", choices=("te", "local", "portable"))
     p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
+                   help="--hf: pad the vocabulary to a multiple of N, as a Megatron trainer configured so expects")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_convert)
 
@@ -299,14 +313,107 @@ def _register_new_plugin(sub: Any) -> None:
 _EXTRA_COMMANDS: list[Callable[[Any], None]] = [_register_parity_report, _register_new_plugin]
 
 
+#: Set (to anything but 0) to get the traceback of an error, like ``--debug``.
+ENV_DEBUG = "MCORE_ZOO_DEBUG"
+
+
+def describe_error(exc: BaseException) -> str:
+    """One message for an error reaching the command line: the zoo's own message, an OS error's
+    file and reason, or the exception type and text of anything else."""
+    from .errors import OutputExistsError
+
+    if isinstance(exc, OutputExistsError):
+        exc.hint = "--overwrite"
+        return str(exc)
+    if isinstance(exc, ZooError):
+        return str(exc)
+    if isinstance(exc, OSError):
+        if not exc.strerror:  # raised with a message of its own (FileNotFoundError("no HF config at ..."))
+            return " ".join(str(exc).split())
+        where = f"{exc.filename}: " if exc.filename else ""
+        return f"{where}{exc.strerror}"
+    text = " ".join(str(exc).split()) or "(no message)"
+    return f"{type(exc).__name__}: {text} (unexpected; run with --debug or {ENV_DEBUG}=1 for the traceback)"
+
+
+class _OwnRecords:
+    """Only mcore-zoo's records reach the terminal (libraries log tracebacks of errors the zoo
+    reports itself); ``--debug`` lets everything through."""
+
+    def __init__(self, debug: bool) -> None:
+        self.debug = debug
+
+    def filter(self, record: Any) -> bool:
+        return self.debug or record.name == "mcore_zoo" or record.name.startswith("mcore_zoo.")
+
+
+def _stderr_handler_class() -> type:
+    import logging
+
+    class StderrHandler(logging.StreamHandler):
+        """Writes to whatever ``sys.stderr`` is when a record is emitted."""
+
+        @property  # type: ignore[override]
+        def stream(self) -> Any:
+            return sys.stderr
+
+        @stream.setter
+        def stream(self, value: Any) -> None:
+            pass
+
+    return StderrHandler
+
+
+def _StderrHandler() -> Any:  # noqa: N802 - a factory; logging is imported lazily
+    return _stderr_handler_class()()
+
+
+def _configure_logging(debug: bool, quiet: bool) -> None:
+    import logging
+
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if getattr(handler, "_mcore_zoo", False):
+            root.removeHandler(handler)
+    handler = _StderrHandler()
+    handler._mcore_zoo = True  # type: ignore[attr-defined]
+    handler.setFormatter(logging.Formatter("mcore-zoo: %(levelname)s: %(message)s"))
+    handler.addFilter(_OwnRecords(debug))
+    handler.setLevel(logging.DEBUG if debug else logging.ERROR if quiet else logging.WARNING)
+    root.addHandler(handler)
+    logging.getLogger("mcore_zoo").setLevel(logging.DEBUG if debug else logging.INFO)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    import os
+
     parser = build_parser()
     args = parser.parse_args(argv)
     args.command_line = "mcore-zoo " + shlex.join(list(argv) if argv is not None else sys.argv[1:])
+    debug = args.debug or os.environ.get(ENV_DEBUG, "0") not in ("", "0")
+    args.quiet = args.global_quiet or getattr(args, "quiet", False)  # parity-report has its own --quiet too
+    _configure_logging(debug, args.quiet)
+    from .progress import set_quiet
+
+    set_quiet(args.quiet)
+    try:
+        return _run(args, debug)
+    finally:
+        set_quiet(False)  # in-process callers (tests, scripts) get their default back
+
+
+def _run(args: argparse.Namespace, debug: bool) -> int:
     try:
         return int(args.func(args) or EXIT_OK)
-    except (ZooError, FileNotFoundError, FileExistsError) as exc:
-        print(f"mcore-zoo {args.command}: error: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"mcore-zoo {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:  # some libraries raise BaseException subclasses (torch's CheckpointException)
+        if debug:
+            raise
+        print(f"mcore-zoo {args.command}: error: {describe_error(exc)}", file=sys.stderr)
         return EXIT_USAGE
 
 

@@ -108,3 +108,18 @@ def initialize_model_parallel(**kwargs: Any) -> None:
             raise TypeError(f"initialize_model_parallel of megatron-core {mcore_version()} has no {name!r}")
     parallel_state.initialize_model_parallel(**accepted)
 
+
+def accepts_name_kwarg() -> bool:
+    """0.19 passes ``name=`` to submodule builders."""
+    return mcore_version() >= (0, 19, 0)
+
+
+def patch_moe_utils_without_te() -> None:
+    """0.16.1: ``moe_utils.RouterGatingLinearFunction`` reads the module global ``te_general_gemm``,
+    which is only defined when Transformer Engine imports (``NameError`` otherwise). Define it as
+    ``None`` - the value the code's own fallback (``torch.mm`` in the router dtype) expects - when
+    absent. A no-op where Transformer Engine is installed or the release defines it."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

@@ -18,7 +18,9 @@ with the CPU ``local`` backend loads into a Transformer Engine model.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 from collections import Counter
@@ -27,7 +29,9 @@ from typing import Any, Iterator, Optional, Union
 
 import torch
 
-from .errors import ZooError
+from .errors import InputError, OutputError, ZooError
+
+logger = logging.getLogger(__name__)
 
 META_FILE = "mcore_zoo.json"
 FORMAT_VERSION = 2
@@ -59,7 +63,10 @@ def _single_process() -> None:
     ensure_model_parallel()
 
 
-def meta_model(source: Any, *, backend: str = "local", params_dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
+def meta_model(
+    source: Any, *, backend: str = "local", params_dtype: Optional[torch.dtype] = None,
+    make_vocab_size_divisible_by: Optional[int] = None,
+) -> torch.nn.Module:  # fmt: skip
     """The single-process (TP = PP = 1) model on the ``meta`` device: names, shapes, sharding
     metadata and the bound weight map, without memory."""
     from .build import prepare
@@ -69,6 +76,7 @@ def meta_model(source: Any, *, backend: str = "local", params_dtype: Optional[to
     plan = prepare(
         source, backend=backend, params_dtype=params_dtype, parallel=Parallelism(),
         overrides={"use_cpu_initialization": True}, perform_initialization=False,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
     )  # fmt: skip
     with torch.device("meta"):
         return plan.new_handle().attach(plan.build_chunk())
@@ -90,10 +98,12 @@ def hf_to_mcore(
     params_dtype: Optional[Union[str, torch.dtype]] = None,
     backend: str = "local",
     overwrite: bool = False,
+    make_vocab_size_divisible_by: Optional[int] = None,
 ) -> Path:
     """HF checkpoint -> Megatron-Core ``torch_dist`` checkpoint, one parameter in memory at a time.
 
-    ``params_dtype`` defaults to the dtype of the HF weights. Every check of
+    ``params_dtype`` defaults to the dtype of the HF weights. ``make_vocab_size_divisible_by`` pads
+    the vocabulary as a Megatron trainer configured so expects it (recorded; the way back unpads). Every check of
     :func:`mcore_zoo.load_hf_weights` (coverage both ways, shapes) runs before anything is written.
     """
     from .distributed.io import sharded_layout, write_streaming
@@ -101,9 +111,13 @@ def hf_to_mcore(
     from .weights.io import HFCheckpoint, atomic_output_dir
     from .weights.load import plan_load, read_rule_into
 
+    from .hf_assets import MCORE_ASSET_DIR, copy_assets
+    from .hub import resolve
+
+    hf_dir = resolve(hf_dir)  # a Hugging Face Hub id: its snapshot
     with HFCheckpoint(hf_dir) as ckpt:
         dtype = parse_dtype(params_dtype) or _checkpoint_dtype(ckpt)
-        model = meta_model(hf_dir, backend=backend, params_dtype=dtype)
+        model = meta_model(hf_dir, backend=backend, params_dtype=dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
         handle = handle_of(model)
         plan_load(handle, ckpt)  # coverage, unmapped parameters, shapes: all before writing
         rules = {b.mcore: b for b in handle.bound_rules(model)}
@@ -117,29 +131,108 @@ def hf_to_mcore(
             return tensor
 
         out = Path(out_dir)
-        with atomic_output_dir(out, overwrite=overwrite) as tmp:
-            write_streaming(layout, produce, tmp)
+        with atomic_output_dir(out, overwrite=overwrite, inputs=[hf_dir]) as tmp:
+            with _write_errors(out, tmp):
+                write_streaming(layout, _with_progress(produce, len(layout.params), "hf -> mcore"), tmp)
             meta = {
                 "format_version": FORMAT_VERSION,
                 "architecture": handle.arch_config.architecture,
                 "hf_config": handle.arch_config.hf_config,
                 "params_dtype": str(dtype).replace("torch.", ""),
                 "backend": backend,
+                "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
             }
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+            (tmp / MCORE_ASSET_DIR).mkdir()
+            copy_assets(hf_dir, tmp / MCORE_ASSET_DIR)  # tokenizer, generation_config.json: for the way back
+    logger.info("wrote distributed checkpoint %s (%d parameters, %s)", out, len(layout.params), meta["params_dtype"])
     return out
+
+
+def _with_progress(produce: Any, total: int, desc: str) -> Any:
+    """``produce`` counting its calls on a progress bar (quiet when not a terminal)."""
+    from .progress import enabled
+
+    if not enabled():
+        return produce
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit="param", leave=False)
+
+    def counted(name: str) -> torch.Tensor:
+        tensor = produce(name)
+        bar.update(1)
+        if bar.n >= total:
+            bar.close()
+        return tensor
+
+    return counted
+
+
+@contextlib.contextmanager
+def _write_errors(out: Path, tmp: Path) -> Iterator[None]:
+    """Name the output and the likely cause when writing fails (a full or read-only disk surfaces
+    from torch's writer as e.g. ``unexpected pos 704 vs 598``)."""
+    import shutil
+
+    try:
+        yield
+    except ZooError:
+        raise
+    except (OSError, RuntimeError) as exc:
+        try:
+            free = f"{shutil.disk_usage(tmp).free / 2**20:.1f} MiB free on its device"
+        except OSError:
+            free = "free space unknown"
+        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else " ".join(str(exc).split())
+        raise OutputError(out, f"writing failed: {detail} ({free}; is the disk full or read-only?)") from exc
 
 
 def read_meta(mcore_dir: Union[str, os.PathLike]) -> dict[str, Any]:
     path = Path(mcore_dir) / META_FILE
     if not path.is_file():
         raise ZooError(f"{mcore_dir} has no {META_FILE}: not a checkpoint written by mcore-zoo convert")
-    meta = json.loads(path.read_text())
+    try:
+        meta = json.loads(path.read_bytes().decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # JSON or UTF-8
+        raise InputError(f"{path}: damaged ({type(exc).__name__}: {exc})") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    if not isinstance(meta, dict):
+        raise InputError(f"{path}: damaged (not a JSON object)")
     if meta.get("format_version") != FORMAT_VERSION:
         raise ZooError(
             f"{path}: format_version {meta.get('format_version')!r} is not {FORMAT_VERSION}; convert the HF checkpoint again"
         )
+    for key, kind in (("hf_config", dict), ("architecture", str)):
+        if not isinstance(meta.get(key), kind):
+            raise InputError(f"{path}: damaged (field {key!r} missing or not a {kind.__name__})")
+    for key in ("backend", "params_dtype"):
+        if key in meta and not isinstance(meta[key], str):
+            raise InputError(f"{path}: damaged (field {key!r} is not a string)")
+    pad = meta.get("make_vocab_size_divisible_by")
+    if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or pad < 1):
+        raise InputError(f"{path}: damaged (field 'make_vocab_size_divisible_by' is not a positive integer)")
     return meta
+
+
+@contextlib.contextmanager
+def _reading_dist_checkpoint(mcore_dir: Union[str, os.PathLike]) -> Iterator[None]:
+    """Name the distributed checkpoint when its ``.metadata`` or ``.distcp`` files are damaged."""
+    try:
+        yield
+    except ZooError:
+        raise
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:  # torch's CheckpointException is a BaseException; pickle, EOF, ...
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        # torch's CheckpointException embeds each rank's traceback: its last line is the cause
+        detail = (lines[-1] if "Traceback" in str(exc) else " ".join(lines))[:300] or type(exc).__name__
+        raise InputError(
+            f"distributed checkpoint {mcore_dir} cannot be read (damaged or truncated .metadata / .distcp files?):"
+            f" {detail}"
+        ) from exc
 
 
 def load_mcore_checkpoint(model: Any, mcore_dir: Union[str, os.PathLike]) -> None:
@@ -193,8 +286,12 @@ def mcore_to_hf(
     from .handle import handle_of
     from .weights.export import export_rule, hf_config_for_export, write_hf_checkpoint
 
+    from .hf_assets import MCORE_ASSET_DIR
+    from .progress import progress
+
     meta = read_meta(mcore_dir)
-    model = meta_model(meta["hf_config"], backend=meta.get("backend", "local"), params_dtype=parse_dtype(meta.get("params_dtype")))
+    model = meta_model(meta["hf_config"], backend=meta.get("backend", "local"), params_dtype=parse_dtype(meta.get("params_dtype")),
+                       make_vocab_size_divisible_by=meta.get("make_vocab_size_divisible_by"))  # fmt: skip
     handle = handle_of(model)
     rules = {b.mcore: b for b in handle.bound_rules(model) if b.rule.export}
     layout = sharded_layout(model)
@@ -202,13 +299,15 @@ def mcore_to_hf(
     out_dtype = parse_dtype(dtype)
 
     def items() -> Iterator[tuple[str, torch.Tensor]]:
-        for group in read_params(layout, _layer_groups(list(layout.params)), mcore_dir):
-            for name, tensor in group.items():
-                if name in rules:
-                    for hf_name, hf_tensor in export_rule(rules[name], tensor, ctx):
-                        yield hf_name, hf_tensor.to(out_dtype) if out_dtype is not None else hf_tensor
+        groups = list(_layer_groups(list(layout.params)))
+        with _reading_dist_checkpoint(mcore_dir):
+            for group in progress(read_params(layout, groups, mcore_dir), total=len(groups), desc="mcore -> hf", unit="layer"):
+                for name, tensor in group.items():
+                    if name in rules:
+                        for hf_name, hf_tensor in export_rule(rules[name], tensor, ctx):
+                            yield hf_name, hf_tensor.to(out_dtype) if out_dtype is not None else hf_tensor
 
     return write_hf_checkpoint(
         items(), out_dir, needed=handle.weight_map.hf_names(), config=hf_config_for_export(handle, out_dtype),
-        max_shard_size=max_shard_size, overwrite=overwrite,
+        max_shard_size=max_shard_size, overwrite=overwrite, inputs=[mcore_dir], assets=Path(mcore_dir) / MCORE_ASSET_DIR,
     )  # fmt: skip

@@ -153,3 +153,35 @@ class CheckpointFormatError(WeightMapError):
         self.path = str(path)
         self.reason = reason
         super().__init__(f"cannot read checkpoint file {self.path}: {reason}")
+
+
+# --------------------------------------------------------------------------- outputs and inputs
+
+
+class OutputError(ZooError):
+    """An output directory that cannot be written."""
+
+    def __init__(self, path: Any, reason: str):
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"{self.path}: {reason}")
+
+
+class OutputExistsError(OutputError, FileExistsError):
+    """An output directory that would replace data: not empty (without ``overwrite``), an input,
+    or holding files mcore-zoo did not write. ``overwrite_hint``: passing overwrite would help."""
+
+    #: How the hint names the option; the command line sets ``--overwrite``.
+    hint = "overwrite=True"
+
+    def __init__(self, path: Any, reason: str, overwrite_hint: bool = False):
+        self.overwrite_hint = overwrite_hint
+        OutputError.__init__(self, path, reason)
+
+    def __str__(self) -> str:
+        text = f"{self.path} {self.reason}"
+        return f"{text} (pass {self.hint})" if self.overwrite_hint else text
+
+
+class InputError(ZooError):
+    """A damaged or unreadable input (config, index, distributed checkpoint), named by path and field."""

@@ -12,6 +12,7 @@ loading, export, re-sharding, distributed checkpoints, the packed forward - star
 * ``placement`` - the parallel sizes, this rank's coordinates and the process groups
   (:class:`~mcore_zoo.placement.Placement`, taken once at build time);
 * ``chunks`` - this rank's ``GPTModel`` chunks (one, or one per virtual-pipeline stage), unwrapped;
+* ``hf_source`` - the HF checkpoint the weights came from (its tokenizer files travel with exports);
 * the weight map, and its rules bound to each chunk (expert-parallel offsets applied, TP axes
   checked against Megatron-Core's own ``partition_dim``), computed once.
 
@@ -27,7 +28,7 @@ import torch
 
 from .errors import WeightMapError, ZooError
 from .placement import Placement
-from .weights.rules import BoundRule, TransformContext, WeightMap
+from .weights.rules import BoundRule, TransformContext, WeightMap, model_tensors
 
 if TYPE_CHECKING:  # pragma: no cover
     from .architecture import Architecture
@@ -47,6 +48,7 @@ class ModelHandle:
     options: "BuildOptions"
     transformer_config: Any
     placement: Placement
+    hf_source: Optional[str] = None  # the HF checkpoint directory the weights were loaded from
     _chunks: dict[int, torch.nn.Module] = field(default_factory=dict, repr=False)
     _weight_map: Optional[WeightMap] = field(default=None, repr=False)
     _bound: dict[int, list[BoundRule]] = field(default_factory=dict, repr=False)
@@ -93,9 +95,18 @@ class ModelHandle:
             self._weight_map = wmap
         return self._weight_map
 
-    def transform_context(self) -> TransformContext:
-        """What the weight transforms need: the architecture and this rank's TP slot."""
-        return TransformContext(self.arch_config, self.placement.tp_rank, self.placement.tp)
+    def tp_slot(self, bound: Optional[BoundRule] = None) -> tuple[int, int, Any]:
+        """``(rank, size, group)`` of the tensor-parallel split that applies to ``bound``: expert
+        tensor parallelism for expert rules, dense TP otherwise (and without a rule)."""
+        p = self.placement
+        if bound is not None and bound.is_expert:
+            return p.etp_rank, p.etp, p.groups.etp
+        return p.tp_rank, p.tp, p.groups.tp
+
+    def transform_context(self, bound: Optional[BoundRule] = None) -> TransformContext:
+        """What the weight transforms need: the architecture and this rank's TP slot for ``bound``."""
+        rank, size, _ = self.tp_slot(bound)
+        return TransformContext(self.arch_config, rank, size)
 
     def bound_rules(self, chunk: torch.nn.Module) -> list[BoundRule]:
         """The weight rules bound to ``chunk`` (cached): local layer / expert indices mapped to
@@ -110,7 +121,7 @@ class ModelHandle:
             else:
                 local = moe.num_experts // self.placement.ep
                 bound = wmap.bind(chunk, expert_offset=self.placement.ep_rank * local, num_local_experts=local)
-            params = dict(chunk.named_parameters())
+            params = model_tensors(chunk)
             for b in bound:
                 check_partition_dim(b, params[b.mcore])
             self._bound[key] = bound

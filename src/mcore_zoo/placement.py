@@ -61,6 +61,7 @@ class ProcessGroups:
     cp: Any = None
     dp_cp: Any = None  # data parallel with context parallel: ranks holding identical dense weights
     ep: Any = None
+    etp: Any = None  # expert tensor parallel: the split of each expert's FFN
     expert_dp: Any = None  # ranks holding identical expert weights
     model_parallel: Any = None  # TP x PP (x CP): one model replica
     embedding: Any = None  # first and last pipeline stage: tied embedding copies (PP > 1)
@@ -73,7 +74,7 @@ class Placement:
     Attributes:
         parallel: the sizes (:class:`Parallelism`).
         rank, world_size: global rank and size (0 / 1 without ``torch.distributed``).
-        tp_rank, pp_rank, cp_rank, ep_rank, dp_rank: coordinates in each group.
+        tp_rank, pp_rank, cp_rank, ep_rank, etp_rank, dp_rank: coordinates in each group.
         groups: the process groups (not compared; ``None`` for a single process).
     """
 
@@ -84,6 +85,7 @@ class Placement:
     pp_rank: int = 0
     cp_rank: int = 0
     ep_rank: int = 0
+    etp_rank: int = 0
     dp_rank: int = 0
     groups: ProcessGroups = field(default_factory=ProcessGroups, compare=False, repr=False)
 
@@ -117,6 +119,7 @@ class Placement:
             cp=ps.get_context_parallel_group(),
             dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
             ep=ps.get_expert_model_parallel_group(),
+            etp=ps.get_expert_tensor_parallel_group(),
             expert_dp=ps.get_expert_data_parallel_group(),
             model_parallel=ps.get_model_parallel_group(),
             embedding=ps.get_embedding_group(check_initialized=False),
@@ -129,6 +132,7 @@ class Placement:
             pp_rank=ps.get_pipeline_model_parallel_rank(),
             cp_rank=ps.get_context_parallel_rank(),
             ep_rank=ps.get_expert_model_parallel_rank(),
+            etp_rank=ps.get_expert_tensor_parallel_rank(),
             dp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
             groups=groups,
         )
@@ -175,6 +179,11 @@ class Placement:
     @property
     def ep(self) -> int:
         return self.parallel.ep
+
+    @property
+    def etp(self) -> int:
+        """Expert tensor-parallel size (``tp`` unless set)."""
+        return self.parallel.etp or self.parallel.tp
 
     @property
     def vpp(self) -> int:

@@ -44,17 +44,46 @@ class RopeSpec:
 
 @dataclass(frozen=True)
 class MoESpec:
-    """Mixture-of-experts block (used by MoE plugins; ``None`` for dense models)."""
+    """Mixture-of-experts block (``None`` for dense models), as the HF model computes it.
+
+    Routing, in HF's op order (every supported family scores all experts, then takes the top k):
+    ``logits = x @ router.T`` (in the hidden dtype, or fp32 when ``router_logits_fp32``);
+    ``scores = softmax(logits in fp32)`` or ``sigmoid(logits)`` (``router_score_function``);
+    experts are chosen by ``scores (+ expert bias)`` (``router_expert_bias``), optionally first
+    restricted to the best ``group_topk`` of ``num_groups`` groups (a group's score is the sum of
+    its best ``group_score_topk`` scores); the weights are the chosen ``scores``, divided by their
+    sum (+ ``normalize_eps``) when ``normalize_topk``, times ``topk_scaling_factor``; they are cast
+    to the hidden dtype or kept in fp32 (``probs_dtype``) and multiply each expert's *output*.
+
+    Attributes:
+        layer_pattern: per layer (0-based), True = MoE block, False = dense MLP; ``None``: all MoE.
+        shared_expert_ffn_hidden_size: width of the always-on shared expert(s) (summed), or None.
+        shared_expert_gate: the shared expert's output is scaled by ``sigmoid(x @ gate.T)``.
+        aux_loss_coeff: load-balancing loss coefficient (0: off).
+    """
 
     num_experts: int
     top_k: int
     expert_ffn_hidden_size: int
     shared_expert_ffn_hidden_size: Optional[int] = None
+    shared_expert_gate: bool = False
     router_score_function: str = "softmax"
+    router_logits_fp32: bool = False
+    router_expert_bias: bool = False
+    num_groups: Optional[int] = None
+    group_topk: Optional[int] = None
+    group_score_topk: int = 2
     normalize_topk: bool = False
-    router_bias: bool = False
-    layer_pattern: Optional[tuple] = None  # per layer: True = MoE, False = dense
+    normalize_eps: float = 0.0
+    topk_scaling_factor: Optional[float] = None
+    probs_dtype: str = "hidden"  # "hidden" | "fp32"
+    aux_loss_coeff: float = 0.0
+    layer_pattern: Optional[tuple] = None
     extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        """Whether global layer ``layer_index`` (0-based) is an MoE layer."""
+        return self.layer_pattern is None or bool(self.layer_pattern[layer_index])
 
 
 @dataclass(frozen=True)
@@ -101,6 +130,8 @@ class ArchConfig:
     init_std: float = 0.02
     moe: Optional[MoESpec] = None
     extra_transformer_config: Mapping[str, Any] = field(default_factory=dict)
+    #: rows of the embedding / output layer when padded (``make_vocab_size_divisible_by``); None: vocab_size
+    padded_vocab_size: Optional[int] = None
     hf_config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     fields: Optional[FieldReport] = field(default=None, compare=False, repr=False)
 

@@ -15,7 +15,7 @@ HF config that no rule touched, so a new HF field can never be silently dropped.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Collection, Iterable, Mapping, Optional
 
 from ..errors import UnclassifiedConfigFieldsError, UnsupportedConfigError
 
@@ -59,6 +59,8 @@ class ConfigReader:
         config: the HF config as a dict (``PretrainedConfig.to_dict()``).
         architecture: the architecture name, used in every error message.
         ignore_fields: user-supplied ``{field: reason}`` for fields to ignore on purpose.
+        defaulted: fields whose value is transformers' default, absent from the user's config
+            (recorded with ``present=False``).
     """
 
     def __init__(
@@ -66,8 +68,10 @@ class ConfigReader:
         config: Mapping[str, Any],
         architecture: str,
         ignore_fields: Optional[Mapping[str, str]] = None,
+        defaulted: Collection[str] = (),
     ) -> None:
         self.config = dict(config)
+        self.defaulted = frozenset(defaulted)  # fields only transformers' defaults filled in
         self.architecture = architecture
         self.records: dict[str, FieldRecord] = {}
         for name, reason in (ignore_fields or {}).items():
@@ -83,11 +87,12 @@ class ConfigReader:
         return self.config.get(name, default)
 
     def _record(self, name: str, value: Any, kind: str, detail: str, present: bool = True) -> None:
+        present = present and name not in self.defaulted
         self.records[name] = FieldRecord(name, value, kind, detail, present)
 
     def _value(self, name: str, default: Any) -> tuple[Any, bool]:
         if name in self.config:
-            return self.config[name], True
+            return self.config[name], name not in self.defaulted
         if default is _MISSING:
             raise UnsupportedConfigError(self.architecture, name, None, "required field is absent")
         return default, False

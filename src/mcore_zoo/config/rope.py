@@ -46,6 +46,10 @@ _KEYS = {
 SUPPORTED_ROPE_TYPES = tuple(_KEYS)
 
 
+def _valid_theta(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
 def read_rope(reader: ConfigReader, *, max_position_embeddings: int) -> RopeSpec:
     """Read and classify the RoPE fields of an HF config (4.x or 5.x form)."""
     params: dict[str, Any]
@@ -53,7 +57,10 @@ def read_rope(reader: ConfigReader, *, max_position_embeddings: int) -> RopeSpec
         params = dict(reader.peek("rope_parameters"))
         source = "rope_parameters"
         if reader.has("rope_theta"):
-            reader.ignore("rope_theta", "duplicated in rope_parameters.rope_theta, which is used")
+            reader.expect(
+                "rope_theta", _valid_theta, reason="RoPE base must be a positive number",
+                detail="duplicated in rope_parameters.rope_theta, which is used",
+            )  # fmt: skip
         if reader.has("rope_scaling"):
             reader.ignore("rope_scaling", "duplicated in rope_parameters, which is used")
     else:
@@ -89,6 +96,8 @@ def read_rope(reader: ConfigReader, *, max_position_embeddings: int) -> RopeSpec
     theta = params.pop("rope_theta", None)
     if theta is None:
         raise reader.unsupported(f"{source}.rope_theta", None, "RoPE base is missing")
+    if not _valid_theta(theta):
+        raise reader.unsupported(f"{source}.rope_theta", theta, "RoPE base must be a positive number")
     unknown = set(params) - _KEYS[rope_type]
     if unknown:
         key = sorted(unknown)[0]

@@ -36,8 +36,8 @@ def validate_layout(arch: ArchConfig, parallel: Parallelism) -> None:
             problems.append(f"num_key_value_heads={arch.num_query_groups} is not divisible by tp={tp}")
         if arch.ffn_hidden_size % tp:
             problems.append(f"intermediate_size={arch.ffn_hidden_size} is not divisible by tp={tp}")
-        if arch.vocab_size % tp:
-            problems.append(f"vocab_size={arch.vocab_size} is not divisible by tp={tp}")
+        if (arch.padded_vocab_size or arch.vocab_size) % tp:
+            problems.append(f"vocab_size={arch.vocab_size} is not divisible by tp={tp} (make_vocab_size_divisible_by pads it)")
     chunks = pp * (parallel.vpp or 1)
     if parallel.vpp is not None and parallel.vpp > 1 and pp == 1:
         problems.append(f"vpp={parallel.vpp} needs pp > 1")
@@ -47,8 +47,10 @@ def validate_layout(arch: ArchConfig, parallel: Parallelism) -> None:
         )
     if parallel.sequence_parallel and tp == 1:
         problems.append("sequence_parallel needs tp > 1")
-    if arch.moe is not None and parallel.ep > 1 and arch.moe.num_experts % parallel.ep:
-        problems.append(f"num_experts={arch.moe.num_experts} is not divisible by ep={parallel.ep}")
+    if arch.moe is not None or parallel.ep > 1:  # MoE: experts over ep, expert FFN over etp
+        from .moe import moe_layout_problems
+
+        problems += moe_layout_problems(arch, parallel.ep, parallel.etp, tp)
     if problems:
         raise LayoutError(
             f"{arch.architecture}: layout tp={tp} pp={pp} vpp={parallel.vpp} cp={cp} ep={parallel.ep}"
@@ -150,6 +152,10 @@ def transformer_config_kwargs(arch: ArchConfig, options: BuildOptions) -> dict[s
             kwargs["window_attn_skip_freq"] = [int(f) for f in arch.sliding_window_layers]
     if arch.rope.rope_type == "yarn":
         kwargs.update(_yarn_fields(arch))
+    if arch.moe is not None:  # MoE fields (mcore_zoo.config.moe): router, experts, dispatcher
+        from .moe import moe_config_kwargs
+
+        kwargs.update(moe_config_kwargs(arch, cuda=not options.cpu))
     kwargs.update(arch.extra_transformer_config)
     for name, value in options.overrides.items():
         kwargs[name] = value
@@ -199,7 +205,7 @@ def _yarn_fields(arch: ArchConfig) -> dict[str, Any]:
 def gpt_model_kwargs(arch: ArchConfig) -> dict[str, Any]:
     """``GPTModel`` arguments besides config and spec (vocab, positions, RoPE, tying)."""
     return dict(
-        vocab_size=arch.vocab_size,
+        vocab_size=arch.padded_vocab_size or arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         position_embedding_type="rope",
         rotary_percent=arch.rope.partial_rotary_factor,

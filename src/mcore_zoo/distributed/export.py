@@ -38,9 +38,10 @@ import torch.distributed as dist
 from ..config.transformer import validate_layout
 from ..errors import LayoutError, ZooError
 from ..handle import ModelHandle, handle_of
-from ..placement import Parallelism, Placement
-from ..weights.export import hf_config_for_export, stage_hf_weights, write_hf_checkpoint
+from ..placement import Parallelism
+from ..weights.export import ExpertCopies, hf_config_for_export, stage_hf_weights, write_hf_checkpoint
 from ..weights.io import _parse_size, check_output_dir
+from ..weights.rules import BoundRule
 
 Model = Union[ModelHandle, torch.nn.Module, Sequence[torch.nn.Module]]
 
@@ -61,20 +62,45 @@ class ExportEntry:
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
-def tp_gather(placement: Placement) -> Optional[Callable[[torch.Tensor, int], torch.Tensor]]:
-    """``gather(piece, axis)``: all-gather a tensor-parallel piece over the TP group (``None`` at
-    TP 1)."""
-    if placement.tp == 1:
+def _all_gather(piece: torch.Tensor, axis: int, group: Any, size: int) -> torch.Tensor:
+    piece = piece.contiguous()
+    parts = [torch.empty_like(piece) for _ in range(size)]
+    dist.all_gather(parts, piece, group=group)
+    return torch.cat(parts, dim=axis)
+
+
+def tp_gather_for(handle: ModelHandle) -> Callable[[BoundRule], Optional[Callable[[torch.Tensor, int], torch.Tensor]]]:
+    """``gather_for(bound)``: the all-gather of a rule's tensor-parallel pieces - over the expert
+    TP group for expert rules, the TP group otherwise (``None`` where that size is 1)."""
+
+    def gather_for(b: BoundRule) -> Optional[Callable[[torch.Tensor, int], torch.Tensor]]:
+        _, size, group = handle.tp_slot(b)
+        if size == 1:
+            return None
+        return lambda piece, axis: _all_gather(piece, axis, group, size)
+
+    return gather_for
+
+
+def expert_copies_for(handle: ModelHandle) -> Optional[ExpertCopies]:
+    """``expert_copies(bound, tensor, meta)``: this local expert as every EP rank holds it,
+    all-gathered over the EP group (rank order = global expert order); ``None`` at EP 1."""
+    placement = handle.placement
+    if placement.ep == 1 or handle.arch_config.moe is None:
         return None
-    group, size = placement.groups.tp, placement.tp
+    ep, ep_rank, group = placement.ep, placement.ep_rank, placement.groups.ep
+    per_rank = handle.arch_config.moe.num_experts // ep
 
-    def gather(piece: torch.Tensor, axis: int) -> torch.Tensor:
-        piece = piece.contiguous()
-        parts = [torch.empty_like(piece) for _ in range(size)]
-        dist.all_gather(parts, piece, group=group)
-        return torch.cat(parts, dim=axis)
+    def copies(b: BoundRule, tensor: torch.Tensor, meta: bool) -> list[tuple[BoundRule, torch.Tensor]]:
+        local_index = b.expert - ep_rank * per_rank
+        if meta:
+            parts = [tensor.new_empty(tensor.shape) for _ in range(ep)]
+        else:
+            parts = [torch.empty_like(tensor) for _ in range(ep)]
+            dist.all_gather(parts, tensor.contiguous(), group=group)
+        return [(b.for_expert(r * per_rank + local_index), part) for r, part in enumerate(parts)]
 
-    return gather
+    return copies
 
 
 def export_plan(handle: ModelHandle, *, dtype: Optional[torch.dtype] = None) -> list[ExportEntry]:
@@ -104,9 +130,11 @@ def export_plan(handle: ModelHandle, *, dtype: Optional[torch.dtype] = None) -> 
 
 
 def _chunk_hf_weights(handle: ModelHandle, chunk: Optional[torch.nn.Module] = None, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """:func:`~mcore_zoo.weights.export.stage_hf_weights` of one chunk (or all), TP-gathered."""
+    """:func:`~mcore_zoo.weights.export.stage_hf_weights` of one chunk (or all), gathered over TP
+    (expert TP) and EP."""
     chunks = None if chunk is None else [chunk]
-    return stage_hf_weights(handle, chunks=chunks, gather=tp_gather(handle.placement), **kwargs)
+    return stage_hf_weights(handle, chunks=chunks, gather_for=tp_gather_for(handle),
+                            expert_copies=expert_copies_for(handle), **kwargs)  # fmt: skip
 
 
 def _buckets(entries: list[ExportEntry], limit: int) -> list[list[ExportEntry]]:
@@ -157,7 +185,10 @@ def iter_hf_buckets(
     limit = _parse_size(bucket_size)
     wanted = None if ranks is None else set(int(r) for r in ranks)
     me = placement.rank
-    if wanted is not None and placement.groups.model_parallel is not None:
+    # Expert parallelism: expert tensors are all-gathered over the EP group, which spans
+    # model-parallel groups, so every rank takes part in the gathers (and yields nothing unless
+    # it is in ``ranks``); the shortcut below is for EP = 1 only.
+    if wanted is not None and placement.groups.model_parallel is not None and placement.ep == 1:
         group_ranks = dist.get_process_group_ranks(placement.groups.model_parallel)
         if not wanted.intersection(group_ranks):
             return  # no receiver in this model-parallel group: nothing to gather
@@ -308,7 +339,8 @@ def save_hf_checkpoint(
     overwrite: bool = False,
     writer_rank: int = 0,
 ) -> list[str]:
-    """Write a complete HF checkpoint (safetensors + config.json) that transformers loads.
+    """Write a complete HF checkpoint (safetensors + config.json) that transformers loads, with the
+    tokenizer files and ``generation_config.json`` of the checkpoint the model was loaded from.
 
     Any layout: in a multi-process job every rank calls it; global rank ``writer_rank`` gathers
     the tensors (bucket by bucket) and writes, the others take part in the gathers. Every rank
@@ -320,7 +352,7 @@ def save_hf_checkpoint(
     config = hf_config_for_export(handle, dtype)
     if not handle.placement.distributed:
         return write_hf_checkpoint(iter_hf_weights(handle, dtype=dtype), out_dir, needed=needed, config=config,
-                                   max_shard_size=max_shard_size, overwrite=overwrite)  # fmt: skip
+                                   max_shard_size=max_shard_size, overwrite=overwrite, assets=handle.hf_source)  # fmt: skip
     writer = handle.placement.rank == writer_rank
     verdict: list[Any] = [None]
     if writer:  # a refusal known up front must not leave the other ranks inside the gathers
@@ -335,8 +367,8 @@ def save_hf_checkpoint(
     outcome: list[Any] = [None]
     if writer:
         try:
-            outcome[0] = ("ok", write_hf_checkpoint(items, out_dir, needed=needed, config=config,
-                                                    max_shard_size=max_shard_size, overwrite=overwrite))  # fmt: skip
+            outcome[0] = ("ok", write_hf_checkpoint(items, out_dir, needed=needed, config=config, max_shard_size=max_shard_size,
+                                                    overwrite=overwrite, assets=handle.hf_source))  # fmt: skip
         except Exception as exc:
             outcome[0] = ("error", f"{type(exc).__name__}: {exc}")
             _drain(items)  # keep the collectives matched so the other ranks get the verdict
@@ -354,4 +386,4 @@ def _drain(items: Iterator[Any]) -> None:
         pass
 
 
-__all__ = ["ExportEntry", "export_plan", "iter_hf_buckets", "iter_hf_shards", "iter_hf_weights", "save_hf_checkpoint", "tp_gather"]
+__all__ = ["ExportEntry", "export_plan", "iter_hf_buckets", "iter_hf_shards", "iter_hf_weights", "save_hf_checkpoint", "tp_gather_for", "expert_copies_for"]

@@ -486,7 +486,7 @@ def _broadcast_from_last_stage(out: PackedOutput, lengths: list[int], handle: Mo
         flat = torch.cat(out.values) if layout.last_stage else torch.empty((sum(lengths),), dtype=torch.float32, device=device)
         dist.broadcast(flat, src=src, group=group)
         out.values = list(torch.split(flat, lengths))
-    vocab = handle.arch_config.vocab_size
+    vocab = handle.arch_config.padded_vocab_size or handle.arch_config.vocab_size
     if want_logits:
         dtype = handle.params_dtype
         flat = (

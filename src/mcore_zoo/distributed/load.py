@@ -18,6 +18,7 @@ over the embedding group).
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Optional, Sequence, Union
 
@@ -26,8 +27,12 @@ import torch.distributed as dist
 
 from ..handle import ModelHandle, handle_of
 from ..placement import Placement
+from ..progress import progress
 from ..weights.io import HFCheckpoint
 from ..weights.load import DictCheckpoint, LoadReport, absent_tensors, plan_load, read_rule_into
+from ..weights.rules import model_tensors
+
+logger = logging.getLogger(__name__)
 
 
 def _replica_group(param: torch.Tensor, placement: Placement) -> Optional[Any]:
@@ -59,23 +64,25 @@ def load_hf_weights(
     ckpt = HFCheckpoint(checkpoint, allow_torch_load=allow_torch_load) if own else checkpoint
     try:
         plan, ignored = plan_load(handle, ckpt)
-        ctx = handle.transform_context()
         rank = handle.placement.rank
         report = LoadReport(ignored=ignored, absent=absent_tensors(handle.weight_map, ckpt.keys()))
         for chunk, bound in plan:
-            params = dict(chunk.named_parameters())
-            for b in bound:
+            params = model_tensors(chunk)  # parameters + checkpoint-state buffers (MoE expert_bias)
+            for b in progress(bound, total=len(bound), desc="loading HF weights", unit="param"):
                 param = params[b.mcore]
                 group = _replica_group(param, handle.placement) if replicas == "broadcast" else None
                 source = None if group is None else dist.get_process_group_ranks(group)[0]
                 if group is None or rank == source:
-                    report.bytes_read += read_rule_into(ckpt, b, param, ctx)
+                    report.bytes_read += read_rule_into(ckpt, b, param, handle.transform_context(b))
                     report.tensors_read += len(b.hf)
                 if group is not None:
                     dist.broadcast(param.data, src=source, group=group)
                     if rank != source:
                         report.bytes_received += param.numel() * param.element_size()
                 report.parameters += 1
+        if own and os.path.isdir(ckpt.path):
+            handle.hf_source = os.path.realpath(ckpt.path)  # save_hf_checkpoint copies its tokenizer files
+        logger.info("loaded %d parameters from %s (%.1f MB read)", report.parameters, ckpt.path, report.bytes_read / 1e6)
         return report
     finally:
         if own:

@@ -54,6 +54,11 @@ class NumericsProfile:
             projections add it later still) or ``"fused"`` (``F.linear(x, W, b)``: bias in the GEMM
             epilogue, as ``torch.nn.Linear``; ``local`` / ``portable`` backends - TE linears
             always fuse it).
+        router: MoE models only. ``"hf"``: routing weights in HF's op order (softmax or sigmoid
+            over all experts, top-k, renormalise by division, scale) applied to each expert's
+            output after ``linear_fc2``; ``"mcore"``: Megatron-Core's stock ``TopKRouter`` and
+            ``SequentialMLP`` (weights applied before ``linear_fc2``). See
+            :mod:`mcore_zoo.specs.moe`.
     """
 
     name: str
@@ -65,6 +70,7 @@ class NumericsProfile:
     attention: str = "backend"
     fuse_norm_into_linear: bool = True
     linear_bias: str = "separate"
+    router: str = "hf"
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -73,12 +79,19 @@ class NumericsProfile:
             "rope_freqs": ("hf", "mcore"),
             "attention": ("backend", "auto", "sdpa", "eager", "varlen", "flash"),
             "linear_bias": ("separate", "fused"),
+            "router": ("hf", "mcore"),
         }
         for knob, allowed in checks.items():
             if getattr(self, knob) not in allowed:
                 raise ZooError(f"numerics profile {self.name!r}: {knob}={getattr(self, knob)!r} not in {allowed}")
 
     def with_knobs(self, **knobs: Any) -> "NumericsProfile":
+        valid = set(self.knobs())
+        unknown = sorted(set(knobs) - valid)
+        if unknown:
+            from ..errors import ZooError
+
+            raise ZooError(f"unknown numerics knob {unknown[0]!r}; knobs: {', '.join(sorted(valid))}")
         name = self.name + "".join(f"+{k}={v}" for k, v in sorted(knobs.items()))
         return dataclasses.replace(self, name=name, **knobs)
 

@@ -403,6 +403,11 @@ def _notes(opts: ParityOptions, r: dict[str, Any], source: Any, token_info: dict
            runs: dict[str, RunResult], device: str) -> list[str]:  # fmt: skip
     """Caveats of this run, shown under the verdict."""
     notes = [token_info["note"]] if token_info.get("note") else []
+    from ..provenance import provider_note
+
+    provider = provider_note(source.architecture)
+    if provider:
+        notes.insert(0, provider)
     if opts.bitwise and device == "cuda" and os.environ.get("CUBLAS_WORKSPACE_CONFIG") != ":0:0":
         notes.append("cuBLAS split-K is allowed (CUBLAS_WORKSPACE_CONFIG is not ':0:0'): a THD pack multiplies"
                      " more rows than each sequence alone and some shapes then sum in another order; start"

@@ -210,10 +210,15 @@ def prepare_model(
         if scale or settings:
             raise ZooError("--scale / --set change the config, so they need random weights:"
                            " use --config PATH --random-weights (or --model DIR --random-weights)")  # fmt: skip
-        path = Path(model)
+        from ..hub import resolve
+
+        path = Path(resolve(model))
         if not path.is_dir():
             raise FileNotFoundError(f"--model {model}: not a checkpoint directory")
         architecture = lookup(str(path))
+        from ..weights.io import HFCheckpoint
+
+        HFCheckpoint(path).close()  # headers, index, no pickle: before transformers reads a byte
         return ModelSource(
             architecture, path, "checkpoint", str(path), False,
             tokenizer=path if _has_tokenizer(path) else None, config=read_json_config(path),

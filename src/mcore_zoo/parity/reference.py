@@ -55,6 +55,12 @@ def randomize_(model: torch.nn.Module, seed: int = 0, *, attention_logit_std: fl
                 std = math.sqrt(attention_logit_std / fan_in) if _QK.search(name) else 1.0 / math.sqrt(fan_in)
                 data.normal_(0.0, std, generator=gen)
             param.copy_(data.to(param.dtype))
+        for name, buffer in model.named_buffers():
+            # MoE expert-choice biases (GLM-4.5 / DeepSeek-V3 e_score_correction_bias): zeros by
+            # default, which would hide a bias that is dropped or misplaced
+            if name.endswith("e_score_correction_bias"):
+                data = torch.empty(buffer.shape, dtype=torch.float32).normal_(0.0, 0.05, generator=gen)
+                buffer.copy_(data.to(buffer.dtype))
     return model
 
 

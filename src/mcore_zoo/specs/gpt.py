@@ -101,8 +101,8 @@ def _core_attention(backend: str, numerics: NumericsProfile, own: Any) -> Any:
     return functools.partial(PortableAttention, kernel=numerics.attention)
 
 
-def gpt_layer_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile) -> Any:
-    """The ``ModuleSpec`` of one decoder layer."""
+def gpt_layer_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile, *, moe: bool = False) -> Any:
+    """The ``ModuleSpec`` of one decoder layer (``moe``: its MLP is the MoE block of ``arch.moe``)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
     from megatron.core.transformer.enums import AttnMaskType
@@ -113,6 +113,14 @@ def gpt_layer_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile) ->
     from ..compat import mlp_submodule
 
     p = _pieces(arch, backend, numerics)
+    if moe:  # the router and experts read the normalised input: the pre-MLP norm cannot be fused away
+        from .moe import moe_mlp_submodule
+
+        if p["pre_mlp_layernorm"] is IdentityOp:
+            p = dict(p, pre_mlp_layernorm=_pieces(arch, backend, numerics.with_knobs(fuse_norm_into_linear=False))["pre_mlp_layernorm"])
+        mlp = moe_mlp_submodule(arch, p, numerics.router)
+    else:
+        mlp = mlp_submodule(p["linear_fc1"], p["linear_fc2"])
     qk_norm = p["qk_norm"] if arch.qk_norm else IdentityOp
     return ModuleSpec(
         module=TransformerLayer,
@@ -131,7 +139,7 @@ def gpt_layer_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile) ->
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=p["pre_mlp_layernorm"],
-            mlp=mlp_submodule(p["linear_fc1"], p["linear_fc2"]),
+            mlp=mlp,
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map=_fused_norm_keys(p),
         ),
@@ -175,6 +183,11 @@ def gpt_layer_specs(
         )
     layer = gpt_layer_spec(arch, backend, numerics)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(
-        layer_specs=[layer] * count, layer_norm=_pieces(arch, backend, numerics)["final_norm"]
-    )
+    layers = [layer] * count
+    if arch.moe is not None:  # MoE: per global layer index, the MoE or the dense MLP layer
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        moe_layer = gpt_layer_spec(arch, backend, numerics, moe=True)
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        layers = [moe_layer if arch.moe.is_moe_layer(offset + i) else layer for i in range(count)]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=_pieces(arch, backend, numerics)["final_norm"])

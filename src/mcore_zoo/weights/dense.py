@@ -6,7 +6,9 @@ Plugins import these pieces from :mod:`mcore_zoo.plugin_api`.
 from __future__ import annotations
 
 from ..config.arch import ArchConfig
-from .rules import Rule, WeightMap, column_parallel, fused_gate_up, fused_qkv, replicated, row_parallel, rule
+from .rules import (
+    IDENTITY, Rule, Transform, WeightMap, fused_gate_up, fused_qkv, replicated, row_parallel, rule,
+)  # fmt: skip
 
 LAYER = "decoder.layers.{layer}."
 HF_LAYER = "model.layers.{layer}."
@@ -42,23 +44,26 @@ def attention_rules(arch: ArchConfig, *, hf_attn: str = "self_attn.") -> list[Ru
     return rules
 
 
-def gated_mlp_rules(arch: ArchConfig, *, hf_mlp: str = "mlp.", mcore_mlp: str = "mlp.") -> list[Rule]:
-    """A gated MLP: ``linear_fc1`` from gate / up, ``linear_fc2`` from down (+ biases)."""
-    m, c = HF_LAYER + hf_mlp, LAYER + mcore_mlp
+def gated_mlp_rules(arch: ArchConfig, *, hf_mlp: str = "mlp.", mcore_mlp: str = "mlp.", layer_kind: str = "all") -> list[Rule]:
+    """A gated MLP: ``linear_fc1`` from gate / up, ``linear_fc2`` from down (+ biases).
+    ``layer_kind="dense"``: only in the dense layers of an MoE model."""
+    m, c, k = HF_LAYER + hf_mlp, LAYER + mcore_mlp, layer_kind
     rules = [
-        fused_gate_up(c + "linear_fc1.weight", gate=m + "gate_proj.weight", up=m + "up_proj.weight"),
-        row_parallel(c + "linear_fc2.weight", m + "down_proj.weight"),
+        fused_gate_up(c + "linear_fc1.weight", gate=m + "gate_proj.weight", up=m + "up_proj.weight", layer_kind=k),
+        row_parallel(c + "linear_fc2.weight", m + "down_proj.weight", layer_kind=k),
     ]
     if arch.mlp_bias:
-        rules.append(fused_gate_up(c + "linear_fc1.bias", gate=m + "gate_proj.bias", up=m + "up_proj.bias"))
-        rules.append(replicated(c + "linear_fc2.bias", m + "down_proj.bias"))
+        rules.append(fused_gate_up(c + "linear_fc1.bias", gate=m + "gate_proj.bias", up=m + "up_proj.bias", layer_kind=k))
+        rules.append(replicated(c + "linear_fc2.bias", m + "down_proj.bias", layer_kind=k))
     return rules
 
 
 def embedding_rules(arch: ArchConfig) -> list[Rule]:
     """Word embeddings, final norm and output layer (tied or not)."""
+    pad = vocab_transform(arch)
     rules = [
-        column_parallel("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+        # column-parallel; a padded vocabulary pads the rows (mcore_zoo.vocab)
+        rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", tp_axis=0, transform=pad),
         replicated("decoder.final_layernorm.weight", "model.norm.weight"),
     ]
     if arch.tie_word_embeddings:
@@ -68,13 +73,23 @@ def embedding_rules(arch: ArchConfig) -> list[Rule]:
                 "output_layer.weight",
                 "model.embed_tokens.weight",
                 tp_axis=0,
+                transform=pad,
                 export=False,
                 note="tied: the last pipeline stage's copy of the embedding",
             )
         )
     else:
-        rules.append(column_parallel("output_layer.weight", "lm_head.weight"))
+        rules.append(rule("output_layer.weight", "lm_head.weight", tp_axis=0, transform=pad))
     return rules
+
+
+def vocab_transform(arch: ArchConfig) -> Transform:
+    """Identity, or :class:`~mcore_zoo.vocab.PadVocab` for a padded vocabulary."""
+    if not arch.padded_vocab_size or arch.padded_vocab_size == arch.vocab_size:
+        return IDENTITY
+    from ..vocab import PadVocab
+
+    return PadVocab(arch.vocab_size, arch.padded_vocab_size)
 
 
 def dense_decoder_weight_map(arch: ArchConfig) -> WeightMap:

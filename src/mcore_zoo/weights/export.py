@@ -11,27 +11,35 @@ config.json), atomically. The job-wide export - TP gathers, pipeline buckets, re
 from __future__ import annotations
 
 import json
+import logging
 import os
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
 from ..errors import MissingTensorsError, ZooError
+from ..hf_assets import copy_assets
+from ..progress import progress
 from .io import SafetensorsShardWriter, atomic_output_dir
-from .rules import BoundRule, TransformContext
+from .rules import BoundRule, TransformContext, model_tensors
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..handle import ModelHandle
 
+logger = logging.getLogger(__name__)
+
 #: ``gather(piece, axis)``: join this rank's tensor-parallel piece with the other TP ranks' pieces
 Gather = Callable[[torch.Tensor, int], torch.Tensor]
+#: ``expert_copies(bound, tensor, meta)``: every expert-parallel rank's copy of a local expert
+ExpertCopies = Callable[[BoundRule, torch.Tensor, bool], Iterable[tuple[BoundRule, torch.Tensor]]]
 
 
 def stage_hf_weights(
     handle: "ModelHandle",
     *,
     chunks: Optional[Sequence[torch.nn.Module]] = None,
-    gather: Optional[Gather] = None,
+    gather_for: Optional[Callable[[BoundRule], Optional[Gather]]] = None,
+    expert_copies: Optional[ExpertCopies] = None,
     dtype: Optional[torch.dtype] = None,
     meta: bool = False,
     grads: bool = False,
@@ -39,22 +47,17 @@ def stage_hf_weights(
     """``(hf_name, tensor)`` for the HF tensors this rank's chunks hold (its pipeline stage only),
     in model order (``chunks``: only these of the handle's chunks).
 
-    ``gather`` joins tensor-parallel pieces (``None``: each rank's own pieces). ``meta=True``
-    yields meta tensors of the shapes and dtypes the real iteration would yield (gathered shapes
-    when ``gather`` is given), without reading a parameter or calling ``gather`` (export planning).
+    ``gather_for(bound)`` gives the function that joins a rule's tensor-parallel pieces (``None``,
+    or no ``gather_for``: each rank's own pieces). ``expert_copies(bound, tensor, meta)`` gives, for
+    an expert rule, every expert-parallel rank's copy of this local expert as ``(bound rule of that
+    expert, tensor)`` pairs (``None``: only this rank's experts). Both are supplied by
+    :mod:`mcore_zoo.distributed.export`, which owns the collectives. ``meta=True`` yields meta
+    tensors of the shapes and dtypes the real iteration would yield (gathered shapes where a
+    gather is given), without reading a parameter or communicating (export planning).
     ``grads=True`` yields the parameters' ``.grad`` instead (a parameter without a gradient raises).
     """
-    ctx = handle.transform_context()
-    tp_size = ctx.tp_size
-    if meta and gather is not None:
-
-        def gather(piece: torch.Tensor, axis: int) -> torch.Tensor:
-            shape = list(piece.shape)
-            shape[axis] *= tp_size
-            return piece.new_empty(shape)
-
     for chunk in handle.chunks if chunks is None else chunks:
-        params = dict(chunk.named_parameters())
+        params = model_tensors(chunk)  # parameters + checkpoint-state buffers (MoE expert_bias)
         for b in handle.bound_rules(chunk):
             if not b.rule.export:
                 continue
@@ -66,8 +69,25 @@ def stage_hf_weights(
                     raise ZooError(f"parameter {b.mcore!r} has no gradient")
             source = grad if grads else param
             local = torch.empty(param.shape, dtype=param.dtype, device="meta") if meta else source.detach()
-            for name, tensor in export_rule(b, local, ctx, gather if tp_size > 1 else None):
-                yield name, (tensor.to(dtype) if dtype is not None else tensor)
+            ctx = handle.transform_context(b)
+            gather = gather_for(b) if gather_for is not None else None
+            if gather is not None and meta:
+                gather = _meta_gather(ctx.tp_size)
+            copies = expert_copies(b, local, meta) if expert_copies is not None and b.is_expert else [(b, local)]
+            for rb, tensor in copies:
+                for name, piece in export_rule(rb, tensor, ctx, gather):
+                    yield name, (piece.to(dtype) if dtype is not None else piece)
+
+
+def _meta_gather(size: int) -> Gather:
+    """What a TP gather of ``size`` pieces returns, as a meta tensor."""
+
+    def gather(piece: torch.Tensor, axis: int) -> torch.Tensor:
+        shape = list(piece.shape)
+        shape[axis] *= size
+        return piece.new_empty(shape)
+
+    return gather
 
 
 def export_rule(
@@ -80,9 +100,14 @@ def export_rule(
     tensor-parallel pieces; ``None``: the pieces as they are). Parts of a fused HF tensor
     (``Source.select``) are concatenated back into it."""
     parts: dict[str, list[tuple[tuple[int, int, int], torch.Tensor]]] = {}
+    finish = getattr(b.transform, "finish", None)  # e.g. a padded vocabulary loses its padding rows
+    if finish is not None and gather is None and ctx.tp_size > 1:
+        raise ZooError(f"{b.mcore!r} ({b.transform}): exported only gathered over tensor parallelism")
     for name, axis, select, piece in zip(b.hf, b.tp_axes, b.selects, b.transform.split(tensor, ctx)):
         if gather is not None and axis is not None:
             piece = gather(piece, axis)
+        if finish is not None:
+            piece = finish(piece)
         if select is not None:  # a part of a fused HF tensor: emit once all parts are here
             parts.setdefault(name, []).append((select, piece))
             continue
@@ -119,13 +144,17 @@ def write_hf_checkpoint(
     config: dict[str, Any],
     max_shard_size: Union[int, str] = "5GB",
     overwrite: bool = False,
+    inputs: Sequence[Union[str, os.PathLike]] = (),
+    assets: Optional[Union[str, os.PathLike]] = None,
 ) -> list[str]:
     """Write ``(hf_name, tensor)`` items as an HF checkpoint (atomically); every name in ``needed``
-    must come by. Returns the weight file names."""
-    with atomic_output_dir(out_dir, overwrite=overwrite) as tmp:
+    must come by. Returns the weight file names. ``inputs``: directories the output may not be
+    or contain; ``assets``: a directory whose tokenizer files and ``generation_config.json`` are
+    copied next to the weights (:mod:`mcore_zoo.hf_assets`)."""
+    with atomic_output_dir(out_dir, overwrite=overwrite, inputs=inputs) as tmp:
         writer = SafetensorsShardWriter(tmp, max_shard_size, metadata={"producer": "mcore-zoo"})
         written = set()
-        for name, tensor in items:
+        for name, tensor in progress(items, total=len(needed), desc="writing HF checkpoint", unit="tensor"):
             writer.add(name, tensor)
             written.add(name)
         missing = needed - written
@@ -133,4 +162,6 @@ def write_hf_checkpoint(
             raise MissingTensorsError(sorted(missing), source="export")
         files = writer.close()
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        copy_assets(assets, tmp)
+    logger.info("wrote HF checkpoint %s: %d tensors in %d file(s)", out_dir, len(written), len(files))
     return files

@@ -21,19 +21,22 @@ Pickle-based ``.bin`` files are refused unless ``allow_torch_load=True`` (then r
 
 Writing goes through :func:`atomic_output_dir`: files are written into a temporary sibling
 directory that is renamed into place only when everything succeeded, so a failed export or
-conversion leaves no partial output behind.
+conversion leaves no partial output behind; an output never replaces an input, a concurrent
+output or anything mcore-zoo did not write (:func:`check_output_dir`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import logging
 import math
 import mmap
 import os
+import posixpath
 import shutil
 import struct
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,16 +44,24 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from ..errors import CheckpointFormatError, MissingTensorsError, ShapeMismatchError, ZooError
+from ..errors import CheckpointFormatError, MissingTensorsError, OutputError, OutputExistsError, ShapeMismatchError, ZooError
+
+logger = logging.getLogger(__name__)
 
 SAFE_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "BOOL": torch.bool,
 }  # fmt: skip
+# F8_E4M3 is the "fn" variant (no infinities, NaN = 0x7f/0xff), as safetensors and every FP8
+# checkpoint use it; 1-byte floats size and map like U8. HFCheckpoint reads the FP8 ones only when
+# asked (``allow_fp8``, for mcore_zoo.weights.fp8); other quantized dtypes (F8_E8M0, F4, F6_*, ...)
+# are refused when the header is read, naming the tensor and its dtype.
+_FP8_READABLE = ("F8_E4M3", "F8_E5M2")
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,7 @@ class TensorEntry:
     dtype: torch.dtype
     shape: tuple[int, ...]
     offset: int
+    dtype_name: str = ""  # as the header spells it (``BF16``, ``F8_E4M3``)
 
     @property
     def nbytes(self) -> int:
@@ -71,7 +83,40 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
+#: Safetensors dtypes of quantized checkpoints: refused by name (never reinterpreted as another dtype).
+_QUANTIZED = ("F8_", "F6_", "F4", "E8M0", "I4", "U4", "MXF")
+
+
+def unsupported_dtype(name: Any) -> Optional[str]:
+    """The refusal for a quantized safetensors dtype (``F8_E4M3``, ``F8_E5M2``, ...), else ``None``.
+
+    Keyed on the header's dtype string, so it holds whether or not the dtype table can read it."""
+    if isinstance(name, str) and name.upper().startswith(_QUANTIZED):
+        return f"quantized checkpoints are not supported ({name})"
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def shard_name(index: Path, file: str) -> str:
+    """A shard path from an index, normalised and kept inside the checkpoint directory: a relative
+    path without ``..`` escaping the directory (subdirectories are fine). Raises otherwise."""
+    norm = posixpath.normpath(file.replace("\\", "/")) if file else ""
+    if not file or "\x00" in file or os.path.isabs(file) or norm.startswith("/") or norm == ".." or norm.startswith("../") or norm == ".":
+        raise CheckpointFormatError(
+            str(index), f"shard path {file!r} is not a file inside the checkpoint directory (absolute or escaping with '..')"
+        )
+    return norm
+
+
+def read_safetensors_header(path: Path, file: Optional[str] = None) -> dict[str, TensorEntry]:
     """Parse and validate a safetensors header (8-byte little-endian length, JSON) into one
     :class:`TensorEntry` per tensor, as the format requires: known dtypes, sizes that match the
     shapes, data offsets that tile the data section exactly (no holes, no overlaps, nothing missing)."""
@@ -91,19 +136,32 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
             header = json.loads(f.read(length))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise bad(f"header is not JSON: {exc}") from None
+        except RecursionError:
+            raise bad("header is not JSON a safetensors reader accepts (nested too deeply)") from None
     if not isinstance(header, dict):
         raise bad("header is not a JSON object")
     base, entries, spans = 8 + length, {}, []
     for name, meta in header.items():
         if name == "__metadata__":
             continue
+        if not isinstance(meta, dict):
+            raise bad(f"tensor {name!r}: malformed entry {_short(meta)}")
+        quantized = unsupported_dtype(meta.get("dtype"))
+        if quantized and meta.get("dtype") not in _DTYPES:  # readable ones are refused by HFCheckpoint
+            raise bad(f"tensor {name!r}: {quantized}")
         try:
-            dtype, shape, (begin, end) = _DTYPES[meta["dtype"]], tuple(int(n) for n in meta["shape"]), meta["data_offsets"]
+            dtype, raw_shape, offsets = _DTYPES[meta["dtype"]], meta["shape"], meta["data_offsets"]
+            if not isinstance(raw_shape, list) or not all(_is_int(n) for n in raw_shape):
+                raise ValueError
+            if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(n) for n in offsets):
+                raise ValueError
         except (KeyError, TypeError, ValueError):
-            raise bad(f"tensor {name!r}: malformed entry {meta!r}") from None
+            raise bad(f"tensor {name!r}: malformed entry {_short(meta)} (dtype a safetensors name, shape and"
+                      " data_offsets lists of integers)") from None
+        shape, (begin, end) = tuple(raw_shape), offsets
         if any(n < 0 for n in shape) or not 0 <= begin <= end or end - begin != math.prod(shape) * _itemsize(dtype):
             raise bad(f"tensor {name!r}: data_offsets {[begin, end]} do not hold {meta['dtype']} {list(shape)}")
-        entries[name] = TensorEntry(path.name, dtype, shape, base + begin)
+        entries[name] = TensorEntry(file or path.name, dtype, shape, base + begin, meta["dtype"])
         spans.append((begin, end, name))
     spans.sort()
     position = 0
@@ -121,36 +179,65 @@ class HFCheckpoint:
 
     Args:
         path: directory with ``model.safetensors``, ``model.safetensors.index.json`` + shards, or
-            (with ``allow_torch_load``) ``pytorch_model*.bin``; or one ``.safetensors`` file.
+            (with ``allow_torch_load``) ``pytorch_model*.bin``; or one ``.safetensors`` file; or a
+            Hugging Face Hub id (``org/name[@revision]``, :mod:`mcore_zoo.hub`).
         allow_torch_load: permit pickle-based ``.bin`` files (``torch.load(weights_only=True)``).
+        allow_fp8: read ``F8_E4M3`` / ``F8_E5M2`` tensors as float8 (an FP8 block-quantized
+            checkpoint, dequantized by :mod:`mcore_zoo.weights.fp8`); refused by default.
     """
 
-    def __init__(self, path: str | os.PathLike, *, allow_torch_load: bool = False) -> None:
-        self.path = Path(path)
+    def __init__(
+        self, path: str | os.PathLike, *, allow_torch_load: bool = False, allow_fp8: bool = False
+    ) -> None:
+        from ..hub import resolve
+
+        self.path = Path(resolve(path))  # a Hugging Face Hub id: its (safetensors-only) snapshot
         self._entries: dict[str, TensorEntry] = {}
         self._fds: dict[str, int] = {}
         self._where: dict[str, str] = {}
         self._bin: dict[str, dict[str, torch.Tensor]] = {}
         self.bytes_read = 0
         files = self._files(allow_torch_load)
+        try:
+            self._open_all(files, allow_fp8)
+            self._check_index_consistency()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_all(self, files: Sequence[str], allow_fp8: bool = False) -> None:
+        """Validate every file's header and open it; files are keyed by their path relative to
+        the checkpoint directory, and one file reached under two names is refused."""
+        resolved: dict[str, str] = {}
         for file in files:
             if file.endswith(".bin"):
                 self._open_bin(file)
                 continue
             full = self._full(file)
-            if not full.is_file():
+            real = os.path.realpath(full)
+            if real in resolved:
+                raise CheckpointFormatError(str(full), f"the same file as {resolved[real]} (listed twice in the index)")
+            resolved[real] = file
+            if not full.exists():
                 raise CheckpointFormatError(str(full), "listed in the index but missing")
+            if not full.is_file():
+                raise CheckpointFormatError(str(full), "not a regular file")
             try:
-                entries = read_safetensors_header(full)
+                entries = read_safetensors_header(full, file=file)
             except OSError as exc:
                 raise CheckpointFormatError(str(full), f"{type(exc).__name__}: {exc}") from exc
-            self._fds[file] = os.open(full, os.O_RDONLY)
+            try:
+                self._fds[file] = os.open(full, os.O_RDONLY)
+            except OSError as exc:
+                raise CheckpointFormatError(str(full), f"{type(exc).__name__}: {exc.strerror}") from exc
             for key, entry in entries.items():
+                quantized = unsupported_dtype(entry.dtype_name)
+                if quantized and not (allow_fp8 and entry.dtype_name in _FP8_READABLE):
+                    raise CheckpointFormatError(str(full), f"tensor {key!r}: {quantized}")
                 if key in self._where:
                     raise CheckpointFormatError(str(full), f"tensor {key!r} also in {self._where[key]}")
                 self._where[key] = file
                 self._entries[key] = entry
-        self._check_index_consistency()
 
     # ------------------------------------------------------------------ discovery
     def _full(self, file: str) -> Path:
@@ -168,10 +255,16 @@ class HFCheckpoint:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise CheckpointFormatError(str(index), f"invalid index: {exc}") from exc
-            self._index = dict(weight_map)
-            return sorted(set(weight_map.values()))
+            except (ValueError, KeyError, TypeError, RecursionError) as exc:  # ValueError: JSON, UTF-8
+                raise CheckpointFormatError(str(index), f"invalid index: {type(exc).__name__}: {exc}") from None
+            except OSError as exc:
+                raise CheckpointFormatError(str(index), f"{type(exc).__name__}: {exc.strerror}") from None
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+            ):
+                raise CheckpointFormatError(str(index), "invalid index: weight_map must map tensor names to file names")
+            self._index = {name: shard_name(index, file) for name, file in weight_map.items()}
+            return sorted(set(self._index.values()))
         singles = sorted(p.name for p in self.path.glob("*.safetensors"))
         if singles:
             return singles
@@ -378,48 +471,199 @@ def chunk_index(
 # ---------------------------------------------------------------------------- writing
 
 
-def check_output_dir(path: str | os.PathLike, *, overwrite: bool = False) -> None:
-    """Raise ``FileExistsError`` if ``path`` exists and is not empty (unless ``overwrite``)."""
+#: Written into every output directory: what mcore-zoo wrote there, so that ``overwrite`` removes
+#: only that (a directory holding anything else is never deleted).
+OUTPUT_MANIFEST = ".mcore_zoo_output.json"
+
+
+def _same_or_inside(inner: Path, outer: Path) -> bool:
+    try:
+        inner.relative_to(outer)
+        return True
+    except ValueError:
+        return False
+
+
+def _foreign_entries(final: Path) -> list[str]:
+    """Entries of ``final`` that its manifest does not list (all of them without a manifest)."""
+    try:
+        written = set(json.loads((final / OUTPUT_MANIFEST).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        written = set()
+    return sorted(p.name for p in final.iterdir() if p.name != OUTPUT_MANIFEST and p.name not in written)
+
+
+def check_output_dir(
+    path: str | os.PathLike, *, overwrite: bool = False, inputs: Sequence[str | os.PathLike] = ()
+) -> None:
+    """Refuse an output directory that would lose data: one that equals or contains an input
+    (``inputs``), a non-empty one (unless ``overwrite``), and - even with ``overwrite`` - one holding
+    anything mcore-zoo did not write there itself. Raises :class:`OutputExistsError` (a
+    ``FileExistsError``)."""
     final = Path(path)
-    occupied = (final.is_dir() and any(final.iterdir())) or final.is_file()
-    if occupied and not overwrite:
-        raise FileExistsError(f"{final} exists and is not empty (pass overwrite=True)")
+    resolved = final.resolve()
+    for source in inputs:
+        src = Path(source).resolve()
+        if _same_or_inside(src, resolved):
+            what = "is" if src == resolved else "contains"
+            raise OutputExistsError(final, f"the output {what} the input {source}; choose another output directory")
+    if final.is_symlink() or (final.exists() and not final.is_dir()):
+        raise OutputExistsError(final, "exists and is not a directory")
+    if not final.is_dir() or not any(final.iterdir()):
+        return
+    if not overwrite:
+        raise OutputExistsError(final, "exists and is not empty", overwrite_hint=True)
+    foreign = _foreign_entries(final)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise OutputExistsError(
+            final, f"holds files mcore-zoo did not write ({shown}); overwrite removes only a previous mcore-zoo"
+            " output - remove them yourself or choose another output directory",
+        )  # fmt: skip
+
+
+def _partial_prefix(final: Path) -> str:
+    return f".{final.name}.partial-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: someone else's live process
+        return True
+    return True
+
+
+def clean_stale_partials(final: Path) -> list[Path]:
+    """Remove the temporary directories of earlier writes to ``final`` whose process died (killed
+    mid-write) on this host; warn about those that cannot be proven stale. Returns the removed ones."""
+    import socket
+
+    removed, unknown = [], []
+    host = socket.gethostname()
+    prefixes = (_partial_prefix(final), f".{final.name}.old-")
+    try:
+        candidates = [p for p in final.parent.iterdir() if p.name.startswith(prefixes)]
+    except OSError:
+        return []
+    for entry in candidates:
+        tag = entry.name.split(".partial-" if ".partial-" in entry.name else ".old-", 1)[1]
+        parts = tag.rsplit("-", 2)
+        stale = (
+            len(parts) == 3 and parts[0] == host and parts[1].isdigit()
+            and int(parts[1]) != os.getpid() and not _pid_alive(int(parts[1]))
+        )  # fmt: skip
+        if stale and entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+        else:
+            unknown.append(entry)
+    if removed:
+        logger.info("removed %d stale partial output(s) of killed runs: %s", len(removed), ", ".join(map(str, removed)))
+    if unknown:
+        logger.warning(
+            "partial output(s) of other or earlier runs next to %s (remove them if no run is writing): %s",
+            final, ", ".join(map(str, unknown)),
+        )  # fmt: skip
+    return removed
+
+
+def _make_partial(final: Path) -> Path:
+    """A fresh sibling directory for the write, created with the process umask (``mkdtemp`` would
+    make it 0700, and the rename would keep that)."""
+    import secrets
+    import socket
+
+    for _ in range(100):
+        tmp = final.parent / f"{_partial_prefix(final)}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            tmp.mkdir()
+            return tmp
+        except FileExistsError:
+            continue
+    raise OutputExistsError(final, "cannot create a temporary directory next to it")
+
+
+def _write_manifest(tmp: Path) -> None:
+    from .. import __version__
+
+    files = sorted(p.name for p in tmp.iterdir() if p.name != OUTPUT_MANIFEST)
+    (tmp / OUTPUT_MANIFEST).write_text(json.dumps({"producer": "mcore-zoo", "version": __version__, "files": files}) + "\n")
+
+
+def _swap_into_place(tmp: Path, final: Path, overwrite: bool, inputs: Sequence[str | os.PathLike]) -> None:
+    try:
+        os.rename(tmp, final)  # atomic; replaces only a missing or empty directory
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise
+    if not overwrite:
+        raise OutputExistsError(final, "was created by someone else while this output was written", overwrite_hint=True)
+    check_output_dir(final, overwrite=True, inputs=inputs)  # still only a previous mcore-zoo output
+    backup = final.parent / f".{final.name}.old-{tmp.name.rsplit('.partial-', 1)[1]}"
+    os.rename(final, backup)
+    os.rename(tmp, final)
+    shutil.rmtree(backup, ignore_errors=True)
 
 
 @contextlib.contextmanager
-def atomic_output_dir(path: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+def atomic_output_dir(
+    path: str | os.PathLike, *, overwrite: bool = False, inputs: Sequence[str | os.PathLike] = ()
+) -> Iterator[Path]:
     """Yield a temporary directory that becomes ``path`` only if the block succeeds.
 
-    Raises ``FileExistsError`` up front if ``path`` exists and is not empty (unless ``overwrite``).
-    On any exception the temporary directory is removed and ``path`` is untouched.
+    :func:`check_output_dir` runs up front, and the final rename refuses again a target that became
+    non-empty meanwhile (a concurrent write), unless ``overwrite``; ``overwrite`` replaces only a
+    previous mcore-zoo output. On any exception the temporary directory is removed and ``path`` is
+    untouched. Temporary directories left by killed runs on this host are removed first. Everything
+    is created with the process umask.
     """
     final = Path(path)
-    check_output_dir(final, overwrite=overwrite)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+    check_output_dir(final, overwrite=overwrite, inputs=inputs)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputExistsError(final, f"cannot create its parent directory: {exc.strerror or exc}") from None
+    clean_stale_partials(final)
+    try:
+        tmp = _make_partial(final)
+    except PermissionError as exc:
+        raise OutputError(final, f"cannot write next to it: {exc.strerror or exc}") from None
     try:
         yield tmp
+        _write_manifest(tmp)
+        _swap_into_place(tmp, final, overwrite, inputs)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if final.exists():
-        backup = final.parent / f".{final.name}.old-{os.getpid()}"
-        os.replace(final, backup)
-        os.replace(tmp, final)
-        shutil.rmtree(backup, ignore_errors=True)
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes of ``size``: an integer, or a number with a unit (``5GB``, ``500MB``, ``1.5GiB``)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
     else:
-        os.replace(tmp, final)
+        units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+                 "GIB": 2**30, "TIB": 2**40, "B": 1}  # fmt: skip
+        text = str(size).strip().upper()
+        try:
+            for unit, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
+                if text.endswith(unit):
+                    value = int(float(text[: -len(unit)]) * mult)
+                    break
+            else:
+                value = int(text)
+        except (ValueError, OverflowError):
+            raise ZooError(f"size {size!r} is not a size (an integer of bytes, or e.g. 5GB, 500MB, 1.5GiB)") from None
+    if value <= 0:
+        raise ZooError(f"size {size!r} must be positive")
+    return value
 
 
-def _parse_size(size: int | str) -> int:
-    if isinstance(size, int):
-        return size
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    text = size.strip().upper()
-    for unit, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * mult)
-    return int(text)
+_parse_size = parse_size
 
 
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}

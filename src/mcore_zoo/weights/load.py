@@ -25,7 +25,8 @@ import torch
 
 from ..errors import MissingTensorsError, ShapeMismatchError, UnexpectedTensorsError, UnmappedParametersError
 from .io import HFCheckpoint, chunk_index
-from .rules import BoundRule, TransformContext, WeightMap, direct_views
+from .rules import BoundRule, TransformContext, WeightMap, direct_views, model_tensors
+from .tied import check_tied_output
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..handle import ModelHandle
@@ -47,6 +48,8 @@ class LoadReport:
 def expected_hf_shapes(bound: BoundRule, param_shape: Sequence[int], ctx: TransformContext) -> list[tuple[int, ...]]:
     """Per source, the shape (all TP ranks together) of what it reads from the HF tensor, for an
     mcore parameter of ``param_shape``: the whole tensor, or its ``select`` range."""
+    if getattr(bound.transform, "reads_whole", False):  # e.g. a padded vocabulary: whole HF tensors
+        return [tuple(bound.transform.hf_shape(param_shape, ctx))] * len(bound.hf)
     meta = torch.empty(tuple(param_shape), device="meta")
     pieces = bound.transform.split(meta, ctx)
     shapes = []
@@ -118,19 +121,19 @@ def plan_load(handle: "ModelHandle", checkpoint: HFCheckpoint) -> tuple[list[tup
     parameters keep their explicit initialisation."""
     ignored = check_coverage(handle.weight_map, checkpoint.keys(), str(checkpoint.path))
     absent = absent_tensors(handle.weight_map, checkpoint.keys())
-    ctx = handle.transform_context()
+    check_tied_output(handle.weight_map, checkpoint)
     chunks = handle.chunks
     plan = []
     unmapped: list[str] = []
     for index, chunk in enumerate(chunks):
-        params = dict(chunk.named_parameters())
+        params = model_tensors(chunk)  # parameters + checkpoint-state buffers (MoE expert_bias)
         bound = handle.bound_rules(chunk)
         covered = {b.mcore for b in bound}
         prefix = f"chunk{index}." if len(chunks) > 1 else ""
-        unmapped += [prefix + n for n in params if n not in covered]
+        unmapped += [prefix + n for n, _ in chunk.named_parameters() if n not in covered]
         bound = [b for b in bound if not any(n in absent for n in b.hf)]
         for b in bound:
-            _check_bound_shapes(b, params[b.mcore].shape, ctx, checkpoint.shape)
+            _check_bound_shapes(b, params[b.mcore].shape, handle.transform_context(b), checkpoint.shape)
         plan.append((chunk, bound))
     if unmapped:
         raise UnmappedParametersError(unmapped)
@@ -141,6 +144,8 @@ def read_rule_into(ckpt: HFCheckpoint, b: BoundRule, param: torch.Tensor, ctx: T
     """Fill ``param`` (a parameter or any tensor of its shape) from the rule's HF sources - this
     TP rank's chunks - and return the bytes read."""
     tp_rank, tp_size = ctx.tp_rank, ctx.tp_size
+    if getattr(b.transform, "reads_whole", False):  # the transform takes this rank's part itself
+        tp_rank, tp_size = 0, 1
     views = direct_views(b.transform, param.data, ctx)
     if views is not None:
         return sum(

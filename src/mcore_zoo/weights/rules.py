@@ -222,31 +222,31 @@ def rule(
     return Rule(mcore, tuple(Source(n, tp_axis) for n in names), transform, export, layer_kind, note)
 
 
-def replicated(mcore: str, hf: str, *, note: str = "") -> Rule:
+def replicated(mcore: str, hf: str, *, note: str = "", layer_kind: str = "all") -> Rule:
     """A parameter every tensor-parallel rank holds whole (norms, row-parallel biases)."""
-    return rule(mcore, hf, note=note)
+    return rule(mcore, hf, note=note, layer_kind=layer_kind)
 
 
-def column_parallel(mcore: str, hf: str, *, note: str = "") -> Rule:
+def column_parallel(mcore: str, hf: str, *, note: str = "", layer_kind: str = "all") -> Rule:
     """A column-parallel weight (or bias, or the vocabulary): rows split across TP ranks."""
-    return rule(mcore, hf, tp_axis=0, note=note)
+    return rule(mcore, hf, tp_axis=0, note=note, layer_kind=layer_kind)
 
 
-def row_parallel(mcore: str, hf: str, *, note: str = "") -> Rule:
+def row_parallel(mcore: str, hf: str, *, note: str = "", layer_kind: str = "all") -> Rule:
     """A row-parallel weight: input columns split across TP ranks."""
-    return rule(mcore, hf, tp_axis=1, note=note)
+    return rule(mcore, hf, tp_axis=1, note=note, layer_kind=layer_kind)
 
 
-def fused_qkv(mcore: str, *, q: str, k: str, v: str, note: str = "") -> Rule:
+def fused_qkv(mcore: str, *, q: str, k: str, v: str, note: str = "", layer_kind: str = "all") -> Rule:
     """mcore ``linear_qkv`` (weight or bias) from separate q / k / v projections, interleaved per
     query group, column-parallel."""
-    return rule(mcore, [q, k, v], tp_axis=0, transform=QKV, note=note)
+    return rule(mcore, [q, k, v], tp_axis=0, transform=QKV, note=note, layer_kind=layer_kind)
 
 
-def fused_gate_up(mcore: str, *, gate: str, up: str, note: str = "") -> Rule:
+def fused_gate_up(mcore: str, *, gate: str, up: str, note: str = "", layer_kind: str = "all") -> Rule:
     """mcore ``linear_fc1`` (weight or bias) of a gated MLP from separate gate / up projections,
     column-parallel (each TP rank holds its share of gate, then of up)."""
-    return rule(mcore, [gate, up], tp_axis=0, transform=GATE_UP, note=note)
+    return rule(mcore, [gate, up], tp_axis=0, transform=GATE_UP, note=note, layer_kind=layer_kind)
 
 
 def split_rows(hf: str, sizes: Sequence[int], *, tp_axis: Optional[int] = 0, axis: int = 0) -> tuple[Source, ...]:
@@ -272,6 +272,20 @@ class BoundRule:
     rule: Rule
     mcore: str
     hf: tuple[str, ...]
+    layer: Optional[int] = None  # global decoder layer (0-based), for {layer} rules
+    expert: Optional[int] = None  # global expert index, for {expert} rules
+
+    @property
+    def is_expert(self) -> bool:
+        """An expert-parallel parameter: sharded over EP (and expert TP, not dense TP)."""
+        return "{expert}" in self.rule.mcore
+
+    def for_expert(self, expert: int) -> "BoundRule":
+        """The same rule for global expert ``expert`` (HF names re-filled; the mcore name is kept:
+        export uses it to name another EP rank's copy of this local expert)."""
+        values = {"layer": self.layer, "expert": expert}
+        hf = tuple(_fill(s.hf, **{k: v for k, v in values.items() if v is not None}) for s in self.rule.sources)
+        return BoundRule(self.rule, self.mcore, hf, self.layer, expert)
 
     @property
     def transform(self) -> Transform:
@@ -349,6 +363,8 @@ class WeightMap:
                         r,
                         _fill(r.mcore, **{k: v for k, v in mvals.items() if v is not None}),
                         tuple(_fill(s.hf, **{k: v for k, v in hvals.items() if v is not None}) for s in r.sources),
+                        global_layer,
+                        global_e,
                     )
 
     def _layer_has_experts(self, global_layer: Optional[int]) -> bool:
@@ -382,7 +398,7 @@ class WeightMap:
         layer under tied embeddings) are dropped; mcore names are resolved through
         :data:`FUSED_NORM_ALIASES` when the backend fuses norms.
         """
-        names = {n for n, _ in module.named_parameters()}
+        names = set(model_tensors(module))
         layers = _decoder_layers(module)
         layer_map = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
         experts = None
@@ -394,8 +410,18 @@ class WeightMap:
             name = resolve_mcore_name(b.mcore, names)
             if name is None:
                 continue
-            bound.append(BoundRule(b.rule, name, b.hf))
+            bound.append(BoundRule(b.rule, name, b.hf, b.layer, b.expert))
         return bound
+
+
+def model_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a rule may target: every parameter, and the buffers that hold checkpoint state (MoE
+    routers' ``expert_bias``, HF ``e_score_correction_bias``). Only parameters must have a rule."""
+    tensors: dict[str, torch.Tensor] = dict(module.named_parameters())
+    for name, buffer in module.named_buffers():
+        if name.endswith(".expert_bias"):
+            tensors[name] = buffer
+    return tensors
 
 
 def resolve_mcore_name(name: str, existing: set[str]) -> Optional[str]:

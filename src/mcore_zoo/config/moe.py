@@ -1,0 +1,144 @@
+"""Mixture-of-experts config helpers: HF MoE fields -> :class:`MoESpec`, :class:`MoESpec` ->
+Megatron-Core ``TransformerConfig`` fields.
+
+Plugins read their family's fields with the ``read_*`` helpers (each field is classified through
+the :class:`~mcore_zoo.config.reader.ConfigReader`, like every other field). :func:`moe_config_kwargs`
+is what the zoo's config builder adds for an architecture with ``arch.moe``:
+
+* dropless routing (no capacity factor) and no token dropping, as every HF model computes;
+* ``moe_router_score_function`` / ``moe_router_pre_softmax`` / ``moe_router_topk_scaling_factor`` /
+  groups / expert bias set to the closest stock Megatron-Core routing. The zoo's own router
+  (:mod:`mcore_zoo.specs.moe`, numerics knob ``router="hf"``, the default) overrides the
+  arithmetic to follow HF's op order exactly; these fields still drive Megatron-Core's aux-loss
+  and bookkeeping code and the stock router (``router="mcore"``);
+* the token dispatcher: ``alltoall`` on CUDA, ``allgather`` on the CPU (Megatron-Core's all-to-all
+  dispatcher creates CUDA streams); both are dropless and give the same tokens to each expert.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .arch import ArchConfig, MoESpec
+from .reader import ConfigReader
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def read_expert_counts(reader: ConfigReader, *, experts_field: str, topk_field: str = "num_experts_per_tok",
+                       ffn_field: str = "moe_intermediate_size") -> tuple[int, int, int]:  # fmt: skip
+    """``(num_experts, top_k, expert_ffn_hidden_size)`` (all required, positive)."""
+    experts = reader.map_checked(experts_field, "num_moe_experts", _positive_int, reason="must be > 0")
+    topk = reader.map_checked(topk_field, "moe_router_topk", lambda v: _positive_int(v) and v <= experts,
+                              reason=f"must be in [1, {experts_field}={experts}]")  # fmt: skip
+    ffn = reader.map_checked(ffn_field, "moe_ffn_hidden_size (per expert)", _positive_int, reason="must be > 0")
+    return experts, topk, ffn
+
+
+def read_no_jitter(reader: ConfigReader, field: str = "router_jitter_noise") -> None:
+    """HF Mixtral multiplies the whole MoE input (router *and* experts) by uniform noise in
+    training; Megatron-Core's ``moe_input_jitter_eps`` jitters the router input only, and the noise
+    cannot be reproduced anyway. Only 0 is exact."""
+    reader.expect(field, lambda v: not v, default=0.0, detail="0: no jitter (HF applies it in training only)",
+                  reason="router jitter noise multiplies the MoE input by random noise in training (router and"
+                  " experts); Megatron-Core jitters the router input only and the noise is not reproducible:"
+                  " set it to 0")  # fmt: skip
+
+
+def read_aux_loss(reader: ConfigReader, *, coef_field: str = "router_aux_loss_coef",
+                  switch_field: Optional[str] = "output_router_logits") -> float:  # fmt: skip
+    """HF adds ``coef * load_balancing_loss`` to the LM loss only when ``output_router_logits`` is
+    set; the same switch decides here (``moe_aux_loss_coeff``, ``moe_router_load_balancing_type``)."""
+    on = True
+    if switch_field is not None:
+        on = bool(reader.map(switch_field, "moe_aux_loss_coeff is router_aux_loss_coef when true, else 0", False))
+    coef = reader.map(coef_field, "moe_aux_loss_coeff (load-balancing loss, Switch form) when output_router_logits",
+                      0.0)  # fmt: skip
+    return float(coef or 0.0) if on else 0.0
+
+
+def read_sparse_layers(reader: ConfigReader, num_layers: int, *, step_field: Optional[str] = "decoder_sparse_step",
+                       dense_field: Optional[str] = "mlp_only_layers",
+                       first_dense_field: Optional[str] = None) -> Optional[tuple]:  # fmt: skip
+    """Per-layer MoE flags from Qwen's ``decoder_sparse_step`` / ``mlp_only_layers`` (layer ``i`` is
+    MoE iff ``i`` not in ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``) or GLM /
+    DeepSeek's ``first_k_dense_replace`` (the first k layers are dense). ``None``: every layer."""
+    flags = [True] * num_layers
+    if step_field is not None:
+        step = reader.map_checked(step_field, "moe_layer_freq (layer i is MoE iff (i + 1) % step == 0)",
+                                  _positive_int, reason="must be > 0", default=1)  # fmt: skip
+        flags = [f and (i + 1) % step == 0 for i, f in enumerate(flags)]
+    if dense_field is not None:
+        dense = reader.map(dense_field, "moe_layer_freq (these layers use a dense MLP)", None) or []
+        if not isinstance(dense, (list, tuple)) or any(not isinstance(i, int) or not 0 <= i < num_layers for i in dense):
+            raise reader.unsupported(dense_field, dense, f"must list layer indices in [0, {num_layers})")
+        flags = [f and i not in set(dense) for i, f in enumerate(flags)]
+    if first_dense_field is not None:
+        k = reader.map_checked(first_dense_field, "moe_layer_freq (the first k layers use a dense MLP)",
+                               lambda v: isinstance(v, int) and 0 <= v <= num_layers,
+                               reason=f"must be in [0, {num_layers}]", default=0)  # fmt: skip
+        flags = [f and i >= k for i, f in enumerate(flags)]
+    if not any(flags):
+        raise reader.unsupported(dense_field or step_field or first_dense_field, reader.peek(dense_field or ""),
+                                 "no layer is an MoE layer: convert it as the dense architecture")  # fmt: skip
+    return None if all(flags) else tuple(flags)
+
+
+def moe_config_kwargs(arch: ArchConfig, *, cuda: bool) -> dict[str, Any]:
+    """The ``TransformerConfig`` fields of ``arch.moe`` (see the module docstring)."""
+    moe: MoESpec = arch.moe  # type: ignore[assignment]
+    pattern = [int(moe.is_moe_layer(i)) for i in range(arch.num_layers)]
+    kwargs: dict[str, Any] = dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.top_k,
+        moe_ffn_hidden_size=moe.expert_ffn_hidden_size,
+        moe_layer_freq=pattern,
+        moe_router_score_function=moe.router_score_function,
+        # HF scores every expert, then picks the top k. With softmax that is mcore's pre-softmax
+        # mode; HF's renormalised top-k equals mcore's softmax over the top-k logits in exact
+        # arithmetic (the zoo's router reproduces HF's rounding).
+        moe_router_pre_softmax=moe.router_score_function == "softmax" and not moe.normalize_topk,
+        moe_router_topk_scaling_factor=moe.topk_scaling_factor,
+        moe_router_enable_expert_bias=moe.router_expert_bias,
+        moe_router_num_groups=moe.num_groups if (moe.num_groups or 1) > 1 else None,
+        moe_router_group_topk=moe.group_topk if (moe.num_groups or 1) > 1 else None,
+        moe_router_dtype="fp32" if moe.router_logits_fp32 else None,
+        moe_router_fusion=False,
+        moe_token_dispatcher_type="alltoall" if cuda else "allgather",
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_expert_capacity_factor=None,
+        moe_pad_expert_input_to_capacity=False,
+        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff > 0 else "none",
+        moe_z_loss_coeff=None,
+        moe_input_jitter_eps=None,
+        moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size,
+        moe_shared_expert_gate=moe.shared_expert_gate,
+        moe_shared_expert_overlap=False,
+    )
+    if moe.router_expert_bias:
+        # aux-loss-free balancing updates the bias from token counts during training; the zoo
+        # loads the checkpoint's bias and leaves updating it to the trainer (rate 0 = frozen)
+        kwargs["moe_router_bias_update_rate"] = 0.0
+    if moe.top_k == 1 and moe.router_score_function == "softmax":
+        kwargs["moe_router_pre_softmax"] = True  # mcore refuses top-1 without it (both give 1.0)
+    return kwargs
+
+
+def moe_layout_problems(arch: ArchConfig, ep: int, etp: Optional[int], tp: int) -> list[str]:
+    """Ways an expert-parallel layout fails to divide ``arch.moe`` (empty when it fits)."""
+    moe = arch.moe
+    if moe is None:
+        return [f"ep={ep} needs an MoE model"] if ep > 1 else []
+    problems = []
+    if moe.num_experts % ep:
+        problems.append(f"num_experts={moe.num_experts} is not divisible by ep={ep}")
+    etp = tp if etp is None else etp
+    if moe.expert_ffn_hidden_size % etp:
+        problems.append(f"moe_intermediate_size={moe.expert_ffn_hidden_size} is not divisible by etp={etp}")
+    if moe.shared_expert_ffn_hidden_size is not None and moe.shared_expert_ffn_hidden_size % tp:
+        problems.append(f"shared expert size {moe.shared_expert_ffn_hidden_size} is not divisible by tp={tp}")
+    return problems

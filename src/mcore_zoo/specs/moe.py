@@ -1,0 +1,237 @@
+"""Mixture-of-experts layer specs: Megatron-Core's ``MoELayer`` with the zoo's HF-order router and
+experts (numerics knob ``router="hf"``, the default), or the stock ones (``router="mcore"``).
+
+What ``router="hf"`` changes against stock Megatron-Core (both are the same math):
+
+* :class:`HFRouter` - the routing weights are computed in HF's op order (:func:`hf_topk_routing`):
+  scores over all experts, top-k, renormalise by division, scale, cast. Stock mcore renormalises
+  by a softmax over the top-k logits (``moe_router_pre_softmax=False``), which rounds differently;
+  its group-limited selection scores a group by its top ``topk / group_topk`` experts where GLM-4.5
+  / DeepSeek-V3 use the top 2. Everything around the arithmetic is Megatron-Core's own ``TopKRouter``
+  (gating GEMM, z-loss, aux losses, expert-bias bookkeeping, router replay).
+* :class:`HFOrderSequentialMLP` - each expert's output is multiplied by its routing weight *after*
+  ``linear_fc2``, as HF does; stock mcore multiplies the activation before ``linear_fc2``.
+* :class:`HFOrderSharedExpertMLP` - the shared-expert gate's sigmoid runs over the tokens in HF's
+  batch-major order (torch's vectorised sigmoid rounds a tensor's tail elements differently).
+
+Routing replay works with both (:mod:`mcore_zoo.routing`).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..config.arch import ArchConfig, MoESpec
+
+_LOCAL = threading.local()
+_INSTALLED = False
+_INSTALL_LOCK = threading.Lock()
+
+
+def hf_topk_routing(logits: torch.Tensor, moe: MoESpec, router_replay: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(routing_probs [T, E], routing_map [T, E])`` from router logits ``[T, E]``, in HF's op order
+    (see :class:`~mcore_zoo.config.arch.MoESpec`). ``router_replay``: Megatron-Core's per-layer
+    ``RouterReplay`` (record / replay the chosen experts)."""
+    num_tokens, num_experts = logits.shape
+    if moe.router_score_function == "softmax":
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    elif moe.router_score_function == "sigmoid":
+        scores = logits.sigmoid() if logits.dtype == torch.float32 else torch.sigmoid(logits.float())
+    else:
+        raise ValueError(f"unknown router score function {moe.router_score_function!r}")
+    choice = scores
+    if moe.router_expert_bias:
+        bias = _LOCAL.expert_bias
+        choice = scores + bias
+
+    def select(values: torch.Tensor, topk: int, num_groups: Optional[int] = None, group_topk: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if moe.num_groups and moe.group_topk:
+            group_scores = values.view(-1, moe.num_groups, num_experts // moe.num_groups).topk(moe.group_score_topk, dim=-1)[0].sum(dim=-1)
+            group_idx = torch.topk(group_scores, k=moe.group_topk, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores)
+            group_mask.scatter_(1, group_idx, 1)
+            score_mask = group_mask.unsqueeze(-1).expand(-1, moe.num_groups, num_experts // moe.num_groups).reshape(-1, num_experts)
+            values = values.masked_fill(~score_mask.bool(), float("-inf"))
+            return torch.topk(values, k=topk, dim=-1, sorted=False)
+        return torch.topk(values, topk, dim=-1)
+
+    if router_replay is None:
+        _, top_indices = select(choice, moe.top_k)
+    else:
+        _, top_indices = router_replay.get_replay_topk(choice, moe.top_k, None, None, select)
+    weights = scores.gather(1, top_indices)
+    if moe.normalize_topk:
+        denominator = weights.sum(dim=-1, keepdim=True)
+        if moe.normalize_eps:
+            denominator = denominator + moe.normalize_eps
+        weights = weights / denominator
+    if moe.topk_scaling_factor is not None:
+        weights = weights * moe.topk_scaling_factor
+    probs_dtype = torch.float32 if moe.probs_dtype == "fp32" else _LOCAL.hidden_dtype
+    weights = weights.to(probs_dtype)
+    routing_probs = torch.zeros(num_tokens, num_experts, dtype=probs_dtype, device=logits.device).scatter(1, top_indices, weights)
+    routing_map = torch.zeros(num_tokens, num_experts, dtype=torch.int32, device=logits.device).scatter(1, top_indices, 1).bool()
+    return routing_probs, routing_map
+
+
+def _install() -> None:
+    """Route Megatron-Core's ``topk_routing_with_score_function`` (as ``TopKRouter.routing`` calls
+    it) through :func:`hf_topk_routing` while an :class:`HFRouter` is routing on this thread; every
+    other caller gets the original. Installed once, process-wide."""
+    global _INSTALLED
+    with _INSTALL_LOCK:
+        if _INSTALLED:
+            return
+        from megatron.core.transformer.moe import router as mrouter
+
+        original = mrouter.topk_routing_with_score_function
+
+        @functools.wraps(original)
+        def dispatch(logits: torch.Tensor, topk: int, *args: Any, **kwargs: Any) -> Any:
+            moe = getattr(_LOCAL, "moe", None)
+            if moe is None:
+                return original(logits, topk, *args, **kwargs)
+            return hf_topk_routing(logits, moe, kwargs.get("router_replay"))
+
+        mrouter.topk_routing_with_score_function = dispatch
+        _INSTALLED = True
+
+
+def _router_class() -> type:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    class HFRouter(TopKRouter):
+        """Megatron-Core's ``TopKRouter`` whose routing arithmetic follows HF (module docstring)."""
+
+        def __init__(self, *args: Any, moe: MoESpec, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.zoo_moe = moe
+
+        def forward(self, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            _LOCAL.hidden_dtype = input.dtype  # HF casts the weights to the hidden dtype
+            return super().forward(input, *args, **kwargs)
+
+        def routing(self, logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            _install()
+            _LOCAL.moe = self.zoo_moe
+            _LOCAL.expert_bias = self.expert_bias
+            try:
+                return super().routing(logits, *args, **kwargs)
+            finally:
+                _LOCAL.moe = None
+                _LOCAL.expert_bias = None
+
+    return HFRouter
+
+
+HFRouter: Any = None
+
+
+def hf_router_class() -> type:
+    global HFRouter
+    if HFRouter is None:
+        HFRouter = _router_class()
+    return HFRouter
+
+
+def _experts_class() -> type:
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    class HFOrderSequentialMLP(SequentialMLP):
+        """``SequentialMLP`` that scales each expert's output by its routing weight after
+        ``linear_fc2`` (HF: ``down_proj(act(gate) * up) * weight``), in the weight's dtype, then casts
+        back to the hidden dtype (HF Mixtral / GLM keep fp32 weights; Qwen casts them first)."""
+
+        def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                    permuted_probs: torch.Tensor) -> tuple[torch.Tensor, None]:  # fmt: skip
+            if self.config.fp8 or getattr(self.config, "fp4", None) or self.config.moe_apply_probs_on_input:
+                raise NotImplementedError("HFOrderSequentialMLP: fp8/fp4 and moe_apply_probs_on_input are not supported")
+            counts = tokens_per_expert.tolist()
+            tokens_list = torch.split(permuted_local_hidden_states, counts)
+            probs_list = torch.split(permuted_probs, counts)
+            outputs = []
+            for expert, tokens, probs in zip(self.local_experts, tokens_list, probs_list):
+                output, bias = expert(tokens)
+                if bias is not None:
+                    output = output + bias
+                outputs.append((output * probs.unsqueeze(-1)).to(output.dtype))
+            return torch.cat(outputs, dim=0), None
+
+    return HFOrderSequentialMLP
+
+
+HFOrderSequentialMLP: Any = None
+
+
+def hf_experts_class() -> type:
+    global HFOrderSequentialMLP
+    if HFOrderSequentialMLP is None:
+        HFOrderSequentialMLP = _experts_class()
+    return HFOrderSequentialMLP
+
+
+def _shared_experts_class() -> type:
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    class HFOrderSharedExpertMLP(SharedExpertMLP):
+        """``SharedExpertMLP`` whose gate ``sigmoid(x @ gate.T)`` runs over the tokens in HF's
+        (batch-major) order: torch's vectorised sigmoid gives the last elements of a tensor
+        (the tail after the last full vector) other bits than the rest, so the element order
+        decides which tokens are rounded which way. Same math as the stock module."""
+
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            if not self.use_shared_expert_gate or hidden_states.dim() != 3:
+                return super().forward(hidden_states)
+            output, _ = super(SharedExpertMLP, self).forward(hidden_states)
+            logits = torch.nn.functional.linear(hidden_states, self.gate_weight)  # [s, b, 1]
+            gate = torch.sigmoid(logits.transpose(0, 1).contiguous()).transpose(0, 1)
+            return output * gate
+
+    return HFOrderSharedExpertMLP
+
+
+HFOrderSharedExpertMLP: Any = None
+
+
+def hf_shared_experts_class() -> type:
+    global HFOrderSharedExpertMLP
+    if HFOrderSharedExpertMLP is None:
+        HFOrderSharedExpertMLP = _shared_experts_class()
+    return HFOrderSharedExpertMLP
+
+
+def moe_mlp_submodule(arch: ArchConfig, pieces: dict[str, Any], router: str) -> Any:
+    """The ``TransformerLayerSubmodules.mlp`` value of an MoE layer (this Megatron-Core version's
+    form): ``MoELayer`` with sequential experts of ``pieces``' linears, shared experts, router."""
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from ..compat import patch_moe_utils_without_te
+
+    patch_moe_utils_without_te()
+    moe = arch.moe
+    assert moe is not None
+    if router not in ("hf", "mcore"):
+        raise ValueError(f"router={router!r}; use 'hf' or 'mcore'")
+    linears = MLPSubmodules(linear_fc1=pieces["linear_fc1"], linear_fc2=pieces["linear_fc2"])
+    experts_cls = hf_experts_class() if router == "hf" else SequentialMLP
+    router_builder: Callable[..., Any] = (
+        functools.partial(hf_router_class(), moe=moe) if router == "hf" else TopKRouter
+    )
+    submodules = MoESubmodules(
+        experts=ModuleSpec(module=experts_cls, submodules=linears),
+        shared_experts=ModuleSpec(module=hf_shared_experts_class() if router == "hf" else SharedExpertMLP,
+                                  submodules=linears),  # fmt: skip
+        router=router_builder,
+    )
+    if hasattr(MLP, "as_mlp_submodule"):  # 0.19: builder partials (see compat.mlp_submodule)
+        return functools.partial(MoELayer, submodules=submodules)
+    return ModuleSpec(module=MoELayer, submodules=submodules)

@@ -1,0 +1,106 @@
+"""Weight tables of MoE decoders: HF per-expert tensors <-> Megatron-Core's sequential experts.
+
+mcore names (``SequentialMLP``, the ``local`` / ``portable`` backends and TE's sequential experts):
+
+* ``mlp.router.weight`` (and the ``expert_bias`` buffer of sigmoid routers, which is not a
+  parameter: see :func:`expert_bias_rules`) <- HF ``mlp.gate.weight``;
+* ``mlp.experts.local_experts.{expert}.linear_fc1.weight`` <- ``[gate; up]`` of HF expert ``{expert}``
+  (the ``GATE_UP`` transform, split per half across expert-TP ranks);
+* ``mlp.experts.local_experts.{expert}.linear_fc2.weight`` <- HF ``down`` of the expert;
+* ``mlp.shared_experts.linear_fc1/2.weight`` (+ ``gate_weight``) <- HF shared expert (+ its gate).
+
+``{expert}`` is local on the mcore side (``local_experts.{i}`` of this expert-parallel rank) and
+global on the HF side; :meth:`WeightMap.bind` maps them with the rank's expert offset, so an EP rank
+reads only its own experts' tensors. Expert rules are sharded over expert-TP, not dense TP.
+
+HF checkpoints store experts per expert (``experts.{e}.gate_proj.weight``: what published
+checkpoints and transformers 5's ``save_pretrained`` write; transformers 5 fuses them into 3-D
+``gate_up_proj`` / ``down_proj`` parameters only in memory).
+"""
+
+from __future__ import annotations
+
+from ..config.arch import ArchConfig
+from .dense import HF_LAYER, LAYER, ROTARY_BUFFER_IGNORED, attention_rules, embedding_rules, gated_mlp_rules
+from .rules import GATE_UP, Rule, WeightMap, rule
+
+EXPERT = LAYER + "mlp.experts.local_experts.{expert}."
+
+
+def routed_expert_rules(arch: ArchConfig, *, hf_moe: str = "mlp.", gate: str = "gate_proj", up: str = "up_proj",
+                        down: str = "down_proj", router: str = "gate") -> list[Rule]:  # fmt: skip
+    """Router + per-expert gated MLPs (HF ``{hf_moe}experts.{e}.{gate,up,down}.weight``)."""
+    m = HF_LAYER + hf_moe
+    e = m + "experts.{expert}."
+    return [
+        rule(LAYER + "mlp.router.weight", m + router + ".weight", layer_kind="moe"),
+        rule(EXPERT + "linear_fc1.weight", [e + gate + ".weight", e + up + ".weight"], tp_axis=0, transform=GATE_UP),
+        rule(EXPERT + "linear_fc2.weight", e + down + ".weight", tp_axis=1),
+    ]
+
+
+def shared_expert_rules(arch: ArchConfig, *, hf_shared: str = "mlp.shared_expert.",
+                        hf_gate: str = "mlp.shared_expert_gate.weight") -> list[Rule]:  # fmt: skip
+    """The always-on shared expert (Qwen2-MoE ``shared_expert`` + ``shared_expert_gate``, GLM-4.5 /
+    DeepSeek ``shared_experts``) -> mcore ``SharedExpertMLP`` (dense tensor parallelism)."""
+    moe = arch.moe
+    if moe is None or moe.shared_expert_ffn_hidden_size is None:
+        return []
+    s = HF_LAYER + hf_shared
+    rules = [
+        rule(LAYER + "mlp.shared_experts.linear_fc1.weight", [s + "gate_proj.weight", s + "up_proj.weight"],
+             tp_axis=0, transform=GATE_UP, layer_kind="moe"),  # fmt: skip
+        rule(LAYER + "mlp.shared_experts.linear_fc2.weight", s + "down_proj.weight", tp_axis=1, layer_kind="moe"),
+    ]
+    if moe.shared_expert_gate:
+        rules.append(rule(LAYER + "mlp.shared_experts.gate_weight", HF_LAYER + hf_gate, layer_kind="moe"))
+    return rules
+
+
+def moe_decoder_weight_map(arch: ArchConfig) -> WeightMap:
+    """Embedding, attention, norms, dense MLPs on dense layers, router + experts (+ shared expert)
+    on MoE layers (Qwen3-MoE / Qwen2-MoE naming)."""
+    rules = embedding_rules(arch)
+    rules.append(rule(LAYER + "input_layernorm.weight", HF_LAYER + "input_layernorm.weight"))
+    rules += attention_rules(arch)
+    rules.append(rule(LAYER + "pre_mlp_layernorm.weight", HF_LAYER + "post_attention_layernorm.weight"))
+    rules += gated_mlp_rules(arch, layer_kind="dense")
+    rules += routed_expert_rules(arch)
+    rules += shared_expert_rules(arch)
+    ignored = [ROTARY_BUFFER_IGNORED]
+    if arch.tie_word_embeddings:
+        ignored.append(("lm_head.weight", "tie_word_embeddings: the output layer is model.embed_tokens.weight"))
+    return WeightMap(arch, rules, ignored)
+
+
+def mixtral_weight_map(arch: ArchConfig) -> WeightMap:
+    """Mixtral: every layer MoE, experts ``block_sparse_moe.experts.{e}.w1`` (gate) / ``w3`` (up) /
+    ``w2`` (down), router ``block_sparse_moe.gate``."""
+    rules = embedding_rules(arch)
+    rules.append(rule(LAYER + "input_layernorm.weight", HF_LAYER + "input_layernorm.weight"))
+    rules += attention_rules(arch)
+    rules.append(rule(LAYER + "pre_mlp_layernorm.weight", HF_LAYER + "post_attention_layernorm.weight"))
+    rules += routed_expert_rules(arch, hf_moe="block_sparse_moe.", gate="w1", up="w3", down="w2")
+    ignored = [ROTARY_BUFFER_IGNORED]
+    if arch.tie_word_embeddings:
+        ignored.append(("lm_head.weight", "tie_word_embeddings: the output layer is model.embed_tokens.weight"))
+    return WeightMap(arch, rules, ignored)
+
+
+def glm4_moe_weight_map(arch: ArchConfig) -> WeightMap:
+    """GLM-4.5: dense MLPs in the first ``first_k_dense_replace`` layers, then router (+ its
+    ``e_score_correction_bias`` -> the router's ``expert_bias`` buffer), routed experts and the
+    shared experts (``mlp.shared_experts.*``, no gate)."""
+    rules = embedding_rules(arch)
+    rules.append(rule(LAYER + "input_layernorm.weight", HF_LAYER + "input_layernorm.weight"))
+    rules += attention_rules(arch)
+    rules.append(rule(LAYER + "pre_mlp_layernorm.weight", HF_LAYER + "post_attention_layernorm.weight"))
+    rules += gated_mlp_rules(arch, layer_kind="dense")
+    rules += routed_expert_rules(arch)
+    rules.append(rule(LAYER + "mlp.router.expert_bias", HF_LAYER + "mlp.gate.e_score_correction_bias", layer_kind="moe",
+                      note="buffer: added to the sigmoid scores to choose experts, not to weight them"))  # fmt: skip
+    rules += shared_expert_rules(arch, hf_shared="mlp.shared_experts.")
+    ignored = [ROTARY_BUFFER_IGNORED]
+    if arch.tie_word_embeddings:
+        ignored.append(("lm_head.weight", "tie_word_embeddings: the output layer is model.embed_tokens.weight"))
+    return WeightMap(arch, rules, ignored)

@@ -1,0 +1,178 @@
+"""Expert parallelism on real gloo process groups (Qwen3-MoE): EP2, TP2 x EP2, PP2 x EP2.
+
+Per layout, on every rank: sharded loading (an EP rank reads its own experts and the shared
+tensors, nothing else - counted through an instrumented checkpoint reader), the packed forward
+against the single-process model and transformers (1e-5), the gathered export and the checkpoint
+written by ``save_hf_checkpoint`` against the source checkpoint (bitwise).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import mcore_zoo
+from mcore_zoo.placement import Parallelism
+from mcore_zoo.distributed import launch
+
+from ..conftest import random_sequences
+
+ARCH = "Qwen3MoeForCausalLM"
+OVERRIDES = {"num_hidden_layers": 4, "mlp_only_layers": [1]}  # PP2: two layers per stage, one dense
+LENGTHS = [23, 9, 40, 5, 17]
+NUMERICS = "hf-exact"
+TOL = 1e-5
+EXPERT_TENSOR = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+
+
+def _source(ckpt: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state = {}
+    for f in sorted(Path(ckpt).glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return state
+
+
+def _mismatches(exported: dict, source: dict) -> list[str]:
+    names = sorted(set(exported) ^ set(source))
+    return names + [k for k in source if k in exported and not torch.equal(exported[k], source[k])]
+
+
+def _counting_checkpoint(path: str):
+    """An HFCheckpoint that records every tensor it reads and the bytes it returns."""
+    from mcore_zoo.weights.io import HFCheckpoint
+
+    class Counting(HFCheckpoint):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.names: set[str] = set()
+            self.nbytes = 0
+
+        def read(self, name, **kw):
+            tensor = super().read(name, **kw)
+            self.names.add(name)
+            self.nbytes += tensor.numel() * tensor.element_size()
+            return tensor
+
+        def read_into(self, name, out, **kw):
+            n = super().read_into(name, out, **kw)
+            self.names.add(name)
+            self.nbytes += n
+            return n
+
+    return Counting(path)
+
+
+def _run(ckpt: str, out_dir: str, layouts: list) -> dict:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from mcore_zoo.parallel import ensure_model_parallel
+
+    rank = dist.get_rank()
+    source = _source(ckpt)
+    seqs = random_sequences(LENGTHS, 256)
+    found: dict = {}
+    for name, parallel in layouts:
+        r: dict = {}
+        ensure_model_parallel(parallel)
+        model = mcore_zoo.build_model(ckpt, backend="portable", numerics=NUMERICS, parallel=parallel)
+        counting = _counting_checkpoint(ckpt)
+        report = mcore_zoo.load_hf_weights(model, counting, replicas="read")
+        r["ep_rank"], r["ep_size"] = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
+        r["etp_size"] = ps.get_expert_tensor_parallel_world_size()
+        r["pp_rank"], r["tp_rank"] = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
+        r["read_names"], r["read_bytes"], r["report_bytes"] = sorted(counting.names), counting.nbytes, report.bytes_read
+        counting.close()
+        model.eval()
+        with torch.no_grad():
+            out = mcore_zoo.packed_forward(model, seqs)
+        r["logits"] = out.logits
+        r["export"] = _mismatches(dict(mcore_zoo.iter_hf_weights(model, bucket_size="64KB")), source)
+        to_rank0 = dict(mcore_zoo.iter_hf_weights(model, ranks=[0], bucket_size=1))
+        r["export_rank0"] = _mismatches(to_rank0, source) if rank == 0 else sorted(to_rank0)
+        mcore_zoo.save_hf_checkpoint(model, os.path.join(out_dir, name), max_shard_size="200KB")
+        found[name] = r
+        ps.destroy_model_parallel()
+    return found
+
+
+def _expected_reads(source: dict, r: dict, layers_of_stage: set[int], num_experts: int) -> set[str]:
+    per_rank = num_experts // r["ep_size"]
+    mine = range(r["ep_rank"] * per_rank, (r["ep_rank"] + 1) * per_rank)
+    names = set()
+    for name in source:
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        if layer and int(layer.group(1)) not in layers_of_stage:
+            continue
+        if not layer and r["pp_rank"] not in _stages_of(name, r):
+            continue
+        expert = EXPERT_TENSOR.match(name)
+        if expert and int(expert.group(1)) not in mine:
+            continue
+        names.add(name)
+    return names
+
+
+def _stages_of(name: str, r: dict) -> set[int]:
+    if name == "model.embed_tokens.weight":
+        return {0}
+    return {r["pp_size"] - 1} if "pp_size" in r else {0}
+
+
+def _check(found: list[dict], ckpt: Path, hf, out_dir: Path, num_layers: int, num_experts: int) -> dict:
+    source = _source(str(ckpt))
+    seqs = random_sequences(LENGTHS, 256)
+    single = mcore_zoo.build_model(ckpt, backend="portable", numerics=NUMERICS, load=ckpt).eval()
+    with torch.no_grad():
+        ref = mcore_zoo.packed_forward(single, seqs).logits
+        hf_logits = [hf(s[None]).logits[0] for s in seqs]
+    worst: dict = {}
+    for name in found[0]:
+        pp = max(f[name]["pp_rank"] for f in found) + 1
+        for rank, ranks in enumerate(found):
+            r = dict(ranks[name], pp_size=pp)
+            where = f"{name} rank {rank}"
+            diff = max((a - b).abs().max().item() for a, b in zip(r["logits"], ref))
+            diff_hf = max((a - b).abs().max().item() for a, b in zip(r["logits"], hf_logits))
+            assert diff <= TOL and diff_hf <= TOL, f"{where}: logits differ by {diff} (single) / {diff_hf} (HF)"
+            assert r["export"] == [], f"{where}: exported tensors differ: {r['export'][:5]}"
+            assert r["export_rank0"] == [], f"{where}: ranks=[0] export: {r['export_rank0'][:5]}"
+            per_stage = num_layers // pp
+            layers = set(range(r["pp_rank"] * per_stage, (r["pp_rank"] + 1) * per_stage))
+            want = _expected_reads(source, r, layers, num_experts)
+            assert set(r["read_names"]) == want, (
+                f"{where}: read {sorted(set(r['read_names']) - want)[:5]} it does not need,"
+                f" missed {sorted(want - set(r['read_names']))[:5]}"
+            )
+            tp = max(f[name]["tp_rank"] for f in found) + 1
+            if tp == 1:  # whole tensors: the bytes are exactly those tensors' bytes
+                assert r["read_bytes"] == r["report_bytes"] == sum(
+                    source[n].numel() * source[n].element_size() for n in want
+                ), where
+            worst[name] = max(worst.get(name, 0.0), diff)
+        assert _mismatches(_source(str(out_dir / name)), source) == [], f"{name}: save_hf_checkpoint"
+    return worst
+
+
+@pytest.mark.slow
+def test_two_ranks_ep2(reference_checkpoint, hf_reference, mpu, tmp_path):
+    ckpt = reference_checkpoint(ARCH, OVERRIDES)
+    found = launch(_run, 2, str(ckpt), str(tmp_path), [("ep2", Parallelism(ep=2))])
+    assert [f["ep2"]["ep_rank"] for f in found] == [0, 1]
+    worst = _check(found, ckpt, hf_reference(ARCH, ckpt), tmp_path, 4, 8)
+    print("max |dlogit| vs the single-process model:", worst)
+
+
+@pytest.mark.slow
+def test_four_ranks_tp2ep2_pp2ep2(reference_checkpoint, hf_reference, mpu, tmp_path):
+    ckpt = reference_checkpoint(ARCH, OVERRIDES)
+    layouts = [("tp2ep2", Parallelism(tp=2, ep=2)), ("pp2ep2", Parallelism(pp=2, ep=2))]
+    found = launch(_run, 4, str(ckpt), str(tmp_path), layouts)
+    worst = _check(found, ckpt, hf_reference(ARCH, ckpt), tmp_path, 4, 8)
+    print("max |dlogit| vs the single-process model:", worst)

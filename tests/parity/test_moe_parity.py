@@ -1,0 +1,158 @@
+"""CPU fp32 parity of the MoE families against the real transformers model, and mutations the same
+comparison must catch (routing off by one expert, top-k, renormalisation, a dense layer routed).
+
+The conformance suite (``test_builtin_conformance.py``) runs every contract on the MoE example
+configs; these tests add the mutations and the stock Megatron-Core router (``router="mcore"``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mcore_zoo
+from mcore_zoo.numerics.profiles import get_profile
+from mcore_zoo.testing.common import REL_TOL, max_abs_diff
+
+from ..conftest import random_sequences
+
+MOE_ARCHS = ["Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM"]
+
+
+def _build(source, checkpoint, backend="local", numerics="hf-exact"):
+    return mcore_zoo.build_model(source, backend=backend, numerics=numerics, load=checkpoint,
+                                 params_dtype=torch.float32).eval()  # fmt: skip
+
+
+def _batch(vocab):
+    return torch.stack(random_sequences([40, 40, 40], vocab, seed=1))
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids, torch.arange(ids.shape[1]).expand(ids.shape[0], -1), None)
+
+
+@pytest.mark.parametrize("arch_name", MOE_ARCHS)
+def test_hf_exact_bitwise(mpu, reference_checkpoint, hf_reference, arch_name):
+    ckpt = reference_checkpoint(arch_name)
+    hf = hf_reference(arch_name, ckpt, "eager")
+    ids = _batch(hf.config.vocab_size)
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert torch.equal(_logits(_build(ckpt, ckpt), ids), ref)
+
+
+@pytest.mark.parametrize("arch_name", MOE_ARCHS)
+def test_experts_off_by_one_fail(mpu, reference_checkpoint, hf_reference, arch_name):
+    """Routing every token to the next expert (expert i computes with expert i+1's weights) must
+    change the logits by O(1)."""
+    ckpt = reference_checkpoint(arch_name)
+    hf = hf_reference(arch_name, ckpt, "eager")
+    ids = _batch(hf.config.vocab_size)
+    model = _build(ckpt, ckpt)
+    with torch.no_grad():
+        for layer in model.decoder.layers:
+            experts = getattr(layer.mlp, "experts", None)
+            if experts is None:
+                continue
+            params = [dict(e.named_parameters()) for e in experts.local_experts]
+            saved = [{k: v.clone() for k, v in p.items()} for p in params]
+            for i, p in enumerate(params):
+                for k, v in p.items():
+                    v.copy_(saved[(i + 1) % len(saved)][k])
+        diff = max_abs_diff(_logits(model, ids), hf(ids).logits)
+    assert diff > 1e-2, f"experts shifted by one still agree with transformers to {diff:.2e}"
+
+
+@pytest.mark.parametrize(
+    "arch_name,overrides",
+    [
+        ("Qwen3MoeForCausalLM", {"norm_topk_prob": False}),
+        ("Qwen3MoeForCausalLM", {"num_experts_per_tok": 1}),
+        ("Qwen3MoeForCausalLM", {"mlp_only_layers": []}),
+        ("Qwen2MoeForCausalLM", {"norm_topk_prob": True}),
+        ("MixtralForCausalLM", {"num_experts_per_tok": 3}),
+        ("Glm4MoeForCausalLM", {"routed_scaling_factor": 1.0}),
+        ("Glm4MoeForCausalLM", {"topk_group": 2}),
+        ("Glm4MoeForCausalLM", {"norm_topk_prob": False}),
+    ],
+    ids=["qwen3moe-no-renorm", "qwen3moe-top1", "qwen3moe-no-dense-layer", "qwen2moe-renorm", "mixtral-top3",
+         "glm-unscaled", "glm-all-groups", "glm-no-renorm"],
+)
+def test_config_mutations_fail(mpu, reference_checkpoint, hf_reference, arch_name, overrides):
+    """Building from a config that differs in one MoE field (weights of the real model) must
+    disagree with transformers; ``mlp_only_layers=[]`` fails to load (a dense layer's tensors have
+    no rule, the router's none in the checkpoint)."""
+    ckpt = reference_checkpoint(arch_name)
+    hf = hf_reference(arch_name, ckpt, "eager")
+    config = {**mcore_zoo.lookup(arch_name).example_config(), **overrides}
+    ids = _batch(hf.config.vocab_size)
+    if "mlp_only_layers" in overrides:
+        with pytest.raises(mcore_zoo.ZooError):
+            _build(config, ckpt)
+        return
+    diff = max_abs_diff(_logits(_build(config, ckpt), ids), hf(ids).logits)
+    assert diff > 1e-2, f"{overrides} still agrees with transformers to {diff:.2e}"
+
+
+@pytest.mark.parametrize("arch_name", MOE_ARCHS)
+def test_stock_mcore_router_within_tolerance(mpu, reference_checkpoint, hf_reference, arch_name):
+    """Megatron-Core's own TopKRouter / SequentialMLP (numerics router='mcore'): same experts, the
+    weights rounded differently (softmax over the top-k logits; weight applied before fc2)."""
+    ckpt = reference_checkpoint(arch_name)
+    hf = hf_reference(arch_name, ckpt, "eager")
+    ids = _batch(hf.config.vocab_size)
+    model = _build(ckpt, ckpt, numerics=get_profile("hf-exact").with_knobs(router="mcore"))
+    ref = hf(ids).logits
+    got = _logits(model, ids)
+    assert max_abs_diff(got, ref) <= 10 * REL_TOL * max(1.0, ref.abs().max().item())
+
+
+def test_glm_expert_bias_matters(mpu, reference_checkpoint, hf_reference):
+    """GLM-4.5's e_score_correction_bias (loaded into the router's expert_bias buffer) changes
+    which experts are chosen: zeroing it must break parity."""
+    ckpt = reference_checkpoint("Glm4MoeForCausalLM")
+    hf = hf_reference("Glm4MoeForCausalLM", ckpt, "eager")
+    ids = _batch(hf.config.vocab_size)
+    model = _build(ckpt, ckpt)
+    with torch.no_grad():
+        biases = [layer.mlp.router.expert_bias for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
+        assert biases and all(b.abs().sum() > 0 for b in biases)
+        ref = hf(ids).logits
+        assert torch.equal(_logits(model, ids), ref)
+        for b in biases:
+            b.zero_()
+        diff = max_abs_diff(_logits(model, ids), ref)
+    assert diff > 1e-2, f"zeroed expert bias still agrees with transformers to {diff:.2e}"
+
+
+def test_glm_mtp_refused():
+    config = {**mcore_zoo.lookup("Glm4MoeForCausalLM").example_config(), "num_nextn_predict_layers": 1}
+    with pytest.raises(mcore_zoo.ConfigError, match="num_nextn_predict_layers"):
+        mcore_zoo.lookup("Glm4MoeForCausalLM").config_from_hf(config)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["qwen3-30b-a3b.json", "mixtral-8x7b-v0.1.json"])
+def test_published_config_converts_and_parity_report_passes(tmp_path, capsys, config):
+    """Published MoE configs: every field classified, ``show --json`` carries the MoE block, and
+    ``parity-report --random-weights --scale tiny`` passes on the CPU."""
+    import json
+
+    from mcore_zoo.cli import main
+
+    from ..conftest import CONFIGS
+
+    published = json.loads((CONFIGS / config).read_text())
+    assert main(["show", "--config", str(CONFIGS / config), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    experts = published.get("num_experts", published.get("num_local_experts"))
+    assert shown["moe"]["num_experts"] == experts
+    assert shown["moe"]["top_k"] == published["num_experts_per_tok"]
+    assert shown["moe"]["expert_ffn_hidden_size"] == published.get("moe_intermediate_size", published["intermediate_size"])
+    assert shown["transformer_config"]["num_moe_experts"] == experts
+    assert all(f["kind"] in ("mapped", "ignored") and f["detail"] for f in shown["fields"])  # all classified
+    code = main(["parity-report", "--config", str(CONFIGS / config), "--random-weights", "--scale", "tiny",
+                 "--out", str(tmp_path), "-q", "--format", "json"])  # fmt: skip
+    assert code == 0
