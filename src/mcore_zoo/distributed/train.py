@@ -218,13 +218,12 @@ def _finalize_unwrapped(handle: ModelHandle) -> None:
         _all_reduce_flat(averaged, layout.groups.tp)
         for g in averaged:
             g.div_(layout.tp)
-    group = layout.groups.embedding
-    if layout.pp > 1 and group is not None and dist.get_world_size(group) > 1:
-        if layout.first_stage or layout.last_stage:
-            chunk = chunks[0] if layout.first_stage else chunks[-1]
-            if chunk.share_embeddings_and_output_weights:
-                weight = chunk.shared_embedding_or_output_weight()
-                dist.all_reduce(weight.grad, group=group)
+    group = layout.groups.embedding  # None on middle stages (they hold no embedding copy)
+    if layout.pp > 1 and (layout.first_stage or layout.last_stage) and group is not None and dist.get_world_size(group) > 1:
+        chunk = chunks[0] if layout.first_stage else chunks[-1]
+        if chunk.share_embeddings_and_output_weights:
+            weight = chunk.shared_embedding_or_output_weight()
+            dist.all_reduce(weight.grad, group=group)
 
 
 class _KeptGrads:
