@@ -160,12 +160,22 @@ def _check(found: list[dict], ckpt: Path, hf, out_dir: Path, num_layers: int, nu
     return worst
 
 
+#: per architecture: overrides giving 4 layers (PP2) with a dense layer where the family has them
+EP_CASES = {
+    "Qwen3MoeForCausalLM": OVERRIDES,
+    "Qwen2MoeForCausalLM": OVERRIDES,  # + the sigmoid-gated shared expert (dense TP)
+    "MixtralForCausalLM": {"num_hidden_layers": 4},
+    "Glm4MoeForCausalLM": {"num_hidden_layers": 4},  # + expert bias buffer, shared experts
+}
+
+
 @pytest.mark.slow
-def test_two_ranks_ep2(reference_checkpoint, hf_reference, mpu, tmp_path):
-    ckpt = reference_checkpoint(ARCH, OVERRIDES)
+@pytest.mark.parametrize("arch", list(EP_CASES))
+def test_two_ranks_ep2(reference_checkpoint, hf_reference, mpu, tmp_path, arch):
+    ckpt = reference_checkpoint(arch, EP_CASES[arch])
     found = launch(_run, 2, str(ckpt), str(tmp_path), [("ep2", Parallelism(ep=2))])
     assert [f["ep2"]["ep_rank"] for f in found] == [0, 1]
-    worst = _check(found, ckpt, hf_reference(ARCH, ckpt), tmp_path, 4, 8)
+    worst = _check(found, ckpt, hf_reference(arch, ckpt), tmp_path, 4, 8)
     print("max |dlogit| vs the single-process model:", worst)
 
 
