@@ -26,7 +26,7 @@ OVERRIDES = {"num_hidden_layers": 4, "mlp_only_layers": [1]}  # PP2: two layers 
 LENGTHS = [23, 9, 40, 5, 17]
 NUMERICS = "hf-exact"
 TOL = 1e-5
-EXPERT_TENSOR = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+EXPERT_TENSOR = re.compile(r"model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
 
 
 def _source(ckpt: str) -> dict[str, torch.Tensor]:
