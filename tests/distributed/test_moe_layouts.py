@@ -3,7 +3,8 @@
 Per layout, on every rank: sharded loading (an EP rank reads its own experts and the shared
 tensors, nothing else - counted through an instrumented checkpoint reader), the packed forward
 against the single-process model and transformers (1e-5), the gathered export and the checkpoint
-written by ``save_hf_checkpoint`` against the source checkpoint (bitwise).
+written by ``save_hf_checkpoint`` against the source checkpoint (bitwise), and a distributed checkpoint
+written by ``mcore-zoo convert`` in one process loaded at the layout (export bitwise again).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def _counting_checkpoint(path: str):
     return Counting(path)
 
 
-def _run(ckpt: str, out_dir: str, layouts: list) -> dict:
+def _run(ckpt: str, out_dir: str, layouts: list, mcore_dir: str = "") -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -97,6 +98,12 @@ def _run(ckpt: str, out_dir: str, layouts: list) -> dict:
         to_rank0 = dict(mcore_zoo.iter_hf_weights(model, ranks=[0], bucket_size=1))
         r["export_rank0"] = _mismatches(to_rank0, source) if rank == 0 else sorted(to_rank0)
         mcore_zoo.save_hf_checkpoint(model, os.path.join(out_dir, name), max_shard_size="200KB")
+        if mcore_dir:  # a distributed checkpoint written by one process, loaded at this layout
+            from mcore_zoo.convert import load_mcore_checkpoint
+
+            fresh = mcore_zoo.build_model(ckpt, backend="portable", numerics=NUMERICS, parallel=parallel)
+            load_mcore_checkpoint(fresh, mcore_dir)
+            r["from_dist_checkpoint"] = _mismatches(dict(mcore_zoo.iter_hf_weights(fresh)), source)
         found[name] = r
         ps.destroy_model_parallel()
     return found
@@ -143,6 +150,7 @@ def _check(found: list[dict], ckpt: Path, hf, out_dir: Path, num_layers: int, nu
             assert diff <= TOL and diff_hf <= TOL, f"{where}: logits differ by {diff} (single) / {diff_hf} (HF)"
             assert r["export"] == [], f"{where}: exported tensors differ: {r['export'][:5]}"
             assert r["export_rank0"] == [], f"{where}: ranks=[0] export: {r['export_rank0'][:5]}"
+            assert r.get("from_dist_checkpoint", []) == [], f"{where}: dist checkpoint: {r['from_dist_checkpoint'][:5]}"
             per_stage = num_layers // pp
             layers = set(range(r["pp_rank"] * per_stage, (r["pp_rank"] + 1) * per_stage))
             want = _expected_reads(source, r, layers, num_experts)
@@ -172,8 +180,11 @@ EP_CASES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", list(EP_CASES))
 def test_two_ranks_ep2(reference_checkpoint, hf_reference, mpu, tmp_path, arch):
+    from mcore_zoo.convert import hf_to_mcore
+
     ckpt = reference_checkpoint(arch, EP_CASES[arch])
-    found = launch(_run, 2, str(ckpt), str(tmp_path), [("ep2", Parallelism(ep=2))])
+    hf_to_mcore(ckpt, tmp_path / "mcore")
+    found = launch(_run, 2, str(ckpt), str(tmp_path), [("ep2", Parallelism(ep=2))], str(tmp_path / "mcore"))
     assert [f["ep2"]["ep_rank"] for f in found] == [0, 1]
     worst = _check(found, ckpt, hf_reference(arch, ckpt), tmp_path, 4, 8)
     print("max |dlogit| vs the single-process model:", worst)
@@ -181,8 +192,11 @@ def test_two_ranks_ep2(reference_checkpoint, hf_reference, mpu, tmp_path, arch):
 
 @pytest.mark.slow
 def test_four_ranks_tp2ep2_pp2ep2(reference_checkpoint, hf_reference, mpu, tmp_path):
+    from mcore_zoo.convert import hf_to_mcore
+
     ckpt = reference_checkpoint(ARCH, OVERRIDES)
+    hf_to_mcore(ckpt, tmp_path / "mcore")
     layouts = [("tp2ep2", Parallelism(tp=2, ep=2)), ("pp2ep2", Parallelism(pp=2, ep=2))]
-    found = launch(_run, 4, str(ckpt), str(tmp_path), layouts)
+    found = launch(_run, 4, str(ckpt), str(tmp_path), layouts, str(tmp_path / "mcore"))
     worst = _check(found, ckpt, hf_reference(ARCH, ckpt), tmp_path, 4, 8)
     print("max |dlogit| vs the single-process model:", worst)
