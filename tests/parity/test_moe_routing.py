@@ -76,3 +76,21 @@ def test_replay_needs_the_build_flag(mpu, reference_checkpoint):
     with pytest.raises(mcore_zoo.ZooError, match="moe_enable_routing_replay"):
         with routing.record(model):
             pass
+
+
+def test_aux_loss_and_token_counts_in_training(mpu, reference_checkpoint):
+    """output_router_logits=True turns router_aux_loss_coef into Megatron-Core's load-balancing
+    loss (attached to the graph in training); its per-layer values and the expert token counts are
+    reported (dense layers: 0)."""
+    ckpt = reference_checkpoint("Qwen3MoeForCausalLM", {"output_router_logits": True})
+    model = mcore_zoo.build_model(ckpt, backend="portable", load=ckpt, params_dtype=torch.float32).train()
+    assert model.config.moe_aux_loss_coeff == 0.001
+    seqs = random_sequences([30, 20], 256, seed=5)
+    routing.aux_losses()  # start from a clean tracker
+    with routing.count_tokens(model) as counts:
+        out = mcore_zoo.packed_forward(model, seqs)
+    sum(lp.sum() for lp in out.logprobs).backward()
+    losses = routing.aux_losses()["load_balancing_loss"]
+    pattern = [model.mcore_zoo.arch.moe.is_moe_layer(i) for i in range(len(model.decoder.layers))]
+    assert [bool(v > 0) for v in losses] == pattern
+    assert all(int(c.sum()) == 50 * 2 for c in counts.tokens_per_expert)

@@ -50,7 +50,13 @@ def read_no_jitter(reader: ConfigReader, field: str = "router_jitter_noise") -> 
 def read_aux_loss(reader: ConfigReader, *, coef_field: str = "router_aux_loss_coef",
                   switch_field: Optional[str] = "output_router_logits") -> float:  # fmt: skip
     """HF adds ``coef * load_balancing_loss`` to the LM loss only when ``output_router_logits`` is
-    set; the same switch decides here (``moe_aux_loss_coeff``, ``moe_router_load_balancing_type``)."""
+    set; the same switch decides here (``moe_aux_loss_coeff``, ``moe_router_load_balancing_type``).
+
+    The loss is Megatron-Core's Switch loss per MoE layer (summed over layers, divided by top-k),
+    attached to the graph in training. HF computes one loss over all layers' router logits
+    concatenated (a product of cross-layer means) and does not divide by top-k, so the values
+    and gradients differ from HF's; the coefficient means the same thing (weight of a
+    load-balancing term) and the forward is unaffected."""
     on = True
     if switch_field is not None:
         on = bool(reader.map(switch_field, "moe_aux_loss_coeff is router_aux_loss_coef when true, else 0", False))
