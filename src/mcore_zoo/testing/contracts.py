@@ -92,6 +92,17 @@ CONTRACTS: dict[str, Contract] = {
             " divide by 2 (heads, key/value heads, intermediate size, vocab).",
         ),
         Contract(
+            "expert-parallel",
+            "MoE models: EP=2 on gloo - each rank loads only its experts, forward and export gathered",
+            "two ranks build every MoE example config with expert_model_parallel_size=2, each loading"
+            " only its own experts (and the shared tensors); the packed logits equal transformers'"
+            " (within 1e-5 relative) on both ranks and the export gathered over EP equals the"
+            " checkpoint bitwise (dense architectures are skipped)",
+            "expert rules must use '{expert}' in both names (local index on the mcore side, global on"
+            " the HF side: mlp.experts.local_experts.{expert}. <- mlp.experts.{expert}.); router, shared"
+            " experts and everything else are rules without '{expert}'. num_experts must divide by 2.",
+        ),
+        Contract(
             "bad-input",
             "unknown fields, unsupported values and damaged checkpoints fail closed, naming the culprit",
             "an HF config field nobody classifies raises UnclassifiedConfigFieldsError naming it; each"
