@@ -35,12 +35,16 @@ def _logits(model, ids):
 
 @pytest.mark.parametrize("arch_name", MOE_ARCHS)
 def test_hf_exact_bitwise(mpu, reference_checkpoint, hf_reference, arch_name):
+    """BSHD batches of several shapes (token counts that leave a tail after the last full vector:
+    the shared-expert gate and sigmoid scores must run in HF's batch-major order)."""
     ckpt = reference_checkpoint(arch_name)
     hf = hf_reference(arch_name, ckpt, "eager")
-    ids = _batch(hf.config.vocab_size)
-    with torch.no_grad():
-        ref = hf(ids).logits
-    assert torch.equal(_logits(_build(ckpt, ckpt), ids), ref)
+    model = _build(ckpt, ckpt)
+    for batch, length in [(3, 40), (3, 37), (7, 19)]:
+        ids = torch.stack(random_sequences([length] * batch, hf.config.vocab_size, seed=batch))
+        with torch.no_grad():
+            ref = hf(ids).logits
+        assert torch.equal(_logits(model, ids), ref), (batch, length)
 
 
 @pytest.mark.parametrize("arch_name", MOE_ARCHS)

@@ -11,8 +11,9 @@ What ``router="hf"`` changes against stock Megatron-Core (both are the same math
   (gating GEMM, z-loss, aux losses, expert-bias bookkeeping, router replay).
 * :class:`HFOrderSequentialMLP` - each expert's output is multiplied by its routing weight *after*
   ``linear_fc2``, as HF does; stock mcore multiplies the activation before ``linear_fc2``.
-* :class:`HFOrderSharedExpertMLP` - the shared-expert gate's sigmoid runs over the tokens in HF's
-  batch-major order (torch's vectorised sigmoid rounds a tensor's tail elements differently).
+* :class:`HFOrderSharedExpertMLP` - the shared-expert gate (a one-column GEMM and a sigmoid) runs
+  over the tokens in HF's batch-major order (both round by position in the tensor); the sigmoid
+  router scores (GLM-4.5) likewise.
 
 Routing replay works with both (:mod:`mcore_zoo.routing`).
 """
@@ -32,7 +33,8 @@ _INSTALLED = False
 _INSTALL_LOCK = threading.Lock()
 
 
-def hf_topk_routing(logits: torch.Tensor, moe: MoESpec, router_replay: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+def hf_topk_routing(logits: torch.Tensor, moe: MoESpec,
+                    router_replay: Any = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(routing_probs [T, E], routing_map [T, E])`` from router logits ``[T, E]``, in HF's op order
     (see :class:`~mcore_zoo.config.arch.MoESpec`). ``router_replay``: Megatron-Core's per-layer
     ``RouterReplay`` (record / replay the chosen experts)."""
@@ -40,7 +42,11 @@ def hf_topk_routing(logits: torch.Tensor, moe: MoESpec, router_replay: Any = Non
     if moe.router_score_function == "softmax":
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
     elif moe.router_score_function == "sigmoid":
-        scores = logits.sigmoid() if logits.dtype == torch.float32 else torch.sigmoid(logits.float())
+        # elementwise over the flattened tensor: torch's vectorised sigmoid rounds a tensor's tail
+        # differently, so compute it over the tokens in HF's batch-major order (as HF does)
+        batch = getattr(_LOCAL, "batch", 1) or 1
+        by_batch = logits.float().view(-1, batch, num_experts).transpose(0, 1).contiguous()
+        scores = torch.sigmoid(by_batch).transpose(0, 1).reshape(num_tokens, num_experts)
     else:
         raise ValueError(f"unknown router score function {moe.router_score_function!r}")
     choice = scores
@@ -48,13 +54,16 @@ def hf_topk_routing(logits: torch.Tensor, moe: MoESpec, router_replay: Any = Non
         bias = _LOCAL.expert_bias
         choice = scores + bias
 
-    def select(values: torch.Tensor, topk: int, num_groups: Optional[int] = None, group_topk: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if moe.num_groups and moe.group_topk:
-            group_scores = values.view(-1, moe.num_groups, num_experts // moe.num_groups).topk(moe.group_score_topk, dim=-1)[0].sum(dim=-1)
+    def select(values: torch.Tensor, topk: int, num_groups: Optional[int] = None,
+               group_topk: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if moe.num_groups and moe.group_topk:  # GLM-4.5 / DeepSeek-V3: a group scores its best two
+            per_group = num_experts // moe.num_groups
+            grouped = values.view(-1, moe.num_groups, per_group)
+            group_scores = grouped.topk(moe.group_score_topk, dim=-1)[0].sum(dim=-1)
             group_idx = torch.topk(group_scores, k=moe.group_topk, dim=-1, sorted=False)[1]
             group_mask = torch.zeros_like(group_scores)
             group_mask.scatter_(1, group_idx, 1)
-            score_mask = group_mask.unsqueeze(-1).expand(-1, moe.num_groups, num_experts // moe.num_groups).reshape(-1, num_experts)
+            score_mask = group_mask.unsqueeze(-1).expand(-1, moe.num_groups, per_group).reshape(-1, num_experts)
             values = values.masked_fill(~score_mask.bool(), float("-inf"))
             return torch.topk(values, k=topk, dim=-1, sorted=False)
         return torch.topk(values, topk, dim=-1)
@@ -73,8 +82,9 @@ def hf_topk_routing(logits: torch.Tensor, moe: MoESpec, router_replay: Any = Non
         weights = weights * moe.topk_scaling_factor
     probs_dtype = torch.float32 if moe.probs_dtype == "fp32" else _LOCAL.hidden_dtype
     weights = weights.to(probs_dtype)
-    routing_probs = torch.zeros(num_tokens, num_experts, dtype=probs_dtype, device=logits.device).scatter(1, top_indices, weights)
-    routing_map = torch.zeros(num_tokens, num_experts, dtype=torch.int32, device=logits.device).scatter(1, top_indices, 1).bool()
+    zeros = torch.zeros(num_tokens, num_experts, dtype=probs_dtype, device=logits.device)
+    routing_probs = zeros.scatter(1, top_indices, weights)
+    routing_map = torch.zeros_like(zeros, dtype=torch.int32).scatter(1, top_indices, 1).bool()
     return routing_probs, routing_map
 
 
@@ -118,6 +128,7 @@ def _router_class() -> type:
         def routing(self, logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             _install()
             _LOCAL.moe = self.zoo_moe
+            _LOCAL.batch = logits.shape[1] if logits.dim() == 3 else 1  # [s, b, E]
             _LOCAL.expert_bias = self.expert_bias
             try:
                 return super().routing(logits, *args, **kwargs)
@@ -179,16 +190,16 @@ def _shared_experts_class() -> type:
 
     class HFOrderSharedExpertMLP(SharedExpertMLP):
         """``SharedExpertMLP`` whose gate ``sigmoid(x @ gate.T)`` runs over the tokens in HF's
-        (batch-major) order: torch's vectorised sigmoid gives the last elements of a tensor
-        (the tail after the last full vector) other bits than the rest, so the element order
-        decides which tokens are rounded which way. Same math as the stock module."""
+        (batch-major) order: the one-column GEMM and torch's vectorised sigmoid (which rounds the
+        tail after the last full vector differently) both depend on where a token sits in the
+        tensor. Same math as the stock module."""
 
         def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
             if not self.use_shared_expert_gate or hidden_states.dim() != 3:
                 return super().forward(hidden_states)
             output, _ = super(SharedExpertMLP, self).forward(hidden_states)
-            logits = torch.nn.functional.linear(hidden_states, self.gate_weight)  # [s, b, 1]
-            gate = torch.sigmoid(logits.transpose(0, 1).contiguous()).transpose(0, 1)
+            by_batch = hidden_states.transpose(0, 1).contiguous()  # [b, s, h]: a view when b == 1 (THD)
+            gate = torch.sigmoid(torch.nn.functional.linear(by_batch, self.gate_weight)).transpose(0, 1)
             return output * gate
 
     return HFOrderSharedExpertMLP
