@@ -1,4 +1,5 @@
-"""Expert parallelism on real gloo process groups (Qwen3-MoE): EP2, TP2 x EP2, PP2 x EP2.
+"""Expert parallelism on real gloo process groups: EP2 for every MoE family; TP2 x EP2, PP2 x EP2
+and PP2 x VPP2 x EP2 for Qwen3-MoE (a dense layer among the MoE layers).
 
 Per layout, on every rank: sharded loading (an EP rank reads its own experts and the shared
 tensors, nothing else - counted through an instrumented checkpoint reader), the packed forward
@@ -89,8 +90,10 @@ def _run(ckpt: str, out_dir: str, layouts: list, mcore_dir: str = "") -> dict:
         r["etp_size"] = ps.get_expert_tensor_parallel_world_size()
         r["pp_rank"], r["tp_rank"] = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
         r["read_names"], r["read_bytes"], r["report_bytes"] = sorted(counting.names), counting.nbytes, report.bytes_read
+        r["vpp"] = parallel.vpp or 1
         counting.close()
-        model.eval()
+        for chunk in model if isinstance(model, list) else [model]:
+            chunk.eval()
         with torch.no_grad():
             out = mcore_zoo.packed_forward(model, seqs)
         r["logits"] = out.logits
@@ -151,8 +154,8 @@ def _check(found: list[dict], ckpt: Path, hf, out_dir: Path, num_layers: int, nu
             assert r["export"] == [], f"{where}: exported tensors differ: {r['export'][:5]}"
             assert r["export_rank0"] == [], f"{where}: ranks=[0] export: {r['export_rank0'][:5]}"
             assert r.get("from_dist_checkpoint", []) == [], f"{where}: dist checkpoint: {r['from_dist_checkpoint'][:5]}"
-            per_stage = num_layers // pp
-            layers = set(range(r["pp_rank"] * per_stage, (r["pp_rank"] + 1) * per_stage))
+            per_chunk = num_layers // (pp * r["vpp"])  # virtual stage v of stage p: chunk v * pp + p
+            layers = {i for i in range(num_layers) if (i // per_chunk) % pp == r["pp_rank"]}
             want = _expected_reads(source, r, layers, num_experts)
             assert set(r["read_names"]) == want, (
                 f"{where}: read {sorted(set(r['read_names']) - want)[:5]} it does not need,"
@@ -196,7 +199,8 @@ def test_four_ranks_tp2ep2_pp2ep2(reference_checkpoint, hf_reference, mpu, tmp_p
 
     ckpt = reference_checkpoint(ARCH, OVERRIDES)
     hf_to_mcore(ckpt, tmp_path / "mcore")
-    layouts = [("tp2ep2", Parallelism(tp=2, ep=2)), ("pp2ep2", Parallelism(pp=2, ep=2))]
+    layouts = [("tp2ep2", Parallelism(tp=2, ep=2)), ("pp2ep2", Parallelism(pp=2, ep=2)),
+               ("pp2vpp2ep2", Parallelism(pp=2, vpp=2, ep=2))]
     found = launch(_run, 4, str(ckpt), str(tmp_path), layouts, str(tmp_path / "mcore"))
     worst = _check(found, ckpt, hf_reference(ARCH, ckpt), tmp_path, 4, 8)
     print("max |dlogit| vs the single-process model:", worst)
