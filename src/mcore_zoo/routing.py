@@ -19,7 +19,8 @@ the router) with HF's renormalisation and scaling.
 ``routes`` is one ``[tokens, top_k]`` int64 tensor per MoE layer of this rank's model chunks (in
 layer order), in the order the router sees the tokens: the packed order of :func:`packed_forward`
 (alignment padding included; sequence-parallel ranks hold their slice). Routes chosen by a
-rollout engine are packed the same way. Activation recomputation of MoE layers replays the same
+rollout engine (per sequence, token and layer) are packed that way by :func:`pack_routes`;
+:func:`unpack_routes` splits recorded routes per sequence. Activation recomputation of MoE layers replays the same
 routes again (Megatron-Core's ``REPLAY_BACKWARD``).
 """
 
@@ -111,6 +112,44 @@ def replay(model: Any, routes: Sequence[torch.Tensor]) -> Iterator[None]:
             r.clear_indices()
 
 
+def pack_routes(per_sequence: Sequence[torch.Tensor], *, align: int = 1, rank: int = 0, size: int = 1) -> list[torch.Tensor]:
+    """Routes chosen elsewhere (a rollout engine: per sequence, ``[moe_layers, len_i, top_k]``
+    expert indices) in the packed order :func:`replay` expects: per MoE layer ``[tokens, top_k]``,
+    each sequence padded to a multiple of ``align`` as :func:`mcore_zoo.packing.pack_sequences`
+    pads it (padding slots get experts ``0..top_k-1``; their outputs are discarded).
+    ``rank``/``size``: the sequence-parallel slice a TP rank's routers see (``size`` = TP with
+    sequence parallelism). Context parallelism (zigzag chunks) is not supported."""
+    if not per_sequence:
+        raise ZooError("no routes to pack")
+    layers, _, topk = per_sequence[0].shape
+    parts = []
+    for routes in per_sequence:
+        if routes.dim() != 3 or routes.shape[0] != layers or routes.shape[2] != topk:
+            raise ZooError(f"routes of shape {tuple(routes.shape)}; expected [{layers}, len, {topk}]")
+        n = routes.shape[1]
+        pad = -(-n // align) * align - n
+        filler = torch.arange(topk, dtype=routes.dtype).expand(layers, pad, topk)
+        parts.append(torch.cat([routes, filler.to(routes.device)], dim=1))
+    packed = torch.cat(parts, dim=1)
+    if packed.shape[1] % size:
+        raise ZooError(f"{packed.shape[1]} packed tokens do not split over {size} sequence-parallel ranks")
+    per_rank = packed.shape[1] // size
+    return [packed[layer, rank * per_rank : (rank + 1) * per_rank].long().contiguous() for layer in range(layers)]
+
+
+def unpack_routes(routes: Sequence[torch.Tensor], lengths: Sequence[int], *, align: int = 1) -> list[torch.Tensor]:
+    """Inverse of :func:`pack_routes` (one rank, no sequence parallelism): per sequence
+    ``[moe_layers, len_i, top_k]`` from per-layer packed routes (e.g. :attr:`Recording.routes`)."""
+    stacked = torch.stack(list(routes))  # [layers, tokens, k]
+    out, offset = [], 0
+    for n in lengths:
+        out.append(stacked[:, offset : offset + n].clone())
+        offset += -(-n // align) * align
+    if offset != stacked.shape[1]:
+        raise ZooError(f"lengths {list(lengths)} with align={align} cover {offset} tokens, the routes {stacked.shape[1]}")
+    return out
+
+
 @dataclass
 class TokenCounts:
     """Per MoE layer, how many tokens each expert received (summed over the forwards counted)."""
@@ -152,4 +191,5 @@ def aux_losses(clear: bool = True) -> dict[str, torch.Tensor]:
     return values
 
 
-__all__ = ["Recording", "TokenCounts", "aux_losses", "count_tokens", "moe_routers", "record", "replay"]
+__all__ = ["Recording", "TokenCounts", "aux_losses", "count_tokens", "moe_routers", "pack_routes", "record", "replay",
+           "unpack_routes"]

@@ -94,3 +94,23 @@ def test_aux_loss_and_token_counts_in_training(mpu, reference_checkpoint):
     pattern = [model.mcore_zoo.arch.moe.is_moe_layer(i) for i in range(len(model.decoder.layers))]
     assert [bool(v > 0) for v in losses] == pattern
     assert all(int(c.sum()) == 50 * 2 for c in counts.tokens_per_expert)
+
+
+def test_routes_from_a_rollout_engine_are_packed_like_the_tokens(mpu, reference_checkpoint):
+    """Per-sequence routes (as a rollout engine reports them) packed with alignment padding and
+    replayed give the recorded forward bit for bit; unpack_routes inverts pack_routes."""
+    ckpt = reference_checkpoint("Qwen3MoeForCausalLM")
+    model = _model(ckpt)
+    seqs = random_sequences([23, 40, 9], 256, seed=6)
+    with torch.no_grad():
+        with routing.record(model) as rec:
+            recorded = mcore_zoo.packed_forward(model, seqs, align=8).logits
+        per_sequence = routing.unpack_routes(rec.routes, [s.numel() for s in seqs], align=8)
+        assert [r.shape[1] for r in per_sequence] == [23, 40, 9]
+        packed = routing.pack_routes(per_sequence, align=8)
+        for got, want, in zip(packed, rec.routes):
+            real = torch.cat([torch.arange(o, o + n) for o, n in zip([0, 24, 64], [23, 40, 9])])
+            assert torch.equal(got[real], want[real])
+        with routing.replay(model, packed):
+            replayed = mcore_zoo.packed_forward(model, seqs, align=8).logits
+    assert all(torch.equal(a, b) for a, b in zip(recorded, replayed))
