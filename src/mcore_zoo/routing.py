@@ -18,9 +18,12 @@ the router) with HF's renormalisation and scaling.
 
 ``routes`` is one ``[tokens, top_k]`` int64 tensor per MoE layer of this rank's model chunks (in
 layer order), in the order the router sees the tokens: the packed order of :func:`packed_forward`
-(alignment padding included; sequence-parallel ranks hold their slice). Routes chosen by a
-rollout engine (per sequence, token and layer) are packed that way by :func:`pack_routes`;
-:func:`unpack_routes` splits recorded routes per sequence. Activation recomputation of MoE layers replays the same
+(alignment padding included; sequence-parallel ranks hold their slice). With several forwards in
+one block (the micro-batches of a pipeline schedule) their tokens follow one another; the zoo's
+router (numerics ``router="hf"``) records and replays forward by forward, Megatron-Core's stock
+router keeps a single target (one forward per block). Routes chosen by a rollout engine (per
+sequence, token and layer) are packed that way by :func:`pack_routes`; :func:`unpack_routes`
+splits recorded routes per sequence. Activation recomputation of MoE layers replays the same
 routes again (Megatron-Core's ``REPLAY_BACKWARD``).
 """
 

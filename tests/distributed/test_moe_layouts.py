@@ -5,7 +5,8 @@ Per layout, on every rank: sharded loading (an EP rank reads its own experts and
 tensors, nothing else - counted through an instrumented checkpoint reader), the packed forward
 against the single-process model and transformers (1e-5), the gathered export and the checkpoint
 written by ``save_hf_checkpoint`` against the source checkpoint (bitwise), and a distributed checkpoint
-written by ``mcore-zoo convert`` in one process loaded at the layout (export bitwise again).
+written by ``mcore-zoo convert`` in one process loaded at the layout (export bitwise again); routing
+recorded in one forward and replayed in the next gives the same logits bit for bit.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def _run(ckpt: str, out_dir: str, layouts: list, mcore_dir: str = "") -> dict:
     for name, parallel in layouts:
         r: dict = {}
         ensure_model_parallel(parallel)
-        model = mcore_zoo.build_model(ckpt, backend="portable", numerics=NUMERICS, parallel=parallel)
+        model = mcore_zoo.build_model(ckpt, backend="portable", numerics=NUMERICS, parallel=parallel,
+                                      overrides={"moe_enable_routing_replay": True})  # fmt: skip
         counting = _counting_checkpoint(ckpt)
         report = mcore_zoo.load_hf_weights(model, counting, replicas="read")
         r["ep_rank"], r["ep_size"] = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
@@ -94,9 +96,15 @@ def _run(ckpt: str, out_dir: str, layouts: list, mcore_dir: str = "") -> dict:
         counting.close()
         for chunk in model if isinstance(model, list) else [model]:
             chunk.eval()
+        from mcore_zoo import routing
+
         with torch.no_grad():
-            out = mcore_zoo.packed_forward(model, seqs)
+            with routing.record(model) as rec:
+                out = mcore_zoo.packed_forward(model, seqs)
+            with routing.replay(model, rec.routes):
+                again = mcore_zoo.packed_forward(model, seqs)
         r["logits"] = out.logits
+        r["replay_bitwise"] = all(torch.equal(a, b) for a, b in zip(out.logits, again.logits))
         r["export"] = _mismatches(dict(mcore_zoo.iter_hf_weights(model, bucket_size="64KB")), source)
         to_rank0 = dict(mcore_zoo.iter_hf_weights(model, ranks=[0], bucket_size=1))
         r["export_rank0"] = _mismatches(to_rank0, source) if rank == 0 else sorted(to_rank0)
@@ -151,6 +159,7 @@ def _check(found: list[dict], ckpt: Path, hf, out_dir: Path, num_layers: int, nu
             diff = max((a - b).abs().max().item() for a, b in zip(r["logits"], ref))
             diff_hf = max((a - b).abs().max().item() for a, b in zip(r["logits"], hf_logits))
             assert diff <= TOL and diff_hf <= TOL, f"{where}: logits differ by {diff} (single) / {diff_hf} (HF)"
+            assert r["replay_bitwise"], f"{where}: the replayed forward differs from the recorded one"
             assert r["export"] == [], f"{where}: exported tensors differ: {r['export'][:5]}"
             assert r["export_rank0"] == [], f"{where}: ranks=[0] export: {r['export_rank0'][:5]}"
             assert r.get("from_dist_checkpoint", []) == [], f"{where}: dist checkpoint: {r['from_dist_checkpoint'][:5]}"

@@ -120,6 +120,11 @@ def _router_class() -> type:
         def __init__(self, *args: Any, moe: MoESpec, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.zoo_moe = moe
+            if self.router_replay is not None:  # per-microbatch record / replay (pipeline schedules)
+                from megatron.core.transformer.moe.router_replay import RouterReplay
+
+                RouterReplay.global_router_replay_instances.remove(self.router_replay)
+                self.router_replay = microbatch_router_replay_class()()
 
         def forward(self, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             _LOCAL.hidden_dtype = input.dtype  # HF casts the weights to the hidden dtype
@@ -140,6 +145,50 @@ def _router_class() -> type:
 
 
 HFRouter: Any = None
+
+
+@functools.lru_cache(maxsize=None)
+def microbatch_router_replay_class() -> type:
+    """Megatron-Core's ``RouterReplay`` for several forwards per record / replay block (the
+    micro-batches of a pipeline schedule): recording appends each forward's indices, replay
+    consumes the target rows in order, as many as each forward routes."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    class MicrobatchRouterReplay(RouterReplay):
+        def __init__(self) -> None:
+            super().__init__()
+            self._recorded: list[torch.Tensor] = []
+            self._cursor = 0
+
+        def record_indices(self, topk_indices: torch.Tensor) -> None:
+            super().record_indices(topk_indices)
+            self._recorded.append(topk_indices)
+
+        def get_recorded_indices(self) -> Optional[torch.Tensor]:
+            return torch.cat(self._recorded) if self._recorded else None
+
+        def set_target_indices(self, topk_indices: torch.Tensor) -> None:
+            super().set_target_indices(topk_indices)
+            self._cursor = 0
+
+        def clear_indices(self) -> None:
+            super().clear_indices()
+            self._recorded, self._cursor = [], 0
+
+        def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: Optional[int] = None,
+                            group_topk: Optional[int] = None, default_compute_topk: Any = None) -> Any:  # fmt: skip
+            if self.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
+                return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+            rows = scores.shape[0]
+            target = self.target_topk_idx
+            if target is None or self._cursor + rows > target.shape[0]:
+                have = 0 if target is None else target.shape[0] - self._cursor
+                raise RuntimeError(f"routing replay: this forward routes {rows} tokens, {have} replay rows are left")
+            top_indices = target[self._cursor : self._cursor + rows].to(scores.device)
+            self._cursor += rows
+            return scores.gather(1, top_indices), top_indices
+
+    return MicrobatchRouterReplay
 
 
 def hf_router_class() -> type:
