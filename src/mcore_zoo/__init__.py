@@ -12,7 +12,8 @@ Public API (everything else is internal)::
 
 Parallel layouts (TP / SP / PP / VPP / CP) go through the same calls; see docs/parallel.md
 (``iter_hf_buckets``, ``iter_hf_shards``, ``load_mcore_checkpoint``); ``packed_forward`` runs
-every layout.
+every layout; ``train_step`` is its differentiable twin for training (a trainer's loss inside
+Megatron-Core's schedule; docs/trainer-integration.md).
 
 Importing this package is cheap: Megatron-Core, Transformer Engine and transformers are imported
 only by the functions that need them.
@@ -83,6 +84,11 @@ _LAZY = {
     "PackedOutput": "mcore_zoo.packing:PackedOutput",
     "pack_sequences": "mcore_zoo.packing:pack_sequences",
     "packed_forward": "mcore_zoo.distributed.forward:packed_forward",
+    "train_step": "mcore_zoo.distributed.train:train_step",
+    "TokenOutputs": "mcore_zoo.distributed.train:TokenOutputs",
+    "StepResult": "mcore_zoo.distributed.train:StepResult",
+    "token_logprobs_and_entropy": "mcore_zoo.distributed.vocab_parallel:token_logprobs_and_entropy",
+    "partition_by_tokens": "mcore_zoo.distributed.forward:partition_by_tokens",
     "alignment_for": "mcore_zoo.packing:alignment_for",
     "ParityOptions": "mcore_zoo.parity.harness:ParityOptions",
     "run_parity": "mcore_zoo.parity.harness:run_parity",

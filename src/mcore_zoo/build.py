@@ -64,17 +64,25 @@ class BuildPlan:
             extra["vp_stage"] = vp_stage
         if pg_collection is not None:
             extra["pg_collection"] = pg_collection
+        kwargs = gpt_model_kwargs(arch)
+        if options.head == "value":  # the critic has no LM head to tie the embedding to
+            kwargs["share_embeddings_and_output_weights"] = False
         model = GPTModel(
             config=self.transformer_config,
             transformer_layer_spec=specs,
             pre_process=pre_process,
             post_process=post_process,
-            **gpt_model_kwargs(arch),
+            **kwargs,
             **extra,
         )
+        if options.head == "value" and post_process:
+            from .specs.heads import ValueHead
+
+            model.output_layer = ValueHead(self.transformer_config, options.value_head_init)
         _cast_parameters(model, options.params_dtype)
         install_rope(model, arch, options.numerics)
-        install_logit_mask(model, arch)
+        if options.head != "value":  # a value head has no vocabulary to mask
+            install_logit_mask(model, arch)
         return model
 
 
@@ -90,6 +98,8 @@ def prepare(
     ignore_fields: Optional[Mapping[str, str]] = None,
     trust_remote_code: bool = False,
     perform_initialization: bool = True,
+    head: str = "lm",
+    value_head_init: Optional[str] = None,
     make_vocab_size_divisible_by: Optional[int] = None,
 ) -> BuildPlan:
     """Convert and configure without building. The HF config is read once; the parallel layout
@@ -101,9 +111,12 @@ def prepare(
 
     remote = trust_remote_code and not isinstance(source, Mapping) and not hasattr(source, "to_dict")
     hf_config = source if remote else read_config_dict(source)  # the file is read once (remote code: by transformers)
+    _check_head(head, value_head_init)
     if architecture is None:
-        architecture = lookup(hf_config)
+        architecture = lookup(_causal_lm_name(hf_config) if head == "value" else hf_config)
     warn_provider(architecture)  # a third-party plugin (or an override of a built-in) is named
+    if head == "value":
+        ignore_fields = {**_value_head_fields(hf_config), **dict(ignore_fields or {})}
     arch = architecture.config_from_hf(hf_config, ignore_fields=ignore_fields, trust_remote_code=trust_remote_code)
     cuda = torch.cuda.is_available()
     profile = get_profile(numerics).for_device(cuda)
@@ -120,9 +133,55 @@ def prepare(
         cpu=not cuda,
         overrides=dict(overrides or {}),
         perform_initialization=perform_initialization,
+        head=head,
+        value_head_init=value_head_init,
     )
     config = compat.make_transformer_config(**transformer_config_kwargs(arch, options))
     return BuildPlan(architecture, arch, options, config)
+
+
+def _check_head(head: str, value_head_init: Optional[str]) -> None:
+    from .specs.heads import VALUE_HEAD_INITS
+
+    if head not in ("lm", "value"):
+        raise ZooError(f"unknown head {head!r}; use 'lm' or 'value'")
+    if value_head_init is not None and (head != "value" or value_head_init not in VALUE_HEAD_INITS):
+        raise ZooError(f"value_head_init={value_head_init!r}: one of {VALUE_HEAD_INITS}, with head='value' only")
+
+
+#: HF classification-head class suffixes whose checkpoints a value-head model loads (the decoder
+#: is the causal LM's; ``score`` is the head)
+_HEAD_SUFFIXES = ("ForTokenClassification", "ForSequenceClassification")
+
+
+def _config_dict(hf_config: Any) -> Mapping:
+    return hf_config if isinstance(hf_config, Mapping) else (hf_config.to_dict() if hasattr(hf_config, "to_dict") else {})
+
+
+def _causal_lm_name(hf_config: Any) -> Any:
+    """The causal-LM architecture a critic checkpoint's decoder belongs to (``LlamaForTokenClassification``
+    -> ``LlamaForCausalLM``); other configs are returned as they are."""
+    names = list(_config_dict(hf_config).get("architectures") or [])
+    for name in names:
+        for suffix in _HEAD_SUFFIXES:
+            if name.endswith(suffix):
+                return name[: -len(suffix)] + "ForCausalLM"
+    return hf_config
+
+
+def _value_head_fields(hf_config: Any) -> dict[str, str]:
+    """HF config fields of a classification head that a value head honours (one label, no
+    dropout in effect); anything else is refused."""
+    hf_config = _config_dict(hf_config)
+    classifier = any(str(n).endswith(_HEAD_SUFFIXES) for n in hf_config.get("architectures") or [])
+    labels = hf_config.get("id2label")
+    if classifier and labels is not None and len(labels) != 1:
+        raise ZooError(f"head='value' needs one output (num_labels=1); the config has {len(labels)} labels")
+    dropout = hf_config.get("classifier_dropout")
+    if dropout:
+        raise ZooError(f"head='value': classifier_dropout={dropout} is not applied by the zoo's value head; set it to 0")
+    reason = "value head: one output, no dropout"
+    return {name: reason for name in ("id2label", "label2id", "num_labels", "classifier_dropout", "problem_type") if name in hf_config}
 
 
 def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -173,6 +232,8 @@ def build_model(
     load: Any = None,
     trust_remote_code: bool = False,
     device: Optional[Union[str, torch.device]] = None,
+    head: str = "lm",
+    value_head_init: Optional[str] = None,
     make_vocab_size_divisible_by: Optional[int] = None,
 ) -> Union[torch.nn.Module, list[torch.nn.Module]]:
     """Build the Megatron-Core model for an HF architecture.
@@ -188,6 +249,12 @@ def build_model(
         ignore_fields: ``{hf_field: reason}`` to accept HF config fields no rule classifies.
         load: an HF checkpoint directory to load weights from (every parameter must be covered).
         device: where the model lives (default: the current CUDA device, else CPU).
+        head: ``"lm"`` or ``"value"``: a critic whose output layer is a width-1 value head
+            (:class:`~mcore_zoo.specs.heads.ValueHead`), loaded from the checkpoint's ``score``
+            tensors (transformers' ``*ForTokenClassification`` with one label); the checkpoint's
+            ``lm_head.weight``, if any, is skipped and reported as such.
+        value_head_init: ``"zeros"`` / ``"normal"``: initialise the value head this way when the
+            checkpoint has none (a causal-LM checkpoint); without it such a load fails.
         make_vocab_size_divisible_by: pad the embedding and output layer to a multiple of this
             times TP, as Megatron trainers do; loading and export stay exact (:mod:`mcore_zoo.vocab`).
 
@@ -211,6 +278,8 @@ def build_model(
         ignore_fields=ignore_fields,
         trust_remote_code=trust_remote_code,
         perform_initialization=load is None,
+        head=head,
+        value_head_init=value_head_init,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
     )
     ensure_model_parallel(plan.options.parallel)

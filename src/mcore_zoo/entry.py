@@ -49,7 +49,7 @@ forward(handle, sequences, attention_mask=None, **options) -> PackedOutput
 handle     the ModelHandle of the model (chunks, arch_config, placement, numerics, weight map)
 sequences  1-D token tensors, a padded [B, S] batch with attention_mask, or a PackedBatch
 options    those of mcore_zoo.packed_forward (seq_format, return_logits, return_logprobs, align,
-           num_microbatches, max_tokens_per_microbatch, broadcast, pad_token_id); pass unknown
+           num_microbatches, max_tokens_per_microbatch, broadcast, pad_token_id, temperature); pass unknown
            ones on to generic_forward or raise TypeError
 returns    PackedOutput with per-sequence results in input order, on every rank of the
            model-parallel group (broadcast=True) or on the last pipeline stage

@@ -87,7 +87,12 @@ class ModelHandle:
     @property
     def weight_map(self) -> WeightMap:
         if self._weight_map is None:
-            self._weight_map = self.architecture.weight_map(self.arch_config)
+            wmap = self.architecture.weight_map(self.arch_config)
+            if getattr(self.options, "head", "lm") == "value":
+                from .weights.heads import with_value_head
+
+                wmap = with_value_head(wmap, init=self.options.value_head_init)
+            self._weight_map = wmap
         return self._weight_map
 
     def tp_slot(self, bound: Optional[BoundRule] = None) -> tuple[int, int, Any]:

@@ -189,11 +189,13 @@ class PackedOutput:
     """Per-sequence results of a packed forward (lists in input order).
 
     ``logits[i]``: ``[len_i, vocab]`` (float as the model computes); ``logprobs[i]``: ``[len_i - 1]``
-    float32 log-probabilities of the next token.
+    float32 log-probabilities of the next token; ``values[i]``: ``[len_i]`` float32 value-head
+    outputs (a model built with ``head="value"``, which has no logits).
     """
 
     logits: Optional[list[torch.Tensor]] = None
     logprobs: Optional[list[torch.Tensor]] = None
+    values: Optional[list[torch.Tensor]] = None
 
 
 def next_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

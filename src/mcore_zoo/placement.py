@@ -64,6 +64,7 @@ class ProcessGroups:
     etp: Any = None  # expert tensor parallel: the split of each expert's FFN
     expert_dp: Any = None  # ranks holding identical expert weights
     model_parallel: Any = None  # TP x PP (x CP): one model replica
+    embedding: Any = None  # first and last pipeline stage: tied embedding copies (PP > 1)
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ class Placement:
             etp=ps.get_expert_tensor_parallel_group(),
             expert_dp=ps.get_expert_data_parallel_group(),
             model_parallel=ps.get_model_parallel_group(),
+            embedding=ps.get_embedding_group(check_initialized=False),
         )
         return cls(
             parallel=parallel,

@@ -8,7 +8,7 @@ or read.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +70,10 @@ class BuildOptions:
         cpu: build for the CPU (``use_cpu_initialization``, CPU shim).
         overrides: extra ``TransformerConfig`` fields set last (names are checked).
         perform_initialization: run mcore's random init (off when weights will be loaded).
+        head: ``"lm"`` (the language-model head) or ``"value"`` (a critic's width-1 value head,
+            :class:`~mcore_zoo.specs.heads.ValueHead`; embeddings never tied).
+        value_head_init: with ``head="value"``, how to initialise the head when the checkpoint
+            has none (``"zeros"`` or ``"normal"``); ``None``: the checkpoint must have one.
     """
 
     backend: str = "local"
@@ -79,6 +83,8 @@ class BuildOptions:
     cpu: bool = False
     overrides: Mapping[str, Any] = field(default_factory=dict)
     perform_initialization: bool = True
+    head: str = "lm"
+    value_head_init: Optional[str] = None
 
 
 def transformer_config_kwargs(arch: ArchConfig, options: BuildOptions) -> dict[str, Any]:

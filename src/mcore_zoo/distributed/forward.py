@@ -25,8 +25,9 @@ back into per-sequence order. Contract:
   :func:`mcore_zoo.packing.alignment_for` chooses.
 
 Log-probabilities without logits (``return_logits=False``) are computed where the vocab-parallel
-logits live (fp32 max / log-sum-exp / target all-reduces over the TP group, as in Megatron's
-cross entropy), so no rank ever holds ``tokens x vocab``; only ``[tokens]`` floats are gathered.
+logits live, by the chunked head of :mod:`.vocab_parallel` (per-token max / sum all-reduces over
+the TP group), so no rank ever holds ``tokens x vocab`` in fp32; only ``[tokens]`` floats are
+gathered.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ZooError
-from ..handle import ModelHandle, handle_of
+from ..handle import ModelHandle, handle_of, unwrap
 from ..packing import PackedBatch, PackedOutput, alignment_for, next_token_logprobs, pack_sequences
 from ..placement import Placement
 
@@ -61,9 +62,14 @@ class Microbatch:
     position_ids: torch.Tensor
     labels: torch.Tensor
     members: list[int]
+    index: Optional[torch.Tensor] = None  # pack positions of this CP rank's tokens (None: all, in order)
 
     def packed_seq_params(self) -> Any:
         return self.batch.packed_seq_params()
+
+    def local(self, packed: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a ``[T, ...]`` tensor laid out like the whole pack."""
+        return packed if self.index is None else packed[self.index.to(packed.device)]
 
 
 def _shifted_labels(batch: PackedBatch) -> torch.Tensor:
@@ -75,11 +81,14 @@ def _shifted_labels(batch: PackedBatch) -> torch.Tensor:
 
 
 def make_microbatch(batch: PackedBatch, layout: Placement, members: list[int]) -> Microbatch:
-    """This rank's share of a packed micro-batch."""
+    """This rank's share of a packed micro-batch. Segments after the ``members`` (padding added to
+    fill a micro-batch) predict nothing: their labels are -1."""
     labels = _shifted_labels(batch)
+    if len(batch.lengths) > len(members):
+        labels[0, int(batch.cu_seqlens_padded[len(members)]) :] = -1
     if layout.cp > 1:
         index = batch.context_parallel_index(layout.cp_rank, layout.cp).to(batch.input_ids.device)
-        return Microbatch(batch, batch.input_ids[:, index], batch.position_ids[:, index], labels[:, index], members)
+        return Microbatch(batch, batch.input_ids[:, index], batch.position_ids[:, index], labels[:, index], members, index)
     return Microbatch(batch, batch.input_ids, batch.position_ids, labels, members)
 
 
@@ -114,6 +123,62 @@ def split_microbatches(lengths: Sequence[int], count: Optional[int], max_tokens:
     return groups
 
 
+def partition_by_tokens(lengths: Sequence[int], max_tokens: Optional[int] = None, count: Optional[int] = None,
+                        multiple_of: int = 1) -> list[list[int]]:  # fmt: skip
+    """Balanced groups of sequence indices (not contiguous): the fewest groups - at least ``count``,
+    a multiple of ``multiple_of`` where there are enough sequences - whose token sums stay within
+    ``max_tokens`` (a longer sequence gets a group of its own), filled longest-first into the
+    lightest group. Each group lists its indices in ascending order; groups are ordered by their
+    first index. Used for micro-batches under a token budget and to spread a batch over
+    data-parallel ranks (``count=dp``)."""
+    n = len(lengths)
+    if n == 0:
+        return []
+    total = sum(lengths)
+    k = max(1, count or 1, -(-total // max_tokens) if max_tokens else 1)
+
+    def fill(k: int) -> list[list[int]]:
+        groups: list[list[int]] = [[] for _ in range(k)]
+        load = [0] * k
+        for i in sorted(range(n), key=lambda i: (-lengths[i], i)):
+            g = min(range(k), key=lambda g: (load[g], g))
+            groups[g].append(i)
+            load[g] += lengths[i]
+        return [sorted(g) for g in groups if g]
+
+    while True:
+        k = min(n, -(-k // multiple_of) * multiple_of) if n >= multiple_of else min(n, k)
+        groups = fill(k)
+        fits = max_tokens is None or all(len(g) == 1 or sum(lengths[i] for i in g) <= max_tokens for g in groups)
+        if fits or k >= n:
+            return sorted(groups, key=lambda g: g[0])
+        k += 1
+
+
+def build_microbatches(layout: Placement, seqs: Sequence[torch.Tensor], groups: Sequence[Sequence[int]], *,
+                       align: int, pad_token_id: int, device: torch.device, at_least: int = 0,
+                       same_length: bool = False) -> list[Microbatch]:  # fmt: skip
+    """One packed micro-batch per group of sequence indices (this rank's CP share), plus padding
+    micro-batches up to ``at_least`` and to what the interleaved pipeline schedule accepts (a
+    multiple of ``pp``, at least ``pp``). ``same_length``: every pack padded to the longest with
+    a trailing padding segment (not a member; its labels are -1)."""
+    groups = [list(g) for g in groups]
+    target = max(at_least, len(groups))
+    if layout.vpp > 1:
+        target = max(layout.pp, -(-target // layout.pp) * layout.pp)
+    groups += [[] for _ in range(target - len(groups))]
+    padded = [sum(-(-int(seqs[i].numel()) // align) * align for i in g) or align for g in groups]
+    longest = max(padded)
+    micro = []
+    for g, total in zip(groups, padded):
+        parts = [seqs[i] for i in g] or [torch.full((align,), pad_token_id, dtype=torch.long)]
+        if same_length and total < longest:
+            parts = [*parts, torch.full((longest - total,), pad_token_id, dtype=torch.long)]
+        pack = pack_sequences(parts, align=align, pad_token_id=pad_token_id).to(device)
+        micro.append(make_microbatch(pack, layout, g))
+    return micro
+
+
 # ---------------------------------------------------------------------------- collectives
 def _gather_vocab(logits: torch.Tensor, layout: Placement) -> torch.Tensor:
     """Vocab-parallel logits ``[..., V / tp]`` -> ``[..., V]`` (autograd-aware)."""
@@ -124,28 +189,17 @@ def _gather_vocab(logits: torch.Tensor, layout: Placement) -> torch.Tensor:
     return gather_from_tensor_model_parallel_region(logits)
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, layout: Placement) -> torch.Tensor:
-    """``log_softmax(logits)[label]`` in fp32 where ``logits [..., V / tp]`` is this TP rank's vocab
-    slice; positions with ``label < 0`` give 0. TP ranks must call it together."""
-    logits = logits.float()
-    valid = labels >= 0
-    labels = labels.clamp(min=0)
-    if layout.tp == 1:
-        out = torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-        return out.masked_fill(~valid, 0.0)
-    group = layout.groups.tp
-    vmax = logits.max(dim=-1).values
-    dist.all_reduce(vmax, op=dist.ReduceOp.MAX, group=group)
-    shifted = logits - vmax.unsqueeze(-1)
-    sumexp = shifted.exp().sum(dim=-1)
-    dist.all_reduce(sumexp, group=group)
-    width = logits.shape[-1]
-    start = layout.tp_rank * width
-    local = (labels >= start) & (labels < start + width)
-    picked = shifted.gather(-1, (labels - start).clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)
-    picked = torch.where(local, picked, torch.zeros_like(picked))
-    dist.all_reduce(picked, group=group)
-    return (picked - sumexp.log()).masked_fill(~valid, 0.0)
+def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, layout: Placement, temperature: float = 1.0) -> torch.Tensor:
+    """``log_softmax(logits / temperature)[label]`` in fp32 where ``logits [..., V / tp]`` is this TP
+    rank's vocab slice; positions with ``label < 0`` give 0. TP ranks must call it together.
+
+    Computed by :func:`~mcore_zoo.distributed.vocab_parallel.token_logprobs_and_entropy` (chunked:
+    no ``[T, V]`` fp32 copy of the logits; within ``1e-6 + 2 ulp`` of ``torch.log_softmax``)."""
+    from .vocab_parallel import token_logprobs_and_entropy
+
+    group = layout.groups.tp if layout.tp > 1 else None
+    logprobs, _ = token_logprobs_and_entropy(logits, labels, tp_group=group, temperature=temperature, compute_entropy=False)
+    return logprobs
 
 
 def _gather_cp(local: torch.Tensor, mb: Microbatch, layout: Placement) -> torch.Tensor:
@@ -158,15 +212,19 @@ def _gather_cp(local: torch.Tensor, mb: Microbatch, layout: Placement) -> torch.
 
 
 def _collect(mb: Microbatch, output: torch.Tensor, layout: Placement, want_logits: bool, want_logprobs: bool,
-             bshd: bool = False) -> dict:  # fmt: skip
+             bshd: bool = False, want_values: bool = False, temperature: float = 1.0) -> dict:  # fmt: skip
     """Last stage: model output ``[1, T / cp, V / tp]`` (BSHD: ``[B, S, V / tp]``) -> per-sequence
-    logits / log-probs."""
+    logits / log-probs; a value head's ``[1, T / cp, 1]`` -> per-sequence values."""
+    if want_values:
+        if bshd:
+            return {"values": [row[:n, 0].float() for row, n in zip(output, mb.batch.lengths)]}
+        return {"values": [v[:, 0].float() for v in mb.batch.unpack(_gather_cp(output[0], mb, layout))]}
     if bshd:
         logits = [row[:n] for row, n in zip(_gather_vocab(output, layout), mb.batch.lengths)]
         tokens = mb.batch.unpack(mb.batch.input_ids)
         result = {"logits": logits} if want_logits else {}
         if want_logprobs:
-            result["logprobs"] = [next_token_logprobs(l, t) for l, t in zip(logits, tokens)]
+            result["logprobs"] = [next_token_logprobs(_tempered(l, temperature), t) for l, t in zip(logits, tokens)]
         return result
     local = output[0]
     result: dict[str, list[torch.Tensor]] = {}
@@ -175,45 +233,80 @@ def _collect(mb: Microbatch, output: torch.Tensor, layout: Placement, want_logit
         result["logits"] = logits
         if want_logprobs:
             tokens = mb.batch.unpack(mb.batch.input_ids)
-            result["logprobs"] = [next_token_logprobs(l, t) for l, t in zip(logits, tokens)]
+            result["logprobs"] = [next_token_logprobs(_tempered(l, temperature), t) for l, t in zip(logits, tokens)]
     elif want_logprobs:
-        lp = vocab_parallel_logprobs(local, mb.labels[0].to(local.device), layout)
+        lp = vocab_parallel_logprobs(local, mb.labels[0].to(local.device), layout, temperature)
         result["logprobs"] = [x[: max(n - 1, 0)] for x, n in zip(mb.batch.unpack(_gather_cp(lp, mb, layout)), mb.batch.lengths)]
     return result
 
 
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return logits if temperature == 1.0 else logits.float() / temperature
+
+
 # ---------------------------------------------------------------------------- forward
 @contextlib.contextmanager
-def _variable_seq_lengths(chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
-    """Micro-batches of different packed lengths: let the schedule communicate shapes."""
-    configs = {id(c.config): c.config for c in chunks}
-    saved = {k: cfg.variable_seq_lengths for k, cfg in configs.items()}
+def _p2p_settings(configs_of: Sequence[Any], **settings: Any) -> Iterator[None]:
+    """Set ``TransformerConfig`` fields (``variable_seq_lengths``, ``batch_p2p_comm``) for one
+    schedule run, then restore them."""
+    configs = {id(c): c for c in configs_of}
+    saved = {k: {name: getattr(cfg, name) for name in settings} for k, cfg in configs.items()}
     for cfg in configs.values():
-        cfg.variable_seq_lengths = True
+        for name, value in settings.items():
+            setattr(cfg, name, value)
     try:
         yield
     finally:
         for k, cfg in configs.items():
-            cfg.variable_seq_lengths = saved[k]
+            for name, value in saved[k].items():
+                setattr(cfg, name, value)
 
 
-def _run_pipeline(given: list[Any], micro: list[Microbatch], layout: Placement, step: Any) -> list[dict]:
+def two_way_pipeline(layout: Placement, forward_only: bool) -> bool:
+    """Whether the schedule sends to and receives from one peer in both directions at once: the
+    interleaved schedule's steady state with two stages (the next stage is also the previous one).
+
+    Megatron-Core then exchanges activations and gradients with the same rank in one batch of
+    point-to-point operations whose order differs on the two sides (shapes always, tensors with
+    ``batch_p2p_comm``): messages pair up wrongly (a hang, or swapped tensors when the shapes
+    agree). Such a run uses packs of one length (no shape exchange) and unbatched operations
+    (ordered by rank parity)."""
+    return layout.vpp > 1 and layout.pp == 2 and not forward_only
+
+
+def run_schedule(given: Sequence[Any], micro: list[Microbatch], layout: Placement, step: Any, *,
+                 forward_only: bool = True) -> list[Any]:  # fmt: skip
+    """Megatron-Core's schedule for this layout (``get_forward_backward_func()``: no pipelining,
+    1F1B or interleaved) over ``micro``; ``given`` are this rank's chunks as the caller holds them
+    (wrappers such as DDP included). Forward-only runs collect ``step``'s non-loss data; training
+    runs (``forward_only=False``) return what the loss functions reported. Every rank of the
+    pipeline group runs the same number of micro-batches of the same packed lengths (all of one
+    length where :func:`two_way_pipeline`)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     fb = get_forward_backward_func()
     iterators = [iter(micro) for _ in given]
     longest = max(mb.batch.total for mb in micro)
-    with _variable_seq_lengths(given):
+    settings: dict[str, Any] = {"variable_seq_lengths": True}
+    if two_way_pipeline(layout, forward_only):
+        if any(mb.batch.total != longest for mb in micro):
+            raise ZooError("an interleaved two-stage training schedule needs micro-batches of one packed length")
+        settings = {"variable_seq_lengths": False, "batch_p2p_comm": False}
+    with _p2p_settings([unwrap(c).config for c in given], **settings):
         return fb(
             forward_step_func=step,
             data_iterator=iterators if layout.vpp > 1 else iterators[0],
-            model=given if layout.vpp > 1 else given[0],
+            model=list(given) if layout.vpp > 1 else given[0],
             num_microbatches=len(micro),
             seq_length=longest,
             micro_batch_size=1,
-            forward_only=True,
-            collect_non_loss_data=True,
+            forward_only=forward_only,
+            collect_non_loss_data=forward_only,
         )
+
+
+def _run_pipeline(given: list[Any], micro: list[Microbatch], layout: Placement, step: Any) -> list[dict]:
+    return run_schedule(given, micro, layout, step, forward_only=True)
 
 
 def packed_forward(
@@ -257,6 +350,7 @@ def generic_forward(
     max_tokens_per_microbatch: Optional[int] = None,
     broadcast: bool = True,
     pad_token_id: int = 0,
+    temperature: float = 1.0,
 ) -> PackedOutput:
     """Packed forward of this rank's model chunks under the model's placement.
 
@@ -275,6 +369,8 @@ def generic_forward(
             without pipeline parallelism, else ``min(len(sequences), pp)``.
         max_tokens_per_microbatch: alternatively, a token budget per micro-batch.
         broadcast: send the results from the last pipeline stage to every stage.
+        temperature: log-probs of ``softmax(logits / temperature)`` (what a rollout sampled from;
+            ``train_step`` takes the same); logits are returned as the model computes them.
 
     Returns:
         :class:`~mcore_zoo.packing.PackedOutput`; on non-last pipeline stages with
@@ -312,21 +408,19 @@ def generic_forward(
         if num_microbatches is None and max_tokens_per_microbatch is None:
             num_microbatches = 1 if layout.pp == 1 else min(len(seqs), layout.pp)
         groups = split_microbatches(lengths, num_microbatches, max_tokens_per_microbatch)
-        micro = [
-            make_microbatch(pack_sequences([seqs[i] for i in g], align=align, pad_token_id=pad_token_id).to(device), layout, g)
-            for g in groups
-        ]
-    if layout.vpp > 1:  # the interleaved schedule wants a multiple of pp micro-batches (at least pp)
-        target = max(layout.pp, -(-len(micro) // layout.pp) * layout.pp)
-        filler = torch.full((align,), pad_token_id, dtype=torch.long)
-        while len(micro) < target:
-            micro.append(make_microbatch(pack_sequences([filler], align=align).to(device), layout, []))
-    collect = functools.partial(_collect, layout=layout, want_logits=return_logits, want_logprobs=return_logprobs)
+        micro = build_microbatches(layout, seqs, groups, align=align, pad_token_id=pad_token_id, device=device)
+    if getattr(handle.options, "head", "lm") == "value":  # a critic: values instead of logits / log-probs
+        return_logits = return_logprobs = False
+    want_values = not (return_logits or return_logprobs) and getattr(handle.options, "head", "lm") == "value"
+    if not temperature > 0:
+        raise ZooError(f"temperature must be > 0, got {temperature}")
+    collect = functools.partial(_collect, layout=layout, want_logits=return_logits, want_logprobs=return_logprobs,
+                                want_values=want_values, temperature=temperature)  # fmt: skip
     if not staged:  # one stage, whole sequences on this rank: differentiable
         run = _run_bshd if seq_format == "bshd" else _run_thd
         stored = [collect(mb, run(chunks[0], mb, layout), bshd=seq_format == "bshd") for mb in micro]
         out = PackedOutput()
-        _assemble(out, stored, micro, len(lengths), return_logits, return_logprobs)
+        _assemble(out, stored, micro, len(lengths), return_logits, return_logprobs, want_values)
         return out
 
     def step(data_iterator: Iterator[Microbatch], chunk: Any) -> tuple[torch.Tensor, Any]:
@@ -344,9 +438,9 @@ def generic_forward(
         ]  # fmt: skip
         out = PackedOutput()
         if layout.last_stage:
-            _assemble(out, stored, micro, len(lengths), return_logits, return_logprobs)
+            _assemble(out, stored, micro, len(lengths), return_logits, return_logprobs, want_values)
         if broadcast and layout.pp > 1:
-            _broadcast_from_last_stage(out, lengths, handle, return_logits, return_logprobs, device)
+            _broadcast_from_last_stage(out, lengths, handle, return_logits, return_logprobs, device, want_values)
     return out
 
 
@@ -368,10 +462,11 @@ def _run_bshd(chunk: torch.nn.Module, mb: Microbatch, layout: Placement) -> torc
     return chunk(ids, positions, None)
 
 
-def _assemble(out: PackedOutput, stored: list[dict], micro: list[Microbatch], n: int, want_logits: bool, want_logprobs: bool) -> None:
+def _assemble(out: PackedOutput, stored: list[dict], micro: list[Microbatch], n: int, want_logits: bool, want_logprobs: bool,
+              want_values: bool = False) -> None:  # fmt: skip
     if len(stored) != len(micro):
         raise ZooError(f"pipeline schedule returned {len(stored)} results for {len(micro)} micro-batches")
-    for key, wanted in (("logits", want_logits), ("logprobs", want_logprobs)):
+    for key, wanted in (("logits", want_logits), ("logprobs", want_logprobs), ("values", want_values)):
         if not wanted:
             continue
         per_seq: list[Optional[torch.Tensor]] = [None] * n
@@ -381,11 +476,16 @@ def _assemble(out: PackedOutput, stored: list[dict], micro: list[Microbatch], n:
         setattr(out, key, per_seq)
 
 
-def _broadcast_from_last_stage(out: PackedOutput, lengths: list[int], handle: ModelHandle, want_logits: bool, want_logprobs: bool, device: torch.device) -> None:
+def _broadcast_from_last_stage(out: PackedOutput, lengths: list[int], handle: ModelHandle, want_logits: bool, want_logprobs: bool, device: torch.device,
+                               want_values: bool = False) -> None:  # fmt: skip
     """Send the last stage's per-sequence results to the other stages of its pipeline group."""
     layout = handle.placement
     group = layout.groups.pp
     src = dist.get_process_group_ranks(group)[-1]
+    if want_values:
+        flat = torch.cat(out.values) if layout.last_stage else torch.empty((sum(lengths),), dtype=torch.float32, device=device)
+        dist.broadcast(flat, src=src, group=group)
+        out.values = list(torch.split(flat, lengths))
     vocab = handle.arch_config.padded_vocab_size or handle.arch_config.vocab_size
     if want_logits:
         dtype = handle.params_dtype
@@ -407,4 +507,15 @@ def _broadcast_from_last_stage(out: PackedOutput, lengths: list[int], handle: Mo
         out.logprobs = list(torch.split(flat, sizes))
 
 
-__all__ = ["packed_forward", "generic_forward", "Microbatch", "make_microbatch", "split_microbatches", "vocab_parallel_logprobs"]
+__all__ = [
+    "packed_forward",
+    "generic_forward",
+    "Microbatch",
+    "make_microbatch",
+    "split_microbatches",
+    "partition_by_tokens",
+    "build_microbatches",
+    "run_schedule",
+    "two_way_pipeline",
+    "vocab_parallel_logprobs",
+]

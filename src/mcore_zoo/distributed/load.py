@@ -29,7 +29,7 @@ from ..handle import ModelHandle, handle_of
 from ..placement import Placement
 from ..progress import progress
 from ..weights.io import HFCheckpoint
-from ..weights.load import DictCheckpoint, LoadReport, plan_load, read_rule_into
+from ..weights.load import DictCheckpoint, LoadReport, absent_tensors, plan_load, read_rule_into
 from ..weights.rules import model_tensors
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def load_hf_weights(
     try:
         plan, ignored = plan_load(handle, ckpt)
         rank = handle.placement.rank
-        report = LoadReport(ignored=ignored)
+        report = LoadReport(ignored=ignored, absent=absent_tensors(handle.weight_map, ckpt.keys()))
         for chunk, bound in plan:
             params = model_tensors(chunk)  # parameters + checkpoint-state buffers (MoE expert_bias)
             for b in progress(bound, total=len(bound), desc="loading HF weights", unit="param"):

@@ -9,6 +9,11 @@ Built-in profiles:
 * ``default`` - the fast path: the backend's own norms and fusions (TE fused RoPE, fused
   bias-activation, fused softmax) where the device supports them. RoPE frequencies are still
   computed the HF way (it costs nothing and is required for Llama 3 / YaRN anyway).
+* ``training`` - ``default`` with one change: RMSNorm in HF's op order (fp32 normalise, cast, then
+  the weight), not fused into the following GEMM. The norm order is the largest single term of
+  the fast path's distance from HF eager (docs/numerics.md); attention, RoPE, activation and GEMMs
+  keep the backend's fused kernels. Meant for RL training on ``te``, whose log-probs should stay as
+  close to the rollout engine's / HF's as transformers' own sdpa is.
 * ``hf-exact`` - reproduce the HF op order: RMSNorm normalises in fp32, casts, then multiplies
   the weight; no fused RoPE / activation / softmax; attention computed as HF ``eager`` (or
   ``sdpa`` with ``attention="sdpa"``) math. With the ``local`` or ``portable`` backend this is
@@ -117,6 +122,13 @@ PROFILES: dict[str, NumericsProfile] = {
         fuse_norm_into_linear=False,
         linear_bias="fused",
         description="HF op order everywhere (norms, RoPE, attention math, biases); bitwise vs HF eager",
+    ),
+    "training": NumericsProfile(
+        name="training",
+        norm="hf",
+        fuse_norm_into_linear=False,
+        description="the backend's kernels and fusions except the norms: HF's RMSNorm op order, not fused"
+        " into the next GEMM (the largest single term of the te-vs-HF gap)",
     ),
     "hf-exact-sdpa": NumericsProfile(
         name="hf-exact-sdpa",

@@ -62,9 +62,12 @@ def stage_hf_weights(
             if not b.rule.export:
                 continue
             param = params[b.mcore]
-            if grads and param.grad is None:
-                raise ZooError(f"parameter {b.mcore!r} has no gradient")
-            source = param.grad if grads else param
+            grad = None
+            if grads:  # a DDP wrapper keeps them in main_grad
+                grad = param.grad if param.grad is not None else getattr(param, "main_grad", None)
+                if grad is None:
+                    raise ZooError(f"parameter {b.mcore!r} has no gradient")
+            source = grad if grads else param
             local = torch.empty(param.shape, dtype=param.dtype, device="meta") if meta else source.detach()
             ctx = handle.transform_context(b)
             gather = gather_for(b) if gather_for is not None else None
@@ -119,6 +122,10 @@ def hf_config_for_export(handle: "ModelHandle", dtype: Optional[torch.dtype] = N
     arch = handle.arch_config
     config = dict(arch.hf_config)
     config.setdefault("architectures", [arch.architecture])
+    if getattr(handle.options, "head", "lm") == "value":  # a critic: transformers' token classifier, one label
+        name = arch.architecture
+        base = name[: -len("ForCausalLM")] if name.endswith("ForCausalLM") else name
+        config.update(architectures=[base + "ForTokenClassification"], id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     if dtype is not None:
         name = str(dtype).replace("torch.", "")
         for key in ("dtype", "torch_dtype"):

@@ -42,6 +42,7 @@ class LoadReport:
     bytes_read: int = 0
     bytes_received: int = 0
     ignored: dict[str, str] = field(default_factory=dict)
+    absent: dict[str, str] = field(default_factory=dict)  # HF tensors not in the checkpoint, by request
 
 
 def expected_hf_shapes(bound: BoundRule, param_shape: Sequence[int], ctx: TransformContext) -> list[tuple[int, ...]]:
@@ -90,9 +91,10 @@ def _check_bound_shapes(bound: BoundRule, param_shape: Sequence[int], ctx: Trans
 
 
 def check_coverage(wmap: WeightMap, names: set[str], source: str) -> dict[str, str]:
-    """Raise for missing / unconsumed HF tensors; return ``{ignored name: reason}``."""
+    """Raise for missing / unconsumed HF tensors; return ``{ignored name: reason}``. Tensors of
+    rules with ``absent`` may be missing (see :func:`absent_tensors`)."""
     needed = wmap.hf_names()
-    missing = sorted(needed - names)
+    missing = sorted(needed - names - set(wmap.optional_hf_names()))
     if missing:
         raise MissingTensorsError(missing, source=source)
     ignored = {}
@@ -108,9 +110,17 @@ def check_coverage(wmap: WeightMap, names: set[str], source: str) -> dict[str, s
     return ignored
 
 
+def absent_tensors(wmap: WeightMap, names: set[str]) -> dict[str, str]:
+    """``{HF name: reason}`` of the optional tensors (rules with ``absent``) a checkpoint lacks."""
+    return {n: reason for n, reason in wmap.optional_hf_names().items() if n not in names}
+
+
 def plan_load(handle: "ModelHandle", checkpoint: HFCheckpoint) -> tuple[list[tuple[torch.nn.Module, list[BoundRule]]], dict[str, str]]:
-    """All checks of the module docstring; returns the per-chunk bound rules and ignored tensors."""
+    """All checks of the module docstring; returns the per-chunk bound rules and ignored tensors.
+    Rules whose sources are absent by request (``Rule.absent``) are left out of the plan: their
+    parameters keep their explicit initialisation."""
     ignored = check_coverage(handle.weight_map, checkpoint.keys(), str(checkpoint.path))
+    absent = absent_tensors(handle.weight_map, checkpoint.keys())
     check_tied_output(handle.weight_map, checkpoint)
     chunks = handle.chunks
     plan = []
@@ -121,6 +131,7 @@ def plan_load(handle: "ModelHandle", checkpoint: HFCheckpoint) -> tuple[list[tup
         covered = {b.mcore for b in bound}
         prefix = f"chunk{index}." if len(chunks) > 1 else ""
         unmapped += [prefix + n for n, _ in chunk.named_parameters() if n not in covered]
+        bound = [b for b in bound if not any(n in absent for n in b.hf)]
         for b in bound:
             _check_bound_shapes(b, params[b.mcore].shape, handle.transform_context(b), checkpoint.shape)
         plan.append((chunk, bound))

@@ -189,6 +189,9 @@ class Rule:
         layer_kind: for ``{layer}`` rules of MoE models: ``"all"`` layers, only ``"dense"`` ones or
             only ``"moe"`` ones (``ArchConfig.moe.layer_pattern`` decides which is which).
         note: shown by ``mcore-zoo show``.
+        absent: when set, the sources may be missing from a checkpoint: the load then leaves the
+            parameter as built (an explicit initialisation, e.g. a value head's
+            ``value_head_init``) and reports it with this reason. Export still emits the sources.
     """
 
     mcore: str
@@ -197,6 +200,7 @@ class Rule:
     export: bool = True
     layer_kind: str = "all"
     note: str = ""
+    absent: str = ""
 
     @property
     def tp_axes(self) -> tuple[Optional[int], ...]:
@@ -374,6 +378,10 @@ class WeightMap:
     def hf_names(self) -> set[str]:
         """Every HF tensor name the whole model's rules consume."""
         return {name for b in self.expand_full() for name in b.hf}
+
+    def optional_hf_names(self) -> dict[str, str]:
+        """HF tensors a checkpoint may lack (rules with ``absent``): ``{name: reason}``."""
+        return {name: b.rule.absent for b in self.expand_full() if b.rule.absent for name in b.hf}
 
     def is_ignored(self, hf_name: str) -> Optional[str]:
         for pattern, reason in self._ignored:
