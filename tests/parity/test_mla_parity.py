@@ -1,0 +1,100 @@
+"""CPU fp32 parity of DeepSeek-V3 (multi-head latent attention + DeepSeek MoE) against the real
+transformers model, with and without ``q_lora_rank``, with and without YaRN, and mutations the same
+comparison must catch (a wrong YaRN mscale, the RoPE pairs not interleaved, the latent norm eps)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mcore_zoo
+
+from ..conftest import random_sequences
+
+ARCH = "DeepseekV3ForCausalLM"
+NO_YARN = {"rope_scaling": None}
+CASES = {
+    "q_lora+yarn": {},
+    "no_q_lora+yarn": {"q_lora_rank": None},
+    "q_lora+default_rope": NO_YARN,
+    "yarn_mscale_ratio": {"rope_scaling": {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
+                                           "mscale": 0.707, "mscale_all_dim": 1.0}},  # fmt: skip
+}
+
+
+def _build(ckpt):
+    return mcore_zoo.build_model(ckpt, backend="local", numerics="hf-exact", load=ckpt, params_dtype=torch.float32).eval()
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids, torch.arange(ids.shape[1]).expand(ids.shape[0], -1), None)
+
+
+def _reference(reference_checkpoint, hf_reference, overrides):
+    ckpt = reference_checkpoint(ARCH, overrides)
+    hf = hf_reference(ARCH, ckpt, "eager")
+    ids = torch.stack(random_sequences([48, 48], hf.config.vocab_size, seed=1))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    return ckpt, ids, ref
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hf_exact_bitwise(mpu, reference_checkpoint, hf_reference, case):
+    ckpt, ids, ref = _reference(reference_checkpoint, hf_reference, CASES[case])
+    assert torch.equal(_logits(_build(ckpt), ids), ref)
+
+
+def test_wrong_mscale_fails(mpu, reference_checkpoint, hf_reference):
+    """The softmax scale without YaRN's mscale(factor, mscale_all_dim)**2 must move the logits."""
+    ckpt, ids, ref = _reference(reference_checkpoint, hf_reference, {})
+    model = _build(ckpt)
+    for layer in model.decoder.layers:
+        attn = layer.self_attention
+        attn.core_attention.scale = attn.q_head_dim ** -0.5
+    assert (_logits(model, ids) - ref).abs().max() > 1e-3
+
+
+def test_wrong_rope_attention_factor_fails(mpu, reference_checkpoint, hf_reference):
+    """cos / sin without HF's YaRN attention factor (mscale / mscale_all_dim != 1 here) must fail."""
+    ckpt, ids, ref = _reference(reference_checkpoint, hf_reference, CASES["yarn_mscale_ratio"])
+    model = _build(ckpt)
+    for layer in model.decoder.layers:
+        layer.self_attention.rotary_pos_emb.attention_scaling = 1.0
+    assert (_logits(model, ids) - ref).abs().max() > 1e-3
+
+
+def test_rope_pairs_not_interleaved_fails(mpu, reference_checkpoint, hf_reference, monkeypatch):
+    """Rotating the rope dims as halves instead of interleaved pairs must fail."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    ckpt, ids, ref = _reference(reference_checkpoint, hf_reference, {})
+    model = _build(ckpt)
+    plain = rope_utils._apply_rotary_pos_emb_bshd
+    monkeypatch.setattr(rope_utils, "_apply_rotary_pos_emb_bshd",
+                        lambda *a, **kw: plain(*a, **dict(kw, multi_latent_attention=False)))  # fmt: skip
+    assert (_logits(model, ids) - ref).abs().max() > 1e-3
+
+
+def test_latent_norm_eps_matters(mpu, reference_checkpoint, hf_reference):
+    """HF's latent norms use 1e-6 whatever rms_norm_eps says; a model built with rms_norm_eps=1e-2
+    stays bitwise only because the zoo keeps them at 1e-6 (mcore would use layernorm_epsilon)."""
+    ckpt, ids, ref = _reference(reference_checkpoint, hf_reference, {"rms_norm_eps": 1e-2})
+    model = _build(ckpt)
+    assert torch.equal(_logits(model, ids), ref)
+    for layer in model.decoder.layers:
+        layer.self_attention.kv_layernorm.variance_epsilon = 1e-2
+    assert not torch.equal(_logits(model, ids), ref)
+
+
+def test_mtp_refused_unless_dropped(mpu):
+    from mcore_zoo.errors import UnsupportedConfigError
+    from mcore_zoo.registry import get_registry
+
+    arch = get_registry().get(ARCH)
+    config = dict(arch.entry.example_config, num_nextn_predict_layers=1)
+    with pytest.raises(UnsupportedConfigError, match="num_nextn_predict_layers"):
+        arch.config_from_hf(config)
+    converted = arch.config_from_hf(config, ignore_fields={"num_nextn_predict_layers": "not trained here"})
+    assert converted.fields["num_nextn_predict_layers"].kind == "ignored"
