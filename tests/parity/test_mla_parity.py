@@ -98,3 +98,39 @@ def test_mtp_refused_unless_dropped(mpu):
         arch.config_from_hf(config)
     converted = arch.config_from_hf(config, ignore_fields={"num_nextn_predict_layers": "not trained here"})
     assert converted.fields["num_nextn_predict_layers"].kind == "ignored"
+
+
+def test_published_config_every_field_classified(mpu):
+    """DeepSeek-V3's published config (remote code named in auto_map, FP8 quantization_config, one MTP
+    layer): read with transformers' built-in config class, every field classified once MTP is
+    dropped explicitly; the remote code is named, never run."""
+    from pathlib import Path
+
+    from mcore_zoo.registry import get_registry, lookup
+
+    path = Path(__file__).parents[1] / "fixtures" / "configs" / "deepseek-v3.json"
+    arch = lookup(str(path))
+    assert arch.name == ARCH
+    converted = arch.config_from_hf(str(path), ignore_fields={"num_nextn_predict_layers": "not trained"})
+    fields = converted.fields
+    assert "configuration_deepseek.DeepseekV3Config" in fields["auto_map"].detail
+    assert "never executed" in fields["auto_map"].detail
+    assert fields["quantization_config"].kind == "mapped" and "dequantized" in fields["quantization_config"].detail
+    assert converted.mla.q_lora_rank == 1536 and converted.mla.kv_lora_rank == 512
+    assert converted.moe.num_groups == 8 and converted.moe.group_topk == 4 and converted.moe.layer_pattern[:4] == (
+        False, False, False, True)
+    wmap = get_registry().get(ARCH).weight_map(converted)
+    assert wmap.is_ignored("model.layers.61.eh_proj.weight") and not wmap.is_ignored("model.layers.60.mlp.gate.weight")
+
+
+def test_foreign_model_type_read_with_builtin_config(mpu):
+    """Kimi-K2 names model_type 'kimi_k2' (remote code): read with transformers' DeepseekV3Config."""
+    from mcore_zoo.registry import get_registry
+
+    arch = get_registry().get(ARCH)
+    config = dict(arch.entry.example_config, model_type="kimi_k2",
+                  auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"})  # fmt: skip
+    config.pop("rope_scaling")
+    converted = arch.config_from_hf(config)
+    assert "DeepseekV3Config" in converted.fields["model_type"].detail
+    assert converted.fields["rope_interleave"].value is True  # a DeepseekV3Config default: the class was used

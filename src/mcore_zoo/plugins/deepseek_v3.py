@@ -62,7 +62,7 @@ EXAMPLE_CONFIG = {
 
 MTP_REASON = ("multi-token-prediction layers are not built yet; dropping them silently would change what the"
               " checkpoint trains. Drop them explicitly with ignore_fields={'num_nextn_predict_layers': reason}"
-              " (CLI: --ignore-field num_nextn_predict_layers=REASON): their tensors are then ignored")  # fmt: skip
+              " (mcore-zoo show: --ignore-field num_nextn_predict_layers=REASON): their tensors are then ignored")  # fmt: skip
 REMOTE_ONLY = "read only by the checkpoint's remote modelling code (never executed); transformers' DeepseekV3"
 
 
@@ -112,14 +112,20 @@ def read_mtp(reader) -> int:  # type: ignore[no-untyped-def]
     return 0
 
 
-def read_quantization(reader) -> None:  # type: ignore[no-untyped-def]
-    """FP8 block-quantized checkpoints are refused until loading dequantizes them."""
+def read_quantization(reader):  # type: ignore[no-untyped-def]
+    """``quantization_config``: an FP8 block-quantized checkpoint (DeepSeek-V3 / R1, Kimi-K2 publish
+    theirs so) is dequantized on load; every other quantization is refused, naming it."""
     q = reader.peek("quantization_config")
     if not q:
         reader.ignore("quantization_config", "null")
-        return
-    raise reader.unsupported("quantization_config", q, "quantized checkpoints are not supported; load a"
-                             " dequantized (bf16/fp32) checkpoint")  # fmt: skip
+        return None
+    from mcore_zoo.weights.fp8 import Fp8BlockFormat
+
+    fmt = Fp8BlockFormat.from_hf(q, architecture=reader.architecture)  # refusals name quantization_config.<key>
+    reader.map("quantization_config", f"FP8 block-quantized checkpoint ({fmt.fmt}, blocks {list(fmt.block)}):"
+               " F8 weights dequantized with their weight_scale_inv into the model dtype on load;"
+               " save_hf_checkpoint(fp8=True) writes the format back")  # fmt: skip
+    return dict(q)
 
 
 def read_remote_only(reader, *, score: str, topk_method: tuple) -> None:  # type: ignore[no-untyped-def]
@@ -138,13 +144,26 @@ def read_remote_only(reader, *, score: str, topk_method: tuple) -> None:  # type
     reader.ignore("router_aux_loss_coef", "not read by the transformers DeepSeek model (no auxiliary loss)")
 
 
+def read_remote_code_names(reader) -> None:  # type: ignore[no-untyped-def]
+    """``auto_map`` / a foreign ``model_type``: recorded as read with the built-in config class."""
+    auto_map = reader.peek("auto_map")
+    if auto_map:
+        named = ", ".join(f"{k}: {v}" for k, v in sorted(dict(auto_map).items()))
+        reader.ignore("auto_map", f"names remote code ({named}); read with transformers' built-in DeepseekV3Config,"
+                      " remote code never executed")  # fmt: skip
+    model_type = reader.peek("model_type")
+    if model_type and model_type != "deepseek_v3":
+        reader.ignore("model_type", f"{model_type!r}: not a transformers model type; read with transformers'"
+                      " built-in DeepseekV3Config (DeepseekV3ForCausalLM), remote code never executed")  # fmt: skip
+
+
 def convert(reader):  # type: ignore[no-untyped-def]
     from mcore_zoo.config.arch import MoESpec
     from mcore_zoo.config.moe import read_expert_counts, read_sparse_layers
     from mcore_zoo.plugin_api import read_dense_decoder
 
     read_mtp(reader)
-    read_quantization(reader)
+    quantization = read_quantization(reader)
     reader.expect("attention_bias", False, default=False, reason="Megatron-Core's MLA has no q/kv down-projection"
                   " or o_proj biases", detail="false: no attention biases")  # fmt: skip
     experts, topk, ffn = read_expert_counts(reader, experts_field="n_routed_experts")
@@ -164,13 +183,15 @@ def convert(reader):  # type: ignore[no-untyped-def]
     pattern = read_sparse_layers(reader, layers, step_field=None, dense_field=None, first_dense_field="first_k_dense_replace")
     read_remote_only(reader, score="sigmoid", topk_method=("noaux_tc",))
     arch = read_dense_decoder(reader)
+    read_remote_code_names(reader)
     mla = read_mla(reader, heads=arch.num_attention_heads, rope_scaled=arch.rope.rope_type != "default", rope=arch.rope)
     moe = MoESpec(num_experts=experts, top_k=topk, expert_ffn_hidden_size=ffn,
                   shared_expert_ffn_hidden_size=(shared * ffn) if shared else None, router_score_function="sigmoid",
                   router_logits_fp32=True, router_expert_bias=True, num_groups=groups, group_topk=group_topk,
                   group_score_topk=2, normalize_topk=bool(norm), normalize_eps=1e-20 if norm else 0.0,
                   topk_scaling_factor=float(scale), probs_dtype="fp32", layer_pattern=pattern)  # fmt: skip
-    return arch.replace(moe=moe, mla=mla, head_dim=mla.q_head_dim, num_query_groups=arch.num_attention_heads)
+    return arch.replace(moe=moe, mla=mla, head_dim=mla.q_head_dim, num_query_groups=arch.num_attention_heads,
+                        checkpoint_quantization=quantization)
 
 
 @hookimpl

@@ -64,6 +64,11 @@ def deepseek_weight_map(arch: ArchConfig) -> WeightMap:
                               layer_kind="moe", note="buffer: added to the sigmoid scores to choose experts"))  # fmt: skip
         rules += shared_expert_rules(arch, hf_shared="mlp.shared_experts.")
     ignored = [ROTARY_BUFFER_IGNORED]
+    mtp = int(arch.hf_config.get("num_nextn_predict_layers") or 0)
+    if mtp:  # the converter lets MTP layers through only when the caller dropped them explicitly
+        layers = "|".join(str(arch.num_layers + i) for i in range(mtp))
+        ignored.append((rf"model\.layers\.({layers})\..*", "multi-token-prediction layer(s), dropped on request"
+                        " (ignore_fields num_nextn_predict_layers)"))  # fmt: skip
     if arch.tie_word_embeddings:
         ignored.append(("lm_head.weight", "tie_word_embeddings: the output layer is model.embed_tokens.weight"))
     return WeightMap(arch, rules, ignored)
