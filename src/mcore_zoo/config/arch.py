@@ -107,6 +107,8 @@ class MLASpec:
     softmax_scale: float
     rope_interleave: bool = True
     latent_norm_eps: float = 1e-6
+    #: DeepSeek-V2: the rope pairs are rotated as complex numbers and stay interleaved
+    rope_complex: bool = False
 
     @property
     def q_head_dim(self) -> int:

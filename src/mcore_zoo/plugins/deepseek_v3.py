@@ -66,7 +66,7 @@ MTP_REASON = ("multi-token-prediction layers are not built yet; dropping them si
 REMOTE_ONLY = "read only by the checkpoint's remote modelling code (never executed); transformers' DeepseekV3"
 
 
-def read_mla(reader, *, heads: int, rope_scaled: bool, rope):  # type: ignore[no-untyped-def]
+def read_mla(reader, *, heads: int, rope_scaled: bool, rope, interleave_field: bool = True):  # type: ignore[no-untyped-def]
     """The MLA fields (``q_lora_rank``, ``kv_lora_rank``, head dims, ``rope_interleave``)."""
     from mcore_zoo.config.arch import MLASpec
     from mcore_zoo.config.rope import yarn_mscale
@@ -81,7 +81,9 @@ def read_mla(reader, *, heads: int, rope_scaled: bool, rope):  # type: ignore[no
     rope_dim = reader.map_checked("qk_rope_head_dim", "MLATransformerConfig.qk_pos_emb_head_dim (RoPE dims)",
                                   lambda v: positive(v) and v % 2 == 0, reason="must be even and > 0")  # fmt: skip
     v_dim = reader.map_checked("v_head_dim", "MLATransformerConfig.v_head_dim", positive, reason="must be > 0")
-    interleave = reader.map_checked("rope_interleave", "RoPE on interleaved pairs of the rope dims (MLA RoPE)",
+    interleave = True  # V2: always interleaved pairs (complex rotation), no field
+    if interleave_field:
+        interleave = reader.map_checked("rope_interleave", "RoPE on interleaved pairs of the rope dims (MLA RoPE)",
                                     True, reason="rotate-half on the rope dims (rope_interleave=false) is not"
                                     " what Megatron-Core's MLA RoPE computes", default=True)  # fmt: skip
     # derived by DeepseekV3Config from the fields above
@@ -99,7 +101,8 @@ def read_mla(reader, *, heads: int, rope_scaled: bool, rope):  # type: ignore[no
         m = yarn_mscale(rope.factor, rope.mscale_all_dim)
         scale = scale * m * m
     return MLASpec(q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim,
-                   v_head_dim=v_dim, softmax_scale=scale, rope_interleave=bool(interleave))  # fmt: skip
+                   v_head_dim=v_dim, softmax_scale=scale, rope_interleave=bool(interleave),
+                   rope_complex=not interleave_field)  # fmt: skip
 
 
 def read_mtp(reader) -> int:  # type: ignore[no-untyped-def]
@@ -144,20 +147,23 @@ def read_remote_only(reader, *, score: str, topk_method: tuple) -> None:  # type
     reader.ignore("router_aux_loss_coef", "not read by the transformers DeepSeek model (no auxiliary loss)")
 
 
-def read_remote_code_names(reader) -> None:  # type: ignore[no-untyped-def]
+def read_remote_code_names(reader, *, config_class: str = "DeepseekV3Config", model_type: str = "deepseek_v3") -> None:  # type: ignore[no-untyped-def]
     """``auto_map`` / a foreign ``model_type``: recorded as read with the built-in config class."""
     auto_map = reader.peek("auto_map")
     if auto_map:
         named = ", ".join(f"{k}: {v}" for k, v in sorted(dict(auto_map).items()))
-        reader.ignore("auto_map", f"names remote code ({named}); read with transformers' built-in DeepseekV3Config,"
+        reader.ignore("auto_map", f"names remote code ({named}); read with transformers' built-in {config_class},"
                       " remote code never executed")  # fmt: skip
-    model_type = reader.peek("model_type")
-    if model_type and model_type != "deepseek_v3":
-        reader.ignore("model_type", f"{model_type!r}: not a transformers model type; read with transformers'"
-                      " built-in DeepseekV3Config (DeepseekV3ForCausalLM), remote code never executed")  # fmt: skip
+    given = reader.peek("model_type")
+    if given and given != model_type:
+        reader.ignore("model_type", f"{given!r}: not a transformers model type; read with transformers'"
+                      f" built-in {config_class}, remote code never executed")  # fmt: skip
 
 
-def convert(reader):  # type: ignore[no-untyped-def]
+def read_deepseek(reader, *, v3: bool):  # type: ignore[no-untyped-def]
+    """The DeepSeek-V2 / V3 converter (``v3``: sigmoid router with expert bias and grouped top-k by
+    the sum of a group's best two, renormalised; else V2's softmax router, ``greedy`` or
+    ``group_limited_greedy`` by a group's best expert, never renormalised)."""
     from mcore_zoo.config.arch import MoESpec
     from mcore_zoo.config.moe import read_expert_counts, read_sparse_layers
     from mcore_zoo.plugin_api import read_dense_decoder
@@ -166,32 +172,66 @@ def convert(reader):  # type: ignore[no-untyped-def]
     quantization = read_quantization(reader)
     reader.expect("attention_bias", False, default=False, reason="Megatron-Core's MLA has no q/kv down-projection"
                   " or o_proj biases", detail="false: no attention biases")  # fmt: skip
+    reader.expect("mlp_bias", False, default=False, reason="DeepSeek MLPs have no biases", detail="false: no MLP biases")
     experts, topk, ffn = read_expert_counts(reader, experts_field="n_routed_experts")
     shared = reader.map_checked("n_shared_experts", "moe_shared_expert_intermediate_size = n * moe_intermediate_size",
                                 lambda v: v is None or (isinstance(v, int) and v >= 0), reason="must be >= 0", default=None)  # fmt: skip
-    groups = reader.map_checked("n_group", "expert groups (moe_router_num_groups)",
-                                lambda v: isinstance(v, int) and v > 0 and experts % v == 0,
-                                reason=f"must divide n_routed_experts={experts}", default=1)  # fmt: skip
-    group_topk = reader.map_checked("topk_group", "groups chosen per token (moe_router_group_topk)",
-                                    lambda v: isinstance(v, int) and 0 < v <= groups, reason=f"must be in [1, n_group={groups}]",
-                                    default=1)  # fmt: skip
-    if (experts // groups) < 2:
-        raise reader.unsupported("n_group", groups, "a group scores the sum of its best two experts: needs >= 2 per group")
-    norm = reader.map("norm_topk_prob", "top-k weights divided by their sum + 1e-20 (HF order)", True)
+    if v3:
+        method = "noaux_tc"
+        read_remote_only(reader, score="sigmoid", topk_method=("noaux_tc",))
+    else:
+        method = reader.map_checked("topk_method", "greedy: top-k of the softmax scores; group_limited_greedy: within"
+                                    " the best topk_group of n_group groups (a group scores its best expert)",
+                                    ("greedy", "group_limited_greedy"), default="greedy",
+                                    reason="transformers' DeepseekV2 model routes with greedy or group_limited_greedy")  # fmt: skip
+        reader.expect("scoring_func", "softmax", default="softmax", detail="softmax (what transformers' model computes)",
+                      reason=f"{REMOTE_ONLY} V2 model always scores with softmax")  # fmt: skip
+        reader.expect("moe_layer_freq", 1, default=1, reason=f"{REMOTE_ONLY} V2 model makes every layer after"
+                      " first_k_dense_replace MoE (moe_layer_freq 1)", detail="1: every layer after the dense ones")  # fmt: skip
+        for name in ("ep_size", "aux_loss_alpha", "seq_aux", "output_router_logits", "router_aux_loss_coef"):
+            reader.ignore(name, "auxiliary-loss / inference-layout setting; transformers' DeepseekV2 model adds no"
+                          " auxiliary loss")  # fmt: skip
+    grouped = v3 or method == "group_limited_greedy"
+    if grouped:
+        groups = reader.map_checked("n_group", "expert groups (moe_router_num_groups)",
+                                    lambda v: isinstance(v, int) and v > 0 and experts % v == 0,
+                                    reason=f"must divide n_routed_experts={experts}", default=1)  # fmt: skip
+        group_topk = reader.map_checked("topk_group", "groups chosen per token (moe_router_group_topk)",
+                                        lambda v: isinstance(v, int) and 0 < v <= groups,
+                                        reason=f"must be in [1, n_group={groups}]", default=1)  # fmt: skip
+        if v3 and (experts // groups) < 2:
+            raise reader.unsupported("n_group", groups, "a group scores the sum of its best two experts: needs >= 2 per group")
+    else:
+        groups = group_topk = None
+        reader.ignore("n_group", "topk_method greedy: no expert groups")
+        reader.ignore("topk_group", "topk_method greedy: no expert groups")
+    if v3:
+        norm = bool(reader.map("norm_topk_prob", "top-k weights divided by their sum + 1e-20 (HF order)", True))
+    else:
+        norm = False
+        reader.expect("norm_topk_prob", lambda v: not v, default=False, detail="false: the weights are not renormalised",
+                      reason="transformers' DeepseekV2 model never renormalises the top-k weights")  # fmt: skip
     scale = reader.map("routed_scaling_factor", "moe_router_topk_scaling_factor", 1.0)
     layers = reader.peek("num_hidden_layers")
     pattern = read_sparse_layers(reader, layers, step_field=None, dense_field=None, first_dense_field="first_k_dense_replace")
-    read_remote_only(reader, score="sigmoid", topk_method=("noaux_tc",))
     arch = read_dense_decoder(reader)
-    read_remote_code_names(reader)
-    mla = read_mla(reader, heads=arch.num_attention_heads, rope_scaled=arch.rope.rope_type != "default", rope=arch.rope)
+    read_remote_code_names(reader, config_class="DeepseekV3Config" if v3 else "DeepseekV2Config",
+                           model_type="deepseek_v3" if v3 else "deepseek_v2")  # fmt: skip
+    mla = read_mla(reader, heads=arch.num_attention_heads, rope_scaled=arch.rope.rope_type != "default", rope=arch.rope,
+                   interleave_field=v3)  # fmt: skip
     moe = MoESpec(num_experts=experts, top_k=topk, expert_ffn_hidden_size=ffn,
-                  shared_expert_ffn_hidden_size=(shared * ffn) if shared else None, router_score_function="sigmoid",
-                  router_logits_fp32=True, router_expert_bias=True, num_groups=groups, group_topk=group_topk,
-                  group_score_topk=2, normalize_topk=bool(norm), normalize_eps=1e-20 if norm else 0.0,
-                  topk_scaling_factor=float(scale), probs_dtype="fp32", layer_pattern=pattern)  # fmt: skip
+                  shared_expert_ffn_hidden_size=(shared * ffn) if shared else None,
+                  router_score_function="sigmoid" if v3 else "softmax", router_logits_fp32=True,
+                  router_expert_bias=v3, num_groups=groups if grouped and groups > 1 else None,
+                  group_topk=group_topk if grouped and groups > 1 else None, group_score_topk=2 if v3 else 1,
+                  normalize_topk=norm, normalize_eps=1e-20 if norm else 0.0, topk_scaling_factor=float(scale),
+                  probs_dtype="fp32", layer_pattern=pattern)  # fmt: skip
     return arch.replace(moe=moe, mla=mla, head_dim=mla.q_head_dim, num_query_groups=arch.num_attention_heads,
                         checkpoint_quantization=quantization)
+
+
+def convert(reader):  # type: ignore[no-untyped-def]
+    return read_deepseek(reader, v3=True)
 
 
 @hookimpl

@@ -24,6 +24,7 @@ local ``DotProductAttention`` cannot take different key and value widths.
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, Optional
 
 import torch
@@ -59,6 +60,46 @@ def _rotary_class() -> Any:
     return HFRotaryEmbedding
 
 
+_LOCAL = threading.local()
+_INSTALL_LOCK = threading.Lock()
+_INSTALLED = False
+
+
+def complex_rope(t: torch.Tensor, freqs: torch.Tensor, mscale: float) -> torch.Tensor:
+    """transformers' DeepSeek-V2 RoPE: the pairs ``(x0, x1), (x2, x3), ...`` of ``t`` (``[..., d]``)
+    multiplied in fp32 as complex numbers by ``polar(1, freqs) * mscale``, and kept interleaved.
+    ``freqs``: Megatron-Core's ``[..., d]`` embedding (the frequencies twice)."""
+    half = freqs[..., : freqs.shape[-1] // 2].float()
+    cis = torch.polar(torch.ones_like(half), half) * mscale
+    x = torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2))
+    return torch.view_as_real(x * cis).flatten(-2).type_as(t)
+
+
+def _install_complex_rope() -> None:
+    """Route Megatron-Core's ``_apply_rotary_pos_emb_bshd`` (BSHD and, per packed token, THD) through
+    :func:`complex_rope` while a DeepSeek-V2 MLA layer runs on this thread; every other caller gets
+    the original. Installed once, process-wide."""
+    global _INSTALLED
+    with _INSTALL_LOCK:
+        if _INSTALLED:
+            return
+        from megatron.core.models.common.embeddings import rope_utils
+
+        original = rope_utils._apply_rotary_pos_emb_bshd
+
+        @functools.wraps(original)
+        def dispatch(t: torch.Tensor, freqs: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if not getattr(_LOCAL, "complex", False):
+                return original(t, freqs, *args, **kwargs)
+            rot = freqs.shape[-1]
+            if rot != t.shape[-1]:
+                raise ZooError(f"complex RoPE expects the whole rope part ({t.shape[-1]}), got {rot} frequencies")
+            return complex_rope(t, freqs, kwargs.get("mscale", 1.0))
+
+        rope_utils._apply_rotary_pos_emb_bshd = dispatch
+        _INSTALLED = True
+
+
 @functools.lru_cache(maxsize=None)
 def _attention_class() -> Any:
     from megatron.core.transformer import multi_latent_attention as mla_module
@@ -86,6 +127,18 @@ def _attention_class() -> Any:
                 core.softmax_scale = self.softmax_scale
             else:  # pragma: no cover - a backend whose scale the zoo cannot set
                 raise ZooError(f"{type(core).__name__}: cannot set the MLA softmax scale")
+            self.rope_complex = arch.mla.rope_complex
+            if self.rope_complex:
+                _install_complex_rope()
+
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            if not self.rope_complex:
+                return super().forward(*args, **kwargs)
+            _LOCAL.complex = True
+            try:
+                return super().forward(*args, **kwargs)
+            finally:
+                _LOCAL.complex = False
 
     return ZooMLASelfAttention
 
