@@ -18,8 +18,9 @@ Behaviour:
 * ``MCORE_ZOO_DISABLE_PLUGIN_AUTOLOAD=1`` loads only the built-in plugins (plus the entry-point
   names listed in ``MCORE_ZOO_PLUGINS=a,b``); ``MCORE_ZOO_BLOCK_PLUGINS=a,b`` blocks plugins by
   entry-point name (built-ins too).
-* Built-ins come from the entry points alone (an editable install of a source checkout has them);
-  without an installed ``mcore-zoo`` distribution that is recorded as a load failure saying so.
+* Built-ins come from the entry points alone: an installed (or editable) distribution publishes
+  them; a source tree on ``PYTHONPATH`` without one reads the same declaration from its own
+  ``pyproject.toml``. There is no second list.
 * Hooks are called through the plugin manager, one plugin at a time
   (``PluginManager.subset_hook_caller``): results are attributed to their plugin, and a plugin
   whose hook raises is recorded as failed while the others keep working.
@@ -34,6 +35,7 @@ import threading
 import traceback
 from dataclasses import dataclass, field
 from importlib import metadata
+from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
 import pluggy
@@ -150,14 +152,29 @@ class Registry:
                     continue
                 self._load_one(record, ep.load)
             if self.builtins and not seen_builtin:
-                record = PluginRecord(name="builtins", module="mcore_zoo.plugins", distribution=DISTRIBUTION,
-                                      version=f"{__version__} (not installed)", builtin=True, status="failed")  # fmt: skip
-                record.error = (
-                    "the built-in architectures are registered through mcore-zoo's entry points, and no"
-                    " installed mcore-zoo distribution provides them: install the package (pip install -e .)"
-                )
-                self._remember(record)
+                self._load_source_tree_builtins()
             return self
+
+    def _load_source_tree_builtins(self) -> None:
+        """No installed mcore-zoo distribution (a source tree on ``PYTHONPATH``): register the
+        built-ins from the entry points that the tree's own ``pyproject.toml`` declares - the same
+        single list an install would publish. Without that file, a recorded failure says what to do."""
+        declared = source_tree_entry_points()
+        if declared is None:
+            record = PluginRecord(name="builtins", module="mcore_zoo.plugins", distribution=DISTRIBUTION,
+                                  version=f"{__version__} (not installed)", builtin=True, status="failed")  # fmt: skip
+            record.error = (
+                "the built-in architectures are registered through mcore-zoo's entry points, and neither an"
+                " installed mcore-zoo distribution nor the source tree's pyproject.toml provides them:"
+                " install the package (pip install -e .)"
+            )
+            self._remember(record)
+            return
+        for name, value in sorted(declared.items()):
+            ep = metadata.EntryPoint(name=name, value=value, group=ENTRY_POINT_GROUP)
+            record = PluginRecord(name=name, module=value, distribution=DISTRIBUTION,
+                                  version=f"{__version__} (source tree)", builtin=True)  # fmt: skip
+            self._load_one(record, ep.load)
 
     def register(
         self,
@@ -343,6 +360,21 @@ class Registry:
                 return self.get(matches[0])
         requested = names[0] if names else f"model_type={config.get('model_type')!r}"
         return self.get(requested)
+
+
+def source_tree_entry_points() -> Optional[dict[str, str]]:
+    """``[project.entry-points.mcore_zoo]`` of the ``pyproject.toml`` beside this source tree
+    (``src/mcore_zoo`` -> the project root), or ``None`` when there is none."""
+    path = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        return None
+    try:
+        project = tomllib.loads(path.read_text())["project"]
+        return dict(project["entry-points"][ENTRY_POINT_GROUP])
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 def _is_architecture_name(source: Any) -> bool:

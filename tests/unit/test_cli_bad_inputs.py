@@ -41,6 +41,12 @@ def _first(header: dict) -> dict:
     return header[sorted(k for k in header if k != "__metadata__")[0]]
 
 
+def _as_fp8(entry: dict) -> None:
+    """Relabel a tensor entry as F8_E4M3, keeping its bytes (more elements of one byte each)."""
+    width = {"F32": 4, "BF16": 2, "F16": 2}[entry["dtype"]]
+    entry.update(dtype="F8_E4M3", shape=[entry["shape"][0] * width, *entry["shape"][1:]])
+
+
 def _set_config(ckpt: Path, **fields) -> None:
     config = json.loads((ckpt / "config.json").read_text())
     config.update(fields)
@@ -63,7 +69,7 @@ def _hf_cases(tmp: Path, src: Path, tied_src: Path) -> dict[str, tuple[list[str]
     hf("string-offsets", lambda c: _edit_header(c, lambda h: _first(h).update(data_offsets=["0", "16"])), "malformed entry")
     hf("float-offsets", lambda c: _edit_header(c, lambda h: _first(h).update(data_offsets=[0.0, 16.0])), "malformed entry")
     hf("fractional-shape", lambda c: _edit_header(c, lambda h: _first(h).update(shape=[64.9, 64])), "malformed entry")
-    hf("fp8", lambda c: _edit_header(c, lambda h: _first(h).update(dtype="F8_E4M3")), "quantized checkpoints are not supported (F8_E4M3)")
+    hf("fp8", lambda c: _edit_header(c, lambda h: _as_fp8(_first(h))), "quantized checkpoints are not supported (F8_E4M3)")
 
     def nested(c: Path) -> None:
         blob = b"[" * 50000 + b"]" * 50000

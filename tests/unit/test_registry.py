@@ -189,3 +189,22 @@ def test_listing_imports_neither_megatron_nor_transformer_engine():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_a_source_tree_without_an_installed_distribution_registers_the_declared_builtins(monkeypatch):
+    """PYTHONPATH=src and no installed mcore-zoo (a GPU machine, a fresh checkout): the built-ins
+    come from the tree's own pyproject.toml entry points - the one list an install publishes."""
+    from importlib import metadata
+
+    real = metadata.entry_points
+
+    def without_zoo(*args, **kwargs):
+        return [ep for ep in real(*args, **kwargs) if getattr(getattr(ep, "dist", None), "name", None) != "mcore-zoo"]
+
+    monkeypatch.setattr(metadata, "entry_points", without_zoo)
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["mcore_zoo"]
+    reg = Registry().load()
+    builtins = {r.name: r for r in reg.plugins.values() if r.builtin}
+    assert set(builtins) == set(declared)
+    assert all(r.status == "loaded" and r.version.endswith("(source tree)") for r in builtins.values())
+    assert "LlamaForCausalLM" in reg.architectures()
