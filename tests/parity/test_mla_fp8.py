@@ -28,8 +28,13 @@ def _quantized(name: str, tensor: torch.Tensor) -> bool:
 @pytest.fixture(scope="module")
 def fp8_checkpoints(tmp_path_factory, zoo_reference_checkpoint):
     source = zoo_reference_checkpoint(ARCH)
+    return write_fp8_checkpoints(source, tmp_path_factory.mktemp("fp8"), tmp_path_factory.mktemp("dequantized"))
+
+
+def write_fp8_checkpoints(source, fp8_dir, deq_dir):
+    """``source`` quantized with the reference quantizer (``fp8_dir``) and its reference
+    dequantization (``deq_dir``); returns ``(fp8_dir, deq_dir, fp8 tensors)``."""
     state = load_file(str(source / "model.safetensors"))
-    fp8_dir, deq_dir = tmp_path_factory.mktemp("fp8"), tmp_path_factory.mktemp("dequantized")
     fp8, deq = {}, {}
     for name, tensor in state.items():
         if _quantized(name, tensor):

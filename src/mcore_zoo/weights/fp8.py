@@ -570,8 +570,8 @@ class Fp8Checkpoint:
     reading a quantized ``X.weight`` (whole, a ``select`` range or a TP chunk) returns
     ``float32(q) * scale_inv`` of the whole tensor (:func:`dequantize_block`'s fp32 product), then the
     requested part: copied into a parameter of any dtype it is rounded once, which is
-    ``dequantize_block(q, s, param.dtype)`` bit for bit. ``scales`` keeps each read weight's
-    ``weight_scale_inv`` (for byte-exact export with ``fp8_scales="source"``).
+    ``dequantize_block(q, s, param.dtype)`` bit for bit. ``scales`` holds every weight's
+    ``weight_scale_inv`` (read once, for byte-exact export with ``fp8_scales="source"`` on any rank).
     """
 
     def __init__(self, inner: Any, fmt: Fp8BlockFormat) -> None:
@@ -581,7 +581,9 @@ class Fp8Checkpoint:
         self.plan = plan_fp8_tensors({k: (inner.dtype(k), inner.shape(k)) for k in inner.keys()}, fmt,
                                      source=str(inner.path))  # fmt: skip
         self._scale_names = set(self.plan.quantized.values())
-        self.scales: dict[str, torch.Tensor] = {}
+        # every weight's scales (1/16384 of its elements), also those of tensors other ranks load:
+        # the export's writer rank needs them all for fp8_scales="source"
+        self.scales: dict[str, torch.Tensor] = {w: inner.read(s) for w, s in self.plan.quantized.items()}
 
     def keys(self) -> set[str]:
         return self.inner.keys() - self._scale_names
@@ -604,8 +606,7 @@ class Fp8Checkpoint:
             return self.inner.read(name, axis=axis, rank=rank, size=size, select=select)
         from .io import chunk_index
 
-        scale = self.inner.read(self.plan.quantized[name])
-        self.scales[name] = scale
+        scale = self.scales[name]
         full = dequantize_block(self.inner.read(name), scale, torch.float32, self.fmt.block)
         index = chunk_index(name, tuple(full.shape), axis=axis, rank=rank, size=size, select=select)
         return full if index is None else full[index].clone()
