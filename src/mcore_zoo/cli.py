@@ -187,6 +187,8 @@ def cmd_show(args: argparse.Namespace) -> int:
             "gpt_model": {k: _jsonable(v) for k, v in gm.items()},
             "rope": arch.rope.as_dict(),
             "moe": _jsonable(dataclasses.asdict(arch.moe)) if arch.moe is not None else None,
+            "mla": _jsonable(dataclasses.asdict(arch.mla)) if arch.mla is not None else None,
+            "checkpoint_quantization": _jsonable(dict(arch.checkpoint_quantization)) if arch.checkpoint_quantization else None,
             "weight_rules": rules,
             "ignored_hf_tensors": [{"pattern": p, "reason": r} for p, r in wmap.ignored],
         }, indent=2))  # fmt: skip

@@ -181,3 +181,23 @@ def test_v2_group_limited_routing_matters(mpu, reference_checkpoint, hf_referenc
         if router is not None:
             router.zoo_moe = get_registry().get(V2).config_from_hf(get_registry().get(V2).entry.example_config).moe
     assert (_logits(model, ids) - ref).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+def test_published_config_parity_report(tmp_path):
+    """`parity-report --config deepseek-v3.json --random-weights --scale tiny` passes; the report
+    records how it treated the FP8 quantization_config and the MTP layer (not carried by random
+    weights)."""
+    import json
+    from pathlib import Path
+
+    from mcore_zoo.cli import main
+
+    config = Path(__file__).parents[1] / "fixtures" / "configs" / "deepseek-v3.json"
+    code = main(["parity-report", "--config", str(config), "--random-weights", "--scale", "tiny", "--lengths", "40,9",
+                 "--out", str(tmp_path), "-q", "--format", "json"])  # fmt: skip
+    assert code == 0
+    report = json.loads((tmp_path / f"{ARCH}.json").read_text())
+    changes = report["model"]["changes"]
+    assert changes["quantization_config"][1] is None and changes["quantization_config"][0]["quant_method"] == "fp8"
+    assert changes["num_nextn_predict_layers"] == [1, 0] and changes["first_k_dense_replace"] == [3, 1]
