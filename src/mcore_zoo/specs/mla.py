@@ -94,6 +94,7 @@ def _install_complex_rope() -> None:
             rot = freqs.shape[-1]
             if rot != t.shape[-1]:
                 raise ZooError(f"complex RoPE expects the whole rope part ({t.shape[-1]}), got {rot} frequencies")
+            _LOCAL.applied = True
             return complex_rope(t, freqs, kwargs.get("mscale", 1.0))
 
         rope_utils._apply_rotary_pos_emb_bshd = dispatch
@@ -134,11 +135,15 @@ def _attention_class() -> Any:
         def forward(self, *args: Any, **kwargs: Any) -> Any:
             if not self.rope_complex:
                 return super().forward(*args, **kwargs)
-            _LOCAL.complex = True
+            _LOCAL.complex, _LOCAL.applied = True, False
             try:
-                return super().forward(*args, **kwargs)
+                out = super().forward(*args, **kwargs)
             finally:
                 _LOCAL.complex = False
+            if not _LOCAL.applied:  # fail closed: this Megatron-Core applies RoPE elsewhere
+                raise ZooError("DeepSeek-V2 complex RoPE was not applied: this Megatron-Core version's MLA does not"
+                               " call rope_utils._apply_rotary_pos_emb_bshd (fused RoPE?)")  # fmt: skip
+            return out
 
     return ZooMLASelfAttention
 
