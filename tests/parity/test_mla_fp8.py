@@ -112,3 +112,15 @@ def test_fp8_export_needs_an_fp8_source(mpu, fp8_checkpoints, tmp_path):
     _, deq_dir, _ = fp8_checkpoints
     with pytest.raises(ZooError, match="not loaded from an FP8"):
         mcore_zoo.save_hf_checkpoint(_build(deq_dir), tmp_path / "x", fp8=True)
+
+
+def test_fp8_state_dict_loads(mpu, fp8_checkpoints):
+    """An in-memory FP8 state dict (weights + scales) loads like the file."""
+    fp8_dir, deq_dir, fp8 = fp8_checkpoints
+    model = mcore_zoo.build_model(fp8_dir, backend="local", numerics="hf-exact", params_dtype=torch.float32)
+    mcore_zoo.load_hf_state_dict(model, dict(fp8))
+    reference = _build(deq_dir)
+    params = dict(reference.state_dict())
+    for name, value in model.state_dict().items():
+        if torch.is_tensor(value) and value.is_floating_point():
+            assert torch.equal(value, params[name]), name
