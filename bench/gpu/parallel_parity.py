@@ -38,16 +38,21 @@ import torch
 import torch.distributed as dist
 
 LAYOUTS = {
-    # name: (tp, pp, vpp, cp, sequence_parallel)
-    "tp2": (2, 1, None, 1, False),
-    "tp2-sp": (2, 1, None, 1, True),
-    "pp2": (1, 2, None, 1, False),
-    "cp2": (1, 1, None, 2, False),
-    "tp4": (4, 1, None, 1, False),
-    "tp2-pp2": (2, 2, None, 1, False),
-    "tp2-cp2": (2, 1, None, 2, True),
-    "pp2-vpp2": (1, 2, 2, 1, False),
-    "pp2-cp2": (1, 2, None, 2, False),
+    # name: (tp, pp, vpp, cp, sequence_parallel, ep)
+    "tp2": (2, 1, None, 1, False, 1),
+    "tp2-sp": (2, 1, None, 1, True, 1),
+    "pp2": (1, 2, None, 1, False, 1),
+    "cp2": (1, 1, None, 2, False, 1),
+    "tp4": (4, 1, None, 1, False, 1),
+    "tp2-pp2": (2, 2, None, 1, False, 1),
+    "tp2-cp2": (2, 1, None, 2, True, 1),
+    "pp2-vpp2": (1, 2, 2, 1, False, 1),
+    "pp2-cp2": (1, 2, None, 2, False, 1),
+    # expert parallelism (MoE models: --arch of an MoE family, or --config of one)
+    "ep2": (1, 1, None, 1, False, 2),
+    "ep4": (1, 1, None, 1, False, 4),
+    "tp2-sp-ep2": (2, 1, None, 1, True, 2),
+    "pp2-ep2": (1, 2, None, 1, False, 2),
 }
 DEFAULT_LAYOUTS = {
     2: ["tp2", "tp2-sp", "pp2", "cp2"],
@@ -68,6 +73,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--layouts", default=None, help="comma-separated subset of: " + ", ".join(LAYOUTS))
     p.add_argument("--lengths", default="100,512,37,300", help="packed sequence lengths")
     p.add_argument("--tiny", action="store_true", help="hidden 64, 4 layers, vocab 256 (CPU test runs)")
+    p.add_argument("--config", default=None, help="a published config.json: its full width, --layers layers")
+    p.add_argument("--layers", type=int, default=2, help="with --config: decoder layers kept (default 2)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -75,6 +82,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def model_config(args: argparse.Namespace) -> dict[str, Any]:
     import mcore_zoo
 
+    if args.config:
+        config = json.loads(Path(args.config).read_text())
+        config.update(num_hidden_layers=args.layers)
+        if "first_k_dense_replace" in config:  # keep at least one MoE layer
+            config["first_k_dense_replace"] = min(config["first_k_dense_replace"], args.layers - 1)
+        config.pop("quantization_config", None)
+        args.arch = config["architectures"][0]
+        return config
     config = mcore_zoo.lookup(args.arch).example_config()
     if args.tiny:
         config.update(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=8,
@@ -171,7 +186,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "backend": args.backend,
         "numerics": getattr(args.numerics, "name", args.numerics),
         "dtype": str(dtype).replace("torch.", ""),
-        "model": {k: config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")},
+        "model": {k: config.get(k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size", "num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")},
         "architecture": args.arch,
         "lengths": [int(s.numel()) for s in seqs],
         "versions": {"torch": torch.__version__, "megatron-core": _version("megatron-core"), "transformer-engine": _version("transformer-engine"), "mcore-zoo": mcore_zoo.__version__},
@@ -187,13 +202,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         ps.destroy_model_parallel()
         _release_memory(args)
     for name in names if reference is not None else []:
-        tp, pp, vpp, cp, sp = LAYOUTS[name]
-        entry: dict[str, Any] = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "sequence_parallel": sp}
+        tp, pp, vpp, cp, sp, ep = LAYOUTS[name]
+        entry: dict[str, Any] = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "sequence_parallel": sp, "ep": ep}
         if world % (tp * pp * cp):
             entry["error"] = f"world size {world} does not fit"
         else:
             try:
-                got = run_layout(args, ckpt, Parallelism(tp=tp, pp=pp, vpp=vpp, cp=cp, sequence_parallel=sp), dtype, seqs)
+                got = run_layout(args, ckpt, Parallelism(tp=tp, pp=pp, vpp=vpp, cp=cp, sequence_parallel=sp, ep=ep), dtype, seqs)
                 entry.update(compare(got, reference), load_s=got["load_s"], forward_s=got["forward_s"], bytes_read_rank=got["bytes_read"])
             except Exception as exc:
                 entry["error"] = f"{type(exc).__name__}: {exc}"

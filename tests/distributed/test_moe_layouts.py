@@ -1,9 +1,12 @@
-"""Expert parallelism on real gloo process groups (Qwen3-MoE): EP2, TP2 x EP2, PP2 x EP2.
+"""Expert parallelism on real gloo process groups: EP2 for every MoE family; TP2 x EP2, PP2 x EP2
+and PP2 x VPP2 x EP2 for Qwen3-MoE (a dense layer among the MoE layers).
 
 Per layout, on every rank: sharded loading (an EP rank reads its own experts and the shared
 tensors, nothing else - counted through an instrumented checkpoint reader), the packed forward
 against the single-process model and transformers (1e-5), the gathered export and the checkpoint
-written by ``save_hf_checkpoint`` against the source checkpoint (bitwise).
+written by ``save_hf_checkpoint`` against the source checkpoint (bitwise), and a distributed checkpoint
+written by ``mcore-zoo convert`` in one process loaded at the layout (export bitwise again); routing
+recorded in one forward and replayed in the next gives the same logits bit for bit.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ OVERRIDES = {"num_hidden_layers": 4, "mlp_only_layers": [1]}  # PP2: two layers 
 LENGTHS = [23, 9, 40, 5, 17]
 NUMERICS = "hf-exact"
 TOL = 1e-5
-EXPERT_TENSOR = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+EXPERT_TENSOR = re.compile(r"model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
 
 
 def _source(ckpt: str) -> dict[str, torch.Tensor]:
@@ -68,7 +71,7 @@ def _counting_checkpoint(path: str):
     return Counting(path)
 
 
-def _run(ckpt: str, out_dir: str, layouts: list) -> dict:
+def _run(ckpt: str, out_dir: str, layouts: list, mcore_dir: str = "") -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -81,22 +84,37 @@ def _run(ckpt: str, out_dir: str, layouts: list) -> dict:
     for name, parallel in layouts:
         r: dict = {}
         ensure_model_parallel(parallel)
-        model = mcore_zoo.build_model(ckpt, backend="portable", numerics=NUMERICS, parallel=parallel)
+        model = mcore_zoo.build_model(ckpt, backend="portable", numerics=NUMERICS, parallel=parallel,
+                                      overrides={"moe_enable_routing_replay": True})  # fmt: skip
         counting = _counting_checkpoint(ckpt)
         report = mcore_zoo.load_hf_weights(model, counting, replicas="read")
         r["ep_rank"], r["ep_size"] = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
         r["etp_size"] = ps.get_expert_tensor_parallel_world_size()
         r["pp_rank"], r["tp_rank"] = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
         r["read_names"], r["read_bytes"], r["report_bytes"] = sorted(counting.names), counting.nbytes, report.bytes_read
+        r["vpp"] = parallel.vpp or 1
         counting.close()
-        model.eval()
+        for chunk in model if isinstance(model, list) else [model]:
+            chunk.eval()
+        from mcore_zoo import routing
+
         with torch.no_grad():
-            out = mcore_zoo.packed_forward(model, seqs)
+            with routing.record(model) as rec:
+                out = mcore_zoo.packed_forward(model, seqs)
+            with routing.replay(model, rec.routes):
+                again = mcore_zoo.packed_forward(model, seqs)
         r["logits"] = out.logits
+        r["replay_bitwise"] = all(torch.equal(a, b) for a, b in zip(out.logits, again.logits))
         r["export"] = _mismatches(dict(mcore_zoo.iter_hf_weights(model, bucket_size="64KB")), source)
         to_rank0 = dict(mcore_zoo.iter_hf_weights(model, ranks=[0], bucket_size=1))
         r["export_rank0"] = _mismatches(to_rank0, source) if rank == 0 else sorted(to_rank0)
         mcore_zoo.save_hf_checkpoint(model, os.path.join(out_dir, name), max_shard_size="200KB")
+        if mcore_dir:  # a distributed checkpoint written by one process, loaded at this layout
+            from mcore_zoo.dist_checkpoint import load_mcore_checkpoint
+
+            fresh = mcore_zoo.build_model(ckpt, backend="portable", numerics=NUMERICS, parallel=parallel)
+            load_mcore_checkpoint(fresh, mcore_dir)
+            r["from_dist_checkpoint"] = _mismatches(dict(mcore_zoo.iter_hf_weights(fresh)), source)
         found[name] = r
         ps.destroy_model_parallel()
     return found
@@ -141,10 +159,12 @@ def _check(found: list[dict], ckpt: Path, hf, out_dir: Path, num_layers: int, nu
             diff = max((a - b).abs().max().item() for a, b in zip(r["logits"], ref))
             diff_hf = max((a - b).abs().max().item() for a, b in zip(r["logits"], hf_logits))
             assert diff <= TOL and diff_hf <= TOL, f"{where}: logits differ by {diff} (single) / {diff_hf} (HF)"
+            assert r["replay_bitwise"], f"{where}: the replayed forward differs from the recorded one"
             assert r["export"] == [], f"{where}: exported tensors differ: {r['export'][:5]}"
             assert r["export_rank0"] == [], f"{where}: ranks=[0] export: {r['export_rank0'][:5]}"
-            per_stage = num_layers // pp
-            layers = set(range(r["pp_rank"] * per_stage, (r["pp_rank"] + 1) * per_stage))
+            assert r.get("from_dist_checkpoint", []) == [], f"{where}: dist checkpoint: {r['from_dist_checkpoint'][:5]}"
+            per_chunk = num_layers // (pp * r["vpp"])  # virtual stage v of stage p: chunk v * pp + p
+            layers = {i for i in range(num_layers) if (i // per_chunk) % pp == r["pp_rank"]}
             want = _expected_reads(source, r, layers, num_experts)
             assert set(r["read_names"]) == want, (
                 f"{where}: read {sorted(set(r['read_names']) - want)[:5]} it does not need,"
@@ -160,19 +180,36 @@ def _check(found: list[dict], ckpt: Path, hf, out_dir: Path, num_layers: int, nu
     return worst
 
 
+#: per architecture: overrides giving 4 layers (PP2) with a dense layer where the family has them
+EP_CASES = {
+    "Qwen3MoeForCausalLM": OVERRIDES,
+    "Qwen2MoeForCausalLM": OVERRIDES,  # + the sigmoid-gated shared expert (dense TP)
+    "MixtralForCausalLM": {"num_hidden_layers": 4},
+    "Glm4MoeForCausalLM": {"num_hidden_layers": 4},  # + expert bias buffer, shared experts
+}
+
+
 @pytest.mark.slow
-def test_two_ranks_ep2(reference_checkpoint, hf_reference, mpu, tmp_path):
-    ckpt = reference_checkpoint(ARCH, OVERRIDES)
-    found = launch(_run, 2, str(ckpt), str(tmp_path), [("ep2", Parallelism(ep=2))])
+@pytest.mark.parametrize("arch", list(EP_CASES))
+def test_two_ranks_ep2(reference_checkpoint, hf_reference, mpu, tmp_path, arch):
+    from mcore_zoo.dist_checkpoint import hf_to_mcore
+
+    ckpt = reference_checkpoint(arch, EP_CASES[arch])
+    hf_to_mcore(ckpt, tmp_path / "mcore")
+    found = launch(_run, 2, str(ckpt), str(tmp_path), [("ep2", Parallelism(ep=2))], str(tmp_path / "mcore"))
     assert [f["ep2"]["ep_rank"] for f in found] == [0, 1]
-    worst = _check(found, ckpt, hf_reference(ARCH, ckpt), tmp_path, 4, 8)
+    worst = _check(found, ckpt, hf_reference(arch, ckpt), tmp_path, 4, 8)
     print("max |dlogit| vs the single-process model:", worst)
 
 
 @pytest.mark.slow
 def test_four_ranks_tp2ep2_pp2ep2(reference_checkpoint, hf_reference, mpu, tmp_path):
+    from mcore_zoo.dist_checkpoint import hf_to_mcore
+
     ckpt = reference_checkpoint(ARCH, OVERRIDES)
-    layouts = [("tp2ep2", Parallelism(tp=2, ep=2)), ("pp2ep2", Parallelism(pp=2, ep=2))]
-    found = launch(_run, 4, str(ckpt), str(tmp_path), layouts)
+    hf_to_mcore(ckpt, tmp_path / "mcore")
+    layouts = [("tp2ep2", Parallelism(tp=2, ep=2)), ("pp2ep2", Parallelism(pp=2, ep=2)),
+               ("pp2vpp2ep2", Parallelism(pp=2, vpp=2, ep=2))]
+    found = launch(_run, 4, str(ckpt), str(tmp_path), layouts, str(tmp_path / "mcore"))
     worst = _check(found, ckpt, hf_reference(ARCH, ckpt), tmp_path, 4, 8)
     print("max |dlogit| vs the single-process model:", worst)

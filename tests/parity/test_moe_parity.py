@@ -35,12 +35,16 @@ def _logits(model, ids):
 
 @pytest.mark.parametrize("arch_name", MOE_ARCHS)
 def test_hf_exact_bitwise(mpu, reference_checkpoint, hf_reference, arch_name):
+    """BSHD batches of several shapes (token counts that leave a tail after the last full vector:
+    the shared-expert gate and sigmoid scores must run in HF's batch-major order)."""
     ckpt = reference_checkpoint(arch_name)
     hf = hf_reference(arch_name, ckpt, "eager")
-    ids = _batch(hf.config.vocab_size)
-    with torch.no_grad():
-        ref = hf(ids).logits
-    assert torch.equal(_logits(_build(ckpt, ckpt), ids), ref)
+    model = _build(ckpt, ckpt)
+    for batch, length in [(3, 40), (3, 37), (7, 19)]:
+        ids = torch.stack(random_sequences([length] * batch, hf.config.vocab_size, seed=batch))
+        with torch.no_grad():
+            ref = hf(ids).logits
+        assert torch.equal(_logits(model, ids), ref), (batch, length)
 
 
 @pytest.mark.parametrize("arch_name", MOE_ARCHS)
@@ -156,3 +160,44 @@ def test_published_config_converts_and_parity_report_passes(tmp_path, capsys, co
     code = main(["parity-report", "--config", str(CONFIGS / config), "--random-weights", "--scale", "tiny",
                  "--out", str(tmp_path), "-q", "--format", "json"])  # fmt: skip
     assert code == 0
+
+
+@pytest.mark.parametrize("arch_name", ["Qwen3MoeForCausalLM", "MixtralForCausalLM"])
+def test_fused_expert_shards_for_an_engine(mpu, reference_checkpoint, arch_name):
+    """vLLM-style fused experts (w13 / w2) for an engine at TP2 x EP2: the four ranks' shards put
+    back together are the checkpoint's experts, bit for bit; other tensors pass through."""
+    import re
+
+    from safetensors.torch import load_file
+
+    from mcore_zoo.distributed.experts import iter_fused_experts
+
+    ckpt = reference_checkpoint(arch_name)
+    source = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        source.update(load_file(str(f)))
+    model = _build(ckpt, ckpt)
+    moe = mcore_zoo.handle_of(model).arch_config.moe
+    shards = {(ep, tp): dict(iter_fused_experts(model, tp=2, ep=2, tp_rank=tp, ep_rank=ep)) for ep in (0, 1) for tp in (0, 1)}
+    expert = re.compile(r"^(.*\.)experts\.(\d+)\.(\w+)\.weight$")
+    names = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+    checked = 0
+    for name, want in source.items():
+        m = expert.match(name)
+        if not m or m.group(3) not in names:
+            assert all(torch.equal(s[name], want) for s in shards.values()), name
+            continue
+        e, which = int(m.group(2)), names[m.group(3)]
+        ep, local = divmod(e, moe.num_experts // 2)
+        inter = moe.expert_ffn_hidden_size // 2
+        parts = []
+        for tp in (0, 1):
+            if which == "down":
+                parts.append(shards[(ep, tp)][m.group(1) + "experts.w2_weight"][local])
+            else:
+                w13 = shards[(ep, tp)][m.group(1) + "experts.w13_weight"][local]
+                parts.append(w13[:inter] if which == "gate" else w13[inter:])
+        got = torch.cat(parts, dim=1 if which == "down" else 0)
+        assert torch.equal(got, want), name
+        checked += 1
+    assert checked == 3 * moe.num_experts * sum(moe.is_moe_layer(i) for i in range(len(model.decoder.layers)))

@@ -81,7 +81,7 @@ class TestMissing(ConformanceSuite):
 '''
 
 SELECTION = (
-    "(TestGood and not tensor_parallel) or (TestSwapped and (weight_map or parity)) or (TestLazy and bad_input)"
+    "(TestGood and not tensor_parallel and not expert_parallel) or (TestSwapped and (weight_map or parity)) or (TestLazy and bad_input)"
     " or (TestRival and (registration or test_config)) or TestBroken or ((TestHeavy or TestMissing) and registration)"
 )
 

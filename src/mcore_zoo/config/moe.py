@@ -50,7 +50,13 @@ def read_no_jitter(reader: ConfigReader, field: str = "router_jitter_noise") -> 
 def read_aux_loss(reader: ConfigReader, *, coef_field: str = "router_aux_loss_coef",
                   switch_field: Optional[str] = "output_router_logits") -> float:  # fmt: skip
     """HF adds ``coef * load_balancing_loss`` to the LM loss only when ``output_router_logits`` is
-    set; the same switch decides here (``moe_aux_loss_coeff``, ``moe_router_load_balancing_type``)."""
+    set; the same switch decides here (``moe_aux_loss_coeff``, ``moe_router_load_balancing_type``).
+
+    The loss is Megatron-Core's Switch loss per MoE layer (summed over layers, divided by top-k),
+    attached to the graph in training. HF computes one loss over all layers' router logits
+    concatenated (a product of cross-layer means) and does not divide by top-k, so the values
+    and gradients differ from HF's; the coefficient means the same thing (weight of a
+    load-balancing term) and the forward is unaffected."""
     on = True
     if switch_field is not None:
         on = bool(reader.map(switch_field, "moe_aux_loss_coeff is router_aux_loss_coef when true, else 0", False))
@@ -131,8 +137,8 @@ def moe_config_kwargs(arch: ArchConfig, *, cuda: bool) -> dict[str, Any]:
 def moe_layout_problems(arch: ArchConfig, ep: int, etp: Optional[int], tp: int) -> list[str]:
     """Ways an expert-parallel layout fails to divide ``arch.moe`` (empty when it fits)."""
     moe = arch.moe
-    if moe is None:
-        return [f"ep={ep} needs an MoE model"] if ep > 1 else []
+    if moe is None:  # a dense model ignores the expert groups (a trainer's EP setting for other models)
+        return []
     problems = []
     if moe.num_experts % ep:
         problems.append(f"num_experts={moe.num_experts} is not divisible by ep={ep}")

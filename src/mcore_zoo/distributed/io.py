@@ -79,7 +79,10 @@ def sharded_layout(model: torch.nn.Module) -> ShardedLayout:
         mcore_to_pyt_state_dict,
     )
 
-    names = {id(p): n for n, p in model.named_parameters()}
+    from ..weights.rules import model_tensors  # parameters + checkpoint-state buffers (MoE expert_bias)
+
+    tensors = model_tensors(model)
+    names = {id(p): n for n, p in tensors.items()}
     sharded, common = save_preprocess(model.sharded_state_dict(), validate_access_integrity=False)
     apply_factories(sharded)
     chunks: list[ShardedChunk] = []
@@ -104,7 +107,7 @@ def sharded_layout(model: torch.nn.Module) -> ShardedLayout:
     chunks.sort(key=lambda c: list(names.values()).index(c.param))  # parameter order, stable within one
     grouped, _, _ = _replace_state_dict_keys_with_sharded_keys(objects)  # {unique_key: [objects]}
     serialised = mcore_to_pyt_state_dict(dict(grouped))  # {unique_key: BytesIO}, as mcore saves them
-    params = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
+    params = {n: (tuple(p.shape), p.dtype) for n, p in tensors.items()}
     return ShardedLayout(params, chunks, serialised, common)
 
 

@@ -96,7 +96,7 @@ def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
             converter="mcore_zoo.plugins.glm4_moe:convert",
             weight_rules="mcore_zoo.weights.moe:glm4_moe_weight_map",
             example_config=EXAMPLE_CONFIG,
-            backends=("local", "portable"),
+            backends=("te", "local", "portable"),
             description="GLM-4.5 (sigmoid router with expert bias, grouped top-k, scaled; shared experts; partial RoPE); no MTP",
         )
     ]

@@ -62,7 +62,7 @@ def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
             converter="mcore_zoo.plugins.mixtral:convert",
             weight_rules="mcore_zoo.weights.moe:mixtral_weight_map",
             example_config=EXAMPLE_CONFIG,
-            backends=("local", "portable"),
+            backends=("te", "local", "portable"),
             description="Mixtral (softmax top-2 router renormalised, fp32 weights; sliding window)",
         )
     ]

@@ -69,7 +69,7 @@ def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
             converter="mcore_zoo.plugins.qwen2_moe:convert",
             weight_rules="mcore_zoo.weights.moe:moe_decoder_weight_map",
             example_config=EXAMPLE_CONFIG,
-            backends=("local", "portable"),
+            backends=("te", "local", "portable"),
             description="Qwen2-MoE / Qwen1.5-MoE (softmax top-k router, sigmoid-gated shared expert; qkv bias)",
         )
     ]

@@ -80,7 +80,7 @@ def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
             converter="mcore_zoo.plugins.qwen3_moe:convert",
             weight_rules="mcore_zoo.weights.moe:moe_decoder_weight_map",
             example_config=EXAMPLE_CONFIG,
-            backends=("local", "portable"),
+            backends=("te", "local", "portable"),
             description="Qwen3-MoE (softmax top-k router, norm_topk_prob, dense mlp_only_layers; q/k RMSNorm)",
         )
     ]

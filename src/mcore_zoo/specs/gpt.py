@@ -116,8 +116,9 @@ def gpt_layer_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile, *,
     if moe:  # the router and experts read the normalised input: the pre-MLP norm cannot be fused away
         from .moe import moe_mlp_submodule
 
-        if p["pre_mlp_layernorm"] is IdentityOp:
-            p = dict(p, pre_mlp_layernorm=_pieces(arch, backend, numerics.with_knobs(fuse_norm_into_linear=False))["pre_mlp_layernorm"])
+        if p["pre_mlp_layernorm"] is IdentityOp:  # te: a separate norm, and expert fc1s without one
+            unfused = _pieces(arch, backend, numerics.with_knobs(fuse_norm_into_linear=False))
+            p = dict(p, pre_mlp_layernorm=unfused["pre_mlp_layernorm"], linear_fc1=unfused["linear_fc1"])
         mlp = moe_mlp_submodule(arch, p, numerics.router)
     else:
         mlp = mlp_submodule(p["linear_fc1"], p["linear_fc2"])

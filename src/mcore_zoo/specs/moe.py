@@ -11,8 +11,9 @@ What ``router="hf"`` changes against stock Megatron-Core (both are the same math
   (gating GEMM, z-loss, aux losses, expert-bias bookkeeping, router replay).
 * :class:`HFOrderSequentialMLP` - each expert's output is multiplied by its routing weight *after*
   ``linear_fc2``, as HF does; stock mcore multiplies the activation before ``linear_fc2``.
-* :class:`HFOrderSharedExpertMLP` - the shared-expert gate's sigmoid runs over the tokens in HF's
-  batch-major order (torch's vectorised sigmoid rounds a tensor's tail elements differently).
+* :class:`HFOrderSharedExpertMLP` - the shared-expert gate (a one-column GEMM and a sigmoid) runs
+  over the tokens in HF's batch-major order (both round by position in the tensor); the sigmoid
+  router scores (GLM-4.5) likewise.
 
 Routing replay works with both (:mod:`mcore_zoo.routing`).
 """
@@ -32,7 +33,8 @@ _INSTALLED = False
 _INSTALL_LOCK = threading.Lock()
 
 
-def hf_topk_routing(logits: torch.Tensor, moe: MoESpec, router_replay: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+def hf_topk_routing(logits: torch.Tensor, moe: MoESpec,
+                    router_replay: Any = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(routing_probs [T, E], routing_map [T, E])`` from router logits ``[T, E]``, in HF's op order
     (see :class:`~mcore_zoo.config.arch.MoESpec`). ``router_replay``: Megatron-Core's per-layer
     ``RouterReplay`` (record / replay the chosen experts)."""
@@ -40,7 +42,11 @@ def hf_topk_routing(logits: torch.Tensor, moe: MoESpec, router_replay: Any = Non
     if moe.router_score_function == "softmax":
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
     elif moe.router_score_function == "sigmoid":
-        scores = logits.sigmoid() if logits.dtype == torch.float32 else torch.sigmoid(logits.float())
+        # elementwise over the flattened tensor: torch's vectorised sigmoid rounds a tensor's tail
+        # differently, so compute it over the tokens in HF's batch-major order (as HF does)
+        batch = getattr(_LOCAL, "batch", 1) or 1
+        by_batch = logits.float().view(-1, batch, num_experts).transpose(0, 1).contiguous()
+        scores = torch.sigmoid(by_batch).transpose(0, 1).reshape(num_tokens, num_experts)
     else:
         raise ValueError(f"unknown router score function {moe.router_score_function!r}")
     choice = scores
@@ -48,13 +54,16 @@ def hf_topk_routing(logits: torch.Tensor, moe: MoESpec, router_replay: Any = Non
         bias = _LOCAL.expert_bias
         choice = scores + bias
 
-    def select(values: torch.Tensor, topk: int, num_groups: Optional[int] = None, group_topk: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if moe.num_groups and moe.group_topk:
-            group_scores = values.view(-1, moe.num_groups, num_experts // moe.num_groups).topk(moe.group_score_topk, dim=-1)[0].sum(dim=-1)
+    def select(values: torch.Tensor, topk: int, num_groups: Optional[int] = None,
+               group_topk: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if moe.num_groups and moe.group_topk:  # GLM-4.5 / DeepSeek-V3: a group scores its best two
+            per_group = num_experts // moe.num_groups
+            grouped = values.view(-1, moe.num_groups, per_group)
+            group_scores = grouped.topk(moe.group_score_topk, dim=-1)[0].sum(dim=-1)
             group_idx = torch.topk(group_scores, k=moe.group_topk, dim=-1, sorted=False)[1]
             group_mask = torch.zeros_like(group_scores)
             group_mask.scatter_(1, group_idx, 1)
-            score_mask = group_mask.unsqueeze(-1).expand(-1, moe.num_groups, num_experts // moe.num_groups).reshape(-1, num_experts)
+            score_mask = group_mask.unsqueeze(-1).expand(-1, moe.num_groups, per_group).reshape(-1, num_experts)
             values = values.masked_fill(~score_mask.bool(), float("-inf"))
             return torch.topk(values, k=topk, dim=-1, sorted=False)
         return torch.topk(values, topk, dim=-1)
@@ -73,8 +82,9 @@ def hf_topk_routing(logits: torch.Tensor, moe: MoESpec, router_replay: Any = Non
         weights = weights * moe.topk_scaling_factor
     probs_dtype = torch.float32 if moe.probs_dtype == "fp32" else _LOCAL.hidden_dtype
     weights = weights.to(probs_dtype)
-    routing_probs = torch.zeros(num_tokens, num_experts, dtype=probs_dtype, device=logits.device).scatter(1, top_indices, weights)
-    routing_map = torch.zeros(num_tokens, num_experts, dtype=torch.int32, device=logits.device).scatter(1, top_indices, 1).bool()
+    zeros = torch.zeros(num_tokens, num_experts, dtype=probs_dtype, device=logits.device)
+    routing_probs = zeros.scatter(1, top_indices, weights)
+    routing_map = torch.zeros_like(zeros, dtype=torch.int32).scatter(1, top_indices, 1).bool()
     return routing_probs, routing_map
 
 
@@ -110,6 +120,11 @@ def _router_class() -> type:
         def __init__(self, *args: Any, moe: MoESpec, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.zoo_moe = moe
+            if self.router_replay is not None:  # per-microbatch record / replay (pipeline schedules)
+                from megatron.core.transformer.moe.router_replay import RouterReplay
+
+                RouterReplay.global_router_replay_instances.remove(self.router_replay)
+                self.router_replay = microbatch_router_replay_class()()
 
         def forward(self, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             _LOCAL.hidden_dtype = input.dtype  # HF casts the weights to the hidden dtype
@@ -118,6 +133,7 @@ def _router_class() -> type:
         def routing(self, logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             _install()
             _LOCAL.moe = self.zoo_moe
+            _LOCAL.batch = logits.shape[1] if logits.dim() == 3 else 1  # [s, b, E]
             _LOCAL.expert_bias = self.expert_bias
             try:
                 return super().routing(logits, *args, **kwargs)
@@ -129,6 +145,50 @@ def _router_class() -> type:
 
 
 HFRouter: Any = None
+
+
+@functools.lru_cache(maxsize=None)
+def microbatch_router_replay_class() -> type:
+    """Megatron-Core's ``RouterReplay`` for several forwards per record / replay block (the
+    micro-batches of a pipeline schedule): recording appends each forward's indices, replay
+    consumes the target rows in order, as many as each forward routes."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    class MicrobatchRouterReplay(RouterReplay):
+        def __init__(self) -> None:
+            super().__init__()
+            self._recorded: list[torch.Tensor] = []
+            self._cursor = 0
+
+        def record_indices(self, topk_indices: torch.Tensor) -> None:
+            super().record_indices(topk_indices)
+            self._recorded.append(topk_indices)
+
+        def get_recorded_indices(self) -> Optional[torch.Tensor]:
+            return torch.cat(self._recorded) if self._recorded else None
+
+        def set_target_indices(self, topk_indices: torch.Tensor) -> None:
+            super().set_target_indices(topk_indices)
+            self._cursor = 0
+
+        def clear_indices(self) -> None:
+            super().clear_indices()
+            self._recorded, self._cursor = [], 0
+
+        def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: Optional[int] = None,
+                            group_topk: Optional[int] = None, default_compute_topk: Any = None) -> Any:  # fmt: skip
+            if self.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
+                return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+            rows = scores.shape[0]
+            target = self.target_topk_idx
+            if target is None or self._cursor + rows > target.shape[0]:
+                have = 0 if target is None else target.shape[0] - self._cursor
+                raise RuntimeError(f"routing replay: this forward routes {rows} tokens, {have} replay rows are left")
+            top_indices = target[self._cursor : self._cursor + rows].to(scores.device)
+            self._cursor += rows
+            return scores.gather(1, top_indices), top_indices
+
+    return MicrobatchRouterReplay
 
 
 def hf_router_class() -> type:
@@ -179,16 +239,16 @@ def _shared_experts_class() -> type:
 
     class HFOrderSharedExpertMLP(SharedExpertMLP):
         """``SharedExpertMLP`` whose gate ``sigmoid(x @ gate.T)`` runs over the tokens in HF's
-        (batch-major) order: torch's vectorised sigmoid gives the last elements of a tensor
-        (the tail after the last full vector) other bits than the rest, so the element order
-        decides which tokens are rounded which way. Same math as the stock module."""
+        (batch-major) order: the one-column GEMM and torch's vectorised sigmoid (which rounds the
+        tail after the last full vector differently) both depend on where a token sits in the
+        tensor. Same math as the stock module."""
 
         def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
             if not self.use_shared_expert_gate or hidden_states.dim() != 3:
                 return super().forward(hidden_states)
             output, _ = super(SharedExpertMLP, self).forward(hidden_states)
-            logits = torch.nn.functional.linear(hidden_states, self.gate_weight)  # [s, b, 1]
-            gate = torch.sigmoid(logits.transpose(0, 1).contiguous()).transpose(0, 1)
+            by_batch = hidden_states.transpose(0, 1).contiguous()  # [b, s, h]: a view when b == 1 (THD)
+            gate = torch.sigmoid(torch.nn.functional.linear(by_batch, self.gate_weight)).transpose(0, 1)
             return output * gate
 
     return HFOrderSharedExpertMLP

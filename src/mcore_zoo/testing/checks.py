@@ -418,7 +418,7 @@ def check_thd(architecture: Any, checkpoint: Path, subject: str) -> None:
 TP_LENGTHS = (23, 9, 40)
 
 
-def tensor_parallel_rank(cases: Sequence[tuple[str, str, str]], tp: int) -> dict[str, dict]:
+def tensor_parallel_rank(cases: Sequence[tuple[str, str, str]], tp: int, ep: int = 1) -> dict[str, dict]:
     """Runs on every rank of a :func:`mcore_zoo.distributed.launch`: for each ``(subject,
     architecture, checkpoint)`` build with ``tensor_model_parallel_size=tp`` loading only this rank's
     chunks, run a packed forward and a gathered export. Errors are returned per case."""
@@ -430,7 +430,7 @@ def tensor_parallel_rank(cases: Sequence[tuple[str, str, str]], tp: int) -> dict
     from ..distributed.export import iter_hf_weights
 
     torch = _torch()
-    ensure_model_parallel(Parallelism(tp=tp))
+    ensure_model_parallel(Parallelism(tp=tp, ep=ep))
     results: dict[str, dict] = {}
     for subject, arch_name, checkpoint in cases:
         try:
@@ -445,22 +445,25 @@ def tensor_parallel_rank(cases: Sequence[tuple[str, str, str]], tp: int) -> dict
     return results
 
 
-def run_tensor_parallel(cases: Sequence[tuple[str, str, str]], tp: int = 2) -> list[dict[str, dict]]:
-    """Launch :func:`tensor_parallel_rank` on ``tp`` gloo ranks (one launch for all cases)."""
+def run_tensor_parallel(cases: Sequence[tuple[str, str, str]], tp: int = 2, ep: int = 1) -> list[dict[str, dict]]:
+    """Launch :func:`tensor_parallel_rank` on ``tp * ep`` gloo ranks (one launch for all cases)."""
     from ..distributed.launch import launch
 
-    return launch(tensor_parallel_rank, tp, [tuple(map(str, c)) for c in cases], tp)
+    return launch(tensor_parallel_rank, tp * ep, [tuple(map(str, c)) for c in cases], tp, ep)
 
 
-def check_tensor_parallel(architecture: Any, checkpoint: Path, subject: str, ranks: Sequence[Mapping[str, dict]], tp: int) -> None:
-    """Compare every rank's results for ``subject`` with transformers and the checkpoint."""
+def check_tensor_parallel(architecture: Any, checkpoint: Path, subject: str, ranks: Sequence[Mapping[str, dict]], tp: int,
+                          name: str = "tensor-parallel") -> None:  # fmt: skip
+    """Compare every rank's results for ``subject`` with transformers and the checkpoint (``name``:
+    the contract, ``tensor-parallel`` or ``expert-parallel``)."""
     torch = _torch()
     problems = []
+    where = f"{subject}, TP={tp}" if name == "tensor-parallel" else f"{subject}, EP={len(ranks)}"
     for rank, results in enumerate(ranks):
         result = results.get(subject, {"error": "no result"})
         if "error" in result:
-            fail("tensor-parallel", f"{subject}, TP={tp}", f"rank {rank}: {result['error']}")
-    with contract("tensor-parallel", subject):
+            fail(name, where, f"rank {rank}: {result['error']}")
+    with contract(name, subject):
         hf = reference(architecture, checkpoint)
         source = load_safetensors_dir(checkpoint)
         expected = expected_export(architecture.weight_map(architecture.config_from_hf(str(checkpoint))), source)
@@ -484,7 +487,7 @@ def check_tensor_parallel(architecture: Any, checkpoint: Path, subject: str, ran
             problems.append(f"rank {rank}: gathered export differs from the checkpoint: differing {wrong[:6]},"
                             f" missing {missing[:6]}, unexpected {extra[:6]}")  # fmt: skip
     if problems:
-        fail("tensor-parallel", f"{subject}, TP={tp}", "\n".join(problems))
+        fail(name, where, "\n".join(problems))
 
 
 def expected_export(wmap: Any, source: Mapping[str, Any]) -> set[str]:

@@ -63,7 +63,8 @@ CONTRACTS: dict[str, Contract] = {
             "CPU fp32 logits equal transformers' bit for bit",
             "the packed (THD) portable model with HF-eager attention equals the transformers model on"
             " each sequence alone, and the local backend with numerics='hf-exact' equals it on a batch,"
-            " bitwise (a one-token sequence within 1e-6 relative); a RoPE base off by 2x changes the"
+            " bitwise (a one-token sequence within 1e-6 relative; MoE models' THD packs within 1e-5,"
+            " as each expert sees other row counts in a pack); a RoPE base off by 2x changes the"
             " logits by more than 1e-2 (the example config can fail)",
             "look for what differs from transformers: RoPE (theta, scaling, partial_rotary_factor), norm"
             " eps, biases, the q/k/v row order (mcore interleaves per query group: use the QKV"
@@ -89,6 +90,17 @@ CONTRACTS: dict[str, Contract] = {
             " output layer) split rows (tp_axis=0), row-parallel ones (linear_proj, linear_fc2) columns"
             " (tp_axis=1), norms and row-parallel biases are replicated (None). The example config must"
             " divide by 2 (heads, key/value heads, intermediate size, vocab).",
+        ),
+        Contract(
+            "expert-parallel",
+            "MoE models: EP=2 on gloo - each rank loads only its experts, forward and export gathered",
+            "two ranks build every MoE example config with expert_model_parallel_size=2, each loading"
+            " only its own experts (and the shared tensors); the packed logits equal transformers'"
+            " (within 1e-5 relative) on both ranks and the export gathered over EP equals the"
+            " checkpoint bitwise (dense architectures are skipped)",
+            "expert rules must use '{expert}' in both names (local index on the mcore side, global on"
+            " the HF side: mlp.experts.local_experts.{expert}. <- mlp.experts.{expert}.); router, shared"
+            " experts and everything else are rules without '{expert}'. num_experts must divide by 2.",
         ),
         Contract(
             "bad-input",

@@ -31,6 +31,7 @@ TEST_CONTRACTS = {
     "test_thd": "thd",
     "test_bad_input": "bad-input",
     "test_tensor_parallel": "tensor-parallel",
+    "test_expert_parallel": "expert-parallel",
 }
 
 
@@ -99,6 +100,7 @@ class ConformanceSuite:
             with a ``ConfigError`` (bad-input contract), in addition to dynamic-NTK RoPE scaling
             (turn that probe off with ``probe_dynamic_rope = False`` if the plugin implements it).
         tensor_parallel: the TP size of the multi-process contract (gloo ranks).
+        expert_parallel: the EP size of the MoE multi-process contract (gloo ranks).
     """
 
     plugin: ClassVar[Union[str, Sequence[str]]] = ()
@@ -107,6 +109,7 @@ class ConformanceSuite:
     rejected: ClassVar[Mapping[str, Mapping[str, Mapping[str, Any]]]] = {}
     probe_dynamic_rope: ClassVar[bool] = True
     tensor_parallel: ClassVar[int] = 2
+    expert_parallel: ClassVar[int] = 2
 
     # ------------------------------------------------------------------ collection
     @classmethod
@@ -259,6 +262,43 @@ class ConformanceSuite:
                 f"{len(errors)} example configs",
                 "\n\n".join(f"[{e.contract}] {e.subject}:\n{e.problem}" for e in errors),
             )
+
+
+    def test_expert_parallel(self, zoo_suite: _State) -> None:
+        """One launch of ``expert_parallel`` gloo ranks checks every MoE example config."""
+        from ..placement import Parallelism
+        from ..config.transformer import validate_layout
+        from .checks import check_tensor_parallel, run_tensor_parallel
+
+        ep = self.expert_parallel
+        errors: list[ContractError] = []
+        runnable = []
+        for case in self.zoo_cases():
+            try:
+                architecture = zoo_suite.architecture(case)
+                with contract("expert-parallel", f"{case.subject}, EP={ep}"):
+                    arch = architecture.config_from_hf(zoo_suite.config(case))
+                    if arch.moe is None:
+                        continue
+                    validate_layout(arch, Parallelism(ep=ep))
+                runnable.append((case, architecture, zoo_suite.checkpoint(case, "expert-parallel")))
+            except ContractError as exc:
+                errors.append(exc)
+        if not runnable and not errors:
+            pytest.skip("no MoE architecture among the example configs")
+        if runnable:
+            with contract("expert-parallel", f"{type(self).__name__} (EP={ep} launch)"):
+                ranks = run_tensor_parallel([(c.subject, a.name, ckpt) for c, a, ckpt in runnable], 1, ep)
+            for case, architecture, checkpoint in runnable:
+                try:
+                    check_tensor_parallel(architecture, checkpoint, case.subject, ranks, 1, name="expert-parallel")
+                except ContractError as exc:
+                    errors.append(exc)
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise ContractError("expert-parallel", f"{len(errors)} example configs",
+                                "\n\n".join(f"[{e.contract}] {e.subject}:\n{e.problem}" for e in errors))  # fmt: skip
 
 
 def _archs(state: _State, plugin: str) -> list[str]:

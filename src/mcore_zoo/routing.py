@@ -1,0 +1,198 @@
+"""MoE routing for RL: record the experts a forward chose, replay them in a later forward (and its
+backward), and per-layer expert token counts.
+
+Built on Megatron-Core's router replay (``transformer/moe/router_replay.py``): build the model with
+``overrides={"moe_enable_routing_replay": True}`` so that every router owns a ``RouterReplay``.
+The zoo's HF-order router honours it the same way as the stock one: in replay the chosen experts
+are the given ones, the weights are recomputed from the current router scores (so gradients reach
+the router) with HF's renormalisation and scaling.
+
+::
+
+    model = mcore_zoo.build_model(ckpt, load=ckpt, overrides={"moe_enable_routing_replay": True})
+    with mcore_zoo.routing.record(model) as rec:          # e.g. the old-policy log-prob pass
+        old = mcore_zoo.packed_forward(model, seqs)
+    with mcore_zoo.routing.replay(model, rec.routes):      # training pass: same experts
+        new = mcore_zoo.packed_forward(model, seqs)
+        loss(new).backward()
+
+``routes`` is one ``[tokens, top_k]`` int64 tensor per MoE layer of this rank's model chunks (in
+layer order), in the order the router sees the tokens: the packed order of :func:`packed_forward`
+(alignment padding included; sequence-parallel ranks hold their slice). With several forwards in
+one block (the micro-batches of a pipeline schedule) their tokens follow one another; the zoo's
+router (numerics ``router="hf"``) records and replays forward by forward, Megatron-Core's stock
+router keeps a single target (one forward per block). Routes chosen by a rollout engine (per
+sequence, token and layer) are packed that way by :func:`pack_routes`; :func:`unpack_routes`
+splits recorded routes per sequence. Activation recomputation of MoE layers replays the same
+routes again (Megatron-Core's ``REPLAY_BACKWARD``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence, Union
+
+import torch
+
+from .errors import ZooError
+
+
+def moe_routers(model: Union[torch.nn.Module, Sequence[torch.nn.Module]]) -> list[Any]:
+    """The MoE routers of ``model`` (or its virtual-pipeline chunks), in layer order."""
+    from .handle import handle_of
+
+    routers = []
+    for chunk in handle_of(model).chunks:
+        for layer in getattr(getattr(chunk, "decoder", None), "layers", []):
+            router = getattr(getattr(layer, "mlp", None), "router", None)
+            if router is not None:
+                routers.append(router)
+    return routers
+
+
+def _replays(model: Any) -> list[Any]:
+    routers = moe_routers(model)
+    if not routers:
+        raise ZooError("the model has no MoE layers")
+    missing = [i for i, r in enumerate(routers) if getattr(r, "router_replay", None) is None]
+    if missing:
+        raise ZooError("routing replay needs the model built with overrides={'moe_enable_routing_replay': True}")
+    return [r.router_replay for r in routers]
+
+
+@dataclass
+class Recording:
+    """What :func:`record` collected: ``routes`` (per MoE layer, ``[tokens, top_k]`` expert
+    indices of the last forward) and ``tokens_per_expert`` (per layer, ``[num_experts]`` counts
+    summed over every forward inside the block)."""
+
+    routes: list[torch.Tensor] = field(default_factory=list)
+    tokens_per_expert: list[torch.Tensor] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def record(model: Any) -> Iterator[Recording]:
+    """Record the experts every MoE layer chooses inside the block (see module docstring)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    replays = _replays(model)
+    out = Recording()
+    with count_tokens(model) as counts:
+        for r in replays:
+            r.clear_indices()
+            r.set_router_replay_action(RouterReplayAction.RECORD)
+        try:
+            yield out
+        finally:
+            for r in replays:
+                r.clear_router_replay_action()
+    out.routes = [r.get_recorded_indices() for r in replays]
+    out.tokens_per_expert = counts.tokens_per_expert
+    if any(x is None for x in out.routes):
+        raise ZooError("no forward ran inside mcore_zoo.routing.record(): nothing was recorded")
+    out.routes = [x.detach().clone() for x in out.routes]
+
+
+@contextlib.contextmanager
+def replay(model: Any, routes: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Route every MoE layer to ``routes`` (one ``[tokens, top_k]`` tensor per layer) for the
+    forward run inside the block and its backward (see module docstring)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    replays = _replays(model)
+    if len(routes) != len(replays):
+        raise ZooError(f"{len(routes)} route tensors for {len(replays)} MoE layers")
+    for r, idx in zip(replays, routes):
+        r.clear_indices()
+        r.set_target_indices(idx)
+        r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    try:
+        yield
+    finally:
+        for r in replays:
+            r.clear_router_replay_action()
+            r.clear_indices()
+
+
+def pack_routes(per_sequence: Sequence[torch.Tensor], *, align: int = 1, rank: int = 0, size: int = 1) -> list[torch.Tensor]:
+    """Routes chosen elsewhere (a rollout engine: per sequence, ``[moe_layers, len_i, top_k]``
+    expert indices) in the packed order :func:`replay` expects: per MoE layer ``[tokens, top_k]``,
+    each sequence padded to a multiple of ``align`` as :func:`mcore_zoo.packing.pack_sequences`
+    pads it (padding slots get experts ``0..top_k-1``; their outputs are discarded).
+    ``rank``/``size``: the sequence-parallel slice a TP rank's routers see (``size`` = TP with
+    sequence parallelism). Context parallelism (zigzag chunks) is not supported."""
+    if not per_sequence:
+        raise ZooError("no routes to pack")
+    layers, _, topk = per_sequence[0].shape
+    parts = []
+    for routes in per_sequence:
+        if routes.dim() != 3 or routes.shape[0] != layers or routes.shape[2] != topk:
+            raise ZooError(f"routes of shape {tuple(routes.shape)}; expected [{layers}, len, {topk}]")
+        n = routes.shape[1]
+        pad = -(-n // align) * align - n
+        filler = torch.arange(topk, dtype=routes.dtype).expand(layers, pad, topk)
+        parts.append(torch.cat([routes, filler.to(routes.device)], dim=1))
+    packed = torch.cat(parts, dim=1)
+    if packed.shape[1] % size:
+        raise ZooError(f"{packed.shape[1]} packed tokens do not split over {size} sequence-parallel ranks")
+    per_rank = packed.shape[1] // size
+    return [packed[layer, rank * per_rank : (rank + 1) * per_rank].long().contiguous() for layer in range(layers)]
+
+
+def unpack_routes(routes: Sequence[torch.Tensor], lengths: Sequence[int], *, align: int = 1) -> list[torch.Tensor]:
+    """Inverse of :func:`pack_routes` (one rank, no sequence parallelism): per sequence
+    ``[moe_layers, len_i, top_k]`` from per-layer packed routes (e.g. :attr:`Recording.routes`)."""
+    stacked = torch.stack(list(routes))  # [layers, tokens, k]
+    out, offset = [], 0
+    for n in lengths:
+        out.append(stacked[:, offset : offset + n].clone())
+        offset += -(-n // align) * align
+    if offset != stacked.shape[1]:
+        raise ZooError(f"lengths {list(lengths)} with align={align} cover {offset} tokens, the routes {stacked.shape[1]}")
+    return out
+
+
+@dataclass
+class TokenCounts:
+    """Per MoE layer, how many tokens each expert received (summed over the forwards counted)."""
+
+    tokens_per_expert: list[torch.Tensor] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def count_tokens(model: Any) -> Iterator[TokenCounts]:
+    """Count, per MoE layer and expert, the tokens routed inside the block (from the routers'
+    routing maps; padding positions of a pack included)."""
+    routers = moe_routers(model)
+    counts = TokenCounts([torch.zeros(r.config.num_moe_experts, dtype=torch.long) for r in routers])
+    handles = []
+    for i, router in enumerate(routers):
+
+        def hook(_module: Any, _inputs: Any, output: Any, i: int = i) -> None:
+            routing_map = output[1]
+            counts.tokens_per_expert[i] += routing_map.sum(dim=0).to("cpu", torch.long)
+
+        handles.append(router.register_forward_hook(hook))
+    try:
+        yield counts
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def aux_losses(clear: bool = True) -> dict[str, torch.Tensor]:
+    """Megatron-Core's tracked MoE auxiliary losses of the forwards run since the last call
+    (``{name: per-layer values}``; the loss itself is already attached to the graph by the router
+    when ``moe_aux_loss_coeff > 0``, so a trainer only logs these)."""
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    values = {name: entry["values"].detach().clone() for name, entry in tracker.items() if "values" in entry}
+    if clear:
+        clear_aux_losses_tracker()
+    return values
+
+
+__all__ = ["Recording", "TokenCounts", "aux_losses", "count_tokens", "moe_routers", "pack_routes", "record", "replay",
+           "unpack_routes"]

@@ -1,0 +1,116 @@
+"""Routing replay (RL): a replayed forward equals the recorded one bit for bit, keeps the recorded
+experts when the router changes, and its backward reaches the router; expert token counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mcore_zoo
+from mcore_zoo import routing
+
+from ..conftest import random_sequences
+
+ARCHS = ["Qwen3MoeForCausalLM", "Glm4MoeForCausalLM"]
+
+
+def _model(ckpt):
+    return mcore_zoo.build_model(ckpt, backend="portable", numerics="hf-exact", load=ckpt, params_dtype=torch.float32,
+                                 overrides={"moe_enable_routing_replay": True}).eval()  # fmt: skip
+
+
+def _chosen(model):
+    """Per MoE layer, the experts each token went to in the last forward (sets, as a bool map)."""
+    maps = []
+    handles = [r.register_forward_hook(lambda m, i, o: maps.append(o[1].clone())) for r in routing.moe_routers(model)]
+    return maps, handles
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_replay_is_bitwise_and_keeps_the_experts(mpu, reference_checkpoint, arch):
+    ckpt = reference_checkpoint(arch)
+    model = _model(ckpt)
+    seqs = random_sequences([23, 40, 9], 256, seed=3)
+    with torch.no_grad():
+        with routing.record(model) as rec:
+            recorded = mcore_zoo.packed_forward(model, seqs).logits
+        assert len(rec.routes) == len(routing.moe_routers(model))
+        assert all(int(c.sum()) == 72 * model.config.moe_router_topk for c in rec.tokens_per_expert)
+        with routing.replay(model, rec.routes):
+            replayed = mcore_zoo.packed_forward(model, seqs).logits
+        assert all(torch.equal(a, b) for a, b in zip(recorded, replayed))
+
+        # perturb every router: without replay the experts change, with replay they do not
+        for router in routing.moe_routers(model):
+            router.weight.add_(torch.randn_like(router.weight, generator=torch.Generator().manual_seed(7)) * 0.5)
+        maps, handles = _chosen(model)
+        free = mcore_zoo.packed_forward(model, seqs).logits
+        free_maps = list(maps)
+        maps.clear()
+        with routing.replay(model, rec.routes):
+            pinned = mcore_zoo.packed_forward(model, seqs).logits
+        for h in handles:
+            h.remove()
+    want = [torch.zeros_like(m).scatter(1, idx, True) for m, idx in zip(maps, rec.routes)]
+    assert any(not torch.equal(f, w) for f, w in zip(free_maps, want)), "the perturbation did not change routing"
+    assert all(torch.equal(m, w) for m, w in zip(maps, want)), "replay did not keep the recorded experts"
+    assert any(not torch.equal(a, b) for a, b in zip(free, pinned))
+
+
+def test_replay_backward_reaches_the_router(mpu, reference_checkpoint):
+    ckpt = reference_checkpoint("Qwen3MoeForCausalLM")
+    model = _model(ckpt)
+    seqs = random_sequences([23, 40], 256, seed=4)
+    with torch.no_grad(), routing.record(model) as rec:
+        mcore_zoo.packed_forward(model, seqs)
+    with routing.replay(model, rec.routes):
+        out = mcore_zoo.packed_forward(model, seqs)
+        sum(lp.sum() for lp in out.logprobs).backward()
+    for router in routing.moe_routers(model):
+        assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+
+
+def test_replay_needs_the_build_flag(mpu, reference_checkpoint):
+    ckpt = reference_checkpoint("Qwen3MoeForCausalLM")
+    model = mcore_zoo.build_model(ckpt, backend="portable", load=ckpt, params_dtype=torch.float32)
+    with pytest.raises(mcore_zoo.ZooError, match="moe_enable_routing_replay"):
+        with routing.record(model):
+            pass
+
+
+def test_aux_loss_and_token_counts_in_training(mpu, reference_checkpoint):
+    """output_router_logits=True turns router_aux_loss_coef into Megatron-Core's load-balancing
+    loss (attached to the graph in training); its per-layer values and the expert token counts are
+    reported (dense layers: 0)."""
+    ckpt = reference_checkpoint("Qwen3MoeForCausalLM", {"output_router_logits": True})
+    model = mcore_zoo.build_model(ckpt, backend="portable", load=ckpt, params_dtype=torch.float32).train()
+    assert model.config.moe_aux_loss_coeff == 0.001
+    seqs = random_sequences([30, 20], 256, seed=5)
+    routing.aux_losses()  # start from a clean tracker
+    with routing.count_tokens(model) as counts:
+        out = mcore_zoo.packed_forward(model, seqs)
+    sum(lp.sum() for lp in out.logprobs).backward()
+    losses = routing.aux_losses()["load_balancing_loss"]
+    pattern = [model.mcore_zoo.arch.moe.is_moe_layer(i) for i in range(len(model.decoder.layers))]
+    assert [bool(v > 0) for v in losses] == pattern
+    assert all(int(c.sum()) == 50 * 2 for c in counts.tokens_per_expert)
+
+
+def test_routes_from_a_rollout_engine_are_packed_like_the_tokens(mpu, reference_checkpoint):
+    """Per-sequence routes (as a rollout engine reports them) packed with alignment padding and
+    replayed give the recorded forward bit for bit; unpack_routes inverts pack_routes."""
+    ckpt = reference_checkpoint("Qwen3MoeForCausalLM")
+    model = _model(ckpt)
+    seqs = random_sequences([23, 40, 9], 256, seed=6)
+    with torch.no_grad():
+        with routing.record(model) as rec:
+            recorded = mcore_zoo.packed_forward(model, seqs, align=8).logits
+        per_sequence = routing.unpack_routes(rec.routes, [s.numel() for s in seqs], align=8)
+        assert [r.shape[1] for r in per_sequence] == [23, 40, 9]
+        packed = routing.pack_routes(per_sequence, align=8)
+        for got, want, in zip(packed, rec.routes):
+            real = torch.cat([torch.arange(o, o + n) for o, n in zip([0, 24, 64], [23, 40, 9])])
+            assert torch.equal(got[real], want[real])
+        with routing.replay(model, packed):
+            replayed = mcore_zoo.packed_forward(model, seqs, align=8).logits
+    assert all(torch.equal(a, b) for a, b in zip(recorded, replayed))
