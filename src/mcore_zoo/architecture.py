@@ -119,7 +119,8 @@ class Architecture:
         from .config.normalize import normalize_with_defaults
         from .config.reader import ConfigReader
 
-        config, defaulted = normalize_with_defaults(hf_config, trust_remote_code=trust_remote_code)
+        config, defaulted = normalize_with_defaults(hf_config, trust_remote_code=trust_remote_code,
+                                                    fallback_model_type=self.entry.model_type)  # fmt: skip
         reader = ConfigReader(config, self.name, ignore_fields, defaulted=defaulted)
         arch = self.contribution("converter")(reader)
         if not isinstance(arch, ArchConfig):

@@ -20,7 +20,9 @@ from . import compat, cpu_shim
 from .architecture import Architecture
 from .config.arch import ArchConfig
 from .config.rope import inv_freq
-from .config.transformer import BuildOptions, gpt_model_kwargs, transformer_config_kwargs, validate_layout
+from .config.transformer import (
+    BuildOptions, gpt_model_kwargs, transformer_config_class, transformer_config_kwargs, validate_layout,
+)  # fmt: skip
 from .errors import ZooError
 from .handle import ModelHandle
 from .numerics.profiles import NumericsProfile, get_profile
@@ -136,7 +138,7 @@ def prepare(
         head=head,
         value_head_init=value_head_init,
     )
-    config = compat.make_transformer_config(**transformer_config_kwargs(arch, options))
+    config = compat.make_transformer_config(transformer_config_class(arch), **transformer_config_kwargs(arch, options))
     return BuildPlan(architecture, arch, options, config)
 
 

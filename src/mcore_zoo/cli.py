@@ -132,6 +132,17 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------- show
+def parse_ignore_fields(items: list[str]) -> dict[str, str]:
+    """``["name=reason", ...]`` -> ``{name: reason}`` (``--ignore-field``; a reason is required)."""
+    out = {}
+    for item in items:
+        name, _, reason = item.partition("=")
+        if not name.strip() or not reason.strip():
+            raise ZooError(f"--ignore-field {item!r}: expected NAME=REASON (say why the field may be ignored)")
+        out[name.strip()] = reason.strip()
+    return out
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     from .build import prepare
     from .placement import Parallelism
@@ -153,7 +164,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     activate()
     plan = prepare(
-        source, architecture=architecture, backend=args.backend, numerics=get_profile(args.numerics), parallel=parallel
+        source, architecture=architecture, backend=args.backend, numerics=get_profile(args.numerics), parallel=parallel,
+        ignore_fields=parse_ignore_fields(args.ignore_field),
     )
     arch = plan.arch_config
     wmap = architecture.weight_map(arch)
@@ -175,6 +187,8 @@ def cmd_show(args: argparse.Namespace) -> int:
             "gpt_model": {k: _jsonable(v) for k, v in gm.items()},
             "rope": arch.rope.as_dict(),
             "moe": _jsonable(dataclasses.asdict(arch.moe)) if arch.moe is not None else None,
+            "mla": _jsonable(dataclasses.asdict(arch.mla)) if arch.mla is not None else None,
+            "checkpoint_quantization": _jsonable(dict(arch.checkpoint_quantization)) if arch.checkpoint_quantization else None,
             "weight_rules": rules,
             "ignored_hf_tensors": [{"pattern": p, "reason": r} for p, r in wmap.ignored],
         }, indent=2))  # fmt: skip
@@ -268,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--backend", default="local", choices=("te", "local", "portable"))
     p.add_argument("--numerics", default="default")
+    p.add_argument("--ignore-field", action="append", default=[], metavar="NAME=REASON",
+                   help="ignore an HF config field on purpose (e.g. num_nextn_predict_layers=REASON: drop MTP layers)")
     _parallel_args(p)
     p.set_defaults(func=cmd_show)
 

@@ -91,7 +91,7 @@ def test_aux_loss_and_token_counts_in_training(mpu, reference_checkpoint):
         out = mcore_zoo.packed_forward(model, seqs)
     sum(lp.sum() for lp in out.logprobs).backward()
     losses = routing.aux_losses()["load_balancing_loss"]
-    pattern = [model.mcore_zoo.arch.moe.is_moe_layer(i) for i in range(len(model.decoder.layers))]
+    pattern = [model.mcore_zoo.arch_config.moe.is_moe_layer(i) for i in range(len(model.decoder.layers))]
     assert [bool(v > 0) for v in losses] == pattern
     assert all(int(c.sum()) == 50 * 2 for c in counts.tokens_per_expert)
 

@@ -87,6 +87,35 @@ class MoESpec:
 
 
 @dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2 / V3), as the HF model computes it.
+
+    ``q = q_b_proj(norm(q_a_proj(x)))`` (``q_lora_rank``) or ``q_proj(x)``; ``[kv_latent; k_rope] =
+    kv_a_proj_with_mqa(x)``; ``[k_nope; v] = kv_b_proj(norm(kv_latent))`` per head; RoPE on the last
+    ``qk_rope_head_dim`` dims of q and on the one shared ``k_rope`` (``rope_interleave``: the rotary
+    dims come in interleaved pairs and leave de-interleaved, as Megatron-Core's MLA RoPE does).
+    The latent norms use ``latent_norm_eps`` (HF builds them with its RMSNorm default, 1e-6).
+    ``softmax_scale`` is HF's (``(nope + rope) ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2``
+    under YaRN).
+    """
+
+    q_lora_rank: Optional[int]
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    softmax_scale: float
+    rope_interleave: bool = True
+    latent_norm_eps: float = 1e-6
+    #: DeepSeek-V2: the rope pairs are rotated as complex numbers and stay interleaved
+    rope_complex: bool = False
+
+    @property
+    def q_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class ArchConfig:
     """A converted architecture instance. Shapes are global (before any parallel split).
 
@@ -129,6 +158,12 @@ class ArchConfig:
     hidden_dropout: float = 0.0
     init_std: float = 0.02
     moe: Optional[MoESpec] = None
+    #: multi-head latent attention (DeepSeek); ``None``: standard GQA attention
+    mla: Optional[MLASpec] = None
+    #: the HF ``quantization_config`` of an FP8 block-quantized checkpoint (validated by
+    #: ``mcore_zoo.weights.fp8.Fp8BlockFormat``): loading dequantizes its tensors into the model's
+    #: dtype, ``save_hf_checkpoint(fp8=True)`` writes the format back. ``None``: unquantized
+    checkpoint_quantization: Optional[Mapping[str, Any]] = None
     extra_transformer_config: Mapping[str, Any] = field(default_factory=dict)
     #: rows of the embedding / output layer when padded (``make_vocab_size_divisible_by``); None: vocab_size
     padded_vocab_size: Optional[int] = None

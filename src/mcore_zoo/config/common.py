@@ -85,6 +85,8 @@ def classify_common_fields(reader: ConfigReader) -> None:
         reader.expect("tie_encoder_decoder", False, reason="encoder-decoder tying is not supported")
     if reader.has("pruned_heads"):
         reader.expect("pruned_heads", lambda v: not v, reason="pruned attention heads are not supported")
+    if "quantization_config" in reader.records:
+        return  # classified by the plugin (a quantized format it reads, e.g. DeepSeek's FP8 blocks)
     if reader.has("quantization_config") and reader.peek("quantization_config"):
         raise reader.unsupported(
             "quantization_config",

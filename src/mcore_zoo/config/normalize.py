@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from ..errors import ConfigError
 
@@ -53,9 +53,14 @@ def normalize_hf_config(source: Any, *, trust_remote_code: bool = False) -> dict
     return normalize_with_defaults(source, trust_remote_code=trust_remote_code)[0]
 
 
-def normalize_with_defaults(source: Any, *, trust_remote_code: bool = False) -> tuple[dict[str, Any], frozenset[str]]:
+def normalize_with_defaults(source: Any, *, trust_remote_code: bool = False,
+                            fallback_model_type: Optional[str] = None) -> tuple[dict[str, Any], frozenset[str]]:  # fmt: skip
     """:func:`normalize_hf_config` and the top-level fields that only transformers' defaults filled
-    in (absent from the given dict or file; empty for a config object, whose origin is unknown)."""
+    in (absent from the given dict or file; empty for a config object, whose origin is unknown).
+
+    ``fallback_model_type``: the config class to read with when the config's own ``model_type`` is
+    one transformers does not know (Kimi-K2's ``kimi_k2`` is a DeepSeek-V3 with remote code): the
+    owning architecture's built-in class, never the remote code. ``model_type`` keeps its value."""
     if hasattr(source, "to_dict") and callable(source.to_dict) and not isinstance(source, Mapping):
         return dict(source.to_dict()), frozenset()
     if isinstance(source, Mapping):
@@ -72,10 +77,14 @@ def normalize_with_defaults(source: Any, *, trust_remote_code: bool = False) -> 
             return full, _defaulted(full, raw)
     model_type = raw.get("model_type")
     cls = _config_class(model_type) if model_type else None
+    if cls is None and fallback_model_type:
+        cls = _config_class(fallback_model_type)
     if cls is None:
         return raw, frozenset()
     try:  # transformers may edit nested dicts it is given (rope_scaling gains rope_theta): pass a copy
         full = dict(cls.from_dict(copy.deepcopy(raw)).to_dict())
+        if model_type:
+            full["model_type"] = model_type
     except Exception as exc:  # validators raise TypeError, ValueError, KeyError and their own types
         raise ConfigError(f"transformers rejects this {model_type!r} config: {type(exc).__name__}: {exc}") from exc
     return full, _defaulted(full, raw)

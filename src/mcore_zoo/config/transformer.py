@@ -150,7 +150,9 @@ def transformer_config_kwargs(arch: ArchConfig, options: BuildOptions) -> dict[s
         kwargs["window_size"] = (arch.sliding_window - 1, 0)
         if arch.sliding_window_layers is not None:
             kwargs["window_attn_skip_freq"] = [int(f) for f in arch.sliding_window_layers]
-    if arch.rope.rope_type == "yarn":
+    if arch.mla is not None:  # DeepSeek MLA: MLATransformerConfig fields (mcore_zoo.specs.mla)
+        kwargs.update(_mla_fields(arch))
+    elif arch.rope.rope_type == "yarn":
         kwargs.update(_yarn_fields(arch))
     if arch.moe is not None:  # MoE fields (mcore_zoo.config.moe): router, experts, dispatcher
         from .moe import moe_config_kwargs
@@ -160,6 +162,55 @@ def transformer_config_kwargs(arch: ArchConfig, options: BuildOptions) -> dict[s
     for name, value in options.overrides.items():
         kwargs[name] = value
     return kwargs
+
+
+def transformer_config_class(arch: ArchConfig) -> Any:
+    """``MLATransformerConfig`` for MLA architectures, else ``TransformerConfig``."""
+    if arch.mla is not None:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        return MLATransformerConfig
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig
+
+
+def _mla_fields(arch: ArchConfig) -> dict[str, Any]:
+    """The ``MLATransformerConfig`` fields of ``arch.mla``. Megatron-Core's own RoPE module and
+    softmax scale of each MLA layer are replaced by the zoo's (HF's frequencies, attention factor
+    and scale: :mod:`mcore_zoo.specs.mla`); these fields still size the layer and pick the branch."""
+    mla, rope = arch.mla, arch.rope
+    if rope.rope_type not in ("default", "yarn"):
+        raise ZooError(f"{arch.architecture}: MLA supports default and yarn RoPE, not {rope.rope_type!r}")
+    if rope.partial_rotary_factor != 1.0:
+        raise ZooError(f"{arch.architecture}: MLA rotates qk_rope_head_dim; partial_rotary_factor must be 1")
+    yarn = rope.rope_type == "yarn"
+    fields: dict[str, Any] = dict(
+        multi_latent_attention=True,
+        q_lora_rank=mla.q_lora_rank,
+        kv_lora_rank=mla.kv_lora_rank,
+        qk_head_dim=mla.qk_nope_head_dim,
+        qk_pos_emb_head_dim=mla.qk_rope_head_dim,
+        v_head_dim=mla.v_head_dim,
+        kv_channels=mla.q_head_dim,
+        rope_type="yarn" if yarn else "rope",
+        rotary_base=rope.theta,
+        rotary_percent=1.0,
+        softmax_scale=mla.softmax_scale,
+        apply_rope_fusion=False,
+    )
+    if yarn:
+        fields.update(
+            rotary_scaling_factor=rope.factor,
+            original_max_position_embeddings=rope.original_max_position_embeddings,
+            beta_fast=rope.beta_fast or 32,
+            beta_slow=rope.beta_slow or 1,
+            mscale=rope.mscale if rope.mscale is not None else 1.0,
+            mscale_all_dim=rope.mscale_all_dim if rope.mscale_all_dim is not None else 0.0,
+        )
+    else:
+        fields.update(rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+    return fields
 
 
 def fused_softmax_available() -> bool:

@@ -338,9 +338,19 @@ def save_hf_checkpoint(
     max_shard_size: Union[int, str] = "5GB",
     overwrite: bool = False,
     writer_rank: int = 0,
+    fp8: bool = False,
+    fp8_scales: str = "fresh",
 ) -> list[str]:
     """Write a complete HF checkpoint (safetensors + config.json) that transformers loads, with the
     tokenizer files and ``generation_config.json`` of the checkpoint the model was loaded from.
+
+    ``fp8``: write the FP8 block format of the FP8 checkpoint the model was loaded from (for an FP8
+    inference engine): the tensors that were quantized there as e4m3 ``X.weight`` +
+    ``X.weight_scale_inv``, the rest as ``dtype``, ``quantization_config`` kept. ``fp8_scales``:
+    ``"fresh"`` (transformers' quantizer; a block that is an exact dequantization gets back a scale
+    that reproduces it, so an fp32 model loaded from FP8 and not trained exports the identical
+    bytes) or ``"source"`` (the loaded ``weight_scale_inv``: identical bytes from any dtype; values
+    beyond ``448 * scale`` saturate). See docs/fp8.md.
 
     Any layout: in a multi-process job every rank calls it; global rank ``writer_rank`` gathers
     the tensors (bucket by bucket) and writes, the others take part in the gathers. Every rank
@@ -349,9 +359,11 @@ def save_hf_checkpoint(
     """
     handle = handle_of(model)
     needed = handle.weight_map.hf_names()
-    config = hf_config_for_export(handle, dtype)
+    config = hf_config_for_export(handle, dtype, fp8=fp8)
+    quantize = _fp8_export(handle, fp8, fp8_scales)
+    needed = needed | set(_fp8_scale_names(handle)) if fp8 else needed
     if not handle.placement.distributed:
-        return write_hf_checkpoint(iter_hf_weights(handle, dtype=dtype), out_dir, needed=needed, config=config,
+        return write_hf_checkpoint(quantize(iter_hf_weights(handle, dtype=dtype)), out_dir, needed=needed, config=config,
                                    max_shard_size=max_shard_size, overwrite=overwrite, assets=handle.hf_source)  # fmt: skip
     writer = handle.placement.rank == writer_rank
     verdict: list[Any] = [None]
@@ -363,7 +375,7 @@ def save_hf_checkpoint(
     dist.broadcast_object_list(verdict, src=writer_rank)
     if verdict[0] is not None:
         raise FileExistsError(verdict[0])
-    items = iter_hf_weights(handle, dtype=dtype, ranks=[writer_rank])
+    items = quantize(iter_hf_weights(handle, dtype=dtype, ranks=[writer_rank]))
     outcome: list[Any] = [None]
     if writer:
         try:
@@ -379,6 +391,26 @@ def save_hf_checkpoint(
     if status != "ok":
         raise ZooError(f"save_hf_checkpoint failed on rank {writer_rank}: {value}")
     return value
+
+
+def _fp8_scale_names(handle: ModelHandle) -> list[str]:
+    return list(handle.fp8_source.plan.quantized.values())
+
+
+def _fp8_export(handle: ModelHandle, fp8: bool, fp8_scales: str) -> Any:
+    """Identity, or the FP8 quantization of the export items (see :func:`save_hf_checkpoint`)."""
+    if not fp8:
+        return lambda items: items
+    if fp8_scales not in ("fresh", "source"):
+        raise ValueError(f"fp8_scales={fp8_scales!r}; use 'fresh' or 'source'")
+    source = handle.fp8_source
+    if source is None:
+        raise ZooError("save_hf_checkpoint(fp8=True) writes the FP8 format of the checkpoint the model was loaded"
+                       " from; this model was not loaded from an FP8 block-quantized checkpoint")  # fmt: skip
+    from ..weights.fp8 import quantize_for_export
+
+    scales = source.scales if fp8_scales == "source" else None
+    return lambda items: quantize_for_export(items, source.plan.quantized, source.fmt, scales=scales)
 
 
 def _drain(items: Iterator[Any]) -> None:

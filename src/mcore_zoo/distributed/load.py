@@ -61,7 +61,13 @@ def load_hf_weights(
     handle = handle_of(model)
     handle.check_current()  # before any IO
     own = not isinstance(checkpoint, HFCheckpoint)
-    ckpt = HFCheckpoint(checkpoint, allow_torch_load=allow_torch_load) if own else checkpoint
+    quantization = handle.arch_config.checkpoint_quantization
+    ckpt = HFCheckpoint(checkpoint, allow_torch_load=allow_torch_load, allow_fp8=quantization is not None) if own else checkpoint
+    if quantization is not None:  # FP8 blocks: dequantized as they are read (mcore_zoo.weights.fp8)
+        from ..weights.fp8 import Fp8BlockFormat, Fp8Checkpoint
+
+        ckpt = Fp8Checkpoint(ckpt, Fp8BlockFormat.from_hf(quantization, architecture=handle.arch_config.architecture))
+        handle.fp8_source = ckpt  # which tensors were quantized, and their scales (export)
     try:
         plan, ignored = plan_load(handle, ckpt)
         rank = handle.placement.rank

@@ -29,6 +29,13 @@ SCALES: dict[str, tuple[int, int, Optional[int]]] = {
     "small": (8, 1024, None),
 }
 
+#: Fields a random-weight reference checkpoint cannot carry, and what it gets instead (recorded in
+#: the report's ``changes``): the weights are generated in the training dtype, not block-quantized
+#: (an FP8 ``quantization_config`` would describe tensors that are not there; the zoo's FP8 loading
+#: is tested against real FP8 files); transformers' models build no multi-token-prediction layers,
+#: so the reference has none to compare.
+RANDOM_WEIGHTS_CANNOT_CARRY: dict[str, Any] = {"quantization_config": None, "num_nextn_predict_layers": 0}
+
 #: Published configs of one real model per built-in architecture (``--arch X --scale ...``).
 PUBLISHED = Path(__file__).parent / "configs"
 
@@ -106,18 +113,17 @@ def _set_path(config: dict[str, Any], key: str, value: Any, changes: dict[str, l
         config[key] = value
 
 
-def scale_config(config: dict[str, Any], preset: str) -> tuple[dict[str, Any], dict[str, list[Any]]]:
-    """Shrink ``config`` with preset ``tiny`` or ``small`` (see module docstring).
+def _scale_width(c: dict[str, Any], factor: float, changes: dict[str, list[Any]]) -> None:
+    """MLP widths (dense and per expert) shrink by the factor of the heads."""
+    if "intermediate_size" in c:
+        inter = max(64, int(math.ceil(c["intermediate_size"] * factor / 64)) * 64)
+        _set_path(c, "intermediate_size", inter, changes)
+    if isinstance(c.get("moe_intermediate_size"), int):
+        moe = max(32, int(math.ceil(c["moe_intermediate_size"] * factor / 32)) * 32)
+        _set_path(c, "moe_intermediate_size", moe, changes)
 
-    Heads: the largest number of key/value heads (at most the original, at least 1, preferring 2+
-    so that TP=2 stays possible) whose ``heads * head_dim`` fits the preset's width; query heads
-    keep the GQA ratio. Hidden and MLP widths shrink by the same factor as the heads.
-    """
-    if preset not in SCALES:
-        raise ZooError(f"unknown --scale {preset!r}; known: {sorted(SCALES)}")
-    layers, max_hidden, max_vocab = SCALES[preset]
-    c = dict(config)
-    changes: dict[str, list[Any]] = {}
+
+def _scale_heads(c: dict[str, Any], max_hidden: int, changes: dict[str, list[Any]]) -> None:
     heads = int(c["num_attention_heads"])
     kv = int(c.get("num_key_value_heads") or heads)
     if heads % kv:
@@ -138,12 +144,49 @@ def scale_config(config: dict[str, Any], preset: str) -> tuple[dict[str, Any], d
     _set_path(c, "num_attention_heads", new_heads, changes)
     _set_path(c, "num_key_value_heads", new_kv, changes)
     _set_path(c, "hidden_size", new_hidden, changes)
-    if "intermediate_size" in c:
-        inter = max(64, int(math.ceil(c["intermediate_size"] * factor / 64)) * 64)
-        _set_path(c, "intermediate_size", inter, changes)
+    _scale_width(c, factor, changes)
+
+
+def _scale_mla(c: dict[str, Any], max_hidden: int, changes: dict[str, list[Any]]) -> None:
+    """Multi-head latent attention (DeepSeek): the per-head widths (``qk_nope_head_dim``,
+    ``qk_rope_head_dim``, ``v_head_dim``) and ``kv_lora_rank`` are kept; up to 4 heads (2+ so that
+    TP=2 stays possible); the hidden size, ``q_lora_rank`` and MLP widths shrink by one factor."""
+    heads = int(c["num_attention_heads"])
+    hidden = int(c["hidden_size"])
+    new_heads = min(heads, 4)
+    new_hidden = min(hidden, max_hidden)
+    factor = new_hidden / hidden
+    _set_path(c, "num_attention_heads", new_heads, changes)
+    if c.get("num_key_value_heads") is not None:
+        _set_path(c, "num_key_value_heads", new_heads, changes)  # MLA: one key / value per head
+    _set_path(c, "hidden_size", new_hidden, changes)
+    if isinstance(c.get("q_lora_rank"), int):
+        _set_path(c, "q_lora_rank", max(16, int(math.ceil(c["q_lora_rank"] * factor / 16)) * 16), changes)
+    _scale_width(c, factor, changes)
+
+
+def scale_config(config: dict[str, Any], preset: str) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+    """Shrink ``config`` with preset ``tiny`` or ``small`` (see module docstring).
+
+    Heads: the largest number of key/value heads (at most the original, at least 1, preferring 2+
+    so that TP=2 stays possible) whose ``heads * head_dim`` fits the preset's width; query heads
+    keep the GQA ratio. Hidden and MLP widths shrink by the same factor as the heads.
+    """
+    if preset not in SCALES:
+        raise ZooError(f"unknown --scale {preset!r}; known: {sorted(SCALES)}")
+    layers, max_hidden, max_vocab = SCALES[preset]
+    c = dict(config)
+    changes: dict[str, list[Any]] = {}
+    if c.get("kv_lora_rank") is not None:
+        _scale_mla(c, max_hidden, changes)
+    else:
+        _scale_heads(c, max_hidden, changes)
     old_layers = int(c["num_hidden_layers"])
     new_layers = min(layers, old_layers)
     _set_path(c, "num_hidden_layers", new_layers, changes)
+    first_dense = c.get("first_k_dense_replace")
+    if isinstance(first_dense, int) and first_dense >= new_layers > 1:  # keep one dense and >= 1 MoE layer
+        _set_path(c, "first_k_dense_replace", min(first_dense, new_layers - 1), changes)
     if isinstance(c.get("layer_types"), list):
         _set_path(c, "layer_types", list(c["layer_types"][:new_layers]), changes)
     if isinstance(c.get("max_window_layers"), int) and c["max_window_layers"] >= old_layers:
@@ -252,6 +295,9 @@ def prepare_model(
         raw, changes = scale_config(raw, scale)
     for key, value in settings.items():
         _set_path(raw, key, value, changes)
+    for key, value in RANDOM_WEIGHTS_CANNOT_CARRY.items():
+        if raw.get(key) and key not in settings:
+            _set_path(raw, key, value, changes)
     out = Path(work_dir) / "reference"
     write_reference_checkpoint(architecture, raw, out, seed=seed, dtype=dtype)
     saved = read_json_config(out)

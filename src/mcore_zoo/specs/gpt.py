@@ -123,21 +123,27 @@ def gpt_layer_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile, *,
     else:
         mlp = mlp_submodule(p["linear_fc1"], p["linear_fc2"])
     qk_norm = p["qk_norm"] if arch.qk_norm else IdentityOp
+    if arch.mla is not None:  # DeepSeek multi-head latent attention (mcore_zoo.specs.mla)
+        from .mla import mla_attention_spec
+
+        attention = mla_attention_spec(arch, backend, numerics, p)
+    else:
+        attention = ModuleSpec(
+            module=SelfAttention,
+            params={"attn_mask_type": AttnMaskType.causal},
+            submodules=SelfAttentionSubmodules(
+                linear_qkv=p["linear_qkv"],
+                core_attention=p["core_attention"],
+                linear_proj=p["linear_proj"],
+                q_layernorm=qk_norm,
+                k_layernorm=qk_norm,
+            ),
+        )
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=p["input_layernorm"],
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=p["linear_qkv"],
-                    core_attention=p["core_attention"],
-                    linear_proj=p["linear_proj"],
-                    q_layernorm=qk_norm,
-                    k_layernorm=qk_norm,
-                ),
-            ),
+            self_attention=attention,
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=p["pre_mlp_layernorm"],
             mlp=mlp,

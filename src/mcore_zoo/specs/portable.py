@@ -112,6 +112,8 @@ class PortableAttention(torch.nn.Module):
         cp_comm_type: Optional[str] = None,
         pg_collection: Any = None,
         kernel: str = "auto",
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
         **_: Any,
     ) -> None:
         super().__init__()
@@ -125,7 +127,8 @@ class PortableAttention(torch.nn.Module):
         tp = config.tensor_model_parallel_size
         self.heads = config.num_attention_heads // tp
         self.groups = (config.num_query_groups or config.num_attention_heads) // tp
-        self.head_dim = config.kv_channels
+        self.head_dim = k_channels or config.kv_channels
+        self.v_dim = v_channels or self.head_dim  # MLA: values narrower than keys
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.window: Optional[int] = None
@@ -175,7 +178,7 @@ class PortableAttention(torch.nn.Module):
         lengths = params.cu_seqlens_q.diff()
         if kernel in ("varlen", "flash"):
             return self._thd_fused(query, key, value, params, kernel)
-        out = query.new_zeros(query.shape[0], self.heads, self.head_dim)
+        out = query.new_zeros(query.shape[0], self.heads, self.v_dim)
         # eager: sequences of equal length go through one batched call (batched matmuls give each
         # element the result it gets alone; fewer launches). sdpa: one call per sequence, as HF
         # sdpa on that sequence alone (SDPA chooses kernels by batch shape).
@@ -190,7 +193,7 @@ class PortableAttention(torch.nn.Module):
             q = query[rows].view(*shape, *query.shape[1:]).transpose(1, 2)  # [g, h, L, d]
             k = key[rows].view(*shape, *key.shape[1:]).transpose(1, 2)
             v = value[rows].view(*shape, *value.shape[1:]).transpose(1, 2)
-            out[rows] = self._attend(q, k, v, kernel, None).reshape(-1, self.heads, self.head_dim)
+            out[rows] = self._attend(q, k, v, kernel, None).reshape(-1, self.heads, self.v_dim)
         return out.reshape(out.shape[0], -1)
 
     def _thd_fused(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any, kernel: str) -> torch.Tensor:
@@ -227,7 +230,7 @@ class PortableAttention(torch.nn.Module):
         padded = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         bounds = padded.tolist()
         lengths = params.cu_seqlens_q.diff().tolist()
-        out = query.new_zeros(query.shape[0], self.heads, self.head_dim)
+        out = query.new_zeros(query.shape[0], self.heads, self.v_dim)
         for i, length in enumerate(lengths):
             slot = bounds[i + 1] - bounds[i]
             chunk = slot // (2 * cp)

@@ -117,10 +117,13 @@ def export_rule(
         yield name, torch.cat([piece for _, piece in selected], dim=selected[0][0][0])
 
 
-def hf_config_for_export(handle: "ModelHandle", dtype: Optional[torch.dtype] = None) -> dict[str, Any]:
-    """The HF config dict to save next to exported weights."""
+def hf_config_for_export(handle: "ModelHandle", dtype: Optional[torch.dtype] = None, *, fp8: bool = False) -> dict[str, Any]:
+    """The HF config dict to save next to exported weights. The source's ``quantization_config``
+    is kept only for an FP8 export (the weights are otherwise written dequantized)."""
     arch = handle.arch_config
     config = dict(arch.hf_config)
+    if not fp8:
+        config.pop("quantization_config", None)
     config.setdefault("architectures", [arch.architecture])
     if getattr(handle.options, "head", "lm") == "value":  # a critic: transformers' token classifier, one label
         name = arch.architecture

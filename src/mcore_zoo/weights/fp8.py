@@ -86,7 +86,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -557,3 +557,87 @@ def plan_fp8_tensors(
     if orphans:
         raise CheckpointFormatError(source, f"scale tensor(s) without an FP8 weight: {orphans}")
     return plan
+
+
+# ---------------------------------------------------------------------------- loading and export
+
+
+class Fp8Checkpoint:
+    """A dequantizing view of an FP8 block-quantized checkpoint, read like an
+    :class:`~mcore_zoo.weights.io.HFCheckpoint` by the weight table's loader.
+
+    ``keys()`` hides the ``X.weight_scale_inv`` tensors (each is consumed by its ``X.weight``);
+    reading a quantized ``X.weight`` (whole, a ``select`` range or a TP chunk) returns
+    ``float32(q) * scale_inv`` of the whole tensor (:func:`dequantize_block`'s fp32 product), then the
+    requested part: copied into a parameter of any dtype it is rounded once, which is
+    ``dequantize_block(q, s, param.dtype)`` bit for bit. ``scales`` holds every weight's
+    ``weight_scale_inv`` (read once, for byte-exact export with ``fp8_scales="source"`` on any rank).
+    """
+
+    def __init__(self, inner: Any, fmt: Fp8BlockFormat) -> None:
+        self.inner = inner
+        self.fmt = fmt
+        self.path = inner.path
+        self.plan = plan_fp8_tensors({k: (inner.dtype(k), inner.shape(k)) for k in inner.keys()}, fmt,
+                                     source=str(inner.path))  # fmt: skip
+        self._scale_names = set(self.plan.quantized.values())
+        # every weight's scales (1/16384 of its elements), also those of tensors other ranks load:
+        # the export's writer rank needs them all for fp8_scales="source"
+        self.scales: dict[str, torch.Tensor] = {w: inner.read(s) for w, s in self.plan.quantized.items()}
+
+    def keys(self) -> set[str]:
+        return self.inner.keys() - self._scale_names
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.keys()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.inner.shape(name)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return torch.float32 if name in self.plan.quantized else self.inner.dtype(name)
+
+    def entry(self, name: str) -> Any:
+        return None if name in self.plan.quantized else self.inner.entry(name)
+
+    def read(self, name: str, *, axis: Optional[int] = None, rank: int = 0, size: int = 1,
+             select: Optional[tuple[int, int, int]] = None) -> torch.Tensor:  # fmt: skip
+        if name not in self.plan.quantized:
+            return self.inner.read(name, axis=axis, rank=rank, size=size, select=select)
+        from .io import chunk_index
+
+        scale = self.scales[name]
+        full = dequantize_block(self.inner.read(name), scale, torch.float32, self.fmt.block)
+        index = chunk_index(name, tuple(full.shape), axis=axis, rank=rank, size=size, select=select)
+        return full if index is None else full[index].clone()
+
+    def read_into(self, name: str, out: torch.Tensor, **kwargs: Any) -> int:
+        if name not in self.plan.quantized:
+            return self.inner.read_into(name, out, **kwargs)
+        tensor = self.read(name, **kwargs)
+        if out.numel() != tensor.numel():
+            raise ShapeMismatchError(name, tuple(out.shape), tuple(tensor.shape), context="destination of read_into")
+        with torch.no_grad():
+            out.copy_(tensor.reshape(out.shape))
+        return tensor.numel() + self.scales[name].numel() * 4  # fp8 bytes + fp32 scales
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def quantize_for_export(items: Any, quantized: Mapping[str, str], fmt: Fp8BlockFormat, *,
+                        scales: Optional[Mapping[str, torch.Tensor]] = None) -> Any:  # fmt: skip
+    """``(hf_name, tensor)`` items -> the FP8 block format: each name in ``quantized`` (``X.weight``
+    -> ``X.weight_scale_inv``) becomes its e4m3 tensor and fp32 scales (:func:`requantize_block`;
+    with ``scales``, the given source scales), every other tensor passes unchanged."""
+    for name, tensor in items:
+        scale_name = quantized.get(name)
+        if scale_name is None:
+            yield name, tensor
+            continue
+        given = None if scales is None else scales.get(name)
+        if scales is not None and given is None:
+            raise ZooError(f"FP8 export with the source scales: no weight_scale_inv kept for {name!r}")
+        q, inv = requantize_block(tensor, fmt.block, fmt.fmt, scale_inv=given)
+        yield name, q
+        yield scale_name, inv

@@ -176,6 +176,11 @@ class DictCheckpoint(HFCheckpoint):
             raise MissingTensorsError([name], source="state dict")
         return tuple(self._state[name].shape)
 
+    def dtype(self, name: str) -> torch.dtype:
+        if name not in self._state:
+            raise MissingTensorsError([name], source="state dict")
+        return self._state[name].dtype
+
     def read(self, name: str, *, axis: Optional[int] = None, rank: int = 0, size: int = 1, select: Any = None) -> torch.Tensor:
         tensor = self._state[name]
         index = chunk_index(name, tuple(tensor.shape), axis=axis, rank=rank, size=size, select=select)

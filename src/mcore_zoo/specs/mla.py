@@ -1,0 +1,197 @@
+"""Multi-head latent attention (DeepSeek-V2 / V3) on Megatron-Core's ``MLASelfAttention``.
+
+Megatron-Core's MLA already computes what HF's ``DeepseekV3Attention`` computes with
+``rope_interleave=True``: the q / kv down projections, the latent RMSNorms, the up projections
+split per head into ``[nope, rope]`` / ``[k_nope, v]``, RoPE on the rope part only (its MLA RoPE
+de-interleaves the pairs ``(x0, x1), (x2, x3), ...`` and rotates half, which is HF's
+``apply_rotary_pos_emb_interleave`` operation for operation), the shared ``k_rope`` expanded to
+every head. Three things differ, and :class:`ZooMLASelfAttention` replaces them:
+
+* **RoPE frequencies**: Megatron-Core computes them (and YaRN's ramp) itself; the zoo installs
+  transformers' (``mcore_zoo.config.rope.inv_freq``, computed on the CPU as HF does) and HF's
+  attention factor (YaRN ``mscale / mscale_all_dim``), applied to cos / sin as HF does.
+* **softmax scale**: HF ``(nope + rope) ** -0.5 * mscale(factor, mscale_all_dim) ** 2`` (in that
+  order); Megatron-Core computes ``mscale * mscale / sqrt(q_head_dim)``, which can differ in the
+  last bit.
+* **latent norm epsilon**: HF builds ``q_a_layernorm`` / ``kv_a_layernorm`` with its RMSNorm default
+  (1e-6) whatever ``rms_norm_eps`` says; Megatron-Core uses ``layernorm_epsilon``.
+
+Core attention: the zoo's :class:`~mcore_zoo.specs.portable.PortableAttention` (THD, keys of width
+``nope + rope`` and values of width ``v_head_dim``) on ``local`` and ``portable``; Megatron-Core's
+local ``DotProductAttention`` cannot take different key and value widths.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Optional
+
+import torch
+
+from ..config.arch import ArchConfig
+from ..errors import ZooError
+from ..numerics.profiles import NumericsProfile
+
+
+def _rotary_class() -> Any:
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    class HFRotaryEmbedding(RotaryEmbedding):
+        """Megatron-Core's rotary embedding with HF's frequencies; returns ``(emb, attention factor)``
+        when the MLA layer takes the YaRN branch (which multiplies cos and sin by it)."""
+
+        def __init__(self, arch: ArchConfig, *, with_scale: bool, cp_group: Any = None) -> None:
+            from ..config.rope import inv_freq
+
+            mla = arch.mla
+            super().__init__(mla.qk_rope_head_dim, rotary_percent=1.0, rotary_base=arch.rope.theta,
+                             use_cpu_initialization=True, cp_group=cp_group)  # fmt: skip
+            freqs, scaling = inv_freq(arch.rope, mla.qk_rope_head_dim, arch.max_position_embeddings)
+            self.inv_freq = freqs  # CPU; mcore moves it to the current device on first use
+            self.attention_scaling = float(scaling)
+            self.with_scale = with_scale
+            RotaryEmbedding.forward.cache_clear()  # no embedding computed from mcore's frequencies survives
+
+        def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group: Any = None) -> Any:
+            emb = super().forward(max_seq_len, offset, packed_seq, cp_group)
+            return (emb, self.attention_scaling) if self.with_scale else emb
+
+    return HFRotaryEmbedding
+
+
+_LOCAL = threading.local()
+_INSTALL_LOCK = threading.Lock()
+_INSTALLED = False
+
+
+def complex_rope(t: torch.Tensor, freqs: torch.Tensor, mscale: float) -> torch.Tensor:
+    """transformers' DeepSeek-V2 RoPE: the pairs ``(x0, x1), (x2, x3), ...`` of ``t`` (``[..., d]``)
+    multiplied in fp32 as complex numbers by ``polar(1, freqs) * mscale``, and kept interleaved.
+    ``freqs``: Megatron-Core's ``[..., d]`` embedding (the frequencies twice)."""
+    half = freqs[..., : freqs.shape[-1] // 2].float()
+    cis = torch.polar(torch.ones_like(half), half) * mscale
+    x = torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2))
+    return torch.view_as_real(x * cis).flatten(-2).type_as(t)
+
+
+def _install_complex_rope() -> None:
+    """Route Megatron-Core's ``_apply_rotary_pos_emb_bshd`` (BSHD and, per packed token, THD) through
+    :func:`complex_rope` while a DeepSeek-V2 MLA layer runs on this thread; every other caller gets
+    the original. Installed once, process-wide."""
+    global _INSTALLED
+    with _INSTALL_LOCK:
+        if _INSTALLED:
+            return
+        from megatron.core.models.common.embeddings import rope_utils
+
+        original = rope_utils._apply_rotary_pos_emb_bshd
+
+        @functools.wraps(original)
+        def dispatch(t: torch.Tensor, freqs: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if not getattr(_LOCAL, "complex", False):
+                return original(t, freqs, *args, **kwargs)
+            rot = freqs.shape[-1]
+            if rot != t.shape[-1]:
+                raise ZooError(f"complex RoPE expects the whole rope part ({t.shape[-1]}), got {rot} frequencies")
+            _LOCAL.applied = True
+            return complex_rope(t, freqs, kwargs.get("mscale", 1.0))
+
+        rope_utils._apply_rotary_pos_emb_bshd = dispatch
+        _INSTALLED = True
+
+
+@functools.lru_cache(maxsize=None)
+def _attention_class() -> Any:
+    from megatron.core.transformer import multi_latent_attention as mla_module
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    if not isinstance(mla_module.TELinear, type):
+        # without Transformer Engine its import shim leaves placeholders (not classes) with HAVE_TE true,
+        # and MLA's isinstance(linear_proj, TELinear) check then raises: say TE is absent
+        mla_module.HAVE_TE = False
+    rotary_cls = _rotary_class()
+
+    class ZooMLASelfAttention(MLASelfAttention):
+        """``MLASelfAttention`` with HF's RoPE frequencies, attention factor and softmax scale."""
+
+        def __init__(self, config: Any, submodules: Any, layer_number: int, *, arch: ArchConfig, **kwargs: Any) -> None:
+            super().__init__(config, submodules, layer_number, **kwargs)
+            cp = getattr(self.pg_collection, "cp", None)
+            # the YaRN branch of MLA multiplies cos / sin by the returned factor (HF: attention_scaling)
+            self.rotary_pos_emb = rotary_cls(arch, with_scale=config.rope_type == "yarn", cp_group=cp)
+            self.softmax_scale = arch.mla.softmax_scale
+            core = self.core_attention
+            if hasattr(core, "scale"):  # PortableAttention
+                core.scale = self.softmax_scale
+            elif hasattr(core, "softmax_scale"):
+                core.softmax_scale = self.softmax_scale
+            else:  # pragma: no cover - a backend whose scale the zoo cannot set
+                raise ZooError(f"{type(core).__name__}: cannot set the MLA softmax scale")
+            self.rope_complex = arch.mla.rope_complex
+            if self.rope_complex:
+                _install_complex_rope()
+
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            if not self.rope_complex:
+                return super().forward(*args, **kwargs)
+            _LOCAL.complex, _LOCAL.applied = True, False
+            try:
+                out = super().forward(*args, **kwargs)
+            finally:
+                _LOCAL.complex = False
+            if not _LOCAL.applied:  # fail closed: this Megatron-Core applies RoPE elsewhere
+                raise ZooError("DeepSeek-V2 complex RoPE was not applied: this Megatron-Core version's MLA does not"
+                               " call rope_utils._apply_rotary_pos_emb_bshd (fused RoPE?)")  # fmt: skip
+            return out
+
+    return ZooMLASelfAttention
+
+
+def _fixed_eps_norm(norm: Any, eps: float) -> Any:
+    """A norm class whose epsilon is ``eps`` whatever the layer passes (HF's latent norms)."""
+
+    class LatentNorm:
+        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+            kwargs["eps"] = eps
+            return norm(*args, **kwargs)
+
+    LatentNorm.__name__ = f"{getattr(norm, '__name__', 'Norm')}Eps{eps:g}"
+    return LatentNorm
+
+
+def mla_attention_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile, pieces: dict[str, Any]) -> Any:
+    """The ``self_attention`` ``ModuleSpec`` of an MLA layer (``pieces``: the backend's modules)."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from .portable import PortableAttention
+
+    if backend not in ("local", "portable"):
+        raise ZooError(f"{arch.architecture}: MLA is built for the local and portable backends, not {backend!r}")
+    if not arch.mla.rope_interleave:
+        raise ZooError(f"{arch.architecture}: rope_interleave=False (rotate-half on the rope dims) is not"
+                       " what Megatron-Core's MLA RoPE computes")  # fmt: skip
+    kernel = numerics.attention if numerics.attention != "backend" else ("eager" if backend == "local" else "auto")
+    core = ModuleSpec(module=PortableAttention, params={"kernel": kernel})
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    norm = _fixed_eps_norm(pieces["qk_norm"], arch.mla.latent_norm_eps)
+    column, row = pieces["linear_qkv"], pieces["linear_proj"]
+    down = ColumnParallelLinear  # MLA accepts only mcore's own classes for the down projections (no biases)
+    return ModuleSpec(
+        module=_attention_class(),
+        params={"attn_mask_type": AttnMaskType.causal, "arch": arch},
+        submodules=MLASelfAttentionSubmodules(
+            linear_q_proj=column,
+            linear_q_down_proj=down,
+            linear_q_up_proj=column,
+            linear_kv_down_proj=down,
+            linear_kv_up_proj=column,
+            core_attention=core,
+            linear_proj=row,
+            q_layernorm=norm,
+            kv_layernorm=norm,
+        ),
+    )

@@ -1,0 +1,74 @@
+"""Weight tables of DeepSeek-V2 / V3 decoders: multi-head latent attention + DeepSeek MoE.
+
+Megatron-Core ``MLASelfAttention`` parameters (``local`` / ``portable`` backends) and their HF
+sources; every tensor keeps HF's layout (mcore splits the same rows the same way):
+
+* ``linear_q_proj`` <- ``q_proj`` (no ``q_lora_rank``), or ``linear_q_down_proj`` <- ``q_a_proj``,
+  ``q_layernorm`` <- ``q_a_layernorm``, ``linear_q_up_proj`` <- ``q_b_proj``; rows per head
+  ``[nope; rope]``;
+* ``linear_kv_down_proj`` <- ``kv_a_proj_with_mqa`` (rows ``[kv_lora_rank latent; qk_rope_head_dim
+  shared rope key]``), ``kv_layernorm`` <- ``kv_a_layernorm``, ``linear_kv_up_proj`` <- ``kv_b_proj``
+  (rows per head ``[k_nope; v]``);
+* ``linear_proj`` <- ``o_proj``.
+
+All column-parallel except ``linear_proj`` (row-parallel): Megatron-Core's local MLA spec builds the
+down projections as column-parallel linears whose outputs it gathers, so they split by rows too.
+The MoE part is GLM-4.5's (router + ``e_score_correction_bias``, routed experts, shared experts).
+"""
+
+from __future__ import annotations
+
+from ..config.arch import ArchConfig
+from .dense import HF_LAYER, LAYER, ROTARY_BUFFER_IGNORED, embedding_rules, gated_mlp_rules
+from .moe import routed_expert_rules, shared_expert_rules
+from .rules import Rule, WeightMap, column_parallel, replicated, row_parallel, rule
+
+
+def mla_attention_rules(arch: ArchConfig, *, hf_attn: str = "self_attn.") -> list[Rule]:
+    a, m = HF_LAYER + hf_attn, LAYER + "self_attention."
+    rules = []
+    if arch.mla.q_lora_rank is None:
+        rules.append(column_parallel(m + "linear_q_proj.weight", a + "q_proj.weight"))
+    else:
+        rules += [
+            column_parallel(m + "linear_q_down_proj.weight", a + "q_a_proj.weight",
+                            note="column-parallel in mcore's local MLA; its output is gathered"),  # fmt: skip
+            replicated(m + "q_layernorm.weight", a + "q_a_layernorm.weight"),
+            column_parallel(m + "linear_q_up_proj.weight", a + "q_b_proj.weight"),
+        ]
+    rules += [
+        column_parallel(m + "linear_kv_down_proj.weight", a + "kv_a_proj_with_mqa.weight",
+                        note="rows [kv_lora_rank latent; qk_rope_head_dim rope key]; output gathered"),  # fmt: skip
+        replicated(m + "kv_layernorm.weight", a + "kv_a_layernorm.weight"),
+        column_parallel(m + "linear_kv_up_proj.weight", a + "kv_b_proj.weight", note="rows per head [k_nope; v]"),
+        row_parallel(m + "linear_proj.weight", a + "o_proj.weight"),
+    ]
+    return rules
+
+
+def deepseek_weight_map(arch: ArchConfig) -> WeightMap:
+    """DeepSeek-V2 / V3: embedding, MLA, norms, dense MLPs in the first ``first_k_dense_replace``
+    layers, then router (+ ``e_score_correction_bias`` for V3's sigmoid router), routed experts and
+    the shared experts."""
+    rules = embedding_rules(arch)
+    rules.append(rule(LAYER + "input_layernorm.weight", HF_LAYER + "input_layernorm.weight"))
+    rules += mla_attention_rules(arch)
+    rules.append(rule(LAYER + "pre_mlp_layernorm.weight", HF_LAYER + "post_attention_layernorm.weight"))
+    if arch.moe is None:
+        rules += gated_mlp_rules(arch)
+    else:
+        rules += gated_mlp_rules(arch, layer_kind="dense")
+        rules += routed_expert_rules(arch)
+        if arch.moe.router_expert_bias:
+            rules.append(rule(LAYER + "mlp.router.expert_bias", HF_LAYER + "mlp.gate.e_score_correction_bias",
+                              layer_kind="moe", note="buffer: added to the sigmoid scores to choose experts"))  # fmt: skip
+        rules += shared_expert_rules(arch, hf_shared="mlp.shared_experts.")
+    ignored = [ROTARY_BUFFER_IGNORED]
+    mtp = int(arch.hf_config.get("num_nextn_predict_layers") or 0)
+    if mtp:  # the converter lets MTP layers through only when the caller dropped them explicitly
+        layers = "|".join(str(arch.num_layers + i) for i in range(mtp))
+        ignored.append((rf"model\.layers\.({layers})\..*", "multi-token-prediction layer(s), dropped on request"
+                        " (ignore_fields num_nextn_predict_layers)"))  # fmt: skip
+    if arch.tie_word_embeddings:
+        ignored.append(("lm_head.weight", "tie_word_embeddings: the output layer is model.embed_tokens.weight"))
+    return WeightMap(arch, rules, ignored)

@@ -1,0 +1,117 @@
+"""DeepSeek-V3 / V2 (MLA + DeepSeek MoE) on real gloo process groups: TP2, EP2, PP2 in one
+two-rank launch. Per layout, on every rank: the packed forward against the single-process model and
+transformers (1e-5), the gathered export and the checkpoint written by ``save_hf_checkpoint``
+against the source checkpoint (bitwise). An FP8 block-quantized V3 checkpoint: loaded sharded, the
+same logits as the single-process model of its reference dequantization; exported back to FP8
+(fp32 fresh scales, bf16 source scales) with the identical tensors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import mcore_zoo
+from mcore_zoo.distributed import launch
+from mcore_zoo.placement import Parallelism
+
+from ..conftest import random_sequences
+from .test_moe_layouts import _mismatches, _source
+
+LENGTHS = [23, 9, 40, 5]
+TOL = 1e-5
+#: PP2: two layers per stage, the first dense; V3 with q_lora_rank, V2 without (its example)
+CASES = {
+    "DeepseekV3ForCausalLM": {"num_hidden_layers": 4},
+    "DeepseekV2ForCausalLM": {"num_hidden_layers": 4, "topk_method": "group_limited_greedy", "n_group": 4,
+                              "topk_group": 2},  # fmt: skip
+}
+LAYOUTS = [("tp2", Parallelism(tp=2)), ("ep2", Parallelism(ep=2)), ("pp2", Parallelism(pp=2))]
+
+
+def _run(ckpts: dict, out_dir: str, fp8_ckpt: str = "") -> dict:
+    from megatron.core import parallel_state as ps
+
+    from mcore_zoo.parallel import ensure_model_parallel
+
+    seqs = random_sequences(LENGTHS, 256)
+    found: dict = {}
+    for arch, ckpt in ckpts.items():
+        source = _source(ckpt)
+        for name, parallel in LAYOUTS:
+            ensure_model_parallel(parallel)
+            model = mcore_zoo.build_model(ckpt, backend="portable", numerics="hf-exact", parallel=parallel, load=ckpt)
+            model.eval()
+            with torch.no_grad():
+                logits = mcore_zoo.packed_forward(model, seqs).logits
+            export = _mismatches(dict(mcore_zoo.iter_hf_weights(model, bucket_size="64KB")), source)
+            mcore_zoo.save_hf_checkpoint(model, os.path.join(out_dir, arch, name), max_shard_size="200KB")
+            found[(arch, name)] = {"logits": logits, "export": export}
+            ps.destroy_model_parallel()
+    if fp8_ckpt:
+        for name, parallel in LAYOUTS:
+            for dtype, scales in ((torch.float32, "fresh"), (torch.bfloat16, "source")):
+                ensure_model_parallel(parallel)
+                model = mcore_zoo.build_model(fp8_ckpt, backend="portable", numerics="hf-exact", parallel=parallel,
+                                              load=fp8_ckpt, params_dtype=dtype).eval()  # fmt: skip
+                if dtype == torch.float32:
+                    with torch.no_grad():
+                        found[("fp8", name)] = {"logits": mcore_zoo.packed_forward(model, seqs).logits}
+                mcore_zoo.save_hf_checkpoint(model, os.path.join(out_dir, "fp8", f"{name}-{scales}"), fp8=True,
+                                             fp8_scales=scales, max_shard_size="200KB")  # fmt: skip
+                ps.destroy_model_parallel()
+    return found
+
+
+@pytest.mark.slow
+def test_two_ranks_tp2_ep2_pp2(reference_checkpoint, hf_reference, mpu, tmp_path):
+    ckpts = {arch: str(reference_checkpoint(arch, overrides)) for arch, overrides in CASES.items()}
+    found = launch(_run, 2, ckpts, str(tmp_path))
+    seqs = random_sequences(LENGTHS, 256)
+    worst = {}
+    for arch, ckpt in ckpts.items():
+        single = mcore_zoo.build_model(ckpt, backend="portable", numerics="hf-exact", load=ckpt).eval()
+        hf = hf_reference(arch, ckpt)
+        with torch.no_grad():
+            ref = mcore_zoo.packed_forward(single, seqs).logits
+            hf_logits = [hf(s[None]).logits[0] for s in seqs]
+        source = _source(ckpt)
+        for name, _ in LAYOUTS:
+            for rank, ranks in enumerate(found):
+                r = ranks[(arch, name)]
+                where = f"{arch} {name} rank {rank}"
+                diff = max((a - b).abs().max().item() for a, b in zip(r["logits"], ref))
+                diff_hf = max((a - b).abs().max().item() for a, b in zip(r["logits"], hf_logits))
+                assert diff <= TOL and diff_hf <= TOL, f"{where}: logits differ by {diff} (single) / {diff_hf} (HF)"
+                assert r["export"] == [], f"{where}: exported tensors differ: {r['export'][:5]}"
+                worst[(arch, name)] = max(worst.get((arch, name), 0.0), diff)
+            assert _mismatches(_source(str(tmp_path / arch / name)), source) == [], f"{arch} {name}: save_hf_checkpoint"
+    print("max |dlogit| vs the single-process model:", worst)
+
+
+@pytest.mark.slow
+def test_two_ranks_fp8_checkpoint(reference_checkpoint, mpu, tmp_path):
+    from ..parity.test_mla_fp8 import write_fp8_checkpoints
+
+    source = reference_checkpoint("DeepseekV3ForCausalLM", CASES["DeepseekV3ForCausalLM"])
+    (tmp_path / "fp8-source").mkdir()
+    (tmp_path / "dequantized").mkdir()
+    fp8_dir, deq_dir, fp8 = write_fp8_checkpoints(source, tmp_path / "fp8-source", tmp_path / "dequantized")
+    found = launch(_run, 2, {}, str(tmp_path / "out"), str(fp8_dir))
+    seqs = random_sequences(LENGTHS, 256)
+    single = mcore_zoo.build_model(deq_dir, backend="portable", numerics="hf-exact", load=deq_dir).eval()
+    with torch.no_grad():
+        ref = mcore_zoo.packed_forward(single, seqs).logits
+    scale = max(1.0, max(r.abs().max().item() for r in ref))
+    for name, _ in LAYOUTS:
+        for rank, ranks in enumerate(found):
+            diff = max((a - b).abs().max().item() for a, b in zip(ranks[("fp8", name)]["logits"], ref))
+            # TP2 sums row-parallel partial products in another order: relative to the logits' scale
+            assert diff <= TOL * scale, f"fp8 {name} rank {rank}: logits differ by {diff} (scale {scale})"
+        for scales in ("fresh", "source"):
+            out = _source(str(tmp_path / "out" / "fp8" / f"{name}-{scales}"))
+            assert set(out) == set(fp8), f"fp8 {name} {scales}: {sorted(set(out) ^ set(fp8))[:5]}"
+            for key, tensor in fp8.items():
+                if tensor.dtype == torch.float8_e4m3fn or key.endswith("_scale_inv"):
+                    assert torch.equal(out[key].view(torch.uint8), tensor.view(torch.uint8)), f"fp8 {name} {scales}: {key}"
