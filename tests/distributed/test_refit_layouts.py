@@ -1,7 +1,8 @@
 """Refit from TP2, PP2 and EP2 source layouts on real gloo process groups: rank 0 receives every
 engine rank's shards (engine TP 2), the other rank only takes part in the gathers. The engine
 tensors must equal the independent vLLM-loader emulation of ``tests/unit/test_refit.py`` bit for
-bit, on the first refit (plan computed) and the second (plan reused)."""
+bit, on the first refit (plan computed) and the second (plan reused); and with ``receiver="all"``
+(every trainer rank feeds its own engine rank) on both ranks."""
 
 from __future__ import annotations
 
@@ -30,10 +31,13 @@ def _refit_layouts(ckpt: str, layouts: list) -> dict:
         model = mcore_zoo.build_model(ckpt, backend="portable", parallel=parallel, load=ckpt)
         adapter = DictAdapter(tp_size=2) if dist.get_rank() == 0 else None
         runs = [mcore_zoo.refit(model, adapter, target_tp=2, bucket_size="32KB") for _ in range(2)]
+        every = DictAdapter(tp_size=2)  # receiver="all": one engine rank per trainer rank
+        mcore_zoo.refit(model, every, receiver="all", bucket_size="32KB")
         found[name] = {
             "planned": [r.planned for r in runs],
             "tensors": adapter.tensors if adapter is not None else None,
             "calls": adapter.calls if adapter is not None else None,
+            "all": every.tensors,
         }
         ps.destroy_model_parallel()
     return found
@@ -50,3 +54,5 @@ def test_refit_from_tp2_pp2_ep2_sources(reference_checkpoint, mpu):
         assert found[1][name]["tensors"] is None
         assert found[0][name]["calls"].count("end") == 2
         assert_same(found[0][name]["tensors"], want)
+        assert_same(found[0][name]["all"], want)
+        assert_same(found[1][name]["all"], want)

@@ -76,7 +76,7 @@ def refit(
     bucket_size: Union[int, str] = "1GB",
     target_tp: Optional[int] = None,
     dtype: Optional[torch.dtype] = None,
-    receiver: int = 0,
+    receiver: Union[int, str] = 0,
 ) -> RefitStats:
     """Send the model's weights to an engine through ``adapter`` (see module docstring).
 
@@ -90,7 +90,9 @@ def refit(
         bucket_size: bytes per engine call (all engine ranks' shards), e.g. ``"1GB"``.
         target_tp: the engine's tensor-parallel size (default: the adapter's).
         dtype: cast tensors before they travel (``None``: the parameters' dtype).
-        receiver: global rank that talks to the engine.
+        receiver: global rank that talks to the engine, or ``"all"``: every rank receives every
+            tensor and has its own adapter (one engine rank per trainer rank, e.g. vLLM's
+            ``external_launcher`` executor; each engine rank keeps its own shards).
 
     Every rank of the job must call it (it gathers over TP / EP / PP). Raises
     :class:`~mcore_zoo.errors.ZooError` when the stream and the plan disagree (a plan made for
@@ -99,7 +101,7 @@ def refit(
     handle = handle_of(model)
     handle.check_current()
     placement = handle.placement
-    receive = placement.rank == receiver
+    receive = receiver == "all" or placement.rank == receiver
     planned = plan is None
     if plan is None:
         if receive and adapter is None:
@@ -150,10 +152,10 @@ def refit(
     return RefitStats(len(plan.buckets), tensors, nbytes, time.perf_counter() - t0, planned)
 
 
-def _stream(handle: ModelHandle, plan: RefitPlan, receiver: int):  # type: ignore[no-untyped-def]
+def _stream(handle: ModelHandle, plan: RefitPlan, receiver: Union[int, str]):  # type: ignore[no-untyped-def]
     from ..distributed.export import iter_hf_weights
 
-    ranks = None if not handle.placement.distributed else [receiver]
+    ranks = None if not handle.placement.distributed or receiver == "all" else [int(receiver)]
     return iter_hf_weights(handle, dtype=plan.dtype, ranks=ranks, bucket_size=plan.bucket_size)
 
 

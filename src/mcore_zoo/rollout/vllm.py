@@ -92,10 +92,10 @@ def _engine_tp(llm: Any) -> int:
 
 
 def _transport(llm: Any) -> str:
-    executor = getattr(getattr(llm.llm_engine, "model_executor", None), "__class__", type(None)).__name__
-    core = getattr(llm.llm_engine, "engine_core", None)
-    inproc_core = type(core).__name__ == "InprocClient"
-    return "inproc" if inproc_core and executor in ("UniProcExecutor", "NoneType") else "ipc"
+    """``inproc`` when the engine's worker lives in this process (an in-process engine core with
+    ``UniProcExecutor``, or ``ExecutorWithExternalLauncher``: one engine rank per trainer rank)."""
+    executor = type(getattr(llm.llm_engine, "model_executor", None)).__name__
+    return "inproc" if executor in ("UniProcExecutor", "ExecutorWithExternalLauncher") else "ipc"
 
 
 def _check(results: list[Any], what: str) -> None:
