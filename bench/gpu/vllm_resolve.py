@@ -9,7 +9,8 @@ the extras that were asked for), and follows the requirements that the GPU machi
 already have. What the machine has is ``SKIP`` below plus ``--skip-file`` (one name a line): its
 image holds torch 2.11.0+cu130 with its CUDA libraries, transformers, tokenizers, safetensors,
 numpy, triton and the rest of ../shared/gpu/README.md and .library/device/KINDS.md. Versions: the
-first specifier seen for a name wins; a later conflicting one is reported (exit 1). A requirement
+newest wheel that fits every specifier seen; a conflict narrows the package or moves the package
+that asked for it to an older release, and the walk starts again (``pip index versions``). A requirement
 with no matching wheel on the index is left out and listed in ``OUT_DIR/missing.txt``.
 
 Writes ``OUT_DIR/wheels.tsv`` (name, version, bytes, file, required by) and prints the total.
@@ -27,7 +28,9 @@ from pathlib import Path
 
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name, parse_wheel_filename
+from packaging.version import Version
 
 VLLM = os.environ.get("VLLM_VERSION", "0.26.0")
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
@@ -58,8 +61,22 @@ def env(extra: str = "") -> dict:
     return e
 
 
-def download(req: Requirement, out: Path) -> Path:
-    spec = f"{req.name}{req.specifier}"
+def local(name: str, spec: SpecifierSet, out: Path) -> list[Path]:
+    """Wheels of ``name`` already in ``out`` whose version satisfies ``spec``, newest first."""
+    hits = []
+    for w in out.glob("*.whl"):
+        n, v, _, _ = parse_wheel_filename(w.name)
+        if canonicalize_name(n) == name and spec.contains(v, prereleases=True):
+            hits.append((v, w))
+    return [w for _, w in sorted(hits, reverse=True)]
+
+
+def download(req: Requirement, out: Path, spec: SpecifierSet | None = None) -> Path:
+    spec = req.specifier if spec is None else spec
+    cached = local(canonicalize_name(req.name), spec, out)
+    if cached:
+        return cached[0]
+    spec = f"{req.name}{spec}"
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
            "--implementation", "cp", "--abi", "cp312", "--abi", "abi3", "--abi", "none", "-d", str(out), spec]  # fmt: skip
     for p in PLATFORMS:
@@ -80,16 +97,24 @@ def requires(wheel: Path) -> list[str]:
     return [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Requires-Dist:")]
 
 
-def main(argv: list[str]) -> int:
-    out = Path(argv[0])
-    out.mkdir(parents=True, exist_ok=True)
-    skip = set(SKIP)
-    if "--skip-file" in argv:
-        skip |= {canonicalize_name(x) for x in Path(argv[argv.index("--skip-file") + 1]).read_text().split()}
+def older_versions(name: str) -> list[str]:
+    """Versions of ``name`` on the index, newest first (``pip index versions``)."""
+    res = subprocess.run([sys.executable, "-m", "pip", "index", "versions", name, "--python-version", "3.12",
+                          "--only-binary=:all:"], capture_output=True, text=True)  # fmt: skip
+    m = re.search(r"Available versions: (.*)", res.stdout)
+    return [v.strip() for v in m.group(1).split(",")] if m else []
+
+
+def resolve(out: Path, skip: set[str], extra_specs: dict[str, SpecifierSet]):  # type: ignore[no-untyped-def]
+    """Breadth-first from vllm; returns ``(chosen, missing, None)`` or, when a requirement conflicts
+    with a choice, ``(..., reason)`` after adding a constraint to ``extra_specs`` (then run again):
+    the conflicting package is narrowed when the combined specifier has a wheel, else the package
+    that asked for it is moved to an older version whose requirements fit."""
+    skip = set(skip)
     queue = deque([(Requirement(f"vllm=={VLLM}"), "-")])
     chosen: dict[str, tuple[Requirement, Path, str]] = {}
     done: dict[str, set[str]] = {}  # name -> extras whose requirements were followed ("" = base)
-    conflicts: list[str] = []
+    specs: dict[str, SpecifierSet] = {}
     missing: list[str] = []
     while queue:
         req, by = queue.popleft()
@@ -98,11 +123,32 @@ def main(argv: list[str]) -> int:
             continue
         if name in chosen:
             version = parse_wheel_filename(chosen[name][1].name)[1]
-            if req.specifier and version not in req.specifier:
-                conflicts.append(f"{name} {version} (for {chosen[name][2]}) vs {req.specifier} (for {by})")
+            specs[name] &= req.specifier
+            if version not in specs[name]:
+                try:
+                    download(req, out, specs[name])
+                    extra_specs[name] = extra_specs.get(name, SpecifierSet()) & req.specifier
+                    return chosen, missing, f"{name}: {version} -> {specs[name]} (asked by {by})"
+                except subprocess.CalledProcessError:
+                    pass
+                requirer = canonicalize_name(re.sub(r"\[.*", "", by))
+                if requirer == "vllm":  # vLLM's own pins are fixed
+                    requirer = canonicalize_name(re.sub(r"\[.*", "", chosen[name][2]))
+                have = parse_wheel_filename(chosen[requirer][1].name)[1]
+                for v in older_versions(requirer):
+                    if Version(v) >= have or v not in specs[requirer]:
+                        continue
+                    wheel = download(Requirement(f"{requirer}=={v}"), out)
+                    fits = all(version in Requirement(line).specifier for line in requires(wheel)
+                               if canonicalize_name(Requirement(line).name) == name)  # fmt: skip
+                    if fits:
+                        extra_specs[requirer] = extra_specs.get(requirer, SpecifierSet()) & SpecifierSet(f"=={v}")
+                        return chosen, missing, f"{requirer}: {have} -> {v} (its {name} requirement fits {version})"
+                raise SystemExit(f"conflict: {name} {version} (for {chosen[name][2]}) vs {req.specifier} (for {by})")
         else:
+            specs[name] = req.specifier & extra_specs.get(name, SpecifierSet())
             try:
-                chosen[name] = (req, download(req, out), by)
+                chosen[name] = (req, download(req, out, specs[name]), by)
             except subprocess.CalledProcessError:
                 missing.append(f"{req} (for {by})")
                 skip.add(name)
@@ -118,6 +164,23 @@ def main(argv: list[str]) -> int:
                 elif extra and "extra" in marker and r.marker.evaluate(env(extra)):
                     queue.append((r, f"{name}[{extra}]"))
             done[name].add(extra)
+    return chosen, missing, None
+
+
+def main(argv: list[str]) -> int:
+    out = Path(argv[0])
+    out.mkdir(parents=True, exist_ok=True)
+    skip = set(SKIP)
+    if "--skip-file" in argv:
+        skip |= {canonicalize_name(x) for x in Path(argv[argv.index("--skip-file") + 1]).read_text().split()}
+    extra_specs: dict[str, SpecifierSet] = {}  # constraints learnt from conflicts (restarts)
+    for attempt in range(12):
+        chosen, missing, restart = resolve(out, skip, extra_specs)
+        if restart is None:
+            break
+        print(f"restart {attempt + 1}: {restart}", file=sys.stderr)
+    else:
+        raise SystemExit("no consistent set of versions after 12 restarts")
     rows, total = [], 0
     for name, (req, wheel, by) in sorted(chosen.items()):
         size = wheel.stat().st_size
@@ -125,12 +188,10 @@ def main(argv: list[str]) -> int:
         rows.append(f"{name}\t{parse_wheel_filename(wheel.name)[1]}\t{size}\t{wheel.name}\t{by}")
     (out / "wheels.tsv").write_text("name\tversion\tbytes\tfile\trequired_by\n" + "\n".join(rows) + "\n")
     print(f"{len(rows)} wheels, {total / 1e6:.1f} MB -> {out}/wheels.tsv")
-    for c in conflicts:
-        print("CONFLICT:", c, file=sys.stderr)
     for m in missing:
         print("NOT ON THE INDEX (left out):", m, file=sys.stderr)
     (out / "missing.txt").write_text("".join(m + "\n" for m in missing))
-    return 1 if conflicts else 0
+    return 0
 
 
 if __name__ == "__main__":

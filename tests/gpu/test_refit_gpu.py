@@ -1,0 +1,127 @@
+"""Refit into a real in-process ``vllm.LLM`` on the GPU, bit for bit.
+
+For each architecture: the zoo model (bf16, ``local`` backend) is exported with
+``save_hf_checkpoint``; vLLM loads that export (its own loaders) - the reference parameters and
+prompt log-probs are taken; every engine parameter is then overwritten with noise, and
+``mcore_zoo.refit`` (direct mode: the zoo's fused, pre-split shards written by name) must bring
+back every parameter and every log-prob bitwise. A refit that skips one bucket must fail (the
+worker's completeness check) and leave parameters that differ. Finally token_mult_prob_error of
+vLLM vs the mcore model is printed per architecture (``-s`` shows it).
+
+Needs CUDA and vLLM (bench/gpu/vllm-setup.sh, then ``source bench/gpu/vllm-env.sh``); one GPU:
+
+    python3 -m pytest tests/gpu/test_refit_gpu.py -q -s
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import mcore_zoo
+from mcore_zoo.errors import ZooError
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the worker in this process: GPU-to-GPU
+
+ARCHS = [
+    ("LlamaForCausalLM", {}),
+    ("Qwen2ForCausalLM", {}),
+    ("Qwen3ForCausalLM", {}),
+    ("MistralForCausalLM", {"sliding_window": None}),
+    ("Qwen3MoeForCausalLM", {}),
+]
+SIZES = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8, "num_key_value_heads": 4,
+         "num_hidden_layers": 4, "vocab_size": 1000}  # fmt: skip  (1000: vLLM pads the vocabulary to 1024)
+
+
+def _vllm():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return pytest.importorskip("vllm", reason="needs vLLM (bench/gpu/vllm-setup.sh, source bench/gpu/vllm-env.sh)")
+
+
+def _params(llm) -> dict[str, torch.Tensor]:
+    def read(worker):
+        model = worker.model_runner.get_model()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    return llm.collective_rpc(read)[0]
+
+
+def _scramble(llm, seed: int) -> None:
+    def fill(worker, seed=seed):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        for p in worker.model_runner.get_model().parameters():
+            p.data.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32).to(p.dtype))
+
+    llm.collective_rpc(fill)
+
+
+def _logprobs(llm, seqs) -> list[torch.Tensor]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=s.tolist()) for s in seqs], params, use_tqdm=False)
+    return [torch.tensor([e[int(s[j + 1])].logprob for j, e in enumerate(o.prompt_logprobs[1:])]) for s, o in zip(seqs, outs)]
+
+
+@pytest.mark.parametrize("arch,overrides", ARCHS, ids=[a for a, _ in ARCHS])
+def test_refit_into_vllm_is_bitwise(reference_checkpoint, arch, overrides, tmp_path):
+    vllm = _vllm()
+    from mcore_zoo.rollout import VLLM_WORKER_EXTENSION, VLLMAdapter
+    from mcore_zoo.testing.common import random_sequences
+
+    sizes = dict(SIZES)
+    if "Moe" in arch:
+        sizes.update(moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2)
+    ckpt = reference_checkpoint(arch, {**sizes, **overrides})
+    model = mcore_zoo.build_model(ckpt, backend="local", params_dtype=torch.bfloat16, load=ckpt)
+    export = tmp_path / "export"
+    mcore_zoo.save_hf_checkpoint(model, export, dtype=torch.bfloat16)
+    seqs = random_sequences([37, 64, 100], sizes["vocab_size"], seed=3)
+    llm = vllm.LLM(model=str(export), dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, seed=0,
+                   max_model_len=128, gpu_memory_utilization=0.3, enable_prefix_caching=False,
+                   worker_extension_cls=VLLM_WORKER_EXTENSION)  # fmt: skip
+    try:
+        want = _params(llm)
+        want_lp = _logprobs(llm, seqs)
+        adapter = VLLMAdapter(llm)
+        assert adapter.transport == "inproc" and adapter.tp_size == 1
+
+        _scramble(llm, 1)
+        assert any(not torch.equal(p, want[n]) for n, p in _params(llm).items())
+        stats = mcore_zoo.refit(model, adapter, dtype=torch.bfloat16, bucket_size="2MB")
+        assert stats.buckets > 2
+        got = _params(llm)
+        assert sorted(got) == sorted(want)
+        assert [n for n in want if not torch.equal(got[n], want[n])] == []
+        got_lp = _logprobs(llm, seqs)
+        assert all(torch.equal(a, b) for a, b in zip(got_lp, want_lp))
+
+        # one bucket skipped: the worker refuses, and the parameters are not those of the export
+        class Skipping(VLLMAdapter):
+            def load_bucket(self, bucket):
+                if bucket.index != 1:
+                    super().load_bucket(bucket)
+
+        _scramble(llm, 2)
+        with pytest.raises(ZooError, match="refit incomplete"):
+            mcore_zoo.refit(model, Skipping(llm), dtype=torch.bfloat16, bucket_size="2MB")
+        assert [n for n in want if not torch.equal(_params(llm)[n], want[n])] != []
+
+        # parity after refit: vLLM vs the mcore model, per token
+        mcore_zoo.refit(model, adapter, dtype=torch.bfloat16, bucket_size="2MB")
+        lp = _logprobs(llm, seqs)
+        out = mcore_zoo.packed_forward(model, [s.cuda() for s in seqs])
+        d = torch.cat([(a - b.float().cpu()).abs() for a, b in zip(lp, out.logprobs)])
+        print(f"\n{arch}: vLLM after refit vs mcore local bf16: token_mult_prob_error {d.double().exp().mean():.6f}, "
+              f"max |dlogp| {d.max():.3e}, refit {stats.nbytes / 1e6:.1f} MB in {stats.seconds * 1e3:.1f} ms")  # fmt: skip
+    finally:
+        core = getattr(llm.llm_engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        del llm
+        torch.cuda.empty_cache()
