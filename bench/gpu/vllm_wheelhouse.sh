@@ -17,7 +17,8 @@ set -euo pipefail
 root="$(pwd)"
 out="$root/.gpu/vllm"
 limit=$((48 * 1024 * 1024))
-grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+exclude="$(git rev-parse --git-path info/exclude)"; mkdir -p "$(dirname "$exclude")"
+grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
 mkdir -p "$out/dl" "$out/meta"
 python3 "$root/bench/gpu/vllm_resolve.py" "$out/dl" ${VLLM_SKIP_FILE:+--skip-file "$VLLM_SKIP_FILE"}
 rm -rf "$out"/c[0-9]* "$out/parts" && mkdir -p "$out/parts"
