@@ -269,6 +269,10 @@ class FakeWorker(ZooWorkerExtension):
 class FakeLLM:
     def __init__(self, workers):
         self.workers = workers
+        self.prefix_cache_resets = 0
+
+    def reset_prefix_cache(self):
+        self.prefix_cache_resets += 1
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         return [getattr(w, method)(*args, **(kwargs or {})) for w in self.workers]
@@ -280,12 +284,14 @@ def test_vllm_worker_extension_writes_parameters_in_place(mpu, reference_checkpo
     want = vllm_engine_tensors(hf, config, 2)
     stale = [{k: torch.zeros_like(v) for k, v in w.items()} for w in want]
     workers = [FakeWorker(stale[r], r) for r in range(2)]
-    adapter = VLLMAdapter(FakeLLM(workers), tp_size=2, transport="inproc" if transport == "inproc" else "ipc")
+    llm = FakeLLM(workers)
+    adapter = VLLMAdapter(llm, tp_size=2, transport="inproc" if transport == "inproc" else "ipc")
     params_before = [dict(w.model_runner.model.named_parameters()) for w in workers]
     for _ in range(2):  # the manifest travels once, the second refit reuses it
         mcore_zoo.refit(model, adapter, bucket_size="64KB")
     got = [{k: p.data for k, p in w.model_runner.model.named_parameters()} for w in workers]
     assert_same(got, want)
+    assert llm.prefix_cache_resets == 2  # KV blocks of the old weights are dropped after each refit
     for before, w in zip(params_before, workers):  # in place: the same parameter objects
         assert all(before[k] is p for k, p in w.model_runner.model.named_parameters())
 

@@ -57,9 +57,12 @@ class VLLMAdapter(EngineAdapter):
         mode: ``"direct"`` or ``"load_weights"`` (module docstring).
         transport: ``"auto"`` (objects in-process, CUDA IPC otherwise), ``"inproc"`` or ``"ipc"``.
         tp_size: the engine's tensor-parallel size (default: read from the engine's config).
+        reset_prefix_cache: after a refit, drop vLLM's cached KV blocks (computed with the old
+            weights) through ``llm.reset_prefix_cache()``.
     """
 
-    def __init__(self, llm: Any, *, mode: str = "direct", transport: str = "auto", tp_size: Optional[int] = None) -> None:
+    def __init__(self, llm: Any, *, mode: str = "direct", transport: str = "auto", tp_size: Optional[int] = None,
+                 reset_prefix_cache: bool = True) -> None:  # fmt: skip
         if mode not in ("direct", "load_weights"):
             raise ValueError(f"mode must be 'direct' or 'load_weights', got {mode!r}")
         self.llm = llm
@@ -67,6 +70,7 @@ class VLLMAdapter(EngineAdapter):
         self.layout: EngineLayout = VLLM if mode == "direct" else HF_NAMES
         self.tp_size = tp_size if tp_size is not None else _engine_tp(llm)
         self.transport = _transport(llm) if transport == "auto" else transport
+        self.reset_prefix_cache = reset_prefix_cache
         self._manifest_for: Optional[int] = None
 
     def begin(self, plan: "RefitPlan") -> None:
@@ -84,6 +88,8 @@ class VLLMAdapter(EngineAdapter):
 
     def end(self) -> None:
         _check(self.llm.collective_rpc("zoo_refit_end"), "end")
+        if self.reset_prefix_cache and hasattr(self.llm, "reset_prefix_cache"):
+            self.llm.reset_prefix_cache()
 
 
 def _engine_tp(llm: Any) -> int:
