@@ -319,3 +319,17 @@ def test_vllm_worker_extension_reports_a_skipped_bucket(mpu, reference_checkpoin
 
     with pytest.raises(ZooError, match="refit incomplete: [0-9]+ parameter"):
         mcore_zoo.refit(model, Skipping(FakeLLM(workers), tp_size=1, transport="inproc"), bucket_size="16KB")
+
+
+def test_vllm_worker_extension_refuses_direct_writes_into_a_relaid_out_moe(mpu, reference_checkpoint):
+    """A MoE kernel that keeps experts in its own layout (FlashInfer on Blackwell) must not get
+    loader-layout bytes written straight into its parameters."""
+    import enum
+
+    _, model, config, hf = _setup(reference_checkpoint, "Qwen3MoeForCausalLM", {})
+    worker = FakeWorker(vllm_engine_tensors(hf, config, 1)[0], 0)
+    backend = enum.Enum("UnquantizedMoeBackend", {"FLASHINFER_CUTLASS": "FlashInfer CUTLASS"}).FLASHINFER_CUTLASS
+    experts = worker.model_runner.model.get_submodule("model.layers.0.mlp.experts.routed_experts")
+    experts.quant_method = type("Method", (), {"unquantized_backend": backend})()
+    with pytest.raises(ZooError, match="re-lays out expert weights.*mode='load_weights'"):
+        mcore_zoo.refit(model, VLLMAdapter(FakeLLM([worker]), tp_size=1, transport="inproc"))

@@ -48,6 +48,9 @@ EXTENSION = "mcore_zoo.rollout.vllm.ZooWorkerExtension"
 
 _ALIGN = 256  # bytes between tensors packed into one buffer
 
+#: vLLM unquantized MoE backends whose runtime expert layout is the loader's (w13 = [w1; w3])
+_LOADER_LAYOUT_MOE_BACKENDS = ("TRITON", "BATCHED_TRITON", "CPU")
+
 
 class VLLMAdapter(EngineAdapter):
     """A running ``vllm.LLM`` started with ``worker_extension_cls=`` :data:`EXTENSION`.
@@ -158,9 +161,25 @@ class ZooWorkerExtension:
 
         return parallel_state.get_tp_group().rank_in_group
 
+    def _zoo_relayout_modules(self) -> list[tuple[str, Any]]:
+        """MoE layers whose kernel keeps experts in its own layout after loading (FlashInfer
+        CUTLASS swaps w13 to [w3; w1], FlashInfer TRT-LLM permutes blocks; Triton - vLLM's default on
+        Hopper - keeps the loader's layout): ``(name, module)``."""
+        found = []
+        for name, module in self._zoo_model().named_modules():
+            backend = getattr(getattr(module, "quant_method", None), "unquantized_backend", None)
+            if backend is not None and getattr(backend, "name", str(backend)) not in _LOADER_LAYOUT_MOE_BACKENDS:
+                found.append((name, module))
+        return found
+
     def zoo_refit_begin(self, plan_id: int, manifests: Optional[list[Any]], mode: str) -> Optional[str]:
         model = self._zoo_model()
         self._zoo_mode = mode
+        relayout = self._zoo_relayout_modules()
+        if mode == "direct" and relayout:
+            backend = relayout[0][1].quant_method.unquantized_backend
+            return (f"{len(relayout)} MoE layer(s) run {backend}, which re-lays out expert weights after loading;"
+                    " refit them with VLLMAdapter(llm, mode='load_weights') (vLLM's loaders, then its relayout)")  # fmt: skip
         self._zoo_params = dict(model.named_parameters(remove_duplicate=False))
         if manifests is not None:
             manifest = manifests[self._zoo_tp_rank()] if mode == "direct" else manifests[0]
@@ -203,6 +222,12 @@ class ZooWorkerExtension:
             return f"bucket {index}: {type(exc).__name__}: {exc}"
 
     def zoo_refit_end(self) -> Optional[str]:
+        if self._zoo_mode != "direct":
+            # vLLM's RL update path: weights through the loaders, then the kernels' relayout
+            # (``_setup_kernel`` copies into the existing storage on a weight update)
+            with torch.no_grad():
+                for _, module in self._zoo_relayout_modules():
+                    module.quant_method.process_weights_after_loading(module)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         if self._zoo_mode != "direct":
