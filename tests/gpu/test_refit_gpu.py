@@ -34,7 +34,8 @@ ARCHS = [
     ("Qwen2ForCausalLM", {}),
     ("Qwen3ForCausalLM", {}),
     ("MistralForCausalLM", {"sliding_window": None}),
-    ("Qwen3MoeForCausalLM", {}),
+    ("Qwen3MoeForCausalLM", {"moe_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2}),
+    ("MixtralForCausalLM", {"intermediate_size": 128, "num_local_experts": 8, "num_experts_per_tok": 2}),
 ]
 SIZES = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8, "num_key_value_heads": 4,
          "num_hidden_layers": 4, "vocab_size": 1000}  # fmt: skip  (1000: vLLM pads the vocabulary to 1024)
@@ -132,8 +133,6 @@ def check(ckpt: str, arch: str, out_dir: str) -> dict:
 def test_refit_into_vllm_is_bitwise(reference_checkpoint, arch, overrides, tmp_path):
     _vllm()
     sizes = dict(SIZES)
-    if "Moe" in arch:
-        sizes.update(moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2)
     ckpt = reference_checkpoint(arch, {**sizes, **overrides})
     proc = subprocess.run([sys.executable, __file__, str(ckpt), arch, str(tmp_path)], capture_output=True, text=True,
                           timeout=900, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})  # fmt: skip

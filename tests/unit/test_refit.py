@@ -305,7 +305,7 @@ def test_vllm_worker_extension_refuses_a_mismatched_engine(mpu, reference_checkp
     with pytest.raises(ZooError, match="2 plan/engine mismatch") as err:
         mcore_zoo.refit(model, adapter)
     assert "no parameter 'model.layers.1.mlp.gate_up_proj.weight'" in str(err.value)
-    assert "model.norm.weight: engine (3,)" in str(err.value)
+    assert "model.norm.weight: engine (3,), plan rows 64" in str(err.value)
 
 
 def test_vllm_worker_extension_reports_a_skipped_bucket(mpu, reference_checkpoint):
@@ -333,3 +333,17 @@ def test_vllm_worker_extension_refuses_direct_writes_into_a_relaid_out_moe(mpu, 
     experts.quant_method = type("Method", (), {"unquantized_backend": backend})()
     with pytest.raises(ZooError, match="re-lays out expert weights.*mode='load_weights'"):
         mcore_zoo.refit(model, VLLMAdapter(FakeLLM([worker]), tp_size=1, transport="inproc"))
+
+
+def test_vllm_worker_extension_converts_into_engine_dtypes(mpu, reference_checkpoint):
+    """bf16 shards into an engine whose router and correction bias are fp32 (vLLM's GLM-4.5):
+    ``copy_`` upcasts exactly as vLLM's default loader does with the bf16 export."""
+    _, model, config, hf = _setup(reference_checkpoint, "Glm4MoeForCausalLM", {})
+    want = vllm_engine_tensors({k: v.to(torch.bfloat16) for k, v in hf.items()}, config, 1)[0]
+    fp32 = [k for k in want if k.endswith(("mlp.gate.weight", "e_score_correction_bias"))]
+    assert fp32
+    for k in fp32:
+        want[k] = want[k].float()
+    worker = FakeWorker({k: torch.zeros_like(v) for k, v in want.items()}, 0)
+    mcore_zoo.refit(model, VLLMAdapter(FakeLLM([worker]), tp_size=1, transport="inproc"), dtype=torch.bfloat16)
+    assert_same([{k: p.data for k, p in worker.model_runner.model.named_parameters()}], [want])

@@ -194,8 +194,10 @@ class ZooWorkerExtension:
                     want[name] = 0
                     continue
                 target_shape = tuple(param.shape[1:]) if expert is not None else tuple(param.shape)
-                if target_shape[0] != rows or tuple(target_shape[1:]) != tuple(shape[1:]) or str(param.dtype) != f"torch.{dtype}":
-                    problems.append(f"{name}: engine {tuple(param.shape)} {param.dtype}, plan rows {rows} x {tuple(shape[1:])} {dtype}")
+                # dtypes may differ (GLM-4.5's router is fp32 in vLLM): ``copy_`` converts, as vLLM's
+                # default weight loader does
+                if target_shape[0] != rows or tuple(target_shape[1:]) != tuple(shape[1:]):
+                    problems.append(f"{name}: engine {tuple(param.shape)}, plan rows {rows} x {tuple(shape[1:])}")
                 want[name] = param.numel()
             if problems:
                 return f"{len(problems)} plan/engine mismatch(es): " + "; ".join(problems[:8])
