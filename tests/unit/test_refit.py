@@ -347,3 +347,23 @@ def test_vllm_worker_extension_converts_into_engine_dtypes(mpu, reference_checkp
     worker = FakeWorker({k: torch.zeros_like(v) for k, v in want.items()}, 0)
     mcore_zoo.refit(model, VLLMAdapter(FakeLLM([worker]), tp_size=1, transport="inproc"), dtype=torch.bfloat16)
     assert_same([{k: p.data for k, p in worker.model_runner.model.named_parameters()}], [want])
+
+
+def test_sglang_adapter_sends_hf_names_and_flushes_once(mpu, reference_checkpoint):
+    from mcore_zoo.rollout import SGLangAdapter
+
+    _, model, _, hf = _setup(reference_checkpoint, "Qwen2ForCausalLM", {})
+
+    class FakeEngine:
+        def __init__(self):
+            self.calls = []
+
+        def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+            self.calls.append(([(n, t.clone()) for n, t in named_tensors], flush_cache))
+
+    engine = FakeEngine()
+    stats = mcore_zoo.refit(model, SGLangAdapter(engine, tp_size=2), bucket_size="64KB")
+    assert len(engine.calls) == stats.buckets > 1
+    assert [flush for _, flush in engine.calls] == [False] * (stats.buckets - 1) + [True]
+    got = dict(item for named, _ in engine.calls for item in named)
+    assert_same([got], [{k: v for k, v in hf.items() if "rotary_emb" not in k}])
