@@ -216,6 +216,8 @@ def test_a_plan_for_another_model_is_refused(mpu, reference_checkpoint):
     _, llama_tied, _, _ = _setup(reference_checkpoint, "LlamaForCausalLM", {"tie_word_embeddings": True, "rope_scaling": None})
     with pytest.raises(ZooError, match="plan"):
         mcore_zoo.refit(llama_tied, DictAdapter(), plan=get_plan(llama))
+    with pytest.raises(ZooError, match="plan made for the 'vllm' layout, adapter wants 'hf'"):
+        mcore_zoo.refit(llama, DictAdapter(layout=HF_NAMES), plan=get_plan(llama))
 
 
 def test_engine_tp_that_does_not_divide_is_refused_before_any_transfer(mpu, reference_checkpoint):

@@ -119,6 +119,8 @@ def refit(
             pass
         return RefitStats(0, 0, 0, 0.0, planned)
     assert adapter is not None
+    if plan.layout != adapter.layout:
+        raise ZooError(f"refit: plan made for the {plan.layout.name!r} layout, adapter wants {adapter.layout.name!r}")
     if adapter.layout.presplit and plan.target_tp != adapter.tp_size:
         raise ZooError(f"refit: plan cut for engine tp={plan.target_tp}, adapter has tp={adapter.tp_size}")
     _sync(handle)
