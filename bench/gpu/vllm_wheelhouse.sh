@@ -12,7 +12,7 @@
 # 3. .gpu/vllm/meta/manifest.tsv: each wheel's name, md5 and parts (the device checks them).
 #
 # .gpu/ is in .git/info/exclude: nothing here is committed. Device side: bench/gpu/vllm-setup.sh
-# (its header has the calls). Re-running reuses the downloads.
+# (its header has the calls). Re-running reuses the downloads. VLLM_LEAN=1: see below.
 set -euo pipefail
 root="$(pwd)"
 out="$root/.gpu/vllm"
@@ -20,7 +20,14 @@ limit=$((48 * 1024 * 1024))
 exclude="$(git rev-parse --git-path info/exclude)"; mkdir -p "$(dirname "$exclude")"
 grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
 mkdir -p "$out/dl" "$out/meta"
-python3 "$root/bench/gpu/vllm_resolve.py" "$out/dl" ${VLLM_SKIP_FILE:+--skip-file "$VLLM_SKIP_FILE"}
+skipfile="$out/meta/skip.txt"
+: > "$skipfile"
+[ -n "${VLLM_SKIP_FILE:-}" ] && cat "$VLLM_SKIP_FILE" >> "$skipfile"
+# VLLM_LEAN=1: leave out kernels vLLM imports only on first use, for paths a bf16 dense / MoE LLM
+# does not take: tokenspeed-mla (MLA prefill, + tokenspeed-triton) and humming-kernels (MXFP4 /
+# NVFP4 / MXFP8 kernels, + nvidia-cuda-nvcc / nvvm / cccl): 790 MB instead of 1012 MB.
+[ "${VLLM_LEAN:-0}" = 1 ] && printf 'tokenspeed-mla\nhumming-kernels\n' >> "$skipfile"
+python3 "$root/bench/gpu/vllm_resolve.py" "$out/dl" --skip-file "$skipfile"
 rm -rf "$out"/c[0-9]* "$out/parts" && mkdir -p "$out/parts"
 : > "$out/meta/manifest.tsv"
 tail -n +2 "$out/dl/wheels.tsv" | while IFS=$'\t' read -r name version bytes file by; do
