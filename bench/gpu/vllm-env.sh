@@ -5,3 +5,4 @@ if [ -f /tmp/gpu/.ready ] && [ -f .gpu/bin/device-env.sh ]; then source .gpu/bin
 export PYTHONPATH="/tmp/vllm-site:$(pwd)/src:$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0}  # in-process engine: GPU-to-GPU refit
+export MCORE_ZOO_VLLM_PYTHON="$(pwd)/bench/gpu/vllm-python"  # parity-report --vllm
