@@ -49,7 +49,7 @@ def _vllm():
 
 def _params(llm) -> dict[str, torch.Tensor]:
     def read(worker):
-        model = worker.model_runner.get_model()
+        model = worker._zoo_model()  # the zoo's worker extension (either model runner)
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 
     return llm.collective_rpc(read)[0]
@@ -58,7 +58,7 @@ def _params(llm) -> dict[str, torch.Tensor]:
 def _scramble(llm, seed: int) -> None:
     def fill(worker, seed=seed):
         gen = torch.Generator(device="cuda").manual_seed(seed)
-        for p in worker.model_runner.get_model().parameters():
+        for p in worker._zoo_model().parameters():
             p.data.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32).to(p.dtype))
 
     llm.collective_rpc(fill)
