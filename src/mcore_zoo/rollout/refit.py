@@ -94,7 +94,9 @@ def refit(
             tensor and has its own adapter (one engine rank per trainer rank, e.g. vLLM's
             ``external_launcher`` executor; each engine rank keeps its own shards).
 
-    Every rank of the job must call it (it gathers over TP / EP / PP). Raises
+    Every rank of the job must call it (it gathers over TP / EP / PP). When the receiver fails
+    (the engine refuses the plan, a bucket fails), it still runs the export to its end so that the
+    other ranks' gathers complete, then raises. Raises
     :class:`~mcore_zoo.errors.ZooError` when the stream and the plan disagree (a plan made for
     another model) or when the adapter reports an incomplete refit.
     """
@@ -125,6 +127,23 @@ def refit(
         raise ZooError(f"refit: plan cut for engine tp={plan.target_tp}, adapter has tp={adapter.tp_size}")
     _sync(handle)
     t0 = time.perf_counter()
+    try:
+        nbytes, tensors = _feed(adapter, plan, stream)
+    except Exception:
+        # keep the other ranks' gathers matched: they are iterating the same export
+        try:
+            for _ in stream:
+                pass
+        except Exception:  # noqa: S110 - the first error is the one to report
+            pass
+        raise
+    _sync(handle)
+    return RefitStats(len(plan.buckets), tensors, nbytes, time.perf_counter() - t0, planned)
+
+
+def _feed(adapter: EngineAdapter, plan: RefitPlan, stream: Any) -> tuple[int, int]:
+    """The receiving rank's part: cut each exported tensor along the plan, one engine call per
+    bucket. Returns ``(bytes, tensors)``."""
     adapter.begin(plan)
     nbytes = tensors = 0
     for index, names in enumerate(plan.buckets):
@@ -150,8 +169,7 @@ def refit(
     if extra is not None:
         raise ZooError(f"refit: the export has {extra[0]!r}, which the plan does not list")
     adapter.end()
-    _sync(handle)
-    return RefitStats(len(plan.buckets), tensors, nbytes, time.perf_counter() - t0, planned)
+    return nbytes, tensors
 
 
 def _stream(handle: ModelHandle, plan: RefitPlan, receiver: Union[int, str]):  # type: ignore[no-untyped-def]
