@@ -92,6 +92,7 @@ _LAZY = {
     "alignment_for": "mcore_zoo.packing:alignment_for",
     "ParityOptions": "mcore_zoo.parity.harness:ParityOptions",
     "run_parity": "mcore_zoo.parity.harness:run_parity",
+    "refit": "mcore_zoo.rollout.refit:refit",
 }
 
 __all__ = [

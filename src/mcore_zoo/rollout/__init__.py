@@ -1,0 +1,29 @@
+"""Rollout side: weight refit from a zoo-built model into a running inference engine.
+
+* :mod:`~mcore_zoo.rollout.layout` - how an engine names, fuses and shards HF tensors
+  (:data:`VLLM`, :data:`HF_NAMES`);
+* :mod:`~mcore_zoo.rollout.plan` - the :class:`RefitPlan`, computed once, reused every step;
+* :mod:`~mcore_zoo.rollout.adapter` - the :class:`EngineAdapter` interface (``begin`` /
+  ``load_bucket`` / ``end``) and a reference :class:`DictAdapter`;
+* :mod:`~mcore_zoo.rollout.vllm` - :class:`VLLMAdapter` and the worker extension for ``vllm.LLM``;
+* :mod:`~mcore_zoo.rollout.sglang` - :class:`SGLangAdapter` (``update_weights_from_tensor``);
+* :func:`refit` - the call a trainer makes every step.
+
+See docs/rollout.md.
+"""
+
+from __future__ import annotations
+
+from .adapter import DictAdapter, EngineAdapter, RefitBucket
+from .layout import HF_NAMES, VLLM, EngineLayout, ExpertFusion, Fusion, get_layout
+from .plan import EngineTensor, RefitPlan, Slot, plan_refit
+from .refit import RefitStats, get_plan, refit
+from .sglang import SGLangAdapter
+from .vllm import EXTENSION as VLLM_WORKER_EXTENSION
+from .vllm import VLLMAdapter, ZooWorkerExtension
+
+__all__ = [
+    "refit", "get_plan", "plan_refit", "RefitPlan", "RefitStats", "Slot", "EngineTensor",
+    "EngineAdapter", "RefitBucket", "DictAdapter", "VLLMAdapter", "ZooWorkerExtension", "SGLangAdapter",
+    "VLLM_WORKER_EXTENSION", "EngineLayout", "Fusion", "ExpertFusion", "VLLM", "HF_NAMES", "get_layout",
+]  # fmt: skip

@@ -1,0 +1,143 @@
+"""The engine side of a refit: the :class:`EngineAdapter` interface and what a bucket carries.
+
+An adapter is the only code that knows how to reach an inference engine. :func:`mcore_zoo.refit`
+calls, on the receiving rank::
+
+    adapter.begin(plan)            # once per refit: the plan (engine names, shapes, offsets)
+    adapter.load_bucket(bucket)    # per bucket, in plan order
+    adapter.end()                  # once: the adapter checks that the engine got everything
+
+and reads two attributes to plan the refit: ``adapter.layout`` (an
+:class:`~mcore_zoo.rollout.layout.EngineLayout`: how the engine names and fuses tensors) and
+``adapter.tp_size`` (the engine's tensor-parallel size; shards are cut for every engine rank).
+
+A :class:`RefitBucket` holds, per engine TP rank, ``(slot, tensor)`` pairs: the tensor is that
+rank's shard (a view of the gathered HF tensor - read it, do not keep it past ``load_bucket``),
+the :class:`~mcore_zoo.rollout.plan.Slot` says where it goes (engine name, expert, row offset,
+zero padding). ``bucket.named(rank)`` gives plain ``[(name, tensor)]`` for engines that take names
+only (a layout without fusion: whole HF tensors under HF names).
+
+Adapters that ship: :class:`~mcore_zoo.rollout.vllm.VLLMAdapter` (an in-process ``vllm.LLM``) and
+:class:`~mcore_zoo.rollout.sglang.SGLangAdapter` (a sketch for SGLang's
+``update_weights_from_tensor``). :class:`DictAdapter` keeps engine tensors in a dict (tests, and a
+reference for adapter authors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from ..errors import ZooError
+from .layout import VLLM, EngineLayout
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .plan import RefitPlan, Slot
+
+
+@dataclass
+class RefitBucket:
+    """One bucket: ``items[rank]`` = ``[(slot, shard), ...]`` for engine TP rank ``rank``."""
+
+    index: int
+    items: list[list[tuple["Slot", torch.Tensor]]]
+
+    def named(self, rank: int = 0) -> list[tuple[str, torch.Tensor]]:
+        """``[(engine_name, tensor)]`` of one rank (for name-only engines)."""
+        return [(slot.name, tensor) for slot, tensor in self.items[rank]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for per in self.items for _, t in per)
+
+
+class EngineAdapter:
+    """How :func:`mcore_zoo.refit` reaches an inference engine (see module docstring).
+
+    Subclasses set ``layout`` and ``tp_size`` and implement the three calls. ``begin`` may check
+    the plan against the engine (names, shapes) and refuse it; ``end`` must raise when the engine
+    did not receive every tensor of the plan.
+    """
+
+    layout: EngineLayout = VLLM
+    tp_size: int = 1
+
+    def begin(self, plan: "RefitPlan") -> None:
+        raise NotImplementedError
+
+    def load_bucket(self, bucket: RefitBucket) -> None:
+        raise NotImplementedError
+
+    def end(self) -> None:
+        raise NotImplementedError
+
+
+def write_slot(target: torch.Tensor, slot_expert: Optional[int], offset: int, rows_pad: int, tensor: torch.Tensor) -> int:
+    """Write one shard into an engine tensor in place: ``target[expert]`` rows ``offset ..`` get
+    ``tensor``, the ``rows_pad`` rows after it zeros. Returns the elements written (coverage)."""
+    dest = target if slot_expert is None else target[slot_expert]
+    rows = tensor.shape[0] if tensor.dim() else 1
+    if tensor.dim() == 0:
+        dest.copy_(tensor)
+        return 1
+    dest.narrow(0, offset, rows).copy_(tensor)
+    written = tensor.numel()
+    if rows_pad:
+        pad = dest.narrow(0, offset + rows, rows_pad)
+        pad.zero_()
+        written += pad.numel()
+    return written
+
+
+class DictAdapter(EngineAdapter):
+    """Engine tensors in a dict per rank, allocated from the plan (``tensors[rank][name]``).
+
+    The reference adapter: writes every slot in place (:func:`write_slot`) and, at ``end``, raises
+    when any engine tensor was not completely written. ``tensors`` may be given (an engine's own
+    parameters, e.g. to test a refit over stale values); missing ones are allocated (NaN-filled, so
+    a row never written cannot pass as data).
+    """
+
+    def __init__(self, tp_size: int = 1, layout: EngineLayout = VLLM,
+                 tensors: Optional[list[dict[str, torch.Tensor]]] = None, device: str = "cpu") -> None:  # fmt: skip
+        self.tp_size = tp_size
+        self.layout = layout
+        self.tensors = tensors if tensors is not None else [{} for _ in range(tp_size if layout.presplit else 1)]
+        self.device = device
+        self.calls: list[str] = []
+        self._written: list[dict[str, int]] = []
+
+    def begin(self, plan: "RefitPlan") -> None:
+        self.calls.append("begin")
+        if plan.target_tp != (self.tp_size if self.layout.presplit else 1):
+            raise ZooError(f"plan for tp={plan.target_tp}, engine tp={self.tp_size}")
+        for rank, tensors in enumerate(plan.engine_tensors):
+            have = self.tensors[rank]
+            for t in tensors:
+                if t.name not in have:
+                    have[t.name] = torch.full(t.shape, float("nan"), dtype=t.dtype, device=self.device)
+                elif tuple(have[t.name].shape) != t.shape:
+                    raise ZooError(f"engine tensor {t.name!r} is {tuple(have[t.name].shape)}, the plan fills {t.shape}")
+        self._written = [dict.fromkeys(self.tensors[r], 0) for r in range(len(plan.engine_tensors))]
+        self._plan = plan
+
+    def load_bucket(self, bucket: RefitBucket) -> None:
+        self.calls.append(f"bucket {bucket.index}")
+        for rank, items in enumerate(bucket.items):
+            for slot, tensor in items:
+                self._written[rank][slot.name] += write_slot(self.tensors[rank][slot.name], slot.expert, slot.offset, slot.pad, tensor)
+
+    def end(self) -> None:
+        self.calls.append("end")
+        missing = []
+        for rank, tensors in enumerate(self._plan.engine_tensors):
+            for t in tensors:
+                if self._written[rank][t.name] != self.tensors[rank][t.name].numel():
+                    missing.append(f"rank {rank}: {t.name} ({self._written[rank][t.name]} of {self.tensors[rank][t.name].numel()} elements)")
+        if missing:
+            raise ZooError(f"refit incomplete: {len(missing)} engine tensor(s) not fully written: " + "; ".join(missing[:8]))
+
+
+__all__ = ["EngineAdapter", "RefitBucket", "DictAdapter", "write_slot"]

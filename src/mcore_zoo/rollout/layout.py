@@ -1,0 +1,142 @@
+"""How an inference engine names, fuses and shards HF tensors: an :class:`EngineLayout`.
+
+An engine rarely keeps the checkpoint's tensors as they are. vLLM fuses ``q_proj`` / ``k_proj`` /
+``v_proj`` into one ``qkv_proj`` parameter (each tensor-parallel rank holds ``[q_r; k_r; v_r]``),
+``gate_proj`` / ``up_proj`` into ``gate_up_proj`` (``[gate_r; up_r]``), stacks the routed experts of
+a layer into ``w13_weight`` ``[E, 2 * I / tp, H]`` (gate then up) and ``w2_weight``
+``[E, H, I / tp]``, and pads the vocabulary of the embedding and the output layer to a multiple of
+64 rows before splitting it (padding rows are zero).
+
+A layout says only that - the engine's *fusion map*. Everything per architecture (which HF tensors
+exist, their shapes, which axis each is split along) comes from the zoo's weight rules, so a new
+architecture needs no new table here. :func:`mcore_zoo.rollout.plan_refit` combines the two.
+
+Two layouts ship:
+
+* :data:`VLLM` - vLLM 0.26's own parameter names and shard order (``hf_to_vllm_mapper`` /
+  ``orig_to_new_stacked`` of ``llama.py``, ``qwen2.py``, ``qwen3_moe.py``, ``qwen2_moe.py``,
+  ``mixtral.py``, ``glm4_moe.py``; ``RoutedExperts.build_expert_params_mapping`` and ``_load_w13``
+  for the experts; ``DEFAULT_VOCAB_PADDING_SIZE`` of ``vocab_parallel_embedding.py``).
+* :data:`HF_NAMES` - HF names, whole tensors, no fusion: for engines that fuse and split on their
+  side (SGLang's ``update_weights_from_tensor``, vLLM's own ``load_weights``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional, Union
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """HF tensors whose name ends in ``hf_suffix`` become part ``shard`` of the engine tensor named
+    with ``engine_suffix`` instead (vLLM's ``orig_to_new_stacked``: ``".q_proj": (".qkv_proj", "q")``).
+
+    ``order`` lists the shard ids of the engine tensor in the order they sit along its first axis
+    on every tensor-parallel rank (``("q", "k", "v")``, ``(0, 1)``).
+    """
+
+    hf_suffix: str
+    engine_suffix: str
+    shard: Union[str, int]
+    order: tuple[Union[str, int], ...]
+
+
+@dataclass(frozen=True)
+class ExpertFusion:
+    """Routed experts stacked per layer: the HF tensor ``{prefix}experts.{e}.{proj}.weight``
+    becomes row-block ``shard`` of ``engine[e]`` where ``engine`` is
+    ``{prefix}experts.{engine_param}`` (vLLM: ``w13_weight`` for gate (``w1``) and up (``w3``),
+    ``w2_weight`` for down (``w2``))."""
+
+    projections: tuple[tuple[str, str, str], ...]  # (HF role, engine parameter, shard id)
+    order: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (engine parameter, shard ids in row order)
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """An inference engine's naming, fusion and sharding of HF tensors (see module docstring).
+
+    Attributes:
+        name: shown in plans and errors.
+        fusions: dense fusions (``q/k/v -> qkv_proj``, ``gate/up -> gate_up_proj``).
+        experts: how routed experts are stacked (``None``: per-expert HF tensors are kept).
+        experts_prefix: what the engine inserts between ``experts.`` and the stacked parameter name
+            (vLLM 0.26: ``routed_experts.``).
+        vocab_padding: the engine pads the vocabulary (embedding, output layer) to a multiple of
+            this many rows before splitting it over tensor parallelism (``0``: no padding).
+        presplit: the engine wants each tensor-parallel rank's shard (``True``) or whole tensors
+            that it splits itself (``False``).
+    """
+
+    name: str
+    fusions: tuple[Fusion, ...] = ()
+    experts: Optional[ExpertFusion] = None
+    experts_prefix: str = ""
+    vocab_padding: int = 0
+    presplit: bool = True
+
+    def fusion_for(self, hf_name: str) -> Optional[tuple[str, Fusion]]:
+        """``(engine_name, fusion)`` for an HF tensor that the engine fuses, else ``None``."""
+        stem, dot, leaf = hf_name.rpartition(".")  # leaf: weight / bias
+        for f in self.fusions:
+            if ("." + stem).endswith(f.hf_suffix):
+                return stem[: len(stem) - len(f.hf_suffix) + 1] + f.engine_suffix[1:] + dot + leaf, f
+        return None
+
+    def expert_for(self, hf_name: str, roles: dict[str, str]) -> Optional[tuple[str, int, str, tuple[str, ...]]]:
+        """``(engine_name, expert, shard_id, order)`` for a routed-expert HF tensor. ``roles``:
+        HF projection name -> role (``gate`` / ``up`` / ``down``), from the zoo's expert rule."""
+        if self.experts is None:
+            return None
+        m = _EXPERT.fullmatch(hf_name)
+        if m is None or m.group("proj") not in roles:
+            return None
+        role = roles[m.group("proj")]
+        for want, param, shard in self.experts.projections:
+            if want == role:
+                name = f"{m.group('prefix')}experts.{self.experts_prefix}{param}"
+                return name, int(m.group("expert")), shard, dict(self.experts.order)[param]
+        return None
+
+
+_EXPERT = re.compile(r"(?P<prefix>.*\.)experts\.(?P<expert>\d+)\.(?P<proj>[A-Za-z0-9_]+)\.weight")
+
+_QKV = ("q", "k", "v")
+_GATE_UP = (0, 1)
+
+#: vLLM 0.26 (the ``hf_to_vllm_mapper`` tables of its Llama / Qwen / Mixtral / GLM-4.5 model files)
+VLLM = EngineLayout(
+    name="vllm",
+    fusions=(
+        Fusion(".q_proj", ".qkv_proj", "q", _QKV),
+        Fusion(".k_proj", ".qkv_proj", "k", _QKV),
+        Fusion(".v_proj", ".qkv_proj", "v", _QKV),
+        Fusion(".gate_proj", ".gate_up_proj", 0, _GATE_UP),
+        Fusion(".up_proj", ".gate_up_proj", 1, _GATE_UP),
+    ),
+    experts=ExpertFusion(
+        projections=(("gate", "w13_weight", "w1"), ("up", "w13_weight", "w3"), ("down", "w2_weight", "w2")),
+        order=(("w13_weight", ("w1", "w3")), ("w2_weight", ("w2",))),
+    ),
+    experts_prefix="routed_experts.",
+    vocab_padding=64,
+)
+
+#: HF names, whole tensors (the engine fuses and splits: SGLang, vLLM ``load_weights``)
+HF_NAMES = EngineLayout(name="hf", presplit=False)
+
+LAYOUTS = {"vllm": VLLM, "hf": HF_NAMES}
+
+
+def get_layout(layout: Union[str, EngineLayout]) -> EngineLayout:
+    if isinstance(layout, EngineLayout):
+        return layout
+    try:
+        return LAYOUTS[layout]
+    except KeyError:
+        raise ValueError(f"unknown engine layout {layout!r} (known: {', '.join(sorted(LAYOUTS))})") from None
+
+
+__all__ = ["EngineLayout", "Fusion", "ExpertFusion", "VLLM", "HF_NAMES", "LAYOUTS", "get_layout"]

@@ -1,0 +1,308 @@
+"""The refit plan: where every exported HF tensor lands in a running inference engine.
+
+:func:`plan_refit` is computed once per (model, engine layout, engine TP size, dtype, bucket size)
+and reused every step. It combines
+
+* the model's export plan (:func:`mcore_zoo.distributed.export.export_plan`: every HF tensor in
+  export order, with its gathered shape and dtype - a collective over the pipeline group), and
+* the zoo's weight rules (which axis each HF tensor is split along for tensor parallelism, which
+  rows of a fused HF tensor are q, k or v) - the same rules that load and export the model, and
+* the engine's :class:`~mcore_zoo.rollout.layout.EngineLayout` (its fusion map),
+
+into one :class:`Slot` per (HF tensor piece, engine TP rank): the engine tensor's name, the expert
+index for stacked experts, the row offset inside the engine's fused tensor, the shard's shape and
+the cuts that take it out of the gathered HF tensor. Buckets group consecutive HF tensors up to
+``bucket_size`` bytes (what one engine call receives, all engine ranks' shards counted).
+
+Nothing here moves data or talks to an engine; :func:`mcore_zoo.rollout.refit` does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from ..errors import LayoutError, ZooError
+from ..handle import ModelHandle
+from ..weights.rules import BoundRule
+from .layout import EngineLayout
+
+#: mcore parameters whose rows are the vocabulary (the engine may pad them)
+VOCAB_PARAMETERS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+Cut = tuple[int, int, int]  # narrow(axis, start, length)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One piece of one engine tensor on one engine tensor-parallel rank.
+
+    Attributes:
+        name: the engine tensor (``model.layers.0.self_attn.qkv_proj.weight``).
+        hf_name: the HF tensor it is cut from.
+        expert: index into dim 0 of a stacked-experts engine tensor (``w13_weight[expert]``), else
+            ``None``.
+        offset: first row (dim 0 of the engine tensor, or of ``tensor[expert]``) this piece fills.
+        shape: the piece's shape.
+        dtype: the piece's dtype.
+        cuts: ``narrow(axis, start, length)`` steps that take the piece out of the gathered HF
+            tensor (a fused HF tensor's part, then the tensor-parallel shard).
+        pad: zero rows that follow the piece (the engine's vocabulary padding).
+        rows: the engine tensor's rows on this rank (dim 0, per expert for stacked experts).
+    """
+
+    name: str
+    hf_name: str
+    expert: Optional[int]
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    cuts: tuple[Cut, ...] = ()
+    pad: int = 0
+    rows: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+    def cut(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This piece of the gathered HF tensor (a view)."""
+        for axis, start, length in self.cuts:
+            tensor = tensor.narrow(axis, start, length)
+        return tensor
+
+
+@dataclass(frozen=True)
+class EngineTensor:
+    """An engine tensor as the plan fills it on one rank: ``shape`` (experts stacked in front)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class RefitPlan:
+    """Every HF tensor's engine slots, and the buckets (see module docstring).
+
+    Attributes:
+        architecture: the HF architecture (plans are refused for another model).
+        layout: the engine layout.
+        target_tp: the engine's tensor-parallel size.
+        dtype: the dtype tensors are sent in.
+        bucket_size: bytes per bucket (all engine ranks' shards counted; a larger tensor is a
+            bucket of its own).
+        hf: ``(name, shape, dtype)`` of every HF tensor in export order.
+        slots: HF name -> ``slots[name][rank]``: that tensor's pieces on engine rank ``rank``.
+        buckets: HF names per bucket, in export order.
+        engine_tensors: per engine rank, every engine tensor the plan fills completely.
+    """
+
+    architecture: str
+    layout: EngineLayout
+    target_tp: int
+    dtype: Optional[torch.dtype]
+    bucket_size: int
+    hf: list[tuple[str, tuple[int, ...], torch.dtype]]
+    slots: dict[str, list[list[Slot]]]
+    buckets: list[list[str]]
+    engine_tensors: list[list[EngineTensor]] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes sent per refit (all engine ranks)."""
+        return sum(s.nbytes for per_rank in self.slots.values() for slots in per_rank for s in slots)
+
+    def manifest(self, rank: int) -> list[tuple[str, Optional[int], int, tuple[int, ...], str, int, int]]:
+        """Engine rank ``rank``'s slots as plain tuples ``(name, expert, offset, shape, dtype, pad,
+        rows)``, in plan order: what the engine side checks up front (picklable, no torch types)."""
+        return [
+            (s.name, s.expert, s.offset, s.shape, str(s.dtype).replace("torch.", ""), s.pad, s.rows)
+            for names in self.buckets
+            for name in names
+            for s in self.slots[name][rank]
+        ]
+
+    def describe(self) -> str:
+        tensors = len(self.engine_tensors[0]) if self.engine_tensors else 0
+        return (f"{self.architecture} -> {self.layout.name} TP{self.target_tp}: {len(self.hf)} HF tensors, "
+                f"{tensors} engine tensors per rank, {len(self.buckets)} bucket(s), {self.nbytes / 2**30:.3f} GiB")  # fmt: skip
+
+
+def _parse_size(size: Union[int, str]) -> int:
+    from ..weights.io import _parse_size as parse
+
+    return parse(size)
+
+
+def _rule_specs(handle: ModelHandle) -> dict[str, list[tuple[Optional[Cut], Optional[int], BoundRule]]]:
+    """HF name -> ``[(select, tp_axis, bound rule)]`` over the whole model (all stages, experts)."""
+    specs: dict[str, list[tuple[Optional[Cut], Optional[int], BoundRule]]] = {}
+    for b in handle.weight_map.expand_full():
+        if not b.rule.export:  # a tied output layer: the embedding rule exports its source
+            continue
+        for name, axis, select in zip(b.hf, b.tp_axes, b.selects):
+            specs.setdefault(name, []).append((select, axis, b))
+    return specs
+
+
+def _expert_roles(handle: ModelHandle) -> dict[str, str]:
+    """HF projection name -> role (``gate`` / ``up`` / ``down``) of routed experts, read off the
+    zoo's expert rules (``linear_fc1`` <- [gate, up], ``linear_fc2`` <- down)."""
+    roles: dict[str, str] = {}
+    for r in handle.weight_map.rules:
+        if "{expert}" not in r.mcore:
+            continue
+        names = [s.hf.rsplit(".", 2)[-2] for s in r.sources]
+        if r.mcore.endswith("linear_fc1.weight") and len(names) == 2:
+            roles.update({names[0]: "gate", names[1]: "up"})
+        elif r.mcore.endswith("linear_fc2.weight") and len(names) == 1:
+            roles[names[0]] = "down"
+    return roles
+
+
+def _tp_cut(shape: Sequence[int], axis: Optional[int], tp: int, rank: int, what: str) -> Optional[Cut]:
+    if axis is None or tp == 1:
+        return None
+    if shape[axis] % tp:
+        raise LayoutError(f"{what}: dim {axis} = {shape[axis]} is not divisible by the engine's tp={tp}")
+    size = shape[axis] // tp
+    return (axis, rank * size, size)
+
+
+def plan_refit(
+    handle: ModelHandle,
+    layout: EngineLayout,
+    *,
+    target_tp: int = 1,
+    dtype: Optional[torch.dtype] = None,
+    bucket_size: Union[int, str] = "1GB",
+    entries: Optional[Sequence[Any]] = None,
+) -> RefitPlan:
+    """The :class:`RefitPlan` of a zoo-built model for an engine (see module docstring).
+
+    Collective over the pipeline group (it runs :func:`~mcore_zoo.distributed.export.export_plan`)
+    unless ``entries`` (that export plan) is given. Raises :class:`LayoutError` when the engine's
+    TP size does not divide a tensor it splits."""
+    from ..config.transformer import validate_layout
+    from ..distributed.export import export_plan
+    from ..placement import Parallelism
+
+    tp = target_tp if layout.presplit else 1
+    if tp < 1:
+        raise LayoutError(f"target_tp must be >= 1, got {target_tp}")
+    if layout.presplit and tp > 1:
+        validate_layout(handle.arch_config, Parallelism(tp=tp))
+    if entries is None:
+        entries = export_plan(handle, dtype=dtype)
+    specs = _rule_specs(handle)
+    roles = _expert_roles(handle)
+    vocab = {name for name, items in specs.items() if any(b.rule.mcore in VOCAB_PARAMETERS for _, _, b in items)}
+    hf = [(e.name, tuple(e.shape), e.dtype) for e in entries]
+
+    # 1. every HF piece: (engine name, expert, shard id, order) and its cuts per rank
+    pieces: dict[str, list[list[tuple[str, Optional[int], Any, tuple[Any, ...], tuple[Cut, ...], tuple[int, ...], int, int]]]] = {}
+    for name, shape, dt in hf:
+        if name not in specs:
+            raise ZooError(f"refit plan: HF tensor {name!r} has no weight rule")
+        per_rank: list[list[Any]] = [[] for _ in range(tp)]
+        target, expert, shard, order = name, None, None, (None,)
+        if layout.presplit:
+            hit = layout.expert_for(name, roles)
+            if hit is not None:
+                target, expert, shard, order = hit
+            else:
+                fused = layout.fusion_for(name)
+                if fused is not None:
+                    target, f = fused
+                    shard, order = f.shard, f.order
+        if layout.presplit:
+            parts = sorted(specs[name], key=lambda s: -1 if s[0] is None else s[0][1])
+        else:  # whole HF tensors: the engine splits and fuses
+            parts = [(None, None, specs[name][0][2])]
+        for rank in range(tp):
+            for k, (select, axis, _) in enumerate(parts):
+                cuts: list[Cut] = []
+                part_shape = list(shape)
+                if select is not None:
+                    sel_axis, start, stop = select
+                    cuts.append((sel_axis, start, stop - start))
+                    part_shape[sel_axis] = stop - start
+                pad = 0
+                if name in vocab and layout.presplit and layout.vocab_padding:
+                    rows = part_shape[0]
+                    padded = -(-rows // layout.vocab_padding) * layout.vocab_padding
+                    per = padded // tp
+                    start = min(rank * per, rows)
+                    real = max(0, min(per, rows - start))
+                    cuts.append((0, start, real))
+                    part_shape[0] = real
+                    pad = per - real
+                else:
+                    cut = _tp_cut(part_shape, axis, tp, rank, name if select is None else f"{name}[{select[1]}:{select[2]}]")
+                    if cut is not None:
+                        cuts.append(cut)
+                        part_shape[cut[0]] = cut[2]
+                # a fused HF tensor's parts keep their order inside the engine tensor
+                key = (order.index(shard) if shard in order else 0, k)
+                per_rank[rank].append((target, expert, key, tuple(cuts), tuple(part_shape), pad, dt))
+        pieces[name] = per_rank
+
+    # 2. row offsets inside each engine tensor, per rank (shard order of the engine's fusion)
+    slots: dict[str, list[list[Slot]]] = {name: [[] for _ in range(tp)] for name, _, _ in hf}
+    engine_tensors: list[list[EngineTensor]] = []
+    for rank in range(tp):
+        groups: dict[tuple[str, Optional[int]], list[tuple[Any, str, Any]]] = {}
+        for name, _, _ in hf:
+            for item in pieces[name][rank]:
+                groups.setdefault((item[0], item[1]), []).append((item[2], name, item))
+        shapes: dict[str, tuple[tuple[int, ...], torch.dtype, set[int]]] = {}
+        for (target, expert), items in groups.items():
+            items.sort(key=lambda i: i[0])
+            keys = [i[0] for i in items]
+            if len(set(keys)) != len(keys):
+                raise ZooError(f"refit plan: two HF tensors fill the same part of engine tensor {target!r} (expert {expert})")
+            rest = items[0][2][4][1:]
+            total = sum(i[2][4][0] + i[2][5] for i in items)
+            offset = 0
+            for _, name, (tgt, exp, _, cuts, shape, pad, dt) in items:
+                if tuple(shape[1:]) != tuple(rest):
+                    raise ZooError(f"refit plan: parts of engine tensor {target!r} disagree on trailing shape: {shape} vs {rest}")
+                slots[name][rank].append(Slot(tgt, name, exp, offset, shape, dt, cuts, pad, total))
+                offset += shape[0] + pad
+            full = (total, *rest)
+            prev = shapes.get(target)
+            experts = prev[2] if prev else set()
+            if expert is not None:
+                experts.add(expert)
+            if prev is not None and prev[0] != full:
+                raise ZooError(f"refit plan: experts of engine tensor {target!r} disagree on shape: {prev[0]} vs {full}")
+            shapes[target] = (full, items[0][2][6], experts)
+        tensors = []
+        for target, (full, dt, experts) in shapes.items():
+            if experts:
+                if experts != set(range(len(experts))):
+                    raise ZooError(f"refit plan: engine tensor {target!r} gets experts {sorted(experts)}, not 0..{len(experts) - 1}")
+                full = (len(experts), *full)
+            tensors.append(EngineTensor(target, full, dt))
+        engine_tensors.append(tensors)
+
+    # 3. buckets: consecutive HF tensors up to bucket_size bytes (all ranks' shards)
+    limit = _parse_size(bucket_size)
+    buckets: list[list[str]] = []
+    used = 0
+    for name, _, _ in hf:
+        size = sum(s.nbytes for per in slots[name] for s in per)
+        if buckets and used + size <= limit:
+            buckets[-1].append(name)
+            used += size
+        else:
+            buckets.append([name])
+            used = size
+    return RefitPlan(handle.arch_config.architecture, layout, tp, dtype, limit, hf, slots, buckets, engine_tensors)
+
+
+__all__ = ["Slot", "EngineTensor", "RefitPlan", "plan_refit", "VOCAB_PARAMETERS"]

@@ -1,0 +1,197 @@
+""":func:`refit`: push a zoo-built model's weights into a running inference engine.
+
+Every rank of the training job calls it (the export gathers over TP / EP and moves buckets over
+PP); one rank, ``receiver``, holds the engine adapter and feeds the engine::
+
+    adapter = mcore_zoo.rollout.VLLMAdapter(llm)             # an in-process vllm.LLM
+    for step in range(...):
+        train_step(model)
+        mcore_zoo.refit(model, adapter if rank == 0 else None)  # plan computed on the first call
+
+The :class:`~mcore_zoo.rollout.plan.RefitPlan` is computed on the first call for a (model, layout,
+engine TP, dtype, bucket size) and cached on the model's handle (weakly), or passed as ``plan=``;
+later calls reuse it and only move data. Tensors stay on the model's device: with trainer and
+engine on one GPU the whole refit is device-to-device.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from ..errors import ZooError
+from ..handle import ModelHandle, handle_of
+from .adapter import EngineAdapter, RefitBucket
+from .layout import EngineLayout, get_layout
+from .plan import RefitPlan, plan_refit
+
+Model = Union[ModelHandle, torch.nn.Module, Sequence[torch.nn.Module]]
+
+_PLANS: "weakref.WeakKeyDictionary[ModelHandle, dict[Any, RefitPlan]]" = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class RefitStats:
+    """What one :func:`refit` did (on the receiving rank; other ranks get zeros)."""
+
+    buckets: int
+    tensors: int
+    nbytes: int
+    seconds: float
+    planned: bool  # this call computed the plan
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds else 0.0
+
+
+def get_plan(
+    model: Model,
+    *,
+    layout: Union[str, EngineLayout] = "vllm",
+    target_tp: int = 1,
+    dtype: Optional[torch.dtype] = None,
+    bucket_size: Union[int, str] = "1GB",
+) -> RefitPlan:
+    """The cached :class:`RefitPlan` for these settings, computed on first use (collective over the
+    pipeline group: every rank calls it the same number of times)."""
+    handle = handle_of(model)
+    layout = get_layout(layout)
+    key = (layout, target_tp if layout.presplit else 1, dtype, str(bucket_size))
+    cache = _PLANS.setdefault(handle, {})
+    if key not in cache:
+        cache[key] = plan_refit(handle, layout, target_tp=target_tp, dtype=dtype, bucket_size=bucket_size)
+    return cache[key]
+
+
+def refit(
+    model: Model,
+    adapter: Optional[EngineAdapter],
+    *,
+    plan: Optional[RefitPlan] = None,
+    bucket_size: Union[int, str] = "1GB",
+    target_tp: Optional[int] = None,
+    dtype: Optional[torch.dtype] = None,
+    receiver: Union[int, str] = 0,
+) -> RefitStats:
+    """Send the model's weights to an engine through ``adapter`` (see module docstring).
+
+    Args:
+        model: a zoo-built model (chunk, list of chunks or handle), any TP / PP / VPP / EP layout.
+        adapter: the engine on global rank ``receiver``; other ranks pass ``None`` (or anything:
+            it is not used there).
+        plan: a plan from :func:`get_plan` / :func:`~mcore_zoo.rollout.plan.plan_refit`; default:
+            the cached plan for ``adapter.layout``, ``target_tp`` (default ``adapter.tp_size``),
+            ``dtype`` and ``bucket_size``.
+        bucket_size: bytes per engine call (all engine ranks' shards), e.g. ``"1GB"``.
+        target_tp: the engine's tensor-parallel size (default: the adapter's).
+        dtype: cast tensors before they travel (``None``: the parameters' dtype).
+        receiver: global rank that talks to the engine, or ``"all"``: every rank receives every
+            tensor and has its own adapter (one engine rank per trainer rank, e.g. vLLM's
+            ``external_launcher`` executor; each engine rank keeps its own shards).
+
+    Every rank of the job must call it (it gathers over TP / EP / PP). When the receiver fails
+    (the engine refuses the plan, a bucket fails), it still runs the export to its end so that the
+    other ranks' gathers complete, then raises. Raises
+    :class:`~mcore_zoo.errors.ZooError` when the stream and the plan disagree (a plan made for
+    another model) or when the adapter reports an incomplete refit.
+    """
+    handle = handle_of(model)
+    handle.check_current()
+    placement = handle.placement
+    receive = receiver == "all" or placement.rank == receiver
+    planned = plan is None
+    if plan is None:
+        if receive and adapter is None:
+            raise ZooError(f"refit: rank {receiver} receives but has no engine adapter")
+        layout = adapter.layout if receive else _layout_from_receiver(handle, adapter)
+        tp = target_tp if target_tp is not None else (adapter.tp_size if receive else _tp_from_receiver(adapter))
+        before = len(_PLANS.get(handle, {}))
+        plan = get_plan(handle, layout=layout, target_tp=tp, dtype=dtype, bucket_size=bucket_size)
+        planned = len(_PLANS.get(handle, {})) > before
+    if plan.architecture != handle.arch_config.architecture:
+        raise ZooError(f"refit: plan is for {plan.architecture}, model is {handle.arch_config.architecture}")
+    stream = _stream(handle, plan, receiver)
+    if not receive:
+        for _ in stream:
+            pass
+        return RefitStats(0, 0, 0, 0.0, planned)
+    assert adapter is not None
+    if plan.layout != adapter.layout:
+        raise ZooError(f"refit: plan made for the {plan.layout.name!r} layout, adapter wants {adapter.layout.name!r}")
+    if adapter.layout.presplit and plan.target_tp != adapter.tp_size:
+        raise ZooError(f"refit: plan cut for engine tp={plan.target_tp}, adapter has tp={adapter.tp_size}")
+    _sync(handle)
+    t0 = time.perf_counter()
+    try:
+        nbytes, tensors = _feed(adapter, plan, stream)
+    except Exception:
+        # keep the other ranks' gathers matched: they are iterating the same export
+        try:
+            for _ in stream:
+                pass
+        except Exception:  # noqa: S110 - the first error is the one to report
+            pass
+        raise
+    _sync(handle)
+    return RefitStats(len(plan.buckets), tensors, nbytes, time.perf_counter() - t0, planned)
+
+
+def _feed(adapter: EngineAdapter, plan: RefitPlan, stream: Any) -> tuple[int, int]:
+    """The receiving rank's part: cut each exported tensor along the plan, one engine call per
+    bucket. Returns ``(bytes, tensors)``."""
+    adapter.begin(plan)
+    nbytes = tensors = 0
+    for index, names in enumerate(plan.buckets):
+        items: list[list[Any]] = [[] for _ in range(plan.target_tp)]
+        for name in names:
+            got = next(stream, None)
+            if got is None:
+                raise ZooError(f"refit: the model's export ended before {name!r} (plan made for another model?)")
+            got_name, tensor = got
+            if got_name != name:
+                raise ZooError(f"refit: plan out of step: planned {name!r}, export gave {got_name!r}")
+            for rank in range(plan.target_tp):
+                for slot in plan.slots[name][rank]:
+                    piece = slot.cut(tensor)
+                    if tuple(piece.shape) != slot.shape:
+                        raise ZooError(f"refit: {name} -> {slot.name}: planned shape {slot.shape}, got {tuple(piece.shape)}")
+                    items[rank].append((slot, piece))
+                    nbytes += piece.numel() * piece.element_size()
+            tensors += 1
+        adapter.load_bucket(RefitBucket(index, items))
+        del items
+    extra = next(stream, None)
+    if extra is not None:
+        raise ZooError(f"refit: the export has {extra[0]!r}, which the plan does not list")
+    adapter.end()
+    return nbytes, tensors
+
+
+def _stream(handle: ModelHandle, plan: RefitPlan, receiver: Union[int, str]):  # type: ignore[no-untyped-def]
+    from ..distributed.export import iter_hf_weights
+
+    ranks = None if not handle.placement.distributed or receiver == "all" else [int(receiver)]
+    return iter_hf_weights(handle, dtype=plan.dtype, ranks=ranks, bucket_size=plan.bucket_size)
+
+
+def _sync(handle: ModelHandle) -> None:
+    if handle.device.type == "cuda":
+        torch.cuda.synchronize(handle.device)
+
+
+def _layout_from_receiver(handle: ModelHandle, adapter: Any) -> EngineLayout:
+    """Non-receiving ranks need the same plan (its computation is collective over PP): they take
+    the layout from their own adapter argument if they have one, else vLLM's."""
+    return getattr(adapter, "layout", None) or get_layout("vllm")
+
+
+def _tp_from_receiver(adapter: Any) -> int:
+    return int(getattr(adapter, "tp_size", 1) or 1)
+
+
+__all__ = ["refit", "get_plan", "RefitStats"]

@@ -1,0 +1,371 @@
+"""Refit into an engine's own fused, pre-split layout (CPU).
+
+The reference is an independent re-implementation of what vLLM 0.26's ``load_weights`` makes of an
+HF checkpoint at tensor-parallel size ``tp``: its stacked-parameter and expert tables copied below
+as data (``hf_to_vllm_mapper.orig_to_new_stacked`` of ``llama.py`` / ``qwen3_moe.py`` /
+``qwen2_moe.py`` / ``glm4_moe.py``; ``RoutedExperts.build_expert_params_mapping``), and the weight
+loaders' slicing rules (``QKVParallelLinear``, ``MergedColumnParallelLinear``,
+``RowParallelLinear``, ``VocabParallelEmbedding`` padded to 64 rows with zero padding,
+``RoutedExperts._load_w13`` / ``_load_w2``), applied to the HF safetensors file. It shares no
+code with the zoo's rule table. A refit from the zoo-built model must reproduce those engine
+tensors bit for bit.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import mcore_zoo
+from mcore_zoo.errors import LayoutError, ZooError
+from mcore_zoo.rollout import HF_NAMES, VLLM, DictAdapter, VLLMAdapter, ZooWorkerExtension, get_plan, plan_refit
+from mcore_zoo.rollout.adapter import RefitBucket
+
+# ---------------------------------------------------------------- vLLM 0.26's tables, as data
+#: orig_to_new_stacked: weight_name -> (param_name, shard_id)
+VLLM_STACKED = {
+    ".q_proj": (".qkv_proj", "q"),
+    ".k_proj": (".qkv_proj", "k"),
+    ".v_proj": (".qkv_proj", "v"),
+    ".gate_proj": (".gate_up_proj", 0),
+    ".up_proj": (".gate_up_proj", 1),
+}
+#: RoutedExperts.build_expert_params_mapping: per expert (shard_id, ckpt name) -> param prefix
+VLLM_EXPERT_PARAM = {"w1": "experts.routed_experts.w13_", "w3": "experts.routed_experts.w13_", "w2": "experts.routed_experts.w2_"}
+#: ckpt_gate_proj_name, ckpt_down_proj_name, ckpt_up_proj_name per family
+EXPERT_CKPT_NAMES = {"mixtral": ("w1", "w2", "w3"), "default": ("gate_proj", "down_proj", "up_proj")}
+VOCAB_PADDING = 64  # DEFAULT_VOCAB_PADDING_SIZE
+ROW_PARALLEL = re.compile(r".*\.(o_proj|down_proj)\.weight")  # RowParallelLinear (input dim split)
+VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def vllm_engine_tensors(hf: dict[str, torch.Tensor], config: dict, tp: int) -> list[dict[str, torch.Tensor]]:
+    """What vLLM's load_weights leaves in the model's parameters on each TP rank."""
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    hd = config.get("head_dim") or config["hidden_size"] // heads
+    gate, down, up = EXPERT_CKPT_NAMES["mixtral" if config["model_type"] == "mixtral" else "default"]
+    out: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+    for rank in range(tp):
+        params = out[rank]
+        for name, w in hf.items():
+            if "rotary_emb" in name or (config.get("tie_word_embeddings") and name == "lm_head.weight"):
+                continue
+            m = re.fullmatch(rf"(.*\.)experts\.(\d+)\.({gate}|{down}|{up})\.weight", name)
+            if m:
+                e = int(m.group(2))
+                shard_id = {gate: "w1", down: "w2", up: "w3"}[m.group(3)]
+                pname = m.group(1) + VLLM_EXPERT_PARAM[shard_id] + "weight"
+                n_exp = sum(1 for k in hf if k.startswith(m.group(1) + "experts.") and k.endswith(f".{gate}.weight"))
+                inter = w.shape[0] if shard_id != "w2" else w.shape[1]
+                per = inter // tp
+                if pname not in params:
+                    shape = (n_exp, 2 * per, w.shape[1]) if shard_id != "w2" else (n_exp, w.shape[0], per)
+                    params[pname] = torch.full(shape, float("nan"), dtype=w.dtype)
+                if shard_id == "w2":  # _load_w2: shard_dim 1
+                    params[pname][e].copy_(w.narrow(1, rank * per, per))
+                else:  # _load_w13: w1 first half, w3 second half
+                    half = 0 if shard_id == "w1" else per
+                    params[pname][e].narrow(0, half, per).copy_(w.narrow(0, rank * per, per))
+                continue
+            stem, leaf = name.rsplit(".", 1)
+            hit = next(((k, v) for k, v in VLLM_STACKED.items() if ("." + stem).endswith(k)), None)
+            if hit is not None:
+                suffix, (new, shard_id) = hit
+                pname = stem[: len(stem) - len(suffix) + 1] + new[1:] + "." + leaf
+                if shard_id in ("q", "k", "v"):  # QKVParallelLinear.weight_loader
+                    q_size, kv_size = heads // tp * hd, kv // tp * hd
+                    offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+                    total = q_size + 2 * kv_size
+                else:  # MergedColumnParallelLinear: output_sizes [I, I]
+                    size = w.shape[0] // tp
+                    offset, total = shard_id * size, 2 * size
+                if pname not in params:
+                    params[pname] = torch.full((total, *w.shape[1:]), float("nan"), dtype=w.dtype)
+                params[pname].narrow(0, offset, size).copy_(w.narrow(0, rank * size, size))
+                continue
+            if name in VOCAB:  # VocabParallelEmbedding / ParallelLMHead
+                padded = -(-w.shape[0] // VOCAB_PADDING) * VOCAB_PADDING
+                per = padded // tp
+                start, stop = min(rank * per, w.shape[0]), min((rank + 1) * per, w.shape[0])
+                p = torch.empty((per, *w.shape[1:]), dtype=w.dtype)
+                p[: stop - start].copy_(w[start:stop])
+                p[stop - start :].fill_(0)
+                params[name] = p
+                continue
+            if ROW_PARALLEL.fullmatch(name):
+                size = w.shape[1] // tp
+                params[name] = w.narrow(1, rank * size, size).clone()
+                continue
+            params[name] = w.clone()  # replicated: norms, routers, biases of row-parallel layers
+    return out
+
+
+def assert_same(got: list[dict[str, torch.Tensor]], want: list[dict[str, torch.Tensor]]) -> None:
+    assert len(got) == len(want)
+    for rank, (g, w) in enumerate(zip(got, want)):
+        assert sorted(g) == sorted(w), (rank, sorted(set(g) ^ set(w)))
+        for name in w:
+            assert g[name].dtype == w[name].dtype and g[name].shape == w[name].shape, (rank, name, g[name].shape, w[name].shape)
+            assert torch.equal(g[name], w[name]), f"rank {rank}: {name} differs"
+
+
+CASES = [
+    ("llama3", "LlamaForCausalLM", {}),
+    ("llama-tied", "LlamaForCausalLM", {"tie_word_embeddings": True, "rope_scaling": None}),
+    ("llama-bias", "LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}),
+    ("llama-vocab250", "LlamaForCausalLM", {"vocab_size": 250}),
+    ("qwen2-tied", "Qwen2ForCausalLM", {}),
+    ("qwen3", "Qwen3ForCausalLM", {}),
+    ("qwen3-moe", "Qwen3MoeForCausalLM", {}),
+    ("qwen2-moe", "Qwen2MoeForCausalLM", {}),
+    ("mixtral", "MixtralForCausalLM", {}),
+    ("glm4-moe", "Glm4MoeForCausalLM", {}),
+]
+
+
+def _setup(reference_checkpoint, arch, overrides, seed=0):
+    ckpt = reference_checkpoint(arch, overrides, seed=seed)
+    model = mcore_zoo.build_model(ckpt, backend="local", load=ckpt)
+    import json
+
+    config = json.loads((ckpt / "config.json").read_text())
+    return ckpt, model, config, load_file(str(ckpt / "model.safetensors"))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("case,arch,overrides", CASES, ids=[c[0] for c in CASES])
+def test_refit_reproduces_the_engine_loaders_bitwise(mpu, reference_checkpoint, case, arch, overrides, tp):
+    _, model, config, hf = _setup(reference_checkpoint, arch, overrides)
+    adapter = DictAdapter(tp_size=tp)
+    stats = mcore_zoo.refit(model, adapter, bucket_size="64KB")
+    assert stats.buckets > 1 and stats.tensors == len(get_plan(model, target_tp=tp, bucket_size="64KB").hf)
+    assert_same(adapter.tensors, vllm_engine_tensors(hf, config, tp))
+
+
+def test_qkv_shard_of_rank_1_is_q1_k1_v1(mpu, reference_checkpoint):
+    _, model, config, hf = _setup(reference_checkpoint, "LlamaForCausalLM", {})
+    adapter = DictAdapter(tp_size=2)
+    mcore_zoo.refit(model, adapter)
+    a = "model.layers.1.self_attn."
+    q, k, v = (hf[a + f"{p}_proj.weight"] for p in "qkv")
+    want = torch.cat([q.chunk(2)[1], k.chunk(2)[1], v.chunk(2)[1]])
+    assert torch.equal(adapter.tensors[1][a + "qkv_proj.weight"], want)
+    m = "model.layers.0.mlp."
+    want = torch.cat([hf[m + "gate_proj.weight"].chunk(2)[0], hf[m + "up_proj.weight"].chunk(2)[0]])
+    assert torch.equal(adapter.tensors[0][m + "gate_up_proj.weight"], want)
+    assert torch.equal(adapter.tensors[1][m + "down_proj.weight"], hf[m + "down_proj.weight"].chunk(2, dim=1)[1])
+
+
+class DroppingAdapter(DictAdapter):
+    def __init__(self, *args, drop: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.drop = drop
+
+    def load_bucket(self, bucket: RefitBucket) -> None:
+        if bucket.index != self.drop:
+            super().load_bucket(bucket)
+
+
+@pytest.mark.parametrize("drop", [0, 3, -1])
+def test_a_dropped_bucket_fails(mpu, reference_checkpoint, drop):
+    _, model, config, hf = _setup(reference_checkpoint, "Qwen3MoeForCausalLM", {})
+    plan = get_plan(model, target_tp=2, bucket_size="64KB")
+    drop = drop % len(plan.buckets)
+    # the engine holds another model's weights (a previous step): a skipped bucket leaves them
+    _, _, _, stale = _setup(reference_checkpoint, "Qwen3MoeForCausalLM", {}, seed=1)
+    engine = vllm_engine_tensors(stale, config, 2)
+    adapter = DroppingAdapter(tp_size=2, tensors=engine, drop=drop)
+    with pytest.raises(ZooError, match="refit incomplete"):
+        mcore_zoo.refit(model, adapter, plan=plan)
+    # and without the completeness check, the bitwise comparison catches it
+    with pytest.raises(AssertionError, match="differs"):
+        assert_same(adapter.tensors, vllm_engine_tensors(hf, config, 2))
+    # the same plan with no bucket dropped is exact
+    mcore_zoo.refit(model, DictAdapter(tp_size=2, tensors=engine), plan=plan)
+    assert_same(engine, vllm_engine_tensors(hf, config, 2))
+
+
+def test_the_plan_is_computed_once_and_reused(mpu, reference_checkpoint, monkeypatch):
+    from mcore_zoo.distributed import export
+
+    _, model, config, hf = _setup(reference_checkpoint, "Qwen2ForCausalLM", {})
+    calls = []
+    real = export.export_plan
+    monkeypatch.setattr(export, "export_plan", lambda *a, **k: calls.append(1) or real(*a, **k))
+    adapter = DictAdapter(tp_size=2)
+    stats = [mcore_zoo.refit(model, adapter, bucket_size="32KB") for _ in range(3)]
+    assert len(calls) == 1 and [s.planned for s in stats] == [True, False, False]
+    assert adapter.calls.count("begin") == 3 and adapter.calls.count("end") == 3
+    assert_same(adapter.tensors, vllm_engine_tensors(hf, config, 2))
+    plan = get_plan(model, target_tp=2, bucket_size="32KB")
+    mcore_zoo.refit(model, DictAdapter(tp_size=2), plan=plan)
+    assert len(calls) == 1
+    # another engine TP size is another plan
+    mcore_zoo.refit(model, DictAdapter(tp_size=1), bucket_size="32KB")
+    assert len(calls) == 2
+
+
+def test_a_plan_for_another_model_is_refused(mpu, reference_checkpoint):
+    _, llama, _, _ = _setup(reference_checkpoint, "LlamaForCausalLM", {})
+    _, qwen, _, _ = _setup(reference_checkpoint, "Qwen3ForCausalLM", {})
+    with pytest.raises(ZooError, match="plan is for"):
+        mcore_zoo.refit(qwen, DictAdapter(), plan=get_plan(llama))
+    _, llama_tied, _, _ = _setup(reference_checkpoint, "LlamaForCausalLM", {"tie_word_embeddings": True, "rope_scaling": None})
+    with pytest.raises(ZooError, match="plan"):
+        mcore_zoo.refit(llama_tied, DictAdapter(), plan=get_plan(llama))
+    with pytest.raises(ZooError, match="plan made for the 'vllm' layout, adapter wants 'hf'"):
+        mcore_zoo.refit(llama, DictAdapter(layout=HF_NAMES), plan=get_plan(llama))
+
+
+def test_engine_tp_that_does_not_divide_is_refused_before_any_transfer(mpu, reference_checkpoint):
+    _, model, _, _ = _setup(reference_checkpoint, "LlamaForCausalLM", {})  # 2 KV heads
+    adapter = DictAdapter(tp_size=4)
+    with pytest.raises(LayoutError, match="num_key_value_heads=2 is not divisible by tp=4"):
+        mcore_zoo.refit(model, adapter)
+    assert adapter.calls == []
+
+
+def test_hf_names_layout_sends_whole_hf_tensors(mpu, reference_checkpoint):
+    _, model, config, hf = _setup(reference_checkpoint, "MixtralForCausalLM", {})
+    adapter = DictAdapter(tp_size=4, layout=HF_NAMES)  # the engine splits: its TP does not matter
+    mcore_zoo.refit(model, adapter)
+    want = {k: v for k, v in hf.items() if "rotary_emb" not in k}
+    assert_same(adapter.tensors, [want])
+
+
+def test_plan_describes_engine_tensors(mpu, reference_checkpoint):
+    _, model, config, _ = _setup(reference_checkpoint, "Qwen3MoeForCausalLM", {})
+    plan = plan_refit(mcore_zoo.handle_of(model), VLLM, target_tp=2, bucket_size="1MB")
+    shapes = {t.name: t.shape for t in plan.engine_tensors[1]}
+    assert shapes["model.layers.0.mlp.experts.routed_experts.w13_weight"] == (8, 32, 64)
+    assert shapes["model.layers.0.mlp.experts.routed_experts.w2_weight"] == (8, 64, 16)
+    assert "model.layers.0.self_attn.q_proj.weight" not in shapes
+    assert "Qwen3MoeForCausalLM -> vllm TP2" in plan.describe()
+
+
+# ---------------------------------------------------------------- the vLLM worker extension, on CPU
+class FakeWorker(ZooWorkerExtension):
+    """What the extension is mixed into: a worker with ``model_runner.model`` (parameters named
+    and shaped as vLLM's) and a TP rank."""
+
+    def __init__(self, params: dict[str, torch.Tensor], rank: int):
+        module = torch.nn.Module()
+        for i, (name, t) in enumerate(params.items()):
+            holder = module
+            *path, leaf = name.split(".")
+            for part in path:
+                if not hasattr(holder, part):
+                    holder.add_module(part, torch.nn.Module())
+                holder = getattr(holder, part)
+            holder.register_parameter(leaf, torch.nn.Parameter(t.clone(), requires_grad=False))
+        self.model_runner = type("Runner", (), {"model": module})()
+        self.rank = rank
+
+    def _zoo_tp_rank(self) -> int:
+        return self.rank
+
+
+class FakeLLM:
+    def __init__(self, workers):
+        self.workers = workers
+        self.prefix_cache_resets = 0
+
+    def reset_prefix_cache(self):
+        self.prefix_cache_resets += 1
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        return [getattr(w, method)(*args, **(kwargs or {})) for w in self.workers]
+
+
+@pytest.mark.parametrize("transport", ["inproc", "packed"])
+def test_vllm_worker_extension_writes_parameters_in_place(mpu, reference_checkpoint, transport):
+    _, model, config, hf = _setup(reference_checkpoint, "Qwen3MoeForCausalLM", {"vocab_size": 250})
+    want = vllm_engine_tensors(hf, config, 2)
+    stale = [{k: torch.zeros_like(v) for k, v in w.items()} for w in want]
+    workers = [FakeWorker(stale[r], r) for r in range(2)]
+    llm = FakeLLM(workers)
+    adapter = VLLMAdapter(llm, tp_size=2, transport="inproc" if transport == "inproc" else "ipc")
+    params_before = [dict(w.model_runner.model.named_parameters()) for w in workers]
+    for _ in range(2):  # the manifest travels once, the second refit reuses it
+        mcore_zoo.refit(model, adapter, bucket_size="64KB")
+    got = [{k: p.data for k, p in w.model_runner.model.named_parameters()} for w in workers]
+    assert_same(got, want)
+    assert llm.prefix_cache_resets == 2  # KV blocks of the old weights are dropped after each refit
+    for before, w in zip(params_before, workers):  # in place: the same parameter objects
+        assert all(before[k] is p for k, p in w.model_runner.model.named_parameters())
+
+
+def test_vllm_worker_extension_refuses_a_mismatched_engine(mpu, reference_checkpoint):
+    _, model, config, hf = _setup(reference_checkpoint, "LlamaForCausalLM", {})
+    want = vllm_engine_tensors(hf, config, 1)[0]
+    want.pop("model.layers.1.mlp.gate_up_proj.weight")
+    want["model.norm.weight"] = torch.zeros(3)
+    adapter = VLLMAdapter(FakeLLM([FakeWorker(want, 0)]), tp_size=1, transport="inproc")
+    with pytest.raises(ZooError, match="2 plan/engine mismatch") as err:
+        mcore_zoo.refit(model, adapter)
+    assert "no parameter 'model.layers.1.mlp.gate_up_proj.weight'" in str(err.value)
+    assert "model.norm.weight: engine (3,), plan rows 64" in str(err.value)
+
+
+def test_vllm_worker_extension_reports_a_skipped_bucket(mpu, reference_checkpoint):
+    _, model, config, hf = _setup(reference_checkpoint, "LlamaForCausalLM", {})
+    workers = [FakeWorker(vllm_engine_tensors(hf, config, 1)[0], 0)]
+
+    class Skipping(VLLMAdapter):
+        def load_bucket(self, bucket):
+            if bucket.index != 1:
+                super().load_bucket(bucket)
+
+    with pytest.raises(ZooError, match="refit incomplete: [0-9]+ parameter"):
+        mcore_zoo.refit(model, Skipping(FakeLLM(workers), tp_size=1, transport="inproc"), bucket_size="16KB")
+
+
+def test_vllm_worker_extension_refuses_direct_writes_into_a_relaid_out_moe(mpu, reference_checkpoint):
+    """A MoE kernel that keeps experts in its own layout (FlashInfer on Blackwell) must not get
+    loader-layout bytes written straight into its parameters."""
+    import enum
+
+    _, model, config, hf = _setup(reference_checkpoint, "Qwen3MoeForCausalLM", {})
+    worker = FakeWorker(vllm_engine_tensors(hf, config, 1)[0], 0)
+    backend = enum.Enum("UnquantizedMoeBackend", {"FLASHINFER_CUTLASS": "FlashInfer CUTLASS"}).FLASHINFER_CUTLASS
+    experts = worker.model_runner.model.get_submodule("model.layers.0.mlp.experts.routed_experts")
+    experts.quant_method = type("Method", (), {"unquantized_backend": backend})()
+    with pytest.raises(ZooError, match="re-lays out expert weights.*mode='load_weights'"):
+        mcore_zoo.refit(model, VLLMAdapter(FakeLLM([worker]), tp_size=1, transport="inproc"))
+
+
+def test_vllm_worker_extension_converts_into_engine_dtypes(mpu, reference_checkpoint):
+    """bf16 shards into an engine whose router and correction bias are fp32 (vLLM's GLM-4.5):
+    ``copy_`` upcasts exactly as vLLM's default loader does with the bf16 export."""
+    _, model, config, hf = _setup(reference_checkpoint, "Glm4MoeForCausalLM", {})
+    want = vllm_engine_tensors({k: v.to(torch.bfloat16) for k, v in hf.items()}, config, 1)[0]
+    fp32 = [k for k in want if k.endswith(("mlp.gate.weight", "e_score_correction_bias"))]
+    assert fp32
+    for k in fp32:
+        want[k] = want[k].float()
+    worker = FakeWorker({k: torch.zeros_like(v) for k, v in want.items()}, 0)
+    mcore_zoo.refit(model, VLLMAdapter(FakeLLM([worker]), tp_size=1, transport="inproc"), dtype=torch.bfloat16)
+    assert_same([{k: p.data for k, p in worker.model_runner.model.named_parameters()}], [want])
+
+
+def test_sglang_adapter_sends_hf_names_and_flushes_once(mpu, reference_checkpoint):
+    from mcore_zoo.rollout import SGLangAdapter
+
+    _, model, _, hf = _setup(reference_checkpoint, "Qwen2ForCausalLM", {})
+
+    class FakeEngine:
+        def __init__(self):
+            self.calls = []
+
+        def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+            self.calls.append(([(n, t.clone()) for n, t in named_tensors], flush_cache))
+
+    engine = FakeEngine()
+    stats = mcore_zoo.refit(model, SGLangAdapter(engine, tp_size=2), bucket_size="64KB")
+    assert len(engine.calls) == stats.buckets > 1
+    assert [flush for _, flush in engine.calls] == [False] * (stats.buckets - 1) + [True]
+    got = dict(item for named, _ in engine.calls for item in named)
+    assert_same([got], [{k: v for k, v in hf.items() if "rotary_emb" not in k}])
