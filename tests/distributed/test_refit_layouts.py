@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 
-import torch
 from safetensors.torch import load_file
 
 import mcore_zoo

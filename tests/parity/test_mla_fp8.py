@@ -6,7 +6,6 @@ same tensors back byte for byte (fp32 with fresh scales; bf16 with the source sc
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch

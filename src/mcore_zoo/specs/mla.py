@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
