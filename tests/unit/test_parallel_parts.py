@@ -136,6 +136,10 @@ def test_positional_reads_match_the_mapping_path(tmp_path, monkeypatch, threads)
                     assert torch.equal(transposed, want) and torch.equal(wide, want.double())
                     assert taken == [False, False]  # the transposed destination, the cast
         assert ckpt.bytes_read > 0
+        taken.clear()
+        with pytest.raises(RuntimeError, match="single memory location"):
+            ckpt.read_into("w", torch.empty(1, 10).expand(12, 10), axis=0, rank=0, size=2)
+        assert taken == [False]
 
 
 def test_positional_read_of_a_file_truncated_after_opening(tmp_path):

@@ -78,6 +78,8 @@ def plan_segments(
     ``None`` when this module should not read it (module docstring)."""
     if out.dtype != dtype or out.device.type != "cpu" or out.layout != torch.strided or out.numel() == 0:
         return None
+    if any(st == 0 and n > 1 for n, st in zip(out.shape, out.stride())):
+        return None  # elements sharing memory: left to torch's copy (which refuses them)
     itemsize = out.element_size()
     src = _runs(shape, strides)
     dst = _runs(tuple(out.shape), out.stride())
