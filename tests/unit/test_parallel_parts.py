@@ -91,6 +91,69 @@ def test_read_into_strided_views_and_other_dtypes(tmp_path):
             ckpt.read_into("w", torch.empty(5, 10), axis=0, rank=0, size=2)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_positional_reads_match_the_mapping_path(tmp_path, monkeypatch, threads):
+    """Every chunk / destination layout the positional reads take (forced down to one-element
+    runs, split over threads) gives what the mapping path gives; layouts they cannot express (a
+    transposed destination, a cast) take the mapping path."""
+    from mcore_zoo.weights import pread
+    from mcore_zoo.weights.io import HFCheckpoint
+
+    gen = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(24, 10, generator=gen), "b": torch.randn(6, 4, 8, generator=gen).bfloat16(),
+             "odd": torch.randn(7, 3, generator=gen).half()}  # fmt: skip
+    save_file(state, str(tmp_path / "model.safetensors"))
+    monkeypatch.setattr(pread, "MIN_RUN", 0)
+    monkeypatch.setattr(pread, "SPLIT_MIN", 64)
+    monkeypatch.setattr(pread, "SPLIT_ALIGN", 8)  # splits land inside these small tensors
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    taken = []
+    plan = pread.plan_segments
+    monkeypatch.setattr(pread, "plan_segments", lambda *a: taken.append(plan(*a) is not None) or plan(*a))
+    with HFCheckpoint(tmp_path) as ckpt:
+        for name, t in state.items():
+            for axis in range(t.dim()):
+                size = 2 if t.shape[axis] % 2 == 0 else 1
+                for rank in range(size):
+                    want = t.chunk(size, axis)[rank]
+                    taken.clear()
+                    got = ckpt.read(name, axis=axis, rank=rank, size=size)
+                    assert torch.equal(got, want) and taken == [True]
+                    holes = torch.zeros(want.shape[0] * 2, *want.shape[1:], dtype=t.dtype)
+                    ckpt.read_into(name, holes[1::2], axis=axis, rank=rank, size=size)
+                    assert torch.equal(holes[1::2], want) and not holes[0::2].any()
+                    grouped = torch.zeros(want.numel() // want.shape[-1], want.shape[-1] + 3, dtype=t.dtype)
+                    # another shape, rows apart
+                    ckpt.read_into(name, grouped[:, 1:-2], axis=axis, rank=rank, size=size)
+                    assert torch.equal(grouped[:, 1:-2].reshape(want.shape), want)
+                    assert not grouped[:, :1].any() and not grouped[:, -2:].any()
+                    taken.clear()
+                    flipped = tuple(reversed(range(want.dim())))
+                    transposed = torch.empty(want.shape[::-1], dtype=t.dtype).permute(*flipped)
+                    ckpt.read_into(name, transposed, axis=axis, rank=rank, size=size)
+                    wide = torch.empty(want.shape, dtype=torch.float64)
+                    ckpt.read_into(name, wide, axis=axis, rank=rank, size=size)
+                    assert torch.equal(transposed, want) and torch.equal(wide, want.double())
+                    assert taken == [False, False]  # the transposed destination, the cast
+        assert ckpt.bytes_read > 0
+        taken.clear()
+        with pytest.raises(RuntimeError, match="single memory location"):
+            ckpt.read_into("w", torch.empty(1, 10).expand(12, 10), axis=0, rank=0, size=2)
+        assert taken == [False]
+
+
+def test_positional_read_of_a_file_truncated_after_opening(tmp_path):
+    from mcore_zoo.errors import CheckpointFormatError
+    from mcore_zoo.weights.io import HFCheckpoint
+
+    save_file({"w": torch.randn(64, 1024)}, str(tmp_path / "model.safetensors"))
+    with HFCheckpoint(tmp_path) as ckpt:
+        with open(tmp_path / "model.safetensors", "r+b") as f:
+            f.truncate(4096)
+        with pytest.raises(CheckpointFormatError, match="'w'.*end of file"):
+            ckpt.read("w")
+
+
 def test_transform_views_place_pieces_like_fuse(mpu, reference_checkpoint):
     from mcore_zoo.handle import handle_of
     from mcore_zoo.weights.rules import GATE_UP, QKV, FuseQKV, TransformContext, direct_views

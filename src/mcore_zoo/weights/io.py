@@ -3,18 +3,22 @@
 Reading never materialises the checkpoint: :class:`HFCheckpoint` reads one tensor, or one
 tensor-parallel chunk of it, at a time. Every file header is validated when the checkpoint is
 opened (dtypes, sizes, offsets tiling the data section exactly, the file length), so a truncated
-or corrupt file fails before any weight is copied - without mapping the files. A read
-then maps only the byte range of that chunk (``mmap``), copies the chunk - a strided view of the
-mapping - into its destination with one torch copy (multi-threaded; casting if the dtypes differ;
-for :meth:`HFCheckpoint.read_into` the destination is the parameter itself, also when it is a
-strided view such as a query group's rows inside a fused QKV weight) and unmaps it.
+or corrupt file fails before any weight is copied - without mapping the files. A read into CPU
+memory of the file's dtype (what a load does: for :meth:`HFCheckpoint.read_into` the destination
+is the parameter itself, also when it is a strided view such as a query group's rows inside a
+fused QKV weight) is a positional read of the chunk's bytes straight into it
+(:mod:`~mcore_zoo.weights.pread`: destination pages populated in one call, large chunks split over
+threads). Any other read maps only the byte range of that chunk (``mmap``), copies the chunk - a
+strided view of the mapping - into its destination with one torch copy (multi-threaded; casting
+if the dtypes differ) and unmaps it.
 
 Why not keep ``safe_open(...).get_slice`` for the bytes: in current safetensors it returns views of
 a memory map of the whole file; every page a load touches then stays in the process's resident
 set until the file is closed (a TP=1 load peaked at twice the model size). Mapping one chunk at a
-time leaves at most one tensor's file pages mapped. Positional reads (``preadv``) were measured
-too: the kernel then faults the destination in page by page inside its copy, which is slower than
-torch's copy from a mapping. The chunk arithmetic (:func:`chunk_box`) is the same either way.
+time leaves at most one tensor's file pages mapped; a positional read maps none. (A plain
+``preadv`` faults the destination in page by page inside the kernel's copy and is no faster than
+the mapping; populating the pages first is what makes it faster - :mod:`~mcore_zoo.weights.pread`.)
+The chunk arithmetic (:func:`chunk_box`) is the same either way.
 
 Pickle-based ``.bin`` files are refused unless ``allow_torch_load=True`` (then read with
 ``torch.load(weights_only=True)``).
@@ -45,6 +49,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 from ..errors import CheckpointFormatError, MissingTensorsError, OutputError, OutputExistsError, ShapeMismatchError, ZooError
+from . import pread
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +202,7 @@ class HFCheckpoint:
         self._where: dict[str, str] = {}
         self._bin: dict[str, dict[str, torch.Tensor]] = {}
         self.bytes_read = 0
+        self._reader = pread.ReadPool()
         files = self._files(allow_torch_load)
         try:
             self._open_all(files, allow_fp8)
@@ -391,6 +397,16 @@ class HFCheckpoint:
         first = sum(lo * st for (lo, _), st in zip(box, strides))
         last = sum((hi - 1) * st for (_, hi), st in zip(box, strides))
         start, stop = entry.offset + first * itemsize, entry.offset + (last + 1) * itemsize
+        nbytes = math.prod(shape) * itemsize
+        segments = pread.plan_segments(out, entry.dtype, shape, strides, start)
+        if segments is not None:  # positional reads straight into ``out``
+            try:
+                self._reader.read(self._fds[entry.file], segments)
+            except OSError as exc:
+                raise CheckpointFormatError(str(self._full(entry.file)), f"reading {name!r}: {exc}") from exc
+            torch.autograd.graph.increment_version(out)
+            self.bytes_read += nbytes
+            return nbytes
         base = start - start % mmap.ALLOCATIONGRANULARITY
         try:
             mapping = mmap.mmap(self._fds[entry.file], stop - base, offset=base, access=mmap.ACCESS_READ)
@@ -409,11 +425,11 @@ class HFCheckpoint:
         finally:
             raw = source = None  # release the buffer before unmapping
             mapping.close()
-        nbytes = math.prod(shape) * itemsize
         self.bytes_read += nbytes
         return nbytes
 
     def close(self) -> None:
+        self._reader.close()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()

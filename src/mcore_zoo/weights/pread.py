@@ -1,0 +1,200 @@
+"""Positional reads of checkpoint bytes straight into CPU tensor memory (the load's hot path).
+
+Copying a chunk from a memory map of the file costs a page fault per source page (the mapping is
+fresh for every chunk) and one per destination page (parameters are allocated untouched). A
+positional read (``preadv``) has no source mapping at all: the kernel copies from the page cache
+into the destination. Its destination pages are populated first, in one call per range
+(``madvise(MADV_POPULATE_WRITE)``, Linux 5.14+) instead of one fault at a time inside the copy; and
+a large chunk is split over ``torch.get_num_threads()`` threads (``preadv`` and ``madvise`` release
+the GIL). No file page is mapped into the process, so the load's resident set is the parameters.
+
+:func:`plan_segments` says whether a chunk can be read this way - a CPU destination of the file's
+dtype, both sides made of contiguous runs of at least :data:`MIN_RUN` bytes on average - and
+returns the ``(file offset, address, length)`` copies; :class:`ReadPool` runs them. Everything else
+(other devices, casts, column chunks of narrow rows) keeps the mapping path of
+:class:`~mcore_zoo.weights.io.HFCheckpoint`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import itertools
+import math
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional, Sequence
+
+import torch
+
+MIN_RUN = 64 << 10  # average bytes per run (of several) below which the mapping path is faster
+MAX_SEGMENTS = 4096
+SPLIT_MIN = 8 << 20  # a chunk at least this large is split over the read threads
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+SPLIT_ALIGN = _PAGE  # the threads' shares are multiples of this many bytes
+_IOV_MAX = 1024
+_MADV_POPULATE_WRITE = 23
+
+Segment = tuple[int, int, int]  # (file offset, destination address, bytes)
+
+
+def available() -> bool:
+    return hasattr(os, "preadv")
+
+
+def _runs(shape: Sequence[int], strides: Sequence[int]) -> Optional[tuple[int, list[int], list[int]]]:
+    """Coalesce a strided layout (element units) into contiguous runs: ``(run length, outer
+    shape, outer strides)``, or ``None`` when the innermost dimension is not contiguous."""
+    dims = [(n, s) for n, s in zip(shape, strides) if n != 1]
+    if not dims:
+        return 1, [], []
+    merged = [dims[-1]]
+    for n, s in reversed(dims[:-1]):
+        inner_n, inner_s = merged[0]
+        if s == inner_n * inner_s:
+            merged[0] = (n * inner_n, inner_s)
+        else:
+            merged.insert(0, (n, s))
+    run, step = merged[-1]
+    if step != 1:
+        return None
+    return run, [n for n, _ in merged[:-1]], [s for _, s in merged[:-1]]
+
+
+def _starts(outer_shape: list[int], outer_strides: list[int], base: int, scale: int) -> list[int]:
+    """Start of every run in row-major order (``base + scale * element offset``)."""
+    if not outer_shape:
+        return [base]
+    return [base + scale * sum(i * s for i, s in zip(index, outer_strides))
+            for index in itertools.product(*(range(n) for n in outer_shape))]  # fmt: skip
+
+
+def plan_segments(
+    out: torch.Tensor, dtype: torch.dtype, shape: Sequence[int], strides: Sequence[int], file_offset: int
+) -> Optional[list[Segment]]:
+    """The copies that read a chunk - ``dtype`` elements of ``shape`` at element ``strides`` from
+    byte ``file_offset`` of the file, in row-major order - into ``out`` (as many elements), or
+    ``None`` when this module should not read it (module docstring)."""
+    if out.dtype != dtype or out.device.type != "cpu" or out.layout != torch.strided or out.numel() == 0:
+        return None
+    if any(st == 0 and n > 1 for n, st in zip(out.shape, out.stride())):
+        return None  # elements sharing memory: left to torch's copy (which refuses them)
+    itemsize = out.element_size()
+    src = _runs(shape, strides)
+    dst = _runs(tuple(out.shape), out.stride())
+    if src is None or dst is None:
+        return None
+    src_count, dst_count = math.prod(src[1]), math.prod(dst[1])
+    total = math.prod(shape) * itemsize
+    runs = max(src_count, dst_count)
+    if src_count + dst_count > MAX_SEGMENTS or (runs > 1 and total < MIN_RUN * runs):
+        return None
+    src_run, dst_run = src[0] * itemsize, dst[0] * itemsize
+    src_starts = _starts(src[1], src[2], file_offset, itemsize)
+    dst_starts = _starts(dst[1], dst[2], out.data_ptr(), itemsize)
+    segments: list[Segment] = []
+    i = j = 0
+    si = dj = 0  # bytes done within the current source / destination run
+    while i < len(src_starts):
+        n = min(src_run - si, dst_run - dj)
+        segments.append((src_starts[i] + si, dst_starts[j] + dj, n))
+        si, dj = si + n, dj + n
+        if si == src_run:
+            i, si = i + 1, 0
+        if dj == dst_run:
+            j, dj = j + 1, 0
+    return segments
+
+
+def _split(segments: list[Segment], parts: int) -> list[list[Segment]]:
+    """``segments`` cut into at most ``parts`` groups of about equal bytes."""
+    total = sum(n for _, _, n in segments)
+    share = -(-total // parts)
+    share += -share % SPLIT_ALIGN
+    groups: list[list[Segment]] = [[]]
+    room = share
+    for offset, address, n in segments:
+        while n:
+            if room == 0:
+                groups.append([])
+                room = share
+            take = min(n, room)
+            groups[-1].append((offset, address, take))
+            offset, address, n, room = offset + take, address + take, n - take, room - take
+    return groups
+
+
+class ReadPool:
+    """Runs :func:`plan_segments`' copies on ``torch.get_num_threads()`` threads (the caller's
+    and a pool's, created at the first large read); :meth:`close` stops the pool."""
+
+    def __init__(self) -> None:
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._workers = 0
+        self._populate = sys.platform.startswith("linux")
+        self._madvise = None
+
+    def read(self, fd: int, segments: list[Segment]) -> None:
+        """Copy every segment from ``fd``; raises ``OSError`` (``EIO`` at an unexpected end of file)."""
+        total = sum(n for _, _, n in segments)
+        parts = min(torch.get_num_threads(), max(1, total // (SPLIT_MIN // 2))) if total >= SPLIT_MIN else 1
+        if parts == 1:
+            self._run(fd, segments)
+            return
+        groups = _split(segments, parts)
+        if self._pool is None or self._workers < len(groups) - 1:
+            if self._pool is not None:
+                self._pool.shutdown()
+            self._workers = len(groups) - 1
+            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="mcore-zoo-read")
+        futures = [self._pool.submit(self._run, fd, group) for group in groups[1:]]
+        try:
+            self._run(fd, groups[0])
+        finally:
+            errors = [f.exception() for f in futures]
+        for error in errors:
+            if error is not None:
+                raise error
+
+    def _prefault(self, address: int, n: int) -> None:
+        """Populate the whole pages of ``[address, address + n)`` writable, in one call."""
+        start = -(-address // _PAGE) * _PAGE
+        stop = (address + n) // _PAGE * _PAGE
+        if not self._populate or stop - start < 16 * _PAGE:
+            return
+        if self._madvise is None:
+            libc = ctypes.CDLL(None, use_errno=True)
+            self._madvise = libc.madvise
+            self._madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        failed = self._madvise(start, stop - start, _MADV_POPULATE_WRITE) != 0
+        if failed and ctypes.get_errno() == errno.EINVAL:
+            self._populate = False  # a kernel without it (< 5.14): the read faults the pages in
+
+    def _run(self, fd: int, segments: list[Segment]) -> None:
+        for _, address, n in segments:
+            self._prefault(address, n)
+        k = 0
+        while k < len(segments):  # one preadv per run of file-contiguous segments
+            first, _, want = segments[k]
+            end = k + 1
+            while end < len(segments) and end - k < _IOV_MAX and segments[end][0] == first + want:
+                want += segments[end][2]
+                end += 1
+            batch, k = segments[k:end], end
+            buffers = [(ctypes.c_char * n).from_address(address) for _, address, n in batch]
+            done = os.preadv(fd, buffers, first)
+            while done < want:  # a short read: the rest, one segment at a time
+                offset, address, n = next(s for s in batch if s[0] - first + s[2] > done)
+                skip = first + done - offset
+                rest = (ctypes.c_char * (n - skip)).from_address(address + skip)
+                got = os.preadv(fd, [rest], offset + skip)
+                if got == 0:
+                    raise OSError(errno.EIO, "unexpected end of file")
+                done += got
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+            self._workers = 0
