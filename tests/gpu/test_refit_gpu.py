@@ -16,6 +16,7 @@ Needs CUDA and vLLM (bench/gpu/vllm-setup.sh, then ``source bench/gpu/vllm-env.s
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -28,6 +29,9 @@ import mcore_zoo
 from mcore_zoo.errors import ZooError
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the worker in this process: GPU-to-GPU
+
+if importlib.util.find_spec("vllm") is None:  # before any fixture builds a checkpoint
+    pytestmark = pytest.mark.skip(reason="needs vLLM (bench/gpu/vllm-setup.sh, source bench/gpu/vllm-env.sh)")
 
 ARCHS = [
     ("LlamaForCausalLM", {}),
