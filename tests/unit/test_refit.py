@@ -216,8 +216,8 @@ def test_a_plan_for_another_model_is_refused(mpu, reference_checkpoint):
     _, llama_tied, _, _ = _setup(reference_checkpoint, "LlamaForCausalLM", {"tie_word_embeddings": True, "rope_scaling": None})
     with pytest.raises(ZooError, match="plan"):
         mcore_zoo.refit(llama_tied, DictAdapter(), plan=get_plan(llama))
-    with pytest.raises(ZooError, match="plan made for the 'vllm' layout, adapter wants 'hf'"):
-        mcore_zoo.refit(llama, DictAdapter(layout=HF_NAMES), plan=get_plan(llama))
+    with pytest.raises(ZooError, match="plan made for the 'vllm' engine format, adapter wants 'hf'"):
+        mcore_zoo.refit(llama, DictAdapter(engine_format=HF_NAMES), plan=get_plan(llama))
 
 
 def test_engine_tp_that_does_not_divide_is_refused_before_any_transfer(mpu, reference_checkpoint):
@@ -230,7 +230,7 @@ def test_engine_tp_that_does_not_divide_is_refused_before_any_transfer(mpu, refe
 
 def test_hf_names_layout_sends_whole_hf_tensors(mpu, reference_checkpoint):
     _, model, config, hf = _setup(reference_checkpoint, "MixtralForCausalLM", {})
-    adapter = DictAdapter(tp_size=4, layout=HF_NAMES)  # the engine splits: its TP does not matter
+    adapter = DictAdapter(tp_size=4, engine_format=HF_NAMES)  # the engine splits: its TP does not matter
     mcore_zoo.refit(model, adapter)
     want = {k: v for k, v in hf.items() if "rotary_emb" not in k}
     assert_same(adapter.tensors, [want])

@@ -1,6 +1,6 @@
 """Rollout side: weight refit from a zoo-built model into a running inference engine.
 
-* :mod:`~mcore_zoo.rollout.layout` - how an engine names, fuses and shards HF tensors
+* :mod:`~mcore_zoo.rollout.engine_format` - how an engine names, fuses and shards HF tensors
   (:data:`VLLM`, :data:`HF_NAMES`);
 * :mod:`~mcore_zoo.rollout.plan` - the :class:`RefitPlan`, computed once, reused every step;
 * :mod:`~mcore_zoo.rollout.adapter` - the :class:`EngineAdapter` interface (``begin`` /
@@ -15,7 +15,7 @@ See docs/rollout.md.
 from __future__ import annotations
 
 from .adapter import DictAdapter, EngineAdapter, RefitBucket
-from .layout import HF_NAMES, VLLM, EngineLayout, ExpertFusion, Fusion, get_layout
+from .engine_format import HF_NAMES, VLLM, EngineFormat, ExpertFusion, Fusion, get_engine_format
 from .plan import EngineTensor, RefitPlan, Slot, plan_refit
 from .refit import RefitStats, get_plan, refit
 from .sglang import SGLangAdapter
@@ -25,5 +25,5 @@ from .vllm import VLLMAdapter, ZooWorkerExtension
 __all__ = [
     "refit", "get_plan", "plan_refit", "RefitPlan", "RefitStats", "Slot", "EngineTensor",
     "EngineAdapter", "RefitBucket", "DictAdapter", "VLLMAdapter", "ZooWorkerExtension", "SGLangAdapter",
-    "VLLM_WORKER_EXTENSION", "EngineLayout", "Fusion", "ExpertFusion", "VLLM", "HF_NAMES", "get_layout",
+    "VLLM_WORKER_EXTENSION", "EngineFormat", "Fusion", "ExpertFusion", "VLLM", "HF_NAMES", "get_engine_format",
 ]  # fmt: skip

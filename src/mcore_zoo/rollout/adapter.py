@@ -7,15 +7,15 @@ calls, on the receiving rank::
     adapter.load_bucket(bucket)    # per bucket, in plan order
     adapter.end()                  # once: the adapter checks that the engine got everything
 
-and reads two attributes to plan the refit: ``adapter.layout`` (an
-:class:`~mcore_zoo.rollout.layout.EngineLayout`: how the engine names and fuses tensors) and
+and reads two attributes to plan the refit: ``adapter.engine_format`` (an
+:class:`~mcore_zoo.rollout.engine_format.EngineFormat`: how the engine names and fuses tensors) and
 ``adapter.tp_size`` (the engine's tensor-parallel size; shards are cut for every engine rank).
 
 A :class:`RefitBucket` holds, per engine TP rank, ``(slot, tensor)`` pairs: the tensor is that
 rank's shard (a view of the gathered HF tensor - read it, do not keep it past ``load_bucket``),
 the :class:`~mcore_zoo.rollout.plan.Slot` says where it goes (engine name, expert, row offset,
 zero padding). ``bucket.named(rank)`` gives plain ``[(name, tensor)]`` for engines that take names
-only (a layout without fusion: whole HF tensors under HF names).
+only (an engine format without fusion: whole HF tensors under HF names).
 
 Adapters that ship: :class:`~mcore_zoo.rollout.vllm.VLLMAdapter` (an in-process ``vllm.LLM``) and
 :class:`~mcore_zoo.rollout.sglang.SGLangAdapter` (a sketch for SGLang's
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from ..errors import ZooError
-from .layout import VLLM, EngineLayout
+from .engine_format import VLLM, EngineFormat
 
 if TYPE_CHECKING:  # pragma: no cover
     from .plan import RefitPlan, Slot
@@ -56,12 +56,12 @@ class RefitBucket:
 class EngineAdapter:
     """How :func:`mcore_zoo.refit` reaches an inference engine (see module docstring).
 
-    Subclasses set ``layout`` and ``tp_size`` and implement the three calls. ``begin`` may check
+    Subclasses set ``engine_format`` and ``tp_size`` and implement the three calls. ``begin`` may check
     the plan against the engine (names, shapes) and refuse it; ``end`` must raise when the engine
     did not receive every tensor of the plan.
     """
 
-    layout: EngineLayout = VLLM
+    engine_format: EngineFormat = VLLM
     tp_size: int = 1
 
     def begin(self, plan: "RefitPlan") -> None:
@@ -100,18 +100,18 @@ class DictAdapter(EngineAdapter):
     a row never written cannot pass as data).
     """
 
-    def __init__(self, tp_size: int = 1, layout: EngineLayout = VLLM,
+    def __init__(self, tp_size: int = 1, engine_format: EngineFormat = VLLM,
                  tensors: Optional[list[dict[str, torch.Tensor]]] = None, device: str = "cpu") -> None:  # fmt: skip
         self.tp_size = tp_size
-        self.layout = layout
-        self.tensors = tensors if tensors is not None else [{} for _ in range(tp_size if layout.presplit else 1)]
+        self.engine_format = engine_format
+        self.tensors = tensors if tensors is not None else [{} for _ in range(tp_size if engine_format.presplit else 1)]
         self.device = device
         self.calls: list[str] = []
         self._written: list[dict[str, int]] = []
 
     def begin(self, plan: "RefitPlan") -> None:
         self.calls.append("begin")
-        if plan.target_tp != (self.tp_size if self.layout.presplit else 1):
+        if plan.target_tp != (self.tp_size if self.engine_format.presplit else 1):
             raise ZooError(f"plan for tp={plan.target_tp}, engine tp={self.tp_size}")
         for rank, tensors in enumerate(plan.engine_tensors):
             have = self.tensors[rank]

@@ -1,13 +1,13 @@
 """The refit plan: where every exported HF tensor lands in a running inference engine.
 
-:func:`plan_refit` is computed once per (model, engine layout, engine TP size, dtype, bucket size)
+:func:`plan_refit` is computed once per (model, engine format, engine TP size, dtype, bucket size)
 and reused every step. It combines
 
 * the model's export plan (:func:`mcore_zoo.distributed.export.export_plan`: every HF tensor in
   export order, with its gathered shape and dtype - a collective over the pipeline group), and
 * the zoo's weight rules (which axis each HF tensor is split along for tensor parallelism, which
   rows of a fused HF tensor are q, k or v) - the same rules that load and export the model, and
-* the engine's :class:`~mcore_zoo.rollout.layout.EngineLayout` (its fusion map),
+* the engine's :class:`~mcore_zoo.rollout.engine_format.EngineFormat` (its fusion map),
 
 into one :class:`Slot` per (HF tensor piece, engine TP rank): the engine tensor's name, the expert
 index for stacked experts, the row offset inside the engine's fused tensor, the shard's shape and
@@ -28,7 +28,7 @@ import torch
 from ..errors import LayoutError, ZooError
 from ..handle import ModelHandle
 from ..weights.rules import BoundRule
-from .layout import EngineLayout
+from .engine_format import EngineFormat
 
 #: mcore parameters whose rows are the vocabulary (the engine may pad them)
 VOCAB_PARAMETERS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -90,7 +90,7 @@ class RefitPlan:
 
     Attributes:
         architecture: the HF architecture (plans are refused for another model).
-        layout: the engine layout.
+        engine_format: the engine format.
         target_tp: the engine's tensor-parallel size.
         dtype: the dtype tensors are sent in.
         bucket_size: bytes per bucket (all engine ranks' shards counted; a larger tensor is a
@@ -102,7 +102,7 @@ class RefitPlan:
     """
 
     architecture: str
-    layout: EngineLayout
+    engine_format: EngineFormat
     target_tp: int
     dtype: Optional[torch.dtype]
     bucket_size: int
@@ -128,7 +128,7 @@ class RefitPlan:
 
     def describe(self) -> str:
         tensors = len(self.engine_tensors[0]) if self.engine_tensors else 0
-        return (f"{self.architecture} -> {self.layout.name} TP{self.target_tp}: {len(self.hf)} HF tensors, "
+        return (f"{self.architecture} -> {self.engine_format.name} TP{self.target_tp}: {len(self.hf)} HF tensors, "
                 f"{tensors} engine tensors per rank, {len(self.buckets)} bucket(s), {self.nbytes / 2**30:.3f} GiB")  # fmt: skip
 
 
@@ -175,7 +175,7 @@ def _tp_cut(shape: Sequence[int], axis: Optional[int], tp: int, rank: int, what:
 
 def plan_refit(
     handle: ModelHandle,
-    layout: EngineLayout,
+    engine_format: EngineFormat,
     *,
     target_tp: int = 1,
     dtype: Optional[torch.dtype] = None,
@@ -191,10 +191,10 @@ def plan_refit(
     from ..distributed.export import export_plan
     from ..placement import Parallelism
 
-    tp = target_tp if layout.presplit else 1
+    tp = target_tp if engine_format.presplit else 1
     if tp < 1:
         raise LayoutError(f"target_tp must be >= 1, got {target_tp}")
-    if layout.presplit and tp > 1:
+    if engine_format.presplit and tp > 1:
         validate_layout(handle.arch_config, Parallelism(tp=tp))
     if entries is None:
         entries = export_plan(handle, dtype=dtype)
@@ -210,16 +210,16 @@ def plan_refit(
             raise ZooError(f"refit plan: HF tensor {name!r} has no weight rule")
         per_rank: list[list[Any]] = [[] for _ in range(tp)]
         target, expert, shard, order = name, None, None, (None,)
-        if layout.presplit:
-            hit = layout.expert_for(name, roles)
+        if engine_format.presplit:
+            hit = engine_format.expert_for(name, roles)
             if hit is not None:
                 target, expert, shard, order = hit
             else:
-                fused = layout.fusion_for(name)
+                fused = engine_format.fusion_for(name)
                 if fused is not None:
                     target, f = fused
                     shard, order = f.shard, f.order
-        if layout.presplit:
+        if engine_format.presplit:
             parts = sorted(specs[name], key=lambda s: -1 if s[0] is None else s[0][1])
         else:  # whole HF tensors: the engine splits and fuses
             parts = [(None, None, specs[name][0][2])]
@@ -232,9 +232,9 @@ def plan_refit(
                     cuts.append((sel_axis, start, stop - start))
                     part_shape[sel_axis] = stop - start
                 pad = 0
-                if name in vocab and layout.presplit and layout.vocab_padding:
+                if name in vocab and engine_format.presplit and engine_format.vocab_padding:
                     rows = part_shape[0]
-                    padded = -(-rows // layout.vocab_padding) * layout.vocab_padding
+                    padded = -(-rows // engine_format.vocab_padding) * engine_format.vocab_padding
                     per = padded // tp
                     start = min(rank * per, rows)
                     real = max(0, min(per, rows - start))
@@ -302,7 +302,7 @@ def plan_refit(
         else:
             buckets.append([name])
             used = size
-    return RefitPlan(handle.arch_config.architecture, layout, tp, dtype, limit, hf, slots, buckets, engine_tensors)
+    return RefitPlan(handle.arch_config.architecture, engine_format, tp, dtype, limit, hf, slots, buckets, engine_tensors)
 
 
 __all__ = ["Slot", "EngineTensor", "RefitPlan", "plan_refit", "VOCAB_PARAMETERS"]

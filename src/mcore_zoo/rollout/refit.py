@@ -8,7 +8,7 @@ PP); one rank, ``receiver``, holds the engine adapter and feeds the engine::
         train_step(model)
         mcore_zoo.refit(model, adapter if rank == 0 else None)  # plan computed on the first call
 
-The :class:`~mcore_zoo.rollout.plan.RefitPlan` is computed on the first call for a (model, layout,
+The :class:`~mcore_zoo.rollout.plan.RefitPlan` is computed on the first call for a (model, engine_format,
 engine TP, dtype, bucket size) and cached on the model's handle (weakly), or passed as ``plan=``;
 later calls reuse it and only move data. Tensors stay on the model's device: with trainer and
 engine on one GPU the whole refit is device-to-device.
@@ -26,7 +26,7 @@ import torch
 from ..errors import ZooError
 from ..handle import ModelHandle, handle_of
 from .adapter import EngineAdapter, RefitBucket
-from .layout import EngineLayout, get_layout
+from .engine_format import EngineFormat, get_engine_format
 from .plan import RefitPlan, plan_refit
 
 Model = Union[ModelHandle, torch.nn.Module, Sequence[torch.nn.Module]]
@@ -52,7 +52,7 @@ class RefitStats:
 def get_plan(
     model: Model,
     *,
-    layout: Union[str, EngineLayout] = "vllm",
+    engine_format: Union[str, EngineFormat] = "vllm",
     target_tp: int = 1,
     dtype: Optional[torch.dtype] = None,
     bucket_size: Union[int, str] = "1GB",
@@ -60,11 +60,11 @@ def get_plan(
     """The cached :class:`RefitPlan` for these settings, computed on first use (collective over the
     pipeline group: every rank calls it the same number of times)."""
     handle = handle_of(model)
-    layout = get_layout(layout)
-    key = (layout, target_tp if layout.presplit else 1, dtype, str(bucket_size))
+    engine_format = get_engine_format(engine_format)
+    key = (engine_format, target_tp if engine_format.presplit else 1, dtype, str(bucket_size))
     cache = _PLANS.setdefault(handle, {})
     if key not in cache:
-        cache[key] = plan_refit(handle, layout, target_tp=target_tp, dtype=dtype, bucket_size=bucket_size)
+        cache[key] = plan_refit(handle, engine_format, target_tp=target_tp, dtype=dtype, bucket_size=bucket_size)
     return cache[key]
 
 
@@ -85,7 +85,7 @@ def refit(
         adapter: the engine on global rank ``receiver``; other ranks pass ``None`` (or anything:
             it is not used there).
         plan: a plan from :func:`get_plan` / :func:`~mcore_zoo.rollout.plan.plan_refit`; default:
-            the cached plan for ``adapter.layout``, ``target_tp`` (default ``adapter.tp_size``),
+            the cached plan for ``adapter.engine_format``, ``target_tp`` (default ``adapter.tp_size``),
             ``dtype`` and ``bucket_size``.
         bucket_size: bytes per engine call (all engine ranks' shards), e.g. ``"1GB"``.
         target_tp: the engine's tensor-parallel size (default: the adapter's).
@@ -108,10 +108,10 @@ def refit(
     if plan is None:
         if receive and adapter is None:
             raise ZooError(f"refit: rank {receiver} receives but has no engine adapter")
-        layout = adapter.layout if receive else _layout_from_receiver(handle, adapter)
+        engine_format = adapter.engine_format if receive else _engine_format_from_receiver(handle, adapter)
         tp = target_tp if target_tp is not None else (adapter.tp_size if receive else _tp_from_receiver(adapter))
         before = len(_PLANS.get(handle, {}))
-        plan = get_plan(handle, layout=layout, target_tp=tp, dtype=dtype, bucket_size=bucket_size)
+        plan = get_plan(handle, engine_format=engine_format, target_tp=tp, dtype=dtype, bucket_size=bucket_size)
         planned = len(_PLANS.get(handle, {})) > before
     if plan.architecture != handle.arch_config.architecture:
         raise ZooError(f"refit: plan is for {plan.architecture}, model is {handle.arch_config.architecture}")
@@ -121,9 +121,9 @@ def refit(
             pass
         return RefitStats(0, 0, 0, 0.0, planned)
     assert adapter is not None
-    if plan.layout != adapter.layout:
-        raise ZooError(f"refit: plan made for the {plan.layout.name!r} layout, adapter wants {adapter.layout.name!r}")
-    if adapter.layout.presplit and plan.target_tp != adapter.tp_size:
+    if plan.engine_format != adapter.engine_format:
+        raise ZooError(f"refit: plan made for the {plan.engine_format.name!r} engine format, adapter wants {adapter.engine_format.name!r}")
+    if adapter.engine_format.presplit and plan.target_tp != adapter.tp_size:
         raise ZooError(f"refit: plan cut for engine tp={plan.target_tp}, adapter has tp={adapter.tp_size}")
     _sync(handle)
     t0 = time.perf_counter()
@@ -184,10 +184,10 @@ def _sync(handle: ModelHandle) -> None:
         torch.cuda.synchronize(handle.device)
 
 
-def _layout_from_receiver(handle: ModelHandle, adapter: Any) -> EngineLayout:
+def _engine_format_from_receiver(handle: ModelHandle, adapter: Any) -> EngineFormat:
     """Non-receiving ranks need the same plan (its computation is collective over PP): they take
-    the layout from their own adapter argument if they have one, else vLLM's."""
-    return getattr(adapter, "layout", None) or get_layout("vllm")
+    the engine format from their own adapter argument if they have one, else vLLM's."""
+    return getattr(adapter, "engine_format", None) or get_engine_format("vllm")
 
 
 def _tp_from_receiver(adapter: Any) -> int:

@@ -1,7 +1,7 @@
 """A sketch of an SGLang adapter: ``Engine.update_weights_from_tensor``.
 
 SGLang fuses and splits on its side (its models' ``load_weights`` with ``stacked_params_mapping``),
-so this adapter plans with :data:`~mcore_zoo.rollout.layout.HF_NAMES`: whole tensors under HF
+so this adapter plans with :data:`~mcore_zoo.rollout.engine_format.HF_NAMES`: whole tensors under HF
 names, one list per bucket. ``update_weights_from_tensor(named_tensors, load_format=None,
 flush_cache=True)`` takes ``[(name, tensor)]``; for an engine in other processes SGLang serialises
 the tensors itself (CUDA IPC for GPU tensors). ``flush_cache`` is requested on the last bucket only.
@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .adapter import EngineAdapter, RefitBucket
-from .layout import HF_NAMES
+from .engine_format import HF_NAMES
 
 if TYPE_CHECKING:  # pragma: no cover
     from .plan import RefitPlan
@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
 class SGLangAdapter(EngineAdapter):
     """``engine``: an ``sglang.Engine`` (offline engine, in this process)."""
 
-    layout = HF_NAMES
+    engine_format = HF_NAMES
 
     def __init__(self, engine: Any, tp_size: int = 1) -> None:
         self.engine = engine

@@ -39,7 +39,7 @@ import torch
 
 from ..errors import ZooError
 from .adapter import EngineAdapter, RefitBucket, write_slot
-from .layout import HF_NAMES, VLLM, EngineLayout
+from .engine_format import HF_NAMES, VLLM, EngineFormat
 
 if TYPE_CHECKING:  # pragma: no cover
     from .plan import RefitPlan
@@ -70,7 +70,7 @@ class VLLMAdapter(EngineAdapter):
             raise ValueError(f"mode must be 'direct' or 'load_weights', got {mode!r}")
         self.llm = llm
         self.mode = mode
-        self.layout: EngineLayout = VLLM if mode == "direct" else HF_NAMES
+        self.engine_format: EngineFormat = VLLM if mode == "direct" else HF_NAMES
         self.tp_size = tp_size if tp_size is not None else _engine_tp(llm)
         self.transport = _transport(llm) if transport == "auto" else transport
         self.reset_prefix_cache = reset_prefix_cache

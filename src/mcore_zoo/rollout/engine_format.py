@@ -1,4 +1,4 @@
-"""How an inference engine names, fuses and shards HF tensors: an :class:`EngineLayout`.
+"""How an inference engine names, fuses and shards HF tensors: an :class:`EngineFormat`.
 
 An engine rarely keeps the checkpoint's tensors as they are. vLLM fuses ``q_proj`` / ``k_proj`` /
 ``v_proj`` into one ``qkv_proj`` parameter (each tensor-parallel rank holds ``[q_r; k_r; v_r]``),
@@ -7,7 +7,7 @@ a layer into ``w13_weight`` ``[E, 2 * I / tp, H]`` (gate then up) and ``w2_weigh
 ``[E, H, I / tp]``, and pads the vocabulary of the embedding and the output layer to a multiple of
 64 rows before splitting it (padding rows are zero).
 
-A layout says only that - the engine's *fusion map*. Everything per architecture (which HF tensors
+An engine format says only that - the engine's *fusion map*. Everything per architecture (which HF tensors
 exist, their shapes, which axis each is split along) comes from the zoo's weight rules, so a new
 architecture needs no new table here. :func:`mcore_zoo.rollout.plan_refit` combines the two.
 
@@ -55,7 +55,7 @@ class ExpertFusion:
 
 
 @dataclass(frozen=True)
-class EngineLayout:
+class EngineFormat:
     """An inference engine's naming, fusion and sharding of HF tensors (see module docstring).
 
     Attributes:
@@ -107,7 +107,7 @@ _QKV = ("q", "k", "v")
 _GATE_UP = (0, 1)
 
 #: vLLM 0.26 (the ``hf_to_vllm_mapper`` tables of its Llama / Qwen / Mixtral / GLM-4.5 model files)
-VLLM = EngineLayout(
+VLLM = EngineFormat(
     name="vllm",
     fusions=(
         Fusion(".q_proj", ".qkv_proj", "q", _QKV),
@@ -125,18 +125,18 @@ VLLM = EngineLayout(
 )
 
 #: HF names, whole tensors (the engine fuses and splits: SGLang, vLLM ``load_weights``)
-HF_NAMES = EngineLayout(name="hf", presplit=False)
+HF_NAMES = EngineFormat(name="hf", presplit=False)
 
-LAYOUTS = {"vllm": VLLM, "hf": HF_NAMES}
+ENGINE_FORMATS = {"vllm": VLLM, "hf": HF_NAMES}
 
 
-def get_layout(layout: Union[str, EngineLayout]) -> EngineLayout:
-    if isinstance(layout, EngineLayout):
-        return layout
+def get_engine_format(engine_format: Union[str, EngineFormat]) -> EngineFormat:
+    if isinstance(engine_format, EngineFormat):
+        return engine_format
     try:
-        return LAYOUTS[layout]
+        return ENGINE_FORMATS[engine_format]
     except KeyError:
-        raise ValueError(f"unknown engine layout {layout!r} (known: {', '.join(sorted(LAYOUTS))})") from None
+        raise ValueError(f"unknown engine format {engine_format!r} (known: {', '.join(sorted(ENGINE_FORMATS))})") from None
 
 
-__all__ = ["EngineLayout", "Fusion", "ExpertFusion", "VLLM", "HF_NAMES", "LAYOUTS", "get_layout"]
+__all__ = ["EngineFormat", "Fusion", "ExpertFusion", "VLLM", "HF_NAMES", "ENGINE_FORMATS", "get_engine_format"]
