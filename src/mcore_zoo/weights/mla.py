@@ -19,7 +19,7 @@ The MoE part is GLM-4.5's (router + ``e_score_correction_bias``, routed experts,
 from __future__ import annotations
 
 from ..config.arch import ArchConfig
-from .dense import HF_LAYER, LAYER, ROTARY_BUFFER_IGNORED, embedding_rules, gated_mlp_rules
+from .dense import HF_LAYER, LAYER, ROTARY_BUFFER_IGNORED, embedding_rules, gated_mlp_rules, tied_lm_head_ignored
 from .moe import routed_expert_rules, shared_expert_rules
 from .rules import Rule, WeightMap, column_parallel, replicated, row_parallel, rule
 
@@ -69,6 +69,5 @@ def deepseek_weight_map(arch: ArchConfig) -> WeightMap:
         layers = "|".join(str(arch.num_layers + i) for i in range(mtp))
         ignored.append((rf"model\.layers\.({layers})\..*", "multi-token-prediction layer(s), dropped on request"
                         " (ignore_fields num_nextn_predict_layers)"))  # fmt: skip
-    if arch.tie_word_embeddings:
-        ignored.append(("lm_head.weight", "tie_word_embeddings: the output layer is model.embed_tokens.weight"))
+    ignored += tied_lm_head_ignored(arch)
     return WeightMap(arch, rules, ignored)

@@ -21,7 +21,8 @@ checkpoints and transformers 5's ``save_pretrained`` write; transformers 5 fuses
 from __future__ import annotations
 
 from ..config.arch import ArchConfig
-from .dense import HF_LAYER, LAYER, ROTARY_BUFFER_IGNORED, attention_rules, embedding_rules, gated_mlp_rules
+from .dense import (HF_LAYER, LAYER, ROTARY_BUFFER_IGNORED, attention_rules, embedding_rules, gated_mlp_rules,
+                    tied_lm_head_ignored)
 from .rules import GATE_UP, Rule, WeightMap, rule
 
 EXPERT = LAYER + "mlp.experts.local_experts.{expert}."
@@ -68,8 +69,7 @@ def moe_decoder_weight_map(arch: ArchConfig) -> WeightMap:
     rules += routed_expert_rules(arch)
     rules += shared_expert_rules(arch)
     ignored = [ROTARY_BUFFER_IGNORED]
-    if arch.tie_word_embeddings:
-        ignored.append(("lm_head.weight", "tie_word_embeddings: the output layer is model.embed_tokens.weight"))
+    ignored += tied_lm_head_ignored(arch)
     return WeightMap(arch, rules, ignored)
 
 
@@ -82,8 +82,7 @@ def mixtral_weight_map(arch: ArchConfig) -> WeightMap:
     rules.append(rule(LAYER + "pre_mlp_layernorm.weight", HF_LAYER + "post_attention_layernorm.weight"))
     rules += routed_expert_rules(arch, hf_moe="block_sparse_moe.", gate="w1", up="w3", down="w2")
     ignored = [ROTARY_BUFFER_IGNORED]
-    if arch.tie_word_embeddings:
-        ignored.append(("lm_head.weight", "tie_word_embeddings: the output layer is model.embed_tokens.weight"))
+    ignored += tied_lm_head_ignored(arch)
     return WeightMap(arch, rules, ignored)
 
 
@@ -101,6 +100,5 @@ def glm4_moe_weight_map(arch: ArchConfig) -> WeightMap:
                       note="buffer: added to the sigmoid scores to choose experts, not to weight them"))  # fmt: skip
     rules += shared_expert_rules(arch, hf_shared="mlp.shared_experts.")
     ignored = [ROTARY_BUFFER_IGNORED]
-    if arch.tie_word_embeddings:
-        ignored.append(("lm_head.weight", "tie_word_embeddings: the output layer is model.embed_tokens.weight"))
+    ignored += tied_lm_head_ignored(arch)
     return WeightMap(arch, rules, ignored)
