@@ -5,6 +5,8 @@ Plugins import these pieces from :mod:`mcore_zoo.plugin_api`.
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 from ..config.arch import ArchConfig
 from .rules import (
     IDENTITY, Rule, Transform, WeightMap, fused_gate_up, fused_qkv, replicated, row_parallel, rule,
@@ -92,13 +94,26 @@ def vocab_transform(arch: ArchConfig) -> Transform:
     return PadVocab(arch.vocab_size, arch.padded_vocab_size)
 
 
-def dense_decoder_weight_map(arch: ArchConfig) -> WeightMap:
-    """Embedding, per-layer norms / attention / gated MLP, final norm, output layer."""
+def decoder_weight_map(
+    arch: ArchConfig,
+    mlp_rules: list[Rule],
+    *,
+    attention: Optional[list[Rule]] = None,
+    ignored: Sequence[tuple[str, str]] = (),
+) -> WeightMap:
+    """A pre-norm decoder's table: embedding, final norm and output layer; per layer the input norm,
+    ``attention`` (default :func:`attention_rules`), the pre-MLP norm and ``mlp_rules``. Ignores
+    the old RoPE buffer, a tied ``lm_head.weight`` and ``ignored``."""
     rules = [
         *embedding_rules(arch),
         replicated(LAYER + "input_layernorm.weight", HF_LAYER + "input_layernorm.weight"),
-        *attention_rules(arch),
+        *(attention_rules(arch) if attention is None else attention),
         replicated(LAYER + "pre_mlp_layernorm.weight", HF_LAYER + "post_attention_layernorm.weight"),
-        *gated_mlp_rules(arch),
+        *mlp_rules,
     ]
-    return WeightMap(arch, rules, [ROTARY_BUFFER_IGNORED, *tied_lm_head_ignored(arch)])
+    return WeightMap(arch, rules, [ROTARY_BUFFER_IGNORED, *ignored, *tied_lm_head_ignored(arch)])
+
+
+def dense_decoder_weight_map(arch: ArchConfig) -> WeightMap:
+    """Embedding, per-layer norms / attention / gated MLP, final norm, output layer."""
+    return decoder_weight_map(arch, gated_mlp_rules(arch))

@@ -19,9 +19,9 @@ The MoE part is GLM-4.5's (router + ``e_score_correction_bias``, routed experts,
 from __future__ import annotations
 
 from ..config.arch import ArchConfig
-from .dense import HF_LAYER, LAYER, ROTARY_BUFFER_IGNORED, embedding_rules, gated_mlp_rules, tied_lm_head_ignored
-from .moe import routed_expert_rules, shared_expert_rules
-from .rules import Rule, WeightMap, column_parallel, replicated, row_parallel, rule
+from .dense import HF_LAYER, LAYER, decoder_weight_map, gated_mlp_rules
+from .moe import routed_expert_rules, router_expert_bias_rule, shared_expert_rules
+from .rules import Rule, WeightMap, column_parallel, replicated, row_parallel
 
 
 def mla_attention_rules(arch: ArchConfig, *, hf_attn: str = "self_attn.") -> list[Rule]:
@@ -50,24 +50,17 @@ def deepseek_weight_map(arch: ArchConfig) -> WeightMap:
     """DeepSeek-V2 / V3: embedding, MLA, norms, dense MLPs in the first ``first_k_dense_replace``
     layers, then router (+ ``e_score_correction_bias`` for V3's sigmoid router), routed experts and
     the shared experts."""
-    rules = embedding_rules(arch)
-    rules.append(rule(LAYER + "input_layernorm.weight", HF_LAYER + "input_layernorm.weight"))
-    rules += mla_attention_rules(arch)
-    rules.append(rule(LAYER + "pre_mlp_layernorm.weight", HF_LAYER + "post_attention_layernorm.weight"))
     if arch.moe is None:
-        rules += gated_mlp_rules(arch)
+        mlp = gated_mlp_rules(arch)
     else:
-        rules += gated_mlp_rules(arch, layer_kind="dense")
-        rules += routed_expert_rules(arch)
+        mlp = gated_mlp_rules(arch, layer_kind="dense") + routed_expert_rules(arch)
         if arch.moe.router_expert_bias:
-            rules.append(rule(LAYER + "mlp.router.expert_bias", HF_LAYER + "mlp.gate.e_score_correction_bias",
-                              layer_kind="moe", note="buffer: added to the sigmoid scores to choose experts"))  # fmt: skip
-        rules += shared_expert_rules(arch, hf_shared="mlp.shared_experts.")
-    ignored = [ROTARY_BUFFER_IGNORED]
+            mlp.append(router_expert_bias_rule())
+        mlp += shared_expert_rules(arch, hf_shared="mlp.shared_experts.")
+    ignored = []
     mtp = int(arch.hf_config.get("num_nextn_predict_layers") or 0)
     if mtp:  # the converter lets MTP layers through only when the caller dropped them explicitly
         layers = "|".join(str(arch.num_layers + i) for i in range(mtp))
         ignored.append((rf"model\.layers\.({layers})\..*", "multi-token-prediction layer(s), dropped on request"
                         " (ignore_fields num_nextn_predict_layers)"))  # fmt: skip
-    ignored += tied_lm_head_ignored(arch)
-    return WeightMap(arch, rules, ignored)
+    return decoder_weight_map(arch, mlp, attention=mla_attention_rules(arch), ignored=ignored)

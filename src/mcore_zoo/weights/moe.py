@@ -21,8 +21,7 @@ checkpoints and transformers 5's ``save_pretrained`` write; transformers 5 fuses
 from __future__ import annotations
 
 from ..config.arch import ArchConfig
-from .dense import (HF_LAYER, LAYER, ROTARY_BUFFER_IGNORED, attention_rules, embedding_rules, gated_mlp_rules,
-                    tied_lm_head_ignored)
+from .dense import HF_LAYER, LAYER, decoder_weight_map, gated_mlp_rules
 from .rules import GATE_UP, Rule, WeightMap, rule
 
 EXPERT = LAYER + "mlp.experts.local_experts.{expert}."
@@ -61,44 +60,26 @@ def shared_expert_rules(arch: ArchConfig, *, hf_shared: str = "mlp.shared_expert
 def moe_decoder_weight_map(arch: ArchConfig) -> WeightMap:
     """Embedding, attention, norms, dense MLPs on dense layers, router + experts (+ shared expert)
     on MoE layers (Qwen3-MoE / Qwen2-MoE naming)."""
-    rules = embedding_rules(arch)
-    rules.append(rule(LAYER + "input_layernorm.weight", HF_LAYER + "input_layernorm.weight"))
-    rules += attention_rules(arch)
-    rules.append(rule(LAYER + "pre_mlp_layernorm.weight", HF_LAYER + "post_attention_layernorm.weight"))
-    rules += gated_mlp_rules(arch, layer_kind="dense")
-    rules += routed_expert_rules(arch)
-    rules += shared_expert_rules(arch)
-    ignored = [ROTARY_BUFFER_IGNORED]
-    ignored += tied_lm_head_ignored(arch)
-    return WeightMap(arch, rules, ignored)
+    mlp = gated_mlp_rules(arch, layer_kind="dense") + routed_expert_rules(arch) + shared_expert_rules(arch)
+    return decoder_weight_map(arch, mlp)
 
 
 def mixtral_weight_map(arch: ArchConfig) -> WeightMap:
     """Mixtral: every layer MoE, experts ``block_sparse_moe.experts.{e}.w1`` (gate) / ``w3`` (up) /
     ``w2`` (down), router ``block_sparse_moe.gate``."""
-    rules = embedding_rules(arch)
-    rules.append(rule(LAYER + "input_layernorm.weight", HF_LAYER + "input_layernorm.weight"))
-    rules += attention_rules(arch)
-    rules.append(rule(LAYER + "pre_mlp_layernorm.weight", HF_LAYER + "post_attention_layernorm.weight"))
-    rules += routed_expert_rules(arch, hf_moe="block_sparse_moe.", gate="w1", up="w3", down="w2")
-    ignored = [ROTARY_BUFFER_IGNORED]
-    ignored += tied_lm_head_ignored(arch)
-    return WeightMap(arch, rules, ignored)
+    return decoder_weight_map(arch, routed_expert_rules(arch, hf_moe="block_sparse_moe.", gate="w1", up="w3", down="w2"))
 
 
 def glm4_moe_weight_map(arch: ArchConfig) -> WeightMap:
     """GLM-4.5: dense MLPs in the first ``first_k_dense_replace`` layers, then router (+ its
     ``e_score_correction_bias`` -> the router's ``expert_bias`` buffer), routed experts and the
     shared experts (``mlp.shared_experts.*``, no gate)."""
-    rules = embedding_rules(arch)
-    rules.append(rule(LAYER + "input_layernorm.weight", HF_LAYER + "input_layernorm.weight"))
-    rules += attention_rules(arch)
-    rules.append(rule(LAYER + "pre_mlp_layernorm.weight", HF_LAYER + "post_attention_layernorm.weight"))
-    rules += gated_mlp_rules(arch, layer_kind="dense")
-    rules += routed_expert_rules(arch)
-    rules.append(rule(LAYER + "mlp.router.expert_bias", HF_LAYER + "mlp.gate.e_score_correction_bias", layer_kind="moe",
-                      note="buffer: added to the sigmoid scores to choose experts, not to weight them"))  # fmt: skip
-    rules += shared_expert_rules(arch, hf_shared="mlp.shared_experts.")
-    ignored = [ROTARY_BUFFER_IGNORED]
-    ignored += tied_lm_head_ignored(arch)
-    return WeightMap(arch, rules, ignored)
+    mlp = gated_mlp_rules(arch, layer_kind="dense") + routed_expert_rules(arch) + [router_expert_bias_rule()]
+    return decoder_weight_map(arch, mlp + shared_expert_rules(arch, hf_shared="mlp.shared_experts."))
+
+
+def router_expert_bias_rule() -> Rule:
+    """HF ``mlp.gate.e_score_correction_bias`` -> the router's ``expert_bias`` buffer (GLM-4.5,
+    DeepSeek-V3)."""
+    return rule(LAYER + "mlp.router.expert_bias", HF_LAYER + "mlp.gate.e_score_correction_bias", layer_kind="moe",
+                note="buffer: added to the sigmoid scores to choose experts, not to weight them")
