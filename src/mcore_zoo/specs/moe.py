@@ -111,7 +111,8 @@ def _install() -> None:
         _INSTALLED = True
 
 
-def _router_class() -> type:
+@functools.lru_cache(maxsize=None)
+def hf_router_class() -> type:
     from megatron.core.transformer.moe.router import TopKRouter
 
     class HFRouter(TopKRouter):
@@ -143,8 +144,6 @@ def _router_class() -> type:
 
     return HFRouter
 
-
-HFRouter: Any = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -191,14 +190,8 @@ def microbatch_router_replay_class() -> type:
     return MicrobatchRouterReplay
 
 
-def hf_router_class() -> type:
-    global HFRouter
-    if HFRouter is None:
-        HFRouter = _router_class()
-    return HFRouter
-
-
-def _experts_class() -> type:
+@functools.lru_cache(maxsize=None)
+def hf_experts_class() -> type:
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     class HFOrderSequentialMLP(SequentialMLP):
@@ -224,17 +217,9 @@ def _experts_class() -> type:
     return HFOrderSequentialMLP
 
 
-HFOrderSequentialMLP: Any = None
 
-
-def hf_experts_class() -> type:
-    global HFOrderSequentialMLP
-    if HFOrderSequentialMLP is None:
-        HFOrderSequentialMLP = _experts_class()
-    return HFOrderSequentialMLP
-
-
-def _shared_experts_class() -> type:
+@functools.lru_cache(maxsize=None)
+def hf_shared_experts_class() -> type:
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
     class HFOrderSharedExpertMLP(SharedExpertMLP):
@@ -253,15 +238,6 @@ def _shared_experts_class() -> type:
 
     return HFOrderSharedExpertMLP
 
-
-HFOrderSharedExpertMLP: Any = None
-
-
-def hf_shared_experts_class() -> type:
-    global HFOrderSharedExpertMLP
-    if HFOrderSharedExpertMLP is None:
-        HFOrderSharedExpertMLP = _shared_experts_class()
-    return HFOrderSharedExpertMLP
 
 
 def moe_mlp_submodule(arch: ArchConfig, pieces: dict[str, Any], router: str) -> Any:
