@@ -138,3 +138,19 @@ def subprocess_env(*pythonpath: Path, **extra: str) -> dict[str, str]:
         env["PYTHONPATH"] = os.pathsep.join(paths)
     env.update(extra)
     return env
+
+
+def checkpoint_tensors(ckpt: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors checkpoint directory, by name."""
+    from safetensors.torch import load_file
+
+    state = {}
+    for f in sorted(Path(ckpt).glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return state
+
+
+def export_mismatches(exported: dict, source: dict) -> list[str]:
+    """Names missing on one side, then names whose tensors differ (bitwise)."""
+    names = sorted(set(exported) ^ set(source))
+    return names + [k for k in source if k in exported and not torch.equal(exported[k], source[k])]

@@ -16,8 +16,7 @@ import mcore_zoo
 from mcore_zoo.distributed import launch
 from mcore_zoo.placement import Parallelism
 
-from ..conftest import random_sequences
-from .test_moe_layouts import _mismatches, _source
+from ..conftest import checkpoint_tensors, export_mismatches, random_sequences
 
 LENGTHS = [23, 9, 40, 5]
 TOL = 1e-5
@@ -38,14 +37,14 @@ def _run(ckpts: dict, out_dir: str, fp8_ckpt: str = "") -> dict:
     seqs = random_sequences(LENGTHS, 256)
     found: dict = {}
     for arch, ckpt in ckpts.items():
-        source = _source(ckpt)
+        source = checkpoint_tensors(ckpt)
         for name, parallel in LAYOUTS:
             ensure_model_parallel(parallel)
             model = mcore_zoo.build_model(ckpt, backend="portable", numerics="hf-exact", parallel=parallel, load=ckpt)
             model.eval()
             with torch.no_grad():
                 logits = mcore_zoo.packed_forward(model, seqs).logits
-            export = _mismatches(dict(mcore_zoo.iter_hf_weights(model, bucket_size="64KB")), source)
+            export = export_mismatches(dict(mcore_zoo.iter_hf_weights(model, bucket_size="64KB")), source)
             mcore_zoo.save_hf_checkpoint(model, os.path.join(out_dir, arch, name), max_shard_size="200KB")
             found[(arch, name)] = {"logits": logits, "export": export}
             ps.destroy_model_parallel()
@@ -76,7 +75,7 @@ def test_two_ranks_tp2_ep2_pp2(reference_checkpoint, hf_reference, mpu, tmp_path
         with torch.no_grad():
             ref = mcore_zoo.packed_forward(single, seqs).logits
             hf_logits = [hf(s[None]).logits[0] for s in seqs]
-        source = _source(ckpt)
+        source = checkpoint_tensors(ckpt)
         for name, _ in LAYOUTS:
             for rank, ranks in enumerate(found):
                 r = ranks[(arch, name)]
@@ -86,7 +85,7 @@ def test_two_ranks_tp2_ep2_pp2(reference_checkpoint, hf_reference, mpu, tmp_path
                 assert diff <= TOL and diff_hf <= TOL, f"{where}: logits differ by {diff} (single) / {diff_hf} (HF)"
                 assert r["export"] == [], f"{where}: exported tensors differ: {r['export'][:5]}"
                 worst[(arch, name)] = max(worst.get((arch, name), 0.0), diff)
-            assert _mismatches(_source(str(tmp_path / arch / name)), source) == [], f"{arch} {name}: save_hf_checkpoint"
+            assert export_mismatches(checkpoint_tensors(str(tmp_path / arch / name)), source) == [], f"{arch} {name}: save_hf_checkpoint"
     print("max |dlogit| vs the single-process model:", worst)
 
 
@@ -110,7 +109,7 @@ def test_two_ranks_fp8_checkpoint(reference_checkpoint, mpu, tmp_path):
             # TP2 sums row-parallel partial products in another order: relative to the logits' scale
             assert diff <= TOL * scale, f"fp8 {name} rank {rank}: logits differ by {diff} (scale {scale})"
         for scales in ("fresh", "source"):
-            out = _source(str(tmp_path / "out" / "fp8" / f"{name}-{scales}"))
+            out = checkpoint_tensors(str(tmp_path / "out" / "fp8" / f"{name}-{scales}"))
             assert set(out) == set(fp8), f"fp8 {name} {scales}: {sorted(set(out) ^ set(fp8))[:5]}"
             for key, tensor in fp8.items():
                 if tensor.dtype == torch.float8_e4m3fn or key.endswith("_scale_inv"):

@@ -22,7 +22,7 @@ import mcore_zoo
 from mcore_zoo.placement import Parallelism
 from mcore_zoo.distributed import launch
 
-from ..conftest import random_sequences
+from ..conftest import checkpoint_tensors, export_mismatches, random_sequences
 
 ARCH = "Qwen3MoeForCausalLM"
 OVERRIDES = {"num_hidden_layers": 4, "mlp_only_layers": [1]}  # PP2: two layers per stage, one dense
@@ -30,20 +30,6 @@ LENGTHS = [23, 9, 40, 5, 17]
 NUMERICS = "hf-exact"
 TOL = 1e-5
 EXPERT_TENSOR = re.compile(r"model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
-
-
-def _source(ckpt: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    state = {}
-    for f in sorted(Path(ckpt).glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    return state
-
-
-def _mismatches(exported: dict, source: dict) -> list[str]:
-    names = sorted(set(exported) ^ set(source))
-    return names + [k for k in source if k in exported and not torch.equal(exported[k], source[k])]
 
 
 def _counting_checkpoint(path: str):
@@ -78,7 +64,7 @@ def _run(ckpt: str, out_dir: str, layouts: list, mcore_dir: str = "") -> dict:
     from mcore_zoo.parallel import ensure_model_parallel
 
     rank = dist.get_rank()
-    source = _source(ckpt)
+    source = checkpoint_tensors(ckpt)
     seqs = random_sequences(LENGTHS, 256)
     found: dict = {}
     for name, parallel in layouts:
@@ -105,16 +91,16 @@ def _run(ckpt: str, out_dir: str, layouts: list, mcore_dir: str = "") -> dict:
                 again = mcore_zoo.packed_forward(model, seqs)
         r["logits"] = out.logits
         r["replay_bitwise"] = all(torch.equal(a, b) for a, b in zip(out.logits, again.logits))
-        r["export"] = _mismatches(dict(mcore_zoo.iter_hf_weights(model, bucket_size="64KB")), source)
+        r["export"] = export_mismatches(dict(mcore_zoo.iter_hf_weights(model, bucket_size="64KB")), source)
         to_rank0 = dict(mcore_zoo.iter_hf_weights(model, ranks=[0], bucket_size=1))
-        r["export_rank0"] = _mismatches(to_rank0, source) if rank == 0 else sorted(to_rank0)
+        r["export_rank0"] = export_mismatches(to_rank0, source) if rank == 0 else sorted(to_rank0)
         mcore_zoo.save_hf_checkpoint(model, os.path.join(out_dir, name), max_shard_size="200KB")
         if mcore_dir:  # a distributed checkpoint written by one process, loaded at this layout
             from mcore_zoo.dist_checkpoint import load_mcore_checkpoint
 
             fresh = mcore_zoo.build_model(ckpt, backend="portable", numerics=NUMERICS, parallel=parallel)
             load_mcore_checkpoint(fresh, mcore_dir)
-            r["from_dist_checkpoint"] = _mismatches(dict(mcore_zoo.iter_hf_weights(fresh)), source)
+            r["from_dist_checkpoint"] = export_mismatches(dict(mcore_zoo.iter_hf_weights(fresh)), source)
         found[name] = r
         ps.destroy_model_parallel()
     return found
@@ -144,7 +130,7 @@ def _stages_of(name: str, r: dict) -> set[int]:
 
 
 def _check(found: list[dict], ckpt: Path, hf, out_dir: Path, num_layers: int, num_experts: int) -> dict:
-    source = _source(str(ckpt))
+    source = checkpoint_tensors(str(ckpt))
     seqs = random_sequences(LENGTHS, 256)
     single = mcore_zoo.build_model(ckpt, backend="portable", numerics=NUMERICS, load=ckpt).eval()
     with torch.no_grad():
@@ -176,7 +162,7 @@ def _check(found: list[dict], ckpt: Path, hf, out_dir: Path, num_layers: int, nu
                     source[n].numel() * source[n].element_size() for n in want
                 ), where
             worst[name] = max(worst.get(name, 0.0), diff)
-        assert _mismatches(_source(str(out_dir / name)), source) == [], f"{name}: save_hf_checkpoint"
+        assert export_mismatches(checkpoint_tensors(str(out_dir / name)), source) == [], f"{name}: save_hf_checkpoint"
     return worst
 
 

@@ -18,25 +18,11 @@ import mcore_zoo
 from mcore_zoo.placement import Parallelism
 from mcore_zoo.distributed import launch
 
-from ..conftest import random_sequences
+from ..conftest import checkpoint_tensors, export_mismatches, random_sequences
 
 LENGTHS = [23, 9, 40, 5, 17]
 NUMERICS = "hf-exact"  # HF op order (HFRMSNorm also supports sequence parallel on the portable backend)
 TOL = 1e-5  # fp32 logits; other summation orders (row-parallel reductions, CP chunked attention)
-
-
-def _source(ckpt: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    state = {}
-    for f in sorted(Path(ckpt).glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    return state
-
-
-def _mismatches(exported: dict, source: dict) -> list[str]:
-    names = sorted(set(exported) ^ set(source))
-    return names + [k for k in source if k in exported and not torch.equal(exported[k], source[k])]
 
 
 def _refusals_of_a_model_built_for_another_layout(ckpt: str, mcore_dir: str) -> list[str]:
@@ -77,7 +63,7 @@ def _run_layouts(ckpt: str, mcore_dir: str, out_dir: str, layouts: list, mismatc
     from mcore_zoo.parallel import ensure_model_parallel
 
     rank = dist.get_rank()
-    source = _source(ckpt)
+    source = checkpoint_tensors(ckpt)
     seqs = random_sequences(LENGTHS, 256)
     found: dict = {}
     if mismatch:
@@ -101,9 +87,9 @@ def _run_layouts(ckpt: str, mcore_dir: str, out_dir: str, layouts: list, mismatc
         out = mcore_zoo.packed_forward(model, seqs)  # dispatches to distributed.forward for PP / CP
         r["logits"], r["logprobs"] = out.logits, out.logprobs
         r["cheap_logprobs"] = mcore_zoo.packed_forward(model, seqs, return_logits=False, num_microbatches=2).logprobs
-        r["export"] = _mismatches(dict(mcore_zoo.iter_hf_weights(model, bucket_size="64KB")), source)
+        r["export"] = export_mismatches(dict(mcore_zoo.iter_hf_weights(model, bucket_size="64KB")), source)
         to_rank0 = dict(mcore_zoo.iter_hf_weights(model, ranks=[0], bucket_size=1))
-        r["export_rank0"] = _mismatches(to_rank0, source) if rank == 0 else sorted(to_rank0)
+        r["export_rank0"] = export_mismatches(to_rank0, source) if rank == 0 else sorted(to_rank0)
         shards = dict(mcore_zoo.iter_hf_shards(model, 2, target_rank=1))
         r["shards"] = [
             k for k, v in shards.items()
@@ -112,7 +98,7 @@ def _run_layouts(ckpt: str, mcore_dir: str, out_dir: str, layouts: list, mismatc
         mcore_zoo.save_hf_checkpoint(model, os.path.join(out_dir, name), max_shard_size="200KB")
         fresh = mcore_zoo.build_model(ckpt, backend="portable", numerics=NUMERICS, parallel=parallel)
         load_mcore_checkpoint(fresh, mcore_dir)
-        r["from_dist_checkpoint"] = _mismatches(dict(mcore_zoo.iter_hf_weights(fresh)), source)
+        r["from_dist_checkpoint"] = export_mismatches(dict(mcore_zoo.iter_hf_weights(fresh)), source)
         found[name] = r
         ps.destroy_model_parallel()
     return found
@@ -161,7 +147,7 @@ def _reference_logits(ckpt: Path) -> list[torch.Tensor]:
 
 def _check(found: list[dict], ckpt: Path, hf, ref: list[torch.Tensor], out_dir: Path, world: int) -> dict[str, float]:
     """Assert every finding; return the largest logit difference per layout."""
-    source = _source(str(ckpt))
+    source = checkpoint_tensors(str(ckpt))
     seqs = random_sequences(LENGTHS, 256)
     with torch.no_grad():
         hf_logits = [hf(s[None]).logits[0] for s in seqs]
@@ -182,8 +168,8 @@ def _check(found: list[dict], ckpt: Path, hf, ref: list[torch.Tensor], out_dir: 
             assert r["from_dist_checkpoint"] == [], f"{where}: dist checkpoint load: {r['from_dist_checkpoint'][:5]}"
             assert r.get("tied_output_equals_embedding", True), f"{where}: tied output layer != embedding"
             worst[name] = max(worst.get(name, 0.0), diff)
-        saved = _source(str(out_dir / name))
-        assert _mismatches(saved, source) == [], f"{name}: save_hf_checkpoint"
+        saved = checkpoint_tensors(str(out_dir / name))
+        assert export_mismatches(saved, source) == [], f"{name}: save_hf_checkpoint"
     return worst
 
 
@@ -209,7 +195,7 @@ def test_two_ranks_pp2_cp2_tp2sp(reference_checkpoint, hf_reference, mpu, tmp_pa
     assert found[0]["pp2"]["bytes_read"] and found[1]["pp2"]["bytes_read"]  # stages read their own halves
     assert found[0]["cp2"]["bytes_read"] and found[0]["cp2"]["bytes_received"] == 0
     assert found[1]["cp2"]["bytes_read"] == 0 and found[1]["cp2"]["bytes_received"] > 0
-    total = sum(t.numel() * t.element_size() for t in _source(str(ckpt)).values())
+    total = sum(t.numel() * t.element_size() for t in checkpoint_tensors(str(ckpt)).values())
     assert found[0]["cp2"]["bytes_read"] == total  # one replica reads the checkpoint, once
 
 
