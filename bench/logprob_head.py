@@ -13,7 +13,9 @@ gradients; forward + backward of ``sum(g * logprob) [+ sum(h * entropy)]``):
 * ``naive`` / ``naive-lp``: ``log_softmax(logits.float() / T)`` gathered (+ ``-(p log p).sum``),
   autograd's own backward - the full-logits path;
 * ``chunked`` / ``chunked-lp``: :func:`mcore_zoo.distributed.vocab_parallel.token_logprobs_and_entropy`
-  with / without entropy; ``chunked-lp-inplace`` with ``inplace_backward=True``;
+  with / without entropy (on CUDA its Triton kernels, when Triton imports); ``chunked-lp-inplace``
+  with ``inplace_backward=True``; ``chunked-torch`` / ``chunked-lp-torch``: the same head forced onto
+  its chunked torch ops (``USE_TRITON = False``);
 * ``megatron-ce``: ``megatron.core.tensor_parallel.vocab_parallel_cross_entropy`` (upstream
   gradient ``-g``, so the logits receive the same gradient as ``chunked-lp``; with a temperature
   other than 1 it is given ``logits / temperature``, one more copy in the logits' dtype).
@@ -44,7 +46,8 @@ from typing import Any, Callable
 import torch
 
 MB = 1 << 20
-VARIANTS = ("naive", "chunked", "naive-lp", "chunked-lp", "chunked-lp-inplace", "megatron-ce")
+VARIANTS = ("naive", "chunked", "chunked-torch", "naive-lp", "chunked-lp", "chunked-lp-torch", "chunked-lp-inplace",
+            "megatron-ce")
 
 
 # ---------------------------------------------------------------------------- memory
@@ -132,10 +135,27 @@ def make_variant(name: str, temperature: float, chunk: Any) -> Callable[..., tup
             return logp.gather(-1, t.unsqueeze(-1)).squeeze(-1), None
 
         return naive_lp
+    if name.endswith("-torch"):  # the chunked head forced onto its torch path (no Triton kernels)
+        from mcore_zoo.distributed import vocab_parallel
+
+        inner = make_variant(name[: -len("-torch")], temperature, chunk)
+
+        def torch_path(x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            vocab_parallel.USE_TRITON = False  # read again in backward: left off until the next variant
+            return inner(x, t)
+
+        return torch_path
     if name.startswith("chunked"):
+        from mcore_zoo.distributed import vocab_parallel
+
         kw = dict(temperature=temperature, chunk_tokens=chunk, compute_entropy=name == "chunked",
                   inplace_backward=name.endswith("inplace"))  # fmt: skip
-        return lambda x, t: token_logprobs_and_entropy(x, t, **kw)
+
+        def chunked(x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            vocab_parallel.USE_TRITON = None  # the default (Triton on CUDA); read again in backward
+            return token_logprobs_and_entropy(x, t, **kw)
+
+        return chunked
     if name == "megatron-ce":
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 

@@ -28,10 +28,13 @@ def _run(fn, logits, targets, g, h, **kw):
     return lp.detach(), (ent.detach() if ent is not None else None), x.grad
 
 
+@pytest.mark.parametrize("triton", [True, False], ids=["triton", "torch"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_exact_against_fp64(temperature):
-    """fp32 logits: the head is within 1e-5 of the formula in fp64 (log-probs down to ~ -30) and no
-    further from it than the naive fp32 formula plus 2e-6."""
+def test_exact_against_fp64(temperature, triton, monkeypatch):
+    """fp32 logits: the head (its Triton kernels, the CUDA default, and the torch path) is within
+    1e-5 of the formula in fp64 (log-probs down to ~ -30) and no further from it than the naive
+    fp32 formula plus 2e-6."""
+    monkeypatch.setattr(vocab_parallel, "USE_TRITON", triton)
     logits, targets, g, h = _case(512, 32000, torch.float32)
     kw = dict(temperature=temperature)
     head = _run(token_logprobs_and_entropy, logits, targets, g, h, chunk_tokens=100, **kw)
@@ -42,7 +45,21 @@ def test_exact_against_fp64(temperature):
         assert err_head <= 1e-5 and err_head <= err_naive + 2e-6, (err_head, err_naive)
 
 
+def test_bf16_triton_and_torch_paths_agree(monkeypatch):
+    """bf16 logits: the Triton kernels and the torch path give the same log-probs and entropy up to
+    fp32 summation order, and gradients within one bf16 rounding."""
+    logits, targets, g, h = _case(2048, 151936, torch.bfloat16)
+    out = {}
+    for triton in (True, False):
+        monkeypatch.setattr(vocab_parallel, "USE_TRITON", triton)
+        out[triton] = _run(token_logprobs_and_entropy, logits, targets, g, h, temperature=0.8)
+    (lp1, e1, g1), (lp0, e0, g0) = out[True], out[False]
+    assert (lp1 - lp0).abs().max() <= 1e-5 and (e1 - e0).abs().max() <= 1e-5
+    assert ((g1.float() - g0.float()).abs() <= g0.float().abs() * 2.0**-7 + 1e-12).all()
+
+
 def test_bf16_and_casts_fused_or_not_bitwise(monkeypatch):
+    monkeypatch.setattr(vocab_parallel, "USE_TRITON", False)
     logits, targets, g, h = _case(512, 32000, torch.bfloat16)
     out = {}
     for fused in (True, False):

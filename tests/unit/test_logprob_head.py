@@ -303,3 +303,58 @@ def test_tp2_gloo_matches_one_process(capsys):
     assert _close(tp_lp[0], tp[0]) and _close(tp_lp[2], naive_lp[2])
     # mutation: the ranks swap their vocabulary slices (a wrong vocab offset) -> must differ
     assert (gathered("swapped")[0] - one[0]).abs().max() > TOL
+
+
+# ---------------------------------------------------------------------------- Triton kernels
+_TRITON_CHECK = r"""
+import torch
+from mcore_zoo.distributed import vocab_parallel as vp
+from mcore_zoo.distributed.vocab_parallel import naive_logprobs_and_entropy, token_logprobs_and_entropy
+vp.USE_TRITON = True
+worst = 0.0
+for dtype, v in ((torch.float32, 5003), (torch.bfloat16, 4096)):
+    for temperature in (1.0, 0.7):
+        for entropy in (True, False):
+            for inplace in (False, True):
+                gen = torch.Generator().manual_seed(1)
+                logits = (torch.randn(23, v, generator=gen) * 3).to(dtype)
+                targets = torch.randint(0, v, (23,), generator=gen)
+                targets[4] = -100
+                g, h = torch.randn(23, generator=gen), torch.randn(23, generator=gen)
+                x = logits.clone().requires_grad_()
+                y = x * 1  # inplace_backward needs a non-leaf
+                lp, ent = token_logprobs_and_entropy(y, targets, temperature=temperature,
+                                                     compute_entropy=entropy, inplace_backward=inplace)
+                ((lp * g).sum() + ((ent * h).sum() if entropy else 0.0)).backward()
+                ref = logits.double().requires_grad_()
+                ok = targets >= 0
+                rlp, rent = naive_logprobs_and_entropy(ref, targets.clamp(min=0), temperature=temperature)
+                rlp = torch.where(ok, rlp, 0.0)
+                ((rlp * g.double()).sum() + ((rent * h.double()).sum() if entropy else 0.0)).backward()
+                assert torch.equal(lp[4], torch.tensor(0.0)), lp[4]
+                errs = [(lp.double() - rlp).abs().max().item(),
+                        (x.grad.double() - ref.grad).abs().max().item() / ref.grad.abs().max().item()]
+                if entropy:
+                    errs.append((ent.double() - rent).abs().max().item())
+                bound = 1e-5 if dtype == torch.float32 else 2.0 ** -7
+                assert max(errs) <= bound, (dtype, temperature, entropy, inplace, errs)
+                worst = max(worst, errs[0])
+print("ok", worst)
+"""
+
+
+def test_triton_kernels_against_fp64_in_interpreter():
+    """The head with its Triton kernels (``USE_TRITON``), run by Triton's CPU interpreter: log-probs,
+    entropy and gradients against the fp64 formula, fp32 and bf16, temperatures, in-place
+    backward, an ignored target. On CUDA the same kernels are the default
+    (``tests/gpu/test_logprob_head_gpu.py``)."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed (CUDA builds of torch ship it; the CPU wheel does not)")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", _TRITON_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr[-3000:]

@@ -132,6 +132,21 @@ def default_chunk_tokens(vocab_local: int) -> int:
 FUSED_CASTS: Optional[bool] = None
 
 
+#: Whether the per-row work runs in the Triton kernels of :mod:`mcore_zoo.kernels.logprob_rows`
+#: (one read of the logits per pass, no fp32 work buffers) instead of chunked torch ops.
+#: ``None``: on CUDA tensors when Triton imports. ``True`` forces them (CPU tensors need Triton's
+#: interpreter, ``TRITON_INTERPRET=1``), ``False`` forces the torch path.
+USE_TRITON: Optional[bool] = None
+
+
+def _triton(x: torch.Tensor) -> bool:
+    from mcore_zoo.kernels import logprob_rows
+
+    if USE_TRITON is not None:
+        return USE_TRITON and logprob_rows.available()
+    return x.is_cuda and logprob_rows.available()
+
+
 def _fused(x: torch.Tensor) -> bool:
     return FUSED_CASTS if FUSED_CASTS is not None else (x.is_cuda or x.dtype == torch.float32)
 
@@ -190,7 +205,14 @@ class _TokenLogprobEntropy(torch.autograd.Function):
         # stats[0] = sum exp(z - m), stats[1] = raw target logit z_t (0 where not owned),
         # stats[2] = sum exp(z - m) * (z - m)
         stats = torch.empty(rows, n, dtype=torch.float32, device=dev)
-        for lo in range(0, n, chunk):
+        kernel = _triton(logits)
+        if kernel:
+            from mcore_zoo.kernels.logprob_rows import row_stats
+
+            m, stats[0], stats[1], w = row_stats(logits, idx.squeeze(-1), owned, temperature, want_entropy)
+            if want_entropy:
+                stats[2] = w
+        for lo in range(0, 0 if kernel else n, chunk):
             hi = min(n, lo + chunk)
             x = logits[lo:hi]
             mc = x.amax(dim=-1).float()
@@ -272,6 +294,12 @@ class _TokenLogprobEntropy(torch.autograd.Function):
             coef = (-1.0 / (s * temperature)).unsqueeze(-1)
 
         grad = logits if ctx.inplace else torch.empty_like(logits)
+        if _triton(logits):
+            from mcore_zoo.kernels.logprob_rows import grad_rows
+
+            c0_, h_ = (c0.squeeze(-1), h) if h is not None else (None, None)
+            grad_rows(logits, grad, idx.squeeze(-1), m, onehot.squeeze(-1), coef.squeeze(-1), c0_, h_, temperature)
+            return (grad,) + none
         for lo in range(0, n, ctx.chunk):
             hi = min(n, lo + ctx.chunk)
             d = _shifted(logits[lo:hi], tau, m[lo:hi].unsqueeze(-1))  # z - M
