@@ -76,7 +76,31 @@ def time_step(fn: Any, backward: bool, repeat: int = 5) -> tuple[float, float]:
     return (time.perf_counter() - start) / repeat * 1000, torch.cuda.max_memory_allocated() / 2**30
 
 
-def model_times(layers: int, batch: int, seq: int) -> dict[str, Any]:
+DEFAULT_VARIANTS = [
+    "te/default=te:default",
+    "te/training=te:training",
+    "te/hf-exact=te:hf-exact",
+    "local/hf-exact=local:hf-exact",
+    "portable/hf-exact-sdpa=portable:hf-exact-sdpa",
+    "portable/default (varlen)=portable:default",
+]
+
+
+def parse_variant(text: str) -> tuple[str, str, Any]:
+    """``NAME=BACKEND:PROFILE[,KNOB=VALUE...]`` -> (name, backend, profile object)."""
+    import mcore_zoo
+    from mcore_zoo.parity.inputs import parse_set
+
+    name, _, spec = text.partition("=")
+    backend, _, rest = spec.partition(":")
+    profile, *knobs = rest.split(",")
+    built = mcore_zoo.get_profile(profile)
+    if knobs:
+        built = built.with_knobs(**parse_set(knobs))
+    return name, backend, built
+
+
+def model_times(layers: int, batch: int, seq: int, variant_specs: list[str]) -> dict[str, Any]:
     import mcore_zoo
     from mcore_zoo.parallel import ensure_model_parallel
 
@@ -85,13 +109,7 @@ def model_times(layers: int, batch: int, seq: int) -> dict[str, Any]:
     ids = torch.randint(0, 32000, (batch, seq), device="cuda")
     positions = torch.arange(seq, device="cuda").expand(batch, -1)
     results: dict[str, Any] = {}
-    variants = [
-        ("te/default", "te", "default"),
-        ("te/hf-exact", "te", "hf-exact"),
-        ("local/hf-exact", "local", "hf-exact"),
-        ("portable/hf-exact-sdpa", "portable", "hf-exact-sdpa"),
-        ("portable/default (varlen)", "portable", "default"),
-    ]
+    variants = [parse_variant(v) for v in variant_specs]
     for name, backend, profile in variants:
         try:
             model = mcore_zoo.build_model(config, backend=backend, numerics=profile, params_dtype=torch.bfloat16)
@@ -100,7 +118,7 @@ def model_times(layers: int, batch: int, seq: int) -> dict[str, Any]:
             with torch.no_grad():
                 entry["bshd_forward_ms"], entry["bshd_forward_gib"] = time_step(fwd, False)
             entry["bshd_train_ms"], entry["bshd_train_gib"] = time_step(fwd, True)
-            if not (backend == "local" and mcore_zoo.get_profile(profile).attention == "backend"):
+            if not (backend == "local" and profile.attention == "backend"):
                 batch_packed = mcore_zoo.pack_sequences(list(ids))
                 psp = batch_packed.packed_seq_params()
                 thd = lambda: model(batch_packed.input_ids, batch_packed.position_ids, None, packed_seq_params=psp)  # noqa: E731
@@ -135,8 +153,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"# Numerics speed on {report['gpu']}", "", report["versions"], ""]
     lines += ["## GEMM: split-K disabled (`CUBLAS_WORKSPACE_CONFIG=:0:0`) vs default", ""]
     lines += ["| K x N | " + " | ".join(f"M={m}" for m in ROWS) + " |", "| --- |" + " --- |" * len(ROWS)]
-    default, nosplit = report["gemm"]["default"], report["gemm"]["no_split_k"]
-    for k, n in SHAPES:
+    default, nosplit = report["gemm"].get("default", {}), report["gemm"].get("no_split_k", {})
+    for k, n in SHAPES if default else []:
         cells = []
         for m in ROWS:
             key = f"{k}x{n}@M{m}"
@@ -164,13 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--gemm-child", action="store_true")
+    parser.add_argument("--variant", action="append", default=None, metavar="NAME=BACKEND:PROFILE[,KNOB=VALUE...]",
+                        help="model variants to time (repeatable; default: " + "; ".join(DEFAULT_VARIANTS) + ")")
+    parser.add_argument("--no-gemm", action="store_true", help="skip the GEMM split-K table")
     args = parser.parse_args(argv)
     if args.gemm_child:
         gemm_child()
         return 0
     os.makedirs(args.out, exist_ok=True)
     gemm = {}
-    for tag, extra in (("default", {}), ("no_split_k", {"CUBLAS_WORKSPACE_CONFIG": ":0:0", "CUBLASLT_WORKSPACE_SIZE": "0"})):
+    for tag, extra in [] if args.no_gemm else (("default", {}), ("no_split_k", {"CUBLAS_WORKSPACE_CONFIG": ":0:0", "CUBLASLT_WORKSPACE_SIZE": "0"})):
         env = {k: v for k, v in os.environ.items() if k not in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")}
         env.update(extra)
         proc = subprocess.run([sys.executable, __file__, "--gemm-child"], env=env, capture_output=True, text=True, check=True)
@@ -182,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": f"torch {torch.__version__}, megatron-core {megatron.core.__version__}",
         "gemm": gemm,
         "model": {"layers": args.layers, "batch": args.batch, "seq": args.seq,
-                  "results": model_times(args.layers, args.batch, args.seq)},  # fmt: skip
+                  "results": model_times(args.layers, args.batch, args.seq, args.variant or DEFAULT_VARIANTS)},  # fmt: skip
     }
     with open(os.path.join(args.out, "numerics_speed.json"), "w") as f:
         json.dump(report, f, indent=1)

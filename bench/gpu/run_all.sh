@@ -3,7 +3,9 @@
 # Run from the repository root with megatron-core and Transformer Engine importable and
 # PYTHONPATH=src (see ../shared/gpu/README.md):   bash bench/gpu/run_all.sh OUT [PHASE...]
 # Phases: reports (parity-report jobs, one GPU each, in parallel), checks (GPU tests and the
-# backend / profile grid), speed, multi (torchrun 2 / 4). Default: all four.
+# backend / profile grid), speed, multi (torchrun 2 / 4) - the default: all four; and on request
+# training (log-prob head, train_step), profile (the training profile's distance and speed), refit
+# and vllm (refit into vLLM, vLLM parity; need bench/gpu/vllm-setup.sh) and mla (DeepSeek-V3, te).
 # Each job logs to OUT/logs/; a failing (or, past its time limit, killed) job is recorded and the
 # others go on. Limits: JOB_TIMEOUT (single-GPU jobs, default 420 s), MULTI_TIMEOUT (torchrun jobs,
 # default 240 s: a layout failing on some ranks only would otherwise wait for NCCL's timeout).
@@ -71,5 +73,55 @@ if [[ " $phases " == *" multi "* ]] && (( ngpu >= 2 )); then
     tr 4 bench/gpu/parallel_parity.py --out "$out/parallel-4gpu" > "$out/logs/parallel-4gpu.log" 2>&1
     echo "parallel-4gpu exit $?" >> "$out/logs/status"
   fi
+fi
+mkdir -p "$out/training" "$out/rollout" "$out/parity"
+run() {  # run NAME TIMEOUT CMD...: in the foreground on GPU 0, log, record the exit code
+  local name=$1 limit=$2
+  shift 2
+  CUDA_VISIBLE_DEVICES=0 timeout "$limit" "$@" > "$out/logs/$name.log" 2>&1
+  echo "$name exit $?" >> "$out/logs/status"
+}
+dense=(--arch LlamaForCausalLM --arch MistralForCausalLM --arch Qwen2ForCausalLM --arch Qwen3ForCausalLM)
+
+if [[ " $phases " == *" training "* ]]; then
+  # the log-prob head (Triton kernels and torch path) and the training step against GPTModel's labels path
+  run head-tests 300 $py -m pytest tests/gpu/test_logprob_head_gpu.py -q -p no:cacheprovider
+  run head-bench 300 $py bench/logprob_head.py --device cuda --tokens 8192 --vocab 151936 --repeat 5 \
+      --json "$out/training/logprob_head.json"
+  run train-step 420 $py bench/gpu/train_step_bench.py --out "$out/training/default"
+  run train-step-training 300 $py bench/gpu/train_step_bench.py --profile training --tokens 8192 \
+      --out "$out/training/training"
+fi
+
+if [[ " $phases " == *" profile "* ]]; then
+  # the training profile's distance to HF eager next to HF's own sdpa-vs-eager spread, every dense
+  # built-in (8 layers, published width up to 1024), with the ablation from it; a stricter candidate
+  run parity-training 420 "${report[@]}" "${dense[@]}" --backend te --numerics training \
+      --lengths 512,512,512,512 --ablation --out "$out/parity/te-training"
+  run parity-training-unfused 420 "${report[@]}" "${dense[@]}" --backend te --numerics training \
+      --knob bias_activation_fusion=false --knob rope_fusion=false --lengths 512,512,512,512 \
+      --out "$out/parity/te-training-unfused-rope-swiglu"
+  run profile-speed 420 $py bench/gpu/numerics_speed.py --no-gemm --out "$out/training/speed" \
+      --variant te/default=te:default --variant te/training=te:training \
+      --variant "te/training, unfused RoPE and SwiGLU=te:training,bias_activation_fusion=false,rope_fusion=false" \
+      --variant te/hf-exact=te:hf-exact
+fi
+
+if [[ " $phases " == *" refit "* ]]; then
+  # needs bench/gpu/vllm-setup.sh and vllm-env.sh: refit exactness, then refit speed
+  run refit-tests 420 $py -m pytest tests/gpu/test_refit_gpu.py -q -s -p no:cacheprovider
+  run refit-bench 240 $py bench/gpu/refit_bench.py --out "$out/rollout/refit-tp1.json"
+fi
+
+if [[ " $phases " == *" vllm "* ]]; then
+  # vLLM bf16 vs mcore vs HF eager per token, every built-in (vllm_parity.sh)
+  run vllm-parity 560 bash bench/gpu/vllm_parity.sh "$out/parity/vllm"
+fi
+
+if [[ " $phases " == *" mla "* ]]; then
+  # DeepSeek-V3 at full width, 2 layers (one dense, one MoE with 64 of its 256 experts), te bf16
+  run mla-te 540 $py -m mcore_zoo.cli parity-report --dtype bfloat16 --device cuda -q -v --config "${MLA_CONFIG:-.gpu/cfg/deepseek-v3.json}" --random-weights \
+      --set num_hidden_layers=2 --set first_k_dense_replace=1 --set n_routed_experts=64 --backend te \
+      --lengths 512,512,300,100 --out "$out/parity/mla-te"
 fi
 cat "$out/logs/status"

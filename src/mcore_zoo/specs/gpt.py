@@ -113,6 +113,11 @@ def gpt_layer_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile, *,
     from ..compat import mlp_submodule
 
     p = _pieces(arch, backend, numerics)
+    if arch.mla is not None:
+        # MLA's q and kv down projections both read the normalised input: a separate input norm,
+        # and plain (norm-free) linears for the attention's projections
+        attention_pieces = _pieces(arch, backend, numerics.with_knobs(fuse_norm_into_linear=False))
+        p = dict(p, input_layernorm=attention_pieces["input_layernorm"])
     if moe:  # the router and experts read the normalised input: the pre-MLP norm cannot be fused away
         from .moe import moe_mlp_submodule
 
@@ -126,7 +131,7 @@ def gpt_layer_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile, *,
     if arch.mla is not None:  # DeepSeek multi-head latent attention (mcore_zoo.specs.mla)
         from .mla import mla_attention_spec
 
-        attention = mla_attention_spec(arch, backend, numerics, p)
+        attention = mla_attention_spec(arch, backend, numerics, attention_pieces)
     else:
         attention = ModuleSpec(
             module=SelfAttention,

@@ -18,7 +18,12 @@ every head. Three things differ, and :class:`ZooMLASelfAttention` replaces them:
 
 Core attention: the zoo's :class:`~mcore_zoo.specs.portable.PortableAttention` (THD, keys of width
 ``nope + rope`` and values of width ``v_head_dim``) on ``local`` and ``portable``; Megatron-Core's
-local ``DotProductAttention`` cannot take different key and value widths.
+local ``DotProductAttention`` cannot take different key and value widths. On ``te`` (profiles whose
+``attention`` knob is ``backend``) Transformer Engine's ``DotProductAttention``, which can; the up
+and output projections are TE linears there, the down projections stay Megatron-Core's own
+``ColumnParallelLinear`` (replicated over TP) on every backend, and the layer norms are separate
+modules (MLA's two down projections read the same normalised input: no norm is fused into a
+linear). RoPE is never TE's fused kernel (the frequencies are HF's, installed above).
 """
 
 from __future__ import annotations
@@ -168,13 +173,16 @@ def mla_attention_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile
 
     from .portable import PortableAttention
 
-    if backend not in ("local", "portable"):
-        raise ZooError(f"{arch.architecture}: MLA is built for the local and portable backends, not {backend!r}")
+    if backend not in ("local", "portable", "te"):
+        raise ZooError(f"{arch.architecture}: MLA is built for the te, local and portable backends, not {backend!r}")
     if not arch.mla.rope_interleave:
         raise ZooError(f"{arch.architecture}: rope_interleave=False (rotate-half on the rope dims) is not"
                        " what Megatron-Core's MLA RoPE computes")  # fmt: skip
-    kernel = numerics.attention if numerics.attention != "backend" else ("eager" if backend == "local" else "auto")
-    core = ModuleSpec(module=PortableAttention, params={"kernel": kernel})
+    if backend == "te" and numerics.attention == "backend":
+        core = pieces["core_attention"]  # TEDotProductAttention: keys nope + rope wide, values v_head_dim
+    else:
+        kernel = numerics.attention if numerics.attention != "backend" else ("eager" if backend == "local" else "auto")
+        core = ModuleSpec(module=PortableAttention, params={"kernel": kernel})
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
     norm = _fixed_eps_norm(pieces["qk_norm"], arch.mla.latent_norm_eps)
