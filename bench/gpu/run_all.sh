@@ -109,7 +109,7 @@ fi
 
 if [[ " $phases " == *" refit "* ]]; then
   # needs bench/gpu/vllm-setup.sh and vllm-env.sh: refit exactness, then refit speed
-  run refit-tests 420 $py -m pytest tests/gpu/test_refit_gpu.py -q -s -p no:cacheprovider
+  run refit-tests 420 $py -m pytest -p mcore_zoo.testing.plugin tests/gpu/test_refit_gpu.py -q -s -p no:cacheprovider
   run refit-bench 240 $py bench/gpu/refit_bench.py --out "$out/rollout/refit-tp1.json"
 fi
 

@@ -6,3 +6,5 @@ export PYTHONPATH="/tmp/vllm-site:$(pwd)/src:$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0}  # in-process engine: GPU-to-GPU refit
 export MCORE_ZOO_VLLM_PYTHON="$(pwd)/bench/gpu/vllm-python"  # parity-report --vllm
+# vLLM 0.26 imports llguidance (guided decoding) at engine import; the index lacks its 1.7 release
+PYTHONPATH="$PYTHONPATH" python3 -c "import llguidance" 2>/dev/null || export PYTHONPATH="$PYTHONPATH:$(pwd)/bench/gpu/stubs"

@@ -243,7 +243,7 @@ def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
             converter="mcore_zoo.plugins.deepseek_v3:convert",
             weight_rules="mcore_zoo.weights.mla:deepseek_weight_map",
             example_config=EXAMPLE_CONFIG,
-            backends=("local", "portable"),
+            backends=("te", "local", "portable"),
             description="DeepSeek-V3 / R1, Moonlight, Kimi-K2 (MLA, YaRN mscale; sigmoid grouped router with"
                         " expert bias, shared experts); MTP dropped only on request",  # fmt: skip
         )
