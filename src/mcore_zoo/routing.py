@@ -184,13 +184,15 @@ def count_tokens(model: Any) -> Iterator[TokenCounts]:
 def aux_losses(clear: bool = True) -> dict[str, torch.Tensor]:
     """Megatron-Core's tracked MoE auxiliary losses of the forwards run since the last call
     (``{name: per-layer values}``; the loss itself is already attached to the graph by the router
-    when ``moe_aux_loss_coeff > 0``, so a trainer only logs these)."""
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+    when ``moe_aux_loss_coeff > 0``, so a trainer only logs these). ``clear`` empties the tracker,
+    so the next model's values are sized by its own layer count (Megatron-Core's own clearing
+    keeps the first model's)."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     tracker = get_moe_layer_wise_logging_tracker()
     values = {name: entry["values"].detach().clone() for name, entry in tracker.items() if "values" in entry}
     if clear:
-        clear_aux_losses_tracker()
+        tracker.clear()
     return values
 
 

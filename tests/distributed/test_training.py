@@ -38,17 +38,17 @@ def _example():
     return module
 
 
-def _batch(vocab: int) -> dict:
+def _batch(vocab: int, lengths: list[int] = LENGTHS) -> dict:
     """Sequences and the token data of one update (deterministic; the same on every rank)."""
-    seqs = random_sequences(LENGTHS, vocab, seed=3)
+    seqs = random_sequences(lengths, vocab, seed=3)
     gen = torch.Generator().manual_seed(7)
     data = {
-        "old_logprobs": [-3.0 * torch.rand(n - 1, generator=gen) - 4.0 for n in LENGTHS],
-        "ref_logprobs": [-3.0 * torch.rand(n - 1, generator=gen) - 4.0 for n in LENGTHS],
-        "advantages": [torch.randn(n - 1, generator=gen) for n in LENGTHS],
-        "loss_mask": [(torch.arange(n - 1) >= n // 3).float() for n in LENGTHS],
-        "old_values": [0.1 * torch.randn(n, generator=gen) for n in LENGTHS],
-        "returns": [0.5 * torch.randn((), generator=gen) for n in LENGTHS],  # one per sequence
+        "old_logprobs": [-3.0 * torch.rand(n - 1, generator=gen) - 4.0 for n in lengths],
+        "ref_logprobs": [-3.0 * torch.rand(n - 1, generator=gen) - 4.0 for n in lengths],
+        "advantages": [torch.randn(n - 1, generator=gen) for n in lengths],
+        "loss_mask": [(torch.arange(n - 1) >= n // 3).float() for n in lengths],
+        "old_values": [0.1 * torch.randn(n, generator=gen) for n in lengths],
+        "returns": [0.5 * torch.randn((), generator=gen) for n in lengths],  # one per sequence
     }
     tokens = float(sum(m.sum() for m in data["loss_mask"]))
     return {"seqs": seqs, "data": data, "tokens": tokens}
@@ -77,8 +77,8 @@ def _update(model, batch: dict, critic: bool, **kw) -> tuple[dict, float]:
     return _grads(model), result.loss.item()
 
 
-def _build(ckpt: str, parallel: Parallelism, critic: bool, ddp: bool = False):
-    kw = {"head": "value"} if critic else {}
+def _build(ckpt: str, parallel: Parallelism, critic: bool, ddp: bool = False, **kw):
+    kw = {**kw, "head": "value"} if critic else kw
     model = mcore_zoo.build_model(ckpt, backend="portable", numerics=NUMERICS, parallel=parallel, load=ckpt, **kw)
     if not ddp:
         return model
@@ -125,7 +125,7 @@ def _run_layouts(ckpt: str, value_ckpt: str, layouts: list, mutate: bool) -> dic
 
 
 def _value_checkpoint(ckpt: Path, out: Path) -> Path:
-    """The causal LM's checkpoint as transformers' LlamaForTokenClassification (one label) saves a
+    """The causal LM's checkpoint as transformers' ``*ForTokenClassification`` (one label) saves a
     critic: no lm_head, a ``score`` layer with weight and bias."""
     from safetensors.torch import load_file, save_file
 
@@ -140,7 +140,8 @@ def _value_checkpoint(ckpt: Path, out: Path) -> Path:
     state["score.bias"] = torch.tensor([0.25])
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((ckpt / "config.json").read_text())
-    config.update(architectures=["LlamaForTokenClassification"], id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    base = config["architectures"][0].removesuffix("ForCausalLM")
+    config.update(architectures=[base + "ForTokenClassification"], id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     (out / "config.json").write_text(json.dumps(config))
     return out
 

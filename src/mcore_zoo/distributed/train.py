@@ -42,7 +42,10 @@ model), so that:
   gradients over the CP group and does what Megatron's ``finalize_model_grads`` does without DDP -
   sequence-parallel and Q/K-norm weights summed over TP, tied embedding copies summed over the
   first and last pipeline stage. ``param.grad`` is then ``dJ/dparam`` on every rank (its own
-  shard). Data-parallel replicas are not combined (each keeps the gradient of its own ``J``).
+  shard). Data-parallel replicas are not combined (each keeps the gradient of its own ``J``),
+  except on expert weights under expert parallelism: the replicas of an expert-parallel group
+  share those, and their gradient is the mean over the replicas of each one's ``dJ/dparam`` (what
+  the DDP wrapper gives; equal to ``dJ/dparam`` when every replica passes the same batch).
   Gradients accumulate: whatever ``.grad`` held before the step is kept and added to.
 * **DDP-wrapped model** (a trainer's ``get_model`` chunks): the wrapper reduces over data x
   context parallel and, by default, divides by that group's size; with the factor above the
@@ -197,7 +200,8 @@ def _all_reduce_flat(grads: list[torch.Tensor], group: Any) -> None:
 def _finalize_unwrapped(handle: ModelHandle) -> None:
     """What Megatron's ``finalize_model_grads`` does for a model without a DDP wrapper, on
     ``param.grad``: CP shares summed; sequence-parallel and Q/K-norm weights summed over TP (each TP
-    rank saw a part of the tokens / heads); tied embedding copies summed over the embedding group."""
+    rank saw a part of the tokens / heads); tied embedding copies summed over the embedding group;
+    expert weights averaged over the data-parallel replicas (:func:`_finalize_experts`)."""
     layout = handle.placement
     config = handle.transformer_config
     chunks = handle.chunks
@@ -205,6 +209,9 @@ def _finalize_unwrapped(handle: ModelHandle) -> None:
     for _, p in named:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+    experts = [p.grad for _, p in named if not getattr(p, "allreduce", True)]  # Megatron-Core's mark
+    named = [(n, p) for n, p in named if getattr(p, "allreduce", True)]
+    _finalize_experts(experts, layout)
     if layout.cp > 1:
         _all_reduce_flat([p.grad for _, p in named], layout.groups.cp)
     if layout.tp > 1:
@@ -224,6 +231,28 @@ def _finalize_unwrapped(handle: ModelHandle) -> None:
         if chunk.share_embeddings_and_output_weights:
             weight = chunk.shared_embedding_or_output_weight()
             dist.all_reduce(weight.grad, group=group)
+
+
+def _finalize_experts(grads: list[torch.Tensor], layout: Any) -> None:
+    """Expert-weight gradients -> the mean over data-parallel replicas of each replica's ``dJ/dW``.
+
+    Under expert parallelism the token dispatcher gathers the tokens of every rank of the
+    expert-parallel group - ranks of several data-parallel replicas (and CP shares) - so an expert's
+    gradient already sums the losses of those replicas: it cannot be "this replica's ``dJ/dW``"
+    like a dense weight's. It is made what Megatron-Core's DDP wrapper gives: summed over the
+    expert data-parallel group (the other ranks holding the same experts), then scaled by
+    ``cp / dp`` (every contribution carries the step's ``1 / cp``; ``dp`` replicas are averaged).
+    With the same batch on every replica this equals the single-process gradient."""
+    dp_cp = layout.groups.dp_cp
+    replicas = dist.get_world_size(dp_cp) if dp_cp is not None else 1
+    if not grads or replicas == 1:
+        return
+    expert_dp = layout.groups.expert_dp
+    if expert_dp is not None and dist.get_world_size(expert_dp) > 1:
+        _all_reduce_flat(grads, expert_dp)
+    scale = layout.cp * layout.cp / replicas  # cp / dp, dp = replicas / cp
+    for g in grads:
+        g.mul_(scale)
 
 
 class _KeptGrads:

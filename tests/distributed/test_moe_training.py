@@ -1,0 +1,180 @@
+"""Training a mixture-of-experts model under expert-parallel layouts on real gloo process groups.
+
+Qwen3-MoE (4 layers, layer 1 dense) with its load-balancing loss switched on
+(``output_router_logits``): after ``train_step`` of the example RL update (actor and critic, as in
+``test_training.py``) the gradients under HF names equal the single-process ones within 1e-5 at
+EP2, TP2 x EP2 (sequence parallel, which Megatron-Core requires for MoE training under TP) and
+PP2 x EP2. The load-balancing loss is part of those gradients (without it the single-process
+gradients move by far more than the tolerance), and the per-layer values the routers report
+(``mcore_zoo.routing.aux_losses``, summed over TP ranks and pipeline stages) equal the
+single-process ones. Under EP2, routing recorded in one step and replayed in the next, with every
+router perturbed in between, keeps the recorded experts, and the replayed step's gradients (router
+included) equal the single-process replayed step's.
+
+The load-balancing loss is a mean per micro-batch and counts every routed token, so every run
+splits the batch into the same two micro-batches and the sequence lengths are even (TP2 with
+sequence parallelism pads nothing).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mcore_zoo import routing
+from mcore_zoo.distributed import launch
+from mcore_zoo.placement import Parallelism
+
+from .test_training import TOL, _batch, _build, _max_diff, _update, _value_checkpoint
+
+ARCH = "Qwen3MoeForCausalLM"
+OVERRIDES = {"num_hidden_layers": 4, "mlp_only_layers": [1], "output_router_logits": True, "router_aux_loss_coef": 0.05}
+LENGTHS = [24, 10, 40, 6, 18, 12]
+STEP = {"num_microbatches": 2}
+REPLAYABLE = {"overrides": {"moe_enable_routing_replay": True}}
+
+
+def _aux_losses() -> torch.Tensor:
+    """Per layer, the load-balancing loss the routers reported since the last call (summed over
+    micro-batches), summed over the tensor / context-parallel ranks (each reports its tokens' part)
+    and the pipeline stages (each reports its own layers)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    values = routing.aux_losses()["load_balancing_loss"].clone()
+    dist.all_reduce(values, group=ps.get_tensor_and_context_parallel_group())
+    dist.all_reduce(values, group=ps.get_pipeline_model_parallel_group())
+    return values
+
+
+def _perturb_routers(model) -> None:
+    """Add noise to every router, the same for a layer wherever it lives (seeded by its number)."""
+    with torch.no_grad():
+        for router in routing.moe_routers(model):
+            gen = torch.Generator().manual_seed(int(router.layer_number))
+            router.weight.add_(0.5 * torch.randn(router.weight.shape, generator=gen).to(router.weight.dtype))
+
+
+def _replayed_step(model, batch: dict) -> dict:
+    """Record the routes of one actor update, perturb the routers, replay the routes in the next
+    update; its gradients, whether every router kept its recorded experts, and whether the
+    perturbed routers chose other experts on their own."""
+    with routing.record(model) as rec:
+        _update(model, batch, False, **STEP)
+    _perturb_routers(model)
+    routers = routing.moe_routers(model)
+    chosen: list[list[torch.Tensor]] = [[] for _ in routers]
+    hooks = [r.register_forward_hook(lambda m, i, o, k=k: chosen[k].append(o[1].detach().clone()))
+             for k, r in enumerate(routers)]  # fmt: skip
+    try:
+        _update(model, batch, False, **STEP)  # the perturbed routers on their own
+        free = [torch.cat(maps) for maps in chosen]
+        for maps in chosen:
+            maps.clear()
+        with routing.replay(model, rec.routes):
+            grads, _ = _update(model, batch, False, **STEP)
+    finally:
+        for h in hooks:
+            h.remove()
+    want = [torch.zeros_like(torch.cat(maps)).scatter(1, idx, True) for maps, idx in zip(chosen, rec.routes)]
+    return {
+        "grads": grads,
+        "kept": all(torch.equal(torch.cat(maps), w) for maps, w in zip(chosen, want)),
+        "moved": any(not torch.equal(f, w) for f, w in zip(free, want)),
+    }
+
+
+def _steps(ckpt: str, value_ckpt: str, parallel: Parallelism, batch: dict, replay: bool) -> dict:
+    """The actor and critic updates at ``parallel`` (the running parallel state), the load-balancing
+    losses of the actor's step, and with ``replay`` the recorded-then-replayed actor step."""
+    r: dict = {}
+    actor = _build(ckpt, parallel, critic=False, **REPLAYABLE)
+    routing.aux_losses()  # a clean tracker
+    r["actor"], r["actor_loss"] = _update(actor, batch, False, **STEP)
+    r["aux"] = _aux_losses()
+    critic = _build(value_ckpt, parallel, critic=True)
+    r["critic"], r["critic_loss"] = _update(critic, batch, True, **STEP)
+    routing.aux_losses()
+    if replay:
+        r["replay"] = _replayed_step(actor, batch)
+    return r
+
+
+def _run_layouts(ckpt: str, value_ckpt: str, layouts: list) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from mcore_zoo.parallel import ensure_model_parallel
+
+    batch = _batch(json.loads((Path(ckpt) / "config.json").read_text())["vocab_size"], LENGTHS)
+    found = {}
+    for name, parallel, replay in layouts:
+        ensure_model_parallel(parallel)
+        found[name] = _steps(ckpt, value_ckpt, parallel, batch, replay)
+        ps.destroy_model_parallel()
+    return found
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(reference_checkpoint, tmp_path_factory):
+    ckpt = reference_checkpoint(ARCH, OVERRIDES)
+    return ckpt, _value_checkpoint(ckpt, tmp_path_factory.mktemp("moe-critic"))
+
+
+@pytest.fixture(scope="module")
+def moe_reference(moe_checkpoints, mpu) -> dict:
+    """The single-process steps; and the actor's gradients without the load-balancing loss."""
+    ckpt, value_ckpt = moe_checkpoints
+    batch = _batch(json.loads((Path(ckpt) / "config.json").read_text())["vocab_size"], LENGTHS)
+    ref = _steps(str(ckpt), str(value_ckpt), Parallelism(), batch, replay=True)
+    without = _build(str(ckpt), Parallelism(), critic=False, overrides={"moe_aux_loss_coeff": 0.0})
+    ref["actor_without_aux"], _ = _update(without, batch, False, **STEP)
+    return ref
+
+
+def _check(found: list[dict], ref: dict) -> dict[str, float]:
+    assert _max_diff(ref["actor_without_aux"], ref["actor"]) > 100 * TOL, "the load-balancing loss moved no gradient"
+    assert (ref["aux"] > 0).sum() == 3, ref["aux"]  # the three MoE layers
+    assert ref["replay"]["kept"] and ref["replay"]["moved"], "single process: replay"
+    worst: dict[str, float] = {}
+    for name in found[0]:
+        for rank, ranks in enumerate(found):
+            r, where = ranks[name], f"{name} rank {rank}"
+            actor = _max_diff(r["actor"], ref["actor"])
+            critic = _max_diff(r["critic"], ref["critic"])
+            assert actor <= TOL, f"{where}: actor gradients differ by {actor}"
+            assert critic <= TOL, f"{where}: critic gradients differ by {critic}"
+            assert abs(r["actor_loss"] - ref["actor_loss"]) <= TOL, where
+            assert abs(r["critic_loss"] - ref["critic_loss"]) <= TOL, where
+            aux = (r["aux"] - ref["aux"]).abs().max().item()
+            assert aux <= TOL, f"{where}: load-balancing losses {r['aux'].tolist()} vs {ref['aux'].tolist()}"
+            if "replay" in r:
+                replay = r["replay"]
+                assert replay["kept"], f"{where}: the replayed step did not keep the recorded experts"
+                assert replay["moved"], f"{where}: the perturbed routers chose the recorded experts anyway"
+                diff = _max_diff(replay["grads"], ref["replay"]["grads"])
+                assert diff <= TOL, f"{where}: replayed-step gradients differ by {diff}"
+                router = [k for k in replay["grads"] if k.endswith("mlp.gate.weight")]
+                assert router and all(replay["grads"][k].abs().sum() > 0 for k in router), f"{where}: router gradients"
+            worst[name] = max(worst.get(name, 0.0), actor, critic)
+    return worst
+
+
+@pytest.mark.slow
+def test_two_ranks_ep2(moe_checkpoints, moe_reference):
+    """EP2 (two data-parallel replicas sharing the experts), with routing replay."""
+    ckpt, value_ckpt = moe_checkpoints
+    found = launch(_run_layouts, 2, str(ckpt), str(value_ckpt), [("ep2", Parallelism(ep=2), True)])
+    print("max |dgrad| vs the single-process update:", _check(found, moe_reference))
+
+
+@pytest.mark.slow
+def test_four_ranks_tp2ep2_pp2ep2(moe_checkpoints, moe_reference):
+    """TP2 x EP2 with sequence parallel, PP2 x EP2."""
+    ckpt, value_ckpt = moe_checkpoints
+    layouts = [("tp2ep2sp", Parallelism(tp=2, ep=2, sequence_parallel=True), False),
+               ("pp2ep2", Parallelism(pp=2, ep=2), False)]  # fmt: skip
+    found = launch(_run_layouts, 4, str(ckpt), str(value_ckpt), layouts)
+    print("max |dgrad| vs the single-process update:", _check(found, moe_reference))
