@@ -69,7 +69,14 @@ class BuildPlan:
         kwargs = gpt_model_kwargs(arch)
         if options.head == "value":  # the critic has no LM head to tie the embedding to
             kwargs["share_embeddings_and_output_weights"] = False
-        model = GPTModel(
+        model_class = GPTModel
+        if arch.mtp_num_layers:  # multi-token prediction: the block lives on the last stage (specs/mtp.py)
+            from .specs.mtp import mtp_block_spec, mtp_gpt_model_class
+
+            model_class = mtp_gpt_model_class()
+            if post_process:
+                kwargs["mtp_block_spec"] = mtp_block_spec(arch, options.backend, options.numerics)
+        model = model_class(
             config=self.transformer_config,
             transformer_layer_spec=specs,
             pre_process=pre_process,
@@ -120,6 +127,9 @@ def prepare(
     if head == "value":
         ignore_fields = {**_value_head_fields(hf_config), **dict(ignore_fields or {})}
     arch = architecture.config_from_hf(hf_config, ignore_fields=ignore_fields, trust_remote_code=trust_remote_code)
+    if head == "value" and arch.mtp_num_layers:
+        raise ZooError(f"{arch.architecture}: a value head has no multi-token prediction; drop the MTP layers"
+                       " with ignore_fields={'num_nextn_predict_layers': reason}")  # fmt: skip
     cuda = torch.cuda.is_available()
     profile = get_profile(numerics).for_device(cuda)
     if parallel is None:

@@ -191,6 +191,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             "checkpoint_quantization": _jsonable(dict(arch.checkpoint_quantization)) if arch.checkpoint_quantization else None,
             "weight_rules": rules,
             "ignored_hf_tensors": [{"pattern": p, "reason": r} for p, r in wmap.ignored],
+            "copied_hf_tensors": [{"copy": c, "of": src} for c, src in wmap.copies],
         }, indent=2))  # fmt: skip
         return EXIT_OK
     print(f"{arch.architecture}  ({architecture.origin})\n")
@@ -210,6 +211,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"  {r['mcore']}  <-  {', '.join(sources)}  [{r['transform']}; tp_axis {axis}]")
     for pattern, reason in wmap.ignored:
         print(f"  (ignored) {pattern}: {reason}")
+    for copy, source in wmap.copies:
+        print(f"  (copy) {copy}: of {source}, checked equal on load, written on export")
     return EXIT_OK
 
 

@@ -308,6 +308,6 @@ def mcore_to_hf(
                             yield hf_name, hf_tensor.to(out_dtype) if out_dtype is not None else hf_tensor
 
     return write_hf_checkpoint(
-        items(), out_dir, needed=handle.weight_map.hf_names(), config=hf_config_for_export(handle, out_dtype),
+        items(), out_dir, needed=handle.weight_map.export_names(), config=hf_config_for_export(handle, out_dtype),
         max_shard_size=max_shard_size, overwrite=overwrite, inputs=[mcore_dir], assets=Path(mcore_dir) / MCORE_ASSET_DIR,
     )  # fmt: skip

@@ -190,12 +190,15 @@ class PackedOutput:
 
     ``logits[i]``: ``[len_i, vocab]`` (float as the model computes); ``logprobs[i]``: ``[len_i - 1]``
     float32 log-probabilities of the next token; ``values[i]``: ``[len_i]`` float32 value-head
-    outputs (a model built with ``head="value"``, which has no logits).
+    outputs (a model built with ``head="value"``, which has no logits); ``mtp_logprobs[d][i]``:
+    ``[len_i - 2 - d]`` float32 log-probabilities that multi-token-prediction depth ``d + 1`` gives
+    token ``j + d + 2`` at position ``j`` (a model built with MTP, ``return_mtp_logprobs=True``).
     """
 
     logits: Optional[list[torch.Tensor]] = None
     logprobs: Optional[list[torch.Tensor]] = None
     values: Optional[list[torch.Tensor]] = None
+    mtp_logprobs: Optional[list[list[torch.Tensor]]] = None
 
 
 def next_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -88,22 +88,11 @@ def test_latent_norm_eps_matters(mpu, reference_checkpoint, hf_reference):
     assert not torch.equal(_logits(model, ids), ref)
 
 
-def test_mtp_refused_unless_dropped(mpu):
-    from mcore_zoo.errors import UnsupportedConfigError
-    from mcore_zoo.registry import get_registry
-
-    arch = get_registry().get(ARCH)
-    config = dict(arch.entry.example_config, num_nextn_predict_layers=1)
-    with pytest.raises(UnsupportedConfigError, match="num_nextn_predict_layers"):
-        arch.config_from_hf(config)
-    converted = arch.config_from_hf(config, ignore_fields={"num_nextn_predict_layers": "not trained here"})
-    assert converted.fields["num_nextn_predict_layers"].kind == "ignored"
-
-
 def test_published_config_every_field_classified(mpu):
     """DeepSeek-V3's published config (remote code named in auto_map, FP8 quantization_config, one MTP
-    layer): read with transformers' built-in config class, every field classified once MTP is
-    dropped explicitly; the remote code is named, never run."""
+    layer): read with transformers' built-in config class, every field classified, the MTP layer
+    built (``model.layers.61.*`` mapped) or dropped explicitly (ignored); the remote code is named,
+    never run."""
     from pathlib import Path
 
     from mcore_zoo.registry import get_registry, lookup
@@ -111,6 +100,11 @@ def test_published_config_every_field_classified(mpu):
     path = Path(__file__).parents[1] / "fixtures" / "configs" / "deepseek-v3.json"
     arch = lookup(str(path))
     assert arch.name == ARCH
+    converted = arch.config_from_hf(str(path))
+    assert converted.mtp_num_layers == 1 and converted.mtp_layer_moe
+    built = get_registry().get(ARCH).weight_map(converted)
+    assert {"model.layers.61.eh_proj.weight", "model.layers.61.mlp.experts.255.down_proj.weight"} <= built.hf_names()
+    assert built.copies_of("lm_head.weight") == ["model.layers.61.shared_head.head.weight"]
     converted = arch.config_from_hf(str(path), ignore_fields={"num_nextn_predict_layers": "not trained"})
     fields = converted.fields
     assert "configuration_deepseek.DeepseekV3Config" in fields["auto_map"].detail

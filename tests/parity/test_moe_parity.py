@@ -131,10 +131,13 @@ def test_glm_expert_bias_matters(mpu, reference_checkpoint, hf_reference):
     assert diff > 1e-2, f"zeroed expert bias still agrees with transformers to {diff:.2e}"
 
 
-def test_glm_mtp_refused():
-    config = {**mcore_zoo.lookup("Glm4MoeForCausalLM").example_config(), "num_nextn_predict_layers": 1}
+def test_glm_mtp_built_one_depth_only():
+    """One MTP layer is built (tests/parity/test_mtp_parity.py); more are refused, naming the field."""
+    arch = mcore_zoo.lookup("Glm4MoeForCausalLM")
+    config = {**arch.example_config(), "num_nextn_predict_layers": 1}
+    assert arch.config_from_hf(config).mtp_num_layers == 1
     with pytest.raises(mcore_zoo.ConfigError, match="num_nextn_predict_layers"):
-        mcore_zoo.lookup("Glm4MoeForCausalLM").config_from_hf(config)
+        arch.config_from_hf(dict(config, num_nextn_predict_layers=2))
 
 
 @pytest.mark.slow

@@ -47,6 +47,13 @@ def validate_layout(arch: ArchConfig, parallel: Parallelism) -> None:
         )
     if parallel.sequence_parallel and tp == 1:
         problems.append("sequence_parallel needs tp > 1")
+    if arch.mtp_num_layers and cp > 1:
+        # Megatron-Core exchanges the MTP inputs' shifted-in tokens between CP ranks by its own
+        # chunking of each sequence; the zoo's zigzag CP packs are not tested with it
+        problems.append("multi-token prediction (num_nextn_predict_layers) is not built with cp > 1: Megatron-Core"
+                        " shifts the MTP inputs across CP ranks by its own chunking, untested with the zoo's packs")
+    if arch.mtp_num_layers and parallel.vpp is not None and parallel.vpp > 1:
+        problems.append("multi-token prediction (num_nextn_predict_layers) is not tested with vpp > 1")
     if arch.moe is not None or parallel.ep > 1:  # MoE: experts over ep, expert FFN over etp
         from .moe import moe_layout_problems
 
@@ -158,6 +165,8 @@ def transformer_config_kwargs(arch: ArchConfig, options: BuildOptions) -> dict[s
         from .moe import moe_config_kwargs
 
         kwargs.update(moe_config_kwargs(arch, cuda=not options.cpu))
+    if arch.mtp_num_layers:  # multi-token prediction (mcore_zoo.specs.mtp): the block on the last stage
+        kwargs["mtp_num_layers"] = arch.mtp_num_layers
     kwargs.update(arch.extra_transformer_config)
     for name, value in options.overrides.items():
         kwargs[name] = value

@@ -103,12 +103,13 @@ def expert_copies_for(handle: ModelHandle) -> Optional[ExpertCopies]:
     return copies
 
 
-def export_plan(handle: ModelHandle, *, dtype: Optional[torch.dtype] = None) -> list[ExportEntry]:
-    """Every HF tensor of the model in export order (collective over the pipeline group)."""
+def export_plan(handle: ModelHandle, *, dtype: Optional[torch.dtype] = None, grads: bool = False) -> list[ExportEntry]:
+    """Every HF tensor of the model in export order (collective over the pipeline group); ``grads``:
+    of a gradient export (parameters only)."""
     placement = handle.placement
     local: list[tuple[int, str, tuple[int, ...], str]] = []
     for vp, chunk in enumerate(handle.chunks):
-        for name, meta in _chunk_hf_weights(handle, chunk, dtype=dtype, meta=True):
+        for name, meta in _chunk_hf_weights(handle, chunk, dtype=dtype, meta=True, grads=grads):
             local.append((vp, name, tuple(meta.shape), str(meta.dtype)))
     if placement.pp == 1:
         stages = [local]
@@ -208,7 +209,7 @@ def iter_hf_buckets(
         if bucket and receive:
             yield bucket
         return
-    entries = export_plan(handle, dtype=dtype)
+    entries = export_plan(handle, dtype=dtype, grads=grads)
     pp_group = placement.groups.pp
     pp_ranks = dist.get_process_group_ranks(pp_group)
     destinations = [r for r in pp_ranks if wanted is None or r in wanted]
@@ -358,7 +359,7 @@ def save_hf_checkpoint(
     if any step fails.
     """
     handle = handle_of(model)
-    needed = handle.weight_map.hf_names()
+    needed = handle.weight_map.export_names()
     config = hf_config_for_export(handle, dtype, fp8=fp8)
     quantize = _fp8_export(handle, fp8, fp8_scales)
     needed = needed | set(_fp8_scale_names(handle)) if fp8 else needed

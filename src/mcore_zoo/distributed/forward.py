@@ -71,21 +71,34 @@ class Microbatch:
         """This rank's share of a ``[T, ...]`` tensor laid out like the whole pack."""
         return packed if self.index is None else packed[self.index.to(packed.device)]
 
+    def mtp_labels(self, depth: int) -> torch.Tensor:
+        """``[T / cp]``: the token MTP depth ``depth`` (1-based) predicts at each of this rank's
+        positions, ``depth + 1`` ahead (-1 where there is none)."""
+        return self.local(pack_labels(self.batch, self.members, depth + 1)[0])
 
-def _shifted_labels(batch: PackedBatch) -> torch.Tensor:
-    """``[1, T]``: at each real position j < len - 1 of a sequence, token j + 1; else -1."""
+
+def _shifted_labels(batch: PackedBatch, shift: int = 1) -> torch.Tensor:
+    """``[1, T]``: at each real position j < len - shift of a sequence, token j + shift; else -1."""
     labels = torch.full_like(batch.input_ids, -1)
     for start, n in zip(batch.cu_seqlens_padded.tolist(), batch.lengths):
-        labels[0, start : start + n - 1] = batch.input_ids[0, start + 1 : start + n]
+        labels[0, start : start + n - shift] = batch.input_ids[0, start + shift : start + n]
+    return labels
+
+
+def pack_labels(batch: PackedBatch, members: Sequence[int], shift: int = 1) -> torch.Tensor:
+    """``[1, T]`` labels of the whole pack, ``shift`` tokens ahead (1: the next token; ``d + 2``:
+    what multi-token-prediction depth ``d + 1`` predicts); segments after the ``members`` (padding
+    added to fill a micro-batch) predict nothing (-1)."""
+    labels = _shifted_labels(batch, shift)
+    if len(batch.lengths) > len(members):
+        labels[0, int(batch.cu_seqlens_padded[len(members)]) :] = -1
     return labels
 
 
 def make_microbatch(batch: PackedBatch, layout: Placement, members: list[int]) -> Microbatch:
     """This rank's share of a packed micro-batch. Segments after the ``members`` (padding added to
     fill a micro-batch) predict nothing: their labels are -1."""
-    labels = _shifted_labels(batch)
-    if len(batch.lengths) > len(members):
-        labels[0, int(batch.cu_seqlens_padded[len(members)]) :] = -1
+    labels = pack_labels(batch, members)
     if layout.cp > 1:
         index = batch.context_parallel_index(layout.cp_rank, layout.cp).to(batch.input_ids.device)
         return Microbatch(batch, batch.input_ids[:, index], batch.position_ids[:, index], labels[:, index], members, index)
@@ -211,10 +224,44 @@ def _gather_cp(local: torch.Tensor, mb: Microbatch, layout: Placement) -> torch.
     return mb.batch.merge_context_parallel(parts)
 
 
+def _mtp_logprobs(mb: Microbatch, parts: Sequence[torch.Tensor], layout: Placement, bshd: bool) -> list[list[torch.Tensor]]:
+    """Per MTP depth ``d + 1``, per sequence: ``[len - 2 - d]`` fp32 log-probs of token ``j + d + 2``
+    (temperature 1: the MTP training signal) from that depth's vocab-parallel logits."""
+    result = []
+    for d, part in enumerate(parts):
+        shift = d + 2
+        if bshd:
+            seqs = mb.batch.unpack(mb.batch.input_ids)
+            rows = []
+            for row, tokens in zip(part, seqs):
+                labels = torch.full((row.shape[0],), -1, dtype=torch.long, device=row.device)
+                labels[: max(tokens.numel() - shift, 0)] = tokens[shift:].to(row.device)
+                rows.append(vocab_parallel_logprobs(row, labels, layout)[: max(tokens.numel() - shift, 0)])
+            result.append(rows)
+            continue
+        lp = vocab_parallel_logprobs(part[0], mb.mtp_labels(d + 1).to(part.device), layout)
+        packed = mb.batch.unpack(_gather_cp(lp, mb, layout))
+        result.append([x[: max(n - shift, 0)] for x, n in zip(packed, mb.batch.lengths)])
+    return result
+
+
 def _collect(mb: Microbatch, output: torch.Tensor, layout: Placement, want_logits: bool, want_logprobs: bool,
-             bshd: bool = False, want_values: bool = False, temperature: float = 1.0) -> dict:  # fmt: skip
+             bshd: bool = False, want_values: bool = False, temperature: float = 1.0, mtp_depths: int = 0,
+             want_mtp: bool = False) -> dict:  # fmt: skip
     """Last stage: model output ``[1, T / cp, V / tp]`` (BSHD: ``[B, S, V / tp]``) -> per-sequence
-    logits / log-probs; a value head's ``[1, T / cp, 1]`` -> per-sequence values."""
+    logits / log-probs; a value head's ``[1, T / cp, 1]`` -> per-sequence values. A model with
+    ``mtp_depths`` MTP depths outputs those depths' logits after the main ones
+    (:func:`~mcore_zoo.specs.mtp.split_mtp_output`); ``want_mtp``: their log-probs too."""
+    from ..specs.mtp import split_mtp_output
+
+    output, parts = split_mtp_output(output, mtp_depths)
+    extra = {"mtp_logprobs": _mtp_logprobs(mb, parts, layout, bshd)} if want_mtp else {}
+    return {**_collect_main(mb, output, layout, want_logits, want_logprobs, bshd, want_values, temperature), **extra}
+
+
+def _collect_main(mb: Microbatch, output: torch.Tensor, layout: Placement, want_logits: bool, want_logprobs: bool,
+                  bshd: bool, want_values: bool, temperature: float) -> dict:  # fmt: skip
+    """:func:`_collect` of the main model's output."""
     if want_values:
         if bshd:
             return {"values": [row[:n, 0].float() for row, n in zip(output, mb.batch.lengths)]}
@@ -351,6 +398,7 @@ def generic_forward(
     broadcast: bool = True,
     pad_token_id: int = 0,
     temperature: float = 1.0,
+    return_mtp_logprobs: bool = False,
 ) -> PackedOutput:
     """Packed forward of this rank's model chunks under the model's placement.
 
@@ -371,6 +419,10 @@ def generic_forward(
         broadcast: send the results from the last pipeline stage to every stage.
         temperature: log-probs of ``softmax(logits / temperature)`` (what a rollout sampled from;
             ``train_step`` takes the same); logits are returned as the model computes them.
+        return_mtp_logprobs: a model built with multi-token prediction (``num_nextn_predict_layers``):
+            also ``mtp_logprobs[d][i]``, the ``[len_i - 2 - d]`` fp32 log-probs (temperature 1)
+            depth ``d + 1`` gives token ``j + d + 2``. The logits and log-probs of the main model
+            are the same with or without the MTP block.
 
     Returns:
         :class:`~mcore_zoo.packing.PackedOutput`; on non-last pipeline stages with
@@ -414,13 +466,19 @@ def generic_forward(
     want_values = not (return_logits or return_logprobs) and getattr(handle.options, "head", "lm") == "value"
     if not temperature > 0:
         raise ZooError(f"temperature must be > 0, got {temperature}")
+    depths = handle.arch_config.mtp_num_layers
+    if return_mtp_logprobs and not depths:
+        raise ZooError(f"{handle.arch_config.architecture}: return_mtp_logprobs needs a model built with"
+                       " multi-token prediction (num_nextn_predict_layers > 0)")  # fmt: skip
     collect = functools.partial(_collect, layout=layout, want_logits=return_logits, want_logprobs=return_logprobs,
-                                want_values=want_values, temperature=temperature)  # fmt: skip
+                                want_values=want_values, temperature=temperature, mtp_depths=depths,
+                                want_mtp=return_mtp_logprobs)  # fmt: skip
     if not staged:  # one stage, whole sequences on this rank: differentiable
         run = _run_bshd if seq_format == "bshd" else _run_thd
         stored = [collect(mb, run(chunks[0], mb, layout), bshd=seq_format == "bshd") for mb in micro]
         out = PackedOutput()
         _assemble(out, stored, micro, len(lengths), return_logits, return_logprobs, want_values)
+        _assemble_mtp(out, stored, micro, len(lengths), depths if return_mtp_logprobs else 0)
         return out
 
     def step(data_iterator: Iterator[Microbatch], chunk: Any) -> tuple[torch.Tensor, Any]:
@@ -439,8 +497,10 @@ def generic_forward(
         out = PackedOutput()
         if layout.last_stage:
             _assemble(out, stored, micro, len(lengths), return_logits, return_logprobs, want_values)
+            _assemble_mtp(out, stored, micro, len(lengths), depths if return_mtp_logprobs else 0)
         if broadcast and layout.pp > 1:
             _broadcast_from_last_stage(out, lengths, handle, return_logits, return_logprobs, device, want_values)
+            _broadcast_mtp(out, lengths, handle, depths if return_mtp_logprobs else 0, device)
     return out
 
 
@@ -474,6 +534,35 @@ def _assemble(out: PackedOutput, stored: list[dict], micro: list[Microbatch], n:
             for i, value in zip(mb.members, data[key]):
                 per_seq[i] = value
         setattr(out, key, per_seq)
+
+
+def _assemble_mtp(out: PackedOutput, stored: list[dict], micro: list[Microbatch], n: int, depths: int) -> None:
+    """``out.mtp_logprobs[d][i]`` from the micro-batches' results (``depths`` 0: nothing)."""
+    if not depths:
+        return
+    per_depth: list[list[Optional[torch.Tensor]]] = [[None] * n for _ in range(depths)]
+    for mb, data in zip(micro, stored):
+        for d in range(depths):
+            for i, value in zip(mb.members, data["mtp_logprobs"][d]):
+                per_depth[d][i] = value
+    out.mtp_logprobs = per_depth  # type: ignore[assignment]
+
+
+def _broadcast_mtp(out: PackedOutput, lengths: list[int], handle: ModelHandle, depths: int, device: torch.device) -> None:
+    """Send the last stage's MTP log-probs to the other stages of its pipeline group."""
+    if not depths:
+        return
+    layout = handle.placement
+    group = layout.groups.pp
+    src = dist.get_process_group_ranks(group)[-1]
+    result = []
+    for d in range(depths):
+        sizes = [max(n - 2 - d, 0) for n in lengths]
+        flat = (torch.cat(out.mtp_logprobs[d]) if layout.last_stage
+                else torch.empty((sum(sizes),), dtype=torch.float32, device=device))  # fmt: skip
+        dist.broadcast(flat, src=src, group=group)
+        result.append(list(torch.split(flat, sizes)))
+    out.mtp_logprobs = result
 
 
 def _broadcast_from_last_stage(out: PackedOutput, lengths: list[int], handle: ModelHandle, want_logits: bool, want_logprobs: bool, device: torch.device,
@@ -515,6 +604,7 @@ __all__ = [
     "split_microbatches",
     "partition_by_tokens",
     "build_microbatches",
+    "pack_labels",
     "run_schedule",
     "two_way_pipeline",
     "vocab_parallel_logprobs",

@@ -96,6 +96,10 @@ class TokenOutputs:
         targets: the next token (-1 where ``mask`` is False).
         data: the trainer's ``token_data`` at these positions.
         microbatch: index of the micro-batch.
+        mtp_logprobs: a model built with multi-token prediction: per depth ``d + 1``, fp32
+            ``log softmax(mtp logits)[token j + d + 2]`` at every position (temperature 1),
+            differentiable; 0 where ``mtp_targets[d]`` is -1. Empty without MTP.
+        mtp_targets: per depth, the token it predicts at each position (-1 where there is none).
     """
 
     logprobs: Optional[torch.Tensor]
@@ -108,6 +112,15 @@ class TokenOutputs:
     targets: torch.Tensor
     data: dict[str, torch.Tensor] = field(default_factory=dict)
     microbatch: int = 0
+    mtp_logprobs: list[torch.Tensor] = field(default_factory=list)
+    mtp_targets: list[torch.Tensor] = field(default_factory=list)
+
+    def mtp_loss(self) -> torch.Tensor:
+        """The MTP cross-entropy summed over these tokens and averaged over the depths:
+        ``-(1 / D) * sum_d sum_j mtp_logprobs[d][j]`` (fp32 scalar; 0 without MTP)."""
+        if not self.mtp_logprobs:
+            return self.mask.new_zeros((), dtype=torch.float32)
+        return -torch.stack([lp.sum() for lp in self.mtp_logprobs]).sum() / len(self.mtp_logprobs)
 
 
 @dataclass
@@ -165,9 +178,13 @@ def _token_layout(mb: Microbatch, device: torch.device) -> tuple[torch.Tensor, t
 def token_outputs(handle: ModelHandle, mb: Microbatch, output: torch.Tensor, *, temperature: float = 1.0,
                   compute_entropy: bool = False, chunk_tokens: Optional[int] = None,
                   token_data: Optional[Mapping[str, Sequence[Any]]] = None, index: int = 0) -> TokenOutputs:  # fmt: skip
-    """The last stage's model output for ``mb`` (``[1, n, V / tp]`` logits or ``[1, n, 1]`` values)
-    -> :class:`TokenOutputs` (log-probs / entropy through the vocab-parallel head)."""
+    """The last stage's model output for ``mb`` (``[1, n, V / tp]`` logits or ``[1, n, 1]`` values;
+    with MTP, the depths' logits after them) -> :class:`TokenOutputs` (log-probs / entropy through
+    the vocab-parallel head)."""
+    from ..specs.mtp import split_mtp_output
+
     layout = handle.placement
+    output, parts = split_mtp_output(output, handle.arch_config.mtp_num_layers)
     local = output[0]
     device = local.device
     targets = mb.labels[0].to(device)
@@ -178,11 +195,18 @@ def token_outputs(handle: ModelHandle, mb: Microbatch, output: torch.Tensor, *, 
     else:
         logprobs, entropy = token_logprobs_and_entropy(
             local, targets, tp_group=layout.groups.tp if layout.tp > 1 else None, temperature=temperature,
-            chunk_tokens=chunk_tokens, compute_entropy=compute_entropy, inplace_backward=True,
+            chunk_tokens=chunk_tokens, compute_entropy=compute_entropy, inplace_backward=not parts,
         )  # fmt: skip
     data = _pack_token_data(token_data, mb, device) if token_data else {}
+    mtp_targets = [mb.mtp_labels(d + 1).to(device) for d in range(len(parts))]
+    # not in place: the depths' logits are views of one output tensor
+    mtp_logprobs = [
+        token_logprobs_and_entropy(part[0], t, tp_group=layout.groups.tp if layout.tp > 1 else None,
+                                   chunk_tokens=chunk_tokens, compute_entropy=False, inplace_backward=False)[0]
+        for part, t in zip(parts, mtp_targets)
+    ]  # fmt: skip
     return TokenOutputs(logprobs, entropy, values, targets >= 0, real, sequence, mb.position_ids[0].to(device),
-                        targets, data, index)  # fmt: skip
+                        targets, data, index, mtp_logprobs, mtp_targets)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- gradients
@@ -200,8 +224,9 @@ def _all_reduce_flat(grads: list[torch.Tensor], group: Any) -> None:
 def _finalize_unwrapped(handle: ModelHandle) -> None:
     """What Megatron's ``finalize_model_grads`` does for a model without a DDP wrapper, on
     ``param.grad``: CP shares summed; sequence-parallel and Q/K-norm weights summed over TP (each TP
-    rank saw a part of the tokens / heads); tied embedding copies summed over the embedding group;
-    expert weights averaged over the data-parallel replicas (:func:`_finalize_experts`)."""
+    rank saw a part of the tokens / heads); tied embedding copies (the output layer's, the MTP
+    block's on the last stage) summed over the embedding group; expert weights averaged over the
+    data-parallel replicas (:func:`_finalize_experts`)."""
     layout = handle.placement
     config = handle.transformer_config
     chunks = handle.chunks
@@ -228,7 +253,8 @@ def _finalize_unwrapped(handle: ModelHandle) -> None:
     group = layout.groups.embedding  # None on middle stages (they hold no embedding copy)
     if layout.pp > 1 and (layout.first_stage or layout.last_stage) and group is not None and dist.get_world_size(group) > 1:
         chunk = chunks[0] if layout.first_stage else chunks[-1]
-        if chunk.share_embeddings_and_output_weights:
+        # tied output layer, or the MTP block's copy of the embedding on the last stage
+        if chunk.share_embeddings_and_output_weights or getattr(config, "mtp_num_layers", None):
             weight = chunk.shared_embedding_or_output_weight()
             dist.all_reduce(weight.grad, group=group)
 
@@ -293,6 +319,7 @@ def train_step(
     sync_microbatches: bool = True,
     chunk_tokens: Optional[int] = None,
     pad_token_id: int = 0,
+    mtp_loss_scale: Optional[float] = None,
 ) -> StepResult:
     """One forward + backward of ``loss_fn`` over ``sequences`` (see the module docstring).
 
@@ -312,6 +339,13 @@ def train_step(
         num_microbatches: at least this many micro-batches (default 1, ``pp`` with pipelining).
         sync_microbatches: make every data-parallel replica run the same number of micro-batches.
         chunk_tokens: tokens per chunk of the log-prob head (default: its memory budget).
+        mtp_loss_scale: a model built with multi-token prediction: the step adds
+            ``mtp_loss_scale * tokens.mtp_loss()`` (the MTP cross-entropy summed over the tokens,
+            averaged over the depths) to each micro-batch's ``loss_fn`` loss, as Megatron-Core's
+            ``GPTModel`` adds its MTP loss, and reports ``metrics["mtp_loss"]`` (that cross-entropy
+            / ``loss_normalizer``, unscaled). Default: the ``TransformerConfig``'s
+            ``mtp_loss_scaling_factor`` (Megatron-Core's default 0.1); 0 when ``loss_fn`` adds an
+            MTP term itself (from ``TokenOutputs.mtp_logprobs``). Refused for a model without MTP.
 
     Returns:
         :class:`StepResult`, the same on every rank of the model-parallel group.
@@ -324,6 +358,12 @@ def train_step(
         raise ZooError("train_step normalises by loss_normalizer; switch off config.calculate_per_token_loss")
     if not loss_normalizer > 0:
         raise ZooError(f"loss_normalizer must be > 0, got {loss_normalizer}")
+    depths = handle.arch_config.mtp_num_layers
+    if mtp_loss_scale is not None and not depths:
+        raise ZooError(f"{handle.arch_config.architecture}: mtp_loss_scale needs a model built with multi-token"
+                       " prediction (num_nextn_predict_layers > 0)")  # fmt: skip
+    if depths and mtp_loss_scale is None:
+        mtp_loss_scale = float(getattr(config, "mtp_loss_scaling_factor", None) or 0.0)
     given = _given_chunks(model, handle)
     wrapped = any(hasattr(c, "finish_grad_sync") for c in given)
     seqs = _sequences(sequences, None)
@@ -360,8 +400,14 @@ def train_step(
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ZooError(f"loss_fn must return a scalar tensor as its loss, got {type(loss).__name__}")
         report = {k: torch.as_tensor(v).detach().float().reshape(()) for k, v in dict(metrics or {}).items()}
+        loss = loss.reshape(())
+        if depths:  # multi-token prediction: its cross-entropy, scaled, joins the trainer's loss
+            mtp = tokens.mtp_loss()
+            report["mtp_loss"] = mtp.detach().float() / float(loss_normalizer)
+            if mtp_loss_scale:
+                loss = loss + mtp_loss_scale * mtp
         report["loss"] = loss.detach().float().reshape(()) / float(loss_normalizer)
-        return loss.reshape(()) * factor, report
+        return loss * factor, report
 
     order = {id(mb): i for i, mb in enumerate(micro)}
 

@@ -33,7 +33,9 @@ SCALES: dict[str, tuple[int, int, Optional[int]]] = {
 #: the report's ``changes``): the weights are generated in the training dtype, not block-quantized
 #: (an FP8 ``quantization_config`` would describe tensors that are not there; the zoo's FP8 loading
 #: is tested against real FP8 files); transformers' models build no multi-token-prediction layers,
-#: so the reference has none to compare.
+#: so the checkpoint they write has none for the zoo's MTP block to load, nor a reference to compare
+#: its logits with (the MTP block is tested against a reference of DeepSeek-V3's definition, and
+#: it leaves the main logits bitwise unchanged: ``tests/parity/test_mtp_parity.py``).
 RANDOM_WEIGHTS_CANNOT_CARRY: dict[str, Any] = {"quantization_config": None, "num_nextn_predict_layers": 0}
 
 #: Published configs of one real model per built-in architecture (``--arch X --scale ...``).

@@ -18,9 +18,14 @@ built-in ``DeepseekV3Config``; remote code is never executed. Fields only the re
 (``scoring_func``, ``topk_method``, ``moe_layer_freq``, ``ep_size``, ...) are checked against what
 the built-in model computes.
 
-Multi-token prediction (``num_nextn_predict_layers``) is not built yet: a config with MTP layers is
-refused unless the caller drops them explicitly (``ignore_fields={"num_nextn_predict_layers":
-reason}``; the checkpoint's MTP layers ``model.layers.{num_hidden_layers}.*`` are then ignored).
+Multi-token prediction (``num_nextn_predict_layers: 1``) is built as Megatron-Core's MTP block on
+the last pipeline stage (:mod:`mcore_zoo.specs.mtp`), loaded from the checkpoint's
+``model.layers.{num_hidden_layers}.*`` (``enorm``, ``hnorm``, ``eh_proj``, an MLA + MoE decoder layer,
+``shared_head.norm``; its ``embed_tokens`` / ``shared_head.head`` copies are checked equal to the
+model's embedding / ``lm_head``): :mod:`mcore_zoo.config.mtp`, :mod:`mcore_zoo.weights.mtp`. The
+caller may still drop the MTP layers explicitly (``ignore_fields={"num_nextn_predict_layers":
+reason}``: no MTP block, their tensors ignored by name). Transformers' model has no MTP layer (it
+ignores ``model.layers.61.*``).
 """
 
 from __future__ import annotations
@@ -60,9 +65,6 @@ EXAMPLE_CONFIG = {
     "num_nextn_predict_layers": 0,
 }
 
-MTP_REASON = ("multi-token-prediction layers are not built yet; dropping them silently would change what the"
-              " checkpoint trains. Drop them explicitly with ignore_fields={'num_nextn_predict_layers': reason}"
-              " (mcore-zoo show: --ignore-field num_nextn_predict_layers=REASON): their tensors are then ignored")  # fmt: skip
 REMOTE_ONLY = "read only by the checkpoint's remote modelling code (never executed); transformers' DeepseekV3"
 
 
@@ -103,16 +105,6 @@ def read_mla(reader, *, heads: int, rope_scaled: bool, rope, interleave_field: b
     return MLASpec(q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim,
                    v_head_dim=v_dim, softmax_scale=scale, rope_interleave=bool(interleave),
                    rope_complex=not interleave_field)  # fmt: skip
-
-
-def read_mtp(reader) -> int:  # type: ignore[no-untyped-def]
-    """``num_nextn_predict_layers``: 0, or dropped explicitly by the user (see module docstring)."""
-    record = reader.records.get("num_nextn_predict_layers")
-    if record is not None and record.kind == "ignored":  # ignore_fields: dropped on purpose
-        return 0
-    reader.expect("num_nextn_predict_layers", lambda v: not v, reason=MTP_REASON, default=0,
-                  detail="0: no multi-token-prediction layers")  # fmt: skip
-    return 0
 
 
 def read_quantization(reader):  # type: ignore[no-untyped-def]
@@ -166,9 +158,10 @@ def read_deepseek(reader, *, v3: bool):  # type: ignore[no-untyped-def]
     ``group_limited_greedy`` by a group's best expert, never renormalised)."""
     from mcore_zoo.config.arch import MoESpec
     from mcore_zoo.config.moe import read_expert_counts, read_sparse_layers
+    from mcore_zoo.config.mtp import read_mtp
     from mcore_zoo.plugin_api import read_dense_decoder
 
-    read_mtp(reader)
+    mtp = read_mtp(reader)
     quantization = read_quantization(reader)
     reader.expect("attention_bias", False, default=False, reason="Megatron-Core's MLA has no q/kv down-projection"
                   " or o_proj biases", detail="false: no attention biases")  # fmt: skip
@@ -227,7 +220,7 @@ def read_deepseek(reader, *, v3: bool):  # type: ignore[no-untyped-def]
                   normalize_topk=norm, normalize_eps=1e-20 if norm else 0.0, topk_scaling_factor=float(scale),
                   probs_dtype="fp32", layer_pattern=pattern)  # fmt: skip
     return arch.replace(moe=moe, mla=mla, head_dim=mla.q_head_dim, num_query_groups=arch.num_attention_heads,
-                        checkpoint_quantization=quantization)
+                        checkpoint_quantization=quantization, mtp_num_layers=mtp, mtp_layer_moe=mtp > 0)
 
 
 def convert(reader):  # type: ignore[no-untyped-def]
@@ -245,6 +238,6 @@ def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
             example_config=EXAMPLE_CONFIG,
             backends=("te", "local", "portable"),
             description="DeepSeek-V3 / R1, Moonlight, Kimi-K2 (MLA, YaRN mscale; sigmoid grouped router with"
-                        " expert bias, shared experts); MTP dropped only on request",  # fmt: skip
+                        " expert bias, shared experts); MTP built (or dropped on request)",  # fmt: skip
         )
     ]

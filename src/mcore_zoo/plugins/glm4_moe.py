@@ -8,8 +8,13 @@ experts are chosen by ``scores + e_score_correction_bias`` within the best ``top
 renormalised (``norm_topk_prob``, +1e-20) and scaled by ``routed_scaling_factor``, kept in fp32;
 ``n_shared_experts`` always-on experts (no gate).
 
-The multi-token-prediction layers of the checkpoints (``num_nextn_predict_layers``) are not
-built: a config with MTP layers is refused, never silently truncated.
+Multi-token prediction (``num_nextn_predict_layers: 1``) is built as Megatron-Core's MTP block,
+loaded from ``model.layers.{num_hidden_layers}.*`` (``enorm``, ``hnorm``, ``eh_proj``, an MoE
+decoder layer - the checkpoint makes every layer from ``first_k_dense_replace`` on MoE -
+``shared_head.norm``; ``embed_tokens`` / ``shared_head.head`` copies checked equal to the model's):
+the same machinery as DeepSeek-V3 (:mod:`mcore_zoo.config.mtp`, :mod:`mcore_zoo.weights.mtp`,
+:mod:`mcore_zoo.specs.mtp`). Dropping the MTP layers stays an explicit request
+(``ignore_fields={"num_nextn_predict_layers": reason}``).
 """
 
 from __future__ import annotations
@@ -46,18 +51,13 @@ EXAMPLE_CONFIG = {
     "num_nextn_predict_layers": 0,
 }
 
-MTP_REASON = ("multi-token-prediction layers are not built yet (they come with the MLA / MTP work);"
-              " dropping them would silently change what the checkpoint trains. Use a config with"
-              " num_nextn_predict_layers=0 (the checkpoint's MTP tensors are then refused as unexpected)")  # fmt: skip
-
-
 def convert(reader):  # type: ignore[no-untyped-def]
     from mcore_zoo.config.arch import MoESpec
     from mcore_zoo.plugin_api import read_dense_decoder
     from mcore_zoo.config.moe import read_expert_counts, read_sparse_layers
+    from mcore_zoo.config.mtp import read_mtp
 
-    reader.expect("num_nextn_predict_layers", 0, reason=MTP_REASON, default=0,
-                  detail="0: no multi-token-prediction layers")  # fmt: skip
+    mtp = read_mtp(reader)
     bias = bool(reader.map("attention_bias", "add_qkv_bias (q/k/v biases; o_proj has none)", False))
     qk_norm = bool(reader.map("use_qk_norm", "qk_layernorm (per-head RMSNorm of q and k)", False))
     experts, topk, ffn = read_expert_counts(reader, experts_field="n_routed_experts")
@@ -84,7 +84,7 @@ def convert(reader):  # type: ignore[no-untyped-def]
                   router_logits_fp32=True, router_expert_bias=True, num_groups=groups, group_topk=group_topk,
                   group_score_topk=2, normalize_topk=bool(norm), normalize_eps=1e-20 if norm else 0.0,
                   topk_scaling_factor=float(scale), probs_dtype="fp32", layer_pattern=pattern)  # fmt: skip
-    return arch.replace(moe=moe)
+    return arch.replace(moe=moe, mtp_num_layers=mtp, mtp_layer_moe=mtp > 0)
 
 
 @hookimpl
@@ -97,6 +97,6 @@ def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
             weight_rules="mcore_zoo.weights.moe:glm4_moe_weight_map",
             example_config=EXAMPLE_CONFIG,
             backends=("te", "local", "portable"),
-            description="GLM-4.5 (sigmoid router with expert bias, grouped top-k, scaled; shared experts; partial RoPE); no MTP",
+            description="GLM-4.5 (sigmoid router with expert bias, grouped top-k, scaled; shared experts; partial RoPE); MTP built (or dropped on request)",
         )
     ]

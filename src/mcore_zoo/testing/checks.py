@@ -491,8 +491,9 @@ def check_tensor_parallel(architecture: Any, checkpoint: Path, subject: str, ran
 
 
 def expected_export(wmap: Any, source: Mapping[str, Any]) -> set[str]:
-    """The checkpoint tensors an export must write: all but those the weight map ignores."""
-    needed = wmap.hf_names()
+    """The checkpoint tensors an export must write: all but those the weight map ignores (copies,
+    such as an MTP layer's embedding copy, are written)."""
+    needed = wmap.export_names()
     return {n for n in source if n in needed or not wmap.is_ignored(n)}
 
 

@@ -102,16 +102,21 @@ def decoder_weight_map(
     ignored: Sequence[tuple[str, str]] = (),
 ) -> WeightMap:
     """A pre-norm decoder's table: embedding, final norm and output layer; per layer the input norm,
-    ``attention`` (default :func:`attention_rules`), the pre-MLP norm and ``mlp_rules``. Ignores
-    the old RoPE buffer, a tied ``lm_head.weight`` and ``ignored``."""
-    rules = [
-        *embedding_rules(arch),
+    ``attention`` (default :func:`attention_rules`), the pre-MLP norm and ``mlp_rules``; the
+    multi-token-prediction layers built from the same layer rules (:mod:`.mtp`), or ignored when
+    the user dropped them. Ignores the old RoPE buffer, a tied ``lm_head.weight`` and ``ignored``."""
+    from ..config.mtp import dropped_mtp_ignored
+    from .mtp import mtp_copies, mtp_rules
+
+    layer = [
         replicated(LAYER + "input_layernorm.weight", HF_LAYER + "input_layernorm.weight"),
         *(attention_rules(arch) if attention is None else attention),
         replicated(LAYER + "pre_mlp_layernorm.weight", HF_LAYER + "post_attention_layernorm.weight"),
         *mlp_rules,
     ]
-    return WeightMap(arch, rules, [ROTARY_BUFFER_IGNORED, *ignored, *tied_lm_head_ignored(arch)])
+    rules = [*embedding_rules(arch), *layer, *mtp_rules(arch, layer)]
+    ignored = [ROTARY_BUFFER_IGNORED, *ignored, *dropped_mtp_ignored(arch), *tied_lm_head_ignored(arch)]
+    return WeightMap(arch, rules, ignored, copies=mtp_copies(arch))
 
 
 def dense_decoder_weight_map(arch: ArchConfig) -> WeightMap:

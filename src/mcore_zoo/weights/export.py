@@ -54,16 +54,20 @@ def stage_hf_weights(
     :mod:`mcore_zoo.distributed.export`, which owns the collectives. ``meta=True`` yields meta
     tensors of the shapes and dtypes the real iteration would yield (gathered shapes where a
     gather is given), without reading a parameter or communicating (export planning).
-    ``grads=True`` yields the parameters' ``.grad`` instead (a parameter without a gradient raises).
+    ``grads=True`` yields the parameters' ``.grad`` instead (a parameter without a gradient raises;
+    checkpoint-state buffers such as an MoE router's ``expert_bias`` are left out).
     """
+    wmap = handle.weight_map
     for chunk in handle.chunks if chunks is None else chunks:
         params = model_tensors(chunk)  # parameters + checkpoint-state buffers (MoE expert_bias)
         for b in handle.bound_rules(chunk):
-            if not b.rule.export:
+            if not exports(b, chunk):
                 continue
             param = params[b.mcore]
             grad = None
-            if grads:  # a DDP wrapper keeps them in main_grad
+            if grads and not isinstance(param, torch.nn.Parameter):  # a buffer (MoE expert_bias): no gradient
+                continue
+            if grads and not meta:  # a DDP wrapper keeps them in main_grad
                 grad = param.grad if param.grad is not None else getattr(param, "main_grad", None)
                 if grad is None:
                     raise ZooError(f"parameter {b.mcore!r} has no gradient")
@@ -76,7 +80,19 @@ def stage_hf_weights(
             copies = expert_copies(b, local, meta) if expert_copies is not None and b.is_expert else [(b, local)]
             for rb, tensor in copies:
                 for name, piece in export_rule(rb, tensor, ctx, gather):
-                    yield name, (piece.to(dtype) if dtype is not None else piece)
+                    piece = piece.to(dtype) if dtype is not None else piece
+                    yield name, piece
+                    for copy in wmap.copies_of(name):  # e.g. an MTP layer's embed_tokens / shared_head.head
+                        yield copy, piece
+
+
+def exports(b: BoundRule, chunk: torch.nn.Module) -> bool:
+    """Whether ``chunk`` exports rule ``b``: not a rule marked ``export=False`` (a tied output
+    layer), nor the embedding of a chunk that only keeps a copy of the first stage's (the MTP
+    block's, on a pipeline's last stage)."""
+    if not b.rule.export:
+        return False
+    return not (b.mcore.startswith("embedding.") and getattr(chunk, "pre_process", True) is False)
 
 
 def _meta_gather(size: int) -> Gather:

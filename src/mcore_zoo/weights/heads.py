@@ -38,7 +38,7 @@ def with_value_head(wmap: WeightMap, *, init: Optional[str] = None) -> WeightMap
         absent="a score layer without bias: the value head's bias stays 0",
     )
     ignored = [(p, r) for p, r in wmap.ignored if p != "lm_head.weight"] + [("lm_head.weight", LM_HEAD_UNUSED)]
-    return WeightMap(wmap.arch, [*rules, weight, bias], ignored)
+    return WeightMap(wmap.arch, [*rules, weight, bias], ignored, copies=list(wmap.copies))
 
 
 __all__ = ["with_value_head", "VALUE_HEAD_WEIGHT", "VALUE_HEAD_BIAS", "LM_HEAD_UNUSED"]

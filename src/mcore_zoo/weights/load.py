@@ -26,7 +26,7 @@ import torch
 from ..errors import MissingTensorsError, ShapeMismatchError, UnexpectedTensorsError, UnmappedParametersError
 from .io import HFCheckpoint, chunk_index
 from .rules import BoundRule, TransformContext, WeightMap, direct_views, model_tensors
-from .tied import check_tied_output
+from .tied import check_copies, check_tied_output
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..handle import ModelHandle
@@ -122,6 +122,7 @@ def plan_load(handle: "ModelHandle", checkpoint: HFCheckpoint) -> tuple[list[tup
     ignored = check_coverage(handle.weight_map, checkpoint.keys(), str(checkpoint.path))
     absent = absent_tensors(handle.weight_map, checkpoint.keys())
     check_tied_output(handle.weight_map, checkpoint)
+    check_copies(handle.weight_map, checkpoint)
     chunks = handle.chunks
     plan = []
     unmapped: list[str] = []

@@ -57,10 +57,4 @@ def deepseek_weight_map(arch: ArchConfig) -> WeightMap:
         if arch.moe.router_expert_bias:
             mlp.append(router_expert_bias_rule())
         mlp += shared_expert_rules(arch, hf_shared="mlp.shared_experts.")
-    ignored = []
-    mtp = int(arch.hf_config.get("num_nextn_predict_layers") or 0)
-    if mtp:  # the converter lets MTP layers through only when the caller dropped them explicitly
-        layers = "|".join(str(arch.num_layers + i) for i in range(mtp))
-        ignored.append((rf"model\.layers\.({layers})\..*", "multi-token-prediction layer(s), dropped on request"
-                        " (ignore_fields num_nextn_predict_layers)"))  # fmt: skip
-    return decoder_weight_map(arch, mlp, attention=mla_attention_rules(arch), ignored=ignored)
+    return decoder_weight_map(arch, mlp, attention=mla_attention_rules(arch))

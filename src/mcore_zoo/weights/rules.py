@@ -309,11 +309,16 @@ class WeightMap:
         rules: the rules (layer rules use ``{layer}``; expert rules ``{expert}`` too).
         ignored: ``(regex, reason)`` for checkpoint tensors that are deliberately not loaded
             (e.g. rotary ``inv_freq`` buffers saved by old transformers).
+        copies: ``(copy, source)`` HF names: checkpoint tensors that repeat another tensor (an MTP
+            layer's ``embed_tokens`` / ``shared_head.head``). A copy is not loaded; when the
+            checkpoint has it, loading checks it bitwise equal to ``source``
+            (:func:`mcore_zoo.weights.tied.check_copies`); export writes it next to ``source``.
     """
 
     arch: ArchConfig
     rules: list[Rule]
     ignored: list[tuple[str, str]] = field(default_factory=list)
+    copies: list[tuple[str, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         seen: dict[str, Rule] = {}
@@ -332,6 +337,8 @@ class WeightMap:
                 if parts[0][1] != 0 or any(a[2] != b[1] or a[0] != b[0] for a, b in zip(parts, parts[1:])):
                     raise ValueError(f"{self.arch.architecture}: parts of {name!r} are not contiguous: {parts}")
         self._ignored = [(re.compile(p), reason) for p, reason in self.ignored]
+        self._ignored += [(re.compile(re.escape(c)), f"a copy of {src!r}: checked bitwise equal to it on load,"
+                           " written back on export") for c, src in self.copies]  # fmt: skip
 
     # ------------------------------------------------------------------ expansion
     def expand_full(self) -> list[BoundRule]:
@@ -379,6 +386,14 @@ class WeightMap:
         """Every HF tensor name the whole model's rules consume."""
         return {name for b in self.expand_full() for name in b.hf}
 
+    def export_names(self) -> set[str]:
+        """Every HF tensor an export writes: :meth:`hf_names` and the copies."""
+        return self.hf_names() | {c for c, _ in self.copies}
+
+    def copies_of(self, hf_name: str) -> list[str]:
+        """The copies export writes next to ``hf_name``."""
+        return [c for c, src in self.copies if src == hf_name]
+
     def optional_hf_names(self) -> dict[str, str]:
         """HF tensors a checkpoint may lack (rules with ``absent``): ``{name: reason}``."""
         return {name: b.rule.absent for b in self.expand_full() if b.rule.absent for name in b.hf}
@@ -424,15 +439,25 @@ def model_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
+#: canonical (Megatron-Core 0.16) infix -> the name 0.19 gives the MTP layer's decoder layer
+MTP_LAYER_ALIASES: dict[str, str] = {".transformer_layer.": ".mtp_model_layer."}
+
+
 def resolve_mcore_name(name: str, existing: set[str]) -> Optional[str]:
-    """``name`` if the model has it, else its fused-norm alias if the model has that, else None."""
-    if name in existing:
-        return name
-    for canonical, alias in FUSED_NORM_ALIASES.items():
-        if name.endswith(canonical):
-            candidate = name[: -len(canonical)] + alias
-            if candidate in existing:
-                return candidate
+    """``name`` if the model has it, else its fused-norm alias (and / or its MTP-layer alias) if the
+    model has that, else None."""
+    candidates = [name]
+    for canonical, alias in MTP_LAYER_ALIASES.items():
+        if name.startswith("mtp.") and canonical in name:
+            candidates.append(name.replace(canonical, alias, 1))
+    for candidate in candidates:
+        if candidate in existing:
+            return candidate
+        for canonical, alias in FUSED_NORM_ALIASES.items():
+            if candidate.endswith(canonical):
+                fused = candidate[: -len(canonical)] + alias
+                if fused in existing:
+                    return fused
     return None
 
 

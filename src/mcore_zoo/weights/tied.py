@@ -1,9 +1,12 @@
-"""Tied embeddings against a checkpoint that also carries an output layer.
+"""Checkpoint tensors that repeat another one: a tied model's ``lm_head``, MTP layers' copies.
 
 With ``tie_word_embeddings: true`` the output layer *is* the embedding, so a checkpoint's
 ``lm_head.weight`` is ignored by the weight map. transformers, though, may load that tensor; if it
 differs from the embedding the two would be different models. :func:`check_tied_output` compares
 the two (streaming, a block of rows at a time) and refuses a difference, naming the tensor.
+:func:`check_copies` does the same for a weight map's declared copies (:attr:`WeightMap.copies`:
+an MTP layer's ``embed_tokens`` / ``shared_head.head``, which the model takes from its embedding
+and output layer).
 """
 
 from __future__ import annotations
@@ -49,6 +52,41 @@ def tied_pair(wmap: WeightMap, names: set[str]) -> Optional[tuple[str, str]]:
     return heads[0], embedding
 
 
+class CopyMismatchError(WeightMapError):
+    """A checkpoint tensor declared a copy of another (:attr:`WeightMap.copies`) that differs from it."""
+
+    def __init__(self, copy: str, source_tensor: str, source: str, detail: str):
+        self.copy = copy
+        self.source_tensor = source_tensor
+        super().__init__(
+            f"{source}: {copy!r} must be a copy of {source_tensor!r} (the model has one tensor for both),"
+            f" but it differs ({detail}); refusing to pick one"
+        )
+
+
+def first_difference(checkpoint: Any, a_name: str, b_name: str) -> Optional[str]:
+    """``None`` if the checkpoint's tensors ``a_name`` and ``b_name`` are bitwise equal (values
+    compared in float64 when the dtypes differ), else what differs first (shape, or a row).
+    Reads both a block of rows at a time."""
+    shape_a, shape_b = tuple(checkpoint.shape(a_name)), tuple(checkpoint.shape(b_name))
+    if shape_a != shape_b:
+        return f"shape {shape_a} vs {shape_b}"
+    if not shape_b or shape_b[0] == 0:
+        return None
+    row_bytes = max(1, int(torch.Size(shape_b[1:]).numel()) * 8)
+    step = max(1, _BLOCK_BYTES // row_bytes)
+    for start in range(0, shape_b[0], step):
+        stop = min(start + step, shape_b[0])
+        a = checkpoint.read(a_name, select=(0, start, stop))
+        b = checkpoint.read(b_name, select=(0, start, stop))
+        if a.dtype != b.dtype:
+            a, b = a.double(), b.double()
+        if not torch.equal(a, b):
+            rows = (a != b).reshape(a.shape[0], -1).any(dim=1).nonzero().flatten()
+            return f"first differing row {start + int(rows[0])}"
+    return None
+
+
 def check_tied_output(wmap: WeightMap, checkpoint: Any) -> None:
     """Raise :class:`TiedEmbeddingMismatchError` if the checkpoint's output layer (ignored under
     tying) is not bitwise the embedding. Reads both tensors a block of rows at a time."""
@@ -56,20 +94,18 @@ def check_tied_output(wmap: WeightMap, checkpoint: Any) -> None:
     if pair is None:
         return
     head, embedding = pair
-    source = str(checkpoint.path)
-    shape_h, shape_e = tuple(checkpoint.shape(head)), tuple(checkpoint.shape(embedding))
-    if shape_h != shape_e:
-        raise TiedEmbeddingMismatchError(head, embedding, source, f"shape {shape_h} vs {shape_e}")
-    if not shape_e or shape_e[0] == 0:
-        return
-    row_bytes = max(1, int(torch.Size(shape_e[1:]).numel()) * 8)
-    step = max(1, _BLOCK_BYTES // row_bytes)
-    for start in range(0, shape_e[0], step):
-        stop = min(start + step, shape_e[0])
-        a = checkpoint.read(head, select=(0, start, stop))
-        b = checkpoint.read(embedding, select=(0, start, stop))
-        if a.dtype != b.dtype:
-            a, b = a.double(), b.double()
-        if not torch.equal(a, b):
-            rows = (a != b).reshape(a.shape[0], -1).any(dim=1).nonzero().flatten()
-            raise TiedEmbeddingMismatchError(head, embedding, source, f"first differing row {start + int(rows[0])}")
+    detail = first_difference(checkpoint, head, embedding)
+    if detail is not None:
+        raise TiedEmbeddingMismatchError(head, embedding, str(checkpoint.path), detail)
+
+
+def check_copies(wmap: WeightMap, checkpoint: Any) -> None:
+    """Raise :class:`CopyMismatchError` for the first declared copy the checkpoint carries that is
+    not bitwise its source (a copy the checkpoint lacks is fine: export writes it)."""
+    names = set(checkpoint.keys())
+    for copy, source_tensor in wmap.copies:
+        if copy not in names or source_tensor not in names:
+            continue
+        detail = first_difference(checkpoint, copy, source_tensor)
+        if detail is not None:
+            raise CopyMismatchError(copy, source_tensor, str(checkpoint.path), detail)
