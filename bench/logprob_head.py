@@ -123,7 +123,7 @@ class CudaMemory:
 
 
 # ---------------------------------------------------------------------------- variants
-def make_variant(name: str, temperature: float, chunk: Any) -> Callable[..., tuple[torch.Tensor, Any]]:
+def make_variant(name: str, temperature: float, chunk: Any, use_triton: Any = None) -> Callable[..., tuple[torch.Tensor, Any]]:
     from mcore_zoo.distributed.vocab_parallel import naive_logprobs_and_entropy, token_logprobs_and_entropy
 
     if name == "naive":
@@ -136,15 +136,7 @@ def make_variant(name: str, temperature: float, chunk: Any) -> Callable[..., tup
 
         return naive_lp
     if name.endswith("-torch"):  # the chunked head forced onto its torch path (no Triton kernels)
-        from mcore_zoo.distributed import vocab_parallel
-
-        inner = make_variant(name[: -len("-torch")], temperature, chunk)
-
-        def torch_path(x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
-            vocab_parallel.USE_TRITON = False  # read again in backward: left off until the next variant
-            return inner(x, t)
-
-        return torch_path
+        return make_variant(name[: -len("-torch")], temperature, chunk, use_triton=False)
     if name.startswith("chunked"):
         from mcore_zoo.distributed import vocab_parallel
 
@@ -152,7 +144,7 @@ def make_variant(name: str, temperature: float, chunk: Any) -> Callable[..., tup
                   inplace_backward=name.endswith("inplace"))  # fmt: skip
 
         def chunked(x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
-            vocab_parallel.USE_TRITON = None  # the default (Triton on CUDA); read again in backward
+            vocab_parallel.USE_TRITON = use_triton  # None: Triton on CUDA; read again in backward
             return token_logprobs_and_entropy(x, t, **kw)
 
         return chunked

@@ -47,7 +47,7 @@ def test_exact_against_fp64(temperature, triton, monkeypatch):
 
 def test_bf16_triton_and_torch_paths_agree(monkeypatch):
     """bf16 logits: the Triton kernels and the torch path give the same log-probs and entropy up to
-    fp32 summation order, and gradients within one bf16 rounding."""
+    fp32 summation order, and gradients within half a bf16 ulp of each row's largest gradient."""
     logits, targets, g, h = _case(2048, 151936, torch.bfloat16)
     out = {}
     for triton in (True, False):
@@ -55,7 +55,9 @@ def test_bf16_triton_and_torch_paths_agree(monkeypatch):
         out[triton] = _run(token_logprobs_and_entropy, logits, targets, g, h, temperature=0.8)
     (lp1, e1, g1), (lp0, e0, g0) = out[True], out[False]
     assert (lp1 - lp0).abs().max() <= 1e-5 and (e1 - e0).abs().max() <= 1e-5
-    assert ((g1.float() - g0.float()).abs() <= g0.float().abs() * 2.0**-7 + 1e-12).all()
+    # per element the entropy term e (c0 + h (z - M)) can cancel, so bound at each row's scale
+    scale = g0.float().abs().amax(dim=-1, keepdim=True)
+    assert ((g1.float() - g0.float()).abs() <= scale * 2.0**-8).all()
 
 
 def test_bf16_and_casts_fused_or_not_bitwise(monkeypatch):

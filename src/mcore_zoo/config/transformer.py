@@ -207,6 +207,9 @@ def _mla_fields(arch: ArchConfig) -> dict[str, Any]:
         rotary_percent=1.0,
         softmax_scale=mla.softmax_scale,
         apply_rope_fusion=False,
+        # the latent RMSNorms (q_a_layernorm, kv_a_layernorm): Megatron-Core 0.19 builds MLA's
+        # q / kv norms only with this set (0.16 builds them from the layer spec alone)
+        qk_layernorm=True,
     )
     if yarn:
         fields.update(

@@ -240,10 +240,14 @@ def _finalize_unwrapped(handle: ModelHandle) -> None:
     if layout.cp > 1:
         _all_reduce_flat([p.grad for _, p in named], layout.groups.cp)
     if layout.tp > 1:
+        # Q/K norms over heads see this rank's heads only: summed. MLA's latent norms see the whole
+        # latent on every rank (same gradient everywhere); under sequence parallel they see part of
+        # the tokens and carry the sequence_parallel mark instead
+        per_head_qk_norm = config.qk_layernorm and not getattr(config, "multi_latent_attention", False)
         summed = [
             p.grad for n, p in named
             if (config.sequence_parallel and getattr(p, "sequence_parallel", False))
-            or (config.qk_layernorm and ("q_layernorm" in n or "k_layernorm" in n))
+            or (per_head_qk_norm and ("q_layernorm" in n or "k_layernorm" in n))
         ]  # fmt: skip
         _all_reduce_flat(summed, layout.groups.tp)
         averaged = [p.grad for _, p in named if getattr(p, "average_gradients_across_tp_domain", False)]

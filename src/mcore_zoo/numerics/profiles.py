@@ -9,11 +9,12 @@ Built-in profiles:
 * ``default`` - the fast path: the backend's own norms and fusions (TE fused RoPE, fused
   bias-activation, fused softmax) where the device supports them. RoPE frequencies are still
   computed the HF way (it costs nothing and is required for Llama 3 / YaRN anyway).
-* ``training`` - ``default`` with one change: RMSNorm in HF's op order (fp32 normalise, cast, then
-  the weight), not fused into the following GEMM. The norm order is the largest single term of
-  the fast path's distance from HF eager (docs/numerics.md); attention, RoPE, activation and GEMMs
-  keep the backend's fused kernels. Meant for RL training on ``te``, whose log-probs should stay as
-  close to the rollout engine's / HF's as transformers' own sdpa is.
+* ``training`` - the backend's GEMMs and fused attention kernel, everything around them in HF's op
+  order: RMSNorm (fp32 normalise, cast, then the weight; not fused into the following GEMM), RoPE
+  and SwiGLU unfused. On a GPU this is as close to HF eager as transformers' own sdpa is
+  (docs/numerics.md); the norm order alone is the largest single term, RoPE and SwiGLU the rest.
+  Meant for RL training on ``te``, whose log-probs should stay as close to the rollout engine's /
+  HF's as possible at most of ``te``'s speed.
 * ``hf-exact`` - reproduce the HF op order: RMSNorm normalises in fp32, casts, then multiplies
   the weight; no fused RoPE / activation / softmax; attention computed as HF ``eager`` (or
   ``sdpa`` with ``attention="sdpa"``) math. With the ``local`` or ``portable`` backend this is
@@ -127,8 +128,10 @@ PROFILES: dict[str, NumericsProfile] = {
         name="training",
         norm="hf",
         fuse_norm_into_linear=False,
-        description="the backend's kernels and fusions except the norms: HF's RMSNorm op order, not fused"
-        " into the next GEMM (the largest single term of the te-vs-HF gap)",
+        rope_fusion=False,
+        bias_activation_fusion=False,
+        description="the backend's GEMMs and attention kernel; norms, RoPE and SwiGLU in HF's op order"
+        " (as close to HF eager as HF's own sdpa is)",
     ),
     "hf-exact-sdpa": NumericsProfile(
         name="hf-exact-sdpa",
