@@ -125,7 +125,7 @@ def check(ckpt: str, arch: str, out_dir: str) -> dict:
     # parity after refit: vLLM vs the mcore model, per token
     stats = mcore_zoo.refit(model, adapter, dtype=torch.bfloat16, bucket_size="2MB")
     lp = _logprobs(llm, seqs)
-    out = mcore_zoo.packed_forward(model, [s.cuda() for s in seqs])
+    out = mcore_zoo.packed_forward(model, [s.cuda() for s in seqs], seq_format="bshd")  # local: no THD
     d = torch.cat([(a - b.float().cpu()).abs() for a, b in zip(lp, out.logprobs)])
     result["token_mult_prob_error"] = float(d.double().exp().mean())
     result["max_abs_dlogp"] = float(d.max())
