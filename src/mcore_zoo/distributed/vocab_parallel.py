@@ -90,6 +90,13 @@ second buffer, a product and a sum) and 20 B backward. A temperature other than 
 chunks queue asynchronously on a GPU. On CPU, where a mixed-dtype op first casts its input into a
 temporary, the cast is a separate pass into the work buffer (:data:`FUSED_CASTS`).
 
+On CUDA (when Triton imports; :data:`USE_TRITON`) the per-row work runs in the kernels of
+:mod:`mcore_zoo.kernels.logprob_rows` instead: the forward reads each row twice in its own dtype
+(max, then the sums) and keeps the statistics in registers, the backward reads it once and writes
+the gradient once - 6 B per element in bf16 against the 40 above, no fp32 buffer, no chunking (the
+chunk size is then irrelevant). Same statistics and collectives; sums in another order (the max
+is exact), and a temperature is applied as a multiplication by its fp32 reciprocal.
+
 Exactness: the arithmetic is fp32 whatever the input dtype (a bf16 shard loses nothing beyond
 its own rounding; the gradient is rounded once to the input dtype). In fp32 the log-prob is
 ``(z_t - M) - log s``, rounded once at the scale of the result; ``torch.log_softmax`` on CPU
@@ -142,6 +149,8 @@ USE_TRITON: Optional[bool] = None
 def _triton(x: torch.Tensor) -> bool:
     from mcore_zoo.kernels import logprob_rows
 
+    if x.stride(-1) != 1:  # the kernels walk each row with unit stride
+        return False
     if USE_TRITON is not None:
         return USE_TRITON and logprob_rows.available()
     return x.is_cuda and logprob_rows.available()
