@@ -204,3 +204,33 @@ def test_fused_expert_shards_for_an_engine(mpu, reference_checkpoint, arch_name)
         assert torch.equal(got, want), name
         checked += 1
     assert checked == 3 * moe.num_experts * sum(moe.is_moe_layer(i) for i in range(len(model.decoder.layers)))
+
+
+def test_the_combine_adds_each_tokens_experts_in_hf_order():
+    """``hf_order_unpermute`` (the token combine of ``router="hf"`` MoE layers) equals HF's loop of
+    per-expert ``index_add_`` in bf16, bit for bit, and its gradient is the gather of the upstream
+    gradient. An fp32 accumulation (one rounding at the end) and Megatron-Core's ``scatter_add_``
+    are not HF's order: with three experts per token and bf16 outputs they differ here."""
+    from mcore_zoo.specs.moe import hf_order_unpermute
+
+    gen = torch.Generator().manual_seed(0)
+    tokens, hidden, experts, topk = 50, 16, 8, 3
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool)
+    for t in range(tokens):
+        routing_map[t, torch.randperm(experts, generator=gen)[:topk]] = True
+    rows = routing_map.T.nonzero()  # expert-major: (expert, token), as the dispatchers permute
+    sorted_indices = rows[:, 1]
+    x = (torch.randn(len(rows), hidden, generator=gen) * 10).bfloat16()
+    hf = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
+    for e in range(experts):
+        sel = rows[:, 0] == e
+        hf.index_add_(0, sorted_indices[sel], x[sel])
+    got = hf_order_unpermute(x, sorted_indices, (tokens, hidden), topk)
+    assert torch.equal(got, hf)
+    fp32 = torch.zeros(tokens, hidden).index_add_(0, sorted_indices, x.float()).bfloat16()
+    stock = torch.zeros(tokens, hidden, dtype=torch.bfloat16).scatter_add_(0, sorted_indices[:, None].expand(-1, hidden), x)
+    assert not torch.equal(fp32, hf) and not torch.equal(stock, hf)
+    leaf = x.clone().requires_grad_()
+    upstream = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    (hf_order_unpermute(leaf, sorted_indices, (tokens, hidden), topk).float() * upstream.float()).sum().backward()
+    assert torch.equal(leaf.grad, upstream[sorted_indices])

@@ -8,6 +8,7 @@ import torch
 
 import mcore_zoo
 from mcore_zoo import routing
+from mcore_zoo.numerics.profiles import get_profile
 
 from ..conftest import random_sequences
 
@@ -114,3 +115,32 @@ def test_routes_from_a_rollout_engine_are_packed_like_the_tokens(mpu, reference_
         with routing.replay(model, packed):
             replayed = mcore_zoo.packed_forward(model, seqs, align=8).logits
     assert all(torch.equal(a, b) for a, b in zip(recorded, replayed))
+
+
+def test_the_hf_order_combine_runs_in_the_layer_and_in_backward(mpu, reference_checkpoint, monkeypatch):
+    """A ``router="hf"`` MoE layer combines through ``hf_order_unpermute`` (once per MoE layer per
+    forward) and the gradient flows through it; a ``router="mcore"`` build uses the stock combine."""
+    from mcore_zoo.specs import moe as moe_specs
+
+    calls = []
+    original = moe_specs.hf_order_unpermute
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(moe_specs, "hf_order_unpermute", counted)
+    ckpt = reference_checkpoint("Qwen3MoeForCausalLM")
+    model = mcore_zoo.build_model(ckpt, backend="portable", load=ckpt, params_dtype=torch.float32).train()
+    moe_layers = sum(model.mcore_zoo.arch_config.moe.is_moe_layer(i) for i in range(len(model.decoder.layers)))
+    out = mcore_zoo.packed_forward(model, random_sequences([30, 20], 256, seed=5))
+    assert len(calls) == moe_layers > 0
+    sum(lp.sum() for lp in out.logprobs).backward()
+    expert = next(p for n, p in model.named_parameters() if "local_experts.0.linear_fc1" in n)
+    assert expert.grad is not None and expert.grad.abs().sum() > 0
+    calls.clear()
+    stock = mcore_zoo.build_model(ckpt, backend="portable", load=ckpt, params_dtype=torch.float32,
+                                  numerics=get_profile("default").with_knobs(router="mcore"))  # fmt: skip
+    with torch.no_grad():
+        mcore_zoo.packed_forward(stock, random_sequences([30, 20], 256, seed=5))
+    assert calls == []

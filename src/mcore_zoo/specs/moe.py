@@ -11,6 +11,9 @@ What ``router="hf"`` changes against stock Megatron-Core (both are the same math
   (gating GEMM, z-loss, aux losses, expert-bias bookkeeping, router replay).
 * :class:`HFOrderSequentialMLP` - each expert's output is multiplied by its routing weight *after*
   ``linear_fc2``, as HF does; stock mcore multiplies the activation before ``linear_fc2``.
+* :class:`HFOrderMoELayer` - the token combine adds each token's expert outputs one expert at a
+  time in ascending order, rounding after each add, as HF's per-expert ``index_add_`` does; stock
+  mcore's ``scatter_add_`` adds them in no fixed order on CUDA (:func:`hf_order_unpermute`).
 * :class:`HFOrderSharedExpertMLP` - the shared-expert gate (a one-column GEMM and a sigmoid) runs
   over the tokens in HF's batch-major order (both round by position in the tensor); the sigmoid
   router scores (GLM-4.5) likewise.
@@ -30,6 +33,7 @@ from ..config.arch import ArchConfig, MoESpec
 
 _LOCAL = threading.local()
 _INSTALLED = False
+_COMBINE_INSTALLED = False
 _INSTALL_LOCK = threading.Lock()
 
 
@@ -109,6 +113,79 @@ def _install() -> None:
 
         mrouter.topk_routing_with_score_function = dispatch
         _INSTALLED = True
+
+
+def hf_order_unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, restore_shape: Any,
+                       topk: int) -> torch.Tensor:  # fmt: skip
+    """Megatron-Core's ``unpermute`` (no probs, dropless) with HF's summation order.
+
+    ``permuted_tokens [R, H]`` are the expert outputs in expert-major order (each token's rows in
+    ascending expert order), ``sorted_indices [R]`` the token each row belongs to. HF adds a token's
+    experts one expert at a time into a zero tensor of the hidden dtype (``index_add_`` per expert,
+    rounding after each add); Megatron-Core's ``scatter_add_`` sums all rows at once, which on CUDA
+    is atomics in no fixed order (on CPU: row order, the same as HF). Here the ``r``-th row of every
+    token (``r < topk``) is added in pass ``r``: each pass has distinct indices, so every add is one
+    rounding in HF's order, on every device. Differentiable."""
+    n = sorted_indices.numel()
+    out = torch.zeros(restore_shape, dtype=permuted_tokens.dtype, device=permuted_tokens.device)
+    if n == 0:
+        return out
+    order = torch.argsort(sorted_indices, stable=True)  # rows grouped by token, row order kept
+    grouped = sorted_indices[order]
+    pos = torch.arange(n, device=sorted_indices.device)
+    start = torch.ones(n, dtype=torch.bool, device=sorted_indices.device)
+    start[1:] = grouped[1:] != grouped[:-1]
+    first = torch.cummax(torch.where(start, pos, torch.zeros_like(pos)), dim=0).values
+    rank = torch.empty_like(pos)
+    rank[order] = pos - first  # how many earlier rows belong to the same token
+    for r in range(topk):
+        rows = (rank == r).nonzero().squeeze(1)
+        out = out.index_add(0, sorted_indices[rows], permuted_tokens[rows])
+    return out
+
+
+def _install_hf_order_combine() -> None:
+    """Route the token dispatchers' ``unpermute`` through :func:`hf_order_unpermute` while an
+    :class:`HFOrderMoELayer` runs on this thread (and the call is the plain dropless one); every
+    other caller gets the original. Installed once, process-wide."""
+    global _COMBINE_INSTALLED
+    with _INSTALL_LOCK:
+        if _COMBINE_INSTALLED:
+            return
+        from megatron.core.transformer.moe import token_dispatcher
+
+        original = token_dispatcher.unpermute
+
+        @functools.wraps(original)
+        def dispatch(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, restore_shape: Any,
+                     probs: Optional[torch.Tensor] = None, *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+            topk = getattr(_LOCAL, "combine_topk", None)
+            plain = probs is None and not args and not kwargs.get("fused") and not kwargs.get("drop_and_pad")
+            if topk is None or not plain:
+                return original(permuted_tokens, sorted_indices, restore_shape, probs, *args, **kwargs)
+            return hf_order_unpermute(permuted_tokens, sorted_indices, restore_shape, topk)
+
+        token_dispatcher.unpermute = dispatch
+        _COMBINE_INSTALLED = True
+
+
+@functools.lru_cache(maxsize=None)
+def hf_moe_layer_class() -> type:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    class HFOrderMoELayer(MoELayer):
+        """``MoELayer`` whose token combine adds each token's expert outputs in HF's order
+        (:func:`hf_order_unpermute`)."""
+
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            _install_hf_order_combine()
+            _LOCAL.combine_topk = self.config.moe_router_topk
+            try:
+                return super().forward(*args, **kwargs)
+            finally:
+                _LOCAL.combine_topk = None
+
+    return HFOrderMoELayer
 
 
 @functools.lru_cache(maxsize=None)
@@ -268,6 +345,7 @@ def moe_mlp_submodule(arch: ArchConfig, pieces: dict[str, Any], router: str) -> 
                                   submodules=linears),  # fmt: skip
         router=router_builder,
     )
+    layer_cls = hf_moe_layer_class() if router == "hf" else MoELayer
     if hasattr(MLP, "as_mlp_submodule"):  # 0.19: builder partials (see compat.mlp_submodule)
-        return functools.partial(MoELayer, submodules=submodules)
-    return ModuleSpec(module=MoELayer, submodules=submodules)
+        return functools.partial(layer_cls, submodules=submodules)
+    return ModuleSpec(module=layer_cls, submodules=submodules)
