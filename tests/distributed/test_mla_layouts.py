@@ -1,7 +1,9 @@
 """DeepSeek-V3 / V2 (MLA + DeepSeek MoE) on real gloo process groups: TP2, EP2, PP2 in one
 two-rank launch. Per layout, on every rank: the packed forward against the single-process model and
 transformers (1e-5), the gathered export and the checkpoint written by ``save_hf_checkpoint``
-against the source checkpoint (bitwise). An FP8 block-quantized V3 checkpoint: loaded sharded, the
+against the source checkpoint (bitwise); TP2 also one ``train_step`` without sequence parallelism,
+every gradient but the routed experts' against the single-process step (1e-5; TP2 with sequence
+parallelism trains in ``test_mtp_layouts``). An FP8 block-quantized V3 checkpoint: loaded sharded, the
 same logits as the single-process model of its reference dequantization; exported back to FP8
 (fp32 fresh scales, bf16 source scales) with the identical tensors."""
 
@@ -27,6 +29,32 @@ CASES = {
                               "topk_group": 2},  # fmt: skip
 }
 LAYOUTS = [("tp2", Parallelism(tp=2)), ("ep2", Parallelism(ep=2)), ("pp2", Parallelism(pp=2))]
+#: the layout whose training step is compared: TP2 without sequence parallelism, where each rank
+#: sees every token and the k_rope gradient of the kv down projection is summed over the heads of
+#: both ranks by the zoo (mcore_zoo.specs.mla). Megatron-Core refuses to train MoE layers under TP
+#: without sequence parallelism, so they run in eval mode (no dropout either way) and the routed
+#: experts' gradients are not compared; everything else is
+TRAINED = "tp2"
+
+
+def _loss(tokens):
+    return -(tokens.logprobs * tokens.mask).sum(), {}
+
+
+def train_grads(model) -> dict:
+    """One ``train_step`` (MoE layers in eval mode, see ``TRAINED``); the HF-named gradients but
+    the routed experts'."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from mcore_zoo.distributed.train import train_step
+
+    model.train()
+    for chunk in getattr(model, "chunks", [model]):
+        for module in chunk.modules():
+            if isinstance(module, MoELayer):
+                module.eval()
+    train_step(model, random_sequences(LENGTHS, 256), _loss, loss_normalizer=float(sum(LENGTHS)))
+    return {k: v.clone() for k, v in mcore_zoo.iter_hf_weights(model, grads=True) if ".mlp.experts." not in k}
 
 
 def _run(ckpts: dict, out_dir: str, fp8_ckpt: str = "") -> dict:
@@ -47,6 +75,8 @@ def _run(ckpts: dict, out_dir: str, fp8_ckpt: str = "") -> dict:
             export = export_mismatches(dict(mcore_zoo.iter_hf_weights(model, bucket_size="64KB")), source)
             mcore_zoo.save_hf_checkpoint(model, os.path.join(out_dir, arch, name), max_shard_size="200KB")
             found[(arch, name)] = {"logits": logits, "export": export}
+            if name == TRAINED:
+                found[(arch, name)]["grads"] = train_grads(model)
             ps.destroy_model_parallel()
     if fp8_ckpt:
         for name, parallel in LAYOUTS:
@@ -76,6 +106,7 @@ def test_two_ranks_tp2_ep2_pp2(reference_checkpoint, hf_reference, mpu, tmp_path
             ref = mcore_zoo.packed_forward(single, seqs).logits
             hf_logits = [hf(s[None]).logits[0] for s in seqs]
         source = checkpoint_tensors(ckpt)
+        single_grads = train_grads(single)
         for name, _ in LAYOUTS:
             for rank, ranks in enumerate(found):
                 r = ranks[(arch, name)]
@@ -85,8 +116,15 @@ def test_two_ranks_tp2_ep2_pp2(reference_checkpoint, hf_reference, mpu, tmp_path
                 assert diff <= TOL and diff_hf <= TOL, f"{where}: logits differ by {diff} (single) / {diff_hf} (HF)"
                 assert r["export"] == [], f"{where}: exported tensors differ: {r['export'][:5]}"
                 worst[(arch, name)] = max(worst.get((arch, name), 0.0), diff)
+                if name == TRAINED:
+                    grads = r["grads"]
+                    assert set(grads) == set(single_grads), f"{where}: {sorted(set(grads) ^ set(single_grads))[:5]}"
+                    per = {k: (grads[k] - single_grads[k]).abs().max().item() for k in grads}
+                    bad = sorted((k for k in per if per[k] > TOL), key=per.get, reverse=True)
+                    assert not bad, f"{where}: gradients differ: {[(k, per[k]) for k in bad[:6]]}"
+                    worst[(arch, "grads")] = max(worst.get((arch, "grads"), 0.0), max(per.values()))
             assert export_mismatches(checkpoint_tensors(str(tmp_path / arch / name)), source) == [], f"{arch} {name}: save_hf_checkpoint"
-    print("max |dlogit| vs the single-process model:", worst)
+    print("max |dlogit| (and |dgrad|) vs the single-process model:", worst)
 
 
 @pytest.mark.slow

@@ -16,12 +16,16 @@ every head. Three things differ, and :class:`ZooMLASelfAttention` replaces them:
 * **latent norm epsilon**: HF builds ``q_a_layernorm`` / ``kv_a_layernorm`` with its RMSNorm default
   (1e-6) whatever ``rms_norm_eps`` says; Megatron-Core uses ``layernorm_epsilon``.
 
+Under TP the kv down projection's ``k_rope`` gradient is summed over the ranks' heads, which
+Megatron-Core's branch for a ``ColumnParallelLinear`` down projection does not do
+(:func:`_kv_down_class`).
+
 Core attention: the zoo's :class:`~mcore_zoo.specs.portable.PortableAttention` (THD, keys of width
 ``nope + rope`` and values of width ``v_head_dim``) on ``local`` and ``portable``; Megatron-Core's
 local ``DotProductAttention`` cannot take different key and value widths. On ``te`` (profiles whose
 ``attention`` knob is ``backend``) Transformer Engine's ``DotProductAttention``, which can; the up
 and output projections are TE linears there, the down projections stay Megatron-Core's own
-``ColumnParallelLinear`` (replicated over TP) on every backend, and the layer norms are separate
+``ColumnParallelLinear`` (rows split over TP, the output gathered) on every backend, and the layer norms are separate
 modules (MLA's two down projections read the same normalised input: no norm is fused into a
 linear). RoPE is never TE's fused kernel (the frequencies are HF's, installed above).
 """
@@ -106,8 +110,63 @@ def _install_complex_rope() -> None:
         _INSTALLED = True
 
 
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; backward: the gradient summed over ``group``. Megatron-Core's
+    ``copy_to_tensor_model_parallel_region`` all-reduces ``grad.contiguous()`` in place and returns
+    ``grad``, so a non-contiguous gradient (a column slice, as here) comes back unreduced."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        import torch.distributed as dist
+
+        total = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
+
+
+@functools.lru_cache(maxsize=None)
+def _kv_down_class() -> Any:
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.tensor_parallel.mappings import (
+        gather_from_tensor_model_parallel_region,
+        scatter_to_sequence_parallel_region,
+    )
+
+    class GatheredKVDownProj(ColumnParallelLinear):
+        """``linear_kv_down_proj`` (rows split over TP) returning the whole ``[latent; k_rope]`` row
+        of each token, under sequence parallelism for this rank's tokens only: what a replicated
+        linear returns, so ``MLASelfAttention`` takes its replicated branch.
+
+        The branch Megatron-Core takes for a ``ColumnParallelLinear`` down projection gathers its
+        output over TP and backpropagates through that gather by keeping each rank's own columns of
+        its own gradient. That is right for the latent (every rank's latent gradient is already the
+        whole sum: the up projection reduces it over TP), wrong for ``k_rope``: it is shared by every
+        head, each rank's gradient holds its own heads' share only, and the rope columns' owner
+        keeps its share and drops the other ranks'. Here the shares are summed over TP: under
+        sequence parallelism by the gather of ``k_rope`` over the sequence that the replicated
+        branch does (its backward reduce-scatters), without it by an all-reduce of the rope columns'
+        gradient. The forward is unchanged."""
+
+        def forward(self, input_: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            out, bias = super().forward(input_, *args, **kwargs)
+            out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
+            if self.config.sequence_parallel:
+                return scatter_to_sequence_parallel_region(out, group=self.tp_group), bias
+            latent, rope = torch.split(out, [self.config.kv_lora_rank, self.config.qk_pos_emb_head_dim], dim=-1)
+            rope = _SumGradOverTP.apply(rope, self.tp_group)
+            return torch.cat([latent, rope], dim=-1), bias
+
+    return GatheredKVDownProj
+
+
 @functools.lru_cache(maxsize=None)
 def _attention_class() -> Any:
+    from megatron.core.tensor_parallel import ColumnParallelLinear
     from megatron.core.transformer import multi_latent_attention as mla_module
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
@@ -122,6 +181,11 @@ def _attention_class() -> Any:
 
         def __init__(self, config: Any, submodules: Any, layer_number: int, *, arch: ArchConfig, **kwargs: Any) -> None:
             super().__init__(config, submodules, layer_number, **kwargs)
+            down = self.linear_kv_down_proj
+            if type(down) is ColumnParallelLinear and down.tp_group is not None and down.tp_group.size() > 1:
+                # MLA accepts only Megatron-Core's own class in the spec: the k_rope gradient fix
+                # (_kv_down_class) is the same module, parameters and all, with another forward
+                down.__class__ = _kv_down_class()
             cp = getattr(self.pg_collection, "cp", None)
             # the YaRN branch of MLA multiplies cos / sin by the returned factor (HF: attention_scaling)
             self.rotary_pos_emb = rotary_cls(arch, with_scale=config.rope_type == "yarn", cp_group=cp)
