@@ -110,23 +110,26 @@ def _install_complex_rope() -> None:
         _INSTALLED = True
 
 
-class _SumGradOverTP(torch.autograd.Function):
-    """Identity forward; backward: the gradient summed over ``group``. Megatron-Core's
-    ``copy_to_tensor_model_parallel_region`` all-reduces ``grad.contiguous()`` in place and returns
-    ``grad``, so a non-contiguous gradient (a column slice, as here) comes back unreduced."""
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity forward; backward: the gradient made contiguous. Megatron-Core's
+    ``copy_to_tensor_model_parallel_region`` all-reduces ``grad.contiguous()`` and returns ``grad``,
+    so a non-contiguous gradient (a column slice, as here) would come back unreduced."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        import torch.distributed as dist
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
 
-        total = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(total, group=ctx.group)
-        return total, None
+
+def sum_grad_over_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Identity forward; backward: the gradient summed over ``group`` (Megatron-Core's copy-to-TP
+    region, fed a contiguous gradient)."""
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    return _ContiguousGrad.apply(copy_to_tensor_model_parallel_region(x, group=group))
 
 
 @functools.lru_cache(maxsize=None)
@@ -158,7 +161,7 @@ def _kv_down_class() -> Any:
             if self.config.sequence_parallel:
                 return scatter_to_sequence_parallel_region(out, group=self.tp_group), bias
             latent, rope = torch.split(out, [self.config.kv_lora_rank, self.config.qk_pos_emb_head_dim], dim=-1)
-            rope = _SumGradOverTP.apply(rope, self.tp_group)
+            rope = sum_grad_over_tp(rope, self.tp_group)
             return torch.cat([latent, rope], dim=-1), bias
 
     return GatheredKVDownProj
