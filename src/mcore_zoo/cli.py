@@ -242,9 +242,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise ZooError(f"--max-shard-size {args.max_shard_size!r}: {exc}") from None
     if args.hf:
         out = hf_to_mcore(args.hf, args.out, params_dtype=args.dtype, backend=args.backend, overwrite=args.overwrite,
-                          make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)  # fmt: skip
+                          make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                          ignore_fields=parse_ignore_fields(args.ignore_field))  # fmt: skip
         print(f"wrote Megatron-Core distributed checkpoint {out}")
     else:
+        if args.ignore_field:
+            raise ZooError("--ignore-field applies to --hf (to mcore); the way back reads the fields the"
+                           " conversion ignored from the checkpoint's mcore_zoo.json")  # fmt: skip
         files = mcore_to_hf(args.mcore, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite)
         print(f"wrote HF checkpoint {args.out} ({len(files)} weight file(s))")
     return EXIT_OK
@@ -297,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
     p.add_argument("--backend", default="local", choices=("te", "local", "portable"))
     p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--ignore-field", action="append", default=[], metavar="NAME=REASON",
+                   help="--hf: ignore an HF config field on purpose (recorded in the output's mcore_zoo.json)")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
                    help="--hf: pad the vocabulary to a multiple of N, as a Megatron trainer configured so expects")
     p.add_argument("--overwrite", action="store_true")

@@ -25,7 +25,7 @@ import os
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Mapping, Optional, Union
 
 import torch
 
@@ -65,10 +65,11 @@ def _single_process() -> None:
 
 def meta_model(
     source: Any, *, backend: str = "local", params_dtype: Optional[torch.dtype] = None,
-    make_vocab_size_divisible_by: Optional[int] = None,
+    make_vocab_size_divisible_by: Optional[int] = None, ignore_fields: Optional[Mapping[str, str]] = None,
 ) -> torch.nn.Module:  # fmt: skip
     """The single-process (TP = PP = 1) model on the ``meta`` device: names, shapes, sharding
-    metadata and the bound weight map, without memory."""
+    metadata and the bound weight map, without memory. ``ignore_fields``: as for
+    :func:`mcore_zoo.build_model`."""
     from .build import prepare
     from .placement import Parallelism
 
@@ -76,7 +77,7 @@ def meta_model(
     plan = prepare(
         source, backend=backend, params_dtype=params_dtype, parallel=Parallelism(),
         overrides={"use_cpu_initialization": True}, perform_initialization=False,
-        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by, ignore_fields=ignore_fields,
     )  # fmt: skip
     with torch.device("meta"):
         return plan.new_handle().attach(plan.build_chunk())
@@ -99,11 +100,14 @@ def hf_to_mcore(
     backend: str = "local",
     overwrite: bool = False,
     make_vocab_size_divisible_by: Optional[int] = None,
+    ignore_fields: Optional[Mapping[str, str]] = None,
 ) -> Path:
     """HF checkpoint -> Megatron-Core ``torch_dist`` checkpoint, one parameter in memory at a time.
 
     ``params_dtype`` defaults to the dtype of the HF weights. ``make_vocab_size_divisible_by`` pads
-    the vocabulary as a Megatron trainer configured so expects it (recorded; the way back unpads). Every check of
+    the vocabulary as a Megatron trainer configured so expects it (recorded; the way back unpads).
+    ``ignore_fields`` (``{hf_field: reason}``, as for :func:`mcore_zoo.build_model`) is recorded
+    too, and the way back builds the same model. Every check of
     :func:`mcore_zoo.load_hf_weights` (coverage both ways, shapes) runs before anything is written.
     """
     from .distributed.io import sharded_layout, write_streaming
@@ -117,7 +121,8 @@ def hf_to_mcore(
     hf_dir = resolve(hf_dir)  # a Hugging Face Hub id: its snapshot
     with HFCheckpoint(hf_dir) as ckpt:
         dtype = parse_dtype(params_dtype) or _checkpoint_dtype(ckpt)
-        model = meta_model(hf_dir, backend=backend, params_dtype=dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+        model = meta_model(hf_dir, backend=backend, params_dtype=dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                           ignore_fields=ignore_fields)  # fmt: skip
         handle = handle_of(model)
         plan_load(handle, ckpt)  # coverage, unmapped parameters, shapes: all before writing
         rules = {b.mcore: b for b in handle.bound_rules(model)}
@@ -141,6 +146,7 @@ def hf_to_mcore(
                 "params_dtype": str(dtype).replace("torch.", ""),
                 "backend": backend,
                 "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
+                "ignore_fields": dict(ignore_fields or {}),
             }
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
             (tmp / MCORE_ASSET_DIR).mkdir()
@@ -291,7 +297,8 @@ def mcore_to_hf(
 
     meta = read_meta(mcore_dir)
     model = meta_model(meta["hf_config"], backend=meta.get("backend", "local"), params_dtype=parse_dtype(meta.get("params_dtype")),
-                       make_vocab_size_divisible_by=meta.get("make_vocab_size_divisible_by"))  # fmt: skip
+                       make_vocab_size_divisible_by=meta.get("make_vocab_size_divisible_by"),
+                       ignore_fields=meta.get("ignore_fields") or None)  # fmt: skip
     handle = handle_of(model)
     rules = {b.mcore: b for b in handle.bound_rules(model) if b.rule.export}
     layout = sharded_layout(model)

@@ -90,7 +90,8 @@ class UnclassifiedConfigFieldsError(ConfigError):
             f"{architecture}: the HF config has fields no converter rule classifies (mapped, ignored"
             " with a reason, or rejected). They might change the model, so conversion stops:\n"
             + _bullets(f"{k} = {v!r}" for k, v in sorted(self.fields.items()))
-            + "\nIf a field is harmless, pass ignore_fields={'<field>': '<reason>'}."
+            + "\nIf a field is harmless, pass ignore_fields={'<field>': '<reason>'}"
+            " (command line: --ignore-field FIELD=REASON)."
         )
 
 

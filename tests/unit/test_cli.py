@@ -64,3 +64,32 @@ def test_convert_round_trip_through_dist_checkpoint(mpu, reference_checkpoint, t
 def test_convert_needs_a_direction(tmp_path, capsys):
     assert main(["convert", "--out", str(tmp_path / "x")]) == 2
     assert "exactly one of" in capsys.readouterr().err
+
+
+def test_ignore_field_on_convert_and_parity_report(mpu, reference_checkpoint, tmp_path, capsys):
+    """An unclassified HF config field stops convert and parity-report, naming the field and the
+    flag; ``--ignore-field NAME=REASON`` lets both run, convert records it for the way back, and the
+    report says it was ignored. Without a reason the flag is refused."""
+    import shutil
+
+    hf = tmp_path / "hf"
+    shutil.copytree(reference_checkpoint("LlamaForCausalLM"), hf)
+    config = json.loads((hf / "config.json").read_text())
+    config["made_up_field"] = 3
+    (hf / "config.json").write_text(json.dumps(config))
+    assert main(["convert", "--hf", str(hf), "--out", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert "made_up_field" in err and "--ignore-field" in err
+    assert main(["convert", "--hf", str(hf), "--out", str(tmp_path / "m"), "--ignore-field", "made_up_field"]) == 2
+    assert "NAME=REASON" in capsys.readouterr().err
+    assert main(["convert", "--hf", str(hf), "--out", str(tmp_path / "m"), "--ignore-field", "made_up_field=unused"]) == 0
+    meta = json.loads((tmp_path / "m" / "mcore_zoo.json").read_text())
+    assert meta["ignore_fields"] == {"made_up_field": "unused"}
+    assert main(["convert", "--mcore", str(tmp_path / "m"), "--out", str(tmp_path / "back")]) == 0
+    assert main(["convert", "--mcore", str(tmp_path / "m"), "--out", str(tmp_path / "b2"), "--ignore-field", "x=y"]) == 2
+    capsys.readouterr()
+    assert main(["parity-report", "--model", str(hf), "-q", "--no-layers", "--no-baseline"]) == 2
+    assert "made_up_field" in capsys.readouterr().err
+    assert main(["parity-report", "--model", str(hf), "-q", "--no-layers", "--no-baseline",
+                 "--ignore-field", "made_up_field=unused"]) == 0  # fmt: skip
+    assert "'made_up_field' ignored on request (--ignore-field): unused" in capsys.readouterr().out

@@ -62,6 +62,8 @@ def register(sub: Any) -> None:
     g.add_argument("--numerics", help="numerics profile (default: 'default'; 'hf-exact' with --bitwise)")
     g.add_argument("--knob", action="append", default=[], metavar="KNOB=VALUE",
                    help="override one knob of the profile (e.g. attention=eager, norm=hf); repeatable")
+    g.add_argument("--ignore-field", action="append", default=[], metavar="NAME=REASON",
+                   help="build the mcore model with this HF config field ignored on purpose (reason required)")
     g.add_argument("--seq-format", default="auto", choices=("auto", "thd", "bshd"),
                    help="mcore sequence format (auto: thd unless the backend cannot)")
     g.add_argument("--tp", type=int, default=1, help="tensor parallel size of the mcore run (spawned ranks)")
@@ -104,6 +106,16 @@ def _pairs(items: list[str], flag: str) -> dict[str, Any]:
         raise _Usage(f"{flag}: {exc}") from None
 
 
+def _ignore_fields(items: list[str]) -> dict[str, str]:
+    from ..cli import parse_ignore_fields
+    from ..errors import ZooError
+
+    try:
+        return parse_ignore_fields(items)
+    except ZooError as exc:
+        raise _Usage(str(exc)) from None
+
+
 class _Usage(Exception):
     pass
 
@@ -127,7 +139,7 @@ def _options(args: argparse.Namespace, arch: Optional[str]) -> Any:
         arch=arch, model=args.model, config=args.config, random_weights=args.random_weights, scale=args.scale,
         settings=_pairs(args.set, "--set"), seed=args.seed, lengths=lengths, tokens=args.tokens, dtype=args.dtype,
         device=args.device, backend=args.backend, numerics=args.numerics, knobs=_pairs(args.knob, "--knob"),
-        seq_format=args.seq_format, tp=args.tp, reference=args.reference, baseline=not args.no_baseline,
+        ignore_fields=_ignore_fields(args.ignore_field), seq_format=args.seq_format, tp=args.tp, reference=args.reference, baseline=not args.no_baseline,
         layers=not args.no_layers, bitwise=args.bitwise, tolerances=tolerances, invariance=args.invariance,
         invariance_tp=args.invariance_tp, ablation=args.ablation, vllm_python=vllm_python, vllm_kwargs=_pairs(args.vllm_arg, "--vllm-arg"),
         worst=args.worst, work_dir=args.work_dir, trust_remote_code=args.trust_remote_code,

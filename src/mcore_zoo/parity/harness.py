@@ -74,6 +74,7 @@ class ParityOptions:
     backend: str = "auto"
     numerics: Optional[str] = None
     knobs: dict[str, Any] = field(default_factory=dict)
+    ignore_fields: dict[str, str] = field(default_factory=dict)
     seq_format: str = "auto"
     tp: int = 1
     reference: str = "eager"
@@ -279,7 +280,8 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
             runs[base.label] = base
         add(ref, base, "baseline", False, "tolerance")
         tol = tol.relaxed_by(comparisons[-1]["metrics"]).with_overrides(**opts.tolerances)  # --tol: as given
-    spec = McoreSpec(str(source.checkpoint), r["backend"], r["profile"], dtype, r["seq_format"], opts.tp, device)
+    spec = McoreSpec(str(source.checkpoint), r["backend"], r["profile"], dtype, r["seq_format"], opts.tp, device,
+                     ignore_fields=tuple(sorted(opts.ignore_fields.items())))  # fmt: skip
     export_dir = work / "export" if opts.vllm_python else None
     with progress.stage(f"megatron-core ({spec.label}, numerics {r['profile'].name})"):
         main = run_mcore(spec, sequences, capture=opts.layers, export_dir=export_dir)
@@ -302,7 +304,8 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
                 runs[result.label] = result
             add(main, result, "invariance", True, crit)
     if opts.ablation:
-        for knob, value, profile in ablation_profiles(r["profile"], spec.backend, source.architecture, source.config, device):
+        for knob, value, profile in ablation_profiles(r["profile"], spec.backend, source.architecture, source.config, device,
+                                                     opts.ignore_fields):  # fmt: skip
             variant = replace(spec, numerics=profile, tag=f"{knob}={value}")
             if spec.backend == "local" and profile.attention == "backend":
                 # mcore's own attention runs BSHD only: one sequence per forward, so no padding
@@ -368,7 +371,8 @@ _KNOB_BACKENDS = {
 
 
 def ablation_profiles(
-    profile: Any, backend: str, architecture: Any, config: dict[str, Any], device: str
+    profile: Any, backend: str, architecture: Any, config: dict[str, Any], device: str,
+    ignore_fields: Optional[dict[str, str]] = None,
 ) -> list[tuple[str, Any, Any]]:
     """``(knob, value, profile)`` for every knob where ``default`` and ``hf-exact`` differ, flipped
     alone from ``profile`` to the other profile's value; knobs that cannot change this model on
@@ -378,7 +382,7 @@ def ablation_profiles(
 
     cuda = device == "cuda"
     other = get_profile("default" if profile.norm == "hf" else "hf-exact").for_device(cuda)
-    arch = architecture.config_from_hf(config)
+    arch = architecture.config_from_hf(config, ignore_fields=ignore_fields)
     out = []
     for knob, backends in _KNOB_BACKENDS.items():
         value = getattr(other, knob)
@@ -408,6 +412,8 @@ def _notes(opts: ParityOptions, r: dict[str, Any], source: Any, token_info: dict
     provider = provider_note(source.architecture)
     if provider:
         notes.insert(0, provider)
+    for name, reason in sorted(opts.ignore_fields.items()):
+        notes.append(f"HF config field {name!r} ignored on request (--ignore-field): {reason}")
     if opts.bitwise and device == "cuda" and os.environ.get("CUBLAS_WORKSPACE_CONFIG") != ":0:0":
         notes.append("cuBLAS split-K is allowed (CUBLAS_WORKSPACE_CONFIG is not ':0:0'): a THD pack multiplies"
                      " more rows than each sequence alone and some shapes then sum in another order; start"

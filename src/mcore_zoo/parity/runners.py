@@ -120,6 +120,8 @@ class McoreSpec:
         device: ``cpu`` or ``cuda``.
         per_sequence: run each sequence in its own forward (batch 1) instead of all at once.
         tag: appended to the label (ablation runs: the flipped knob).
+        ignore_fields: ``(hf_field, reason)`` pairs the build accepts unclassified
+            (``build_model(ignore_fields=)``; ``parity-report --ignore-field``).
     """
 
     checkpoint: str
@@ -131,6 +133,7 @@ class McoreSpec:
     device: str = "cpu"
     per_sequence: bool = False
     tag: str = ""
+    ignore_fields: tuple[tuple[str, str], ...] = ()
 
     @property
     def label(self) -> str:
@@ -213,7 +216,7 @@ def _run_mcore_here(spec: McoreSpec, sequences: list[torch.Tensor], capture: boo
     t0 = time.perf_counter()
     model = mcore_zoo.build_model(
         spec.checkpoint, backend=spec.backend, numerics=spec.numerics, params_dtype=spec.dtype,
-        load=spec.checkpoint, device=spec.device,
+        load=spec.checkpoint, device=spec.device, ignore_fields=dict(spec.ignore_fields) or None,
     ).eval()  # fmt: skip
     t_load = time.perf_counter()
     lengths = [int(s.numel()) for s in sequences]
