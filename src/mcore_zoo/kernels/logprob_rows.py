@@ -24,7 +24,6 @@ per-token tensor ``[n]`` fp32 contiguous.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
@@ -42,11 +41,6 @@ def available() -> bool:
     except Exception:  # noqa: BLE001 - any import failure means: use the torch path
         return False
     return True
-
-
-def interpreted() -> bool:
-    """Whether Triton runs in its interpreter (CPU tensors allowed)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.lru_cache(maxsize=None)
@@ -171,4 +165,4 @@ def grad_rows(logits: torch.Tensor, out: torch.Tensor, idx: torch.Tensor, m: tor
                       WANT_H=want_h, HAS_TAU=has_tau, BLOCK=BLOCK)  # fmt: skip
 
 
-__all__ = ["available", "interpreted", "row_stats", "grad_rows", "BLOCK"]
+__all__ = ["available", "row_stats", "grad_rows", "BLOCK"]
