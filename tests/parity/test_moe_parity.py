@@ -59,7 +59,8 @@ def test_hf_exact_bitwise_bf16(mpu, reference_checkpoint, arch_name, experts):
     hf = arch.reference_model_class().from_pretrained(str(ckpt), dtype=torch.bfloat16, attn_implementation="eager",
                                                       experts_implementation=experts).eval()  # fmt: skip
     profile = get_profile("hf-exact").with_knobs(moe_experts=experts)
-    model = mcore_zoo.build_model(ckpt, backend="local", numerics=profile, load=ckpt, params_dtype=torch.bfloat16).eval()
+    model = mcore_zoo.build_model(ckpt, backend="local", numerics=profile, load=ckpt,
+                                  params_dtype=torch.bfloat16).eval()  # fmt: skip
     for batch, length in [(3, 37), (1, 61)]:
         ids = torch.stack(random_sequences([length] * batch, hf.config.vocab_size, seed=batch))
         with torch.no_grad():
@@ -273,11 +274,13 @@ def test_the_grouped_combine_sums_in_hf_top_k_order():
     for i, (e, t) in enumerate(rows.tolist()):
         by_slot[t, (topk_indices[t] == e).nonzero().item()] = x[i]
     want = by_slot.sum(dim=1).bfloat16()
-    got = hf_order_unpermute(x, sorted_indices, (tokens, hidden), topk, "grouped_mm", topk_indices, torch.bfloat16)
+    got = hf_order_unpermute(x, sorted_indices, (tokens, hidden), topk, "grouped_mm", topk_indices,
+                             torch.bfloat16)  # fmt: skip
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
     eager = hf_order_unpermute(x.bfloat16(), sorted_indices, (tokens, hidden), topk)
     assert not torch.equal(eager, want)
     leaf = x.clone().requires_grad_()
     upstream = torch.randn(tokens, hidden, generator=gen)
-    hf_order_unpermute(leaf, sorted_indices, (tokens, hidden), topk, "grouped_mm", topk_indices).mul(upstream).sum().backward()
+    out = hf_order_unpermute(leaf, sorted_indices, (tokens, hidden), topk, "grouped_mm", topk_indices)
+    (out * upstream).sum().backward()
     assert torch.equal(leaf.grad, upstream[sorted_indices])

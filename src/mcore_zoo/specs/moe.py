@@ -355,7 +355,8 @@ def hf_shared_experts_class() -> type:
 
 
 
-def moe_mlp_submodule(arch: ArchConfig, pieces: dict[str, Any], router: str, experts: str = "grouped_mm") -> Any:
+def moe_mlp_submodule(arch: ArchConfig, pieces: dict[str, Any], router: str,
+                      experts: str = "grouped_mm") -> Any:  # fmt: skip
     """The ``TransformerLayerSubmodules.mlp`` value of an MoE layer (this Megatron-Core version's
     form): ``MoELayer`` with sequential experts of ``pieces``' linears, shared experts, router.
     ``experts``: the transformers experts implementation whose combine ``router="hf"`` follows."""
