@@ -47,6 +47,27 @@ def test_hf_exact_bitwise(mpu, reference_checkpoint, hf_reference, arch_name):
         assert torch.equal(_logits(model, ids), ref), (batch, length)
 
 
+@pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
+@pytest.mark.parametrize("arch_name", MOE_ARCHS + ["DeepseekV3ForCausalLM"])
+def test_hf_exact_bitwise_bf16(mpu, reference_checkpoint, arch_name, experts):
+    """bf16 on the CPU, against both of transformers' experts implementations (numerics knob
+    ``moe_experts``): ``grouped_mm`` sums a token's weighted expert outputs in the routing weights'
+    dtype (fp32 for Mixtral, GLM-4.5, DeepSeek-V3) and casts once, ``eager`` casts each to bf16
+    and adds them in bf16."""
+    ckpt = reference_checkpoint(arch_name)
+    arch = mcore_zoo.lookup(arch_name)
+    hf = arch.reference_model_class().from_pretrained(str(ckpt), dtype=torch.bfloat16, attn_implementation="eager",
+                                                      experts_implementation=experts).eval()  # fmt: skip
+    profile = get_profile("hf-exact").with_knobs(moe_experts=experts)
+    model = mcore_zoo.build_model(ckpt, backend="local", numerics=profile, load=ckpt,
+                                  params_dtype=torch.bfloat16).eval()  # fmt: skip
+    for batch, length in [(3, 37), (1, 61)]:
+        ids = torch.stack(random_sequences([length] * batch, hf.config.vocab_size, seed=batch))
+        with torch.no_grad():
+            ref = hf(ids).logits
+        assert torch.equal(_logits(model, ids), ref), (batch, length)
+
+
 @pytest.mark.parametrize("arch_name", MOE_ARCHS)
 def test_experts_off_by_one_fail(mpu, reference_checkpoint, hf_reference, arch_name):
     """Routing every token to the next expert (expert i computes with expert i+1's weights) must
@@ -233,4 +254,33 @@ def test_the_combine_adds_each_tokens_experts_in_hf_order():
     leaf = x.clone().requires_grad_()
     upstream = torch.randn(tokens, hidden, generator=gen).bfloat16()
     (hf_order_unpermute(leaf, sorted_indices, (tokens, hidden), topk).float() * upstream.float()).sum().backward()
+    assert torch.equal(leaf.grad, upstream[sorted_indices])
+
+
+def test_the_grouped_combine_sums_in_hf_top_k_order():
+    """``experts="grouped_mm"``: fp32 weighted outputs placed at each token's top-k position and
+    summed there (transformers' ``grouped_mm`` experts: ``.view(T, K, H).sum(dim=1)``), cast to bf16
+    once; differentiable."""
+    from mcore_zoo.specs.moe import hf_order_unpermute
+
+    gen = torch.Generator().manual_seed(0)
+    tokens, hidden, experts, topk = 50, 16, 8, 3
+    topk_indices = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)])
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter(1, topk_indices, True)
+    rows = routing_map.T.nonzero()  # expert-major: (expert, token)
+    sorted_indices = rows[:, 1]
+    x = torch.randn(len(rows), hidden, generator=gen) * 10
+    by_slot = torch.zeros(tokens, topk, hidden)
+    for i, (e, t) in enumerate(rows.tolist()):
+        by_slot[t, (topk_indices[t] == e).nonzero().item()] = x[i]
+    want = by_slot.sum(dim=1).bfloat16()
+    got = hf_order_unpermute(x, sorted_indices, (tokens, hidden), topk, "grouped_mm", topk_indices,
+                             torch.bfloat16)  # fmt: skip
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    eager = hf_order_unpermute(x.bfloat16(), sorted_indices, (tokens, hidden), topk)
+    assert not torch.equal(eager, want)
+    leaf = x.clone().requires_grad_()
+    upstream = torch.randn(tokens, hidden, generator=gen)
+    out = hf_order_unpermute(leaf, sorted_indices, (tokens, hidden), topk, "grouped_mm", topk_indices)
+    (out * upstream).sum().backward()
     assert torch.equal(leaf.grad, upstream[sorted_indices])

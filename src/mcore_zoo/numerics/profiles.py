@@ -60,6 +60,15 @@ class NumericsProfile:
             output after ``linear_fc2``; ``"mcore"``: Megatron-Core's stock ``TopKRouter`` and
             ``SequentialMLP`` (weights applied before ``linear_fc2``). See
             :mod:`mcore_zoo.specs.moe`.
+        moe_experts: MoE models with ``router="hf"`` only: which of transformers' experts
+            implementations the combine of a token's experts follows. ``"grouped_mm"`` (the
+            default of ``from_pretrained`` since transformers 5): each expert's weighted output
+            stays in the product's dtype (fp32 where the routing weights are fp32), a token's
+            outputs are summed over its top-k slots (``.sum(dim=1)``), then cast to the hidden
+            dtype once. ``"eager"`` (``experts_implementation="eager"``, and transformers 4):
+            each weighted output is cast to the hidden dtype, then added one expert at a time
+            (``index_add_``). Both agree for two experts per token with weights in the hidden
+            dtype (or fp32 models); otherwise they round differently.
     """
 
     name: str
@@ -72,6 +81,7 @@ class NumericsProfile:
     fuse_norm_into_linear: bool = True
     linear_bias: str = "separate"
     router: str = "hf"
+    moe_experts: str = "grouped_mm"
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -81,6 +91,7 @@ class NumericsProfile:
             "attention": ("backend", "auto", "sdpa", "eager", "varlen", "flash"),
             "linear_bias": ("separate", "fused"),
             "router": ("hf", "mcore"),
+            "moe_experts": ("grouped_mm", "eager"),
         }
         for knob, allowed in checks.items():
             if getattr(self, knob) not in allowed:

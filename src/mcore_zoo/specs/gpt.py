@@ -124,7 +124,7 @@ def gpt_layer_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile, *,
         if p["pre_mlp_layernorm"] is IdentityOp:  # te: a separate norm, and expert fc1s without one
             unfused = _pieces(arch, backend, numerics.with_knobs(fuse_norm_into_linear=False))
             p = dict(p, pre_mlp_layernorm=unfused["pre_mlp_layernorm"], linear_fc1=unfused["linear_fc1"])
-        mlp = moe_mlp_submodule(arch, p, numerics.router)
+        mlp = moe_mlp_submodule(arch, p, numerics.router, numerics.moe_experts)
     else:
         mlp = mlp_submodule(p["linear_fc1"], p["linear_fc2"])
     qk_norm = p["qk_norm"] if arch.qk_norm else IdentityOp

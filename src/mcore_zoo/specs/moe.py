@@ -11,9 +11,12 @@ What ``router="hf"`` changes against stock Megatron-Core (both are the same math
   (gating GEMM, z-loss, aux losses, expert-bias bookkeeping, router replay).
 * :class:`HFOrderSequentialMLP` - each expert's output is multiplied by its routing weight *after*
   ``linear_fc2``, as HF does; stock mcore multiplies the activation before ``linear_fc2``.
-* :class:`HFOrderMoELayer` - the token combine adds each token's expert outputs one expert at a
-  time in ascending order, rounding after each add, as HF's per-expert ``index_add_`` does; stock
-  mcore's ``scatter_add_`` adds them in no fixed order on CUDA (:func:`hf_order_unpermute`).
+* :class:`HFOrderMoELayer` - the token combine follows the transformers experts implementation
+  named by the numerics knob ``moe_experts`` (:func:`hf_order_unpermute`): ``"grouped_mm"`` (the
+  default of transformers 5) sums a token's weighted expert outputs over its top-k slots in the
+  product's dtype and casts once; ``"eager"`` adds them one expert at a time in ascending order in
+  the hidden dtype, rounding after each add, as the per-expert ``index_add_`` does. Stock mcore's
+  ``scatter_add_`` adds them in no fixed order on CUDA.
 * :class:`HFOrderSharedExpertMLP` - the shared-expert gate (a one-column GEMM and a sigmoid) runs
   over the tokens in HF's batch-major order (both round by position in the tensor); the sigmoid
   router scores (GLM-4.5) likewise.
@@ -84,6 +87,7 @@ def hf_topk_routing(logits: torch.Tensor, moe: MoESpec,
         weights = weights / denominator
     if moe.topk_scaling_factor is not None:
         weights = weights * moe.topk_scaling_factor
+    _LOCAL.topk_indices = top_indices  # the combine's slot order (grouped_mm: HF's top-k order)
     probs_dtype = torch.float32 if moe.probs_dtype == "fp32" else _LOCAL.hidden_dtype
     weights = weights.to(probs_dtype)
     zeros = torch.zeros(num_tokens, num_experts, dtype=probs_dtype, device=logits.device)
@@ -116,20 +120,34 @@ def _install() -> None:
 
 
 def hf_order_unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, restore_shape: Any,
-                       topk: int) -> torch.Tensor:  # fmt: skip
-    """Megatron-Core's ``unpermute`` (no probs, dropless) with HF's summation order.
+                       topk: int, experts: str = "eager", topk_indices: Optional[torch.Tensor] = None,
+                       out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:  # fmt: skip
+    """Megatron-Core's ``unpermute`` (no probs, dropless) with the summation order of one of
+    transformers' experts implementations.
 
-    ``permuted_tokens [R, H]`` are the expert outputs in expert-major order (each token's rows in
-    ascending expert order), ``sorted_indices [R]`` the token each row belongs to. HF adds a token's
-    experts one expert at a time into a zero tensor of the hidden dtype (``index_add_`` per expert,
-    rounding after each add); Megatron-Core's ``scatter_add_`` sums all rows at once, which on CUDA
-    is atomics in no fixed order (on CPU: row order, the same as HF). Here the ``r``-th row of every
-    token (``r < topk``) is added in pass ``r``: each pass has distinct indices, so every add is one
-    rounding in HF's order, on every device. Differentiable."""
+    ``permuted_tokens [R, H]`` are the weighted expert outputs in expert-major order (each token's
+    rows in ascending expert order), ``sorted_indices [R]`` the token each row belongs to.
+
+    * ``experts="eager"`` (transformers' ``eager`` experts, and transformers 4): HF adds a token's
+      experts one expert at a time into a zero tensor of the hidden dtype (``index_add_`` per
+      expert, rounding after each add). Here the ``r``-th row of every token (``r < topk``) is added
+      in pass ``r``: each pass has distinct indices, so every add is one rounding in HF's order, on
+      every device. Megatron-Core's ``scatter_add_`` sums all rows at once, which on CUDA is atomics
+      in no fixed order.
+    * ``experts="grouped_mm"`` (transformers 5's default): HF keeps the weighted outputs in the
+      product's dtype (fp32 when the routing weights are fp32), puts them in a ``[T, topk, H]``
+      tensor in the order of its top-k indices, ``.sum(dim=1)``, then casts to the hidden dtype
+      once. Here the same: ``topk_indices [T, topk]`` (the router's) give each row its slot; without
+      them (or when a token has fewer rows, e.g. experts on other ranks) the slot is the row's rank
+      in ascending expert order.
+
+    ``out_dtype``: the hidden dtype (default: the rows' dtype). Differentiable."""
     n = sorted_indices.numel()
-    out = torch.zeros(restore_shape, dtype=permuted_tokens.dtype, device=permuted_tokens.device)
+    out_dtype = out_dtype or permuted_tokens.dtype
+    device = permuted_tokens.device
+    num_tokens, hidden = restore_shape[0], restore_shape[-1]
     if n == 0:
-        return out
+        return torch.zeros(restore_shape, dtype=out_dtype, device=device)
     order = torch.argsort(sorted_indices, stable=True)  # rows grouped by token, row order kept
     grouped = sorted_indices[order]
     pos = torch.arange(n, device=sorted_indices.device)
@@ -138,10 +156,21 @@ def hf_order_unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tens
     first = torch.cummax(torch.where(start, pos, torch.zeros_like(pos)), dim=0).values
     rank = torch.empty_like(pos)
     rank[order] = pos - first  # how many earlier rows belong to the same token
+    if experts == "grouped_mm":
+        slot = rank
+        if topk_indices is not None and topk_indices.shape == (num_tokens, topk) and n == num_tokens * topk:
+            # the r-th smallest expert of a token sits at HF's top-k position argsort(indices)[r]
+            slot = torch.argsort(topk_indices.to(device), dim=1)[sorted_indices, rank]
+        slots = torch.zeros(num_tokens, topk, hidden, dtype=permuted_tokens.dtype, device=device)
+        slots = slots.index_put((sorted_indices, slot), permuted_tokens)
+        return slots.sum(dim=1).to(out_dtype).view(restore_shape)
+    if experts != "eager":
+        raise ValueError(f"unknown experts implementation {experts!r}; use 'grouped_mm' or 'eager'")
+    out = torch.zeros(restore_shape, dtype=permuted_tokens.dtype, device=device)
     for r in range(topk):
         rows = (rank == r).nonzero().squeeze(1)
         out = out.index_add(0, sorted_indices[rows], permuted_tokens[rows])
-    return out
+    return out.to(out_dtype)
 
 
 def _install_hf_order_combine() -> None:
@@ -159,31 +188,36 @@ def _install_hf_order_combine() -> None:
         @functools.wraps(original)
         def dispatch(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, restore_shape: Any,
                      probs: Optional[torch.Tensor] = None, *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
-            topk = getattr(_LOCAL, "combine_topk", None)
+            combine = getattr(_LOCAL, "combine", None)
             plain = probs is None and not args and not kwargs.get("fused") and not kwargs.get("drop_and_pad")
-            if topk is None or not plain:
+            if combine is None or not plain:
                 return original(permuted_tokens, sorted_indices, restore_shape, probs, *args, **kwargs)
-            return hf_order_unpermute(permuted_tokens, sorted_indices, restore_shape, topk)
+            topk, experts, hidden_dtype = combine
+            return hf_order_unpermute(permuted_tokens, sorted_indices, restore_shape, topk, experts,
+                                      getattr(_LOCAL, "topk_indices", None), hidden_dtype)  # fmt: skip
 
         token_dispatcher.unpermute = dispatch
         _COMBINE_INSTALLED = True
 
 
 @functools.lru_cache(maxsize=None)
-def hf_moe_layer_class() -> type:
+def hf_moe_layer_class(experts: str = "grouped_mm") -> type:
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     class HFOrderMoELayer(MoELayer):
-        """``MoELayer`` whose token combine adds each token's expert outputs in HF's order
-        (:func:`hf_order_unpermute`)."""
+        """``MoELayer`` whose token combine adds each token's expert outputs in the order of
+        transformers' ``experts`` implementation (:func:`hf_order_unpermute`), ending in the
+        dtype of the layer's input."""
 
-        def forward(self, *args: Any, **kwargs: Any) -> Any:
+        def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             _install_hf_order_combine()
-            _LOCAL.combine_topk = self.config.moe_router_topk
+            _LOCAL.combine = (self.config.moe_router_topk, experts, hidden_states.dtype)
+            _LOCAL.topk_indices = None
             try:
-                return super().forward(*args, **kwargs)
+                return super().forward(hidden_states, *args, **kwargs)
             finally:
-                _LOCAL.combine_topk = None
+                _LOCAL.combine = None
+                _LOCAL.topk_indices = None
 
     return HFOrderMoELayer
 
@@ -268,13 +302,16 @@ def microbatch_router_replay_class() -> type:
 
 
 @functools.lru_cache(maxsize=None)
-def hf_experts_class() -> type:
+def hf_experts_class(experts: str = "grouped_mm") -> type:
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     class HFOrderSequentialMLP(SequentialMLP):
         """``SequentialMLP`` that scales each expert's output by its routing weight after
-        ``linear_fc2`` (HF: ``down_proj(act(gate) * up) * weight``), in the weight's dtype, then casts
-        back to the hidden dtype (HF Mixtral / GLM keep fp32 weights; Qwen casts them first)."""
+        ``linear_fc2`` (HF: ``down_proj(act(gate) * up) * weight``), in the weight's dtype (HF
+        Mixtral / GLM / DeepSeek-V3 keep fp32 weights; Qwen casts them to the hidden dtype first).
+        transformers' ``grouped_mm`` experts keep that product in its dtype until the sum over a
+        token's experts (the combine casts); its ``eager`` experts cast each product back to the
+        hidden dtype before ``index_add_``."""
 
         def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                     permuted_probs: torch.Tensor) -> tuple[torch.Tensor, None]:  # fmt: skip
@@ -288,7 +325,8 @@ def hf_experts_class() -> type:
                 output, bias = expert(tokens)
                 if bias is not None:
                     output = output + bias
-                outputs.append((output * probs.unsqueeze(-1)).to(output.dtype))
+                weighted = output * probs.unsqueeze(-1)
+                outputs.append(weighted if experts == "grouped_mm" else weighted.to(output.dtype))
             return torch.cat(outputs, dim=0), None
 
     return HFOrderSequentialMLP
@@ -317,9 +355,11 @@ def hf_shared_experts_class() -> type:
 
 
 
-def moe_mlp_submodule(arch: ArchConfig, pieces: dict[str, Any], router: str) -> Any:
+def moe_mlp_submodule(arch: ArchConfig, pieces: dict[str, Any], router: str,
+                      experts: str = "grouped_mm") -> Any:  # fmt: skip
     """The ``TransformerLayerSubmodules.mlp`` value of an MoE layer (this Megatron-Core version's
-    form): ``MoELayer`` with sequential experts of ``pieces``' linears, shared experts, router."""
+    form): ``MoELayer`` with sequential experts of ``pieces``' linears, shared experts, router.
+    ``experts``: the transformers experts implementation whose combine ``router="hf"`` follows."""
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
@@ -335,7 +375,9 @@ def moe_mlp_submodule(arch: ArchConfig, pieces: dict[str, Any], router: str) -> 
     if router not in ("hf", "mcore"):
         raise ValueError(f"router={router!r}; use 'hf' or 'mcore'")
     linears = MLPSubmodules(linear_fc1=pieces["linear_fc1"], linear_fc2=pieces["linear_fc2"])
-    experts_cls = hf_experts_class() if router == "hf" else SequentialMLP
+    if experts not in ("grouped_mm", "eager"):
+        raise ValueError(f"moe_experts={experts!r}; use 'grouped_mm' or 'eager'")
+    experts_cls = hf_experts_class(experts) if router == "hf" else SequentialMLP
     router_builder: Callable[..., Any] = (
         functools.partial(hf_router_class(), moe=moe) if router == "hf" else TopKRouter
     )
@@ -345,7 +387,7 @@ def moe_mlp_submodule(arch: ArchConfig, pieces: dict[str, Any], router: str) -> 
                                   submodules=linears),  # fmt: skip
         router=router_builder,
     )
-    layer_cls = hf_moe_layer_class() if router == "hf" else MoELayer
+    layer_cls = hf_moe_layer_class(experts) if router == "hf" else MoELayer
     if hasattr(MLP, "as_mlp_submodule"):  # 0.19: builder partials (see compat.mlp_submodule)
         return functools.partial(layer_cls, submodules=submodules)
     return ModuleSpec(module=layer_cls, submodules=submodules)
