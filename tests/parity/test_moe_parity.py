@@ -284,3 +284,16 @@ def test_the_grouped_combine_sums_in_hf_top_k_order():
     out = hf_order_unpermute(leaf, sorted_indices, (tokens, hidden), topk, "grouped_mm", topk_indices)
     (out * upstream).sum().backward()
     assert torch.equal(leaf.grad, upstream[sorted_indices])
+
+
+@pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
+def test_parity_report_loads_the_reference_with_the_profiles_experts_kernel(experts, capsys):
+    """``parity-report`` loads the transformers reference with the experts implementation the mcore
+    model's ``moe_experts`` knob follows (Mixtral, bf16: the two kernels round differently), so the
+    bitwise run passes with either."""
+    from mcore_zoo.cli import main
+
+    args = ["parity-report", "--arch", "MixtralForCausalLM", "--dtype", "bfloat16", "--device", "cpu", "--bitwise",
+            "--backend", "local", "-q", "--no-layers", "--no-baseline", "--knob", f"moe_experts={experts}"]  # fmt: skip
+    assert main(args) == 0
+    assert f"experts_implementation={experts!r}" in capsys.readouterr().out

@@ -59,7 +59,7 @@ GENERIC_IGNORED: dict[str, str] = {
     "is_decoder": "encoder/decoder role flag of encoder-decoder models; causal LMs are decoders",
     "_attn_implementation": "HF attention kernel choice; parity runs select it explicitly",
     "_attn_implementation_autoset": "HF attention kernel choice; parity runs select it explicitly",
-    "_experts_implementation": "HF MoE kernel choice; parity runs select it explicitly",
+    "_experts_implementation": "HF MoE kernel choice (the moe_experts numerics knob follows one; parity-report loads the reference with it)",
 }
 for _name in (
     "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",

@@ -268,15 +268,19 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
         comparisons.append(compare(ref, cand, role=role, gating=gating, criterion=crit, tol=tol, worst=opts.worst,
                                    device=cmp_device))  # fmt: skip
 
+    # MoE: the reference's experts kernel is the one the mcore model's combine follows
+    experts = r["profile"].moe_experts if r["profile"].router == "hf" and _is_moe(source, opts.ignore_fields) else None
     with progress.stage(f"transformers ({opts.reference})"):
         ref = run_hf(source.architecture, source.checkpoint, sequences, dtype=dtype,
-                     attn_implementation=opts.reference, device=device, capture=opts.layers)  # fmt: skip
+                     attn_implementation=opts.reference, device=device, capture=opts.layers,
+                     experts_implementation=experts)  # fmt: skip
         runs[ref.label] = ref
     if opts.baseline:  # first: its gap may relax the tolerances of every other comparison
         other = "sdpa" if opts.reference == "eager" else "eager"
         with progress.stage(f"transformers ({other}) baseline"):
             base = run_hf(source.architecture, source.checkpoint, sequences, dtype=dtype,
-                          attn_implementation=other, device=device, capture=opts.layers)  # fmt: skip
+                          attn_implementation=other, device=device, capture=opts.layers,
+                          experts_implementation=experts)  # fmt: skip
             runs[base.label] = base
         add(ref, base, "baseline", False, "tolerance")
         tol = tol.relaxed_by(comparisons[-1]["metrics"]).with_overrides(**opts.tolerances)  # --tol: as given
@@ -368,6 +372,15 @@ _KNOB_BACKENDS = {
     "fuse_norm_into_linear": ("te",),
     "linear_bias": ("local", "portable"),
 }
+
+
+def _is_moe(source: Any, ignore_fields: dict[str, str]) -> bool:
+    """Whether the run's model has MoE layers (its HF config converted as the mcore build converts
+    it; a config that does not convert is reported by that build)."""
+    try:
+        return source.architecture.config_from_hf(source.config, ignore_fields=ignore_fields).moe is not None
+    except ZooError:
+        return False
 
 
 def ablation_profiles(

@@ -111,10 +111,14 @@ def load_reference(
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = "eager",
     device: Optional[Union[str, torch.device]] = None,
+    experts_implementation: Optional[str] = None,
 ) -> torch.nn.Module:
-    """Load the HF reference model the way users do: ``from_pretrained(dtype=...)``."""
+    """Load the HF reference model the way users do: ``from_pretrained(dtype=...)``.
+    ``experts_implementation`` (MoE models, transformers 5): ``"grouped_mm"`` (its default) or
+    ``"eager"``; ``None`` leaves transformers' default."""
     cls = architecture.reference_model_class()
-    model = cls.from_pretrained(str(checkpoint), dtype=dtype, attn_implementation=attn_implementation)
+    kwargs = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
+    model = cls.from_pretrained(str(checkpoint), dtype=dtype, attn_implementation=attn_implementation, **kwargs)
     if device is not None:
         model = model.to(device)
     return model.eval()

@@ -73,12 +73,16 @@ def run_hf(
     attn_implementation: str = "eager",
     device: str = "cpu",
     capture: bool = True,
+    experts_implementation: Optional[str] = None,
 ) -> RunResult:
-    """The transformers reference, each sequence alone (see module docstring)."""
+    """The transformers reference, each sequence alone (see module docstring).
+    ``experts_implementation``: MoE models, the transformers experts kernel the mcore model's
+    ``moe_experts`` knob follows (``None``: transformers' default)."""
     from .reference import load_reference
 
     t0 = time.perf_counter()
-    model = load_reference(architecture, checkpoint, dtype=dtype, attn_implementation=attn_implementation, device=device)
+    model = load_reference(architecture, checkpoint, dtype=dtype, attn_implementation=attn_implementation, device=device,
+                           experts_implementation=experts_implementation)  # fmt: skip
     t_load = time.perf_counter()
     sites = hf_sites(model) if capture else {}
     logits = []
@@ -98,7 +102,8 @@ def run_hf(
         "dtype": _dtype_name(dtype),
         "device": device,
         "batching": "each sequence alone (batch 1)",
-        "loaded_with": f"from_pretrained(dtype={_dtype_name(dtype)}, attn_implementation={attn_implementation!r})",
+        "loaded_with": f"from_pretrained(dtype={_dtype_name(dtype)}, attn_implementation={attn_implementation!r}"
+                       + (f", experts_implementation={experts_implementation!r})" if experts_implementation else ")"),
         "seconds": {"load": round(t_load - t0, 3), "forward": round(t_run - t_load, 3)},
     }
     del model
