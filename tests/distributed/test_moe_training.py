@@ -3,17 +3,20 @@
 Qwen3-MoE (4 layers, layer 1 dense) with its load-balancing loss switched on
 (``output_router_logits``): after ``train_step`` of the example RL update (actor and critic, as in
 ``test_training.py``) the gradients under HF names equal the single-process ones within 1e-5 at
-EP2, TP2 x EP2 (sequence parallel, which Megatron-Core requires for MoE training under TP) and
-PP2 x EP2. The load-balancing loss is part of those gradients (without it the single-process
-gradients move by far more than the tolerance), and the per-layer values the routers report
-(``mcore_zoo.routing.aux_losses``, summed over TP ranks and pipeline stages) equal the
-single-process ones. Under EP2, routing recorded in one step and replayed in the next, with every
-router perturbed in between, keeps the recorded experts, and the replayed step's gradients (router
-included) equal the single-process replayed step's.
+EP2, CP2 (zigzag THD; unwrapped and wrapped in Megatron-Core's DDP), TP2 x EP2 (sequence parallel,
+which Megatron-Core requires for MoE training under TP), PP2 x EP2 and CP2 x EP2. The
+load-balancing loss is part of those gradients (without it the single-process gradients move by
+far more than the tolerance; under CP each rank attaches its tokens' part, scaled by the schedule's
+``cp / num_microbatches`` like the main loss), the per-layer values the routers report
+(``mcore_zoo.routing.aux_losses``, summed over TP / CP ranks and pipeline stages) equal the
+single-process ones, and so do the actor's ``packed_forward`` log-probs. Under EP2, routing
+recorded in one step and replayed in the next, with every router perturbed in between, keeps the
+recorded experts, and the replayed step's gradients (router included) equal the single-process
+replayed step's.
 
 The load-balancing loss is a mean per micro-batch and counts every routed token, so every run
-splits the batch into the same two micro-batches and the sequence lengths are even (TP2 with
-sequence parallelism pads nothing).
+splits the batch into the same two micro-batches and the sequence lengths are multiples of 4 (TP2
+with sequence parallelism and CP2, alignment ``2 * cp``, pad nothing).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import mcore_zoo
 from mcore_zoo import routing
 from mcore_zoo.distributed import launch
 from mcore_zoo.placement import Parallelism
@@ -32,7 +36,7 @@ from .test_training import TOL, _batch, _build, _max_diff, _update, _value_check
 
 ARCH = "Qwen3MoeForCausalLM"
 OVERRIDES = {"num_hidden_layers": 4, "mlp_only_layers": [1], "output_router_logits": True, "router_aux_loss_coef": 0.05}
-LENGTHS = [24, 10, 40, 6, 18, 12]
+LENGTHS = [24, 12, 40, 8, 20, 12]
 STEP = {"num_microbatches": 2}
 REPLAYABLE = {"overrides": {"moe_enable_routing_replay": True}}
 
@@ -87,15 +91,21 @@ def _replayed_step(model, batch: dict) -> dict:
     }
 
 
-def _steps(ckpt: str, value_ckpt: str, parallel: Parallelism, batch: dict, replay: bool) -> dict:
+def _steps(ckpt: str, value_ckpt: str, parallel: Parallelism, batch: dict, replay: bool,
+           ddp: bool = False) -> dict:  # fmt: skip
     """The actor and critic updates at ``parallel`` (the running parallel state), the load-balancing
-    losses of the actor's step, and with ``replay`` the recorded-then-replayed actor step."""
+    losses of the actor's step, the actor's ``packed_forward`` log-probs, and with ``replay`` the
+    recorded-then-replayed actor step; ``ddp``: the models wrapped in Megatron-Core's DDP."""
     r: dict = {}
-    actor = _build(ckpt, parallel, critic=False, **REPLAYABLE)
+    actor = _build(ckpt, parallel, critic=False, ddp=ddp, **REPLAYABLE)
     routing.aux_losses()  # a clean tracker
     r["actor"], r["actor_loss"] = _update(actor, batch, False, **STEP)
     r["aux"] = _aux_losses()
-    critic = _build(value_ckpt, parallel, critic=True)
+    with torch.no_grad():
+        out = mcore_zoo.packed_forward(actor, batch["seqs"], return_logits=False, temperature=0.9)
+    r["logprobs"] = out.logprobs
+    routing.aux_losses()
+    critic = _build(value_ckpt, parallel, critic=True, ddp=ddp)
     r["critic"], r["critic_loss"] = _update(critic, batch, True, **STEP)
     routing.aux_losses()
     if replay:
@@ -110,9 +120,9 @@ def _run_layouts(ckpt: str, value_ckpt: str, layouts: list) -> dict:
 
     batch = _batch(json.loads((Path(ckpt) / "config.json").read_text())["vocab_size"], LENGTHS)
     found = {}
-    for name, parallel, replay in layouts:
+    for name, parallel, replay, *ddp in layouts:
         ensure_model_parallel(parallel)
-        found[name] = _steps(ckpt, value_ckpt, parallel, batch, replay)
+        found[name] = _steps(ckpt, value_ckpt, parallel, batch, replay, *ddp)
         ps.destroy_model_parallel()
     return found
 
@@ -148,6 +158,8 @@ def _check(found: list[dict], ref: dict) -> dict[str, float]:
             assert critic <= TOL, f"{where}: critic gradients differ by {critic}"
             assert abs(r["actor_loss"] - ref["actor_loss"]) <= TOL, where
             assert abs(r["critic_loss"] - ref["critic_loss"]) <= TOL, where
+            logprobs = max((a - b).abs().max().item() for a, b in zip(r["logprobs"], ref["logprobs"]))
+            assert logprobs <= TOL, f"{where}: packed_forward log-probs differ by {logprobs}"
             aux = (r["aux"] - ref["aux"]).abs().max().item()
             assert aux <= TOL, f"{where}: load-balancing losses {r['aux'].tolist()} vs {ref['aux'].tolist()}"
             if "replay" in r:
@@ -159,22 +171,28 @@ def _check(found: list[dict], ref: dict) -> dict[str, float]:
                 router = [k for k in replay["grads"] if k.endswith("mlp.gate.weight")]
                 assert router and all(replay["grads"][k].abs().sum() > 0 for k in router), f"{where}: router gradients"
             worst[name] = max(worst.get(name, 0.0), actor, critic)
+            worst[name + " logprobs"] = max(worst.get(name + " logprobs", 0.0), logprobs)
     return worst
 
 
 @pytest.mark.slow
-def test_two_ranks_ep2(moe_checkpoints, moe_reference):
-    """EP2 (two data-parallel replicas sharing the experts), with routing replay."""
+def test_two_ranks_ep2_cp2(moe_checkpoints, moe_reference):
+    """EP2 (two data-parallel replicas sharing the experts), with routing replay; CP2 unwrapped and
+    wrapped in DDP (the load-balancing loss's gradient summed over the CP ranks' parts)."""
     ckpt, value_ckpt = moe_checkpoints
-    found = launch(_run_layouts, 2, str(ckpt), str(value_ckpt), [("ep2", Parallelism(ep=2), True)])
+    layouts = [("ep2", Parallelism(ep=2), True), ("cp2", Parallelism(cp=2), False),
+               ("cp2-ddp", Parallelism(cp=2), False, True)]  # fmt: skip
+    found = launch(_run_layouts, 2, str(ckpt), str(value_ckpt), layouts)
     print("max |dgrad| vs the single-process update:", _check(found, moe_reference))
 
 
 @pytest.mark.slow
-def test_four_ranks_tp2ep2_pp2ep2(moe_checkpoints, moe_reference):
-    """TP2 x EP2 with sequence parallel, PP2 x EP2."""
+def test_four_ranks_tp2ep2_pp2ep2_cp2ep2(moe_checkpoints, moe_reference):
+    """TP2 x EP2 with sequence parallel, PP2 x EP2, CP2 x EP2 (the experts see both CP shares of
+    both replicas)."""
     ckpt, value_ckpt = moe_checkpoints
     layouts = [("tp2ep2sp", Parallelism(tp=2, ep=2, sequence_parallel=True), False),
-               ("pp2ep2", Parallelism(pp=2, ep=2), False)]  # fmt: skip
+               ("pp2ep2", Parallelism(pp=2, ep=2), False),
+               ("cp2ep2", Parallelism(cp=2, ep=2), False)]  # fmt: skip
     found = launch(_run_layouts, 4, str(ckpt), str(value_ckpt), layouts)
     print("max |dgrad| vs the single-process update:", _check(found, moe_reference))

@@ -34,12 +34,16 @@ normalised) and returned on every rank.
 
 How the scaling is done: Megatron-Core's schedule multiplies a ``(loss, data)`` loss function's
 value by ``cp / num_microbatches`` (its convention for a per-micro-batch mean whose gradients a
-DDP wrapper then *averages* over the data-parallel x context-parallel group). The step returns
-``loss * num_microbatches / loss_normalizer`` to it (divided by ``cp`` as well for an unwrapped
-model), so that:
+DDP wrapper then *averages* over the data-parallel x context-parallel group), and scales the MoE
+auxiliary losses (load balancing, z-loss: each CP / TP rank's part of the micro-batch's loss) by
+the same ``cp / num_microbatches`` through ``MoEAuxLossAutoScaler``. The step returns
+``loss * num_microbatches / loss_normalizer`` to it, so every rank's part of ``J`` (the trainer's
+loss and the aux losses alike) reaches the gradients multiplied by ``cp``, which the reduction
+below takes out:
 
-* **unwrapped model** (``build_model``'s chunks, no DDP): after the schedule the step sums the
-  gradients over the CP group and does what Megatron's ``finalize_model_grads`` does without DDP -
+* **unwrapped model** (``build_model``'s chunks, no DDP): after the schedule the step averages the
+  gradients over the CP group (the sum of the CP ranks' parts; the aux losses' included) and
+  does what Megatron's ``finalize_model_grads`` does without DDP -
   sequence-parallel and Q/K-norm weights summed over TP, tied embedding copies summed over the
   first and last pipeline stage. ``param.grad`` is then ``dJ/dparam`` on every rank (its own
   shard). Data-parallel replicas are not combined (each keeps the gradient of its own ``J``),
@@ -223,7 +227,8 @@ def _all_reduce_flat(grads: list[torch.Tensor], group: Any) -> None:
 
 def _finalize_unwrapped(handle: ModelHandle) -> None:
     """What Megatron's ``finalize_model_grads`` does for a model without a DDP wrapper, on
-    ``param.grad``: CP shares summed; sequence-parallel and Q/K-norm weights summed over TP (each TP
+    ``param.grad``: CP shares averaged (each carries the schedule's factor ``cp``, so this is
+    their sum without it); sequence-parallel and Q/K-norm weights summed over TP (each TP
     rank saw a part of the tokens / heads); tied embedding copies (the output layer's, the MTP
     block's on the last stage) summed over the embedding group; expert weights averaged over the
     data-parallel replicas (:func:`_finalize_experts`)."""
@@ -237,8 +242,11 @@ def _finalize_unwrapped(handle: ModelHandle) -> None:
     experts = [p.grad for _, p in named if not getattr(p, "allreduce", True)]  # Megatron-Core's mark
     named = [(n, p) for n, p in named if getattr(p, "allreduce", True)]
     _finalize_experts(experts, layout)
-    if layout.cp > 1:
-        _all_reduce_flat([p.grad for _, p in named], layout.groups.cp)
+    if layout.cp > 1:  # each CP rank's part carries the schedule's factor cp: their mean is their sum
+        grads = [p.grad for _, p in named]
+        _all_reduce_flat(grads, layout.groups.cp)
+        for g in grads:
+            g.div_(layout.cp)
     if layout.tp > 1:
         # Q/K norms over heads see this rank's heads only: summed. MLA's latent norms see the whole
         # latent on every rank (same gradient everywhere); under sequence parallel they see part of
@@ -270,9 +278,10 @@ def _finalize_experts(grads: list[torch.Tensor], layout: Any) -> None:
     expert-parallel group - ranks of several data-parallel replicas (and CP shares) - so an expert's
     gradient already sums the losses of those replicas: it cannot be "this replica's ``dJ/dW``"
     like a dense weight's. It is made what Megatron-Core's DDP wrapper gives: summed over the
-    expert data-parallel group (the other ranks holding the same experts), then scaled by
-    ``cp / dp`` (every contribution carries the step's ``1 / cp``; ``dp`` replicas are averaged).
-    With the same batch on every replica this equals the single-process gradient."""
+    expert data-parallel group (the other ranks holding the same experts), then divided by the size
+    of the data x context-parallel group (every contribution carries the schedule's factor ``cp``;
+    ``dp`` replicas are averaged). With the same batch on every replica this equals the
+    single-process gradient."""
     dp_cp = layout.groups.dp_cp
     replicas = dist.get_world_size(dp_cp) if dp_cp is not None else 1
     if not grads or replicas == 1:
@@ -280,7 +289,7 @@ def _finalize_experts(grads: list[torch.Tensor], layout: Any) -> None:
     expert_dp = layout.groups.expert_dp
     if expert_dp is not None and dist.get_world_size(expert_dp) > 1:
         _all_reduce_flat(grads, expert_dp)
-    scale = layout.cp * layout.cp / replicas  # cp / dp, dp = replicas / cp
+    scale = 1.0 / replicas  # 1 / (dp * cp)
     for g in grads:
         g.mul_(scale)
 
@@ -405,7 +414,10 @@ def train_step(
     # a replica with fewer sequences than another gets padding micro-batches (at_least=want)
     micro = build_microbatches(layout, seqs, groups, align=align, pad_token_id=pad_token_id, device=device,
                                at_least=want, same_length=two_way_pipeline(layout, forward_only=False))  # fmt: skip
-    factor = len(micro) / float(loss_normalizer) / (1 if wrapped else layout.cp)
+    # the schedule multiplies by cp / num_microbatches (and scales the MoE aux losses by the same):
+    # every rank's part of J then carries a factor cp, which the DDP wrapper's mean over data x
+    # context parallel, or _finalize_unwrapped's, takes out again
+    factor = len(micro) / float(loss_normalizer)
 
     def loss_func(mb: Microbatch, index: int, output: torch.Tensor) -> tuple[torch.Tensor, dict]:
         if not mb.members:  # padding micro-batch: no loss, but a graph for the schedule's backward
