@@ -21,6 +21,7 @@ import shlex
 import sys
 from typing import Any, Callable, Optional, Sequence
 
+from .config.reader import parse_ignore_fields
 from .errors import ZooError
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -132,17 +133,6 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------- show
-def parse_ignore_fields(items: list[str]) -> dict[str, str]:
-    """``["name=reason", ...]`` -> ``{name: reason}`` (``--ignore-field``; a reason is required)."""
-    out = {}
-    for item in items:
-        name, _, reason = item.partition("=")
-        if not name.strip() or not reason.strip():
-            raise ZooError(f"--ignore-field {item!r}: expected NAME=REASON (say why the field may be ignored)")
-        out[name.strip()] = reason.strip()
-    return out
-
-
 def cmd_show(args: argparse.Namespace) -> int:
     from .build import prepare
     from .placement import Parallelism

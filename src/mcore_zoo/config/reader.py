@@ -17,9 +17,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterable, Mapping, Optional
 
-from ..errors import UnclassifiedConfigFieldsError, UnsupportedConfigError
+from ..errors import UnclassifiedConfigFieldsError, UnsupportedConfigError, ZooError
 
 _MISSING = object()
+
+
+def parse_ignore_fields(items: Iterable[str]) -> dict[str, str]:
+    """``["name=reason", ...]`` -> ``{name: reason}``, the ``ignore_fields`` of a build, from the
+    command line's ``--ignore-field`` values (a reason is required)."""
+    out = {}
+    for item in items:
+        name, _, reason = item.partition("=")
+        if not name.strip() or not reason.strip():
+            raise ZooError(f"--ignore-field {item!r}: expected NAME=REASON (say why the field may be ignored)")
+        out[name.strip()] = reason.strip()
+    return out
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,7 @@ def _pairs(items: list[str], flag: str) -> dict[str, Any]:
 
 
 def _ignore_fields(items: list[str]) -> dict[str, str]:
-    from ..cli import parse_ignore_fields
+    from ..config.reader import parse_ignore_fields
     from ..errors import ZooError
 
     try:
