@@ -25,6 +25,16 @@ router keeps a single target (one forward per block). Routes chosen by a rollout
 sequence, token and layer) are packed that way by :func:`pack_routes`; :func:`unpack_routes`
 splits recorded routes per sequence. Activation recomputation of MoE layers replays the same
 routes again (Megatron-Core's ``REPLAY_BACKWARD``).
+
+Context parallelism: a CP rank's routers see its zigzag share of every sequence
+(:func:`mcore_zoo.packing.zigzag_index`), so it records and must replay routes in that order.
+:func:`context_parallel_routes` takes routes in pack order (a single-process record, or
+:func:`pack_routes` without ``cp_size``) to one rank's order (``pack_routes(..., cp_rank=,
+cp_size=)`` packs per-sequence routes straight into it); :func:`merge_context_parallel_routes`
+puts the CP ranks' records back into pack order (the single-process record), which
+:func:`unpack_routes` splits per sequence. The sequences of a pack are listed in the order the
+forwards routed them: :func:`mcore_zoo.train_step` runs its micro-batches as
+:func:`mcore_zoo.partition_by_tokens` groups them, each group's sequences in ascending order.
 """
 
 from __future__ import annotations
@@ -115,13 +125,59 @@ def replay(model: Any, routes: Sequence[torch.Tensor]) -> Iterator[None]:
             r.clear_indices()
 
 
-def pack_routes(per_sequence: Sequence[torch.Tensor], *, align: int = 1, rank: int = 0, size: int = 1) -> list[torch.Tensor]:
+def _padded_bounds(lengths: Sequence[int], align: int) -> torch.Tensor:
+    padded = torch.tensor([-(-int(n) // align) * align for n in lengths], dtype=torch.long)
+    return torch.cat([torch.zeros(1, dtype=torch.long), padded.cumsum(0)])
+
+
+def context_parallel_routes(routes: Sequence[torch.Tensor], lengths: Sequence[int], *, align: int, cp_rank: int,
+                            cp_size: int) -> list[torch.Tensor]:  # fmt: skip
+    """Per-layer routes in pack order (sequences of ``lengths``, each padded to ``align``, e.g. a
+    single-process :attr:`Recording.routes`) -> the rows context-parallel rank ``cp_rank`` routes,
+    in its zigzag order (what it records, and what :func:`replay` needs there)."""
+    from .packing import zigzag_index
+
+    bounds = _padded_bounds(lengths, align)
+    for r in routes:
+        if r.shape[0] != int(bounds[-1]):
+            raise ZooError(f"routes of {r.shape[0]} tokens; lengths {list(lengths)} with align={align} pack {int(bounds[-1])}")
+    index = zigzag_index(bounds, cp_rank, cp_size)
+    return [r[index.to(r.device)].contiguous() for r in routes]
+
+
+def merge_context_parallel_routes(parts: Sequence[Sequence[torch.Tensor]], lengths: Sequence[int], *,
+                                  align: int) -> list[torch.Tensor]:  # fmt: skip
+    """Inverse of :func:`context_parallel_routes`: every CP rank's per-layer routes (``parts[r]``:
+    rank ``r``'s :attr:`Recording.routes`, e.g. all-gathered over the CP group) -> per-layer routes
+    in pack order, as one process records them."""
+    from .packing import zigzag_index
+
+    size = len(parts)
+    bounds = _padded_bounds(lengths, align)
+    index = torch.cat([zigzag_index(bounds, r, size) for r in range(size)])
+    merged = []
+    for layer in zip(*parts):
+        rows = torch.cat(list(layer))
+        if rows.shape[0] != int(bounds[-1]):
+            raise ZooError(f"{size} ranks' routes cover {rows.shape[0]} tokens; lengths {list(lengths)} with"
+                           f" align={align} pack {int(bounds[-1])}")  # fmt: skip
+        out = rows.new_empty(rows.shape)
+        out[index.to(rows.device)] = rows
+        merged.append(out)
+    return merged
+
+
+def pack_routes(per_sequence: Sequence[torch.Tensor], *, align: int = 1, rank: int = 0, size: int = 1,
+                cp_rank: int = 0, cp_size: int = 1) -> list[torch.Tensor]:  # fmt: skip
     """Routes chosen elsewhere (a rollout engine: per sequence, ``[moe_layers, len_i, top_k]``
     expert indices) in the packed order :func:`replay` expects: per MoE layer ``[tokens, top_k]``,
     each sequence padded to a multiple of ``align`` as :func:`mcore_zoo.packing.pack_sequences`
     pads it (padding slots get experts ``0..top_k-1``; their outputs are discarded).
+    ``cp_rank``/``cp_size``: the context-parallel rank's zigzag share of every sequence
+    (:func:`context_parallel_routes`; ``align`` a multiple of ``2 * cp_size``).
     ``rank``/``size``: the sequence-parallel slice a TP rank's routers see (``size`` = TP with
-    sequence parallelism). Context parallelism (zigzag chunks) is not supported."""
+    sequence parallelism), of the CP share. Sequence-parallel slices are per forward: with
+    several micro-batches, pack each one's sequences separately."""
     if not per_sequence:
         raise ZooError("no routes to pack")
     layers, _, topk = per_sequence[0].shape
@@ -133,15 +189,20 @@ def pack_routes(per_sequence: Sequence[torch.Tensor], *, align: int = 1, rank: i
         pad = -(-n // align) * align - n
         filler = torch.arange(topk, dtype=routes.dtype).expand(layers, pad, topk)
         parts.append(torch.cat([routes, filler.to(routes.device)], dim=1))
-    packed = torch.cat(parts, dim=1)
-    if packed.shape[1] % size:
-        raise ZooError(f"{packed.shape[1]} packed tokens do not split over {size} sequence-parallel ranks")
-    per_rank = packed.shape[1] // size
-    return [packed[layer, rank * per_rank : (rank + 1) * per_rank].long().contiguous() for layer in range(layers)]
+    packed = list(torch.cat(parts, dim=1).long())
+    if cp_size > 1:
+        packed = context_parallel_routes(packed, [r.shape[1] for r in per_sequence], align=align, cp_rank=cp_rank,
+                                         cp_size=cp_size)  # fmt: skip
+    tokens = packed[0].shape[0]
+    if tokens % size:
+        raise ZooError(f"{tokens} packed tokens do not split over {size} sequence-parallel ranks")
+    per_rank = tokens // size
+    return [layer[rank * per_rank : (rank + 1) * per_rank].contiguous() for layer in packed]
 
 
 def unpack_routes(routes: Sequence[torch.Tensor], lengths: Sequence[int], *, align: int = 1) -> list[torch.Tensor]:
-    """Inverse of :func:`pack_routes` (one rank, no sequence parallelism): per sequence
+    """Inverse of :func:`pack_routes` (routes in pack order: one rank without sequence or context
+    parallelism, or :func:`merge_context_parallel_routes` of the CP ranks' records): per sequence
     ``[moe_layers, len_i, top_k]`` from per-layer packed routes (e.g. :attr:`Recording.routes`)."""
     stacked = torch.stack(list(routes))  # [layers, tokens, k]
     out, offset = [], 0
@@ -196,5 +257,5 @@ def aux_losses(clear: bool = True) -> dict[str, torch.Tensor]:
     return values
 
 
-__all__ = ["Recording", "TokenCounts", "aux_losses", "count_tokens", "moe_routers", "pack_routes", "record", "replay",
-           "unpack_routes"]
+__all__ = ["Recording", "TokenCounts", "aux_losses", "context_parallel_routes", "count_tokens",
+           "merge_context_parallel_routes", "moe_routers", "pack_routes", "record", "replay", "unpack_routes"]

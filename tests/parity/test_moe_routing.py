@@ -156,3 +156,29 @@ def test_train_step_after_a_backward_outside_the_schedule(mpu, reference_checkpo
     sum(lp.sum() for lp in mcore_zoo.packed_forward(model, seqs).logprobs).backward()
     result = mcore_zoo.train_step(model, seqs, lambda t: (-(t.logprobs * t.mask).sum(), {}), loss_normalizer=48)
     assert torch.isfinite(torch.as_tensor(result.loss)).all()
+
+
+def test_routes_in_context_parallel_order():
+    """Routes in pack order -> each CP rank's zigzag order and back; pack_routes with cp_rank /
+    cp_size gives the same rows as taking the pack to the rank's order (padding included)."""
+    from mcore_zoo.packing import pack_sequences
+
+    lengths, align, k = [6, 16, 3], 8, 2
+    gen = torch.Generator().manual_seed(0)
+    per_sequence = [torch.randint(0, 8, (3, n, k), generator=gen) for n in lengths]
+    packed = routing.pack_routes(per_sequence, align=align)
+    pack = pack_sequences([torch.arange(n) for n in lengths], align=align)
+    parts = []
+    for rank in range(2):
+        mine = routing.context_parallel_routes(packed, lengths, align=align, cp_rank=rank, cp_size=2)
+        index = pack.context_parallel_index(rank, 2)
+        assert all(torch.equal(m, p[index]) for m, p in zip(mine, packed))
+        assert all(torch.equal(a, b) for a, b in zip(mine, routing.pack_routes(per_sequence, align=align, cp_rank=rank, cp_size=2)))
+        parts.append(mine)
+    assert not torch.equal(parts[0][0], packed[0][: packed[0].shape[0] // 2])
+    merged = routing.merge_context_parallel_routes(parts, lengths, align=align)
+    assert all(torch.equal(a, b) for a, b in zip(merged, packed))
+    back = routing.unpack_routes(merged, lengths, align=align)
+    assert all(torch.equal(a, b) for a, b in zip(back, per_sequence))
+    with pytest.raises(mcore_zoo.ZooError, match="cannot be split"):
+        routing.context_parallel_routes(routing.pack_routes(per_sequence, align=2), lengths, align=2, cp_rank=0, cp_size=2)
