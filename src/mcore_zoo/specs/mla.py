@@ -41,6 +41,7 @@ import torch
 from ..config.arch import ArchConfig
 from ..errors import ZooError
 from ..numerics.profiles import NumericsProfile
+from .patching import wrap_once
 
 
 def _rotary_class() -> Any:
@@ -70,8 +71,6 @@ def _rotary_class() -> Any:
 
 
 _LOCAL = threading.local()
-_INSTALL_LOCK = threading.Lock()
-_INSTALLED = False
 
 
 def complex_rope(t: torch.Tensor, freqs: torch.Tensor, mscale: float) -> torch.Tensor:
@@ -88,14 +87,9 @@ def _install_complex_rope() -> None:
     """Route Megatron-Core's ``_apply_rotary_pos_emb_bshd`` (BSHD and, per packed token, THD) through
     :func:`complex_rope` while a DeepSeek-V2 MLA layer runs on this thread; every other caller gets
     the original. Installed once, process-wide."""
-    global _INSTALLED
-    with _INSTALL_LOCK:
-        if _INSTALLED:
-            return
-        from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.models.common.embeddings import rope_utils
 
-        original = rope_utils._apply_rotary_pos_emb_bshd
-
+    def make(original: Any) -> Any:
         @functools.wraps(original)
         def dispatch(t: torch.Tensor, freqs: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             if not getattr(_LOCAL, "complex", False):
@@ -106,8 +100,9 @@ def _install_complex_rope() -> None:
             _LOCAL.applied = True
             return complex_rope(t, freqs, kwargs.get("mscale", 1.0))
 
-        rope_utils._apply_rotary_pos_emb_bshd = dispatch
-        _INSTALLED = True
+        return dispatch
+
+    wrap_once(rope_utils, "_apply_rotary_pos_emb_bshd", make)
 
 
 class _ContiguousGrad(torch.autograd.Function):

@@ -33,11 +33,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..config.arch import ArchConfig, MoESpec
+from .patching import wrap_once
 
 _LOCAL = threading.local()
-_INSTALLED = False
-_COMBINE_INSTALLED = False
-_INSTALL_LOCK = threading.Lock()
 
 
 def hf_topk_routing(logits: torch.Tensor, moe: MoESpec,
@@ -100,14 +98,9 @@ def _install() -> None:
     """Route Megatron-Core's ``topk_routing_with_score_function`` (as ``TopKRouter.routing`` calls
     it) through :func:`hf_topk_routing` while an :class:`HFRouter` is routing on this thread; every
     other caller gets the original. Installed once, process-wide."""
-    global _INSTALLED
-    with _INSTALL_LOCK:
-        if _INSTALLED:
-            return
-        from megatron.core.transformer.moe import router as mrouter
+    from megatron.core.transformer.moe import router as mrouter
 
-        original = mrouter.topk_routing_with_score_function
-
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def dispatch(logits: torch.Tensor, topk: int, *args: Any, **kwargs: Any) -> Any:
             moe = getattr(_LOCAL, "moe", None)
@@ -115,8 +108,9 @@ def _install() -> None:
                 return original(logits, topk, *args, **kwargs)
             return hf_topk_routing(logits, moe, kwargs.get("router_replay"))
 
-        mrouter.topk_routing_with_score_function = dispatch
-        _INSTALLED = True
+        return dispatch
+
+    wrap_once(mrouter, "topk_routing_with_score_function", make)
 
 
 def hf_order_unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, restore_shape: Any,
@@ -177,14 +171,9 @@ def _install_hf_order_combine() -> None:
     """Route the token dispatchers' ``unpermute`` through :func:`hf_order_unpermute` while an
     :class:`HFOrderMoELayer` runs on this thread (and the call is the plain dropless one); every
     other caller gets the original. Installed once, process-wide."""
-    global _COMBINE_INSTALLED
-    with _INSTALL_LOCK:
-        if _COMBINE_INSTALLED:
-            return
-        from megatron.core.transformer.moe import token_dispatcher
+    from megatron.core.transformer.moe import token_dispatcher
 
-        original = token_dispatcher.unpermute
-
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def dispatch(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, restore_shape: Any,
                      probs: Optional[torch.Tensor] = None, *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
@@ -196,8 +185,9 @@ def _install_hf_order_combine() -> None:
             return hf_order_unpermute(permuted_tokens, sorted_indices, restore_shape, topk, experts,
                                       getattr(_LOCAL, "topk_indices", None), hidden_dtype)  # fmt: skip
 
-        token_dispatcher.unpermute = dispatch
-        _COMBINE_INSTALLED = True
+        return dispatch
+
+    wrap_once(token_dispatcher, "unpermute", make)
 
 
 @functools.lru_cache(maxsize=None)
