@@ -149,7 +149,7 @@ def test_the_hf_order_combine_runs_in_the_layer_and_in_backward(mpu, reference_c
 def test_train_step_after_a_backward_outside_the_schedule(mpu, reference_checkpoint):
     """A plain ``packed_forward`` + ``backward`` with the aux loss on leaves Megatron-Core's aux-loss
     scale as a 0-d tensor, into which the schedule's ``[1]`` scale cannot be copied; ``train_step``
-    clears it first."""
+    clears it first (every schedule run does)."""
     ckpt = reference_checkpoint("Qwen3MoeForCausalLM", {"output_router_logits": True})
     model = mcore_zoo.build_model(ckpt, backend="portable", load=ckpt, params_dtype=torch.float32).train()
     seqs = random_sequences([30, 20], 256, seed=5)

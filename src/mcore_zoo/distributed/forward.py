@@ -321,6 +321,21 @@ def two_way_pipeline(layout: Placement, forward_only: bool) -> bool:
     return layout.vpp > 1 and layout.pp == 2 and not forward_only
 
 
+def _clear_aux_loss_scales() -> None:
+    """Forget the aux-loss backward scales a previous backward left behind. Megatron-Core's schedule
+    sets the MoE aux-loss scale with ``copy_`` of a ``[1]`` tensor into the stored one (forward-only
+    runs too), but a backward outside a schedule (``packed_forward`` + ``backward``) stores a 0-d
+    tensor there, and the copy then fails; with nothing stored the schedule stores its own."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    try:
+        from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+    except ImportError:  # pragma: no cover - a Megatron-Core without MTP
+        return
+    MTPLossAutoScaler.main_loss_backward_scale = None
+
+
 def run_schedule(given: Sequence[Any], micro: list[Microbatch], layout: Placement, step: Any, *,
                  forward_only: bool = True) -> list[Any]:  # fmt: skip
     """Megatron-Core's schedule for this layout (``get_forward_backward_func()``: no pipelining,
@@ -339,6 +354,7 @@ def run_schedule(given: Sequence[Any], micro: list[Microbatch], layout: Placemen
         if any(mb.batch.total != longest for mb in micro):
             raise ZooError("an interleaved two-stage training schedule needs micro-batches of one packed length")
         settings = {"variable_seq_lengths": False, "batch_p2p_comm": False}
+    _clear_aux_loss_scales()
     with _p2p_settings([unwrap(c).config for c in given], **settings):
         return fb(
             forward_step_func=step,

@@ -294,21 +294,6 @@ def _finalize_experts(grads: list[torch.Tensor], layout: Any) -> None:
         g.mul_(scale)
 
 
-def _clear_aux_loss_scales() -> None:
-    """Forget the aux-loss backward scales a previous backward left behind. Megatron-Core's schedule
-    sets the MoE aux-loss scale with ``copy_`` of a ``[1]`` tensor into the stored one, but a
-    backward outside a schedule (``packed_forward`` + ``backward``) stores a 0-d tensor there, and
-    the copy then fails; with nothing stored the schedule stores its own."""
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-    MoEAuxLossAutoScaler.main_loss_backward_scale = None
-    try:
-        from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
-    except ImportError:  # pragma: no cover - a Megatron-Core without MTP
-        return
-    MTPLossAutoScaler.main_loss_backward_scale = None
-
-
 class _KeptGrads:
     """Gradients from before the step, set aside while the step's own are reduced (a sum over CP /
     TP / stages must see only this step's), then added back."""
@@ -448,7 +433,6 @@ def train_step(
         return output, functools.partial(loss_func, mb, order[id(mb)])
 
     kept = None if wrapped else _KeptGrads(handle)
-    _clear_aux_loss_scales()
     stored = run_schedule(given, micro, layout, step, forward_only=False)
     if not wrapped:
         _finalize_unwrapped(handle)
