@@ -90,6 +90,10 @@ class BuildPlan:
             model.output_layer = ValueHead(self.transformer_config, options.value_head_init)
         _cast_parameters(model, options.params_dtype)
         install_rope(model, arch, options.numerics)
+        if options.numerics.kernels == "vllm":  # the output layer and RoPE on vLLM's kernels
+            from .specs.vllm_exact import install
+
+            install(model, arch, self.transformer_config, options.params_dtype)
         if options.head != "value":  # a value head has no vocabulary to mask
             install_logit_mask(model, arch)
         return model

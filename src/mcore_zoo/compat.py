@@ -67,19 +67,21 @@ def make_transformer_config(cls: Any = None, **kwargs: Any) -> Any:
     return config
 
 
-def mlp_submodule(linear_fc1: Any, linear_fc2: Any) -> Any:
+def mlp_submodule(linear_fc1: Any, linear_fc2: Any, module: Any = None) -> Any:
     """The ``TransformerLayerSubmodules.mlp`` value for a dense MLP, in this version's form.
 
     0.16: ``ModuleSpec(MLP, submodules=MLPSubmodules(...))``; 0.19: ``partial(MLP.as_mlp_submodule,
-    submodules=...)``. Keyword arguments only (field order differs between versions).
+    submodules=...)``. Keyword arguments only (field order differs between versions). ``module``:
+    a subclass of mcore's ``MLP`` to build instead.
     """
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    module = module or MLP
     submodules = MLPSubmodules(linear_fc1=linear_fc1, linear_fc2=linear_fc2)
-    if hasattr(MLP, "as_mlp_submodule"):
-        return functools.partial(MLP.as_mlp_submodule, submodules=submodules)
-    return ModuleSpec(module=MLP, submodules=submodules)
+    if hasattr(module, "as_mlp_submodule"):
+        return functools.partial(module.as_mlp_submodule, submodules=submodules)
+    return ModuleSpec(module=module, submodules=submodules)
 
 
 class _DropGPTDeprecation(logging.Filter):

@@ -210,6 +210,10 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, layout: 
     no ``[T, V]`` fp32 copy of the logits; within ``1e-6 + 2 ulp`` of ``torch.log_softmax``)."""
     from .vocab_parallel import token_logprobs_and_entropy
 
+    from ..kernels import vllm_ops
+
+    if vllm_ops.logprob_head_active():  # a vllm-exact model (TP 1): vLLM's log-softmax
+        return vllm_ops.token_logprobs_and_entropy(logits, labels, temperature=temperature, compute_entropy=False)[0]
     group = layout.groups.tp if layout.tp > 1 else None
     logprobs, _ = token_logprobs_and_entropy(logits, labels, tp_group=group, temperature=temperature, compute_entropy=False)
     return logprobs
@@ -271,7 +275,7 @@ def _collect_main(mb: Microbatch, output: torch.Tensor, layout: Placement, want_
         tokens = mb.batch.unpack(mb.batch.input_ids)
         result = {"logits": logits} if want_logits else {}
         if want_logprobs:
-            result["logprobs"] = [next_token_logprobs(_tempered(l, temperature), t) for l, t in zip(logits, tokens)]
+            result["logprobs"] = [_next_token_logprobs(l, t, temperature) for l, t in zip(logits, tokens)]
         return result
     local = output[0]
     result: dict[str, list[torch.Tensor]] = {}
@@ -280,7 +284,7 @@ def _collect_main(mb: Microbatch, output: torch.Tensor, layout: Placement, want_
         result["logits"] = logits
         if want_logprobs:
             tokens = mb.batch.unpack(mb.batch.input_ids)
-            result["logprobs"] = [next_token_logprobs(_tempered(l, temperature), t) for l, t in zip(logits, tokens)]
+            result["logprobs"] = [_next_token_logprobs(l, t, temperature) for l, t in zip(logits, tokens)]
     elif want_logprobs:
         lp = vocab_parallel_logprobs(local, mb.labels[0].to(local.device), layout, temperature)
         result["logprobs"] = [x[: max(n - 1, 0)] for x, n in zip(mb.batch.unpack(_gather_cp(lp, mb, layout)), mb.batch.lengths)]
@@ -289,6 +293,17 @@ def _collect_main(mb: Microbatch, output: torch.Tensor, layout: Placement, want_
 
 def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits if temperature == 1.0 else logits.float() / temperature
+
+
+def _next_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """One sequence's ``[len - 1]`` next-token log-probs from its full-vocabulary logits (vLLM's
+    log-softmax for a vllm-exact model, else ``log_softmax`` in fp32)."""
+    from ..kernels import vllm_ops
+
+    if vllm_ops.logprob_head_active():
+        targets = tokens[1:].to(logits.device)
+        return vllm_ops.token_logprobs_and_entropy(logits[:-1], targets, temperature=temperature, compute_entropy=False)[0]
+    return next_token_logprobs(_tempered(logits, temperature), tokens)
 
 
 # ---------------------------------------------------------------------------- forward
@@ -385,7 +400,10 @@ def packed_forward(
     own forward takes the same, see :data:`mcore_zoo.entry.FORWARD_CONTRACT`).
     """
     handle = handle_of(model)
-    out = handle.architecture.forward(handle, sequences, attention_mask, **options)
+    from ..kernels.vllm_ops import logprob_head
+
+    with logprob_head(handle.numerics.kernels == "vllm"):  # vllm-exact: vLLM's log-softmax for log-probs
+        out = handle.architecture.forward(handle, sequences, attention_mask, **options)
     if not isinstance(out, PackedOutput):
         raise ZooError(f"{handle.architecture.provider_of('forward')}: forward returned {type(out).__name__}, expected PackedOutput")
     return out
@@ -453,7 +471,8 @@ def generic_forward(
     if staged and (seq_format != "thd" or isinstance(sequences, PackedBatch)):
         raise ZooError("pipeline / context-parallel models run THD packs built from the sequences;"
                        " pass the sequences (no seq_format='bshd' or PackedBatch)")  # fmt: skip
-    if seq_format == "thd" and handle.backend == "local" and handle.numerics.attention == "backend":
+    if seq_format == "thd" and handle.backend == "local" and handle.numerics.attention == "backend" \
+            and handle.numerics.kernels == "backend":
         raise ZooError(
             "backend 'local' cannot run THD: Megatron-Core's DotProductAttention rejects packed"
             " input. Use backend='portable' or 'te', a numerics profile with a zoo attention"

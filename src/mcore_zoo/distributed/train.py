@@ -197,10 +197,16 @@ def token_outputs(handle: ModelHandle, mb: Microbatch, output: torch.Tensor, *, 
     if getattr(handle.options, "head", "lm") == "value":
         values = local[:, 0].float()
     else:
-        logprobs, entropy = token_logprobs_and_entropy(
-            local, targets, tp_group=layout.groups.tp if layout.tp > 1 else None, temperature=temperature,
-            chunk_tokens=chunk_tokens, compute_entropy=compute_entropy, inplace_backward=not parts,
-        )  # fmt: skip
+        if handle.numerics.kernels == "vllm":  # vllm-exact (TP 1): vLLM's log-softmax, bitwise its log-probs
+            from ..kernels import vllm_ops
+
+            logprobs, entropy = vllm_ops.token_logprobs_and_entropy(local, targets, temperature=temperature,
+                                                                    compute_entropy=compute_entropy)  # fmt: skip
+        else:
+            logprobs, entropy = token_logprobs_and_entropy(
+                local, targets, tp_group=layout.groups.tp if layout.tp > 1 else None, temperature=temperature,
+                chunk_tokens=chunk_tokens, compute_entropy=compute_entropy, inplace_backward=not parts,
+            )  # fmt: skip
     data = _pack_token_data(token_data, mb, device) if token_data else {}
     mtp_targets = [mb.mtp_labels(d + 1).to(device) for d in range(len(parts))]
     # not in place: the depths' logits are views of one output tensor

@@ -15,6 +15,10 @@ Built-in profiles:
   (docs/numerics.md); the norm order alone is the largest single term, RoPE and SwiGLU the rest.
   Meant for RL training on ``te``, whose log-probs should stay as close to the rollout engine's /
   HF's as possible at most of ``te``'s speed.
+* ``vllm-exact`` - vLLM's own batch-invariant kernels (``VLLM_BATCH_INVARIANT=1``) in mcore's
+  modules, with a backward: the trainer's log-probs bit-identical to what a vLLM engine in that
+  mode computes (:mod:`mcore_zoo.specs.vllm_exact`). Needs vLLM and CUDA in the trainer process;
+  backend ``local`` / ``portable``, dense models, TP / CP 1.
 * ``hf-exact`` - reproduce the HF op order: RMSNorm normalises in fp32, casts, then multiplies
   the weight; no fused RoPE / activation / softmax; attention computed as HF ``eager`` (or
   ``sdpa`` with ``attention="sdpa"``) math. With the ``local`` or ``portable`` backend this is
@@ -69,6 +73,9 @@ class NumericsProfile:
             each weighted output is cast to the hidden dtype, then added one expert at a time
             (``index_add_``). Both agree for two experts per token with weights in the hidden
             dtype (or fp32 models); otherwise they round differently.
+        kernels: ``"backend"`` (the modules the knobs above choose) or ``"vllm"``: every op of the
+            decoder on vLLM's batch-invariant kernels (the ``vllm-exact`` profile; the other knobs
+            are then not consulted).
     """
 
     name: str
@@ -82,6 +89,7 @@ class NumericsProfile:
     linear_bias: str = "separate"
     router: str = "hf"
     moe_experts: str = "grouped_mm"
+    kernels: str = "backend"
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -92,6 +100,7 @@ class NumericsProfile:
             "linear_bias": ("separate", "fused"),
             "router": ("hf", "mcore"),
             "moe_experts": ("grouped_mm", "eager"),
+            "kernels": ("backend", "vllm"),
         }
         for knob, allowed in checks.items():
             if getattr(self, knob) not in allowed:
@@ -154,6 +163,15 @@ PROFILES: dict[str, NumericsProfile] = {
         fuse_norm_into_linear=False,
         linear_bias="fused",
         description="as hf-exact, attention as HF's sdpa implementation",
+    ),
+    "vllm-exact": NumericsProfile(
+        name="vllm-exact",
+        rope_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        fuse_norm_into_linear=False,
+        kernels="vllm",
+        description="vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1): log-probs bitwise equal to the engine's",
     ),
 }
 

@@ -42,6 +42,12 @@ def _pieces(arch: ArchConfig, backend: str, numerics: NumericsProfile) -> dict[s
 
     if arch.normalization != "RMSNorm" and numerics.norm == "hf":
         raise ZooError(f"{arch.architecture}: the hf norm order is implemented for RMSNorm only")
+    if numerics.kernels == "vllm":  # vLLM's batch-invariant kernels in mcore's modules
+        if backend not in ("local", "portable"):
+            raise ZooError(f"numerics {numerics.name!r} (vLLM's kernels) needs backend 'local' or 'portable', not {backend!r}")
+        from .vllm_exact import pieces
+
+        return pieces()
     if backend in ("local", "portable"):
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -126,7 +132,7 @@ def gpt_layer_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile, *,
             p = dict(p, pre_mlp_layernorm=unfused["pre_mlp_layernorm"], linear_fc1=unfused["linear_fc1"])
         mlp = moe_mlp_submodule(arch, p, numerics.router, numerics.moe_experts)
     else:
-        mlp = mlp_submodule(p["linear_fc1"], p["linear_fc2"])
+        mlp = mlp_submodule(p["linear_fc1"], p["linear_fc2"], module=p.get("mlp"))
     qk_norm = p["qk_norm"] if arch.qk_norm else IdentityOp
     if arch.mla is not None:  # DeepSeek multi-head latent attention (mcore_zoo.specs.mla)
         from .mla import mla_attention_spec
@@ -156,6 +162,24 @@ def gpt_layer_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile, *,
             sharded_state_dict_keys_map=_fused_norm_keys(p),
         ),
     )
+
+
+def _vllm_first_layer(arch: ArchConfig, layer: Any, config: Any, vp_stage: Optional[int], pp_rank: Optional[int],
+                      layers: list) -> list:  # fmt: skip
+    """vLLM normalises the first layer's input without a residual (its Triton norm) and every later
+    norm with the fused add + norm kernel: the model's first layer gets the former."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from .vllm_exact import check_supported, pieces
+
+    check_supported(arch, config)
+    if not layers or get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank) != 0:
+        return layers
+    first = dataclasses.replace(layer, submodules=dataclasses.replace(
+        layer.submodules, input_layernorm=pieces()["first_input_layernorm"]))  # fmt: skip
+    return [first, *layers[1:]]
 
 
 def _fused_norm_keys(pieces: dict[str, Any]) -> dict[str, str]:
@@ -196,6 +220,8 @@ def gpt_layer_specs(
     layer = gpt_layer_spec(arch, backend, numerics)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     layers = [layer] * count
+    if numerics.kernels == "vllm":
+        layers = _vllm_first_layer(arch, layer, config, vp_stage, pp_rank, layers)
     if arch.moe is not None:  # MoE: per global layer index, the MoE or the dense MLP layer
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 

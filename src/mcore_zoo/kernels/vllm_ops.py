@@ -1,0 +1,517 @@
+"""vLLM's batch-invariant kernels with autograd, for the ``vllm-exact`` numerics profile.
+
+With ``VLLM_BATCH_INVARIANT=1`` (and ``enforce_eager=True``) vLLM computes a dense decoder with a
+fixed set of kernels whose per-token results do not depend on the batch: a Triton persistent GEMM
+(``matmul_persistent``; bias added after), a Triton RMSNorm (no residual), its CUDA fused
+add + RMSNorm (with a residual), its CUDA RoPE and SiLU-and-mul kernels, FlashAttention over the
+paged KV cache with ``num_splits=1``, and a Triton log-softmax over fp32 logits for log-probs.
+This module calls exactly those kernels (imported from the installed vLLM) so that a trainer's
+forward reproduces vLLM's log-probs bit for bit, and gives each one a backward (computed with
+ordinary torch ops in fp32 / the model dtype: only the forward must match vLLM).
+
+Contract of every op here: inputs on one CUDA device, the model dtype (bf16 / fp16) unless said
+otherwise; outputs new tensors (vLLM's in-place kernels run on copies).
+
+The kernel table is swappable (:func:`use_kernels`): :class:`ReferenceKernels` implements the same
+arithmetic with torch ops, so the backward formulas are tested on the CPU; bitwise agreement with
+vLLM itself needs vLLM's kernels and a GPU (tests/gpu/test_vllm_exact_gpu.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+
+from ..errors import ZooError
+
+ENV = "VLLM_BATCH_INVARIANT"
+PAGE_SIZE = 16  # vLLM's KV-cache block size for FlashAttention on CUDA (FA3 tiles depend on it)
+
+
+class VLLMKernels:
+    """vLLM 0.26's batch-invariant kernels (CUDA). Constructing it checks they can run."""
+
+    def __init__(self) -> None:
+        require_vllm()
+        from vllm.model_executor.layers import batch_invariant as bi
+
+        self._bi = bi
+        self._ops = torch.ops._C
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``[n, in] @ [out, in].T -> [n, out]`` (vLLM's ``linear_batch_invariant`` without bias)."""
+        return self._bi.matmul_persistent(x, weight.t())
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """vLLM's ``RMSNorm(x)`` without residual: the Triton row kernel."""
+        return self._bi.rms_norm_batch_invariant(x, weight, eps)
+
+    def residual_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """vLLM's ``RMSNorm(input, residual)`` output where ``x = input + residual`` (already summed
+        in the model dtype, as the kernel sums them): the CUDA fused kernel, run on ``0 + x``."""
+        out = torch.zeros_like(x)
+        residual = x.contiguous().clone()
+        self._ops.fused_add_rms_norm(out, residual, weight.contiguous(), eps)
+        return out
+
+    def rotary(self, positions: torch.Tensor, x: torch.Tensor, head_size: int, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        """NeoX-style RoPE of ``x [n, heads * head_size]`` at ``positions [n]`` (vLLM's CUDA kernel)."""
+        out = x.contiguous().clone()
+        self._ops.rotary_embedding(positions, out, None, head_size, cos_sin_cache, True)
+        return out
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(x[:, :d]) * x[:, d:]`` (vLLM's CUDA kernel)."""
+        out = x.new_empty(x.shape[0], x.shape[1] // 2)
+        self._ops.silu_and_mul(out, x.contiguous())
+        return out
+
+    def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
+        """Row log-softmax of fp32 ``x [n, V]`` (vLLM's Triton kernel)."""
+        return self._bi.log_softmax(x, dim=-1)
+
+    def paged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                        scale: float, window: Optional[int]) -> torch.Tensor:  # fmt: skip
+        """Causal attention of packed sequences, as vLLM's FlashAttention backend computes a prefill.
+
+        ``q [T, h, d]``, ``k / v [T, g, d]`` (sequences back to back, ``lengths`` int [B]); K/V are
+        laid out in a paged cache of :data:`PAGE_SIZE`-token blocks (one block table row per
+        sequence) because FlashAttention-3 picks its tiles by the cache layout.
+        """
+        from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+        cache_k, cache_v, table, seqused, cu = _paged(k, v, lengths)
+        out = torch.empty_like(q)
+        descale = torch.ones(1, dtype=torch.float32, device=q.device).expand(lengths.numel(), k.shape[1])
+        flash_attn_varlen_func(
+            q=q, k=cache_k, v=cache_v, out=out, cu_seqlens_q=cu, max_seqlen_q=int(lengths.max()),
+            seqused_k=seqused, max_seqlen_k=int(lengths.max()), softmax_scale=scale, causal=True,
+            alibi_slopes=None, window_size=[-1, -1] if window is None else [window - 1, 0], block_table=table,
+            softcap=0.0, scheduler_metadata=None, fa_version=get_flash_attn_version(), q_descale=None,
+            k_descale=descale, v_descale=descale, num_splits=1,
+        )  # fmt: skip
+        return out
+
+
+def _paged(k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Packed ``k / v [T, g, d]`` -> paged caches ``[blocks, PAGE_SIZE, g, d]``, the int32 block table
+    ``[B, max_blocks]``, ``seqused_k`` int32 ``[B]`` and ``cu_seqlens_q`` int32 ``[B + 1]``."""
+    device = k.device
+    lengths = lengths.to(device=device, dtype=torch.int32)
+    blocks = (lengths + PAGE_SIZE - 1) // PAGE_SIZE
+    first = torch.cumsum(blocks, 0) - blocks
+    total = int(blocks.sum())
+    width = int(blocks.max())
+    table = first[:, None] + torch.arange(width, device=device, dtype=torch.int32)[None, :]
+    table = torch.where(torch.arange(width, device=device)[None, :] < blocks[:, None], table, 0).to(torch.int32)
+    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths.long())
+    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=device)
+    cu[1:] = torch.cumsum(lengths, 0)
+    pos = torch.arange(k.shape[0], device=device) - cu[:-1].long()[seq]
+    slot = first.long()[seq] * PAGE_SIZE + pos
+    cache_k = k.new_zeros(total * PAGE_SIZE, *k.shape[1:])
+    cache_v = v.new_zeros(total * PAGE_SIZE, *v.shape[1:])
+    cache_k[slot] = k
+    cache_v[slot] = v
+    shape = (total, PAGE_SIZE, *k.shape[1:])
+    return cache_k.view(shape), cache_v.view(shape), table, lengths, cu
+
+
+class ReferenceKernels:
+    """The same arithmetic as :class:`VLLMKernels` in torch ops (any device): what vLLM's kernels
+    compute up to their reduction order. For testing the backward formulas on the CPU."""
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return (_acc(x) @ _acc(weight).t()).to(x.dtype)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = _acc(x)
+        inv = 1.0 / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (xf * inv * _acc(weight)).to(x.dtype)
+
+    def residual_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = _acc(x)
+        inv = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (xf * inv).to(x.dtype) * weight
+
+    def rotary(self, positions: torch.Tensor, x: torch.Tensor, head_size: int, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        cos, sin = cos_sin_cache[positions].to(x.dtype).chunk(2, dim=-1)  # [n, rot / 2]
+        t = x.reshape(x.shape[0], -1, head_size)
+        half = cos.shape[-1]
+        x1, x2, rest = t[..., :half], t[..., half : 2 * half], t[..., 2 * half :]
+        c, s = cos[:, None, :], sin[:, None, :]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, rest], dim=-1).reshape(x.shape)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return torch.nn.functional.silu(_acc(x[:, :d])).to(x.dtype) * x[:, d:]
+
+    def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(x, dim=-1)
+
+    def paged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                        scale: float, window: Optional[int]) -> torch.Tensor:  # fmt: skip
+        return _reference_attention(q, k, v, lengths, scale, window)
+
+
+def _reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float,
+                         window: Optional[int]) -> torch.Tensor:  # fmt: skip
+    """Causal (optionally windowed) attention per packed sequence in fp32, differentiable:
+    ``q [T, h, d]``, ``k / v [T, g, d]`` -> ``[T, h, d]`` in ``q``'s dtype."""
+    outs, start = [], 0
+    rep = q.shape[1] // k.shape[1]
+    for n in lengths.tolist():
+        qs, ks, vs = (_acc(t[start : start + n]).transpose(0, 1) for t in (q, k, v))
+        ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
+        i = torch.arange(n, device=q.device)
+        allowed = i[None, :] <= i[:, None]
+        if window is not None:
+            allowed = allowed & (i[None, :] > i[:, None] - window)
+        scores = (qs @ ks.transpose(1, 2)) * scale
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        outs.append((probs @ vs).transpose(0, 1))
+        start += n
+    return torch.cat(outs).to(q.dtype)
+
+
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in its accumulation dtype: fp32, or fp64 for fp64 tensors."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+_ACTIVE = threading.local()
+
+
+def kernels() -> Any:
+    """The kernel table in use (vLLM's unless :func:`use_kernels` says otherwise)."""
+    table = getattr(_ACTIVE, "kernels", None)
+    if table is None:
+        table = _vllm_kernels()
+    return table
+
+
+_VLLM: Optional[VLLMKernels] = None
+
+
+def _vllm_kernels() -> VLLMKernels:
+    global _VLLM
+    if _VLLM is None:
+        _VLLM = VLLMKernels()
+    return _VLLM
+
+
+def using_reference() -> bool:
+    """Whether this thread runs :class:`ReferenceKernels` (no vLLM needed)."""
+    return isinstance(getattr(_ACTIVE, "kernels", None), ReferenceKernels)
+
+
+@contextlib.contextmanager
+def use_kernels(table: Any) -> Iterator[None]:
+    """Run the ops of this module with ``table`` (e.g. :class:`ReferenceKernels`) on this thread."""
+    saved = getattr(_ACTIVE, "kernels", None)
+    _ACTIVE.kernels = table
+    try:
+        yield
+    finally:
+        _ACTIVE.kernels = saved
+
+
+def require_vllm() -> None:
+    """Raise a :class:`ZooError` naming what is missing for vLLM's batch-invariant kernels: CUDA,
+    vLLM, and ``VLLM_BATCH_INVARIANT=1`` in the environment (vLLM's CUDA kernels read it once)."""
+    if not torch.cuda.is_available():
+        raise ZooError("numerics 'vllm-exact' runs vLLM's CUDA kernels: it needs a CUDA GPU")
+    if os.environ.get(ENV) != "1":
+        raise ZooError(
+            f"numerics 'vllm-exact' matches vLLM's batch-invariant mode: set {ENV}=1 in the environment before"
+            " vLLM is imported (its kernels read it once), in the trainer as in the engine"
+        )
+    try:
+        import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
+        from vllm.model_executor.layers import batch_invariant  # noqa: F401
+    except Exception as exc:  # pragma: no cover - depends on the installation
+        raise ZooError(f"numerics 'vllm-exact' needs vLLM's kernels; importing vLLM failed: {exc}") from exc
+
+
+# ---------------------------------------------------------------------------- autograd ops
+def _fp32_grads(fn: Any, inputs: tuple[torch.Tensor, ...], needs: tuple[bool, ...], grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+    """Gradients of ``fn(*inputs)`` recomputed in fp32 (fp64 stays fp64) for ``grad``, for the
+    inputs flagged in ``needs``, each cast back to its input's dtype."""
+    with torch.enable_grad():
+        leaves = [_acc(t.detach()).requires_grad_(bool(n)) for t, n in zip(inputs, needs)]
+        out = fn(*leaves)
+        wanted = [x for x in leaves if x.requires_grad]
+        got = iter(torch.autograd.grad(out, wanted, _acc(grad), allow_unused=True)) if wanted else iter(())
+    return tuple(next(got).to(t.dtype) if x.requires_grad else None for x, t in zip(leaves, inputs))
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        flat = x.reshape(-1, x.shape[-1])
+        return kernels().linear(flat, weight).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, weight.shape[0])
+        gx = (g @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        gw = g.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        return gx, gw
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x [..., in]`` times ``weight [out, in]`` transposed, then ``+ bias`` as a separate op (vLLM)."""
+    out = _Linear.apply(x, weight)
+    return out if bias is None else out + bias
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, residual_kernel: bool) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        flat = x.reshape(-1, x.shape[-1])
+        table = kernels()
+        out = table.residual_rms_norm(flat, weight, eps) if residual_kernel else table.rms_norm(flat, weight, eps)
+        return out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        x, weight = ctx.saved_tensors
+        gx, gw = _fp32_grads(lambda a, w: _rms(a, w, ctx.eps), (x, weight), ctx.needs_input_grad[:2], grad)
+        return gx, gw, None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: bool) -> torch.Tensor:
+    """RMSNorm over the last dim of ``x``. ``residual``: vLLM's fused add + norm kernel (the norm
+    vLLM applies where a residual is passed: every decoder norm but the first layer's input norm,
+    and the final norm); else its Triton kernel (first input norm, q / k norms)."""
+    return _RMSNorm.apply(x, weight, float(eps), bool(residual))
+
+
+class _Rotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, head_size: int) -> torch.Tensor:
+        ctx.save_for_backward(positions, cache)
+        ctx.head_size = head_size
+        return kernels().rotary(positions, x, head_size, cache)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        positions, cache = ctx.saved_tensors
+        # the rotation by -angle: [g1 c + g2 s, g2 c - g1 s] (fp32, cast to the gradient's dtype)
+        cos, sin = _acc(cache[positions]).chunk(2, dim=-1)
+        g = _acc(grad).reshape(grad.shape[0], -1, ctx.head_size)
+        half = cos.shape[-1]
+        c, s = cos[:, None, :], sin[:, None, :]
+        g1, g2, rest = g[..., :half], g[..., half : 2 * half], g[..., 2 * half :]
+        gx = torch.cat([g1 * c + g2 * s, g2 * c - g1 * s, rest], dim=-1)
+        return gx.reshape(grad.shape).to(grad.dtype), None, None, None
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, head_size: int) -> torch.Tensor:
+    """NeoX-style RoPE of ``x [n, heads * head_size]`` (vLLM's kernel; ``cos_sin_cache [P, rot]``
+    as vLLM builds it: ``cat(cos, sin)`` in the model dtype)."""
+    return _Rotary.apply(x, positions, cos_sin_cache, int(head_size))
+
+
+class _SiluAndMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        flat = x.reshape(-1, x.shape[-1])
+        return kernels().silu_and_mul(flat).view(*x.shape[:-1], x.shape[-1] // 2)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        (x,) = ctx.saved_tensors
+        d = x.shape[-1] // 2
+        return _fp32_grads(lambda a: torch.nn.functional.silu(a[..., :d]) * a[..., d:], (x,), ctx.needs_input_grad[:1], grad)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``x [..., 2 * d]`` = ``[gate; up]`` (vLLM's kernel)."""
+    return _SiluAndMul.apply(x)
+
+
+class _LogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        out = kernels().log_softmax(x)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (out,) = ctx.saved_tensors
+        return grad - out.exp() * grad.sum(-1, keepdim=True)
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row log-softmax of ``logits [n, V]`` as vLLM's sampler computes raw log-probs: the logits cast
+    to fp32, then vLLM's Triton kernel. Returns fp32 ``[n, V]``."""
+    return _LogSoftmax.apply(_acc(logits).contiguous())
+
+
+def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
+                               compute_entropy: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:  # fmt: skip
+    """vLLM's per-token log-probs: ``log_softmax(logits.float() / temperature)[target]`` (fp32, the
+    division as vLLM's sampler does it for processed log-probs; temperature 1 = its raw log-probs),
+    and the entropy. ``logits [..., V]`` (all of the vocabulary on this rank), ``targets`` int like
+    ``logits[..., 0]``; negative targets give 0."""
+    shape = targets.shape
+    x = _acc(logits.reshape(-1, logits.shape[-1]))  # bf16 / fp16 -> fp32, as vLLM's sampler
+    if temperature != 1.0:
+        x = x / temperature
+    lp_all = _LogSoftmax.apply(x.contiguous())
+    t = targets.reshape(-1).long()
+    valid = t >= 0
+    lp = lp_all.gather(-1, t.clamp(min=0)[:, None]).squeeze(-1) * valid
+    entropy = None
+    if compute_entropy:
+        entropy = -(lp_all.exp() * lp_all).sum(-1).view(shape)
+    return lp.view(shape), entropy
+
+
+# ---------------------------------------------------------------------------- attention
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float,
+                window: Optional[int]) -> torch.Tensor:  # fmt: skip
+        ctx.save_for_backward(q, k, v, lengths)
+        ctx.scale, ctx.window = scale, window
+        return kernels().paged_attention(q, k, v, lengths, scale, window)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        q, k, v, lengths = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+            out = _differentiable_attention(*leaves, lengths, ctx.scale, ctx.window)
+            gq, gk, gv = torch.autograd.grad(out, leaves, grad)
+        return gq, gk, gv, None, None, None
+
+
+def _differentiable_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float,
+                              window: Optional[int]) -> torch.Tensor:  # fmt: skip
+    """The backward's recomputation: torch's varlen flash attention on CUDA where it can express the
+    call (causal, no window), else per-sequence fp32 math."""
+    if q.is_cuda and window is None:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            varlen_attn = None
+        if varlen_attn is not None:
+            import inspect
+
+            params = inspect.signature(varlen_attn).parameters
+            cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=q.device)
+            cu[1:] = torch.cumsum(lengths.to(q.device), 0)
+            n = int(lengths.max())
+            kwargs: dict[str, Any] = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+            if "scale" in params:
+                kwargs["scale"] = scale
+            elif abs(scale - q.shape[-1] ** -0.5) > 0:
+                return _reference_attention(q, k, v, lengths, scale, window)
+            rep = q.shape[1] // k.shape[1]
+            if rep > 1:
+                if "enable_gqa" in params:
+                    kwargs["enable_gqa"] = True
+                else:
+                    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            return varlen_attn(q, k, v, cu, cu, n, n, **kwargs)
+    return _reference_attention(q, k, v, lengths, scale, window)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, *, scale: float,
+              window: Optional[int] = None) -> torch.Tensor:  # fmt: skip
+    """Causal attention of packed sequences (``q [T, h, d]``, ``k / v [T, g, d]``, ``lengths`` [B])
+    with vLLM's FlashAttention prefill; backward by recomputation (see :func:`_differentiable_attention`)."""
+    return _Attention.apply(q, k, v, lengths, float(scale), window)
+
+
+# ---------------------------------------------------------------------------- RoPE tables
+@dataclass
+class VLLMRope:
+    """vLLM's RoPE for one model: its ``cos_sin_cache`` (built by vLLM's ``get_rope`` on the GPU in
+    the model dtype, as the engine builds it) and the head size."""
+
+    cos_sin_cache: torch.Tensor
+    head_size: int
+
+    @classmethod
+    def from_hf_config(cls, hf_config: dict, head_size: int, dtype: torch.dtype, device: torch.device) -> "VLLMRope":
+        import transformers
+        from vllm.model_executor.layers.rotary_embedding import get_rope
+
+        try:
+            from vllm.transformers_utils.config import patch_rope_parameters
+        except ImportError:  # pragma: no cover - older vLLM
+            patch_rope_parameters = None
+        config = transformers.AutoConfig.for_model(hf_config["model_type"], **{k: v for k, v in hf_config.items() if k != "model_type"})
+        if patch_rope_parameters is not None:
+            patch_rope_parameters(config)
+        with torch.device(device):
+            rope = get_rope(head_size, max_position=int(getattr(config, "max_position_embeddings", 8192)),
+                            is_neox_style=True, rope_parameters=getattr(config, "rope_parameters", None), dtype=dtype)  # fmt: skip
+        return cls(rope.cos_sin_cache.to(device=device, dtype=dtype), head_size)
+
+    @classmethod
+    def reference(cls, inv_freq: torch.Tensor, max_positions: int, head_size: int, dtype: torch.dtype,
+                  device: torch.device) -> "VLLMRope":  # fmt: skip
+        """The cache as vLLM's base ``RotaryEmbedding`` builds it from ``inv_freq`` (``cat(cos, sin)``
+        of ``positions x inv_freq`` in fp32, cast to ``dtype``), on any device: for
+        :class:`ReferenceKernels` runs."""
+        t = torch.arange(max_positions, dtype=torch.float32, device=device)
+        freqs = torch.einsum("i,j -> ij", t, inv_freq.to(device=device, dtype=torch.float32))
+        return cls(torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype), head_size)
+
+    def apply(self, t: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
+        """RoPE of Megatron-Core's ``t``: THD ``[T, (1,) h, d]`` with ``cu_seqlens`` (positions restart at
+        every sequence), or SBHD ``[s, b, h, d]`` (positions ``0 .. s - 1``)."""
+        shape = t.shape
+        if cu_seqlens is not None:
+            lengths = cu_seqlens.diff().long()
+            starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
+            positions = torch.arange(int(lengths.sum()), device=t.device) - starts.to(t.device)
+            rows = int(lengths.sum())
+        else:
+            s, b = shape[0], shape[1]
+            positions = torch.arange(s, device=t.device).repeat_interleave(b)
+            rows = s * b
+        if rows != t.numel() // (shape[-1] * shape[-2]):
+            raise ZooError(f"vllm-exact RoPE: {rows} positions for a query / key of shape {tuple(shape)}")
+        flat = t.reshape(rows, -1)
+        return rotary(flat, positions, self.cos_sin_cache, self.head_size).view(shape)
+
+
+# ---------------------------------------------------------------------------- log-prob head selection
+_HEAD = threading.local()
+
+
+@contextlib.contextmanager
+def logprob_head(enabled: bool) -> Iterator[None]:
+    """While active (on this thread), the zoo's log-prob heads use :func:`token_logprobs_and_entropy`
+    (vLLM's log-softmax); entered by the forward / training entry points for ``vllm-exact`` models."""
+    saved = getattr(_HEAD, "on", False)
+    _HEAD.on = bool(enabled)
+    try:
+        yield
+    finally:
+        _HEAD.on = saved
+
+
+def logprob_head_active() -> bool:
+    return getattr(_HEAD, "on", False)

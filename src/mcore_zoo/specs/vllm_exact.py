@@ -1,0 +1,222 @@
+"""Megatron-Core modules for the ``vllm-exact`` profile: vLLM's batch-invariant kernels in GPTModel.
+
+vLLM (``VLLM_BATCH_INVARIANT=1``, ``enforce_eager=True``) computes a dense decoder layer as::
+
+    x, residual = input_layernorm(x, residual)        # first layer: Triton norm of x, residual = x
+    q, k, v = split(linear(x, W_qkv) + b_qkv)          # Triton persistent GEMM, bias added after
+    q, k = q_norm(q), k_norm(k)                        # Qwen3: Triton norm per head
+    q, k = rotary(positions, q, k)                     # CUDA kernel, bf16 cos / sin cache
+    x = linear(flash_attention(q, k, v), W_o)          # FA over the paged cache, num_splits=1
+    x, residual = post_attention_layernorm(x, residual)  # CUDA fused add + norm
+    x = linear(silu_and_mul(linear(x, W_gate_up)), W_down)
+
+and after the last layer ``norm(x, residual)`` (fused add + norm), the LM head with the same GEMM
+and log-probs with its Triton log-softmax over fp32 logits. Megatron-Core's layer adds the residual
+itself (``residual + x`` in the model dtype, the same rounding as the fused kernel's add) and then
+normalises the sum: :class:`VLLMResidualRMSNorm` runs the fused kernel on that sum, which gives the
+kernel's own output. The modules here are mcore's (same parameters, same checkpoint mapping) with
+their arithmetic routed to :mod:`mcore_zoo.kernels.vllm_ops`.
+
+Scope (refused otherwise, naming the reason): dense RMSNorm + SwiGLU + NeoX RoPE decoders (the
+dense built-ins), tensor / context parallel size 1, no sequence parallelism.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLP
+
+from ..errors import ZooError
+from ..kernels import vllm_ops
+from .portable import PortableAttention
+
+
+def _vllm_linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 gradient_accumulation_fusion: bool = False, allreduce_dgrad: bool = False,
+                 sequence_parallel: bool = False, tp_group: Any = None, **_: Any) -> torch.Tensor:  # fmt: skip
+    """mcore's ``linear_with_grad_accumulation_and_async_allreduce`` contract on vLLM's GEMM (TP 1)."""
+    if gradient_accumulation_fusion:
+        raise ZooError("numerics 'vllm-exact' does not support gradient_accumulation_fusion")
+    if sequence_parallel or allreduce_dgrad or (tp_group is not None and tp_group.size() > 1):
+        raise ZooError("numerics 'vllm-exact' supports tensor parallel size 1 only")
+    return vllm_ops.linear(input, weight, bias)
+
+
+class VLLMColumnParallelLinear(ColumnParallelLinear):
+    """``ColumnParallelLinear`` whose GEMM is vLLM's batch-invariant one (bias added after)."""
+
+    def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return _vllm_linear(input, weight, *args, **kwargs)
+
+
+class VLLMRowParallelLinear(RowParallelLinear):
+    """``RowParallelLinear`` whose GEMM is vLLM's batch-invariant one."""
+
+    def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return _vllm_linear(input, weight, *args, **kwargs)
+
+
+class _VLLMNorm(torch.nn.Module):
+    residual = False
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__()
+        if getattr(config, "normalization", "RMSNorm") != "RMSNorm":
+            raise ZooError(f"numerics 'vllm-exact' implements RMSNorm only, the model uses {config.normalization}")
+        if getattr(config, "sequence_parallel", False):
+            raise ZooError("numerics 'vllm-exact' does not support sequence parallelism")
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype, device=device))
+        self.variance_epsilon = eps
+        setattr(self.weight, "sequence_parallel", False)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return vllm_ops.rms_norm(hidden_states, self.weight, self.variance_epsilon, residual=self.residual)
+
+    def extra_repr(self) -> str:
+        kind = "fused add + norm (CUDA)" if self.residual else "Triton"
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, kernel=vllm {kind}"
+
+
+class VLLMRMSNorm(_VLLMNorm):
+    """vLLM's RMSNorm without a residual (Triton): the first layer's input norm, q / k norms."""
+
+
+class VLLMResidualRMSNorm(_VLLMNorm):
+    """vLLM's fused add + RMSNorm (CUDA), applied to the already-summed residual stream: every other
+    decoder norm and the final norm."""
+
+    residual = True
+
+
+class VLLMMLP(MLP):
+    """mcore's MLP (``linear_fc1`` = ``[gate; up]``) with vLLM's SiLU-and-mul kernel between the GEMMs."""
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        x, bias = self.linear_fc1(hidden_states)
+        if bias is not None:
+            x = x + bias
+        return self.linear_fc2(vllm_ops.silu_and_mul(x))
+
+
+class VLLMAttention(PortableAttention):
+    """Core attention with vLLM's FlashAttention prefill (paged KV cache, ``num_splits=1``).
+
+    Same constructor and call as :class:`~mcore_zoo.specs.portable.PortableAttention`; THD
+    ``[t, (1,) np|ng, hn]`` -> ``[t, np * hn]`` (each padded slot of the pack attended as one
+    sequence: padding sits after a sequence's real tokens, which never see it), SBHD
+    ``[s, b, np|ng, hn]`` -> ``[s, b, np * hn]``. The softmax scale is ``head_dim ** -0.5`` (vLLM's)
+    unless the config sets one.
+    """
+
+    def __init__(self, config: Any, layer_number: int, *args: Any, softmax_scale: Optional[float] = None, **kwargs: Any) -> None:
+        super().__init__(config, layer_number, *args, softmax_scale=softmax_scale, kernel="sdpa", **kwargs)
+        if self.cp_group is not None and self.cp_group.size() > 1:
+            raise ZooError("numerics 'vllm-exact' supports context parallel size 1 only")
+        if softmax_scale is None:
+            self.scale = self.head_dim**-0.5
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                attn_mask_type: Any = None, attention_bias: Optional[torch.Tensor] = None,
+                packed_seq_params: Any = None) -> torch.Tensor:  # fmt: skip
+        if attention_bias is not None:
+            raise NotImplementedError("vllm-exact attention does not take an attention bias")
+        if self.training and self.dropout_p:
+            raise ZooError("numerics 'vllm-exact': attention dropout must be 0 (vLLM has none)")
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            if query.dim() == 4:
+                query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
+            cu = packed_seq_params.cu_seqlens_q_padded
+            cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+            lengths = cu.diff()
+            keep = lengths > 0
+            out = vllm_ops.attention(query, key, value, lengths[keep], scale=self.scale, window=self.window)
+            return out.reshape(out.shape[0], -1)
+        s, b = query.shape[0], query.shape[1]
+
+        def rows(t: torch.Tensor) -> torch.Tensor:  # [s, b, h, d] -> [b * s, h, d]
+            return t.transpose(0, 1).reshape(b * s, *t.shape[2:])
+
+        lengths = torch.full((b,), s, dtype=torch.int32, device=query.device)
+        out = vllm_ops.attention(rows(query), rows(key), rows(value), lengths, scale=self.scale, window=self.window)
+        return out.view(b, s, -1).transpose(0, 1).contiguous()
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, groups={self.groups}, window={self.window}, kernel=vllm flash-attention (paged)"
+
+
+def pieces() -> dict[str, Any]:
+    """The module classes of a ``vllm-exact`` layer (see :func:`mcore_zoo.specs.gpt._pieces`)."""
+    return dict(
+        input_layernorm=VLLMResidualRMSNorm,
+        pre_mlp_layernorm=VLLMResidualRMSNorm,
+        linear_qkv=VLLMColumnParallelLinear,
+        linear_proj=VLLMRowParallelLinear,
+        core_attention=VLLMAttention,
+        linear_fc1=VLLMColumnParallelLinear,
+        linear_fc2=VLLMRowParallelLinear,
+        qk_norm=VLLMRMSNorm,
+        final_norm=VLLMResidualRMSNorm,
+        first_input_layernorm=VLLMRMSNorm,
+        mlp=VLLMMLP,
+    )
+
+
+def check_supported(arch: Any, config: Any) -> None:
+    """Refuse, naming the reason, what the ``vllm-exact`` forward does not reproduce."""
+    name = arch.architecture
+    if arch.moe is not None or arch.mla is not None:
+        raise ZooError(f"{name}: numerics 'vllm-exact' covers dense decoders (no MoE / MLA kernels yet)")
+    if arch.normalization != "RMSNorm":
+        raise ZooError(f"{name}: numerics 'vllm-exact' needs RMSNorm, the model uses {arch.normalization}")
+    if not getattr(config, "gated_linear_unit", False) or getattr(config, "activation_func", None) is not torch.nn.functional.silu:
+        raise ZooError(f"{name}: numerics 'vllm-exact' needs a SwiGLU MLP (vLLM's silu_and_mul)")
+    for field, value in (("tensor_model_parallel_size", 1), ("context_parallel_size", 1)):
+        if getattr(config, field, 1) != value:
+            raise ZooError(f"{name}: numerics 'vllm-exact' supports {field}=1 only, got {getattr(config, field)}")
+    if getattr(config, "sequence_parallel", False):
+        raise ZooError(f"{name}: numerics 'vllm-exact' does not support sequence parallelism")
+    if getattr(config, "rotary_interleaved", False):
+        raise ZooError(f"{name}: numerics 'vllm-exact' implements NeoX-style RoPE only")
+
+
+def install(model: torch.nn.Module, arch: Any, config: Any, dtype: torch.dtype) -> None:
+    """Finish a ``vllm-exact`` GPTModel: its output layer on vLLM's GEMM and its RoPE on vLLM's
+    kernel and cos / sin cache (``config.zoo_vllm_rope``, read by the RoPE hook)."""
+    from megatron.core.transformer import attention as mcore_attention
+
+    from .patching import wrap_once
+
+    reference = vllm_ops.using_reference()  # tests: torch kernels, no vLLM
+    if not reference:
+        vllm_ops.require_vllm()
+    head = getattr(model, "output_layer", None)
+    if head is not None and type(head) is ColumnParallelLinear:
+        head.__class__ = VLLMColumnParallelLinear  # same module, vLLM's GEMM (no state changes)
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if rotary is not None and getattr(config, "zoo_vllm_rope", None) is None:
+        if reference:
+            device = next(model.parameters()).device
+            config.zoo_vllm_rope = vllm_ops.VLLMRope.reference(rotary.inv_freq, arch.max_position_embeddings,
+                                                               arch.head_dim, dtype, device)  # fmt: skip
+        else:
+            config.zoo_vllm_rope = vllm_ops.VLLMRope.from_hf_config(
+                dict(arch.hf_config), arch.head_dim, dtype, torch.device("cuda", torch.cuda.current_device())
+            )
+    wrap_once(mcore_attention, "apply_rotary_pos_emb", _rope_hook)
+
+
+def _rope_hook(original: Any) -> Any:
+    """mcore's ``apply_rotary_pos_emb`` in ``megatron.core.transformer.attention``: vLLM's RoPE for
+    models whose config carries ``zoo_vllm_rope``, the original for every other model."""
+
+    def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config: Any, cu_seqlens: Any = None, *args: Any, **kwargs: Any) -> torch.Tensor:
+        rope = getattr(config, "zoo_vllm_rope", None)
+        if rope is None:
+            return original(t, freqs, config, cu_seqlens, *args, **kwargs)
+        return rope.apply(t, cu_seqlens)
+
+    return apply_rotary_pos_emb

@@ -1,0 +1,230 @@
+"""``vllm-exact``: the trainer's log-probs bit-identical to vLLM's batch-invariant mode, on the GPU.
+
+For each dense built-in (random weights at a real head size, bf16): the zoo model is built with
+``numerics="vllm-exact"`` and exported; an in-process ``vllm.LLM`` (``VLLM_BATCH_INVARIANT=1``,
+``enforce_eager=True``, FlashAttention, 16-token KV blocks) loads the export and samples
+continuations with their log-probs (decode steps, batched). The zoo then runs one packed forward
+over prompt + continuation: the log-probs of every sampled token must equal vLLM's bit for bit,
+and those of the prompt tokens must equal vLLM's prompt log-probs (prefill). The gradients of a
+policy-gradient loss are compared with the ``hf-exact`` model's (reported, not asserted), and a
+forward + backward is timed against the ``default`` profile on ``te``.
+
+Needs CUDA, vLLM (bench/gpu/vllm-setup.sh, ``source bench/gpu/vllm-env.sh``) and, for the timing,
+Transformer Engine. Each architecture runs in its own process (one engine per process)::
+
+    python3 -m pytest tests/gpu/test_vllm_exact_gpu.py -q -s
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+if importlib.util.find_spec("vllm") is None:
+    pytestmark = pytest.mark.skip(reason="needs vLLM (bench/gpu/vllm-setup.sh, source bench/gpu/vllm-env.sh)")
+
+ARCHS = [
+    ("LlamaForCausalLM", {}),
+    ("Qwen2ForCausalLM", {}),
+    ("Qwen3ForCausalLM", {"head_dim": 128}),
+    ("MistralForCausalLM", {"sliding_window": None}),
+]
+SIZES = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 8, "num_key_value_heads": 2,
+         "num_hidden_layers": 4, "vocab_size": 32000, "max_position_embeddings": 4096}  # fmt: skip
+PROMPTS = [37, 64, 100, 5]
+NEW_TOKENS = 48
+
+
+def _sample(llm, prompts):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = [SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, seed=100 + i, logprobs=0, prompt_logprobs=0,
+                             detokenize=False, ignore_eos=True) for i in range(len(prompts))]  # fmt: skip
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p.tolist()) for p in prompts], params, use_tqdm=False)
+    result = []
+    for p, o in zip(prompts, outs):
+        c = o.outputs[0]
+        gen = torch.tensor(list(c.token_ids))
+        gen_lp = torch.tensor([d[int(t)].logprob for d, t in zip(c.logprobs, gen)], dtype=torch.float32)
+        prompt_lp = torch.tensor([d[int(p[j + 1])].logprob for j, d in enumerate(o.prompt_logprobs[1:])], dtype=torch.float32)
+        result.append((gen, gen_lp, prompt_lp))
+    return result
+
+
+def _probe(llm, model, seq) -> dict:
+    """Where the two forwards part, if they do: vLLM's RoPE cache against the zoo's, and each decoder
+    layer's output (vLLM: ``hidden + residual``, the residual stream) for one prefill of ``seq``."""
+    import mcore_zoo
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    def install(worker):
+        engine = worker._zoo_model()
+        worker._probe = {"layers": [], "hooks": []}
+        inner = getattr(engine, "model", engine)
+        for layer in inner.layers:
+            def hook(_m, _i, out, store=worker._probe["layers"]):
+                h, r = out
+                store.append((h + r).detach().clone())
+            worker._probe["hooks"].append(layer.register_forward_hook(hook))
+        rope = inner.layers[0].self_attn.rotary_emb.cos_sin_cache
+        return rope.detach().clone()
+
+    def collect(worker):
+        for h in worker._probe["hooks"]:
+            h.remove()
+        return worker._probe["layers"]
+
+    engine_rope = llm.collective_rpc(install)[0]
+    llm.generate([TokensPrompt(prompt_token_ids=seq.tolist())], SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
+    engine_layers = llm.collective_rpc(collect)[0]
+    mine = []
+    handles = [layer.register_forward_hook(lambda _m, _i, out: mine.append(out[0] if isinstance(out, tuple) else out))
+               for layer in model.decoder.layers]  # fmt: skip
+    with torch.no_grad():
+        mcore_zoo.packed_forward(model, [seq.cuda()])
+    for h in handles:
+        h.remove()
+    ours = mcore_zoo.handle_of(model).transformer_config.zoo_vllm_rope.cos_sin_cache
+    n = min(ours.shape[0], engine_rope.shape[0])
+    report = {"rope_cache_equal": bool(torch.equal(ours[:n], engine_rope[:n].to(ours.dtype))),
+              "rope_cache_max_abs": float((ours[:n].float() - engine_rope[:n].float()).abs().max()),
+              "layers_equal": [], "layers_max_abs": []}  # fmt: skip
+    for a, b in zip(mine, engine_layers[: len(mine)]):
+        a = a.reshape(-1, a.shape[-1])[: b.shape[0]]
+        report["layers_equal"].append(bool(torch.equal(a, b)))
+        report["layers_max_abs"].append(float((a.float() - b.float()).abs().max()))
+    return report
+
+
+def _loss(t):
+    return torch.where(t.mask, -t.logprobs, 0.0).sum(), {}
+
+
+def check(ckpt: str, arch: str, out_dir: str) -> dict:
+    """One architecture, in a fresh process with VLLM_BATCH_INVARIANT=1."""
+    import vllm
+
+    import mcore_zoo
+    from mcore_zoo.rollout import VLLM_WORKER_EXTENSION
+    from mcore_zoo.testing.common import random_sequences
+
+    result: dict = {"arch": arch}
+    model = mcore_zoo.build_model(ckpt, backend="local", numerics="vllm-exact", params_dtype=torch.bfloat16, load=ckpt)
+    export = os.path.join(out_dir, "export")
+    mcore_zoo.save_hf_checkpoint(model, export, dtype=torch.bfloat16)
+    vocab = mcore_zoo.handle_of(model).arch_config.vocab_size
+    prompts = random_sequences(PROMPTS, vocab, seed=7)
+    llm = vllm.LLM(model=export, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, seed=0,
+                   max_model_len=512, gpu_memory_utilization=0.3, enable_prefix_caching=False, block_size=16,
+                   attention_backend="FLASH_ATTN", worker_extension_cls=VLLM_WORKER_EXTENSION)  # fmt: skip
+    sampled = _sample(llm, prompts)
+    full = [torch.cat([p, g]) for p, (g, _, _) in zip(prompts, sampled)]
+    out = mcore_zoo.packed_forward(model, [s.cuda() for s in full])  # THD, one pack
+    gen_eq = gen_n = prompt_eq = prompt_n = 0
+    gen_max = prompt_max = 0.0
+    for p, (g, gen_lp, prompt_lp), lp in zip(prompts, sampled, out.logprobs):
+        lp = lp.float().cpu()
+        mine_gen, mine_prompt = lp[len(p) - 1 :], lp[: len(p) - 1]
+        gen_eq += int((mine_gen == gen_lp).sum())
+        gen_n += gen_lp.numel()
+        gen_max = max(gen_max, float((mine_gen - gen_lp).abs().max()))
+        prompt_eq += int((mine_prompt == prompt_lp).sum())
+        prompt_n += prompt_lp.numel()
+        prompt_max = max(prompt_max, float((mine_prompt - prompt_lp).abs().max()) if prompt_lp.numel() else 0.0)
+    result.update(generated_tokens=gen_n, generated_bitwise=gen_eq, generated_max_abs=gen_max,
+                  prompt_tokens=prompt_n, prompt_bitwise=prompt_eq, prompt_max_abs=prompt_max)  # fmt: skip
+    try:
+        result["probe"] = _probe(llm, model, full[0])
+    except Exception as exc:  # a diagnostic: never hides the measurement above
+        result["probe"] = {"error": repr(exc)[:500]}
+    # the same pack, the other sequence order: per-token results do not depend on the batch
+    again = mcore_zoo.packed_forward(model, [s.cuda() for s in reversed(full)])
+    result["order_invariant"] = all(torch.equal(a, b) for a, b in zip(out.logprobs, reversed(again.logprobs)))
+    # gradients against hf-exact's (same weights, same sequences)
+    seqs = [s.cuda() for s in full]
+    mcore_zoo.train_step(model, seqs, _loss)
+    grads = {n: p.grad.float() for n, p in model.named_parameters()}
+    ref = mcore_zoo.build_model(ckpt, backend="local", numerics="hf-exact", params_dtype=torch.bfloat16, load=ckpt)
+    mcore_zoo.train_step(ref, seqs, _loss)
+    num = den = 0.0
+    worst = 0.0
+    for n, p in ref.named_parameters():
+        d = float((grads[n] - p.grad.float()).norm())
+        r = float(p.grad.float().norm())
+        num, den = num + d * d, den + r * r
+        worst = max(worst, d / max(r, 1e-30))
+    result["grad_rel_l2_vs_hf_exact"] = (num / den) ** 0.5
+    result["grad_rel_l2_worst_param"] = worst
+    del llm
+    return result
+
+
+def speed(arch: str, out_dir: str) -> dict:
+    """Forward + backward (``train_step``) of a 4 x 1024-token pack at this file's sizes: vllm-exact
+    (``local``) against hf-exact (``local``) and default (``te``, when Transformer Engine imports)."""
+    import mcore_zoo
+    from mcore_zoo.parity.reference import write_reference_checkpoint
+    from mcore_zoo.testing.common import case_config, random_sequences
+
+    overrides = dict(ARCHS)[arch]
+    ckpt = os.path.join(out_dir, "ckpt")
+    write_reference_checkpoint(mcore_zoo.lookup(arch), case_config(arch, {**SIZES, **overrides}), ckpt, seed=0,
+                               dtype=torch.bfloat16)  # fmt: skip
+    result: dict = {"arch": arch, "tokens": 4096}
+    vocab = SIZES["vocab_size"]
+    seqs = [s.cuda() for s in random_sequences([1024] * 4, vocab, seed=1)]
+    variants = [("vllm-exact", "local"), ("hf-exact", "local")]
+    if importlib.util.find_spec("transformer_engine") is not None:
+        variants.append(("default", "te"))
+    for numerics, backend in variants:
+        model = mcore_zoo.build_model(ckpt, backend=backend, numerics=numerics, params_dtype=torch.bfloat16, load=ckpt)
+        times = []
+        for _ in range(4):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            mcore_zoo.train_step(model, seqs, _loss)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        result[f"{numerics}/{backend}_ms"] = sorted(times[1:])[1] * 1e3
+        del model
+    return result
+
+
+@pytest.mark.parametrize("arch,overrides", ARCHS, ids=[a for a, _ in ARCHS])
+def test_vllm_exact_log_probs_equal_vllm_batch_invariant(reference_checkpoint, arch, overrides, tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    ckpt = reference_checkpoint(arch, {**SIZES, **overrides})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "VLLM_BATCH_INVARIANT": "1",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # fmt: skip
+    proc = subprocess.run([sys.executable, __file__, "check", str(ckpt), arch, str(tmp_path)], capture_output=True,
+                          text=True, timeout=900, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"\n{arch}: generated {r['generated_bitwise']}/{r['generated_tokens']} bitwise (max |d| {r['generated_max_abs']:.3e}),"
+          f" prompt {r['prompt_bitwise']}/{r['prompt_tokens']} (max |d| {r['prompt_max_abs']:.3e});"
+          f" gradients vs hf-exact rel L2 {r['grad_rel_l2_vs_hf_exact']:.3e} (worst param {r['grad_rel_l2_worst_param']:.3e})")  # fmt: skip
+    print(f"  probe: {r.get('probe')}")
+    out = os.environ.get("MCORE_ZOO_GPU_RESULTS")
+    if out:
+        with open(os.path.join(out, f"vllm-exact-{arch}.json"), "w") as f:
+            json.dump(r, f, indent=1)
+    assert r["order_invariant"]
+    assert r["generated_bitwise"] == r["generated_tokens"]
+    assert r["prompt_bitwise"] == r["prompt_tokens"]
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "check":
+        print(json.dumps(check(*sys.argv[2:5])))
+    else:  # speed ARCH OUT_DIR (with VLLM_BATCH_INVARIANT=1)
+        print(json.dumps(speed(*sys.argv[2:4])))
