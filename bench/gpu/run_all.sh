@@ -5,7 +5,9 @@
 # Phases: reports (parity-report jobs, one GPU each, in parallel), checks (GPU tests and the
 # backend / profile grid), speed, multi (torchrun 2 / 4) - the default: all four; and on request
 # training (log-prob head, train_step), profile (the training profile's distance and speed), refit
-# and vllm (refit into vLLM, vLLM parity; need bench/gpu/vllm-setup.sh) and mla (DeepSeek-V3, te).
+# and vllm (refit into vLLM, vLLM parity; need bench/gpu/vllm-setup.sh), vllm-exact (the vllm-exact
+# profile against vLLM's batch-invariant mode; needs vllm-setup.sh too), seeds (the training
+# profile at more seeds), moe-exact (hf-exact MoE vs transformers) and mla (DeepSeek-V3, te).
 # Each job logs to OUT/logs/; a failing (or, past its time limit, killed) job is recorded and the
 # others go on. Limits: JOB_TIMEOUT (single-GPU jobs, default 420 s), MULTI_TIMEOUT (torchrun jobs,
 # default 240 s: a layout failing on some ranks only would otherwise wait for NCCL's timeout).
@@ -123,5 +125,34 @@ if [[ " $phases " == *" mla "* ]]; then
   run mla-te 540 $py -m mcore_zoo.cli parity-report --dtype bfloat16 --device cuda -q -v --config "${MLA_CONFIG:-.gpu/cfg/deepseek-v3.json}" --random-weights \
       --set num_hidden_layers=2 --set first_k_dense_replace=1 --set n_routed_experts=64 --backend te \
       --lengths 512,512,300,100 --out "$out/parity/mla-te"
+fi
+if [[ " $phases " == *" vllm-exact "* ]]; then
+  # needs vllm-setup.sh: trainer log-probs bitwise vs vLLM batch-invariant mode, then the speed
+  mkdir -p "$out/rollout/vllm-exact"
+  MCORE_ZOO_GPU_RESULTS="$out/rollout/vllm-exact" run vllm-exact 540 $py -m pytest tests/gpu/test_vllm_exact_gpu.py \
+      -q -s -p no:cacheprovider
+fi
+if [[ " $phases " == *" vllm-exact-speed "* ]]; then
+  mkdir -p "$out/rollout/vllm-exact"
+  VLLM_BATCH_INVARIANT=1 run vllm-exact-speed 240 bash -c "$py tests/gpu/test_vllm_exact_gpu.py speed \
+      LlamaForCausalLM /tmp/vx-speed > $out/rollout/vllm-exact/speed.json"
+fi
+
+if [[ " $phases " == *" seeds "* ]]; then
+  # the training profile's distance to HF eager next to HF sdpa's, two more weight / token seeds
+  for seed in ${SEEDS:-1 2}; do
+    run "parity-training-seed$seed" 300 "${report[@]}" "${dense[@]}" --backend te --numerics training \
+        --lengths 512,512,512,512 --seed "$seed" --out "$out/parity/te-training-seed$seed"
+  done
+fi
+
+if [[ " $phases " == *" moe-exact "* ]]; then
+  # hf-exact MoE on local (split-K off) vs transformers, with each of its two experts implementations
+  moe=(--config "${MOE_CONFIG:-.gpu/cfg/qwen3-30b-a3b.json}" --random-weights --set num_hidden_layers=2 --backend local
+       --numerics hf-exact --bitwise --lengths 512,512,512,512 --seq-format bshd)
+  run moe-exact-grouped 300 "${nosplit[@]}" $py -m mcore_zoo.cli parity-report --dtype bfloat16 --device cuda -q -v \
+      "${moe[@]}" --out "$out/parity/moe-hf-exact-grouped_mm"
+  run moe-exact-eager 300 "${nosplit[@]}" $py -m mcore_zoo.cli parity-report --dtype bfloat16 --device cuda -q -v \
+      "${moe[@]}" --knob moe_experts=eager --out "$out/parity/moe-hf-exact-eager"
 fi
 cat "$out/logs/status"
