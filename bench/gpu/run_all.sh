@@ -129,7 +129,7 @@ fi
 if [[ " $phases " == *" vllm-exact "* ]]; then
   # needs vllm-setup.sh: trainer log-probs bitwise vs vLLM batch-invariant mode, then the speed
   mkdir -p "$out/rollout/vllm-exact"
-  MCORE_ZOO_GPU_RESULTS="$out/rollout/vllm-exact" run vllm-exact 540 $py -m pytest tests/gpu/test_vllm_exact_gpu.py \
+  MCORE_ZOO_GPU_RESULTS="$out/rollout/vllm-exact" run vllm-exact 540 $py -m pytest -p mcore_zoo.testing.plugin tests/gpu/test_vllm_exact_gpu.py \
       -q -s -p no:cacheprovider
 fi
 if [[ " $phases " == *" vllm-exact-speed "* ]]; then

@@ -463,7 +463,9 @@ class VLLMRope:
         config = transformers.AutoConfig.for_model(hf_config["model_type"], **{k: v for k, v in hf_config.items() if k != "model_type"})
         if patch_rope_parameters is not None:
             patch_rope_parameters(config)
-        with torch.device(device):
+        from vllm.config import VllmConfig, set_current_vllm_config
+
+        with set_current_vllm_config(VllmConfig()), torch.device(device):  # vLLM's custom ops need a config
             rope = get_rope(head_size, max_position=int(getattr(config, "max_position_embeddings", 8192)),
                             is_neox_style=True, rope_parameters=getattr(config, "rope_parameters", None), dtype=dtype)  # fmt: skip
         return cls(rope.cos_sin_cache.to(device=device, dtype=dtype), head_size)
