@@ -73,7 +73,7 @@ def main() -> None:
                           ("gate_up", layer.mlp.gate_up_proj), ("act", layer.mlp.act_fn), ("down", layer.mlp.down_proj)):  # fmt: skip
             hooks.append(mod.register_forward_hook(keep(name)))
         hooks.append(layer.self_attn.attn.register_forward_pre_hook(lambda _m, inp: store.setdefault(
-            "attn_in", [t.detach().clone() for t in inp[:3]])))  # fmt: skip
+            "attn_in", [t.detach().clone() for t in inp[:3]]) and None))  # fmt: skip
         hooks.append(layer.self_attn.attn.register_forward_hook(keep("attn")))
         for i, lyr in enumerate(inner.layers):
             hooks.append(lyr.register_forward_hook(keep(f"layer{i}")))
@@ -115,7 +115,7 @@ def main() -> None:
                       ("gate_up", zl.mlp.linear_fc1), ("down", zl.mlp.linear_fc2)):  # fmt: skip
         hooks.append(mod.register_forward_hook(keep(name)))
     hooks.append(zl.self_attention.core_attention.register_forward_pre_hook(lambda _m, inp: mine.setdefault(
-        "attn_in", [t.detach().clone() for t in inp[:3]])))  # fmt: skip
+        "attn_in", [t.detach().clone() for t in inp[:3]]) and None))  # fmt: skip
     hooks.append(zl.self_attention.core_attention.register_forward_hook(keep("attn")))
     for i, lyr in enumerate(model.decoder.layers):
         hooks.append(lyr.register_forward_hook(keep(f"layer{i}")))

@@ -3,8 +3,10 @@
 With ``VLLM_BATCH_INVARIANT=1`` (and ``enforce_eager=True``) vLLM computes a dense decoder with a
 fixed set of kernels whose per-token results do not depend on the batch: a Triton persistent GEMM
 (``matmul_persistent``; bias added after), a Triton RMSNorm (no residual), its CUDA fused
-add + RMSNorm (with a residual), its CUDA RoPE and SiLU-and-mul kernels, FlashAttention over the
-paged KV cache with ``num_splits=1``, and a Triton log-softmax over fp32 logits for log-probs.
+add + RMSNorm (with a residual), RoPE in torch ops (``forward_static``), its CUDA SiLU-and-mul
+kernel, FlashAttention-3 over the paged KV cache with ``num_splits=1``, and a Triton log-softmax
+over fp32 logits for log-probs. (Which implementation each op runs was read from the engine:
+``bench/gpu/vllm_exact_probe.py`` reports the dispatch and compares layer 0 op by op.)
 This module calls exactly those kernels (imported from the installed vLLM) so that a trainer's
 forward reproduces vLLM's log-probs bit for bit, and gives each one a backward (computed with
 ordinary torch ops in fp32 / the model dtype: only the forward must match vLLM).
@@ -60,9 +62,13 @@ class VLLMKernels:
         return out
 
     def rotary(self, positions: torch.Tensor, x: torch.Tensor, head_size: int, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-        """NeoX-style RoPE of ``x [n, heads * head_size]`` at ``positions [n]`` (vLLM's CUDA kernel)."""
-        out = x.contiguous().clone()
-        self._ops.rotary_embedding(positions, out, None, head_size, cos_sin_cache, True)
+        """NeoX-style RoPE of ``x [n, heads * head_size]`` at ``positions [n]``: vLLM's
+        ``RotaryEmbedding.forward_static``, the torch ops its engine runs under ``enforce_eager`` in
+        batch-invariant mode (the RoPE custom op is not enabled there; measured on vLLM 0.26:
+        ``forward_native``), in the model dtype."""
+        from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+        out, _ = RotaryEmbedding.forward_static(positions, x, None, head_size, cos_sin_cache.shape[-1], cos_sin_cache, True)
         return out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
