@@ -84,6 +84,41 @@ def mlp_submodule(linear_fc1: Any, linear_fc2: Any, module: Any = None) -> Any:
     return ModuleSpec(module=module, submodules=submodules)
 
 
+def te_grouped_experts(module: Any = None) -> Any:
+    """``MoESubmodules.experts`` for Transformer Engine's grouped GEMM, as Megatron-Core's own TE
+    layer spec builds it with ``moe_grouped_gemm=True`` (``TESpecProvider.grouped_mlp_modules``),
+    in this version's form, with ``module`` (a ``TEGroupedMLP`` subclass) in place of
+    ``TEGroupedMLP`` when given.
+
+    0.16: ``ModuleSpec(TEGroupedMLP, MLPSubmodules(linear_fc1=TEColumnParallelGroupedLinear,
+    linear_fc2=TERowParallelGroupedLinear, activation_func=TEActivationOp))`` (the activation set
+    afterwards, as ``get_moe_module_spec_for_backend`` does); 0.19: ``partial(TEGroupedMLP,
+    submodules=GroupedMLPSubmodules(...))`` with the same three. Raises
+    :class:`~mcore_zoo.errors.ZooError` when the provider would fall back to another module (no
+    Transformer Engine, or one too old for ``GroupedLinear``: the legacy ``GroupedMLP``)."""
+    import warnings
+
+    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from .errors import ZooError
+
+    provider = TESpecProvider()
+    legacy = "moe_use_legacy_grouped_gemm" in inspect.signature(provider.grouped_mlp_modules).parameters
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 0.16 warns when it falls back to the legacy GroupedMLP
+        built = provider.grouped_mlp_modules(True, False) if legacy else provider.grouped_mlp_modules(True)
+    cls, submodules = built if legacy else (built.func, built.keywords.get("submodules"))
+    if cls is not TEGroupedMLP or submodules is None:
+        raise ZooError(f"grouped experts: Megatron-Core {mcore_version()} offers {getattr(cls, '__name__', cls)}"
+                       " instead of TEGroupedMLP (Transformer Engine missing or without GroupedLinear)")  # fmt: skip
+    if legacy:
+        submodules.activation_func = provider.activation_func()
+        return ModuleSpec(module=module or cls, submodules=submodules)
+    return functools.partial(module or cls, *built.args, **built.keywords)
+
+
 class _DropGPTDeprecation(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return "GPTModel IS DEPRECATED" not in record.getMessage()

@@ -1,5 +1,7 @@
 """GPU tests: skipped (with the reason) on machines without CUDA."""
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -11,3 +13,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(skip)
+
+
+def bf16_checkpoints(tmp_path_factory: Any, size: dict, extra: dict) -> dict:
+    """``{architecture: path}``: a random bf16 HF checkpoint per architecture of ``extra``, at its
+    example config updated with ``size`` and ``extra[architecture]``."""
+    import mcore_zoo
+    from mcore_zoo.parity.reference import write_reference_checkpoint
+
+    out = {}
+    for name, more in extra.items():
+        arch = mcore_zoo.lookup(name)
+        config = arch.example_config()
+        config.update(size, **more)
+        path = tmp_path_factory.mktemp(name)
+        write_reference_checkpoint(arch, config, path, dtype=torch.bfloat16)
+        out[name] = path
+    return out

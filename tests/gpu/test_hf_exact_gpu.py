@@ -10,7 +10,9 @@ import torch
 
 import mcore_zoo
 from mcore_zoo.numerics.gemm import split_k_disabled
-from mcore_zoo.parity.reference import load_reference, write_reference_checkpoint
+from mcore_zoo.parity.reference import load_reference
+
+from .conftest import bf16_checkpoints
 
 pytestmark = pytest.mark.gpu
 
@@ -33,15 +35,7 @@ def mpu():
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    out = {}
-    for name, extra in EXTRA.items():
-        arch = mcore_zoo.lookup(name)
-        config = arch.example_config()
-        config.update(SIZE, **extra)
-        path = tmp_path_factory.mktemp(name)
-        write_reference_checkpoint(arch, config, path, dtype=torch.bfloat16)
-        out[name] = path
-    return out
+    return bf16_checkpoints(tmp_path_factory, SIZE, EXTRA)
 
 
 def _ids(vocab):

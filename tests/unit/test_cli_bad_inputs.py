@@ -143,6 +143,9 @@ def _all_cases(tmp: Path, src: Path, tied: Path, mcore: Path) -> dict[str, tuple
     cases["out-is-input"] = (["convert", "--hf", str(src), "--out", str(src), "--overwrite"], "is the input")
     cases["out-contains-input"] = (["convert", "--hf", str(src), "--out", str(src.parent), "--overwrite"], "contains the input")
     cases["knob"] = (["parity-report", "--arch", "LlamaForCausalLM", "--knob", "foo=bar", "--no-layers", "--lengths", "4"], "foo")
+    grouped = ["parity-report", "--arch", "Qwen3MoeForCausalLM", "--knob", "grouped_experts=true", "--no-layers", "--lengths", "4"]
+    cases["grouped-experts-local"] = (grouped + ["--backend", "local"], "grouped_experts=True needs backend 'te'")
+    cases["grouped-experts-hf-exact"] = (grouped + ["--numerics", "hf-exact"], "grouped_experts=True is refused")
     bins = tmp / "bins"
     bins.mkdir()
     shutil.copy(src / "config.json", bins / "config.json")

@@ -12,13 +12,16 @@ is what the zoo's config builder adds for an architecture with ``arch.moe``:
   arithmetic to follow HF's op order exactly; these fields still drive Megatron-Core's aux-loss
   and bookkeeping code and the stock router (``router="mcore"``);
 * the token dispatcher: ``alltoall`` on CUDA, ``allgather`` on the CPU (Megatron-Core's all-to-all
-  dispatcher creates CUDA streams); both are dropless and give the same tokens to each expert.
+  dispatcher creates CUDA streams); both are dropless and give the same tokens to each expert;
+* ``moe_grouped_gemm`` from the numerics knob ``grouped_experts`` (:func:`check_grouped_experts`
+  says where it can be honoured).
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
+from ..errors import ZooError
 from .arch import ArchConfig, MoESpec
 from .reader import ConfigReader
 
@@ -92,8 +95,27 @@ def read_sparse_layers(reader: ConfigReader, num_layers: int, *, step_field: Opt
     return None if all(flags) else tuple(flags)
 
 
-def moe_config_kwargs(arch: ArchConfig, *, cuda: bool) -> dict[str, Any]:
-    """The ``TransformerConfig`` fields of ``arch.moe`` (see the module docstring)."""
+def check_grouped_experts(arch: ArchConfig, backend: str, *, cuda: bool = True) -> None:
+    """Raise :class:`~mcore_zoo.errors.ZooError` unless the numerics knob ``grouped_experts=True``
+    can be honoured for ``arch`` on ``backend`` (``cuda``: the build is for a CUDA device).
+
+    Grouped experts are Megatron-Core's ``TEGroupedMLP``: Transformer Engine's ``GroupedLinear``,
+    CUDA only. Megatron-Core's other grouped module, the legacy ``GroupedMLP``, is no way around it:
+    it needs the CUDA ``grouped_gemm`` package, bf16 and no biases, and 0.19 removed it."""
+    if backend != "te":
+        raise ZooError(
+            f"{arch.architecture}: numerics knob grouped_experts=True needs backend 'te' (Transformer Engine's"
+            f" grouped GEMM, Megatron-Core's TEGroupedMLP); backend {backend!r} has sequential experts only:"
+            " set grouped_experts=False or use backend 'te'"
+        )
+    if not cuda:
+        raise ZooError(f"{arch.architecture}: numerics knob grouped_experts=True (Transformer Engine's grouped GEMM)"
+                       " needs a CUDA device; this build is for the CPU")  # fmt: skip
+
+
+def moe_config_kwargs(arch: ArchConfig, *, cuda: bool, grouped_experts: bool = False) -> dict[str, Any]:
+    """The ``TransformerConfig`` fields of ``arch.moe`` (see the module docstring).
+    ``grouped_experts``: the numerics knob, already checked by :func:`check_grouped_experts`."""
     moe: MoESpec = arch.moe  # type: ignore[assignment]
     pattern = [int(moe.is_moe_layer(i)) for i in range(arch.num_layers)]
     kwargs: dict[str, Any] = dict(
@@ -113,7 +135,7 @@ def moe_config_kwargs(arch: ArchConfig, *, cuda: bool) -> dict[str, Any]:
         moe_router_dtype="fp32" if moe.router_logits_fp32 else None,
         moe_router_fusion=False,
         moe_token_dispatcher_type="alltoall" if cuda else "allgather",
-        moe_grouped_gemm=False,
+        moe_grouped_gemm=grouped_experts,
         moe_permute_fusion=False,
         moe_expert_capacity_factor=None,
         moe_pad_expert_input_to_capacity=False,

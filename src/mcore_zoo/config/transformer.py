@@ -161,15 +161,22 @@ def transformer_config_kwargs(arch: ArchConfig, options: BuildOptions) -> dict[s
         kwargs.update(_mla_fields(arch))
     elif arch.rope.rope_type == "yarn":
         kwargs.update(_yarn_fields(arch))
+    grouped = arch.moe is not None and numerics.grouped_experts
     if arch.moe is not None:  # MoE fields (mcore_zoo.config.moe): router, experts, dispatcher
-        from .moe import moe_config_kwargs
+        from . import moe
 
-        kwargs.update(moe_config_kwargs(arch, cuda=not options.cpu))
+        if grouped:
+            moe.check_grouped_experts(arch, options.backend, cuda=not options.cpu)
+        kwargs.update(moe.moe_config_kwargs(arch, cuda=not options.cpu, grouped_experts=grouped))
     if arch.mtp_num_layers:  # multi-token prediction (mcore_zoo.specs.mtp): the block on the last stage
         kwargs["mtp_num_layers"] = arch.mtp_num_layers
     kwargs.update(arch.extra_transformer_config)
     for name, value in options.overrides.items():
         kwargs[name] = value
+    if arch.moe is not None and bool(kwargs.get("moe_grouped_gemm")) != grouped:
+        # the layer spec follows the numerics knob; a config that says otherwise describes another model
+        raise ZooError(f"{arch.architecture}: overrides set moe_grouped_gemm={kwargs.get('moe_grouped_gemm')!r}, the"
+                       f" numerics knob grouped_experts is {grouped}: choose grouped experts with the knob")  # fmt: skip
     return kwargs
 
 

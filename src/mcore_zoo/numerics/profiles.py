@@ -24,7 +24,9 @@ Built-in profiles:
   ``sdpa`` with ``attention="sdpa"``) math. With the ``local`` or ``portable`` backend this is
   bit-identical to transformers on CPU fp32 and GPU bf16 (see docs/parity).
 
-Knobs that need CUDA kernels are switched off automatically on a CPU-only machine.
+Knobs that need CUDA kernels are switched off automatically on a CPU-only machine, except
+``grouped_experts`` (off in every built-in profile): it changes the module tree and the parameter
+names, so a build that asks for it where it cannot be honoured is refused rather than downgraded.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class NumericsProfile:
     linear_bias: str = "separate"
     router: str = "hf"
     moe_experts: str = "grouped_mm"
+    grouped_experts: bool = False
     kernels: str = "backend"
     description: str = ""
 
@@ -105,6 +108,15 @@ class NumericsProfile:
         for knob, allowed in checks.items():
             if getattr(self, knob) not in allowed:
                 raise ZooError(f"numerics profile {self.name!r}: {knob}={getattr(self, knob)!r} not in {allowed}")
+        if not isinstance(self.grouped_experts, bool):
+            raise ZooError(f"numerics profile {self.name!r}: grouped_experts={self.grouped_experts!r} must be true or false")
+        if self.grouped_experts and self.name.split("+")[0] in HF_EXACT_PROFILES:
+            raise ZooError(
+                f"numerics profile {self.name!r}: grouped_experts=True is refused: this profile reproduces HF's"
+                " op order bit for bit with one GEMM per expert (sequential experts); Transformer Engine's grouped"
+                " GEMM computes the experts in other kernels. Use the 'default' or 'training' profile with"
+                " backend 'te'"
+            )
 
     def with_knobs(self, **knobs: Any) -> "NumericsProfile":
         valid = set(self.knobs())
@@ -127,6 +139,9 @@ class NumericsProfile:
     def knobs(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("name", "description")}
 
+
+#: profiles whose promise is HF's op order bit for bit (``with_knobs`` keeps the name as a prefix)
+HF_EXACT_PROFILES = ("hf-exact", "hf-exact-sdpa")
 
 PROFILES: dict[str, NumericsProfile] = {
     "default": NumericsProfile(

@@ -12,6 +12,9 @@ Backends:
 * ``local`` - Megatron-Core modules without TE (mcore ``DotProductAttention``: no THD).
 * ``portable`` - ``local`` with :class:`~mcore_zoo.specs.portable.PortableAttention` (THD on CPU
   and GPU, SDPA / varlen / flash-attn / HF-eager math).
+
+MoE layers use sequential experts on every backend; with the numerics knob ``grouped_experts``
+(``te`` only) Transformer Engine's grouped-GEMM experts (:func:`mcore_zoo.specs.moe.moe_mlp_submodule`).
 """
 
 from __future__ import annotations
@@ -130,7 +133,11 @@ def gpt_layer_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile, *,
         if p["pre_mlp_layernorm"] is IdentityOp:  # te: a separate norm, and expert fc1s without one
             unfused = _pieces(arch, backend, numerics.with_knobs(fuse_norm_into_linear=False))
             p = dict(p, pre_mlp_layernorm=unfused["pre_mlp_layernorm"], linear_fc1=unfused["linear_fc1"])
-        mlp = moe_mlp_submodule(arch, p, numerics.router, numerics.moe_experts)
+        if numerics.grouped_experts:
+            from ..config import moe as moe_config
+
+            moe_config.check_grouped_experts(arch, backend)
+        mlp = moe_mlp_submodule(arch, p, numerics.router, numerics.moe_experts, numerics.grouped_experts)
     else:
         mlp = mlp_submodule(p["linear_fc1"], p["linear_fc2"], module=p.get("mlp"))
     qk_norm = p["qk_norm"] if arch.qk_norm else IdentityOp

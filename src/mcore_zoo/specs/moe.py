@@ -11,6 +11,8 @@ What ``router="hf"`` changes against stock Megatron-Core (both are the same math
   (gating GEMM, z-loss, aux losses, expert-bias bookkeeping, router replay).
 * :class:`HFOrderSequentialMLP` - each expert's output is multiplied by its routing weight *after*
   ``linear_fc2``, as HF does; stock mcore multiplies the activation before ``linear_fc2``.
+  :class:`HFOrderTEGroupedMLP` does the same for Transformer Engine's grouped-GEMM experts
+  (numerics knob ``grouped_experts``).
 * :class:`HFOrderMoELayer` - the token combine follows the transformers experts implementation
   named by the numerics knob ``moe_experts`` (:func:`hf_order_unpermute`): ``"grouped_mm"`` (the
   default of transformers 5) sums a token's weighted expert outputs over its top-k slots in the
@@ -324,6 +326,36 @@ def hf_experts_class(experts: str = "grouped_mm") -> type:
 
 
 @functools.lru_cache(maxsize=None)
+def hf_grouped_experts_class(experts: str = "grouped_mm") -> type:
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    class HFOrderTEGroupedMLP(TEGroupedMLP):
+        """``TEGroupedMLP`` (every local expert in one grouped GEMM per projection) that scales
+        each row by its routing weight after ``linear_fc2``, as :class:`HFOrderSequentialMLP` does:
+        Megatron-Core's grouped forward runs with unit weights (``activation * 1``, exact: the
+        activation is cast back to its dtype), then ``output * weight`` in the weight's dtype,
+        kept there for transformers' ``grouped_mm`` combine, cast back for ``eager``."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            config = self.config
+            if config.fp8 or getattr(config, "fp4", None) or config.moe_apply_probs_on_input:
+                raise NotImplementedError("HFOrderTEGroupedMLP: fp8/fp4 and moe_apply_probs_on_input are not supported")
+            if getattr(config, "use_transformer_engine_op_fuser", False):
+                raise NotImplementedError("HFOrderTEGroupedMLP: the TE op-fuser path applies the routing weights"
+                                          " inside its fused kernel; use router='mcore' for it")  # fmt: skip
+
+        def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                    permuted_probs: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
+            ones = torch.ones_like(permuted_probs)
+            output, _ = super().forward(permuted_local_hidden_states, tokens_per_expert, ones, *args, **kwargs)
+            weighted = output * permuted_probs.unsqueeze(-1)
+            return (weighted if experts == "grouped_mm" else weighted.to(output.dtype)), None
+
+    return HFOrderTEGroupedMLP
+
+
+@functools.lru_cache(maxsize=None)
 def hf_shared_experts_class() -> type:
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
@@ -346,10 +378,13 @@ def hf_shared_experts_class() -> type:
 
 
 def moe_mlp_submodule(arch: ArchConfig, pieces: dict[str, Any], router: str,
-                      experts: str = "grouped_mm") -> Any:  # fmt: skip
+                      experts: str = "grouped_mm", grouped: bool = False) -> Any:  # fmt: skip
     """The ``TransformerLayerSubmodules.mlp`` value of an MoE layer (this Megatron-Core version's
     form): ``MoELayer`` with sequential experts of ``pieces``' linears, shared experts, router.
-    ``experts``: the transformers experts implementation whose combine ``router="hf"`` follows."""
+    ``experts``: the transformers experts implementation whose combine ``router="hf"`` follows.
+    ``grouped``: Transformer Engine's grouped-GEMM experts instead, built as Megatron-Core's TE spec
+    builds them with ``moe_grouped_gemm=True`` (:func:`mcore_zoo.compat.te_grouped_experts`):
+    ``TEGroupedMLP``, or :class:`HFOrderTEGroupedMLP` for ``router="hf"``."""
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
@@ -367,12 +402,18 @@ def moe_mlp_submodule(arch: ArchConfig, pieces: dict[str, Any], router: str,
     linears = MLPSubmodules(linear_fc1=pieces["linear_fc1"], linear_fc2=pieces["linear_fc2"])
     if experts not in ("grouped_mm", "eager"):
         raise ValueError(f"moe_experts={experts!r}; use 'grouped_mm' or 'eager'")
-    experts_cls = hf_experts_class(experts) if router == "hf" else SequentialMLP
+    if grouped:
+        from ..compat import te_grouped_experts
+
+        experts_spec = te_grouped_experts(hf_grouped_experts_class(experts) if router == "hf" else None)
+    else:
+        experts_cls = hf_experts_class(experts) if router == "hf" else SequentialMLP
+        experts_spec = ModuleSpec(module=experts_cls, submodules=linears)
     router_builder: Callable[..., Any] = (
         functools.partial(hf_router_class(), moe=moe) if router == "hf" else TopKRouter
     )
     submodules = MoESubmodules(
-        experts=ModuleSpec(module=experts_cls, submodules=linears),
+        experts=experts_spec,
         shared_experts=ModuleSpec(module=hf_shared_experts_class() if router == "hf" else SharedExpertMLP,
                                   submodules=linears),  # fmt: skip
         router=router_builder,

@@ -1,6 +1,7 @@
-"""Weight tables of MoE decoders: HF per-expert tensors <-> Megatron-Core's sequential experts.
+"""Weight tables of MoE decoders: HF per-expert tensors <-> Megatron-Core's experts.
 
-mcore names (``SequentialMLP``, the ``local`` / ``portable`` backends and TE's sequential experts):
+mcore names (``SequentialMLP``, the ``local`` / ``portable`` backends and TE's sequential experts;
+the canonical names of the table):
 
 * ``mlp.router.weight`` (and the ``expert_bias`` buffer of sigmoid routers, which is not a
   parameter: see :func:`expert_bias_rules`) <- HF ``mlp.gate.weight``;
@@ -12,6 +13,14 @@ mcore names (``SequentialMLP``, the ``local`` / ``portable`` backends and TE's s
 ``{expert}`` is local on the mcore side (``local_experts.{i}`` of this expert-parallel rank) and
 global on the HF side; :meth:`WeightMap.bind` maps them with the rank's expert offset, so an EP rank
 reads only its own experts' tensors. Expert rules are sharded over expert-TP, not dense TP.
+
+Grouped experts (numerics knob ``grouped_experts``, Megatron-Core's ``TEGroupedMLP``: one Transformer
+Engine ``GroupedLinear`` per projection) hold local expert ``i`` as ``mlp.experts.linear_fc1.weight{i}``
+``[2 * I / etp, H]`` (this expert-TP rank's rows of gate, then of up: the sequential layout) and
+``mlp.experts.linear_fc2.weight{i}`` ``[H, I / etp]`` (``bias{i}`` likewise where the model has
+biases). The same rules serve them: :meth:`WeightMap.bind` resolves each sequential name to its
+grouped one (:func:`~mcore_zoo.weights.rules.grouped_expert_name`) when the model has that, so
+loading, the EP / expert-TP sharding, export and the rollout paths are the sequential ones.
 
 HF checkpoints store experts per expert (``experts.{e}.gate_proj.weight``: what published
 checkpoints and transformers 5's ``save_pretrained`` write; transformers 5 fuses them into 3-D

@@ -13,7 +13,9 @@ ones; :meth:`WeightMap.bind` maps between them from the built model.
 
 Canonical mcore names are those of the ``local`` spec (``input_layernorm.weight``...). Backends
 that fuse a norm into the following linear (TE: ``linear_qkv.layer_norm_weight``) are resolved
-through :data:`FUSED_NORM_ALIASES`, so one table serves every backend.
+through :data:`FUSED_NORM_ALIASES`, and Transformer Engine's grouped-GEMM experts
+(``mlp.experts.linear_fc1.weight{i}`` for the sequential ``mlp.experts.local_experts.{i}.linear_fc1.weight``)
+through :func:`grouped_expert_name`, so one table serves every backend and expert module.
 
 Tensor-parallel chunks of every fused parameter are contiguous per HF source: QKV is interleaved
 per query group (rank r owns groups ``[r*G/tp, (r+1)*G/tp)``, i.e. a contiguous block of q, of k and
@@ -442,14 +444,30 @@ def model_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 #: canonical (Megatron-Core 0.16) infix -> the name 0.19 gives the MTP layer's decoder layer
 MTP_LAYER_ALIASES: dict[str, str] = {".transformer_layer.": ".mtp_model_layer."}
 
+_SEQUENTIAL_EXPERT = re.compile(r"(?P<experts>(?:.*\.)?experts\.)local_experts\.(?P<i>\d+)\.(?P<fc>linear_fc[12])\.(?P<kind>weight|bias)")
+
+
+def grouped_expert_name(name: str) -> Optional[str]:
+    """The name of a sequential expert's parameter in Megatron-Core's grouped experts
+    (``TEGroupedMLP``: one Transformer Engine ``GroupedLinear`` per projection, local expert ``i``
+    in its parameters ``weight{i}`` / ``bias{i}``, same shape and layout as the sequential expert's
+    ``linear_fc{1,2}.weight`` / ``.bias`` on the same expert-TP rank):
+    ``...experts.local_experts.{i}.linear_fc1.weight`` -> ``...experts.linear_fc1.weight{i}``.
+    ``None`` for any other name."""
+    m = _SEQUENTIAL_EXPERT.fullmatch(name)
+    if m is None:
+        return None
+    return f"{m.group('experts')}{m.group('fc')}.{m.group('kind')}{m.group('i')}"
+
 
 def resolve_mcore_name(name: str, existing: set[str]) -> Optional[str]:
-    """``name`` if the model has it, else its fused-norm alias (and / or its MTP-layer alias) if the
-    model has that, else None."""
+    """``name`` if the model has it, else its fused-norm alias (and / or its MTP-layer alias, or its
+    grouped-experts name) if the model has that, else None."""
     candidates = [name]
     for canonical, alias in MTP_LAYER_ALIASES.items():
         if name.startswith("mtp.") and canonical in name:
             candidates.append(name.replace(canonical, alias, 1))
+    candidates += [g for g in map(grouped_expert_name, candidates) if g is not None]
     for candidate in candidates:
         if candidate in existing:
             return candidate
