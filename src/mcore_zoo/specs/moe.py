@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..config.arch import ArchConfig, MoESpec
+from ..errors import ZooError
 from .patching import wrap_once
 
 _LOCAL = threading.local()
@@ -251,7 +252,9 @@ def hf_router_class() -> type:
 def microbatch_router_replay_class() -> type:
     """Megatron-Core's ``RouterReplay`` for several forwards per record / replay block (the
     micro-batches of a pipeline schedule): recording appends each forward's indices, replay
-    consumes the target rows in order, as many as each forward routes."""
+    consumes the target rows in order, as many as each forward routes; a forward that finds too
+    few rows left raises :class:`~mcore_zoo.errors.ZooError`, and :meth:`rows_left` tells how many
+    the forwards left unused (:func:`mcore_zoo.routing.replay` refuses those)."""
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
     class MicrobatchRouterReplay(RouterReplay):
@@ -259,6 +262,11 @@ def microbatch_router_replay_class() -> type:
             super().__init__()
             self._recorded: list[torch.Tensor] = []
             self._cursor = 0
+            self.layer_number: Optional[int] = None  # the router's, for error messages (set by replay)
+
+        def rows_left(self) -> int:
+            """Target rows no forward has consumed yet (0 without a target)."""
+            return 0 if self.target_topk_idx is None else int(self.target_topk_idx.shape[0]) - self._cursor
 
         def record_indices(self, topk_indices: torch.Tensor) -> None:
             super().record_indices(topk_indices)
@@ -282,8 +290,8 @@ def microbatch_router_replay_class() -> type:
             rows = scores.shape[0]
             target = self.target_topk_idx
             if target is None or self._cursor + rows > target.shape[0]:
-                have = 0 if target is None else target.shape[0] - self._cursor
-                raise RuntimeError(f"routing replay: this forward routes {rows} tokens, {have} replay rows are left")
+                raise ZooError(f"routing replay, layer {self.layer_number}: this forward routes {rows} tokens,"
+                               f" {self.rows_left()} of the replay routes are left (too few routes)")  # fmt: skip
             top_indices = target[self._cursor : self._cursor + rows].to(scores.device)
             self._cursor += rows
             return scores.gather(1, top_indices), top_indices
