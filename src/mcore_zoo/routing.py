@@ -26,8 +26,11 @@ too few routes left, and routes left unused when the block ends, raise
 :class:`~mcore_zoo.errors.ZooError` naming the layer (and how many of its tokens were left).
 Routes chosen by a rollout engine (per sequence, token and layer) are packed that way by
 :func:`pack_routes` (one forward) or :func:`microbatch_routes` (several); :func:`unpack_routes`
-splits recorded routes per sequence. Activation recomputation of MoE layers replays the same
-routes again (Megatron-Core's ``REPLAY_BACKWARD``).
+splits recorded routes per sequence. Activation recomputation of MoE layers (``"full"``, or
+``"selective"`` with ``"moe"``): with the zoo's router a forward rerun in the backward routes its
+tokens to the experts of the forward it recomputes, in a record and in a replay alike, and neither
+records nor consumes routes again (a record holds each token once; Megatron-Core's
+``REPLAY_BACKWARD`` action does the same); the stock router replays its single target again.
 
 Training: ``mcore_zoo.train_step(..., replay_routes=per_sequence)`` takes the routes of the whole
 step per sequence (``[moe_layers, len_i, top_k]`` for every MoE layer of the model,
@@ -334,13 +337,18 @@ class TokenCounts:
 @contextlib.contextmanager
 def count_tokens(model: Any) -> Iterator[TokenCounts]:
     """Count, per MoE layer and expert, the tokens routed inside the block (from the routers'
-    routing maps; padding positions of a pack included)."""
+    routing maps; padding positions of a pack included; forwards recomputed in the backward by
+    activation recomputation are not counted again)."""
+    from .specs.moe import in_backward
+
     routers = moe_routers(model)
     counts = TokenCounts([torch.zeros(r.config.num_moe_experts, dtype=torch.long) for r in routers])
     handles = []
     for i, router in enumerate(routers):
 
         def hook(_module: Any, _inputs: Any, output: Any, i: int = i) -> None:
+            if in_backward():
+                return
             routing_map = output[1]
             counts.tokens_per_expert[i] += routing_map.sum(dim=0).to("cpu", torch.long)
 

@@ -337,3 +337,49 @@ def test_microbatch_routes_lay_out_each_pack():
     assert whole[0].shape == split[0].shape and not torch.equal(whole[0], split[0])
     with pytest.raises(mcore_zoo.ZooError, match="cover 16 tokens; its packed slot holds 8"):
         routing.microbatch_routes(per_sequence, [([1], torch.tensor([0, 8]))])
+
+
+RECOMPUTE = {
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    "moe": {"recompute_granularity": "selective", "recompute_modules": ["moe"]},
+}
+
+
+@pytest.mark.parametrize("recompute", sorted(RECOMPUTE))
+def test_activation_recomputation_routes_like_the_forward(mpu, reference_checkpoint, monkeypatch, recompute):
+    """With activation recomputation a forward rerun in the backward routes like the forward it
+    recomputes: a record of a two-micro-batch step holds each token once (the record without
+    recomputation, same token counts), and per-sequence routes replayed with perturbed routers
+    give the gradients of the same replay without recomputation."""
+    import contextlib
+
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    # Megatron-Core's checkpointing saves and restores CUDA RNG states; on CPU there are none (and
+    # these models draw no random numbers)
+    monkeypatch.setattr(mcore_random, "_get_all_rng_states", lambda: ())
+    monkeypatch.setattr(mcore_random, "_set_all_rng_states", lambda *states: None)
+    monkeypatch.setattr(mcore_random, "_fork_rng", contextlib.nullcontext)
+    ckpt = reference_checkpoint("Qwen3MoeForCausalLM")
+    plain = _model(ckpt).train()
+    recomputing = mcore_zoo.build_model(ckpt, backend="portable", numerics="hf-exact", load=ckpt,
+                                        params_dtype=torch.float32,
+                                        overrides={"moe_enable_routing_replay": True, **RECOMPUTE[recompute]}).train()  # fmt: skip
+    seqs = random_sequences([24, 12, 40, 8, 20, 12], 256, seed=3)
+    step = {"num_microbatches": 2}
+    with routing.record(plain) as want:
+        mcore_zoo.train_step(plain, seqs, _nll, **step)
+    routes, per_sequence = _step_routes(plain, seqs, _nll, **step)
+    with routing.record(recomputing) as got:
+        mcore_zoo.train_step(recomputing, seqs, _nll, **step)
+    assert all(torch.equal(a, b) for a, b in zip(got.routes, routes))
+    assert all(torch.equal(a, b) for a, b in zip(got.tokens_per_expert, want.tokens_per_expert))
+    for model in (plain, recomputing):
+        for router in routing.moe_routers(model):
+            noise = torch.randn(router.weight.shape, generator=torch.Generator().manual_seed(router.layer_number))
+            router.weight.data.add_(0.5 * noise)
+    replayed = _step_grads(plain, seqs, _nll, replay_routes=per_sequence, **step)
+    again = _step_grads(recomputing, seqs, _nll, replay_routes=per_sequence, **step)
+    assert max((replayed[k] - again[k]).abs().max().item() for k in replayed) <= 1e-6
+    free = _step_grads(recomputing, seqs, _nll, **step)
+    assert max((replayed[k] - free[k]).abs().max().item() for k in replayed) > 1e-3
