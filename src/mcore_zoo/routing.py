@@ -21,10 +21,22 @@ layer order), in the order the router sees the tokens: the packed order of :func
 (alignment padding included; sequence-parallel ranks hold their slice). With several forwards in
 one block (the micro-batches of a pipeline schedule) their tokens follow one another; the zoo's
 router (numerics ``router="hf"``) records and replays forward by forward, Megatron-Core's stock
-router keeps a single target (one forward per block). Routes chosen by a rollout engine (per
-sequence, token and layer) are packed that way by :func:`pack_routes`; :func:`unpack_routes`
-splits recorded routes per sequence. Activation recomputation of MoE layers replays the same
-routes again (Megatron-Core's ``REPLAY_BACKWARD``).
+router keeps a single target (one forward per block). Replay fails closed: a forward that finds
+too few routes left, and routes left unused when the block ends, raise
+:class:`~mcore_zoo.errors.ZooError` naming the layer (and how many of its tokens were left).
+Routes chosen by a rollout engine (per sequence, token and layer) are packed that way by
+:func:`pack_routes` (one forward) or :func:`microbatch_routes` (several); :func:`unpack_routes`
+splits recorded routes per sequence. Activation recomputation of MoE layers (``"full"``, or
+``"selective"`` with ``"moe"``): with the zoo's router a forward rerun in the backward routes its
+tokens to the experts of the forward it recomputes, in a record and in a replay alike, and neither
+records nor consumes routes again (a record holds each token once; Megatron-Core's
+``REPLAY_BACKWARD`` action does the same); the stock router replays its single target again.
+
+Training: ``mcore_zoo.train_step(..., replay_routes=per_sequence)`` takes the routes of the whole
+step per sequence (``[moe_layers, len_i, top_k]`` for every MoE layer of the model,
+:func:`moe_layer_numbers`) and lays them out itself for every rank and micro-batch - each
+context-parallel rank's zigzag share, each TP rank's sequence-parallel slice of each micro-batch
+(not of the whole step's pack), each pipeline stage's layers - then refuses routes left unused.
 
 Context parallelism: a CP rank's routers see its zigzag share of every sequence
 (:func:`mcore_zoo.packing.zigzag_index`), so it records and must replay routes in that order.
@@ -34,14 +46,16 @@ cp_size=)`` packs per-sequence routes straight into it); :func:`merge_context_pa
 puts the CP ranks' records back into pack order (the single-process record), which
 :func:`unpack_routes` splits per sequence. The sequences of a pack are listed in the order the
 forwards routed them: :func:`mcore_zoo.train_step` runs its micro-batches as
-:func:`mcore_zoo.partition_by_tokens` groups them, each group's sequences in ascending order.
+:func:`mcore_zoo.partition_by_tokens` groups them, each group's sequences in ascending order (a
+single-process record of a step lists them so).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -68,7 +82,22 @@ def _replays(model: Any) -> list[Any]:
     missing = [i for i, r in enumerate(routers) if getattr(r, "router_replay", None) is None]
     if missing:
         raise ZooError("routing replay needs the model built with overrides={'moe_enable_routing_replay': True}")
+    if any(r.router_replay.router_replay_action is not None for r in routers):
+        raise ZooError("the model's routers are already recording or replaying (a routing.record() / replay() block,"
+                       " or train_step(replay_routes=)): these blocks do not nest")  # fmt: skip
     return [r.router_replay for r in routers]
+
+
+def moe_layer_numbers(model: Any) -> list[int]:
+    """The numbers of every MoE layer of the whole model (all pipeline stages), in layer order:
+    1-based like ``router.layer_number``. Per-sequence routes (:func:`pack_routes`,
+    :func:`microbatch_routes`, ``train_step(replay_routes=)``) hold one entry per such layer."""
+    from .handle import handle_of
+
+    arch = handle_of(model).arch_config
+    if arch.moe is None:
+        raise ZooError(f"{arch.architecture} has no MoE layers")
+    return [i + 1 for i in range(arch.num_layers) if arch.moe.is_moe_layer(i)]
 
 
 @dataclass
@@ -107,22 +136,63 @@ def record(model: Any) -> Iterator[Recording]:
 @contextlib.contextmanager
 def replay(model: Any, routes: Sequence[torch.Tensor]) -> Iterator[None]:
     """Route every MoE layer to ``routes`` (one ``[tokens, top_k]`` tensor per layer) for the
-    forward run inside the block and its backward (see module docstring)."""
+    forwards run inside the block and their backward (see module docstring).
+
+    Fails closed: a forward that routes more tokens than the routes have left raises
+    :class:`~mcore_zoo.errors.ZooError` (naming the layer), and so does leaving the block with
+    routes no forward consumed (routes for a longer pack, a forward that did not run) - the error
+    names each such layer and how many of its tokens were left. Megatron-Core's stock router
+    (numerics ``router="mcore"``) replays the same routes in every forward: each forward must
+    route exactly as many tokens as they hold."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+    routers = moe_routers(model)
     replays = _replays(model)
     if len(routes) != len(replays):
         raise ZooError(f"{len(routes)} route tensors for {len(replays)} MoE layers")
-    for r, idx in zip(replays, routes):
+    for router, idx in zip(routers, routes):
+        if idx.dim() != 2 or idx.shape[1] != router.topk:
+            raise ZooError(f"routes of layer {router.layer_number} have shape {tuple(idx.shape)};"
+                           f" expected [tokens, {router.topk}]")  # fmt: skip
+        if idx.numel() and not 0 <= int(idx.min()) <= int(idx.max()) < router.num_experts:
+            raise ZooError(f"routes of layer {router.layer_number} name experts outside 0..{router.num_experts - 1}")
+    forwards = [0] * len(routers)  # per router, forwards that replayed the stock way (whole target)
+    hooks = []
+    for i, (router, r, idx) in enumerate(zip(routers, replays, routes)):
         r.clear_indices()
         r.set_target_indices(idx)
         r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        r.layer_number = int(router.layer_number)
+        if not hasattr(r, "rows_left"):
+            hooks.append(router.register_forward_pre_hook(functools.partial(_whole_target, forwards, i, r)))
     try:
         yield
+        left = []
+        for r, idx, done in zip(replays, routes, forwards):
+            total = int(idx.shape[0])
+            unused = r.rows_left() if hasattr(r, "rows_left") else (0 if done else total)
+            if unused:
+                left.append(f"layer {r.layer_number}: {unused} of its {total} tokens left")
     finally:
+        for h in hooks:
+            h.remove()
         for r in replays:
             r.clear_router_replay_action()
             r.clear_indices()
+    if left:
+        raise ZooError("routing replay: the forwards left routes unused (routes for more tokens than they routed, or"
+                       f" a forward that did not run): {'; '.join(left)}")  # fmt: skip
+
+
+def _whole_target(forwards: list[int], i: int, replay: Any, router: Any, args: tuple) -> None:
+    """Forward pre-hook of a stock router in replay: it replays its whole target each forward."""
+    tokens = args[0].numel() // args[0].shape[-1]
+    want = int(replay.target_topk_idx.shape[0])
+    if tokens != want:
+        raise ZooError(f"routing replay, layer {replay.layer_number}: this forward routes {tokens} tokens;"
+                       f" Megatron-Core's stock router (router='mcore') replays all {want} rows of its routes"
+                       " in every forward")  # fmt: skip
+    forwards[i] += 1
 
 
 def _padded_bounds(lengths: Sequence[int], align: int) -> torch.Tensor:
@@ -167,37 +237,80 @@ def merge_context_parallel_routes(parts: Sequence[Sequence[torch.Tensor]], lengt
     return merged
 
 
+def _route_shape(per_sequence: Sequence[torch.Tensor]) -> tuple[int, int]:
+    """``(moe_layers, top_k)`` of per-sequence routes, each ``[moe_layers, len_i, top_k]``."""
+    if not per_sequence:
+        raise ZooError("no routes to pack")
+    layers, topk = per_sequence[0].shape[0], per_sequence[0].shape[-1]
+    for i, routes in enumerate(per_sequence):
+        if routes.dim() != 3 or routes.shape[0] != layers or routes.shape[2] != topk:
+            raise ZooError(f"routes of sequence {i} have shape {tuple(routes.shape)}; expected [{layers}, len, {topk}]")
+    return layers, topk
+
+
+def microbatch_routes(per_sequence: Sequence[torch.Tensor], microbatches: Sequence[tuple[Sequence[int], Any]], *,
+                      layers: Optional[Sequence[int]] = None, rank: int = 0, size: int = 1, cp_rank: int = 0,
+                      cp_size: int = 1) -> list[torch.Tensor]:  # fmt: skip
+    """Per-sequence routes -> what one rank's routers replay over several forwards (the
+    micro-batches of a training step, in the order they run): per MoE layer ``[tokens, top_k]``.
+
+    ``per_sequence[i]``: ``[moe_layers, len_i, top_k]`` expert indices of sequence ``i`` (a rollout
+    engine's; :func:`unpack_routes` of a single-process record). ``microbatches``: one
+    ``(members, cu_seqlens_padded)`` per forward: the sequences its pack holds first (indices into
+    ``per_sequence``) and the pack's padded segment bounds
+    (:attr:`mcore_zoo.packing.PackedBatch.cu_seqlens_padded`); alignment padding and segments
+    after the members (a padding micro-batch, a pipeline's filler) get experts ``0..top_k-1``.
+    Of each pack the rank routes the context-parallel rank's zigzag share (``cp_rank`` /
+    ``cp_size``), then the sequence-parallel slice of it (``rank`` / ``size``: the TP rank and size
+    under sequence parallelism); the packs' rows follow one another. ``layers``: the indices into
+    the first axis of ``per_sequence`` of this rank's MoE layers (a pipeline stage's; default all).
+    :func:`mcore_zoo.train_step` does this itself given ``replay_routes=``."""
+    from .packing import zigzag_index
+
+    num_layers, topk = _route_shape(per_sequence)
+    keep = list(range(num_layers)) if layers is None else [int(x) for x in layers]
+    if any(not 0 <= x < num_layers for x in keep):
+        raise ZooError(f"layers {keep}: the routes hold {num_layers} MoE layers")
+    device = per_sequence[0].device
+    parts = []
+    for members, cu_seqlens_padded in microbatches:
+        bounds = torch.as_tensor(cu_seqlens_padded).tolist()
+        if len(members) > len(bounds) - 1:
+            raise ZooError(f"{len(members)} sequences in a pack of {len(bounds) - 1} segments")
+        pack = torch.arange(topk, device=device).expand(len(keep), int(bounds[-1]), topk).clone()
+        for k, member in enumerate(members):
+            routes = per_sequence[member]
+            n = routes.shape[1]
+            if n > bounds[k + 1] - bounds[k]:
+                slot = bounds[k + 1] - bounds[k]
+                raise ZooError(f"routes of sequence {member} cover {n} tokens; its packed slot holds {slot}")
+            pack[:, bounds[k] : bounds[k] + n] = routes[keep]
+        if cp_size > 1:
+            pack = pack[:, zigzag_index(torch.tensor(bounds), cp_rank, cp_size).to(device)]
+        tokens = pack.shape[1]
+        if tokens % size:
+            raise ZooError(f"{tokens} packed tokens do not split over {size} sequence-parallel ranks")
+        per_rank = tokens // size
+        parts.append(pack[:, rank * per_rank : (rank + 1) * per_rank])
+    return [layer.contiguous() for layer in torch.cat(parts, dim=1)]
+
+
 def pack_routes(per_sequence: Sequence[torch.Tensor], *, align: int = 1, rank: int = 0, size: int = 1,
                 cp_rank: int = 0, cp_size: int = 1) -> list[torch.Tensor]:  # fmt: skip
     """Routes chosen elsewhere (a rollout engine: per sequence, ``[moe_layers, len_i, top_k]``
-    expert indices) in the packed order :func:`replay` expects: per MoE layer ``[tokens, top_k]``,
-    each sequence padded to a multiple of ``align`` as :func:`mcore_zoo.packing.pack_sequences`
-    pads it (padding slots get experts ``0..top_k-1``; their outputs are discarded).
+    expert indices) in the packed order :func:`replay` expects for one forward of their pack: per
+    MoE layer ``[tokens, top_k]``, each sequence padded to a multiple of ``align`` as
+    :func:`mcore_zoo.packing.pack_sequences` pads it (padding slots get experts ``0..top_k-1``;
+    their outputs are discarded, but they count in the load-balancing loss).
     ``cp_rank``/``cp_size``: the context-parallel rank's zigzag share of every sequence
     (:func:`context_parallel_routes`; ``align`` a multiple of ``2 * cp_size``).
     ``rank``/``size``: the sequence-parallel slice a TP rank's routers see (``size`` = TP with
-    sequence parallelism), of the CP share. Sequence-parallel slices are per forward: with
-    several micro-batches, pack each one's sequences separately."""
-    if not per_sequence:
-        raise ZooError("no routes to pack")
-    layers, _, topk = per_sequence[0].shape
-    parts = []
-    for routes in per_sequence:
-        if routes.dim() != 3 or routes.shape[0] != layers or routes.shape[2] != topk:
-            raise ZooError(f"routes of shape {tuple(routes.shape)}; expected [{layers}, len, {topk}]")
-        n = routes.shape[1]
-        pad = -(-n // align) * align - n
-        filler = torch.arange(topk, dtype=routes.dtype).expand(layers, pad, topk)
-        parts.append(torch.cat([routes, filler.to(routes.device)], dim=1))
-    packed = list(torch.cat(parts, dim=1).long())
-    if cp_size > 1:
-        packed = context_parallel_routes(packed, [r.shape[1] for r in per_sequence], align=align, cp_rank=cp_rank,
-                                         cp_size=cp_size)  # fmt: skip
-    tokens = packed[0].shape[0]
-    if tokens % size:
-        raise ZooError(f"{tokens} packed tokens do not split over {size} sequence-parallel ranks")
-    per_rank = tokens // size
-    return [layer[rank * per_rank : (rank + 1) * per_rank].contiguous() for layer in packed]
+    sequence parallelism), of the CP share. Sequence-parallel slices are per forward: for several
+    micro-batches use :func:`microbatch_routes`, or ``train_step(replay_routes=)``."""
+    _route_shape(per_sequence)
+    bounds = _padded_bounds([r.shape[1] for r in per_sequence], align)
+    return microbatch_routes(per_sequence, [(range(len(per_sequence)), bounds)], rank=rank, size=size,
+                             cp_rank=cp_rank, cp_size=cp_size)  # fmt: skip
 
 
 def unpack_routes(routes: Sequence[torch.Tensor], lengths: Sequence[int], *, align: int = 1) -> list[torch.Tensor]:
@@ -224,13 +337,18 @@ class TokenCounts:
 @contextlib.contextmanager
 def count_tokens(model: Any) -> Iterator[TokenCounts]:
     """Count, per MoE layer and expert, the tokens routed inside the block (from the routers'
-    routing maps; padding positions of a pack included)."""
+    routing maps; padding positions of a pack included; forwards recomputed in the backward by
+    activation recomputation are not counted again)."""
+    from .specs.moe import in_backward
+
     routers = moe_routers(model)
     counts = TokenCounts([torch.zeros(r.config.num_moe_experts, dtype=torch.long) for r in routers])
     handles = []
     for i, router in enumerate(routers):
 
         def hook(_module: Any, _inputs: Any, output: Any, i: int = i) -> None:
+            if in_backward():
+                return
             routing_map = output[1]
             counts.tokens_per_expert[i] += routing_map.sum(dim=0).to("cpu", torch.long)
 
@@ -258,4 +376,5 @@ def aux_losses(clear: bool = True) -> dict[str, torch.Tensor]:
 
 
 __all__ = ["Recording", "TokenCounts", "aux_losses", "context_parallel_routes", "count_tokens",
-           "merge_context_parallel_routes", "moe_routers", "pack_routes", "record", "replay", "unpack_routes"]
+           "merge_context_parallel_routes", "microbatch_routes", "moe_layer_numbers", "moe_routers", "pack_routes",
+           "record", "replay", "unpack_routes"]

@@ -9,15 +9,20 @@ load-balancing loss is part of those gradients (without it the single-process gr
 far more than the tolerance; under CP each rank attaches its tokens' part, scaled by the schedule's
 ``cp / num_microbatches`` like the main loss), the per-layer values the routers report
 (``mcore_zoo.routing.aux_losses``, summed over TP / CP ranks and pipeline stages) equal the
-single-process ones, and so do the actor's ``packed_forward`` log-probs. Under EP2, routing
-recorded in one step and replayed in the next, with every router perturbed in between, keeps the
-recorded experts, and the replayed step's gradients (router included) equal the single-process
-replayed step's. Under CP2 the routes each rank records, merged over the CP ranks
-(``merge_context_parallel_routes``), are the single-process record; the single-process record
-taken to each rank's zigzag order (``context_parallel_routes``) and replayed with perturbed
-routers keeps exactly those experts per token, and the gradients equal the single-process
-replayed step's. Under PP2 x EP2 each stage records the single-process routes of its own layers
-and replaying those does the same.
+single-process ones, and so do the actor's ``packed_forward`` log-probs.
+
+Routing replay: every router is perturbed between the step that records the routes and the step
+that replays them; the replayed step keeps the experts it is given per token (while the perturbed
+routers on their own choose others), and its gradients (router included) equal the single-process
+replayed step's. Under EP2 each rank replays its own record (``routing.replay``). Under CP2,
+TP2 x EP2 with sequence parallel and PP2 x EP2 every rank is given the single-process record per
+sequence (``train_step(replay_routes=)``, two micro-batches) and the step lays it out itself: each
+CP rank its zigzag share, each TP rank its sequence-parallel slice of each micro-batch, each stage
+its own layers - the rows each rank's routers chose themselves before the perturbation. Replaying
+instead each TP rank's slice of the whole step's pack (what ``pack_routes`` of all sequences
+gives) moves the gradients far off. Under CP2 the routes each rank records, merged over the CP
+ranks (``merge_context_parallel_routes``), are the single-process record; under PP2 x EP2 each
+stage records the single-process routes of its own layers.
 
 The load-balancing loss is a mean per micro-batch and counts every routed token, so every run
 splits the batch into the same two micro-batches and the sequence lengths are multiples of 4 (TP2
@@ -45,10 +50,12 @@ OVERRIDES = {"num_hidden_layers": 4, "mlp_only_layers": [1], "output_router_logi
 LENGTHS = [24, 12, 40, 8, 20, 12]
 STEP = {"num_microbatches": 2}
 REPLAYABLE = {"overrides": {"moe_enable_routing_replay": True}}
-# the sequences in the order train_step routes them: its micro-batches, each in ascending order
-ROUTED = [LENGTHS[i] for group in partition_by_tokens(LENGTHS, None, STEP["num_microbatches"]) for i in group]
+# train_step's micro-batches (partition_by_tokens), each listing its sequences in ascending order:
+# the order the step routes them (a single-process record holds them in that order)
+GROUPS = partition_by_tokens(LENGTHS, None, STEP["num_microbatches"])
+ORDER = [i for group in GROUPS for i in group]
+ROUTED = [LENGTHS[i] for i in ORDER]
 ALIGN_CP2 = 4
-
 
 def _aux_losses() -> torch.Tensor:
     """Per layer, the load-balancing loss the routers reported since the last call (summed over
@@ -71,22 +78,47 @@ def _perturb_routers(model) -> None:
             router.weight.add_(0.5 * torch.randn(router.weight.shape, generator=gen).to(router.weight.dtype))
 
 
-def _replayed_step(model, batch: dict, reference: dict | None = None) -> dict:
-    """Record the routes of one actor update, perturb the routers, replay routes in the next
-    update: the recorded ones, or the single-process record (``reference``: routes by layer number)
-    of this stage's layers, in this CP rank's order. Its gradients, the recorded routes, whether
-    every router kept the replayed experts, and whether the perturbed routers chose other experts
-    on their own."""
+def _per_sequence(routes: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A single-process record of a step (per MoE layer, the sequences in ``ORDER``) -> per sequence
+    of the batch ``[moe_layers, len, top_k]``, as a rollout engine reports routes."""
+    unpacked = routing.unpack_routes(routes, ROUTED)
+    per_sequence = [torch.empty(0)] * len(LENGTHS)
+    for i, r in zip(ORDER, unpacked):
+        per_sequence[i] = r
+    return per_sequence
+
+
+def _rank_routes(model, per_sequence: list[torch.Tensor], groups: list[list[int]]) -> list[torch.Tensor]:
+    """The rows this rank's routers route when ``groups`` are packed one after the other: per pack,
+    ``pack_routes`` of its sequences (this CP rank's share, this TP rank's sequence-parallel slice)
+    of this stage's layers."""
     from megatron.core import parallel_state as ps
 
+    from mcore_zoo.packing import alignment_for
+
+    tp, cp = ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size()
+    numbers = routing.moe_layer_numbers(model)
+    layers = [numbers.index(int(r.layer_number)) for r in routing.moe_routers(model)]
+    packs = [routing.pack_routes([per_sequence[i][layers] for i in group], align=alignment_for(tp, cp, tp > 1),
+                                 rank=ps.get_tensor_model_parallel_rank(), size=tp,
+                                 cp_rank=ps.get_context_parallel_rank(), cp_size=cp)
+             for group in groups]  # fmt: skip
+    return [torch.cat(layer) for layer in zip(*packs)]
+
+
+def _replayed_step(model, batch: dict, per_sequence: list[torch.Tensor] | None = None,
+                   whole_pack: bool = False) -> dict:  # fmt: skip
+    """Record the routes of one actor update, perturb the routers, replay routes in the next
+    update: the recorded ones (``routing.replay``), or the single-process record per sequence
+    (``per_sequence``: ``train_step(replay_routes=)``). Its gradients, the recorded routes, the
+    rows this rank's routers were to replay, whether every router kept those experts, and whether
+    the perturbed routers chose other experts on their own. ``whole_pack``: also the gradients of
+    a step replaying this rank's slice of the whole step's pack (``pack_routes`` of all its
+    sequences at once: under sequence parallelism with several micro-batches, other tokens'
+    routes)."""
     with routing.record(model) as rec:
         _update(model, batch, False, **STEP)
-    routes = rec.routes
-    if reference is not None:
-        routes = [reference[int(r.layer_number)] for r in routing.moe_routers(model)]
-        rank, size = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
-        if size > 1:
-            routes = routing.context_parallel_routes(routes, ROUTED, align=ALIGN_CP2, cp_rank=rank, cp_size=size)
+    routes = rec.routes if per_sequence is None else _rank_routes(model, per_sequence, GROUPS)
     _perturb_routers(model)
     routers = routing.moe_routers(model)
     chosen: list[list[torch.Tensor]] = [[] for _ in routers]
@@ -97,13 +129,16 @@ def _replayed_step(model, batch: dict, reference: dict | None = None) -> dict:
         free = [torch.cat(maps) for maps in chosen]
         for maps in chosen:
             maps.clear()
-        with routing.replay(model, routes):
-            grads, _ = _update(model, batch, False, **STEP)
+        if per_sequence is None:
+            with routing.replay(model, routes):
+                grads, _ = _update(model, batch, False, **STEP)
+        else:
+            grads, _ = _update(model, batch, False, replay_routes=per_sequence, **STEP)
     finally:
         for h in hooks:
             h.remove()
     want = [torch.zeros_like(torch.cat(maps)).scatter(1, idx, True) for maps, idx in zip(chosen, routes)]
-    return {
+    found = {
         "grads": grads,
         "routes": rec.routes,
         "layers": [int(r.layer_number) for r in routers],
@@ -111,13 +146,19 @@ def _replayed_step(model, batch: dict, reference: dict | None = None) -> dict:
         "kept": all(torch.equal(torch.cat(maps), w) for maps, w in zip(chosen, want)),
         "moved": any(not torch.equal(f, w) for f, w in zip(free, want)),
     }
+    if whole_pack:
+        with routing.replay(model, _rank_routes(model, per_sequence, [ORDER])):
+            found["whole_pack"], _ = _update(model, batch, False, **STEP)
+    return found
 
 
-def _steps(ckpt: str, value_ckpt: str, parallel: Parallelism, batch: dict, replay: bool,
-           ddp: bool = False, reference: dict | None = None) -> dict:  # fmt: skip
+def _steps(ckpt: str, value_ckpt: str, parallel: Parallelism, batch: dict, replay: str | None,
+           ddp: bool = False, reference: list[torch.Tensor] | None = None) -> dict:  # fmt: skip
     """The actor and critic updates at ``parallel`` (the running parallel state), the load-balancing
     losses of the actor's step, the actor's ``packed_forward`` log-probs, and with ``replay`` the
-    recorded-then-replayed actor step; ``ddp``: the models wrapped in Megatron-Core's DDP."""
+    recorded-then-replayed actor step (``"recorded"``: this rank's record; ``"reference"``: the
+    single-process record per sequence, ``reference``; ``"reference+whole-pack"``: and the old
+    whole-pack slicing); ``ddp``: the models wrapped in Megatron-Core's DDP."""
     r: dict = {}
     actor = _build(ckpt, parallel, critic=False, ddp=ddp, **REPLAYABLE)
     routing.aux_losses()  # a clean tracker
@@ -131,11 +172,12 @@ def _steps(ckpt: str, value_ckpt: str, parallel: Parallelism, batch: dict, repla
     r["critic"], r["critic_loss"] = _update(critic, batch, True, **STEP)
     routing.aux_losses()
     if replay:
-        r["replay"] = _replayed_step(actor, batch, reference if parallel.cp > 1 or parallel.pp > 1 else None)
+        per_sequence = None if replay == "recorded" else reference
+        r["replay"] = _replayed_step(actor, batch, per_sequence, whole_pack=replay.endswith("whole-pack"))
     return r
 
 
-def _run_layouts(ckpt: str, value_ckpt: str, layouts: list, reference: dict | None = None) -> dict:
+def _run_layouts(ckpt: str, value_ckpt: str, layouts: list, reference: list[torch.Tensor] | None = None) -> dict:
     from megatron.core import parallel_state as ps
 
     from mcore_zoo.parallel import ensure_model_parallel
@@ -160,7 +202,7 @@ def moe_reference(moe_checkpoints, mpu) -> dict:
     """The single-process steps; and the actor's gradients without the load-balancing loss."""
     ckpt, value_ckpt = moe_checkpoints
     batch = _batch(json.loads((Path(ckpt) / "config.json").read_text())["vocab_size"], LENGTHS)
-    ref = _steps(str(ckpt), str(value_ckpt), Parallelism(), batch, replay=True)
+    ref = _steps(str(ckpt), str(value_ckpt), Parallelism(), batch, replay="recorded")
     without = _build(str(ckpt), Parallelism(), critic=False, overrides={"moe_aux_loss_coeff": 0.0})
     ref["actor_without_aux"], _ = _update(without, batch, False, **STEP)
     return ref
@@ -192,6 +234,14 @@ def _check(found: list[dict], ref: dict) -> dict[str, float]:
                 assert diff <= TOL, f"{where}: replayed-step gradients differ by {diff}"
                 router = [k for k in replay["grads"] if k.endswith("mlp.gate.weight")]
                 assert router and all(replay["grads"][k].abs().sum() > 0 for k in router), f"{where}: router gradients"
+                # the rows replayed from the single-process routes are the ones this rank's routers
+                # chose themselves before the perturbation
+                assert all(torch.equal(a, b) for a, b in zip(replay["replayed"], replay["routes"])), where
+                if "whole_pack" in replay:  # this rank's slice of the whole step's pack: other tokens' experts
+                    off = _max_diff(replay["whole_pack"], ref["replay"]["grads"])
+                    assert off > 100 * TOL, f"{where}: replaying a slice of the whole pack went unnoticed ({off})"
+                    worst[name + " whole-pack slicing"] = max(worst.get(name + " whole-pack slicing", 0.0), off)
+                worst[name + " replay"] = max(worst.get(name + " replay", 0.0), diff)
             worst[name] = max(worst.get(name, 0.0), actor, critic)
             worst[name + " logprobs"] = max(worst.get(name + " logprobs", 0.0), logprobs)
     return worst
@@ -199,13 +249,14 @@ def _check(found: list[dict], ref: dict) -> dict[str, float]:
 
 @pytest.mark.slow
 def test_two_ranks_ep2_cp2(moe_checkpoints, moe_reference):
-    """EP2 (two data-parallel replicas sharing the experts), with routing replay; CP2 unwrapped (with
-    the single-process record replayed in each rank's zigzag order) and wrapped in DDP (the
+    """EP2 (two data-parallel replicas sharing the experts), with routing replay of each rank's own
+    record; CP2 unwrapped (the single-process record replayed per sequence through
+    ``train_step(replay_routes=)``, each rank routing its zigzag share) and wrapped in DDP (the
     load-balancing loss's gradient summed over the CP ranks' parts)."""
     ckpt, value_ckpt = moe_checkpoints
-    reference = dict(zip(moe_reference["replay"]["layers"], moe_reference["replay"]["routes"]))
-    layouts = [("ep2", Parallelism(ep=2), True), ("cp2", Parallelism(cp=2), True),
-               ("cp2-ddp", Parallelism(cp=2), False, True)]  # fmt: skip
+    reference = _per_sequence(moe_reference["replay"]["routes"])
+    layouts = [("ep2", Parallelism(ep=2), "recorded"), ("cp2", Parallelism(cp=2), "reference"),
+               ("cp2-ddp", Parallelism(cp=2), None, True)]  # fmt: skip
     found = launch(_run_layouts, 2, str(ckpt), str(value_ckpt), layouts, reference)
     print("max |dgrad| vs the single-process update:", _check(found, moe_reference))
     _check_context_parallel_routes([ranks["cp2"]["replay"] for ranks in found], moe_reference["replay"]["routes"])
@@ -228,15 +279,24 @@ def _check_context_parallel_routes(ranks: list[dict], reference: list[torch.Tens
 
 @pytest.mark.slow
 def test_four_ranks_tp2ep2_pp2ep2_cp2ep2(moe_checkpoints, moe_reference):
-    """TP2 x EP2 with sequence parallel, PP2 x EP2 (each stage replaying the single-process
-    record of its own layers), CP2 x EP2 (the experts see both CP shares of both replicas)."""
+    """TP2 x EP2 with sequence parallel, PP2 x EP2, CP2 x EP2 (the experts see both CP shares of
+    both replicas). Under TP2 x EP2 and PP2 x EP2 the single-process record is replayed per
+    sequence through ``train_step(replay_routes=)``: each TP rank routes its sequence-parallel
+    slice of each of the two micro-batches, each stage its own layers. Replaying instead each TP
+    rank's slice of the whole step's pack (what ``pack_routes`` gave before) moves the gradients
+    far off."""
     ckpt, value_ckpt = moe_checkpoints
-    reference = dict(zip(moe_reference["replay"]["layers"], moe_reference["replay"]["routes"]))
-    layouts = [("tp2ep2sp", Parallelism(tp=2, ep=2, sequence_parallel=True), False),
-               ("pp2ep2", Parallelism(pp=2, ep=2), True),
-               ("cp2ep2", Parallelism(cp=2, ep=2), False)]  # fmt: skip
-    found = launch(_run_layouts, 4, str(ckpt), str(value_ckpt), layouts, reference)
+    layers, routes = moe_reference["replay"]["layers"], moe_reference["replay"]["routes"]
+    layouts = [("tp2ep2sp", Parallelism(tp=2, ep=2, sequence_parallel=True), "reference+whole-pack"),
+               ("pp2ep2", Parallelism(pp=2, ep=2), "reference"),
+               ("cp2ep2", Parallelism(cp=2, ep=2), None)]  # fmt: skip
+    found = launch(_run_layouts, 4, str(ckpt), str(value_ckpt), layouts, _per_sequence(routes))
     print("max |dgrad| vs the single-process update:", _check(found, moe_reference))
+    by_layer = dict(zip(layers, routes))
     for rank, ranks in enumerate(found):  # PP2: every stage recorded the single-process routes of its layers
         replay = ranks["pp2ep2"]["replay"]
-        assert replay["layers"] and all(torch.equal(a, reference[n]) for a, n in zip(replay["routes"], replay["layers"])), rank
+        recorded = zip(replay["routes"], replay["layers"])
+        assert replay["layers"] and all(torch.equal(a, by_layer[n]) for a, n in recorded), rank
+    for rank, ranks in enumerate(found):  # TP2: each rank routed half of each micro-batch
+        replay = ranks["tp2ep2sp"]["replay"]
+        assert replay["replayed"][0].shape[0] * 2 == routes[0].shape[0], rank

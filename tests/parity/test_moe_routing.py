@@ -182,3 +182,204 @@ def test_routes_in_context_parallel_order():
     assert all(torch.equal(a, b) for a, b in zip(back, per_sequence))
     with pytest.raises(mcore_zoo.ZooError, match="cannot be split"):
         routing.context_parallel_routes(routing.pack_routes(per_sequence, align=2), lengths, align=2, cp_rank=0, cp_size=2)
+
+
+def _step_routes(model, seqs, loss, **step):
+    """Record one ``train_step``: the routes per MoE layer in the order the step routed the
+    sequences, and per sequence of ``seqs`` (``[moe_layers, len, top_k]``)."""
+    from mcore_zoo.distributed.forward import partition_by_tokens
+
+    with routing.record(model) as rec:
+        mcore_zoo.train_step(model, seqs, loss, **step)
+    lengths = [s.numel() for s in seqs]
+    order = [i for group in partition_by_tokens(lengths, None, step["num_microbatches"]) for i in group]
+    assert order != sorted(order)  # the step routes the sequences in another order than given
+    per_sequence = [None] * len(seqs)
+    for i, r in zip(order, routing.unpack_routes(rec.routes, [lengths[i] for i in order])):
+        per_sequence[i] = r
+    return rec.routes, per_sequence
+
+
+def _step_grads(model, seqs, loss, **step):
+    model.zero_grad(set_to_none=True)
+    mcore_zoo.train_step(model, seqs, loss, **step)
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _nll(tokens):
+    return -(tokens.logprobs * tokens.mask).sum(), {}
+
+
+def test_train_step_replays_per_sequence_routes(mpu, reference_checkpoint):
+    """``train_step(replay_routes=)`` with a single-process record split per sequence (in the
+    caller's order) gives, over two micro-batches and with perturbed routers, the gradients of
+    ``routing.replay`` of the record bit for bit; the perturbed routers on their own differ."""
+    model = _model(reference_checkpoint("Qwen3MoeForCausalLM")).train()
+    seqs = random_sequences([24, 12, 40, 8, 20, 12], 256, seed=3)
+    step = {"num_microbatches": 2}
+    assert routing.moe_layer_numbers(model) == [int(r.layer_number) for r in routing.moe_routers(model)]
+    routes, per_sequence = _step_routes(model, seqs, _nll, **step)
+    for router in routing.moe_routers(model):
+        router.weight.data.add_(torch.randn_like(router.weight, generator=torch.Generator().manual_seed(7)) * 0.5)
+    with routing.replay(model, routes):
+        replayed = _step_grads(model, seqs, _nll, **step)
+    given = _step_grads(model, seqs, _nll, replay_routes=per_sequence, **step)
+    free = _step_grads(model, seqs, _nll, **step)
+    assert all(torch.equal(replayed[k], given[k]) for k in replayed)
+    assert max((replayed[k] - free[k]).abs().max().item() for k in free) > 1e-3
+
+
+def test_replay_refuses_unused_and_missing_routes(mpu, reference_checkpoint):
+    """Routes for more tokens than the forwards route (a longer pack, a leftover after the last
+    micro-batch, no forward at all) raise when the block ends, naming each layer and how many of
+    its tokens were left; too few raise in the forward; an extra layer, or per-sequence routes
+    that do not fit the sequences, raise before anything runs. A refused ``train_step`` leaves the
+    gradients as they were before it."""
+    model = _model(reference_checkpoint("Qwen3MoeForCausalLM")).train()
+    seqs = random_sequences([24, 12, 40, 8, 20, 12], 256, seed=3)
+    step = {"num_microbatches": 2}
+    routes, per_sequence = _step_routes(model, seqs, _nll, **step)
+    layers = routing.moe_layer_numbers(model)
+    total = routes[0].shape[0]
+    longer = [torch.cat([r, r[:5]]) for r in routes]
+    with pytest.raises(mcore_zoo.ZooError, match=f"layer {layers[0]}: 5 of its {total + 5} tokens left") as err:
+        with routing.replay(model, longer):
+            mcore_zoo.train_step(model, seqs, _nll, **step)
+    assert all(f"layer {n}: 5 of its" in str(err.value) for n in layers)
+    with pytest.raises(mcore_zoo.ZooError, match=f"layer {layers[-1]}: 8 of its {total} tokens left"):
+        with routing.replay(model, routes):  # the last sequence (8 tokens, in the second micro-batch) left out
+            mcore_zoo.train_step(model, seqs[:3] + seqs[4:], _nll, **step)
+    with pytest.raises(mcore_zoo.ZooError, match=f"layer {layers[0]}: {total} of its {total} tokens left"):
+        with routing.replay(model, routes):
+            pass
+    held = _step_grads(model, seqs, _nll, **step)  # gradients a refused step must leave as they are
+    with pytest.raises(mcore_zoo.ZooError, match=f"layer {layers[0]}: this forward routes 60 tokens, 57 .*too few routes"):
+        with routing.replay(model, [r[:-3] for r in routes]):
+            mcore_zoo.train_step(model, seqs, _nll, **step)
+    with pytest.raises(mcore_zoo.ZooError, match=f"{len(layers) + 1} route tensors for {len(layers)} MoE layers"):
+        with routing.replay(model, routes + routes[:1]):
+            pass
+    with pytest.raises(mcore_zoo.ZooError, match="expected"):
+        with routing.replay(model, [r[:, :1] for r in routes]):  # top-1 routes for a top-2 router
+            pass
+    shape = rf"expected \[{len(layers)}, 24, top_k\]"
+    bad = {
+        "extra layer": ([torch.cat([r, r[:1]]) for r in per_sequence], shape),
+        "longer sequence": ([torch.cat([r, r[:, :1]], dim=1) for r in per_sequence], shape),
+        "one sequence missing": (per_sequence[:-1], "replay_routes for 5 sequences; 6 sequences given"),
+    }
+    for what, (given, message) in bad.items():
+        with pytest.raises(mcore_zoo.ZooError, match=message):
+            mcore_zoo.train_step(model, seqs, _nll, replay_routes=given, **step)
+    with pytest.raises(mcore_zoo.ZooError, match="do not nest"):
+        with routing.record(model):
+            mcore_zoo.train_step(model, seqs, _nll, replay_routes=per_sequence, **step)
+    now = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert now.keys() == held.keys() and all(torch.equal(now[k], held[k]) for k in held)
+    # after every refusal the routers route on their own again, and a good replay still works
+    _step_grads(model, seqs, _nll, replay_routes=per_sequence, **step)
+
+
+def test_stock_router_replay_is_checked_per_forward(mpu, reference_checkpoint):
+    """Megatron-Core's stock router (``router="mcore"``) replays its whole target in every forward:
+    a forward of another size raises, and so does a block in which no forward ran."""
+    ckpt = reference_checkpoint("Qwen3MoeForCausalLM")
+    model = mcore_zoo.build_model(ckpt, backend="portable", load=ckpt, params_dtype=torch.float32,
+                                  numerics=get_profile("hf-exact").with_knobs(router="mcore"),
+                                  overrides={"moe_enable_routing_replay": True}).eval()  # fmt: skip
+    seqs = random_sequences([23, 40], 256, seed=4)
+    with torch.no_grad():
+        with routing.record(model) as rec:
+            recorded = mcore_zoo.packed_forward(model, seqs).logits
+        with routing.replay(model, rec.routes):
+            replayed = mcore_zoo.packed_forward(model, seqs).logits
+        assert all(torch.equal(a, b) for a, b in zip(recorded, replayed))
+        with pytest.raises(mcore_zoo.ZooError, match="this forward routes 23 tokens.* all 63 rows"):
+            with routing.replay(model, rec.routes):
+                mcore_zoo.packed_forward(model, seqs[:1])
+        with pytest.raises(mcore_zoo.ZooError, match="63 of its 63 tokens left"):
+            with routing.replay(model, rec.routes):
+                pass
+
+
+def test_microbatch_routes_lay_out_each_pack():
+    """Per-sequence routes over several packs: each pack's members at their padded slots, padding
+    segments and alignment padding on experts ``0..top_k-1``, each rank's CP share and
+    sequence-parallel slice per pack (not of all packs at once), the chosen layers."""
+    from mcore_zoo.packing import pack_sequences
+
+    gen = torch.Generator().manual_seed(0)
+    lengths, k = [6, 16, 3, 12], 2
+    per_sequence = [torch.randint(0, 8, (3, n, k), generator=gen) for n in lengths]
+    groups = [[1, 2], [0, 3]]
+    packs = [pack_sequences([torch.zeros(lengths[i]) for i in g] + [torch.zeros(8)], align=4) for g in groups]
+    micro = [(g, p.cu_seqlens_padded) for g, p in zip(groups, packs)] + [([], torch.tensor([0, 4]))]
+    for cp_size, size in [(1, 1), (1, 2), (2, 1), (2, 2)]:
+        for cp_rank in range(cp_size):
+            for rank in range(size):
+                got = routing.microbatch_routes(per_sequence, micro, layers=[2, 0], rank=rank, size=size,
+                                                cp_rank=cp_rank, cp_size=cp_size)  # fmt: skip
+                want = []
+                for g, p in zip(groups, packs):
+                    full = torch.arange(k).expand(2, p.total, k).clone()
+                    for start, i in zip(p.cu_seqlens_padded.tolist(), g):
+                        full[:, start : start + lengths[i]] = per_sequence[i][[2, 0]]
+                    share = full[:, p.context_parallel_index(cp_rank, cp_size)] if cp_size > 1 else full
+                    n = share.shape[1] // size
+                    want.append(share[:, rank * n : (rank + 1) * n])
+                want.append(torch.arange(k).expand(2, 4 // (cp_size * size), k))  # the padding micro-batch
+                want = torch.cat(want, dim=1)
+                assert len(got) == 2 and all(torch.equal(g, w) for g, w in zip(got, want)), (cp_size, cp_rank, size, rank)
+    # a TP rank's slice of all the packs' sequences packed at once is not its slices of each pack
+    whole = routing.pack_routes([per_sequence[i] for g in groups for i in g], align=4, rank=1, size=2)
+    bounds = [pack_sequences([torch.zeros(lengths[i]) for i in g], align=4).cu_seqlens_padded for g in groups]
+    split = routing.microbatch_routes(per_sequence, list(zip(groups, bounds)), rank=1, size=2)
+    assert whole[0].shape == split[0].shape and not torch.equal(whole[0], split[0])
+    with pytest.raises(mcore_zoo.ZooError, match="cover 16 tokens; its packed slot holds 8"):
+        routing.microbatch_routes(per_sequence, [([1], torch.tensor([0, 8]))])
+
+
+RECOMPUTE = {
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    "moe": {"recompute_granularity": "selective", "recompute_modules": ["moe"]},
+}
+
+
+@pytest.mark.parametrize("recompute", sorted(RECOMPUTE))
+def test_activation_recomputation_routes_like_the_forward(mpu, reference_checkpoint, monkeypatch, recompute):
+    """With activation recomputation a forward rerun in the backward routes like the forward it
+    recomputes: a record of a two-micro-batch step holds each token once (the record without
+    recomputation, same token counts), and per-sequence routes replayed with perturbed routers
+    give the gradients of the same replay without recomputation."""
+    import contextlib
+
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    # Megatron-Core's checkpointing saves and restores CUDA RNG states; on CPU there are none (and
+    # these models draw no random numbers)
+    monkeypatch.setattr(mcore_random, "_get_all_rng_states", lambda: ())
+    monkeypatch.setattr(mcore_random, "_set_all_rng_states", lambda *states: None)
+    monkeypatch.setattr(mcore_random, "_fork_rng", contextlib.nullcontext)
+    ckpt = reference_checkpoint("Qwen3MoeForCausalLM")
+    plain = _model(ckpt).train()
+    recomputing = mcore_zoo.build_model(ckpt, backend="portable", numerics="hf-exact", load=ckpt,
+                                        params_dtype=torch.float32,
+                                        overrides={"moe_enable_routing_replay": True, **RECOMPUTE[recompute]}).train()  # fmt: skip
+    seqs = random_sequences([24, 12, 40, 8, 20, 12], 256, seed=3)
+    step = {"num_microbatches": 2}
+    with routing.record(plain) as want:
+        mcore_zoo.train_step(plain, seqs, _nll, **step)
+    routes, per_sequence = _step_routes(plain, seqs, _nll, **step)
+    with routing.record(recomputing) as got:
+        mcore_zoo.train_step(recomputing, seqs, _nll, **step)
+    assert all(torch.equal(a, b) for a, b in zip(got.routes, routes))
+    assert all(torch.equal(a, b) for a, b in zip(got.tokens_per_expert, want.tokens_per_expert))
+    for model in (plain, recomputing):
+        for router in routing.moe_routers(model):
+            noise = torch.randn(router.weight.shape, generator=torch.Generator().manual_seed(router.layer_number))
+            router.weight.data.add_(0.5 * noise)
+    replayed = _step_grads(plain, seqs, _nll, replay_routes=per_sequence, **step)
+    again = _step_grads(recomputing, seqs, _nll, replay_routes=per_sequence, **step)
+    assert max((replayed[k] - again[k]).abs().max().item() for k in replayed) <= 1e-6
+    free = _step_grads(recomputing, seqs, _nll, **step)
+    assert max((replayed[k] - free[k]).abs().max().item() for k in replayed) > 1e-3

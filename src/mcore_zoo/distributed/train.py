@@ -50,7 +50,8 @@ below takes out:
   except on expert weights under expert parallelism: the replicas of an expert-parallel group
   share those, and their gradient is the mean over the replicas of each one's ``dJ/dparam`` (what
   the DDP wrapper gives; equal to ``dJ/dparam`` when every replica passes the same batch).
-  Gradients accumulate: whatever ``.grad`` held before the step is kept and added to.
+  Gradients accumulate: whatever ``.grad`` held before the step is kept and added to (a step
+  that raises leaves them as they were before it).
 * **DDP-wrapped model** (a trainer's ``get_model`` chunks): the wrapper reduces over data x
   context parallel and, by default, divides by that group's size; with the factor above the
   result is the mean over data-parallel replicas of each replica's ``dJ/dparam`` (CP shares
@@ -62,10 +63,17 @@ Micro-batches: sequences are grouped by a token budget (``max_tokens_per_microba
 padded tokens), balanced (longest first into the lightest group), and - with data parallelism and
 ``sync_microbatches`` - every replica runs the same number of micro-batches (the largest any
 needs). Default without a budget: one micro-batch, ``pp`` under pipeline parallelism.
+
+MoE routing replay: ``replay_routes=`` gives the experts of every token per sequence (a rollout
+engine's, or a single-process record split per sequence); the step lays them out for this rank's
+routers - per micro-batch in schedule order, its CP share, its sequence-parallel slice, its
+stage's layers (:func:`~mcore_zoo.routing.microbatch_routes`) - replays them, and raises if any is
+left unused (:func:`mcore_zoo.routing.replay`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import numbers
 from dataclasses import dataclass, field
@@ -305,16 +313,23 @@ class _KeptGrads:
     TP / stages must see only this step's), then added back."""
 
     def __init__(self, handle: ModelHandle) -> None:
+        self.params = [p for c in handle.chunks for p in c.parameters()]
         self.kept = []
-        for c in handle.chunks:
-            for p in c.parameters():
-                if p.grad is not None:
-                    self.kept.append((p, p.grad))
-                    p.grad = None
+        for p in self.params:
+            if p.grad is not None:
+                self.kept.append((p, p.grad))
+                p.grad = None
 
     def restore(self) -> None:
         for p, g in self.kept:
             p.grad = g if p.grad is None else p.grad.add_(g)
+
+    def revert(self) -> None:
+        """A step that failed: drop what it accumulated, leave the gradients from before it."""
+        for p in self.params:
+            p.grad = None
+        for p, g in self.kept:
+            p.grad = g
 
 
 # ---------------------------------------------------------------------------- the step
@@ -339,6 +354,7 @@ def train_step(
     chunk_tokens: Optional[int] = None,
     pad_token_id: int = 0,
     mtp_loss_scale: Optional[float] = None,
+    replay_routes: Optional[Sequence[torch.Tensor]] = None,
 ) -> StepResult:
     """One forward + backward of ``loss_fn`` over ``sequences`` (see the module docstring).
 
@@ -365,6 +381,17 @@ def train_step(
             / ``loss_normalizer``, unscaled). Default: the ``TransformerConfig``'s
             ``mtp_loss_scaling_factor`` (Megatron-Core's default 0.1); 0 when ``loss_fn`` adds an
             MTP term itself (from ``TokenOutputs.mtp_logprobs``). Refused for a model without MTP.
+        replay_routes: routing replay (:mod:`mcore_zoo.routing`; a model built with
+            ``overrides={"moe_enable_routing_replay": True}``): per sequence, ``[moe_layers, len_i,
+            top_k]`` expert indices for every MoE layer of the model - all pipeline stages', in
+            layer order (:func:`~mcore_zoo.routing.moe_layer_numbers`) - as a rollout engine reports
+            them or :func:`~mcore_zoo.routing.unpack_routes` splits a single-process record. Every
+            token goes to those experts, whatever the layout and the micro-batching: the step lays
+            the routes out for this rank (per micro-batch, in the order the schedule runs them: its
+            context-parallel share, its sequence-parallel slice, its stage's layers;
+            :func:`~mcore_zoo.routing.microbatch_routes`) and raises
+            :class:`~mcore_zoo.errors.ZooError` if they do not fit the sequences or are not all
+            consumed.
 
     Returns:
         :class:`StepResult`, the same on every rank of the model-parallel group.
@@ -438,12 +465,46 @@ def train_step(
         output = chunk(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
         return output, functools.partial(loss_func, mb, order[id(mb)])
 
+    replaying = contextlib.nullcontext()
+    if replay_routes is not None:
+        from ..routing import replay
+
+        replaying = replay(handle, _replay_rows(handle, replay_routes, seqs, micro))
     kept = None if wrapped else _KeptGrads(handle)
-    stored = run_schedule(given, micro, layout, step, forward_only=False)
+    try:
+        with replaying:  # checks the routes on entry, that they were all used on exit
+            stored = run_schedule(given, micro, layout, step, forward_only=False)
+    except BaseException:
+        if kept is not None:
+            kept.revert()
+        raise
     if not wrapped:
         _finalize_unwrapped(handle)
         kept.restore()
     return _report(stored, handle, len(micro), device)
+
+
+def _replay_rows(handle: ModelHandle, routes: Sequence[torch.Tensor], seqs: Sequence[torch.Tensor],
+                 micro: Sequence[Microbatch]) -> list[torch.Tensor]:  # fmt: skip
+    """``train_step``'s per-sequence ``replay_routes`` -> per MoE layer of this rank, the rows its
+    router routes over the micro-batches ``micro`` (in schedule order; every chunk's router sees
+    its micro-batches in that order)."""
+    from ..routing import microbatch_routes, moe_layer_numbers, moe_routers
+
+    layout = handle.placement
+    moe_layers = moe_layer_numbers(handle)
+    if len(routes) != len(seqs):
+        raise ZooError(f"replay_routes for {len(routes)} sequences; {len(seqs)} sequences given")
+    for i, (r, s) in enumerate(zip(routes, seqs)):
+        if r.dim() != 3 or r.shape[0] != len(moe_layers) or r.shape[1] != s.numel():
+            raise ZooError(f"replay_routes[{i}] has shape {tuple(r.shape)}; expected [{len(moe_layers)},"
+                           f" {s.numel()}, top_k] ({len(moe_layers)} MoE layers in the model, {s.numel()} tokens"
+                           f" in sequence {i})")  # fmt: skip
+    layers = [moe_layers.index(int(r.layer_number)) for r in moe_routers(handle)]
+    sp = layout.sequence_parallel and layout.tp > 1  # each TP rank routes its slice of the CP share
+    packs = [(mb.members, mb.batch.cu_seqlens_padded) for mb in micro]
+    return microbatch_routes(routes, packs, layers=layers, rank=layout.tp_rank if sp else 0,
+                             size=layout.tp if sp else 1, cp_rank=layout.cp_rank, cp_size=layout.cp)  # fmt: skip
 
 
 def _report(stored: list[Any], handle: ModelHandle, count: int, device: torch.device) -> StepResult:

@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..config.arch import ArchConfig, MoESpec
+from ..errors import ZooError
 from .patching import wrap_once
 
 _LOCAL = threading.local()
@@ -249,11 +250,26 @@ def hf_router_class() -> type:
 
 
 
+def in_backward() -> bool:
+    """Whether this runs inside an autograd backward pass: a module's forward there is activation
+    recomputation (Megatron-Core's checkpointing reruns the forward in the backward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 @functools.lru_cache(maxsize=None)
 def microbatch_router_replay_class() -> type:
     """Megatron-Core's ``RouterReplay`` for several forwards per record / replay block (the
     micro-batches of a pipeline schedule): recording appends each forward's indices, replay
-    consumes the target rows in order, as many as each forward routes."""
+    consumes the target rows in order, as many as each forward routes; a forward that finds too
+    few rows left raises :class:`~mcore_zoo.errors.ZooError`, and :meth:`rows_left` tells how many
+    the forwards left unused (:func:`mcore_zoo.routing.replay` refuses those).
+
+    Activation recomputation: a forward rerun in the backward (:func:`in_backward`, or Megatron's
+    ``REPLAY_BACKWARD`` action) routes the tokens to the experts of the forward it recomputes -
+    the earliest one not yet recomputed: the schedules run the backwards of a chunk's
+    micro-batches in the order of their forwards - and neither records nor consumes routes, so a
+    record holds each token once and the routes of each token are given once, with or without
+    recomputation."""
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
     class MicrobatchRouterReplay(RouterReplay):
@@ -261,6 +277,12 @@ def microbatch_router_replay_class() -> type:
             super().__init__()
             self._recorded: list[torch.Tensor] = []
             self._cursor = 0
+            self._forwards: list[torch.Tensor] = []  # each forward's experts, for its recomputation
+            self.layer_number: Optional[int] = None  # the router's, for error messages (set by replay)
+
+        def rows_left(self) -> int:
+            """Target rows no forward has consumed yet (0 without a target)."""
+            return 0 if self.target_topk_idx is None else int(self.target_topk_idx.shape[0]) - self._cursor
 
         def record_indices(self, topk_indices: torch.Tensor) -> None:
             super().record_indices(topk_indices)
@@ -275,19 +297,32 @@ def microbatch_router_replay_class() -> type:
 
         def clear_indices(self) -> None:
             super().clear_indices()
-            self._recorded, self._cursor = [], 0
+            self._recorded, self._cursor, self._forwards = [], 0, []
 
         def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: Optional[int] = None,
                             group_topk: Optional[int] = None, default_compute_topk: Any = None) -> Any:  # fmt: skip
-            if self.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
+            action = self.router_replay_action
+            if action is None:
                 return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
             rows = scores.shape[0]
+            if action == RouterReplayAction.REPLAY_BACKWARD or in_backward():  # a recomputed forward
+                if not self._forwards or self._forwards[0].shape[0] != rows:
+                    raise ZooError(f"routing record / replay, layer {self.layer_number}: a recomputed forward of"
+                                   f" {rows} tokens matches no earlier forward of the block")  # fmt: skip
+                top_indices = self._forwards.pop(0).to(scores.device)
+                return scores.gather(1, top_indices), top_indices
+            if action == RouterReplayAction.RECORD:
+                probs, top_indices = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+                self.record_indices(top_indices)
+                self._forwards.append(top_indices)
+                return probs, top_indices
             target = self.target_topk_idx
             if target is None or self._cursor + rows > target.shape[0]:
-                have = 0 if target is None else target.shape[0] - self._cursor
-                raise RuntimeError(f"routing replay: this forward routes {rows} tokens, {have} replay rows are left")
+                raise ZooError(f"routing replay, layer {self.layer_number}: this forward routes {rows} tokens,"
+                               f" {self.rows_left()} of the replay routes are left (too few routes)")  # fmt: skip
             top_indices = target[self._cursor : self._cursor + rows].to(scores.device)
             self._cursor += rows
+            self._forwards.append(top_indices)
             return scores.gather(1, top_indices), top_indices
 
     return MicrobatchRouterReplay
