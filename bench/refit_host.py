@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import platform
 import pstats
@@ -102,6 +103,7 @@ def timed(fn: Callable[[], Any], iters: int) -> list[float]:
 def profile(run: Callable[[], Any], top: int) -> list[dict[str, Any]]:
     """cProfile of one call of ``run``: the ``top`` functions by own time, printed in microseconds
     (the profiler's own overhead inflates every entry; the shares are what to read)."""
+    gc.collect()  # a collection inside the one profiled call would be charged to whatever runs
     prof = cProfile.Profile()
     prof.enable()
     run()
@@ -189,6 +191,7 @@ def main() -> None:
     for r in range(args.rounds):
         order = list(runs) if r % 2 == 0 else list(reversed(runs))
         for name in order:
+            gc.collect()
             times[name] += timed(runs[name], args.iters)
 
     floor = statistics.median(times["copies"])
