@@ -541,3 +541,20 @@ def test_no_parameter_storage_is_held_between_refits(mpu, reference_checkpoint):
         mcore_zoo.refit(model, DictAdapter(tp_size=2), bucket_size="64KB")
     assert uses() == before
     assert_same(_engine_params(workers), want)
+
+
+def test_cuts_map_onto_a_view_whose_first_dimension_is_split():
+    """A slot's cuts, given in the HF piece's coordinates, applied to a ``[groups, rows, ...]`` view
+    of the piece: whole groups map to a narrow of the view, anything else is refused (the shard is
+    then exported and cut instead)."""
+    from mcore_zoo.rollout.program import _cut_view
+
+    piece = torch.arange(6 * 4 * 3).reshape(6 * 4, 3)  # the HF piece: 6 groups of 4 rows
+    view = torch.arange(6 * 4 * 3).reshape(6, 4, 3)  # the same elements, first dimension split
+    got = _cut_view(view, (24, 3), ((0, 8, 12), (1, 1, 2)))
+    assert got is not None and torch.equal(got.reshape(12, 2), piece.narrow(0, 8, 12).narrow(1, 1, 2))
+    assert _cut_view(view, (24, 3), ((0, 2, 12),)) is None  # not on a group boundary
+    assert _cut_view(view, (24, 4), ()) is None  # not a refinement of the piece's shape
+    assert torch.equal(_cut_view(piece, (24, 3), ((0, 5, 7),)), piece.narrow(0, 5, 7))
+    scalar = torch.tensor(1.0)
+    assert _cut_view(scalar, (), ()) is scalar and _cut_view(scalar, (), ((0, 0, 1),)) is None
