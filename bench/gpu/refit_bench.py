@@ -8,9 +8,12 @@ on the same GPU(s), next to a plain device-to-device copy of the same bytes.
     torchrun --nproc_per_node 2 bench/gpu/refit_bench.py --tp 2 --backend te --layers 32 --out /tmp/refit-tp2.json
 
 The engine starts from ``load_format="dummy"`` (only config.json is written); the trainer model
-is randomly initialised (speed does not depend on the values). One refit computes the plan
-(reported apart), then ``--iters`` refits are timed (median): wall time from the first gather to
-the engine's last write, synchronised. GB/s counts the bytes written into the engine (all engine
+is randomly initialised (speed does not depend on the values). One refit computes the plan and
+binds its data path (reported apart), then ``--iters`` refits are timed (median): wall time from
+the first gather to the engine's last write, synchronised. ``refit_source`` says which data path
+the receiving rank ran (``RefitStats.source``): ``"local"`` at TP1 (each engine shard copied
+straight from a view of the trainer's parameter), ``"stream"`` at TP2 (the export, gathered over
+TP). The host time per tensor around the copies is measured on the CPU by ``bench/refit_host.py``. GB/s counts the bytes written into the engine (all engine
 ranks). The copy reference moves, per GPU, the same number of bytes as that GPU's engine rank
 receives, with one ``Tensor.copy_`` (bytes counted once, as for the refit).
 
@@ -121,13 +124,13 @@ def main() -> None:
         "copy_gbps_per_gpu": copy, "fraction_of_copy": per_rank / seconds / 1e9 / copy,
         "first_refit_seconds_with_plan": t_first, "build_seconds": t_build,
         "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
-        "first_refit_planned": first.planned,
+        "first_refit_planned": first.planned, "refit_source": getattr(first, "source", ""),
     }  # fmt: skip
     if rank == 0:
         print(json.dumps(result, indent=2))
         print(f"| {result['gpu']} | TP{args.tp} | {args.layers} layers {args.backend} | {plan.nbytes / 1e9:.2f} GB |"
               f" {seconds * 1e3:.0f} ms | {result['refit_gbps']:.0f} GB/s ({result['refit_gbps_per_gpu']:.0f} per GPU) |"
-              f" {copy:.0f} GB/s | {result['fraction_of_copy']:.0%} |")  # fmt: skip
+              f" {copy:.0f} GB/s | {result['fraction_of_copy']:.0%} | {result['refit_source']} |")  # fmt: skip
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=2)

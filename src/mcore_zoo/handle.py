@@ -14,7 +14,9 @@ loading, export, re-sharding, distributed checkpoints, the packed forward - star
 * ``chunks`` - this rank's ``GPTModel`` chunks (one, or one per virtual-pipeline stage), unwrapped;
 * ``hf_source`` - the HF checkpoint the weights came from (its tokenizer files travel with exports);
 * the weight map, and its rules bound to each chunk (expert-parallel offsets applied, TP axes
-  checked against Megatron-Core's own ``partition_dim``), computed once.
+  checked against Megatron-Core's own ``partition_dim``), computed once;
+* :meth:`ModelHandle.derived`: a cache for what operations derive from the chunks once and reuse
+  on every call (the export's bound steps, refit programs), dropped when a chunk is attached.
 
 This module imports neither the build nor any operation, so all of them can import it.
 """
@@ -22,7 +24,7 @@ This module imports neither the build nor any operation, so all of them can impo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -53,6 +55,7 @@ class ModelHandle:
     _chunks: dict[int, torch.nn.Module] = field(default_factory=dict, repr=False)
     _weight_map: Optional[WeightMap] = field(default=None, repr=False)
     _bound: dict[int, list[BoundRule]] = field(default_factory=dict, repr=False)
+    _derived: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     # ------------------------------------------------------------------ chunks
     def attach(self, chunk: torch.nn.Module, vp_stage: Optional[int] = None) -> torch.nn.Module:
@@ -60,6 +63,7 @@ class ModelHandle:
         setattr(chunk, HANDLE_ATTR, self)
         self._chunks[vp_stage or 0] = chunk
         self._bound.pop(id(chunk), None)
+        self._derived.clear()
         return chunk
 
     @property
@@ -127,6 +131,15 @@ class ModelHandle:
                 check_partition_dim(b, params[b.mcore])
             self._bound[key] = bound
         return self._bound[key]
+
+    def derived(self, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, computed on the first call for ``key`` and kept until a chunk is attached
+        (what an operation derives from the chunks' structure - never from parameter values)."""
+        try:
+            return self._derived[key]
+        except KeyError:
+            value = self._derived[key] = make()
+            return value
 
     # ------------------------------------------------------------------ checks
     def check_current(self) -> None:

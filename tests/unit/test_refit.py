@@ -13,6 +13,7 @@ tensors bit for bit.
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -369,3 +370,191 @@ def test_sglang_adapter_sends_hf_names_and_flushes_once(mpu, reference_checkpoin
     assert [flush for _, flush in engine.calls] == [False] * (stats.buckets - 1) + [True]
     got = dict(item for named, _ in engine.calls for item in named)
     assert_same([got], [{k: v for k, v in hf.items() if "rotary_emb" not in k}])
+
+
+# ---------------------------------------------------------------- the bound data path (rollout/program.py)
+def _engine_params(workers) -> list[dict[str, torch.Tensor]]:
+    return [{k: p.data for k, p in w.model_runner.model.named_parameters()} for w in workers]
+
+
+def _vllm_setup(reference_checkpoint, arch, overrides, tp, **adapter_kwargs):
+    """A model, its HF config, the engine tensors vLLM would load, stand-in workers holding zeros
+    and a VLLMAdapter over them."""
+    _, model, config, hf = _setup(reference_checkpoint, arch, overrides)
+    want = vllm_engine_tensors(hf, config, tp)
+    workers = [FakeWorker({k: torch.zeros_like(v) for k, v in want[r].items()}, r) for r in range(tp)]
+    return model, config, want, workers, VLLMAdapter(FakeLLM(workers), tp_size=tp, **adapter_kwargs)
+
+
+def test_raw_shards_are_views_of_the_trainer_parameters(mpu, reference_checkpoint):
+    """TP1 trainer, in-process vLLM adapter: every shard the engine copies from is a view of a
+    trainer parameter (no trainer-side copy, q / k / v included); a bucket-taking adapter gets each
+    shard in exactly the slot's shape and dtype instead."""
+    _, model, config, hf = _setup(reference_checkpoint, "Qwen3MoeForCausalLM", {})
+    want = vllm_engine_tensors(hf, config, 2)
+    workers = [FakeWorker({k: torch.zeros_like(v) for k, v in want[r].items()}, r) for r in range(2)]
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = []
+
+    class Recording(VLLMAdapter):
+        def load_bucket(self, bucket):
+            seen.extend(t for per in bucket.items for _, t in per)
+            super().load_bucket(bucket)
+
+    stats = mcore_zoo.refit(model, Recording(FakeLLM(workers), tp_size=2, transport="inproc"), bucket_size="64KB")
+    assert stats.source == "local" and len(seen) > stats.tensors
+    assert all(t.untyped_storage().data_ptr() in storages for t in seen)
+    assert any(t.dim() == 3 for t in seen)  # q / k / v rows as [groups, rows, hidden] views of linear_qkv
+    assert_same(_engine_params(workers), want)
+
+    class Checking(DictAdapter):
+        def load_bucket(self, bucket):
+            for per in bucket.items:
+                for slot, t in per:
+                    assert tuple(t.shape) == slot.shape and t.dtype == slot.dtype, (slot.name, t.shape, t.dtype)
+            super().load_bucket(bucket)
+
+    adapter = Checking(tp_size=2)
+    mcore_zoo.refit(model, adapter, bucket_size="64KB", dtype=torch.bfloat16)
+    assert_same(adapter.tensors, vllm_engine_tensors({k: v.to(torch.bfloat16) for k, v in hf.items()}, config, 2))
+
+
+def _walked(fn) -> int:
+    """Modules yielded by ``named_modules`` walks while ``fn`` runs (trainer and engine alike)."""
+    real = torch.nn.Module.named_modules
+    count = [0]
+
+    def counting(self, *args, **kwargs):
+        top = (args[1] if len(args) > 1 else kwargs.get("prefix", "")) == ""  # not a recursive call
+        for item in real(self, *args, **kwargs):
+            count[0] += top
+            yield item
+
+    torch.nn.Module.named_modules = counting
+    try:
+        fn()
+    finally:
+        torch.nn.Module.named_modules = real
+    return count[0]
+
+
+@pytest.mark.parametrize("source", ["local", "stream"])
+def test_a_steady_state_refit_walks_neither_model(mpu, reference_checkpoint, monkeypatch, source):
+    """After the first refit of a plan, the trainer's export and the engine's parameter lookup are
+    bound: a refit walks no module tree (a few modules for the model's device, against hundreds)."""
+    from mcore_zoo.rollout import program
+
+    if source == "stream":
+        monkeypatch.setattr(program, "local_source", lambda handle: False)
+    model, _, want, workers, adapter = _vllm_setup(reference_checkpoint, "LlamaForCausalLM", {}, 2, transport="inproc")
+    first = _walked(lambda: mcore_zoo.refit(model, adapter, bucket_size="16KB"))
+    for w in workers:  # stale engine values: the second refit must write everything again
+        for p in w.model_runner.model.parameters():
+            p.data.zero_()
+    stats = []
+    later = _walked(lambda: stats.append(mcore_zoo.refit(model, adapter, bucket_size="16KB")))
+    assert first > 100 and later < 10, (first, later)
+    assert stats[0].source == source and stats[0].buckets > 2
+    assert_same(_engine_params(workers), want)
+
+
+@pytest.mark.parametrize("adapter_kind", ["dict", "vllm"])
+def test_refit_follows_parameters_the_trainer_replaced(mpu, reference_checkpoint, adapter_kind):
+    """Views bound on the first refit must not outlive the tensors they view: a parameter object
+    replaced, a parameter's ``.data`` swapped and one updated in place are all seen by the next
+    refit, bit for bit; so is an engine parameter replaced under the worker."""
+    from mcore_zoo.distributed.export import iter_hf_weights
+
+    model, config, _, workers, vllm_adapter = _vllm_setup(reference_checkpoint, "LlamaForCausalLM", {}, 2, transport="inproc")
+    adapter = DictAdapter(tp_size=2) if adapter_kind == "dict" else vllm_adapter
+    mcore_zoo.refit(model, adapter, bucket_size="16KB")
+    chunk = mcore_zoo.handle_of(model).chunks[0]
+    qkv = chunk.decoder.layers[1].self_attention.linear_qkv
+    qkv.weight = torch.nn.Parameter(torch.randn_like(qkv.weight))  # a new parameter object
+    fc2 = chunk.decoder.layers[0].mlp.linear_fc2
+    fc2.weight.data = torch.randn_like(fc2.weight)  # new storage under the same parameter
+    with torch.no_grad():
+        chunk.embedding.word_embeddings.weight.mul_(3)  # in place
+    if adapter_kind == "vllm":  # the engine swaps a parameter's storage
+        engine = workers[1].model_runner.model.get_submodule("model.layers.0.mlp.gate_up_proj")
+        engine.weight = torch.nn.Parameter(torch.zeros_like(engine.weight), requires_grad=False)
+    mcore_zoo.refit(model, adapter, bucket_size="16KB")
+    want = vllm_engine_tensors({k: v.clone() for k, v in iter_hf_weights(model)}, config, 2)
+    got = adapter.tensors if adapter_kind == "dict" else _engine_params(workers)
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_stream_and_local_sources_write_the_same_engine(mpu, reference_checkpoint, monkeypatch, tp):
+    """The export stream (any layout; forced here at TP1) and the local source, into the vLLM
+    worker (raw shards, packed and in-process) and the dict adapter, with and without a cast."""
+    from mcore_zoo.rollout import program
+
+    _, model, config, hf = _setup(reference_checkpoint, "Glm4MoeForCausalLM", {})
+    for dtype in (None, torch.bfloat16):
+        want = vllm_engine_tensors({k: v.to(dtype or v.dtype) for k, v in hf.items()}, config, tp)
+        for source in ("local", "stream"):
+            monkeypatch.setattr(program, "local_source", lambda handle, s=source: s == "local")
+            for transport in ("inproc", "ipc"):
+                workers = [FakeWorker({k: torch.zeros_like(v) for k, v in want[r].items()}, r) for r in range(tp)]
+                stats = mcore_zoo.refit(model, VLLMAdapter(FakeLLM(workers), tp_size=tp, transport=transport),
+                                        bucket_size="32KB", dtype=dtype)  # fmt: skip
+                assert stats.source == source
+                assert_same(_engine_params(workers), want)
+            adapter = DictAdapter(tp_size=tp)
+            mcore_zoo.refit(model, adapter, bucket_size="32KB", dtype=dtype)
+            assert_same(adapter.tensors, want)
+
+
+def test_a_padded_vocabulary_is_exported_per_refit(mpu, reference_checkpoint):
+    """A padded vocabulary's transform has no views (its padding rows are cut after the gather):
+    the local source exports it per refit, and follows its values."""
+    ckpt = reference_checkpoint("LlamaForCausalLM", {})
+    model = mcore_zoo.build_model(ckpt, backend="local", load=ckpt, make_vocab_size_divisible_by=100)
+    config = json.loads((ckpt / "config.json").read_text())
+    hf = load_file(str(ckpt / "model.safetensors"))
+    want = vllm_engine_tensors(hf, config, 2)
+    workers = [FakeWorker({k: torch.zeros_like(v) for k, v in want[r].items()}, r) for r in range(2)]
+    adapter = VLLMAdapter(FakeLLM(workers), tp_size=2, transport="inproc")
+    mcore_zoo.refit(model, adapter)
+    assert_same(_engine_params(workers), want)
+    with torch.no_grad():
+        mcore_zoo.handle_of(model).chunks[0].output_layer.weight.add_(1)
+    mcore_zoo.refit(model, adapter)
+    want = vllm_engine_tensors({**hf, "lm_head.weight": hf["lm_head.weight"] + 1}, config, 2)
+    assert_same(_engine_params(workers), want)
+
+
+def test_no_parameter_storage_is_held_between_refits(mpu, reference_checkpoint):
+    """The bound data path keeps view recipes, not views: after a refit neither the trainer-side
+    program nor the engine-side binding references a trainer or engine parameter's storage (a
+    trainer that offloads its parameters between rollouts gets their memory back)."""
+    model, _, want, workers, adapter = _vllm_setup(reference_checkpoint, "Qwen3MoeForCausalLM", {}, 2, transport="inproc")
+    tensors = list(model.parameters()) + [p for w in workers for p in w.model_runner.model.parameters()]
+
+    def uses() -> list[int]:
+        return [torch._C._storage_Use_Count(t.untyped_storage()._cdata) for t in tensors]
+
+    before = uses()
+    for _ in range(2):
+        mcore_zoo.refit(model, adapter, bucket_size="64KB")
+        mcore_zoo.refit(model, DictAdapter(tp_size=2), bucket_size="64KB")
+    assert uses() == before
+    assert_same(_engine_params(workers), want)
+
+
+def test_cuts_map_onto_a_view_whose_first_dimension_is_split():
+    """A slot's cuts, given in the HF piece's coordinates, applied to a ``[groups, rows, ...]`` view
+    of the piece: whole groups map to a narrow of the view, anything else is refused (the shard is
+    then exported and cut instead)."""
+    from mcore_zoo.rollout.program import _cut_view
+
+    piece = torch.arange(6 * 4 * 3).reshape(6 * 4, 3)  # the HF piece: 6 groups of 4 rows
+    view = torch.arange(6 * 4 * 3).reshape(6, 4, 3)  # the same elements, first dimension split
+    got = _cut_view(view, (24, 3), ((0, 8, 12), (1, 1, 2)))
+    assert got is not None and torch.equal(got.reshape(12, 2), piece.narrow(0, 8, 12).narrow(1, 1, 2))
+    assert _cut_view(view, (24, 3), ((0, 2, 12),)) is None  # not on a group boundary
+    assert _cut_view(view, (24, 4), ()) is None  # not a refinement of the piece's shape
+    assert torch.equal(_cut_view(piece, (24, 3), ((0, 5, 7),)), piece.narrow(0, 5, 7))
+    scalar = torch.tensor(1.0)
+    assert _cut_view(scalar, (), ()) is scalar and _cut_view(scalar, (), ((0, 0, 1),)) is None

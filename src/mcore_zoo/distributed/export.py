@@ -73,11 +73,14 @@ def tp_gather_for(handle: ModelHandle) -> Callable[[BoundRule], Optional[Callabl
     """``gather_for(bound)``: the all-gather of a rule's tensor-parallel pieces - over the expert
     TP group for expert rules, the TP group otherwise (``None`` where that size is 1)."""
 
+    made: dict[bool, Optional[Callable[[torch.Tensor, int], torch.Tensor]]] = {}  # per kind (expert or dense)
+
     def gather_for(b: BoundRule) -> Optional[Callable[[torch.Tensor, int], torch.Tensor]]:
-        _, size, group = handle.tp_slot(b)
-        if size == 1:
-            return None
-        return lambda piece, axis: _all_gather(piece, axis, group, size)
+        kind = b.is_expert
+        if kind not in made:
+            _, size, group = handle.tp_slot(b)
+            made[kind] = None if size == 1 else (lambda piece, axis: _all_gather(piece, axis, group, size))
+        return made[kind]
 
     return gather_for
 
@@ -91,14 +94,20 @@ def expert_copies_for(handle: ModelHandle) -> Optional[ExpertCopies]:
     ep, ep_rank, group = placement.ep, placement.ep_rank, placement.groups.ep
     per_rank = handle.arch_config.moe.num_experts // ep
 
+    # every EP rank's copy of a local expert's rule, bound once per model (HF names re-filled)
+    bound = handle.derived("expert_copies", dict)
+
     def copies(b: BoundRule, tensor: torch.Tensor, meta: bool) -> list[tuple[BoundRule, torch.Tensor]]:
-        local_index = b.expert - ep_rank * per_rank
+        rules = bound.get(b.hf)  # HF names: global layer and expert, unique over chunks
+        if rules is None:
+            local_index = b.expert - ep_rank * per_rank
+            rules = bound[b.hf] = [b.for_expert(r * per_rank + local_index) for r in range(ep)]
         if meta:
             parts = [tensor.new_empty(tensor.shape) for _ in range(ep)]
         else:
             parts = [torch.empty_like(tensor) for _ in range(ep)]
             dist.all_gather(parts, tensor.contiguous(), group=group)
-        return [(b.for_expert(r * per_rank + local_index), part) for r, part in enumerate(parts)]
+        return list(zip(rules, parts))
 
     return copies
 

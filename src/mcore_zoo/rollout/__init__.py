@@ -3,6 +3,8 @@
 * :mod:`~mcore_zoo.rollout.engine_format` - how an engine names, fuses and shards HF tensors
   (:data:`VLLM`, :data:`HF_NAMES`);
 * :mod:`~mcore_zoo.rollout.plan` - the :class:`RefitPlan`, computed once, reused every step;
+* :mod:`~mcore_zoo.rollout.program` - the receiving rank's data path for a plan (which parameter
+  view or export tensor each shard comes from), bound on the plan's first refit and reused;
 * :mod:`~mcore_zoo.rollout.adapter` - the :class:`EngineAdapter` interface (``begin`` /
   ``load_bucket`` / ``end``) and a reference :class:`DictAdapter`;
 * :mod:`~mcore_zoo.rollout.vllm` - :class:`VLLMAdapter` and the worker extension for ``vllm.LLM``;

@@ -9,13 +9,27 @@ calls, on the receiving rank::
 
 and reads two attributes to plan the refit: ``adapter.engine_format`` (an
 :class:`~mcore_zoo.rollout.engine_format.EngineFormat`: how the engine names and fuses tensors) and
-``adapter.tp_size`` (the engine's tensor-parallel size; shards are cut for every engine rank).
+``adapter.tp_size`` (the engine's tensor-parallel size; shards are cut for every engine rank), and
+one to choose the shards' form: ``adapter.raw_shards`` (below).
 
 A :class:`RefitBucket` holds, per engine TP rank, ``(slot, tensor)`` pairs: the tensor is that
-rank's shard (a view of the gathered HF tensor - read it, do not keep it past ``load_bucket``),
-the :class:`~mcore_zoo.rollout.plan.Slot` says where it goes (engine name, expert, row offset,
-zero padding). ``bucket.named(rank)`` gives plain ``[(name, tensor)]`` for engines that take names
-only (an engine format without fusion: whole HF tensors under HF names).
+rank's shard (a view of the gathered HF tensor, or of the trainer's parameter - read it, do not
+modify or keep it past ``load_bucket``), the :class:`~mcore_zoo.rollout.plan.Slot` says where it
+goes (engine name, expert, row offset, zero padding). By default (``raw_shards = False``) a shard
+has exactly the slot's shape and dtype. ``bucket.named(rank)`` gives plain ``[(name, tensor)]``
+for engines that take names only (an engine format without fusion: whole HF tensors under HF
+names).
+
+``raw_shards = True`` is for adapters that copy each shard into a region of an engine tensor
+themselves (:class:`~mcore_zoo.rollout.vllm.VLLMAdapter` in direct mode): the shard may then also
+be a view of the trainer's parameter that holds the slot's elements in row-major order in a shape
+that splits the slot's first dimension (mcore's per-group q rows ``[groups, rows, hidden]`` for a
+slot of ``[groups * rows, hidden]``), in the parameter's dtype rather than the slot's. Such an
+adapter writes it as ``region.view(shard.shape).copy_(shard)`` - after ``shard.to(slot.dtype)``
+where the engine tensor's dtype is not the slot's, so that values are rounded as the planned cast
+would round them. This spares the trainer-side copy that reshaping or casting would make (see
+:mod:`mcore_zoo.rollout.program`: shards come as raw views only from a trainer whose export needs
+no collective).
 
 Adapters that ship: :class:`~mcore_zoo.rollout.vllm.VLLMAdapter` (an in-process ``vllm.LLM``) and
 :class:`~mcore_zoo.rollout.sglang.SGLangAdapter` (a sketch for SGLang's
@@ -56,13 +70,15 @@ class RefitBucket:
 class EngineAdapter:
     """How :func:`mcore_zoo.refit` reaches an inference engine (see module docstring).
 
-    Subclasses set ``engine_format`` and ``tp_size`` and implement the three calls. ``begin`` may check
-    the plan against the engine (names, shapes) and refuse it; ``end`` must raise when the engine
-    did not receive every tensor of the plan.
+    Subclasses set ``engine_format`` and ``tp_size`` (and ``raw_shards`` if they accept raw views,
+    see the module docstring) and implement the three calls. ``begin`` may check the plan against
+    the engine (names, shapes) and refuse it; ``end`` must raise when the engine did not receive
+    every tensor of the plan.
     """
 
     engine_format: EngineFormat = VLLM
     tp_size: int = 1
+    raw_shards: bool = False
 
     def begin(self, plan: "RefitPlan") -> None:
         raise NotImplementedError

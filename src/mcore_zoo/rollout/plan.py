@@ -126,6 +126,11 @@ class RefitPlan:
             for s in self.slots[name][rank]
         ]
 
+    def bucket_counts(self, rank: int) -> list[int]:
+        """How :meth:`manifest` of engine rank ``rank`` splits into buckets: that rank's slots in
+        each bucket, in bucket order (the engine side binds shards to slots by position)."""
+        return [sum(len(self.slots[name][rank]) for name in names) for names in self.buckets]
+
     def describe(self) -> str:
         tensors = len(self.engine_tensors[0]) if self.engine_tensors else 0
         return (f"{self.architecture} -> {self.engine_format.name} TP{self.target_tp}: {len(self.hf)} HF tensors, "

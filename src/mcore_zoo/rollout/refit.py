@@ -10,8 +10,10 @@ PP); one rank, ``receiver``, holds the engine adapter and feeds the engine::
 
 The :class:`~mcore_zoo.rollout.plan.RefitPlan` is computed on the first call for a (model, engine_format,
 engine TP, dtype, bucket size) and cached on the model's handle (weakly), or passed as ``plan=``;
-later calls reuse it and only move data. Tensors stay on the model's device: with trainer and
-engine on one GPU the whole refit is device-to-device.
+the receiving rank's data path for it (:class:`~mcore_zoo.rollout.program.RefitProgram`: which
+parameter view or export tensor every shard comes from, in which bucket and position) is bound on
+the first refit with that plan and cached too. Later calls reuse both and only move data. Tensors
+stay on the model's device: with trainer and engine on one GPU the whole refit is device-to-device.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from ..errors import ZooError
 from ..handle import ModelHandle, handle_of
+from . import program as programs
 from .adapter import EngineAdapter, RefitBucket
 from .engine_format import EngineFormat, get_engine_format
 from .plan import RefitPlan, plan_refit
@@ -43,6 +46,7 @@ class RefitStats:
     nbytes: int
     seconds: float
     planned: bool  # this call computed the plan
+    source: str = ""  # the receiving rank's data path: "local" (views of the parameters) or "stream" (the export)
 
     @property
     def gbps(self) -> float:
@@ -115,9 +119,8 @@ def refit(
         planned = len(_PLANS.get(handle, {})) > before
     if plan.architecture != handle.arch_config.architecture:
         raise ZooError(f"refit: plan is for {plan.architecture}, model is {handle.arch_config.architecture}")
-    stream = _stream(handle, plan, receiver)
     if not receive:
-        for _ in stream:
+        for _ in _stream(handle, plan, receiver):
             pass
         return RefitStats(0, 0, 0, 0.0, planned)
     assert adapter is not None
@@ -125,49 +128,37 @@ def refit(
         raise ZooError(f"refit: plan made for the {plan.engine_format.name!r} engine format, adapter wants {adapter.engine_format.name!r}")
     if adapter.engine_format.presplit and plan.target_tp != adapter.tp_size:
         raise ZooError(f"refit: plan cut for engine tp={plan.target_tp}, adapter has tp={adapter.tp_size}")
+    # the local source reads the parameters directly and issues no collective: no export stream
+    local = programs.local_source(handle)
+    stream = None if local else _stream(handle, plan, receiver)
     _sync(handle)
     t0 = time.perf_counter()
     try:
-        nbytes, tensors = _feed(adapter, plan, stream)
+        program = programs.program_for(handle, plan, raw_shards=bool(getattr(adapter, "raw_shards", False)), local=local)
+        nbytes, tensors = _feed(adapter, plan, program, handle, stream)
     except Exception:
         # keep the other ranks' gathers matched: they are iterating the same export
         try:
-            for _ in stream:
+            for _ in stream or ():
                 pass
         except Exception:  # noqa: S110 - the first error is the one to report
             pass
         raise
     _sync(handle)
-    return RefitStats(len(plan.buckets), tensors, nbytes, time.perf_counter() - t0, planned)
+    return RefitStats(len(plan.buckets), tensors, nbytes, time.perf_counter() - t0, planned, program.source)
 
 
-def _feed(adapter: EngineAdapter, plan: RefitPlan, stream: Any) -> tuple[int, int]:
-    """The receiving rank's part: cut each exported tensor along the plan, one engine call per
-    bucket. Returns ``(bytes, tensors)``."""
+def _feed(adapter: EngineAdapter, plan: RefitPlan, program: "programs.RefitProgram", handle: ModelHandle,
+          stream: Any) -> tuple[int, int]:  # fmt: skip
+    """The receiving rank's part: the program's buckets, one engine call each, between
+    ``begin`` and ``end``. Returns ``(bytes, tensors)`` sent (the planned shards' bytes)."""
     adapter.begin(plan)
     nbytes = tensors = 0
-    for index, names in enumerate(plan.buckets):
-        items: list[list[Any]] = [[] for _ in range(plan.target_tp)]
-        for name in names:
-            got = next(stream, None)
-            if got is None:
-                raise ZooError(f"refit: the model's export ended before {name!r} (plan made for another model?)")
-            got_name, tensor = got
-            if got_name != name:
-                raise ZooError(f"refit: plan out of step: planned {name!r}, export gave {got_name!r}")
-            for rank in range(plan.target_tp):
-                for slot in plan.slots[name][rank]:
-                    piece = slot.cut(tensor)
-                    if tuple(piece.shape) != slot.shape:
-                        raise ZooError(f"refit: {name} -> {slot.name}: planned shape {slot.shape}, got {tuple(piece.shape)}")
-                    items[rank].append((slot, piece))
-                    nbytes += piece.numel() * piece.element_size()
-            tensors += 1
+    for index, items in program.buckets(handle, stream):
         adapter.load_bucket(RefitBucket(index, items))
         del items
-    extra = next(stream, None)
-    if extra is not None:
-        raise ZooError(f"refit: the export has {extra[0]!r}, which the plan does not list")
+        nbytes += program.nbytes[index]
+        tensors += program.tensors[index]
     adapter.end()
     return nbytes, tensors
 

@@ -19,26 +19,43 @@ Two modes:
 * ``"load_weights"``: whole tensors under HF names go through the model's own ``load_weights``
   (vLLM fuses and splits): slower, but it follows whatever the engine's loaders do.
 
+The worker binds the plan once (on the manifest): for every slot, bucket by bucket, the region of
+its parameter it fills (``param.data[expert].narrow(0, offset, rows)``, kept as a view recipe, not
+a view), the padding rows to zero and whether the shard must be cast to the planned dtype first (an
+engine parameter in another dtype: ``copy_`` converts, as vLLM's default loader does, after the
+cast the export would have made). A bucket then carries only the shards, in plan order; the worker
+copies each into its region. Later refits with the same plan check the binding against the
+engine's parameters (the same parameter objects with the same dtype, shape and stride - a few
+lookups per parameter; their storage may have moved) and re-bind if the engine replaced any.
+Between refits the worker holds no engine tensor (parameters weakly, regions as recipes).
+
+In direct mode the adapter takes ``raw_shards`` (:class:`~mcore_zoo.rollout.adapter.EngineAdapter`):
+from a trainer whose export needs no collective (TP / PP / EP 1) each shard is a view of the
+trainer's parameter in the parameter's dtype, possibly in a refined shape (mcore's interleaved
+q / k / v rows as ``[groups, rows, hidden]``): the worker copies it into its region viewed in that
+shape - one copy per shard from the trainer's parameter into the engine's, no intermediate.
+
 Transport: when the engine's workers run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``
-with one worker: ``UniProcExecutor``), ``collective_rpc`` hands the shards over as they are (views
-of the gathered tensors; one device-to-device copy into each parameter). Otherwise each bucket is
-packed into one flat buffer per engine rank and sent as a CUDA IPC handle
-(``torch.multiprocessing.reductions.reduce_tensor``); the worker opens it and copies from it.
+with one worker: ``UniProcExecutor``, or ``ExecutorWithExternalLauncher``), ``collective_rpc``
+hands the shards over as they are (one device-to-device copy into each parameter). Otherwise each
+bucket is packed into one flat buffer per engine rank (in the planned dtype) and sent as a CUDA IPC
+handle (``torch.multiprocessing.reductions.reduce_tensor``); the worker opens it and copies from it.
 
 The worker-extension methods are what ``collective_rpc`` calls by name:
-``zoo_refit_begin(manifests, mode)``, ``update_weights_from_buckets(index, payloads)``,
-``zoo_refit_end()``. This module imports vLLM only inside the worker methods.
+``zoo_refit_begin(plan_id, manifests, mode, counts)``, ``update_weights_from_buckets(index,
+payloads)``, ``zoo_refit_end()``. This module imports vLLM only inside the worker methods.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from ..errors import ZooError
-from .adapter import EngineAdapter, RefitBucket, write_slot
+from .adapter import EngineAdapter, RefitBucket
 from .engine_format import HF_NAMES, VLLM, EngineFormat
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -74,17 +91,21 @@ class VLLMAdapter(EngineAdapter):
         self.tp_size = tp_size if tp_size is not None else _engine_tp(llm)
         self.transport = _transport(llm) if transport == "auto" else transport
         self.reset_prefix_cache = reset_prefix_cache
-        self._manifest_for: Optional[int] = None
+        # direct mode copies each shard into a region of its parameter, viewed in the shard's shape
+        self.raw_shards = mode == "direct"
+        self._manifest_for: Optional["weakref.ref[RefitPlan]"] = None
 
     def begin(self, plan: "RefitPlan") -> None:
         # the manifest travels once per plan; later refits with the same plan send only its id
-        manifests = None if self._manifest_for == id(plan) else [plan.manifest(r) for r in range(plan.target_tp)]
-        _check(self.llm.collective_rpc("zoo_refit_begin", args=(id(plan), manifests, self.mode)), "begin")
-        self._manifest_for = id(plan)
+        known = self._manifest_for is not None and self._manifest_for() is plan
+        manifests = None if known else [plan.manifest(r) for r in range(plan.target_tp)]
+        counts = None if known else [plan.bucket_counts(r) for r in range(plan.target_tp)]
+        _check(self.llm.collective_rpc("zoo_refit_begin", args=(id(plan), manifests, self.mode, counts)), "begin")
+        self._manifest_for = weakref.ref(plan)
 
     def load_bucket(self, bucket: RefitBucket) -> None:
         if self.transport == "inproc":
-            payloads: list[Any] = [[(s.name, s.expert, s.offset, s.pad, t) for s, t in per] for per in bucket.items]
+            payloads: list[Any] = [[t for _, t in per] for per in bucket.items]
         else:
             payloads = [_pack(per) for per in bucket.items]
         _check(self.llm.collective_rpc("update_weights_from_buckets", args=(bucket.index, payloads)), "bucket")
@@ -113,25 +134,25 @@ def _check(results: list[Any], what: str) -> None:
         raise ZooError(f"vLLM refit {what} failed on {len(errors)} worker(s): " + " | ".join(map(str, errors[:4])))
 
 
-def _pack(items: list[tuple[Any, torch.Tensor]]) -> tuple[Any, list[tuple[Any, ...]]]:
-    """One flat buffer per engine rank (on the tensors' device) + ``(name, expert, offset, pad,
-    byte_start, shape, dtype)`` per slot; the buffer travels as a CUDA IPC handle."""
+def _pack(items: list[tuple[Any, torch.Tensor]]) -> tuple[Any, list[tuple[int, tuple[int, ...], str]]]:
+    """One flat buffer per engine rank (on the shards' device) holding every shard in its slot's
+    dtype, + ``(byte_start, shape, dtype)`` per shard in plan order; the buffer travels as a CUDA
+    IPC handle."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     metas, total = [], 0
     for slot, t in items:
-        metas.append((slot.name, slot.expert, slot.offset, slot.pad, total, tuple(t.shape), str(t.dtype).replace("torch.", "")))
-        total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        metas.append((total, tuple(t.shape), str(slot.dtype).replace("torch.", "")))
+        total += -(-t.numel() * slot.dtype.itemsize // _ALIGN) * _ALIGN
     device = items[0][1].device if items else torch.device("cpu")
     buffer = torch.empty(total, dtype=torch.uint8, device=device)
-    for (slot, t), meta in zip(items, metas):
-        nbytes = t.numel() * t.element_size()
-        buffer[meta[4] : meta[4] + nbytes].view(t.dtype).view(t.shape).copy_(t)
+    for (slot, t), (start, shape, _) in zip(items, metas):
+        buffer[start : start + t.numel() * slot.dtype.itemsize].view(slot.dtype).view(shape).copy_(t)
     handle = reduce_tensor(buffer) if buffer.is_cuda else buffer
     return handle, metas
 
 
-def _unpack(payload: Any) -> list[tuple[str, Optional[int], int, int, torch.Tensor]]:
+def _unpack(payload: Any) -> list[torch.Tensor]:
     handle, metas = payload
     if isinstance(handle, torch.Tensor):
         buffer = handle
@@ -141,11 +162,150 @@ def _unpack(payload: Any) -> list[tuple[str, Optional[int], int, int, torch.Tens
         args[6] = torch.cuda.current_device()  # open the handle on this worker's device (peer access)
         buffer = rebuild(*args)
     out = []
-    for name, expert, offset, pad, start, shape, dtype in metas:
+    for start, shape, dtype in metas:
         dt = getattr(torch, dtype)
-        nbytes = math.prod(shape) * torch.empty((), dtype=dt).element_size()
-        out.append((name, expert, offset, pad, buffer[start : start + nbytes].view(dt).view(shape)))
+        out.append(buffer[start : start + math.prod(shape) * dt.itemsize].view(dt).view(shape))
     return out
+
+
+class _Binding:
+    """The engine side of one plan on one worker, bound once (see the module docstring).
+
+    ``buckets[index]``: per slot of this rank in that bucket, ``[param, size, stride, offset, pad,
+    cast, numel, refined]`` - the region of parameter ``params[param]`` the shard fills, as a view
+    recipe (``torch.as_strided`` of the parameter: size, stride, storage offset relative to the
+    parameter's; stride ``None``: the whole parameter), the zero rows after it (a recipe, or ``None``), the dtype to cast the shard
+    to before the copy (``None``: ``copy_`` alone is exact), the shard's element count, and
+    ``(shape, stride)`` of the region viewed in the shape raw shards of that slot come in (made on
+    first use); in ``load_weights`` mode the HF names instead. ``written[index]``: the elements each
+    bucket writes, per parameter (for the completeness check).
+
+    Nothing here keeps an engine tensor alive between refits: parameters and modules are held
+    weakly, regions are recipes, and :meth:`current` takes the parameters' data for one refit
+    (``bases``, dropped by :meth:`release`).
+    """
+
+    def __init__(self, model: torch.nn.Module, manifest: list[Any], counts: list[int], mode: str) -> None:
+        self.model, self.mode = weakref.ref(model), mode
+        self.problems: list[str] = []
+        self.want: dict[str, int] = {}
+        self.params: list[tuple[Any, str, Any, Any]] = []  # (owner module, leaf, parameter) weakly, layout
+        self.buckets: list[list[Any]] = []
+        self.written: list[dict[str, int]] = []
+        self.covers = mode != "direct"
+        self.bases: list[torch.Tensor] = []
+        self.offsets: list[int] = []
+        if sum(counts) != len(manifest):
+            self.problems.append(f"bucket counts cover {sum(counts)} slots, the manifest has {len(manifest)}")
+            return
+        if mode != "direct":  # vLLM's loaders: whole HF tensors by name
+            names = [entry[0] for entry in manifest]
+            starts = [sum(counts[:i]) for i in range(len(counts))]
+            self.buckets = [names[s : s + n] for s, n in zip(starts, counts)]
+            return
+        params = dict(model.named_parameters(remove_duplicate=False))
+        index: dict[str, int] = {}
+        for name, expert, offset, shape, dtype, pad, rows in manifest:
+            if name in self.want:
+                continue
+            param = params.get(name)
+            if param is None:
+                self.problems.append(f"no parameter {name!r}")
+                self.want[name] = 0
+                continue
+            target_shape = tuple(param.shape[1:]) if expert is not None else tuple(param.shape)
+            # dtypes may differ (GLM-4.5's router is fp32 in vLLM): ``copy_`` converts, as vLLM's
+            # default weight loader does
+            if target_shape[0] != rows or tuple(target_shape[1:]) != tuple(shape[1:]):
+                self.problems.append(f"{name}: engine {tuple(param.shape)}, plan rows {rows} x {tuple(shape[1:])}")
+            self.want[name] = param.numel()
+            owner, _, leaf = name.rpartition(".")
+            index[name] = len(self.params)
+            self.params.append((weakref.ref(model.get_submodule(owner)), leaf, weakref.ref(param), _layout(param)))
+        if self.problems:
+            return
+
+        def recipe(view: torch.Tensor, base: torch.Tensor) -> tuple[tuple[int, ...], Optional[tuple[int, ...]], int]:
+            size, stride, offset = tuple(view.shape), view.stride(), view.storage_offset() - base.storage_offset()
+            return (size, None, 0) if (size, stride, offset) == (tuple(base.shape), base.stride(), 0) else (size, stride, offset)
+
+        entries = iter(manifest)
+        for count in counts:
+            dests, written = [], {}
+            for name, expert, offset, shape, dtype, pad, rows in (next(entries) for _ in range(count)):
+                data = params[name].detach()
+                target = data if expert is None else data[expert]
+                region = target.narrow(0, offset, shape[0]) if shape else target
+                pad_rows = target.narrow(0, offset + shape[0], pad) if pad else None
+                cast = getattr(torch, dtype)
+                dests.append([index[name], *recipe(region, data), None if pad_rows is None else recipe(pad_rows, data),
+                              None if cast == data.dtype else cast, math.prod(shape), None])  # fmt: skip
+                written[name] = written.get(name, 0) + region.numel() + (pad_rows.numel() if pad_rows is not None else 0)
+            self.buckets.append(dests)
+            self.written.append(written)
+        self.covers = not self.short([1] * len(self.buckets))  # every bucket once fills every parameter
+
+    def current(self, model: torch.nn.Module) -> bool:
+        """Whether the engine still holds the parameters this binding was made for (the same
+        objects with the same dtype, shape and stride; their storage may have moved); if so, take
+        their data for this refit."""
+        if self.model() is not model:
+            return False
+        bases = []
+        for owner_ref, leaf, param_ref, layout in self.params:
+            owner, param = owner_ref(), param_ref()
+            if owner is None or param is None or owner._parameters.get(leaf) is not param or _layout(param) != layout:
+                return False
+            bases.append(param)  # written under no_grad
+        self.bases, self.offsets = bases, [b.storage_offset() for b in bases]
+        return True
+
+    def release(self) -> None:
+        self.bases, self.offsets = [], []
+
+    def write(self, index: int, shards: list[torch.Tensor]) -> None:
+        """Copy bucket ``index``'s shards (plan order) into their regions."""
+        dests = self.buckets[index]
+        if len(shards) != len(dests):
+            raise ZooError(f"{len(shards)} shard(s), the plan has {len(dests)} for this rank")
+        bases, offsets, strided = self.bases, self.offsets, torch.as_strided
+        for dest, shard in zip(dests, shards):
+            param, size, stride, offset, pad, cast, numel, refined = dest
+            if shard.numel() != numel:
+                raise ZooError(f"a shard of {shard.numel()} elements for a slot of {numel}")
+            if cast is not None:  # the planned dtype first, as the export would have cast it
+                shard = shard.to(cast)
+            base, start = bases[param], offsets[param]
+            if shard.shape != size:  # a raw view in a refined shape: same elements, row-major
+                if refined is None or refined[0] != shard.shape:
+                    refined = dest[7] = (shard.shape, _view_stride(size, stride or base.stride(), shard.shape))
+                if refined[1] is None:  # the region cannot be viewed so: reshape the shard instead
+                    shard = shard.reshape(size)
+                else:
+                    size, stride = refined
+            (base if stride is None else strided(base, size, stride, start + offset)).copy_(shard)
+            if pad is not None:
+                strided(base, pad[0], pad[1] or base.stride(), start + pad[2]).zero_()
+
+    def short(self, done: list[int]) -> list[str]:
+        """Parameters not written exactly once over, given how often each bucket was written."""
+        got = dict.fromkeys(self.want, 0)
+        for times, written in zip(done, self.written):
+            for name, n in written.items():
+                got[name] += times * n
+        return [f"{n} ({w} of {self.want[n]} elements)" for n, w in got.items() if w != self.want[n]]
+
+
+def _layout(tensor: torch.Tensor) -> tuple[Any, ...]:
+    return tensor.dtype, tuple(tensor.shape), tensor.stride()
+
+
+def _view_stride(size: tuple[int, ...], stride: tuple[int, ...], shape: Any) -> Optional[tuple[int, ...]]:
+    """The stride of a ``(size, stride)`` region viewed in ``shape`` (``None``: not viewable)."""
+    try:
+        return torch.empty_strided(size, stride, device="meta").view(shape).stride()
+    except RuntimeError:
+        return None
 
 
 class ZooWorkerExtension:
@@ -164,15 +324,25 @@ class ZooWorkerExtension:
     def _zoo_relayout_modules(self) -> list[tuple[str, Any]]:
         """MoE layers whose kernel keeps experts in its own layout after loading (FlashInfer
         CUTLASS swaps w13 to [w3; w1], FlashInfer TRT-LLM permutes blocks; Triton - vLLM's default on
-        Hopper - keeps the loader's layout): ``(name, module)``."""
+        Hopper - keeps the loader's layout): ``(name, module)``. Found with one walk of the model,
+        kept while the worker holds the same model."""
+        model = self._zoo_model()
+        cached = getattr(self, "_zoo_relayout", None)
+        if cached is not None and cached[0] is model:
+            return cached[1]
         found = []
-        for name, module in self._zoo_model().named_modules():
+        for name, module in model.named_modules():
             backend = getattr(getattr(module, "quant_method", None), "unquantized_backend", None)
             if backend is not None and getattr(backend, "name", str(backend)) not in _LOADER_LAYOUT_MOE_BACKENDS:
                 found.append((name, module))
+        self._zoo_relayout = (model, found)
         return found
 
-    def zoo_refit_begin(self, plan_id: int, manifests: Optional[list[Any]], mode: str) -> Optional[str]:
+    def zoo_refit_begin(self, plan_id: int, manifests: Optional[list[Any]], mode: str,
+                        counts: Optional[list[list[int]]] = None) -> Optional[str]:  # fmt: skip
+        """Start a refit: bind the plan (``manifests`` / ``counts`` given: per engine rank, the
+        plan's manifest and its slots per bucket) or check the binding of the plan ``plan_id``
+        this worker already has, re-binding it if the engine replaced a parameter."""
         model = self._zoo_model()
         self._zoo_mode = mode
         relayout = self._zoo_relayout_modules()
@@ -180,45 +350,40 @@ class ZooWorkerExtension:
             backend = relayout[0][1].quant_method.unquantized_backend
             return (f"{len(relayout)} MoE layer(s) run {backend}, which re-lays out expert weights after loading;"
                     " refit them with VLLMAdapter(llm, mode='load_weights') (vLLM's loaders, then its relayout)")  # fmt: skip
-        self._zoo_params = dict(model.named_parameters(remove_duplicate=False))
         if manifests is not None:
-            manifest = manifests[self._zoo_tp_rank()] if mode == "direct" else manifests[0]
-            problems = []
-            want: dict[str, int] = {}
-            for name, expert, offset, shape, dtype, pad, rows in manifest:
-                if mode != "direct" or name in want:
-                    continue
-                param = self._zoo_params.get(name)
-                if param is None:
-                    problems.append(f"no parameter {name!r}")
-                    want[name] = 0
-                    continue
-                target_shape = tuple(param.shape[1:]) if expert is not None else tuple(param.shape)
-                # dtypes may differ (GLM-4.5's router is fp32 in vLLM): ``copy_`` converts, as vLLM's
-                # default weight loader does
-                if target_shape[0] != rows or tuple(target_shape[1:]) != tuple(shape[1:]):
-                    problems.append(f"{name}: engine {tuple(param.shape)}, plan rows {rows} x {tuple(shape[1:])}")
-                want[name] = param.numel()
-            if problems:
-                return f"{len(problems)} plan/engine mismatch(es): " + "; ".join(problems[:8])
-            self._zoo_manifest = (plan_id, want)
-        elif getattr(self, "_zoo_manifest", (None,))[0] != plan_id:
+            if counts is None:
+                return "refit plan sent without its bucket counts"
+            rank = self._zoo_tp_rank() if mode == "direct" else 0
+            self._zoo_plan = (plan_id, manifests[rank], counts[rank], mode)
+            self._zoo_binding: Optional[_Binding] = None
+        elif getattr(self, "_zoo_plan", (None,))[0] != plan_id:
             return "refit plan unknown to this worker (its manifest was never sent)"
-        self._zoo_written: dict[str, int] = dict.fromkeys(self._zoo_manifest[1], 0)
+        binding = self._zoo_binding
+        if binding is None or binding.mode != mode or not binding.current(model):
+            _, manifest, bucket_counts, _ = self._zoo_plan
+            binding = self._zoo_binding = _Binding(model, manifest, bucket_counts, mode)
+            if binding.problems:
+                self._zoo_binding = None
+                return f"{len(binding.problems)} plan/engine mismatch(es): " + "; ".join(binding.problems[:8])
+            binding.current(model)
+        self._zoo_done = [0] * len(binding.buckets)
         return None
 
     def update_weights_from_buckets(self, index: int, payloads: list[Any]) -> Optional[str]:
+        """Write bucket ``index``: ``payloads[rank]`` is that engine rank's shards in plan order
+        (a list of tensors in-process, a packed buffer otherwise)."""
         try:
-            rank = self._zoo_tp_rank()
-            payload = payloads[rank] if self._zoo_mode == "direct" else payloads[0]
-            items = payload if isinstance(payload, list) else _unpack(payload)
+            binding = getattr(self, "_zoo_binding", None)
+            if binding is None:
+                return f"bucket {index}: no refit begun"
+            payload = payloads[self._zoo_tp_rank()] if self._zoo_mode == "direct" else payloads[0]
+            shards = payload if isinstance(payload, list) else _unpack(payload)
             with torch.no_grad():
                 if self._zoo_mode == "load_weights":
-                    self._zoo_model().load_weights([(name, t) for name, _, _, _, t in items])
-                    return None
-                for name, expert, offset, pad, tensor in items:
-                    param = self._zoo_params[name]
-                    self._zoo_written[name] += write_slot(param.data, expert, offset, pad, tensor.to(param.device))
+                    self._zoo_model().load_weights(list(zip(binding.buckets[index], shards)))
+                else:
+                    binding.write(index, shards)
+            self._zoo_done[index] += 1
             return None
         except Exception as exc:  # reported to the trainer through collective_rpc
             return f"bucket {index}: {type(exc).__name__}: {exc}"
@@ -232,9 +397,12 @@ class ZooWorkerExtension:
                     module.quant_method.process_weights_after_loading(module)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        if self._zoo_mode != "direct":
+        binding = getattr(self, "_zoo_binding", None)
+        if binding is not None:
+            binding.release()
+        if self._zoo_mode != "direct" or (binding is not None and binding.covers and all(t == 1 for t in self._zoo_done)):
             return None
-        short = [f"{n} ({w} of {self._zoo_manifest[1][n]} elements)" for n, w in self._zoo_written.items() if w != self._zoo_manifest[1][n]]
+        short = binding.short(self._zoo_done) if binding is not None else ["no refit begun"]
         if short:
             return f"refit incomplete: {len(short)} parameter(s) not fully written: " + "; ".join(short[:8])
         return None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -21,7 +22,7 @@ from ..errors import MissingTensorsError, ZooError
 from ..hf_assets import copy_assets
 from ..progress import progress
 from .io import SafetensorsShardWriter, atomic_output_dir
-from .rules import BoundRule, TransformContext, model_tensors
+from .rules import BoundRule, TensorRef, TransformContext, direct_views
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..handle import ModelHandle
@@ -57,13 +58,11 @@ def stage_hf_weights(
     ``grads=True`` yields the parameters' ``.grad`` instead (a parameter without a gradient raises;
     checkpoint-state buffers such as an MoE router's ``expert_bias`` are left out).
     """
-    wmap = handle.weight_map
+    copies_of = hf_copies(handle)
     for chunk in handle.chunks if chunks is None else chunks:
-        params = model_tensors(chunk)  # parameters + checkpoint-state buffers (MoE expert_bias)
-        for b in handle.bound_rules(chunk):
-            if not exports(b, chunk):
-                continue
-            param = params[b.mcore]
+        for step in export_steps(handle, chunk):
+            b = step.bound
+            param = step.ref.get(chunk)
             grad = None
             if grads and not isinstance(param, torch.nn.Parameter):  # a buffer (MoE expert_bias): no gradient
                 continue
@@ -73,7 +72,7 @@ def stage_hf_weights(
                     raise ZooError(f"parameter {b.mcore!r} has no gradient")
             source = grad if grads else param
             local = torch.empty(param.shape, dtype=param.dtype, device="meta") if meta else source.detach()
-            ctx = handle.transform_context(b)
+            ctx = step.ctx
             gather = gather_for(b) if gather_for is not None else None
             if gather is not None and meta:
                 gather = _meta_gather(ctx.tp_size)
@@ -82,8 +81,66 @@ def stage_hf_weights(
                 for name, piece in export_rule(rb, tensor, ctx, gather):
                     piece = piece.to(dtype) if dtype is not None else piece
                     yield name, piece
-                    for copy in wmap.copies_of(name):  # e.g. an MTP layer's embed_tokens / shared_head.head
+                    for copy in copies_of.get(name, ()):  # e.g. an MTP layer's embed_tokens / shared_head.head
                         yield copy, piece
+
+
+@dataclass(frozen=True)
+class ExportStep:
+    """One rule a chunk exports, bound once (:func:`export_steps`): the rule, a reference to its
+    mcore tensor (re-resolved on every read, so a replaced parameter is followed) and its
+    transform context."""
+
+    bound: BoundRule
+    ref: TensorRef
+    ctx: TransformContext
+
+
+def export_steps(handle: "ModelHandle", chunk: torch.nn.Module) -> list[ExportStep]:
+    """The rules ``chunk`` exports, in model order (:func:`exports`), each bound to its tensor and
+    transform context. Derived from the chunk's bound rules once and cached on the handle
+    (:meth:`~mcore_zoo.handle.ModelHandle.derived`): an export reads parameters through these
+    steps without walking the model or re-binding a rule."""
+
+    def make() -> list[ExportStep]:
+        return [ExportStep(b, TensorRef(b.mcore), handle.transform_context(b))
+                for b in handle.bound_rules(chunk) if exports(b, chunk)]  # fmt: skip
+
+    return handle.derived(("export_steps", id(chunk)), make)
+
+
+def hf_copies(handle: "ModelHandle") -> dict[str, list[str]]:
+    """HF name -> the copies export writes next to it (:meth:`WeightMap.copies_of`), cached."""
+
+    def make() -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for copy, source in handle.weight_map.copies:
+            out.setdefault(source, []).append(copy)
+        return out
+
+    return handle.derived("hf_copies", make)
+
+
+def export_views(b: BoundRule, tensor: torch.Tensor, ctx: TransformContext) -> Optional[list[tuple[str, Any, torch.Tensor]]]:
+    """The HF pieces of rule ``b`` as views of its mcore ``tensor``, without a copy, where the
+    transform allows it: ``(hf_name, select, view)`` per source, in source order.
+
+    A view holds its piece's elements in row-major order (the ``views`` contract of
+    :class:`~.rules.Transform`), possibly in another shape: QKV's q view is ``[groups, q_rows,
+    ...]`` for the HF ``[groups * q_rows, ...]``. ``view.reshape(piece_shape)`` is what
+    :func:`export_rule` yields for that source (before fused HF parts are concatenated). ``None``
+    when there are no trusted views (:func:`~.rules.direct_views`), when the pieces need a
+    tensor-parallel gather (``ctx.tp_size > 1``) or a finishing step (a padded vocabulary), or when
+    ``tensor`` cannot be viewed so."""
+    if ctx.tp_size != 1 or getattr(b.transform, "finish", None) is not None:
+        return None
+    try:
+        views = direct_views(b.transform, tensor, ctx)
+    except RuntimeError:  # a layout the transform's views do not accept (non-contiguous)
+        return None
+    if views is None or len(views) != len(b.hf):
+        return None
+    return list(zip(b.hf, b.selects, views))
 
 
 def exports(b: BoundRule, chunk: torch.nn.Module) -> bool:

@@ -441,6 +441,40 @@ def model_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
+class TensorRef:
+    """One entry of :func:`model_tensors` by its dotted name, for repeated reads without a module walk.
+
+    :meth:`get` re-resolves the name on every call with dict lookups along the module path
+    (``_modules``, then ``_parameters`` / ``_buffers`` of the owner) - what ``named_parameters``
+    would find under that name now, at a few dict lookups instead of a walk of the whole model.
+    A parameter or module replaced since the last call is followed; one that is gone raises
+    :class:`KeyError` naming it.
+    """
+
+    __slots__ = ("name", "_path", "_leaf")
+
+    def __init__(self, name: str) -> None:
+        *path, leaf = name.split(".")
+        self.name, self._path, self._leaf = name, tuple(path), leaf
+
+    def get(self, root: torch.nn.Module) -> torch.Tensor:
+        module = root
+        try:
+            for part in self._path:
+                module = module._modules[part]  # type: ignore[assignment]
+        except KeyError:
+            raise KeyError(f"{self.name!r}: the model has no module {'.'.join(self._path)!r} any more") from None
+        tensor = module._parameters.get(self._leaf)
+        if tensor is None:
+            tensor = module._buffers.get(self._leaf)
+        if tensor is None:
+            raise KeyError(f"{self.name!r}: the model has no such parameter or buffer any more")
+        return tensor
+
+    def __repr__(self) -> str:
+        return f"TensorRef({self.name!r})"
+
+
 #: canonical (Megatron-Core 0.16) infix -> the name 0.19 gives the MTP layer's decoder layer
 MTP_LAYER_ALIASES: dict[str, str] = {".transformer_layer.": ".mtp_model_layer."}
 

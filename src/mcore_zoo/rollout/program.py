@@ -1,0 +1,316 @@
+"""The receiving rank's data path for one plan on one model: :class:`RefitProgram`, bound once.
+
+A :class:`~mcore_zoo.rollout.plan.RefitPlan` says where every HF tensor goes; the program says how a
+refit gets each engine shard, with everything that does not depend on the weights' values worked
+out when it is bound (on the first refit of a plan, then cached on the model's handle:
+:func:`program_for`): which parameter each shard comes from, how its view is cut, the order of
+the shards in each bucket, the bytes per bucket. A steady-state refit then does per tensor only
+the gather (TP / EP > 1), the cut into the engine's layout and the engine's copy.
+
+Two sources of shards:
+
+* ``"local"`` - this rank's export needs no collective (TP, expert TP, EP and PP all 1): every
+  shard is a view of the parameter that holds it. How to cut it (``torch.as_strided`` size,
+  stride and storage offset relative to the parameter, or "the whole parameter") is worked out
+  once per parameter layout, through the transform's views (:func:`~mcore_zoo.weights.export.export_views`)
+  and the slot's cuts; a refit reads each parameter by its module path (a replaced parameter is
+  followed), checks its dtype, shape and stride (a change re-derives its recipes) and makes each
+  view with one call. No view is kept between refits: a parameter the trainer moves (offloading
+  between rollouts) is not held in memory by a refit. An adapter with ``raw_shards`` (the vLLM
+  adapter in direct mode) receives the views as they are - q, k and v rows of mcore's per-group
+  interleaved ``linear_qkv`` as ``[groups, rows, hidden]`` views - in the parameter's dtype, and
+  its engine copies each one straight into its rows of the engine tensor: one copy per shard,
+  nothing copied on the trainer side. Other adapters get every shard in the slot's shape and
+  dtype: the same view where it has that shape and dtype, else a reshaped / cast copy made per
+  refit (q, k, v; a ``dtype`` cast). Rules whose transform has no trusted views (a padded
+  vocabulary, a plugin transform) are exported per refit, rule by rule.
+* ``"stream"`` - otherwise: the job-wide export (:func:`~mcore_zoo.distributed.export.iter_hf_weights`:
+  gathers over TP / EP, buckets moved over PP). Each HF tensor it yields is checked against the
+  plan (name, shape) and cut into its shards (views) with cuts computed once.
+
+Either way each bucket is handed to the adapter as a :class:`~mcore_zoo.rollout.adapter.RefitBucket`
+in plan order, so bucketing, the adapter interface and its completeness checks are unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from ..errors import ZooError
+from ..handle import ModelHandle
+from ..weights.export import ExportStep, export_rule, export_steps, export_views, hf_copies
+from .plan import Cut, RefitPlan, Slot
+
+#: a shard made per refit (a copy, or an export of a rule without trusted views)
+_Dynamic = Callable[[], torch.Tensor]
+#: one bucket: per engine rank, ``[(slot, shard)]`` in plan order
+_Items = list[list[tuple[Slot, torch.Tensor]]]
+#: a rule source's part of a fused HF tensor: ``(axis, start, stop)`` (``Source.select``)
+_Select = tuple[int, int, int]
+
+
+def local_source(handle: ModelHandle) -> bool:
+    """Whether this rank exports without any collective (TP, expert TP, EP, PP all 1): the
+    ``"local"`` source of :class:`RefitProgram`."""
+    p = handle.placement
+    return p.tp == 1 and p.etp == 1 and p.ep == 1 and p.pp == 1 and p.vpp == 1
+
+
+def program_for(handle: ModelHandle, plan: RefitPlan, *, raw_shards: bool, local: bool) -> "RefitProgram":
+    """The :class:`RefitProgram` of ``plan`` on this model for an adapter with (or without)
+    ``raw_shards``, from the local source or the export stream (``local``: :func:`local_source`):
+    bound on first use, cached on the handle while the plan lives (the programs of a plan that was
+    garbage-collected are dropped at the next binding)."""
+    programs: dict[tuple[int, bool, bool], RefitProgram] = handle.derived("refit_programs", dict)
+    key = (id(plan), raw_shards, local)
+    program = programs.get(key)
+    if program is None or program.plan_ref() is not plan:
+        for k in [k for k, p in programs.items() if p.plan_ref() is None]:
+            del programs[k]
+        program = programs[key] = RefitProgram(handle, plan, raw_shards=raw_shards, local=local)
+    return program
+
+
+class RefitProgram:
+    """See the module docstring. :meth:`buckets` runs one refit's data path (the receiving rank)."""
+
+    def __init__(self, handle: ModelHandle, plan: RefitPlan, *, raw_shards: bool, local: bool) -> None:
+        self.plan_ref = weakref.ref(plan)
+        self.raw_shards = raw_shards
+        self.source = "local" if local else "stream"
+        self.nbytes = [sum(s.nbytes for name in names for per in plan.slots[name] for s in per) for names in plan.buckets]
+        self.tensors = [len(names) for names in plan.buckets]
+        #: per bucket, per engine rank: the slots in plan order (what each shard is)
+        self.slots = [[[s for name in names for s in plan.slots[name][rank]] for rank in range(plan.target_tp)]
+                      for names in plan.buckets]  # fmt: skip
+        if self.source == "stream":
+            # per bucket: (HF name, planned shape, [(engine rank, cuts)] in slot order) per tensor
+            shapes = {name: tuple(shape) for name, shape, _ in plan.hf}
+            self._stream_ops = [
+                [(name, shapes[name], [(r, s.cuts) for r in range(plan.target_tp) for s in plan.slots[name][r]]) for name in names]
+                for names in plan.buckets
+            ]
+        else:
+            self._bind_local(handle, plan)
+
+    # ------------------------------------------------------------------ one refit
+    def buckets(self, handle: ModelHandle, stream: Optional[Iterator[tuple[str, torch.Tensor]]]) -> Iterator[tuple[int, _Items]]:
+        """``(bucket index, items)`` per bucket in plan order, ``items[rank]`` = ``[(slot, shard)]``
+        (what :class:`~mcore_zoo.rollout.adapter.RefitBucket` carries). ``stream``: the export
+        (``"stream"`` source; ``None`` for ``"local"``). Release each bucket's items before asking
+        for the next (they may hold copies: memory stays bounded by one bucket)."""
+        if self.source == "stream":
+            assert stream is not None
+            for index, ops in enumerate(self._stream_ops):
+                yield index, self._stream_bucket(index, ops, stream)
+            extra = next(stream, None)
+            if extra is not None:
+                raise ZooError(f"refit: the export has {extra[0]!r}, which the plan does not list")
+            return
+        try:
+            self._refresh(handle)
+            for index in range(len(self.slots)):
+                yield index, self._local_bucket(index)
+        finally:
+            self._bases, self._offsets = [], []  # hold no parameter between refits
+
+    def _stream_bucket(self, index: int, ops: list[Any], stream: Iterator[tuple[str, torch.Tensor]]) -> _Items:
+        pieces: list[list[torch.Tensor]] = [[] for _ in self.slots[index]]
+        for name, shape, cuts in ops:
+            got = next(stream, None)
+            if got is None:
+                raise ZooError(f"refit: the model's export ended before {name!r} (plan made for another model?)")
+            got_name, tensor = got
+            if got_name != name:
+                raise ZooError(f"refit: plan out of step: planned {name!r}, export gave {got_name!r}")
+            if tensor.shape != shape:
+                raise ZooError(f"refit: {name}: planned shape {shape}, export gave {tuple(tensor.shape)}"
+                               " (plan made for another model?)")  # fmt: skip
+            for rank, steps in cuts:
+                piece = tensor
+                for axis, start, length in steps:
+                    piece = piece.narrow(axis, start, length)
+                pieces[rank].append(piece)
+        return [list(zip(slots, shards)) for slots, shards in zip(self.slots[index], pieces)]
+
+    # ------------------------------------------------------------------ the local source
+    def _bind_local(self, handle: ModelHandle, plan: RefitPlan) -> None:
+        """Which parameter (and which of its rule's HF pieces) every shard comes from; how it is
+        cut out of the parameter is worked out by :meth:`_refresh` (per parameter layout)."""
+        self._params: list[_Param] = []
+        owner: dict[str, tuple[int, list[tuple[int, Optional[_Select]]]]] = {}  # HF name -> (param, [(source, select)])
+        exported: set[str] = set()
+        for chunk in handle.chunks:
+            for step in export_steps(handle, chunk):
+                index = len(self._params)
+                self._params.append(_Param(step, chunk))
+                for k, (name, select) in enumerate(zip(step.bound.hf, step.bound.selects)):
+                    owner.setdefault(name, (index, []))[1].append((k, select))
+                    exported.add(name)
+        exported |= {c for name in exported for c in hf_copies(handle).get(name, ())}
+        planned = {name: tuple(shape) for name, shape, _ in plan.hf}
+        for name in planned:
+            if name not in owner:
+                raise ZooError(f"refit: plan lists {name!r}, which this model does not export (plan made for another model?)")
+        extra = sorted(exported - set(planned))
+        if extra:
+            raise ZooError(f"refit: the export has {extra[0]!r}, which the plan does not list")
+        for param in self._params:
+            param.planned = {name: planned[name] for name in param.step.bound.hf}
+        #: per bucket, per engine rank, per shard: (param, size, stride, offset, make) - a view of the
+        #: parameter (``torch.as_strided``; stride ``None``: the whole parameter; ``make`` reshapes /
+        #: casts it, or ``None``), or, with size ``None``, ``make()`` exports the shard per refit
+        self._recipes: list[list[list[Any]]] = [[[None] * len(s) for s in per] for per in self.slots]
+        for b, names in enumerate(plan.buckets):
+            positions = [0] * plan.target_tp
+            for name in names:
+                index, sources = owner[name]
+                for rank in range(plan.target_tp):
+                    for slot in plan.slots[name][rank]:
+                        source, part, cuts = _piece_of(slot, sources)
+                        shape = list(planned[name])  # the source's piece of the HF tensor
+                        if part is not None:
+                            shape[part[0]] = part[2]
+                        self._params[index].uses.append(_Use(b, rank, positions[rank], slot, name, source, tuple(shape), cuts))
+                        positions[rank] += 1
+        self._memo: dict[int, dict[str, torch.Tensor]] = {}
+        self._bases: list[torch.Tensor] = []
+        self._offsets: list[int] = []
+
+    def _refresh(self, handle: ModelHandle) -> None:
+        """This refit's parameters (each read by its module path: a replaced parameter is
+        followed), and new recipes for any whose layout (dtype, shape, stride) changed since the
+        last refit - none, in a steady state. Recipes do not depend on where the storage is, so a
+        parameter moved (offloaded and back) needs none."""
+        self._bases = [param.step.ref.get(param.chunk).detach() for param in self._params]
+        self._offsets = [base.storage_offset() for base in self._bases]
+        for index, (param, base) in enumerate(zip(self._params, self._bases)):
+            key = (base.dtype, base.shape, base.stride())
+            if key != param.key:
+                self._rebind(index, param, base)
+                param.key = key
+
+    def _rebind(self, index: int, param: _Param, base: torch.Tensor) -> None:
+        step = param.step
+        meta = torch.empty(base.shape, dtype=base.dtype, device="meta")
+        for name, piece in export_rule(step.bound, meta, step.ctx):
+            if tuple(piece.shape) != param.planned[name]:
+                raise ZooError(f"refit: {name}: planned shape {param.planned[name]}, the model's is {tuple(piece.shape)}"
+                               " (plan made for another model?)")  # fmt: skip
+        views = export_views(step.bound, base, step.ctx)
+        offset = base.storage_offset()
+        for use in param.uses:
+            view = None
+            if views is not None and use.source is not None:
+                view = _cut_view(views[use.source][2], use.shape, use.cuts)
+            if view is None:
+                recipe = (index, None, None, 0, self._computed(index, use))
+            else:
+                exact = self.raw_shards or (tuple(view.shape) == use.slot.shape and view.dtype == use.slot.dtype)
+                make = None if exact else _reshaped(use.slot)
+                recipe = (index, tuple(view.shape), view.stride(), view.storage_offset() - offset, make)
+                if recipe[1:4] == (tuple(base.shape), base.stride(), 0):
+                    recipe = (index, (), None, 0, recipe[4])  # the whole parameter: no view to make
+            self._recipes[use.bucket][use.rank][use.position] = recipe
+
+    def _computed(self, index: int, use: _Use) -> _Dynamic:
+        """A shard exported per refit: the rule's HF tensors (once per bucket), then the slot's cuts."""
+        raw = self.raw_shards
+
+        def shard() -> torch.Tensor:
+            hf = self._memo.get(index)
+            if hf is None:
+                step = self._params[index].step
+                hf = self._memo[index] = dict(export_rule(step.bound, self._bases[index], step.ctx))
+            piece = use.slot.cut(hf[use.name])
+            return piece if raw else piece.to(use.slot.dtype)
+
+        return shard
+
+    def _local_bucket(self, index: int) -> _Items:
+        bases, offsets, strided = self._bases, self._offsets, torch.as_strided
+        items = []
+        for slots, recipes in zip(self.slots[index], self._recipes[index]):
+            shards = []
+            for param, size, stride, offset, make in recipes:
+                if size is None:
+                    shards.append(make())
+                    continue
+                view = bases[param] if stride is None else strided(bases[param], size, stride, offsets[param] + offset)
+                shards.append(view if make is None else make(view))
+            items.append(list(zip(slots, shards)))
+        self._memo.clear()
+        return items
+
+
+class _Param:
+    """One exported mcore tensor of the local source: its step, chunk, the shards it feeds, and
+    the layout its recipes were made for."""
+
+    __slots__ = ("step", "chunk", "uses", "planned", "key")
+
+    def __init__(self, step: ExportStep, chunk: torch.nn.Module) -> None:
+        self.step, self.chunk = step, chunk
+        self.uses: list[_Use] = []
+        self.planned: dict[str, tuple[int, ...]] = {}
+        self.key: Any = None
+
+
+class _Use:
+    """One shard of a parameter: where it sits (bucket, engine rank, position), its slot and HF
+    name, the rule source it is cut from (``None``: export the rule), that source's piece shape
+    and the cuts left (in the piece's coordinates)."""
+
+    __slots__ = ("bucket", "rank", "position", "slot", "name", "source", "shape", "cuts")
+
+    def __init__(self, bucket: int, rank: int, position: int, slot: Slot, name: str, source: Optional[int],
+                 shape: tuple[int, ...], cuts: tuple[Cut, ...]) -> None:  # fmt: skip
+        self.bucket, self.rank, self.position, self.slot = bucket, rank, position, slot
+        self.name, self.source, self.shape, self.cuts = name, source, shape, cuts
+
+
+def _piece_of(slot: Slot, sources: list[tuple[int, Optional[_Select]]]) -> tuple[Optional[int], Optional[Cut], tuple[Cut, ...]]:
+    """Which of its rule's sources a slot is cut from, that source's part of the HF tensor (its
+    ``select`` as a cut, ``None``: all of it) and the cuts left; source ``None`` when the slot
+    needs the whole fused HF tensor."""
+    if len(sources) == 1 and sources[0][1] is None:
+        return sources[0][0], None, slot.cuts
+    if slot.cuts:
+        first = slot.cuts[0]
+        for source, select in sources:
+            if select is not None and (select[0], select[1], select[2] - select[1]) == first:
+                return source, first, slot.cuts[1:]
+    return None, None, slot.cuts
+
+
+def _cut_view(view: torch.Tensor, shape: tuple[int, ...], cuts: tuple[Cut, ...]) -> Optional[torch.Tensor]:
+    """``cuts`` (``narrow`` steps in the HF piece's coordinates, ``shape``) applied to ``view``,
+    which holds the piece in row-major order with its first dimension possibly split
+    (``[*lead, *shape[1:]]``, ``prod(lead) == shape[0]``). ``None`` where that does not hold or a
+    cut of the first dimension does not fall on whole rows of ``lead``'s inner part."""
+    if not shape:
+        return view if view.dim() == 0 and not cuts else None
+    extra = view.dim() - len(shape)
+    if extra < 0 or tuple(view.shape[extra + 1 :]) != tuple(shape[1:]) or math.prod(view.shape[: extra + 1]) != shape[0]:
+        return None
+    inner = math.prod(view.shape[1 : extra + 1])
+    for axis, start, length in cuts:
+        if axis:
+            view = view.narrow(axis + extra, start, length)
+        elif start % inner or length % inner:
+            return None
+        else:
+            view = view.narrow(0, start // inner, length // inner)
+    return view
+
+
+def _reshaped(slot: Slot) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A view in the slot's shape and dtype (a copy, made per refit, unless both already fit)."""
+    return lambda view: view.reshape(slot.shape).to(slot.dtype)
+
+
+__all__ = ["RefitProgram", "program_for", "local_source"]
