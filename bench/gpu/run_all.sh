@@ -7,7 +7,8 @@
 # training (log-prob head, train_step), profile (the training profile's distance and speed), refit
 # and vllm (refit into vLLM, vLLM parity; need bench/gpu/vllm-setup.sh), vllm-exact (the vllm-exact
 # profile against vLLM's batch-invariant mode; needs vllm-setup.sh too), seeds (the training
-# profile at more seeds), moe-exact (hf-exact MoE vs transformers) and mla (DeepSeek-V3, te).
+# profile at more seeds), moe-exact (hf-exact MoE vs transformers), grouped (TE grouped-GEMM experts)
+# and mla (DeepSeek-V3, te).
 # Each job logs to OUT/logs/; a failing (or, past its time limit, killed) job is recorded and the
 # others go on. Limits: JOB_TIMEOUT (single-GPU jobs, default 420 s), MULTI_TIMEOUT (torchrun jobs,
 # default 240 s: a layout failing on some ranks only would otherwise wait for NCCL's timeout).
@@ -131,6 +132,11 @@ if [[ " $phases " == *" vllm-exact "* ]]; then
   mkdir -p "$out/rollout/vllm-exact"
   MCORE_ZOO_GPU_RESULTS="$out/rollout/vllm-exact" run vllm-exact 540 $py -m pytest -p mcore_zoo.testing.plugin tests/gpu/test_vllm_exact_gpu.py \
       -q -s -p no:cacheprovider
+fi
+if [[ " $phases " == *" grouped "* ]]; then
+  # Transformer Engine grouped-GEMM experts (numerics knob grouped_experts) against the sequential ones
+  run grouped-experts 420 $py -m pytest -p mcore_zoo.testing.plugin tests/gpu/test_grouped_experts_gpu.py -q -s \
+      -p no:cacheprovider
 fi
 if [[ " $phases " == *" vllm-exact-speed "* ]]; then
   mkdir -p "$out/rollout/vllm-exact"
