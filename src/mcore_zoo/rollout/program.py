@@ -98,7 +98,7 @@ class RefitProgram:
             self._bind_local(handle, plan)
 
     # ------------------------------------------------------------------ one refit
-    def buckets(self, handle: ModelHandle, stream: Optional[Iterator[tuple[str, torch.Tensor]]]) -> Iterator[tuple[int, _Items]]:
+    def buckets(self, stream: Optional[Iterator[tuple[str, torch.Tensor]]]) -> Iterator[tuple[int, _Items]]:
         """``(bucket index, items)`` per bucket in plan order, ``items[rank]`` = ``[(slot, shard)]``
         (what :class:`~mcore_zoo.rollout.adapter.RefitBucket` carries). ``stream``: the export
         (``"stream"`` source; ``None`` for ``"local"``). Release each bucket's items before asking
@@ -112,7 +112,7 @@ class RefitProgram:
                 raise ZooError(f"refit: the export has {extra[0]!r}, which the plan does not list")
             return
         try:
-            self._refresh(handle)
+            self._refresh()
             for index in range(len(self.slots)):
                 yield index, self._local_bucket(index)
         finally:
@@ -181,7 +181,7 @@ class RefitProgram:
         self._bases: list[torch.Tensor] = []
         self._offsets: list[int] = []
 
-    def _refresh(self, handle: ModelHandle) -> None:
+    def _refresh(self) -> None:
         """This refit's parameters (each read by its module path: a replaced parameter is
         followed), and new recipes for any whose layout (dtype, shape, stride) changed since the
         last refit - none, in a steady state. Recipes do not depend on where the storage is, so a

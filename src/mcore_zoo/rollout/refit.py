@@ -135,7 +135,7 @@ def refit(
     t0 = time.perf_counter()
     try:
         program = programs.program_for(handle, plan, raw_shards=bool(getattr(adapter, "raw_shards", False)), local=local)
-        nbytes, tensors = _feed(adapter, plan, program, handle, stream)
+        nbytes, tensors = _feed(adapter, plan, program, stream)
     except Exception:
         # keep the other ranks' gathers matched: they are iterating the same export
         try:
@@ -148,13 +148,12 @@ def refit(
     return RefitStats(len(plan.buckets), tensors, nbytes, time.perf_counter() - t0, planned, program.source)
 
 
-def _feed(adapter: EngineAdapter, plan: RefitPlan, program: "programs.RefitProgram", handle: ModelHandle,
-          stream: Any) -> tuple[int, int]:  # fmt: skip
+def _feed(adapter: EngineAdapter, plan: RefitPlan, program: "programs.RefitProgram", stream: Any) -> tuple[int, int]:
     """The receiving rank's part: the program's buckets, one engine call each, between
     ``begin`` and ``end``. Returns ``(bytes, tensors)`` sent (the planned shards' bytes)."""
     adapter.begin(plan)
     nbytes = tensors = 0
-    for index, items in program.buckets(handle, stream):
+    for index, items in program.buckets(stream):
         adapter.load_bucket(RefitBucket(index, items))
         del items
         nbytes += program.nbytes[index]
