@@ -33,6 +33,11 @@ from ..errors import ZooError
 
 ENV = "VLLM_BATCH_INVARIANT"
 PAGE_SIZE = 16  # vLLM's KV-cache block size for FlashAttention on CUDA (FA3 tiles depend on it)
+#: vLLM's fused add + RMSNorm kernel picks its thread-block size by the number of tokens of the call
+#: (1024 threads below 256 tokens, 256 from 256 on), which changes its reduction order: vLLM itself
+#: is not batch-invariant across that boundary. The trainer launches it on at most this many rows,
+#: reproducing every engine step of fewer than 256 tokens (decode steps of < 256 sequences).
+FUSED_NORM_TOKENS = 255
 
 
 class VLLMKernels:
@@ -55,10 +60,14 @@ class VLLMKernels:
 
     def residual_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """vLLM's ``RMSNorm(input, residual)`` output where ``x = input + residual`` (already summed
-        in the model dtype, as the kernel sums them): the CUDA fused kernel, run on ``0 + x``."""
+        in the model dtype, as the kernel sums them): the CUDA fused kernel, run on ``0 + x``, in
+        launches of at most :data:`FUSED_NORM_TOKENS` rows (see there)."""
         out = torch.zeros_like(x)
         residual = x.contiguous().clone()
-        self._ops.fused_add_rms_norm(out, residual, weight.contiguous(), eps)
+        weight = weight.contiguous()
+        for start in range(0, x.shape[0], FUSED_NORM_TOKENS):
+            end = min(start + FUSED_NORM_TOKENS, x.shape[0])
+            self._ops.fused_add_rms_norm(out[start:end], residual[start:end], weight, eps)
         return out
 
     def rotary(self, positions: torch.Tensor, x: torch.Tensor, head_size: int, cos_sin_cache: torch.Tensor) -> torch.Tensor:
