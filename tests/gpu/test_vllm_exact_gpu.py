@@ -142,6 +142,21 @@ def check(ckpt: str, arch: str, out_dir: str) -> dict:
         prompt_max = max(prompt_max, float((mine_prompt - prompt_lp).abs().max()) if prompt_lp.numel() else 0.0)
     result.update(generated_tokens=gen_n, generated_bitwise=gen_eq, generated_max_abs=gen_max,
                   prompt_tokens=prompt_n, prompt_bitwise=prompt_eq, prompt_max_abs=prompt_max)  # fmt: skip
+    result["engine_runner"] = llm.collective_rpc(lambda w: type(w.model_runner).__module__ + "." + type(w.model_runner).__name__)[0]
+    # diagnostic: the same logits through vLLM's other log-prob kernel (its GPU model runner's fused one)
+    try:
+        from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
+
+        logits = mcore_zoo.packed_forward(model, [s.cuda() for s in full], return_logits=True, return_logprobs=False).logits
+        alt_eq = alt_n = 0
+        for p, (g, gen_lp, prompt_lp), lg, s in zip(prompts, sampled, logits, full):
+            lp = compute_token_logprobs(lg[:-1].float().contiguous(), s[1:].cuda()[:, None])[:, 0].cpu()
+            want = torch.cat([prompt_lp, gen_lp])
+            alt_eq += int((lp == want).sum())
+            alt_n += want.numel()
+        result["fused_logprob_kernel_bitwise"] = f"{alt_eq}/{alt_n}"
+    except Exception as exc:
+        result["fused_logprob_kernel_bitwise"] = repr(exc)[:300]
     try:
         result["probe"] = _probe(llm, model, full[0])
     except Exception as exc:  # a diagnostic: never hides the measurement above
@@ -213,7 +228,7 @@ def test_vllm_exact_log_probs_equal_vllm_batch_invariant(reference_checkpoint, a
     print(f"\n{arch}: generated {r['generated_bitwise']}/{r['generated_tokens']} bitwise (max |d| {r['generated_max_abs']:.3e}),"
           f" prompt {r['prompt_bitwise']}/{r['prompt_tokens']} (max |d| {r['prompt_max_abs']:.3e});"
           f" gradients vs hf-exact rel L2 {r['grad_rel_l2_vs_hf_exact']:.3e} (worst param {r['grad_rel_l2_worst_param']:.3e})")  # fmt: skip
-    print(f"  probe: {r.get('probe')}")
+    print(f"  probe: {r.get('probe')}; runner {r.get('engine_runner')}; fused log-prob kernel {r.get('fused_logprob_kernel_bitwise')}")
     out = os.environ.get("MCORE_ZOO_GPU_RESULTS")
     if out:
         with open(os.path.join(out, f"vllm-exact-{arch}.json"), "w") as f:
