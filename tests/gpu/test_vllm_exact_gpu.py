@@ -148,13 +148,14 @@ def check(ckpt: str, arch: str, out_dir: str) -> dict:
         from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
 
         logits = mcore_zoo.packed_forward(model, [s.cuda() for s in full], return_logits=True, return_logprobs=False).logits
-        alt_eq = alt_n = 0
-        for p, (g, gen_lp, prompt_lp), lg, s in zip(prompts, sampled, logits, full):
-            lp = compute_token_logprobs(lg[:-1].float().contiguous(), s[1:].cuda()[:, None])[:, 0].cpu()
-            want = torch.cat([prompt_lp, gen_lp])
-            alt_eq += int((lp == want).sum())
-            alt_n += want.numel()
-        result["fused_logprob_kernel_bitwise"] = f"{alt_eq}/{alt_n}"
+        for kind, cast in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            alt_eq = alt_n = 0
+            for p, (g, gen_lp, prompt_lp), lg, s in zip(prompts, sampled, logits, full):
+                lp = compute_token_logprobs(lg[:-1].to(cast).contiguous(), s[1:].cuda()[:, None])[:, 0].cpu()
+                want = torch.cat([prompt_lp, gen_lp])
+                alt_eq += int((lp == want).sum())
+                alt_n += want.numel()
+            result[f"fused_logprob_kernel_{kind}_bitwise"] = f"{alt_eq}/{alt_n}"
     except Exception as exc:
         result["fused_logprob_kernel_bitwise"] = repr(exc)[:300]
     try:
@@ -228,7 +229,7 @@ def test_vllm_exact_log_probs_equal_vllm_batch_invariant(reference_checkpoint, a
     print(f"\n{arch}: generated {r['generated_bitwise']}/{r['generated_tokens']} bitwise (max |d| {r['generated_max_abs']:.3e}),"
           f" prompt {r['prompt_bitwise']}/{r['prompt_tokens']} (max |d| {r['prompt_max_abs']:.3e});"
           f" gradients vs hf-exact rel L2 {r['grad_rel_l2_vs_hf_exact']:.3e} (worst param {r['grad_rel_l2_worst_param']:.3e})")  # fmt: skip
-    print(f"  probe: {r.get('probe')}; runner {r.get('engine_runner')}; fused log-prob kernel {r.get('fused_logprob_kernel_bitwise')}")
+    print(f"  probe: {r.get('probe')}; runner {r.get('engine_runner')}; fused log-prob kernel fp32 {r.get('fused_logprob_kernel_fp32_bitwise')} bf16 {r.get('fused_logprob_kernel_bf16_bitwise')}")
     out = os.environ.get("MCORE_ZOO_GPU_RESULTS")
     if out:
         with open(os.path.join(out, f"vllm-exact-{arch}.json"), "w") as f:
