@@ -118,3 +118,25 @@ def test_vllm_exact_refuses_what_it_does_not_reproduce(reference_checkpoint, mpu
     moe = reference_checkpoint("Qwen3MoeForCausalLM", {"num_hidden_layers": 2})
     with use_kernels(ReferenceKernels()), pytest.raises(ZooError, match="dense decoders"):
         mcore_zoo.build_model(moe, backend="portable", numerics="vllm-exact")
+
+
+def test_the_engines_fused_log_prob_kernel_gives_the_value_and_log_softmax_the_gradient():
+    """With a kernel table that has vLLM's fused token log-prob kernel, the head returns that
+    kernel's bits and keeps the log-softmax's gradient."""
+
+    class Fused(ReferenceKernels):
+        def token_logprobs(self, logits, targets):
+            return torch.log_softmax(logits.float(), -1).gather(-1, targets[:, None])[:, 0] + 0.25  # distinguishable
+
+    logits = torch.randn(5, 9, dtype=torch.float64, requires_grad=True)
+    targets = torch.tensor([1, 4, -1, 0, 8])
+    with use_kernels(ReferenceKernels()):
+        plain, _ = vllm_ops.token_logprobs_and_entropy(logits, targets)
+        (g_plain,) = torch.autograd.grad(plain.sum(), logits)
+    with use_kernels(Fused()):
+        fused, _ = vllm_ops.token_logprobs_and_entropy(logits, targets)
+        (g_fused,) = torch.autograd.grad(fused.sum(), logits)
+    valid = targets >= 0
+    assert torch.equal(fused[valid], (plain[valid].float() + 0.25).to(fused.dtype)) or torch.allclose(fused[valid], plain[valid] + 0.25)
+    assert fused[~valid].abs().sum() == 0
+    assert torch.equal(g_fused, g_plain)

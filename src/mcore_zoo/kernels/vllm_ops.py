@@ -4,8 +4,9 @@ With ``VLLM_BATCH_INVARIANT=1`` (and ``enforce_eager=True``) vLLM computes a den
 fixed set of kernels whose per-token results do not depend on the batch: a Triton persistent GEMM
 (``matmul_persistent``; bias added after), a Triton RMSNorm (no residual), its CUDA fused
 add + RMSNorm (with a residual), RoPE in torch ops (``forward_static``), its CUDA SiLU-and-mul
-kernel, FlashAttention-3 over the paged KV cache with ``num_splits=1``, and a Triton log-softmax
-over fp32 logits for log-probs. (Which implementation each op runs was read from the engine:
+kernel, FlashAttention-3 over the paged KV cache with ``num_splits=1``, and for log-probs its GPU
+model runner's fused Triton kernel on the model-dtype logits (``compute_token_logprobs``).
+(Which implementation each op runs was read from the engine:
 ``bench/gpu/vllm_exact_probe.py`` reports the dispatch and compares layer 0 op by op.)
 This module calls exactly those kernels (imported from the installed vLLM) so that a trainer's
 forward reproduces vLLM's log-probs bit for bit, and gives each one a backward (computed with
@@ -89,6 +90,18 @@ class VLLMKernels:
     def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
         """Row log-softmax of fp32 ``x [n, V]`` (vLLM's Triton kernel)."""
         return self._bi.log_softmax(x, dim=-1)
+
+    def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> Optional[torch.Tensor]:
+        """``log_softmax(logits)[target]`` per row as vLLM's GPU model runner (the default engine
+        worker of 0.26) computes sampled and prompt log-probs: its fused Triton kernel
+        (``compute_token_logprobs``: max, then sum of exp in fp32, then the targets only) on the
+        logits in the model dtype - the kernel's reduction follows the dtype it loads, so fp32 copies
+        of the same logits differ in the last bit. ``None`` where this vLLM has no such kernel."""
+        try:
+            from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
+        except ImportError:
+            return None
+        return compute_token_logprobs(logits.contiguous(), targets.reshape(-1, 1))[:, 0]
 
     def paged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                         scale: float, window: Optional[int]) -> torch.Tensor:  # fmt: skip
@@ -387,13 +400,20 @@ def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, *, t
     and the entropy. ``logits [..., V]`` (all of the vocabulary on this rank), ``targets`` int like
     ``logits[..., 0]``; negative targets give 0."""
     shape = targets.shape
-    x = _acc(logits.reshape(-1, logits.shape[-1]))  # bf16 / fp16 -> fp32, as vLLM's sampler
+    flat = logits.reshape(-1, logits.shape[-1])
+    x = _acc(flat)  # bf16 / fp16 -> fp32, as vLLM's sampler
     if temperature != 1.0:
         x = x / temperature
     lp_all = _LogSoftmax.apply(x.contiguous())
     t = targets.reshape(-1).long()
     valid = t >= 0
     lp = lp_all.gather(-1, t.clamp(min=0)[:, None]).squeeze(-1) * valid
+    if temperature == 1.0:
+        # the forward value as the engine's fused kernel gives it (on the model-dtype logits);
+        # the gradient stays that of the log-softmax above
+        exact = kernels().token_logprobs(flat, t.clamp(min=0)) if hasattr(kernels(), "token_logprobs") else None
+        if exact is not None:
+            lp = (exact * valid).detach() + (lp - lp.detach())  # + 0.0: the value is exact's bits
     entropy = None
     if compute_entropy:
         entropy = -(lp_all.exp() * lp_all).sum(-1).view(shape)
