@@ -9,7 +9,7 @@ import torch
 
 import mcore_zoo
 
-from ..conftest import random_sequences
+from ..conftest import random_sequences, require_current_deepseek_v2_reference
 
 ARCH = "DeepseekV3ForCausalLM"
 NO_YARN = {"rope_scaling": None}
@@ -163,22 +163,8 @@ V2_CASES = {
 }
 
 
-def _require_current_v2_reference() -> None:
-    """The zoo's DeepSeek-V2 is transformers' current one: softmax scale with YaRN's
-    ``mscale(factor, mscale_all_dim) ** 2`` (``yarn_apply_mscale``) and a working group-limited
-    router. Older transformers (5.12.1 measured) lack both - another model (max |dlogit| 1.85 on the
-    same checkpoint) - so the V2 comparisons cannot pass or fail there."""
-    from transformers.models.deepseek_v2 import modeling_deepseek_v2
-
-    if not hasattr(modeling_deepseek_v2, "yarn_apply_mscale"):
-        import transformers
-
-        pytest.skip(f"transformers {transformers.__version__}: DeepseekV2Attention predates the YaRN softmax"
-                    " mscale (yarn_apply_mscale); the zoo follows the current model")  # fmt: skip
-
-
 def _v2(reference_checkpoint, hf_reference, overrides):
-    _require_current_v2_reference()
+    require_current_deepseek_v2_reference()
     ckpt = reference_checkpoint(V2, overrides)
     hf = hf_reference(V2, ckpt, "eager")
     ids = torch.stack(random_sequences([48, 48], hf.config.vocab_size, seed=1))
@@ -249,7 +235,7 @@ def test_train_step_gradients_match_transformers(mpu, reference_checkpoint, hf_r
     from mcore_zoo.distributed.train import train_step
 
     if arch == V2:
-        _require_current_v2_reference()
+        require_current_deepseek_v2_reference()
     ckpt = reference_checkpoint(arch, overrides)
     hf = hf_reference(arch, ckpt, "eager")
     model = mcore_zoo.build_model(ckpt, backend="portable", numerics="hf-exact", load=ckpt,
