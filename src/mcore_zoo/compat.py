@@ -119,6 +119,34 @@ def te_grouped_experts(module: Any = None) -> Any:
     return functools.partial(module or cls, *built.args, **built.keywords)
 
 
+def take_moe_aux_losses(clear: bool = True) -> dict[str, Any]:
+    """Megatron-Core's tracked per-layer MoE auxiliary losses (``{name: values}``, detached copies);
+    ``clear``: forget them, entries included (the next model's are sized by its own layer count).
+
+    0.16: the module-level dict of ``get_moe_layer_wise_logging_tracker()``, cleared in place.
+    0.19: a ``MoEMetricsTracker`` (``moe_logging.get_moe_metrics_tracker()``); the legacy
+    ``get_moe_layer_wise_logging_tracker()`` builds a new dict on every call, so clearing that
+    clears nothing, and the tracker's own ``clear()`` keeps the entries. It is dropped
+    (``destroy_moe_metrics_tracker``); the next router creates a fresh one."""
+    try:
+        from megatron.core.transformer.moe import moe_logging
+    except ImportError:  # 0.16
+        moe_logging = None
+    if moe_logging is not None and hasattr(moe_logging, "get_moe_metrics_tracker"):
+        metrics = moe_logging.get_moe_metrics_tracker().metrics
+        values = {name: entry.values.detach().clone() for name, entry in metrics.items()}
+        if clear:
+            moe_logging.destroy_moe_metrics_tracker()
+        return values
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    values = {name: entry["values"].detach().clone() for name, entry in tracker.items() if "values" in entry}
+    if clear:
+        tracker.clear()
+    return values
+
+
 class _DropGPTDeprecation(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return "GPTModel IS DEPRECATED" not in record.getMessage()

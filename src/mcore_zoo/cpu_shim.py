@@ -12,7 +12,9 @@ a process where CUDA is unavailable (:func:`activate` is a no-op when ``torch.cu
 * pipeline schedules: ``batch_p2p_sync`` must be off on gloo, and the tensors the schedules
   create with ``device="cuda"`` are created on the CPU;
 * the first/last pipeline stage all-reduce of tied embeddings, which moves the weight to CUDA
-  first, keeps it on the CPU.
+  first, keeps it on the CPU;
+* DDP's gradient reduction (0.19): the ``torch.cuda.current_stream()`` it waits on for CUDA-graph
+  replay events is a stream with nothing to wait for.
 
 Models must be built with ``use_cpu_initialization=True`` (the zoo's builders do).
 """
@@ -47,6 +49,7 @@ def activate() -> bool:
         _install_cpu_rng_tracker()
         _patch_schedules()
         _patch_tied_embedding_setup()
+        _patch_grad_sync_stream()
         _ACTIVE = True
         return True
 
@@ -169,15 +172,40 @@ def _patch_schedules() -> None:
 
         return make
 
-    patched = {name: on_cpu(getattr(torch, name)) for name in _FACTORIES}
+    # schedules.torch whose tensor factories put CUDA-requested tensors on the CPU
+    schedules.torch = _ModuleProxy(torch, {name: on_cpu(getattr(torch, name)) for name in _FACTORIES})  # type: ignore[attr-defined]
 
-    class _TorchProxy:
-        """``schedules.torch`` whose tensor factories put CUDA-requested tensors on the CPU."""
 
-        def __getattr__(self, name: str) -> Any:
-            return patched[name] if name in patched else getattr(torch, name)
+class _ModuleProxy:
+    """A module as one Megatron-Core module sees it: ``overrides`` in place of some attributes."""
 
-    schedules.torch = _TorchProxy()  # type: ignore[attr-defined]
+    def __init__(self, module: Any, overrides: dict[str, Any]) -> None:
+        self._module, self._overrides = module, overrides
+
+    def __getattr__(self, name: str) -> Any:
+        return self._overrides[name] if name in self._overrides else getattr(self._module, name)
+
+
+class _IdleStream:
+    """``torch.cuda.current_stream()`` where nothing runs asynchronously: nothing to wait for."""
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+
+def _patch_grad_sync_stream() -> None:
+    """0.19: DDP's ``_ParamAndGradBucketGroup.start_grad_sync`` calls ``torch.cuda.current_stream()``
+    on every gradient reduction, to wait for the events of CUDA-graph replays (none here); 0.16
+    calls it only with several distributed-optimizer instances. That module's ``torch.cuda`` returns
+    an idle stream there."""
+    from megatron.core.distributed import param_and_grad_buffer
+
+    stream = _IdleStream()
+    cuda = _ModuleProxy(torch.cuda, {"current_stream": lambda *_a, **_k: stream})
+    param_and_grad_buffer.torch = _ModuleProxy(torch, {"cuda": cuda})  # type: ignore[attr-defined]
 
 
 def _patch_tied_embedding_setup() -> None:

@@ -366,13 +366,9 @@ def aux_losses(clear: bool = True) -> dict[str, torch.Tensor]:
     when ``moe_aux_loss_coeff > 0``, so a trainer only logs these). ``clear`` empties the tracker,
     so the next model's values are sized by its own layer count (Megatron-Core's own clearing
     keeps the first model's)."""
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from .compat import take_moe_aux_losses
 
-    tracker = get_moe_layer_wise_logging_tracker()
-    values = {name: entry["values"].detach().clone() for name, entry in tracker.items() if "values" in entry}
-    if clear:
-        tracker.clear()
-    return values
+    return take_moe_aux_losses(clear)
 
 
 __all__ = ["Recording", "TokenCounts", "aux_losses", "context_parallel_routes", "count_tokens",

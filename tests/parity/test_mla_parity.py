@@ -9,7 +9,7 @@ import torch
 
 import mcore_zoo
 
-from ..conftest import random_sequences
+from ..conftest import random_sequences, require_current_deepseek_v2_reference
 
 ARCH = "DeepseekV3ForCausalLM"
 NO_YARN = {"rope_scaling": None}
@@ -44,6 +44,30 @@ def _reference(reference_checkpoint, hf_reference, overrides):
 def test_hf_exact_bitwise(mpu, reference_checkpoint, hf_reference, case):
     ckpt, ids, ref = _reference(reference_checkpoint, hf_reference, CASES[case])
     assert torch.equal(_logits(_build(ckpt), ids), ref)
+
+
+def test_no_q_lora_layer_is_built_as_the_spec_names(mpu, reference_checkpoint):
+    """Without ``q_lora_rank``: one plain ``linear_q_proj`` (no q norm, none fused into it), the kv
+    latent norm a separate module at HF's 1e-6 - on 0.19 too, whose own resolver would fuse a norm
+    into ``linear_q_proj`` or refuse. A layer built with other up projections is refused."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from mcore_zoo.errors import ZooError
+    from mcore_zoo.specs.mla import _check_built_as_specified
+
+    model = _build(reference_checkpoint(ARCH, {"q_lora_rank": None, "rms_norm_eps": 1e-2}))
+    attn = model.decoder.layers[0].self_attention
+    children = dict(attn.named_children())
+    assert "q_layernorm" not in children and "linear_q_up_proj" not in children
+    assert not hasattr(attn.linear_q_proj, "layer_norm_weight")
+    assert attn.kv_layernorm.variance_epsilon == 1e-6
+    spec = SimpleNamespace(linear_q_proj=type(attn.linear_q_proj), linear_kv_up_proj=type(attn.linear_kv_up_proj))
+    _check_built_as_specified(attn, spec)
+    attn.linear_q_proj = IdentityOp()
+    with pytest.raises(ZooError, match="linear_q_proj"):
+        _check_built_as_specified(attn, spec)
 
 
 def test_wrong_mscale_fails(mpu, reference_checkpoint, hf_reference):
@@ -137,7 +161,10 @@ V2_CASES = {
     "group_limited": {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 1},
     "q_lora": {"q_lora_rank": 32, "routed_scaling_factor": 16.0},
 }
+
+
 def _v2(reference_checkpoint, hf_reference, overrides):
+    require_current_deepseek_v2_reference()
     ckpt = reference_checkpoint(V2, overrides)
     hf = hf_reference(V2, ckpt, "eager")
     ids = torch.stack(random_sequences([48, 48], hf.config.vocab_size, seed=1))
@@ -175,6 +202,59 @@ def test_v2_group_limited_routing_matters(mpu, reference_checkpoint, hf_referenc
         if router is not None:
             router.zoo_moe = get_registry().get(V2).config_from_hf(get_registry().get(V2).entry.example_config).moe
     assert (_logits(model, ids) - ref).abs().max() > 1e-3
+
+
+def _hf_checkpoint_grads(hf) -> dict:
+    """transformers' gradients under the checkpoint's names: its fused routed experts
+    (``experts.gate_up_proj`` ``[E, 2I, H]``, gate rows first; ``experts.down_proj`` ``[E, H, I]``)
+    split per expert."""
+    grads = {}
+    for name, param in hf.named_parameters():
+        if param.grad is None:
+            continue
+        if name.endswith(".experts.gate_up_proj"):
+            gate, up = param.grad.chunk(2, dim=1)
+            for e in range(param.shape[0]):
+                grads[f"{name[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = gate[e]
+                grads[f"{name[:-len('gate_up_proj')]}{e}.up_proj.weight"] = up[e]
+        elif name.endswith(".experts.down_proj"):
+            for e in range(param.shape[0]):
+                grads[f"{name[:-len('down_proj')]}{e}.down_proj.weight"] = param.grad[e]
+        else:
+            grads[name] = param.grad
+    return grads
+
+
+@pytest.mark.parametrize("arch,overrides", [(ARCH, {}), (ARCH, {"q_lora_rank": None}), (V2, {})],
+                         ids=["v3-q_lora-yarn", "v3-no_q_lora", "v2-lite"])  # fmt: skip
+def test_train_step_gradients_match_transformers(mpu, reference_checkpoint, hf_reference, arch, overrides):
+    """Training: ``train_step`` on a packed (THD) batch gives every HF tensor the gradient that
+    transformers' autograd gives for the same loss (the sum of the next-token log-probs), fp32,
+    1e-5 of the largest: MLA with and without ``q_lora_rank`` (latent norms, YaRN RoPE, the V2
+    complex RoPE), the DeepSeek router and the routed and shared experts."""
+    from mcore_zoo.distributed.train import train_step
+
+    if arch == V2:
+        require_current_deepseek_v2_reference()
+    ckpt = reference_checkpoint(arch, overrides)
+    hf = hf_reference(arch, ckpt, "eager")
+    model = mcore_zoo.build_model(ckpt, backend="portable", numerics="hf-exact", load=ckpt,
+                                  params_dtype=torch.float32).train()  # fmt: skip
+    seqs = random_sequences([23, 9, 31], hf.config.vocab_size, seed=5)
+    result = train_step(model, seqs, lambda t: (-(t.logprobs * t.mask).sum(), {}))
+    ref_loss = 0
+    for seq in seqs:
+        logits = hf(seq[None]).logits[0]
+        ref_loss = ref_loss - torch.log_softmax(logits[:-1].float(), -1).gather(-1, seq[1:, None]).sum()
+    ref_loss.backward()
+    assert abs(result.loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+    ref_grads = _hf_checkpoint_grads(hf)
+    grads = dict(mcore_zoo.iter_hf_weights(model, grads=True))
+    assert set(grads) == set(ref_grads)
+    for name, grad in grads.items():
+        ref = ref_grads[name]
+        scale = max(1.0, ref.abs().max().item())
+        assert (grad - ref).abs().max().item() <= 1e-5 * scale, name
 
 
 @pytest.mark.slow

@@ -97,6 +97,28 @@ def test_aux_loss_and_token_counts_in_training(mpu, reference_checkpoint):
     assert all(int(c.sum()) == 50 * 2 for c in counts.tokens_per_expert)
 
 
+def test_aux_losses_forget_what_they_returned(mpu, reference_checkpoint):
+    """``routing.aux_losses()`` empties Megatron-Core's tracker (0.19 keeps it in a tracker object
+    whose legacy dict accessor returns a copy, so clearing that copy cleared nothing and the values
+    added up over forwards); ``clear=False`` keeps them; a model of another depth gets its own
+    layer count."""
+    ckpt = reference_checkpoint("Qwen3MoeForCausalLM", {"output_router_logits": True})
+    model = mcore_zoo.build_model(ckpt, backend="portable", load=ckpt, params_dtype=torch.float32).train()
+    seqs = random_sequences([30, 20], 256, seed=5)
+    routing.aux_losses()
+    mcore_zoo.packed_forward(model, seqs)
+    first = routing.aux_losses(clear=False)["load_balancing_loss"]
+    assert (first > 0).any()
+    assert torch.equal(routing.aux_losses()["load_balancing_loss"], first)
+    assert routing.aux_losses() == {}
+    mcore_zoo.packed_forward(model, seqs)
+    assert torch.equal(routing.aux_losses()["load_balancing_loss"], first)  # this forward's, not two
+    deeper = reference_checkpoint("Qwen3MoeForCausalLM", {"output_router_logits": True, "num_hidden_layers": 4})
+    model = mcore_zoo.build_model(deeper, backend="portable", load=deeper, params_dtype=torch.float32).train()
+    mcore_zoo.packed_forward(model, seqs)
+    assert routing.aux_losses()["load_balancing_loss"].shape == (4,) != first.shape
+
+
 def test_routes_from_a_rollout_engine_are_packed_like_the_tokens(mpu, reference_checkpoint):
     """Per-sequence routes (as a rollout engine reports them) packed with alignment padding and
     replayed give the recorded forward bit for bit; unpack_routes inverts pack_routes."""

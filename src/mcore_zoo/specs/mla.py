@@ -168,6 +168,8 @@ def _attention_class() -> Any:
     from megatron.core.transformer import multi_latent_attention as mla_module
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
+    from .portable import PortableAttention
+
     if not isinstance(mla_module.TELinear, type):
         # without Transformer Engine its import shim leaves placeholders (not classes) with HAVE_TE true,
         # and MLA's isinstance(linear_proj, TELinear) check then raises: say TE is absent
@@ -179,6 +181,7 @@ def _attention_class() -> Any:
 
         def __init__(self, config: Any, submodules: Any, layer_number: int, *, arch: ArchConfig, **kwargs: Any) -> None:
             super().__init__(config, submodules, layer_number, **kwargs)
+            _check_built_as_specified(self, submodules)
             down = self.linear_kv_down_proj
             if type(down) is ColumnParallelLinear and down.tp_group is not None and down.tp_group.size() > 1:
                 # MLA accepts only Megatron-Core's own class in the spec: the k_rope gradient fix
@@ -199,6 +202,36 @@ def _attention_class() -> Any:
             if self.rope_complex:
                 _install_complex_rope()
 
+        def _resolve_qk_norm_config(self, submodules: Any) -> dict[str, Any]:
+            """Megatron-Core 0.19 only (0.16 builds the spec's classes as they are): the Q/KV norms
+            and up projections to build. 0.19's resolver derives them from ``config.qk_layernorm``
+            and cannot express a latent kv norm without a q norm (no ``q_lora_rank``, DeepSeek-V2-Lite):
+            with the flag on it demands a norm fused into ``linear_q_proj`` (TE's, a norm HF does not
+            have) or refuses (local), with it off it refuses the kv norm. The zoo's spec names every
+            module; they are built as named, as 0.16 builds them."""
+            from megatron.core.transformer.identity_op import IdentityOp
+
+            q_lora = self.config.q_lora_rank is not None
+            return {
+                "linear_q_proj": IdentityOp if q_lora else submodules.linear_q_proj,
+                "linear_q_up_proj": submodules.linear_q_up_proj if q_lora else IdentityOp,
+                "linear_kv_up_proj": submodules.linear_kv_up_proj,
+                "q_layernorm": submodules.q_layernorm if q_lora else IdentityOp,
+                "kv_layernorm": submodules.kv_layernorm,
+            }
+
+        def _run_core_attention(self, query: Any, key: Any, value: Any, attention_mask: Any,
+                                packed_seq_params: Any = None, attn_mask_type: Any = None, **kwargs: Any) -> Any:  # fmt: skip
+            """Megatron-Core 0.19 only (0.16 calls the core attention directly, values as they are):
+            0.19 zero-pads THD values to the key width (for Transformer Engine) and trims the output.
+            :class:`PortableAttention` takes values narrower than keys, so it gets them unpadded, as
+            on 0.16; Transformer Engine keeps 0.19's padding."""
+            if not isinstance(self.core_attention, PortableAttention):
+                return super()._run_core_attention(query, key, value, attention_mask, packed_seq_params=packed_seq_params,
+                                                   attn_mask_type=attn_mask_type, **kwargs)  # fmt: skip
+            return self.core_attention(query, key, value, attention_mask, packed_seq_params=packed_seq_params,
+                                       attn_mask_type=attn_mask_type or self.attn_mask_type, **kwargs)  # fmt: skip
+
         def forward(self, *args: Any, **kwargs: Any) -> Any:
             if not self.rope_complex:
                 return super().forward(*args, **kwargs)
@@ -213,6 +246,19 @@ def _attention_class() -> Any:
             return out
 
     return ZooMLASelfAttention
+
+
+def _check_built_as_specified(attn: Any, submodules: Any) -> None:
+    """Fail closed if Megatron-Core built other up projections than the spec names (0.19 picks them
+    through a resolver that the zoo overrides; a release that resolved them elsewhere could fuse a
+    norm into them, or fall back to its own classes)."""
+    names = ["linear_q_up_proj" if attn.config.q_lora_rank is not None else "linear_q_proj", "linear_kv_up_proj"]
+    for name in names:
+        spec = getattr(submodules, name)
+        cls = getattr(spec, "module", spec)
+        if not isinstance(getattr(attn, name, None), cls):
+            raise ZooError(f"MLA {name}: Megatron-Core built {type(getattr(attn, name, None)).__name__},"
+                           f" the spec names {getattr(cls, '__name__', cls)}")  # fmt: skip
 
 
 def _fixed_eps_norm(norm: Any, eps: float) -> Any:
@@ -246,6 +292,7 @@ def mla_attention_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile
         kernel = numerics.attention if numerics.attention != "backend" else ("eager" if backend == "local" else "auto")
         core = ModuleSpec(module=PortableAttention, params={"kernel": kernel})
     from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer.identity_op import IdentityOp
 
     norm = _fixed_eps_norm(pieces["qk_norm"], arch.mla.latent_norm_eps)
     column, row = pieces["linear_qkv"], pieces["linear_proj"]
@@ -261,7 +308,7 @@ def mla_attention_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile
             linear_kv_up_proj=column,
             core_attention=core,
             linear_proj=row,
-            q_layernorm=norm,
+            q_layernorm=norm if arch.mla.q_lora_rank is not None else IdentityOp,  # no q latent, no q norm
             kv_layernorm=norm,
         ),
     )
