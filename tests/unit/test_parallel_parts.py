@@ -241,7 +241,11 @@ def test_streaming_writer_matches_megatron_and_reads_back(mpu, reference_checkpo
     model = mcore_zoo.build_model(ckpt, backend="portable", load=ckpt)
     (tmp_path / "mcore").mkdir()
     dist_checkpointing.save(model.sharded_state_dict(), str(tmp_path / "mcore"))
-    assert _metadata(tmp_path / "streamed") == _metadata(tmp_path / "mcore")
+    # Megatron-Core 0.19's own save also lists its non-tensor ``common_state`` object among the
+    # entries; the streaming writer keeps that state in common.pt (docs/mcore-compat.md)
+    mcore = {k: v for k, v in _metadata(tmp_path / "mcore").items()
+             if not (k.startswith("common_state/") and v[0] == "BytesStorageMetadata")}  # fmt: skip
+    assert _metadata(tmp_path / "streamed") == mcore
     fresh = mcore_zoo.build_model(ckpt, backend="local")
     load_mcore_checkpoint(fresh, tmp_path / "streamed")
     assert all(torch.equal(t, source[n]) for n, t in mcore_zoo.iter_hf_weights(fresh))
