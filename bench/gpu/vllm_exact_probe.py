@@ -25,6 +25,26 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "gpu"))
 
 
+def _keep(store: dict, name: str):
+    """A forward hook storing copies of the module's first outputs under ``name`` (first call only)."""
+
+    def hook(_m, _inputs, out):
+        outs = out if isinstance(out, tuple) else (out,)
+        store.setdefault(name, [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in outs])
+
+    return hook
+
+
+def _keep_inputs(store: dict, name: str):
+    """A forward pre-hook storing copies of the first three inputs (q, k, v); returns ``None`` so
+    the inputs are left as they are."""
+
+    def hook(_m, inputs):
+        store.setdefault(name, [t.detach().clone() for t in inputs[:3]])
+
+    return hook
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", default="LlamaForCausalLM")
@@ -61,22 +81,14 @@ def main() -> None:
         store: dict = {}
         hooks = []
 
-        def keep(name, pre=False):
-            def hook(_m, inputs, out=None):
-                value = inputs if pre else out
-                store.setdefault(name, [t.detach().clone() if isinstance(t, torch.Tensor) else t
-                                        for t in (value if isinstance(value, tuple) else (value,))])  # fmt: skip
-            return hook
-
         for name, mod in (("input_norm", layer.input_layernorm), ("qkv", layer.self_attn.qkv_proj),
                           ("o_proj", layer.self_attn.o_proj), ("post_norm", layer.post_attention_layernorm),
                           ("gate_up", layer.mlp.gate_up_proj), ("act", layer.mlp.act_fn), ("down", layer.mlp.down_proj)):  # fmt: skip
-            hooks.append(mod.register_forward_hook(keep(name)))
-        hooks.append(layer.self_attn.attn.register_forward_pre_hook(lambda _m, inp: store.setdefault(
-            "attn_in", [t.detach().clone() for t in inp[:3]]) and None))  # fmt: skip
-        hooks.append(layer.self_attn.attn.register_forward_hook(keep("attn")))
+            hooks.append(mod.register_forward_hook(_keep(store, name)))
+        hooks.append(layer.self_attn.attn.register_forward_pre_hook(_keep_inputs(store, "attn_in")))
+        hooks.append(layer.self_attn.attn.register_forward_hook(_keep(store, "attn")))
         for i, lyr in enumerate(inner.layers):
-            hooks.append(lyr.register_forward_hook(keep(f"layer{i}")))
+            hooks.append(lyr.register_forward_hook(_keep(store, f"layer{i}")))
         worker._probe = (store, hooks)
         attn = layer.self_attn.attn
         impl = getattr(attn, "impl", None)
@@ -103,22 +115,14 @@ def main() -> None:
     zl = model.decoder.layers[0]
     hooks = []
 
-    def keep(name, pre=False):
-        def hook(_m, inputs, out=None):
-            value = inputs if pre else out
-            mine.setdefault(name, [t.detach().clone() if isinstance(t, torch.Tensor) else t
-                                   for t in (value if isinstance(value, tuple) else (value,))])  # fmt: skip
-        return hook
-
     for name, mod in (("input_norm", zl.input_layernorm), ("qkv", zl.self_attention.linear_qkv),
                       ("o_proj", zl.self_attention.linear_proj), ("post_norm", zl.pre_mlp_layernorm),
                       ("gate_up", zl.mlp.linear_fc1), ("down", zl.mlp.linear_fc2)):  # fmt: skip
-        hooks.append(mod.register_forward_hook(keep(name)))
-    hooks.append(zl.self_attention.core_attention.register_forward_pre_hook(lambda _m, inp: mine.setdefault(
-        "attn_in", [t.detach().clone() for t in inp[:3]]) and None))  # fmt: skip
-    hooks.append(zl.self_attention.core_attention.register_forward_hook(keep("attn")))
+        hooks.append(mod.register_forward_hook(_keep(mine, name)))
+    hooks.append(zl.self_attention.core_attention.register_forward_pre_hook(_keep_inputs(mine, "attn_in")))
+    hooks.append(zl.self_attention.core_attention.register_forward_hook(_keep(mine, "attn")))
     for i, lyr in enumerate(model.decoder.layers):
-        hooks.append(lyr.register_forward_hook(keep(f"layer{i}")))
+        hooks.append(lyr.register_forward_hook(_keep(mine, f"layer{i}")))
     with torch.no_grad():
         mcore_zoo.packed_forward(model, [seq.cuda()])
     for h in hooks:

@@ -183,6 +183,9 @@ class ReferenceKernels:
     def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(x, dim=-1)
 
+    def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> Optional[torch.Tensor]:
+        return None  # no engine kernel: the log-softmax's values stand
+
     def paged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                         scale: float, window: Optional[int]) -> torch.Tensor:  # fmt: skip
         return _reference_attention(q, k, v, lengths, scale, window)
@@ -411,7 +414,7 @@ def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, *, t
     if temperature == 1.0:
         # the forward value as the engine's fused kernel gives it (on the model-dtype logits);
         # the gradient stays that of the log-softmax above
-        exact = kernels().token_logprobs(flat, t.clamp(min=0)) if hasattr(kernels(), "token_logprobs") else None
+        exact = kernels().token_logprobs(flat, t.clamp(min=0))
         if exact is not None:
             lp = (exact * valid).detach() + (lp - lp.detach())  # + 0.0: the value is exact's bits
     entropy = None
