@@ -390,12 +390,6 @@ class _LogSoftmax(torch.autograd.Function):
         return grad - out.exp() * grad.sum(-1, keepdim=True)
 
 
-def log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    """Row log-softmax of ``logits [n, V]`` as vLLM's sampler computes raw log-probs: the logits cast
-    to fp32, then vLLM's Triton kernel. Returns fp32 ``[n, V]``."""
-    return _LogSoftmax.apply(_acc(logits).contiguous())
-
-
 def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
                                compute_entropy: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:  # fmt: skip
     """vLLM's per-token log-probs: ``log_softmax(logits.float() / temperature)[target]`` (fp32, the
