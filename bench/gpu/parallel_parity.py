@@ -75,19 +75,23 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="hidden 64, 4 layers, vocab 256 (CPU test runs)")
     p.add_argument("--config", default=None, help="a published config.json: its full width, --layers layers")
     p.add_argument("--layers", type=int, default=2, help="with --config: decoder layers kept (default 2)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --config: override a config field (value parsed as JSON), e.g. n_routed_experts=64")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
 def model_config(args: argparse.Namespace) -> dict[str, Any]:
     import mcore_zoo
+    from mcore_zoo.parity.inputs import RANDOM_WEIGHTS_CANNOT_CARRY, parse_set
 
     if args.config:
         config = json.loads(Path(args.config).read_text())
         config.update(num_hidden_layers=args.layers)
         if "first_k_dense_replace" in config:  # keep at least one MoE layer
             config["first_k_dense_replace"] = min(config["first_k_dense_replace"], args.layers - 1)
-        config.pop("quantization_config", None)
+        config.update(RANDOM_WEIGHTS_CANNOT_CARRY)  # random weights: no FP8 blocks, no MTP layer
+        config.update(parse_set(args.set))
         args.arch = config["architectures"][0]
         return config
     config = mcore_zoo.lookup(args.arch).example_config()

@@ -8,7 +8,8 @@
 # and vllm (refit into vLLM, vLLM parity; need bench/gpu/vllm-setup.sh), vllm-exact (the vllm-exact
 # profile against vLLM's batch-invariant mode; needs vllm-setup.sh too), seeds (the training
 # profile at more seeds), moe-exact (hf-exact MoE vs transformers), grouped (TE grouped-GEMM experts)
-# and mla (DeepSeek-V3, te).
+# mla (DeepSeek-V3, te), profile-sdpa (hf-exact-sdpa on te: distance and speed) and two-gpu (refit
+# at TP2, DeepSeek-V3 EP2 / TP2; 2 GPUs). RUN_GPU picks the GPU of the single-GPU on-request phases.
 # Each job logs to OUT/logs/; a failing (or, past its time limit, killed) job is recorded and the
 # others go on. Limits: JOB_TIMEOUT (single-GPU jobs, default 420 s), MULTI_TIMEOUT (torchrun jobs,
 # default 240 s: a layout failing on some ranks only would otherwise wait for NCCL's timeout).
@@ -78,10 +79,10 @@ if [[ " $phases " == *" multi "* ]] && (( ngpu >= 2 )); then
   fi
 fi
 mkdir -p "$out/training" "$out/rollout" "$out/parity"
-run() {  # run NAME TIMEOUT CMD...: in the foreground on GPU 0, log, record the exit code
+run() {  # run NAME TIMEOUT CMD...: in the foreground on GPU $RUN_GPU (default 0), log, record the exit code
   local name=$1 limit=$2
   shift 2
-  CUDA_VISIBLE_DEVICES=0 timeout "$limit" "$@" > "$out/logs/$name.log" 2>&1
+  CUDA_VISIBLE_DEVICES=${RUN_GPU:-0} timeout "$limit" "$@" > "$out/logs/$name.log" 2>&1
   echo "$name exit $?" >> "$out/logs/status"
 }
 dense=(--arch LlamaForCausalLM --arch MistralForCausalLM --arch Qwen2ForCausalLM --arch Qwen3ForCausalLM)
@@ -142,6 +143,33 @@ if [[ " $phases " == *" vllm-exact-speed "* ]]; then
   mkdir -p "$out/rollout/vllm-exact"
   VLLM_BATCH_INVARIANT=1 run vllm-exact-speed 240 bash -c "$py tests/gpu/test_vllm_exact_gpu.py speed \
       LlamaForCausalLM /tmp/vx-speed > $out/rollout/vllm-exact/speed.json"
+fi
+
+if [[ " $phases " == *" profile-sdpa "* ]]; then
+  # hf-exact-sdpa on te (TE GEMMs, HF's norms / RoPE / SwiGLU / biases, attention as HF's sdpa calls
+  # it, one call per sequence): its distance to HF eager against HF sdpa's; bitwise vs HF sdpa?
+  # And torch's varlen flash kernel (one call per pack) in its place. Then their training speed.
+  run parity-hf-exact-sdpa 300 "${report[@]}" "${dense[@]}" --backend te --numerics hf-exact-sdpa \
+      --lengths 512,512,512,512 --out "$out/parity/te-hf-exact-sdpa"
+  run parity-hf-exact-sdpa-bitwise 300 "${report[@]}" "${dense[@]}" --backend te --numerics hf-exact-sdpa \
+      --reference sdpa --bitwise --no-baseline --lengths 512,512,512,300,100,37 --out "$out/parity/te-hf-exact-sdpa-vs-sdpa"
+  run parity-training-varlen 300 "${report[@]}" "${dense[@]}" --backend te --numerics training \
+      --knob attention=varlen --knob linear_bias=fused --lengths 512,512,512,512 --out "$out/parity/te-training-varlen"
+  variants=(--variant te/default=te:default --variant te/training=te:training --variant te/hf-exact-sdpa=te:hf-exact-sdpa
+            --variant "te/training, varlen attention=te:training,attention=varlen,linear_bias=fused")
+  run profile-sdpa-speed 300 $py bench/gpu/numerics_speed.py --no-gemm --out "$out/training/speed-sdpa" "${variants[@]}"
+  run profile-sdpa-speed-16x512 300 $py bench/gpu/numerics_speed.py --no-gemm --batch 16 --seq 512 \
+      --out "$out/training/speed-sdpa-16x512" "${variants[@]}"
+fi
+
+if [[ " $phases " == *" two-gpu "* ]] && (( ngpu >= 2 )); then
+  tr() { local n=$1; shift; timeout "${MULTI_TIMEOUT:-240}" $py -m torch.distributed.run --standalone --nproc_per_node "$n" "$@"; }
+  # refit at TP2 into a TP2 engine (needs vllm-setup.sh), then DeepSeek-V3 (MLA) EP2 / TP2 vs one GPU
+  tr 2 bench/gpu/refit_bench.py --tp 2 --backend te --out "$out/rollout/refit-tp2.json" > "$out/logs/refit-tp2.log" 2>&1
+  echo "refit-tp2 exit $?" >> "$out/logs/status"
+  MULTI_TIMEOUT=${MLA_TIMEOUT:-420} tr 2 bench/gpu/parallel_parity.py --config "${MLA_CONFIG:-.gpu/cfg/deepseek-v3.json}" --layers 2 \
+      --set n_routed_experts=64 --layouts ep2,tp2 --out "$out/parallel-2gpu-mla" > "$out/logs/mla-ep2.log" 2>&1
+  echo "mla-ep2 exit $?" >> "$out/logs/status"
 fi
 
 if [[ " $phases " == *" seeds "* ]]; then
