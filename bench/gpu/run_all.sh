@@ -151,13 +151,13 @@ if [[ " $phases " == *" profile-sdpa "* ]]; then
   # And torch's varlen flash kernel (one call per pack) in its place. Then their training speed.
   run parity-hf-exact-sdpa 300 "${report[@]}" "${dense[@]}" --backend te --numerics hf-exact-sdpa \
       --lengths 512,512,512,512 --out "$out/parity/te-hf-exact-sdpa"
+  variants=(--variant te/default=te:default --variant te/training=te:training --variant te/hf-exact-sdpa=te:hf-exact-sdpa
+            --variant "te/training, varlen attention=te:training,attention=varlen,linear_bias=fused")
+  run profile-sdpa-speed 300 $py bench/gpu/numerics_speed.py --no-gemm --out "$out/training/speed-sdpa" "${variants[@]}"
   run parity-hf-exact-sdpa-bitwise 300 "${report[@]}" "${dense[@]}" --backend te --numerics hf-exact-sdpa \
       --reference sdpa --bitwise --no-baseline --lengths 512,512,512,300,100,37 --out "$out/parity/te-hf-exact-sdpa-vs-sdpa"
   run parity-training-varlen 300 "${report[@]}" "${dense[@]}" --backend te --numerics training \
       --knob attention=varlen --knob linear_bias=fused --lengths 512,512,512,512 --out "$out/parity/te-training-varlen"
-  variants=(--variant te/default=te:default --variant te/training=te:training --variant te/hf-exact-sdpa=te:hf-exact-sdpa
-            --variant "te/training, varlen attention=te:training,attention=varlen,linear_bias=fused")
-  run profile-sdpa-speed 300 $py bench/gpu/numerics_speed.py --no-gemm --out "$out/training/speed-sdpa" "${variants[@]}"
   run profile-sdpa-speed-16x512 300 $py bench/gpu/numerics_speed.py --no-gemm --batch 16 --seq 512 \
       --out "$out/training/speed-sdpa-16x512" "${variants[@]}"
 fi
