@@ -151,9 +151,10 @@ def checkpoint_tensors(ckpt: str) -> dict[str, torch.Tensor]:
 
 
 def export_mismatches(exported: dict, source: dict) -> list[str]:
-    """Names missing on one side, then names whose tensors differ (bitwise)."""
+    """Names missing on one side, then names whose tensors differ (bitwise; compared on the CPU, so an
+    export from a GPU model checks against a checkpoint read to host memory)."""
     names = sorted(set(exported) ^ set(source))
-    return names + [k for k in source if k in exported and not torch.equal(exported[k], source[k])]
+    return names + [k for k in source if k in exported and not torch.equal(exported[k].cpu(), source[k].cpu())]
 
 
 def require_current_deepseek_v2_reference() -> None:

@@ -1,9 +1,12 @@
-"""bf16 on CUDA: the ``hf-exact`` profile is bit-identical to transformers, and flipping a single
-knob back to Megatron-Core's op order breaks that (so the equality is not vacuous).
+"""bf16 on CUDA: the ``hf-exact`` profiles (and ``training`` on ``te``) are bit-identical to
+transformers, and flipping a single knob back to Megatron-Core's op order breaks that (so the
+equality is not vacuous).
 
 CPU counterparts: ``tests/parity/test_dense_parity.py`` (fp32)."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
@@ -44,6 +47,9 @@ def _ids(vocab):
 
 
 VARIANTS = [("local", "hf-exact", "eager"), ("portable", "hf-exact", "eager"), ("portable", "hf-exact-sdpa", "sdpa")]
+if importlib.util.find_spec("transformer_engine") is not None:
+    # the training profile: Transformer Engine's GEMMs, HF's op order around them, HF's sdpa calls
+    VARIANTS.append(("te", "training", "sdpa"))
 
 
 def _pair(checkpoints, name, backend, profile, attn):

@@ -29,13 +29,20 @@ def _build(checkpoint, backend, attention="eager", **kw):
     return mcore_zoo.build_model(checkpoint, backend=backend, numerics=numerics, load=checkpoint, **kw).eval()
 
 
+@pytest.mark.parametrize("numerics", ["sdpa-kernel", "training"])
 @pytest.mark.parametrize("case_id,arch_name,overrides", CASES, ids=CASE_IDS)
-def test_portable_thd_sdpa_bitwise_vs_hf_sdpa(mpu, reference_checkpoint, hf_reference, case_id, arch_name, overrides):
+def test_portable_thd_sdpa_bitwise_vs_hf_sdpa(mpu, reference_checkpoint, hf_reference, case_id, arch_name, overrides,
+                                              numerics):  # fmt: skip
     """Packed THD through the portable backend with the SDPA kernel == HF's sdpa implementation on
-    each sequence alone, bit for bit (the conformance suite checks the eager kernel)."""
+    each sequence alone, bit for bit (the conformance suite checks the eager kernel). The same for
+    the ``training`` profile (HF's op order around the GEMMs, sdpa attention): on the GPU with
+    ``te`` it gives transformers' sdpa logits (tests/gpu/test_hf_exact_gpu.py)."""
     ckpt = reference_checkpoint(arch_name, overrides)
     hf = hf_reference(arch_name, ckpt, "sdpa")
-    model = _build(ckpt, "portable", attention="sdpa")
+    if numerics == "training":
+        model = mcore_zoo.build_model(ckpt, backend="portable", numerics="training", load=ckpt).eval()
+    else:
+        model = _build(ckpt, "portable", attention="sdpa")
     seqs = random_sequences(LENGTHS, hf.config.vocab_size)
     with torch.no_grad():
         out = mcore_zoo.packed_forward(model, seqs, seq_format="thd")
@@ -98,7 +105,7 @@ def test_mutation_broken_weight_map_is_caught(mpu, reference_checkpoint, hf_refe
 
 
 @pytest.mark.parametrize("arch_name,overrides", [("Qwen2ForCausalLM", {}), ("LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True})])
-@pytest.mark.parametrize("numerics", ["default", "hf-exact"])
+@pytest.mark.parametrize("numerics", ["default", "hf-exact", "training"])
 def test_gradients_match_transformers(mpu, reference_checkpoint, hf_reference, arch_name, overrides, numerics):
     """Training parity: the same loss (sum of next-token log-probs over a pack) gives the same
     gradients for every HF tensor as transformers' autograd (fp32; models with biases exercise

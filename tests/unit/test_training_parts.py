@@ -152,12 +152,12 @@ def test_value_head_from_a_causal_lm_checkpoint_needs_an_explicit_init(reference
         mcore_zoo.build_model(ckpt, backend="portable", value_head_init="zeros")
 
 
-def test_the_training_profile_keeps_the_backend_gemms_and_attention():
-    """``training`` = ``default`` with HF-order norms, RoPE and SwiGLU (docs/numerics.md: the GPU
-    distance and speed that chose these knobs)."""
+def test_the_training_profile_keeps_the_backend_gemms():
+    """``training`` = ``default`` with HF-order norms, RoPE, SwiGLU, biases and HF's sdpa attention
+    calls (docs/numerics.md: the GPU distance and speed that chose these knobs)."""
     from mcore_zoo.numerics.profiles import get_profile
 
     default, training = get_profile("default").knobs(), get_profile("training").knobs()
     changed = {k: v for k, v in training.items() if default[k] != v}
     assert changed == {"norm": "hf", "fuse_norm_into_linear": False, "rope_fusion": False,
-                       "bias_activation_fusion": False}  # fmt: skip
+                       "bias_activation_fusion": False, "attention": "sdpa", "linear_bias": "fused"}  # fmt: skip

@@ -9,12 +9,16 @@ Built-in profiles:
 * ``default`` - the fast path: the backend's own norms and fusions (TE fused RoPE, fused
   bias-activation, fused softmax) where the device supports them. RoPE frequencies are still
   computed the HF way (it costs nothing and is required for Llama 3 / YaRN anyway).
-* ``training`` - the backend's GEMMs and fused attention kernel, everything around them in HF's op
-  order: RMSNorm (fp32 normalise, cast, then the weight; not fused into the following GEMM), RoPE
-  and SwiGLU unfused. On a GPU this is as close to HF eager as transformers' own sdpa is
-  (docs/numerics.md); the norm order alone is the largest single term, RoPE and SwiGLU the rest.
-  Meant for RL training on ``te``, whose log-probs should stay as close to the rollout engine's /
-  HF's as possible at most of ``te``'s speed.
+* ``training`` - the backend's GEMMs, everything else in HF's op order: RMSNorm (fp32 normalise,
+  cast, then the weight; not fused into the following GEMM), RoPE and SwiGLU unfused, biases added
+  in the GEMM as ``torch.nn.Linear`` does, and attention as transformers' ``sdpa`` implementation
+  calls ``scaled_dot_product_attention`` (one call per packed sequence). On ``te`` with a GPU the
+  logits then equal those of transformers' sdpa model run on each sequence alone (Transformer
+  Engine's GEMMs matched cuBLAS bit for bit in our runs; TP 1), so the distance to HF eager is
+  transformers' own sdpa-vs-eager distance, at 1.3-1.9x ``default``'s training-step time (docs/numerics.md). Meant
+  for RL training on ``te``. ``with_knobs(attention="backend", linear_bias="separate")`` keeps
+  Transformer Engine's fused attention (and its context-parallel ring): faster, and as close to HF
+  eager as sdpa only on average.
 * ``vllm-exact`` - vLLM's own batch-invariant kernels (``VLLM_BATCH_INVARIANT=1``) in mcore's
   modules, with a backward: the trainer's log-probs bit-identical to what a vLLM engine in that
   mode computes (:mod:`mcore_zoo.specs.vllm_exact`). Needs vLLM and CUDA in the trainer process;
@@ -165,8 +169,10 @@ PROFILES: dict[str, NumericsProfile] = {
         fuse_norm_into_linear=False,
         rope_fusion=False,
         bias_activation_fusion=False,
-        description="the backend's GEMMs and attention kernel; norms, RoPE and SwiGLU in HF's op order"
-        " (as close to HF eager as HF's own sdpa is)",
+        attention="sdpa",
+        linear_bias="fused",
+        description="the backend's GEMMs; norms, RoPE, SwiGLU, biases and attention (sdpa) in HF's op order"
+        " (on te: transformers' sdpa model's logits)",
     ),
     "hf-exact-sdpa": NumericsProfile(
         name="hf-exact-sdpa",
