@@ -99,15 +99,16 @@ fi
 
 if [[ " $phases " == *" profile "* ]]; then
   # the training profile's distance to HF eager next to HF's own sdpa-vs-eager spread, every dense
-  # built-in (8 layers, published width up to 1024), with the ablation from it; a stricter candidate
+  # built-in (8 layers, published width up to 1024), with the ablation from it; the variant on
+  # Transformer Engine's fused attention; their speed
   run parity-training 420 "${report[@]}" "${dense[@]}" --backend te --numerics training \
       --lengths 512,512,512,512 --ablation --out "$out/parity/te-training"
-  run parity-training-unfused 420 "${report[@]}" "${dense[@]}" --backend te --numerics training \
-      --knob bias_activation_fusion=false --knob rope_fusion=false --lengths 512,512,512,512 \
-      --out "$out/parity/te-training-unfused-rope-swiglu"
+  run parity-training-te-attention 420 "${report[@]}" "${dense[@]}" --backend te --numerics training \
+      --knob attention=backend --knob linear_bias=separate --lengths 512,512,512,512 \
+      --out "$out/parity/te-training-te-attention"
   run profile-speed 420 $py bench/gpu/numerics_speed.py --no-gemm --out "$out/training/speed" \
       --variant te/default=te:default --variant te/training=te:training \
-      --variant "te/training, unfused RoPE and SwiGLU=te:training,bias_activation_fusion=false,rope_fusion=false" \
+      --variant "te/training, TE attention=te:training,attention=backend,linear_bias=separate" \
       --variant te/hf-exact=te:hf-exact
 fi
 
@@ -147,8 +148,9 @@ fi
 
 if [[ " $phases " == *" profile-sdpa "* ]]; then
   # hf-exact-sdpa on te (TE GEMMs, HF's norms / RoPE / SwiGLU / biases, attention as HF's sdpa calls
-  # it, one call per sequence): its distance to HF eager against HF sdpa's; bitwise vs HF sdpa?
-  # And torch's varlen flash kernel (one call per pack) in its place. Then their training speed.
+  # it, one call per sequence; the training profile's knobs): its distance to HF eager against HF
+  # sdpa's, and against HF sdpa on a padded mixed-length batch; torch's varlen flash kernel (one
+  # call per pack) in its place. Then their training speed (the measurements behind `training`).
   run parity-hf-exact-sdpa 300 "${report[@]}" "${dense[@]}" --backend te --numerics hf-exact-sdpa \
       --lengths 512,512,512,512 --out "$out/parity/te-hf-exact-sdpa"
   variants=(--variant te/default=te:default --variant te/training=te:training --variant te/hf-exact-sdpa=te:hf-exact-sdpa

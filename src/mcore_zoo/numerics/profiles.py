@@ -12,13 +12,14 @@ Built-in profiles:
 * ``training`` - the backend's GEMMs, everything else in HF's op order: RMSNorm (fp32 normalise,
   cast, then the weight; not fused into the following GEMM), RoPE and SwiGLU unfused, biases added
   in the GEMM as ``torch.nn.Linear`` does, and attention as transformers' ``sdpa`` implementation
-  calls ``scaled_dot_product_attention`` (one call per packed sequence). On ``te`` with a GPU the
-  logits then equal those of transformers' sdpa model run on each sequence alone (Transformer
-  Engine's GEMMs matched cuBLAS bit for bit in our runs; TP 1), so the distance to HF eager is
-  transformers' own sdpa-vs-eager distance, at 1.3-1.9x ``default``'s training-step time (docs/numerics.md). Meant
-  for RL training on ``te``. ``with_knobs(attention="backend", linear_bias="separate")`` keeps
-  Transformer Engine's fused attention (and its context-parallel ring): faster, and as close to HF
-  eager as sdpa only on average.
+  calls ``scaled_dot_product_attention`` (one call per packed sequence). For the dense built-ins
+  on ``te`` with a GPU the logits then equal those of transformers' sdpa model run on each
+  sequence alone (Transformer Engine's GEMMs matched cuBLAS bit for bit in our runs; TP 1), so the
+  distance to HF eager is transformers' own sdpa-vs-eager distance, at 1.4-1.9x ``default``'s
+  training-step time (docs/numerics.md). Meant for RL training on ``te``.
+  ``with_knobs(attention="backend", linear_bias="separate")`` keeps Transformer Engine's fused
+  attention (and its context-parallel ring): faster, and as close to HF eager as sdpa only on
+  average.
 * ``vllm-exact`` - vLLM's own batch-invariant kernels (``VLLM_BATCH_INVARIANT=1``) in mcore's
   modules, with a backward: the trainer's log-probs bit-identical to what a vLLM engine in that
   mode computes (:mod:`mcore_zoo.specs.vllm_exact`). Needs vLLM and CUDA in the trainer process;
