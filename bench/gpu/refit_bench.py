@@ -12,8 +12,9 @@ is randomly initialised (speed does not depend on the values). One refit compute
 binds its data path (reported apart), then ``--iters`` refits are timed (median): wall time from
 the first gather to the engine's last write, synchronised. ``refit_source`` says which data path
 the receiving rank ran (``RefitStats.source``): ``"local"`` at TP1 (each engine shard copied
-straight from a view of the trainer's parameter), ``"stream"`` at TP2 (the export, gathered over
-TP). The host time per tensor around the copies is measured on the CPU by ``bench/refit_host.py``. GB/s counts the bytes written into the engine (all engine
+straight from a view of the trainer's parameter), ``"tp-local"`` at TP2 (each rank's engine shards
+from views of its own TP chunks; ``VLLMAdapter`` reads its engine rank under ``external_launcher``),
+``"stream"`` where neither applies (the export, gathered over TP). The host time per tensor around the copies is measured on the CPU by ``bench/refit_host.py``. GB/s counts the bytes written into the engine (all engine
 ranks). The copy reference moves, per GPU, the same number of bytes as that GPU's engine rank
 receives, with one ``Tensor.copy_`` (bytes counted once, as for the refit).
 

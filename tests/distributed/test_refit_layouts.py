@@ -68,3 +68,83 @@ def test_refit_from_tp2_pp2_ep2_sources(reference_checkpoint, mpu):
         assert_same(found[0][name]["all"], want)
         assert_same(found[1][name]["all"], want)
         assert found[0][name]["refused"] == "the engine refuses" and found[1][name]["refused"] is None
+
+
+def _refit_tp_local(ckpts: dict) -> dict:
+    """Each rank feeds its own engine rank and says so (``engine_rank``): trainer TP2 into engine
+    TP2 cuts each rank's shards from its own TP chunks. Also: one rank's adapter without
+    ``engine_rank`` puts both ranks on the gathered export (the vote)."""
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from mcore_zoo.parallel import ensure_model_parallel
+    from mcore_zoo.rollout import DictAdapter
+    from mcore_zoo.rollout.vllm import VLLMAdapter
+
+    from ..unit.test_refit import FakeLLM, FakeWorker
+
+    rank = dist.get_rank()
+    found: dict = {}
+    for name, ckpt in ckpts.items():
+        parallel = Parallelism(tp=2)
+        ensure_model_parallel(parallel)
+        model = mcore_zoo.build_model(ckpt, backend="portable", parallel=parallel, load=ckpt)
+        mine = DictAdapter(tp_size=2, engine_rank=rank)
+        runs = [mcore_zoo.refit(model, mine, receiver="all", bucket_size="32KB") for _ in range(2)]
+        program = next(iter(model_programs(model).values()))
+        gathered = sorted(p.step.bound.mcore for p in program._params if p.gathered)
+        # the vLLM adapter (direct mode: raw shards, views of the chunks) into this rank's worker
+        want = vllm_engine_tensors(load_file(str(Path(ckpt) / "model.safetensors")),
+                                   json.loads((Path(ckpt) / "config.json").read_text()), 2)  # fmt: skip
+        worker = FakeWorker({k: torch.zeros_like(v) for k, v in want[rank].items()}, rank)
+        raw = VLLMAdapter(FakeLLM([worker]), tp_size=2, transport="inproc", engine_rank=rank)
+        raw_runs = [mcore_zoo.refit(model, raw, receiver="all", bucket_size="32KB") for _ in range(2)]
+        mixed = DictAdapter(tp_size=2, engine_rank=rank if rank == 0 else None)
+        voted = mcore_zoo.refit(model, mixed, receiver="all", bucket_size="32KB")
+        found[name] = {"sources": [r.source for r in runs + raw_runs], "tensors": mine.tensors[rank],
+                       "raw": {k: p.data for k, p in worker.model_runner.model.named_parameters()},
+                       "gathered": gathered, "voted": voted.source, "mixed": mixed.tensors}  # fmt: skip
+        ps.destroy_model_parallel()
+    return found
+
+
+def model_programs(model):
+    from mcore_zoo.handle import handle_of
+
+    return handle_of(model).derived("refit_programs", dict)
+
+
+def test_refit_from_tp_chunks_when_trainer_tp_equals_engine_tp(reference_checkpoint, mpu):
+    """Dense (a vocabulary the engine pads differently: its rows are gathered) and MoE (experts
+    under expert TP2, from their chunks): bit for bit the vLLM-loader emulation's tensors of each
+    rank, on the first refit and the reused plan, through the reference adapter and through the vLLM
+    worker extension (raw shards: views of the chunks)."""
+    import torch
+
+    ckpts = {
+        "llama-vocab-250": reference_checkpoint("LlamaForCausalLM", {"vocab_size": 250, "num_hidden_layers": 2}),
+        "qwen3-moe": reference_checkpoint("Qwen3MoeForCausalLM", {"num_hidden_layers": 2}),
+    }
+    found = launch(_refit_tp_local, 2, {k: str(v) for k, v in ckpts.items()})
+    for name, ckpt in ckpts.items():
+        config = json.loads((ckpt / "config.json").read_text())
+        want = vllm_engine_tensors(load_file(str(ckpt / "model.safetensors")), config, 2)
+        for rank in (0, 1):
+            got = found[rank][name]
+            assert got["sources"] == ["tp-local"] * 4, (name, rank)
+            assert got["voted"] == "stream", (name, rank)  # rank 1 named no engine rank
+            for key in ("tensors", "raw"):
+                assert sorted(got[key]) == sorted(want[rank]), (name, rank, key)
+                for tensor, ref in ((got[key][t], want[rank][t]) for t in want[rank]):
+                    assert torch.equal(tensor, ref), (name, rank, key)
+        vocab_rules = {"embedding.word_embeddings.weight", "output_layer.weight"}
+        assert set(found[0][name]["gathered"]) == set(found[1][name]["gathered"])
+        if name == "llama-vocab-250":
+            assert vocab_rules <= set(found[0][name]["gathered"]), found[0][name]["gathered"]
+        assert not [g for g in found[0][name]["gathered"] if "linear_qkv" in g or "linear_fc" in g or "experts" in g]
+        # the vote: rank 0 fed engine rank 0 only, from the gathered export; rank 1 fed both
+        assert set(found[0][name]["mixed"][0]) == set(want[0]) and not found[0][name]["mixed"][1]
+        assert_same(found[1][name]["mixed"], want)

@@ -1,4 +1,5 @@
-"""Autograd-aware collectives used inside model modules (the zoo's own attention kernels).
+"""Autograd-aware collectives used inside model modules (the zoo's own attention kernels), and a
+vote that keeps a per-rank decision the same on every rank of a group.
 
 Kept here so that :mod:`mcore_zoo.distributed` stays the one package that issues collectives.
 """
@@ -33,3 +34,15 @@ class AllGatherRows(torch.autograd.Function):
 def all_gather_rows(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     """``[n, ...]`` on each rank of ``group`` -> ``[group size, n, ...]``, differentiable."""
     return AllGatherRows.apply(tensor, group)
+
+
+def all_true(flags: list[bool], group: Any) -> list[bool]:
+    """Element-wise AND of ``flags`` over the ranks of ``group`` (every rank passes a list of the
+    same length; each gets the same answer). A decision that must be the same on every rank - which
+    collectives a refit issues - is made with it. NCCL groups reduce on the current CUDA device."""
+    if group is None or dist.get_world_size(group) == 1 or not flags:
+        return list(flags)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    votes = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32, device=device)
+    dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
+    return [bool(v) for v in votes.tolist()]

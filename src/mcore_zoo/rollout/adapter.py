@@ -10,7 +10,10 @@ calls, on the receiving rank::
 and reads two attributes to plan the refit: ``adapter.engine_format`` (an
 :class:`~mcore_zoo.rollout.engine_format.EngineFormat`: how the engine names and fuses tensors) and
 ``adapter.tp_size`` (the engine's tensor-parallel size; shards are cut for every engine rank), and
-one to choose the shards' form: ``adapter.raw_shards`` (below).
+one to choose the shards' form: ``adapter.raw_shards`` (below). An adapter that feeds a single
+engine rank - one engine rank per trainer rank, ``refit(..., receiver="all")`` - may say which in
+``adapter.engine_rank``: a trainer whose TP matches the engine's then sends that rank's shards only
+(``bucket.items[r]`` is empty for every other ``r``), cut from its own TP chunks.
 
 A :class:`RefitBucket` holds, per engine TP rank, ``(slot, tensor)`` pairs: the tensor is that
 rank's shard (a view of the gathered HF tensor, or of the trainer's parameter - read it, do not
@@ -71,7 +74,8 @@ class EngineAdapter:
     """How :func:`mcore_zoo.refit` reaches an inference engine (see module docstring).
 
     Subclasses set ``engine_format`` and ``tp_size`` (and ``raw_shards`` if they accept raw views,
-    see the module docstring) and implement the three calls. ``begin`` may check the plan against
+    ``engine_rank`` if they feed one engine rank only; see the module docstring) and implement the
+    three calls. ``begin`` may check the plan against
     the engine (names, shapes) and refuse it; ``end`` must raise when the engine did not receive
     every tensor of the plan.
     """
@@ -79,6 +83,7 @@ class EngineAdapter:
     engine_format: EngineFormat = VLLM
     tp_size: int = 1
     raw_shards: bool = False
+    engine_rank: Optional[int] = None
 
     def begin(self, plan: "RefitPlan") -> None:
         raise NotImplementedError
@@ -117,8 +122,12 @@ class DictAdapter(EngineAdapter):
     """
 
     def __init__(self, tp_size: int = 1, engine_format: EngineFormat = VLLM,
-                 tensors: Optional[list[dict[str, torch.Tensor]]] = None, device: str = "cpu") -> None:  # fmt: skip
+                 tensors: Optional[list[dict[str, torch.Tensor]]] = None, device: str = "cpu",
+                 engine_rank: Optional[int] = None) -> None:  # fmt: skip
         self.tp_size = tp_size
+        #: the one engine rank this adapter holds (``None``: all of them); only its tensors are
+        #: allocated, written and checked
+        self.engine_rank = engine_rank
         self.engine_format = engine_format
         self.tensors = tensors if tensors is not None else [{} for _ in range(tp_size if engine_format.presplit else 1)]
         self.device = device
@@ -130,6 +139,8 @@ class DictAdapter(EngineAdapter):
         if plan.target_tp != (self.tp_size if self.engine_format.presplit else 1):
             raise ZooError(f"plan for tp={plan.target_tp}, engine tp={self.tp_size}")
         for rank, tensors in enumerate(plan.engine_tensors):
+            if not self._holds(rank):
+                continue
             have = self.tensors[rank]
             for t in tensors:
                 if t.name not in have:
@@ -142,6 +153,8 @@ class DictAdapter(EngineAdapter):
     def load_bucket(self, bucket: RefitBucket) -> None:
         self.calls.append(f"bucket {bucket.index}")
         for rank, items in enumerate(bucket.items):
+            if items and not self._holds(rank):
+                raise ZooError(f"bucket {bucket.index} has shards for engine rank {rank}; this adapter holds rank {self.engine_rank}")
             for slot, tensor in items:
                 self._written[rank][slot.name] += write_slot(self.tensors[rank][slot.name], slot.expert, slot.offset, slot.pad, tensor)
 
@@ -149,11 +162,17 @@ class DictAdapter(EngineAdapter):
         self.calls.append("end")
         missing = []
         for rank, tensors in enumerate(self._plan.engine_tensors):
+            if not self._holds(rank):
+                continue
             for t in tensors:
                 if self._written[rank][t.name] != self.tensors[rank][t.name].numel():
                     missing.append(f"rank {rank}: {t.name} ({self._written[rank][t.name]} of {self.tensors[rank][t.name].numel()} elements)")
         if missing:
             raise ZooError(f"refit incomplete: {len(missing)} engine tensor(s) not fully written: " + "; ".join(missing[:8]))
+
+
+    def _holds(self, rank: int) -> bool:
+        return self.engine_rank is None or rank == self.engine_rank
 
 
 __all__ = ["EngineAdapter", "RefitBucket", "DictAdapter", "write_slot"]

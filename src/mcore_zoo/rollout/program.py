@@ -24,6 +24,17 @@ Two sources of shards:
   dtype: the same view where it has that shape and dtype, else a reshaped / cast copy made per
   refit (q, k, v; a ``dtype`` cast). Rules whose transform has no trusted views (a padded
   vocabulary, a plugin transform) are exported per refit, rule by rule.
+* ``"tp-local"`` - every trainer rank feeds its own engine rank (``receiver="all"``), trainer TP
+  equals engine TP and the adapter names its engine rank (``adapter.engine_rank``), with PP, VPP
+  and EP 1 (:func:`tp_local_source`): each column / row-parallel tensor's engine shard on that
+  rank is exactly this trainer rank's TP chunk of it (q / k / v by query group, gate / up, o /
+  down, expert projections under expert TP), so it is cut from a view of the local parameter as
+  above, with no collective; the cuts are translated from the gathered tensor's coordinates to the
+  chunk's (:func:`_chunk_cuts`). Rules whose engine shard is not this rank's chunk (a vocabulary
+  that the trainer and the engine pad differently, a finishing step, a slot needing a whole fused
+  tensor) are exported per refit with the TP all-gather, every rank taking part in the same order:
+  which rules those are is voted once, when the program is bound, so that every rank issues the
+  same gathers. Items go to this rank's engine rank only.
 * ``"stream"`` - otherwise: the job-wide export (:func:`~mcore_zoo.distributed.export.iter_hf_weights`:
   gathers over TP / EP, buckets moved over PP). Each HF tensor it yields is checked against the
   plan (name, shape) and cut into its shards (views) with cuts computed once.
@@ -60,29 +71,51 @@ def local_source(handle: ModelHandle) -> bool:
     return p.tp == 1 and p.etp == 1 and p.ep == 1 and p.pp == 1 and p.vpp == 1
 
 
-def program_for(handle: ModelHandle, plan: RefitPlan, *, raw_shards: bool, local: bool) -> "RefitProgram":
+def tp_local_source(handle: ModelHandle, target_tp: int, engine_rank: Optional[int]) -> bool:
+    """Whether this rank can feed engine rank ``engine_rank`` of a ``target_tp``-way engine from
+    its own TP chunks (the ``"tp-local"`` source): trainer TP > 1 equal to ``target_tp``, the same
+    rank, PP / VPP / EP 1, expert TP 1 or the dense TP. This rank's answer only: the ranks of a TP
+    group must agree before using it (:func:`mcore_zoo.refit` votes)."""
+    p = handle.placement
+    return (engine_rank is not None and p.tp > 1 and target_tp == p.tp and engine_rank == p.tp_rank
+            and p.pp == 1 and p.vpp == 1 and p.ep == 1 and p.etp in (1, p.tp))  # fmt: skip
+
+
+def program_for(handle: ModelHandle, plan: RefitPlan, *, raw_shards: bool, source: str,
+                engine_rank: Optional[int] = None) -> "RefitProgram":  # fmt: skip
     """The :class:`RefitProgram` of ``plan`` on this model for an adapter with (or without)
-    ``raw_shards``, from the local source or the export stream (``local``: :func:`local_source`):
-    bound on first use, cached on the handle while the plan lives (the programs of a plan that was
-    garbage-collected are dropped at the next binding)."""
-    programs: dict[tuple[int, bool, bool], RefitProgram] = handle.derived("refit_programs", dict)
-    key = (id(plan), raw_shards, local)
+    ``raw_shards``, from ``source`` (``"local"``: :func:`local_source`; ``"tp-local"``:
+    :func:`tp_local_source`, feeding ``engine_rank``; ``"stream"``): bound on first use, cached on
+    the handle while the plan lives (the programs of a plan that was garbage-collected are dropped
+    at the next binding). Binding a ``"tp-local"`` program is collective over the TP group."""
+    programs: dict[tuple[int, bool, str, Optional[int]], RefitProgram] = handle.derived("refit_programs", dict)
+    key = (id(plan), raw_shards, source, engine_rank)
     program = programs.get(key)
     if program is None or program.plan_ref() is not plan:
         for k in [k for k, p in programs.items() if p.plan_ref() is None]:
             del programs[k]
-        program = programs[key] = RefitProgram(handle, plan, raw_shards=raw_shards, local=local)
+        program = programs[key] = RefitProgram(handle, plan, raw_shards=raw_shards, source=source, engine_rank=engine_rank)
     return program
 
 
 class RefitProgram:
     """See the module docstring. :meth:`buckets` runs one refit's data path (the receiving rank)."""
 
-    def __init__(self, handle: ModelHandle, plan: RefitPlan, *, raw_shards: bool, local: bool) -> None:
+    def __init__(self, handle: ModelHandle, plan: RefitPlan, *, raw_shards: bool, source: str,
+                 engine_rank: Optional[int] = None) -> None:  # fmt: skip
+        if source not in ("local", "tp-local", "stream"):
+            raise ValueError(f"refit program source {source!r}")
         self.plan_ref = weakref.ref(plan)
         self.raw_shards = raw_shards
-        self.source = "local" if local else "stream"
-        self.nbytes = [sum(s.nbytes for name in names for per in plan.slots[name] for s in per) for names in plan.buckets]
+        self.source = source
+        self.target_tp = plan.target_tp
+        #: the one engine rank this program feeds (the adapter's ``engine_rank``), else ``None``:
+        #: every engine rank (``"tp-local"`` always has one)
+        self.engine_rank = engine_rank
+        if source == "tp-local" and engine_rank is None:
+            raise ValueError("a 'tp-local' refit program feeds one engine rank")
+        #: per bucket: the bytes of the shards this program sends (its engine ranks')
+        self.nbytes = [sum(s.nbytes for name in names for r in self._ranks for s in plan.slots[name][r]) for names in plan.buckets]
         self.tensors = [len(names) for names in plan.buckets]
         #: per bucket, per engine rank: the slots in plan order (what each shard is)
         self.slots = [[[s for name in names for s in plan.slots[name][rank]] for rank in range(plan.target_tp)]
@@ -91,11 +124,16 @@ class RefitProgram:
             # per bucket: (HF name, planned shape, [(engine rank, cuts)] in slot order) per tensor
             shapes = {name: tuple(shape) for name, shape, _ in plan.hf}
             self._stream_ops = [
-                [(name, shapes[name], [(r, s.cuts) for r in range(plan.target_tp) for s in plan.slots[name][r]]) for name in names]
+                [(name, shapes[name], [(r, s.cuts) for r in self._ranks for s in plan.slots[name][r]]) for name in names]
                 for names in plan.buckets
             ]
         else:
             self._bind_local(handle, plan)
+
+    @property
+    def _ranks(self) -> list[int]:
+        """The engine ranks this program makes shards for."""
+        return list(range(self.target_tp)) if self.engine_rank is None else [self.engine_rank]
 
     # ------------------------------------------------------------------ one refit
     def buckets(self, stream: Optional[Iterator[tuple[str, torch.Tensor]]]) -> Iterator[tuple[int, _Items]]:
@@ -114,9 +152,11 @@ class RefitProgram:
         try:
             self._refresh()
             for index in range(len(self.slots)):
+                self._gather_bucket(index)
                 yield index, self._local_bucket(index)
         finally:
             self._bases, self._offsets = [], []  # hold no parameter between refits
+            self._memo.clear()
 
     def _stream_bucket(self, index: int, ops: list[Any], stream: Iterator[tuple[str, torch.Tensor]]) -> _Items:
         pieces: list[list[torch.Tensor]] = [[] for _ in self.slots[index]]
@@ -135,19 +175,22 @@ class RefitProgram:
                 for axis, start, length in steps:
                     piece = piece.narrow(axis, start, length)
                 pieces[rank].append(piece)
-        return [list(zip(slots, shards)) for slots, shards in zip(self.slots[index], pieces)]
+        return [list(zip(slots, shards)) for slots, shards in zip(self.slots[index], pieces)]  # no shards: no items
 
     # ------------------------------------------------------------------ the local source
     def _bind_local(self, handle: ModelHandle, plan: RefitPlan) -> None:
-        """Which parameter (and which of its rule's HF pieces) every shard comes from; how it is
-        cut out of the parameter is worked out by :meth:`_refresh` (per parameter layout)."""
+        """Which parameter (and which of its rule's HF pieces) every shard comes from, with the
+        slot's cuts in the coordinates of the piece this rank holds (the whole piece at TP 1, its TP
+        chunk for ``"tp-local"``); how it is cut out of the parameter is worked out by
+        :meth:`_refresh` (per parameter layout). ``"tp-local"``: the rules some rank cannot serve
+        from its chunk are voted over the TP group here and exported gathered on every rank."""
         self._params: list[_Param] = []
         owner: dict[str, tuple[int, list[tuple[int, Optional[_Select]]]]] = {}  # HF name -> (param, [(source, select)])
         exported: set[str] = set()
         for chunk in handle.chunks:
             for step in export_steps(handle, chunk):
                 index = len(self._params)
-                self._params.append(_Param(step, chunk))
+                self._params.append(_Param(step, chunk, handle.tp_slot(step.bound)))
                 for k, (name, select) in enumerate(zip(step.bound.hf, step.bound.selects)):
                     owner.setdefault(name, (index, []))[1].append((k, select))
                     exported.add(name)
@@ -169,14 +212,37 @@ class RefitProgram:
             positions = [0] * plan.target_tp
             for name in names:
                 index, sources = owner[name]
-                for rank in range(plan.target_tp):
+                param = self._params[index]
+                for rank in self._ranks:
                     for slot in plan.slots[name][rank]:
+                        position = positions[rank]
+                        positions[rank] += 1
                         source, part, cuts = _piece_of(slot, sources)
-                        shape = list(planned[name])  # the source's piece of the HF tensor
+                        shape = list(planned[name])  # the source's piece of the HF tensor, gathered
                         if part is not None:
                             shape[part[0]] = part[2]
-                        self._params[index].uses.append(_Use(b, rank, positions[rank], slot, name, source, tuple(shape), cuts))
-                        positions[rank] += 1
+                        held = None if source is None else _chunk_cuts(tuple(shape), cuts, param.step.bound.tp_axes[source], *param.tp[:2])
+                        if held is None:
+                            if source is not None or param.tp[1] > 1:
+                                param.gathered = True  # (a TP1 slot of a whole fused tensor: exported per refit)
+                            param.uses.append(_Use(b, rank, position, slot, name, None, tuple(shape), cuts))
+                            continue
+                        param.chunk_shapes[source] = held[0]
+                        param.uses.append(_Use(b, rank, position, slot, name, source, *held))
+        if self.source == "tp-local":
+            from ..distributed.collectives import all_true
+
+            served = all_true([not p.gathered for p in self._params], handle.placement.groups.tp)
+            for param, ok in zip(self._params, served):
+                param.gathered = not ok
+            from ..distributed.export import tp_gather_for
+
+            self._gather_for = tp_gather_for(handle)
+        #: per bucket: the parameters exported gathered (every rank, this order) before its shards
+        self._gathers: list[list[int]] = []
+        for names in plan.buckets:
+            order = list(dict.fromkeys(owner[name][0] for name in names))
+            self._gathers.append([i for i in order if self._params[i].gathered and self.source == "tp-local"])
         self._memo: dict[int, dict[str, torch.Tensor]] = {}
         self._bases: list[torch.Tensor] = []
         self._offsets: list[int] = []
@@ -197,11 +263,19 @@ class RefitProgram:
     def _rebind(self, index: int, param: _Param, base: torch.Tensor) -> None:
         step = param.step
         meta = torch.empty(base.shape, dtype=base.dtype, device="meta")
-        for name, piece in export_rule(step.bound, meta, step.ctx):
-            if tuple(piece.shape) != param.planned[name]:
-                raise ZooError(f"refit: {name}: planned shape {param.planned[name]}, the model's is {tuple(piece.shape)}"
+        if self.source == "local":
+            pieces = export_rule(step.bound, meta, step.ctx)
+            shapes = {name: tuple(piece.shape) for name, piece in pieces}
+            wanted = param.planned
+        else:  # this rank's chunks, before any gather
+            shapes = {k: tuple(piece.shape) for k, piece in enumerate(step.bound.transform.split(meta, step.ctx))}
+            wanted = {k: shape for k, shape in param.chunk_shapes.items() if not param.gathered}
+        for key, shape in wanted.items():
+            if shapes.get(key) != shape:
+                what = key if isinstance(key, str) else f"{step.bound.hf[key]} (this rank's chunk)"
+                raise ZooError(f"refit: {what}: planned shape {shape}, the model's is {shapes.get(key)}"
                                " (plan made for another model?)")  # fmt: skip
-        views = export_views(step.bound, base, step.ctx)
+        views = None if param.gathered else export_views(step.bound, base, step.ctx, chunk=self.source == "tp-local")
         offset = base.storage_offset()
         for use in param.uses:
             view = None
@@ -218,8 +292,22 @@ class RefitProgram:
             self._recipes[use.bucket][use.rank][use.position] = recipe
 
     def _computed(self, index: int, use: _Use) -> _Dynamic:
-        """A shard exported per refit: the rule's HF tensors (once per bucket), then the slot's cuts."""
+        """A shard made per refit: from the rule's HF tensors (exported once per bucket: by
+        :meth:`_gather_bucket` for a gathered rule, else here from this rank's tensor), cut by the
+        slot; or, for a ``"tp-local"`` rule without views, from this rank's chunk of the piece."""
         raw = self.raw_shards
+        param = self._params[index]
+        if self.source == "tp-local" and not param.gathered:
+            assert use.source is not None
+
+            def chunk_shard() -> torch.Tensor:
+                step = param.step
+                piece = step.bound.transform.split(self._bases[index], step.ctx)[use.source]
+                for axis, start, length in use.cuts:
+                    piece = piece.narrow(axis, start, length)
+                return piece if raw else piece.reshape(use.slot.shape).to(use.slot.dtype)
+
+            return chunk_shard
 
         def shard() -> torch.Tensor:
             hf = self._memo.get(index)
@@ -231,33 +319,48 @@ class RefitProgram:
 
         return shard
 
+    def _gather_bucket(self, index: int) -> None:
+        """``"tp-local"``: export the bucket's gathered rules (all-gathered over their TP group; every
+        rank of the group runs the same list in the same order), checked against the plan."""
+        for i in self._gathers[index] if self.source == "tp-local" else ():
+            step = self._params[i].step
+            hf = dict(export_rule(step.bound, self._bases[i], step.ctx, gather=self._gather_for(step.bound)))
+            for name, tensor in hf.items():
+                if tuple(tensor.shape) != self._params[i].planned[name]:
+                    raise ZooError(f"refit: {name}: planned shape {self._params[i].planned[name]}, the model's is"
+                                   f" {tuple(tensor.shape)} (plan made for another model?)")  # fmt: skip
+            self._memo[i] = hf
+
     def _local_bucket(self, index: int) -> _Items:
         bases, offsets, strided = self._bases, self._offsets, torch.as_strided
-        items = []
-        for slots, recipes in zip(self.slots[index], self._recipes[index]):
+        items: _Items = [[] for _ in range(self.target_tp)]
+        for rank in self._ranks:
             shards = []
-            for param, size, stride, offset, make in recipes:
+            for param, size, stride, offset, make in self._recipes[index][rank]:
                 if size is None:
                     shards.append(make())
                     continue
                 view = bases[param] if stride is None else strided(bases[param], size, stride, offsets[param] + offset)
                 shards.append(view if make is None else make(view))
-            items.append(list(zip(slots, shards)))
+            items[rank] = list(zip(self.slots[index][rank], shards))
         self._memo.clear()
         return items
 
 
 class _Param:
-    """One exported mcore tensor of the local source: its step, chunk, the shards it feeds, and
-    the layout its recipes were made for."""
+    """One exported mcore tensor of the local sources: its step, chunk, TP slot ``(rank, size,
+    group)``, the shards it feeds, the shape of this rank's chunk of each source piece they use, the
+    layout its recipes were made for, and whether it is exported gathered (``"tp-local"``)."""
 
-    __slots__ = ("step", "chunk", "uses", "planned", "key")
+    __slots__ = ("step", "chunk", "tp", "uses", "planned", "chunk_shapes", "key", "gathered")
 
-    def __init__(self, step: ExportStep, chunk: torch.nn.Module) -> None:
-        self.step, self.chunk = step, chunk
+    def __init__(self, step: ExportStep, chunk: torch.nn.Module, tp: tuple[int, int, Any]) -> None:
+        self.step, self.chunk, self.tp = step, chunk, tp
         self.uses: list[_Use] = []
         self.planned: dict[str, tuple[int, ...]] = {}
+        self.chunk_shapes: dict[int, tuple[int, ...]] = {}
         self.key: Any = None
+        self.gathered = False
 
 
 class _Use:
@@ -287,6 +390,31 @@ def _piece_of(slot: Slot, sources: list[tuple[int, Optional[_Select]]]) -> tuple
     return None, None, slot.cuts
 
 
+def _chunk_cuts(shape: tuple[int, ...], cuts: tuple[Cut, ...], axis: Optional[int], rank: int,
+                size: int) -> Optional[tuple[tuple[int, ...], tuple[Cut, ...]]]:  # fmt: skip
+    """A slot's ``cuts`` of a gathered piece of ``shape`` (split over ``size`` TP ranks along
+    ``axis``; ``None``: replicated) in the coordinates of the chunk rank ``rank`` holds: ``(chunk
+    shape, cuts)``. ``None`` when the slot does not lie inside that chunk (it needs other ranks'
+    rows) or cuts the split axis more than once."""
+    if axis is None or size == 1:
+        return shape, cuts
+    length, rest = divmod(shape[axis], size)
+    if rest:
+        return None
+    chunk = (*shape[:axis], length, *shape[axis + 1 :])
+    lo, out, seen = rank * length, [], False
+    for cut_axis, start, n in cuts:
+        if cut_axis != axis:
+            out.append((cut_axis, start, n))
+            continue
+        if seen or start < lo or start + n > lo + length:
+            return None
+        seen = True
+        if n != length:
+            out.append((axis, start - lo, n))
+    return (chunk, tuple(out)) if seen else None
+
+
 def _cut_view(view: torch.Tensor, shape: tuple[int, ...], cuts: tuple[Cut, ...]) -> Optional[torch.Tensor]:
     """``cuts`` (``narrow`` steps in the HF piece's coordinates, ``shape``) applied to ``view``,
     which holds the piece in row-major order with its first dimension possibly split
@@ -313,4 +441,4 @@ def _reshaped(slot: Slot) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda view: view.reshape(slot.shape).to(slot.dtype)
 
 
-__all__ = ["RefitProgram", "program_for", "local_source"]
+__all__ = ["RefitProgram", "program_for", "local_source", "tp_local_source"]

@@ -46,7 +46,9 @@ class RefitStats:
     nbytes: int
     seconds: float
     planned: bool  # this call computed the plan
-    source: str = ""  # the receiving rank's data path: "local" (views of the parameters) or "stream" (the export)
+    #: the receiving rank's data path: "local" (views of the parameters), "tp-local" (views of this
+    #: rank's TP chunks, for its own engine rank) or "stream" (the export)
+    source: str = ""
 
     @property
     def gbps(self) -> float:
@@ -96,7 +98,11 @@ def refit(
         dtype: cast tensors before they travel (``None``: the parameters' dtype).
         receiver: global rank that talks to the engine, or ``"all"``: every rank receives every
             tensor and has its own adapter (one engine rank per trainer rank, e.g. vLLM's
-            ``external_launcher`` executor; each engine rank keeps its own shards).
+            ``external_launcher`` executor; each engine rank keeps its own shards). When the
+            adapters name their engine rank (``adapter.engine_rank``, the trainer's TP rank) and
+            trainer TP equals engine TP (PP / EP 1), each rank sends only its engine rank's shards,
+            cut from its own TP chunks without gathering them (``RefitStats.source ==
+            "tp-local"``; :mod:`mcore_zoo.rollout.program`).
 
     Every rank of the job must call it (it gathers over TP / EP / PP). When the receiver fails
     (the engine refuses the plan, a bucket fails), it still runs the export to its end so that the
@@ -128,13 +134,22 @@ def refit(
         raise ZooError(f"refit: plan made for the {plan.engine_format.name!r} engine format, adapter wants {adapter.engine_format.name!r}")
     if adapter.engine_format.presplit and plan.target_tp != adapter.tp_size:
         raise ZooError(f"refit: plan cut for engine tp={plan.target_tp}, adapter has tp={adapter.tp_size}")
-    # the local source reads the parameters directly and issues no collective: no export stream
-    local = programs.local_source(handle)
-    stream = None if local else _stream(handle, plan, receiver)
+    # the local sources read the parameters directly (no export stream): "local" without any
+    # collective, "tp-local" with the TP all-gathers of the few rules no rank holds its engine
+    # shard of; the ranks of a TP group vote, so that all of them take the same path
+    engine_rank = getattr(adapter, "engine_rank", None) if receiver == "all" else None
+    source = "local" if programs.local_source(handle) else "stream"
+    if source == "stream" and receiver == "all" and handle.placement.tp > 1:
+        from ..distributed.collectives import all_true
+
+        if all_true([programs.tp_local_source(handle, plan.target_tp, engine_rank)], handle.placement.groups.tp)[0]:
+            source = "tp-local"
+    stream = _stream(handle, plan, receiver) if source == "stream" else None
     _sync(handle)
     t0 = time.perf_counter()
     try:
-        program = programs.program_for(handle, plan, raw_shards=bool(getattr(adapter, "raw_shards", False)), local=local)
+        program = programs.program_for(handle, plan, raw_shards=bool(getattr(adapter, "raw_shards", False)),
+                                       source=source, engine_rank=engine_rank)  # fmt: skip
         nbytes, tensors = _feed(adapter, plan, program, stream)
     except Exception:
         # keep the other ranks' gathers matched: they are iterating the same export

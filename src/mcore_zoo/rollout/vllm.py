@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
@@ -79,10 +79,15 @@ class VLLMAdapter(EngineAdapter):
         tp_size: the engine's tensor-parallel size (default: read from the engine's config).
         reset_prefix_cache: after a refit, drop vLLM's cached KV blocks (computed with the old
             weights) through ``llm.reset_prefix_cache()``.
+        engine_rank: the one engine TP rank this adapter feeds (``refit(..., receiver="all")``
+            with one engine rank per trainer rank: a trainer of the same TP then sends that rank's
+            shards only, from its own TP chunks). ``"auto"``: the worker's TP rank when the engine
+            runs vLLM's ``external_launcher`` executor (one worker in this process), else ``None``
+            (every rank's shards arrive; each worker takes its own).
     """
 
     def __init__(self, llm: Any, *, mode: str = "direct", transport: str = "auto", tp_size: Optional[int] = None,
-                 reset_prefix_cache: bool = True) -> None:  # fmt: skip
+                 reset_prefix_cache: bool = True, engine_rank: Union[int, str, None] = "auto") -> None:  # fmt: skip
         if mode not in ("direct", "load_weights"):
             raise ValueError(f"mode must be 'direct' or 'load_weights', got {mode!r}")
         self.llm = llm
@@ -93,6 +98,9 @@ class VLLMAdapter(EngineAdapter):
         self.reset_prefix_cache = reset_prefix_cache
         # direct mode copies each shard into a region of its parameter, viewed in the shard's shape
         self.raw_shards = mode == "direct"
+        if engine_rank == "auto":
+            engine_rank = _worker_tp_rank(llm) if mode == "direct" and _executor(llm) == "ExecutorWithExternalLauncher" else None
+        self.engine_rank: Optional[int] = engine_rank  # type: ignore[assignment]
         self._manifest_for: Optional["weakref.ref[RefitPlan]"] = None
 
     def begin(self, plan: "RefitPlan") -> None:
@@ -121,11 +129,24 @@ def _engine_tp(llm: Any) -> int:
     return int(config.parallel_config.tensor_parallel_size)
 
 
+def _executor(llm: Any) -> str:
+    """The class name of the engine's executor (``""`` when it has none in this process)."""
+    executor = getattr(getattr(llm, "llm_engine", None), "model_executor", None)
+    return "" if executor is None else type(executor).__name__
+
+
 def _transport(llm: Any) -> str:
     """``inproc`` when the engine's worker lives in this process (an in-process engine core with
     ``UniProcExecutor``, or ``ExecutorWithExternalLauncher``: one engine rank per trainer rank)."""
-    executor = type(getattr(llm.llm_engine, "model_executor", None)).__name__
-    return "inproc" if executor in ("UniProcExecutor", "ExecutorWithExternalLauncher") else "ipc"
+    return "inproc" if _executor(llm) in ("UniProcExecutor", "ExecutorWithExternalLauncher") else "ipc"
+
+
+def _worker_tp_rank(llm: Any) -> int:
+    """The TP rank of the engine's one worker in this process."""
+    ranks = llm.collective_rpc("zoo_tp_rank")
+    if len(ranks) != 1:
+        raise ZooError(f"engine_rank='auto': expected one worker in this process, the engine has {len(ranks)}")
+    return int(ranks[0])
 
 
 def _check(results: list[Any], what: str) -> None:
@@ -320,6 +341,10 @@ class ZooWorkerExtension:
         from vllm.distributed import parallel_state
 
         return parallel_state.get_tp_group().rank_in_group
+
+    def zoo_tp_rank(self) -> int:
+        """This worker's tensor-parallel rank (``VLLMAdapter(engine_rank="auto")`` asks)."""
+        return self._zoo_tp_rank()
 
     def _zoo_relayout_modules(self) -> list[tuple[str, Any]]:
         """MoE layers whose kernel keeps experts in its own layout after loading (FlashInfer

@@ -121,18 +121,21 @@ def hf_copies(handle: "ModelHandle") -> dict[str, list[str]]:
     return handle.derived("hf_copies", make)
 
 
-def export_views(b: BoundRule, tensor: torch.Tensor, ctx: TransformContext) -> Optional[list[tuple[str, Any, torch.Tensor]]]:
+def export_views(b: BoundRule, tensor: torch.Tensor, ctx: TransformContext, *,
+                 chunk: bool = False) -> Optional[list[tuple[str, Any, torch.Tensor]]]:  # fmt: skip
     """The HF pieces of rule ``b`` as views of its mcore ``tensor``, without a copy, where the
-    transform allows it: ``(hf_name, select, view)`` per source, in source order.
+    transform allows it: ``(hf_name, select, view)`` per source, in source order. ``chunk=True``:
+    under tensor parallelism too, each view then holds this rank's TP chunk of its piece (what the
+    rank has, before any gather; a transform works on its rank's chunks).
 
     A view holds its piece's elements in row-major order (the ``views`` contract of
     :class:`~.rules.Transform`), possibly in another shape: QKV's q view is ``[groups, q_rows,
     ...]`` for the HF ``[groups * q_rows, ...]``. ``view.reshape(piece_shape)`` is what
     :func:`export_rule` yields for that source (before fused HF parts are concatenated). ``None``
     when there are no trusted views (:func:`~.rules.direct_views`), when the pieces need a
-    tensor-parallel gather (``ctx.tp_size > 1``) or a finishing step (a padded vocabulary), or when
-    ``tensor`` cannot be viewed so."""
-    if ctx.tp_size != 1 or getattr(b.transform, "finish", None) is not None:
+    tensor-parallel gather (``ctx.tp_size > 1`` without ``chunk``) or a finishing step (a padded
+    vocabulary), or when ``tensor`` cannot be viewed so."""
+    if (ctx.tp_size != 1 and not chunk) or getattr(b.transform, "finish", None) is not None:
         return None
     try:
         views = direct_views(b.transform, tensor, ctx)
