@@ -88,10 +88,10 @@ def _refit_tp_local(ckpts: dict) -> dict:
 
     rank = dist.get_rank()
     found: dict = {}
-    for name, ckpt in ckpts.items():
+    for name, (ckpt, build) in ckpts.items():
         parallel = Parallelism(tp=2)
         ensure_model_parallel(parallel)
-        model = mcore_zoo.build_model(ckpt, backend="portable", parallel=parallel, load=ckpt)
+        model = mcore_zoo.build_model(ckpt, backend="portable", parallel=parallel, load=ckpt, **build)
         mine = DictAdapter(tp_size=2, engine_rank=rank)
         runs = [mcore_zoo.refit(model, mine, receiver="all", bucket_size="32KB") for _ in range(2)]
         program = next(iter(model_programs(model).values()))
@@ -118,18 +118,23 @@ def model_programs(model):
 
 
 def test_refit_from_tp_chunks_when_trainer_tp_equals_engine_tp(reference_checkpoint, mpu):
-    """Dense (a vocabulary the engine pads differently: its rows are gathered) and MoE (experts
+    """Dense (vocabularies the engine pads differently: their rows are gathered) and MoE (experts
     under expert TP2, from their chunks): bit for bit the vLLM-loader emulation's tensors of each
     rank, on the first refit and the reused plan, through the reference adapter and through the vLLM
     worker extension (raw shards: views of the chunks)."""
     import torch
 
     ckpts = {
-        "llama-vocab-250": reference_checkpoint("LlamaForCausalLM", {"vocab_size": 250, "num_hidden_layers": 2}),
-        "qwen3-moe": reference_checkpoint("Qwen3MoeForCausalLM", {"num_hidden_layers": 2}),
+        # the engine pads 250 to 256 (128 rows per rank), the trainer splits 125 / 125
+        "llama-vocab-250": (reference_checkpoint("LlamaForCausalLM", {"vocab_size": 250, "num_hidden_layers": 2}), {}),
+        # the trainer pads 384 to 512 (make_vocab_size_divisible_by), the engine splits 192 / 192:
+        # a rank's padded rows are not its engine rows, though the cuts alone would fit
+        "llama-vocab-384-padded": (reference_checkpoint("LlamaForCausalLM", {"vocab_size": 384, "num_hidden_layers": 2}),
+                                   {"make_vocab_size_divisible_by": 128}),
+        "qwen3-moe": (reference_checkpoint("Qwen3MoeForCausalLM", {"num_hidden_layers": 2}), {}),
     }
-    found = launch(_refit_tp_local, 2, {k: str(v) for k, v in ckpts.items()})
-    for name, ckpt in ckpts.items():
+    found = launch(_refit_tp_local, 2, {k: (str(v), kw) for k, (v, kw) in ckpts.items()})
+    for name, (ckpt, _) in ckpts.items():
         config = json.loads((ckpt / "config.json").read_text())
         want = vllm_engine_tensors(load_file(str(ckpt / "model.safetensors")), config, 2)
         for rank in (0, 1):
@@ -142,7 +147,7 @@ def test_refit_from_tp_chunks_when_trainer_tp_equals_engine_tp(reference_checkpo
                     assert torch.equal(tensor, ref), (name, rank, key)
         vocab_rules = {"embedding.word_embeddings.weight", "output_layer.weight"}
         assert set(found[0][name]["gathered"]) == set(found[1][name]["gathered"])
-        if name == "llama-vocab-250":
+        if name.startswith("llama-vocab"):
             assert vocab_rules <= set(found[0][name]["gathered"]), found[0][name]["gathered"]
         assert not [g for g in found[0][name]["gathered"] if "linear_qkv" in g or "linear_fc" in g or "experts" in g]
         # the vote: rank 0 fed engine rank 0 only, from the gathered export; rank 1 fed both

@@ -190,7 +190,11 @@ class RefitProgram:
         for chunk in handle.chunks:
             for step in export_steps(handle, chunk):
                 index = len(self._params)
-                self._params.append(_Param(step, chunk, handle.tp_slot(step.bound)))
+                param = _Param(step, chunk, handle.tp_slot(step.bound))
+                # a finishing step (a padded vocabulary) works on the gathered tensor only: its
+                # rank's rows are not a chunk of the HF tensor
+                param.gathered = param.tp[1] > 1 and getattr(step.bound.transform, "finish", None) is not None
+                self._params.append(param)
                 for k, (name, select) in enumerate(zip(step.bound.hf, step.bound.selects)):
                     owner.setdefault(name, (index, []))[1].append((k, select))
                     exported.add(name)
