@@ -42,7 +42,8 @@ def all_true(flags: list[bool], group: Any) -> list[bool]:
     collectives a refit issues - is made with it. NCCL groups reduce on the current CUDA device."""
     if group is None or dist.get_world_size(group) == 1 or not flags:
         return list(flags)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     votes = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32, device=device)
     dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
     return [bool(v) for v in votes.tolist()]

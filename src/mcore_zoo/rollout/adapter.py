@@ -154,7 +154,8 @@ class DictAdapter(EngineAdapter):
         self.calls.append(f"bucket {bucket.index}")
         for rank, items in enumerate(bucket.items):
             if items and not self._holds(rank):
-                raise ZooError(f"bucket {bucket.index} has shards for engine rank {rank}; this adapter holds rank {self.engine_rank}")
+                raise ZooError(f"bucket {bucket.index} has shards for engine rank {rank};"
+                               f" this adapter holds rank {self.engine_rank}")  # fmt: skip
             for slot, tensor in items:
                 self._written[rank][slot.name] += write_slot(self.tensors[rank][slot.name], slot.expert, slot.offset, slot.pad, tensor)
 

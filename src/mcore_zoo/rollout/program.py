@@ -115,7 +115,8 @@ class RefitProgram:
         if source == "tp-local" and engine_rank is None:
             raise ValueError("a 'tp-local' refit program feeds one engine rank")
         #: per bucket: the bytes of the shards this program sends (its engine ranks')
-        self.nbytes = [sum(s.nbytes for name in names for r in self._ranks for s in plan.slots[name][r]) for names in plan.buckets]
+        self.nbytes = [sum(s.nbytes for name in names for r in self._ranks for s in plan.slots[name][r])
+                       for names in plan.buckets]  # fmt: skip
         self.tensors = [len(names) for names in plan.buckets]
         #: per bucket, per engine rank: the slots in plan order (what each shard is)
         self.slots = [[[s for name in names for s in plan.slots[name][rank]] for rank in range(plan.target_tp)]
@@ -225,28 +226,30 @@ class RefitProgram:
                         shape = list(planned[name])  # the source's piece of the HF tensor, gathered
                         if part is not None:
                             shape[part[0]] = part[2]
-                        held = None if source is None else _chunk_cuts(tuple(shape), cuts, param.step.bound.tp_axes[source], *param.tp[:2])
-                        if held is None:
-                            if source is not None or param.tp[1] > 1:
-                                param.gathered = True  # (a TP1 slot of a whole fused tensor: exported per refit)
+                        held = None
+                        if source is not None:
+                            axis = param.step.bound.tp_axes[source]
+                            held = _chunk_cuts(tuple(shape), cuts, axis, *param.tp[:2])
+                        if held is None:  # the slot needs more than this rank's piece
+                            # under TP the rule is then exported gathered; at TP 1 (a slot of a
+                            # whole fused HF tensor) this rank's export has it all
+                            param.gathered = param.gathered or param.tp[1] > 1
                             param.uses.append(_Use(b, rank, position, slot, name, None, tuple(shape), cuts))
                             continue
                         param.chunk_shapes[source] = held[0]
                         param.uses.append(_Use(b, rank, position, slot, name, source, *held))
-        if self.source == "tp-local":
+        if self.source == "tp-local":  # the same gathers on every rank: a rule one rank needs gathered, all gather
             from ..distributed.collectives import all_true
+            from ..distributed.export import tp_gather_for
 
             served = all_true([not p.gathered for p in self._params], handle.placement.groups.tp)
             for param, ok in zip(self._params, served):
                 param.gathered = not ok
-            from ..distributed.export import tp_gather_for
-
             self._gather_for = tp_gather_for(handle)
-        #: per bucket: the parameters exported gathered (every rank, this order) before its shards
-        self._gathers: list[list[int]] = []
-        for names in plan.buckets:
-            order = list(dict.fromkeys(owner[name][0] for name in names))
-            self._gathers.append([i for i in order if self._params[i].gathered and self.source == "tp-local"])
+        #: per bucket: the parameters exported gathered before its shards (every rank, this order;
+        #: only ``"tp-local"`` has any)
+        self._gathers = [[i for i in dict.fromkeys(owner[name][0] for name in names) if self._params[i].gathered]
+                         for names in plan.buckets]  # fmt: skip
         self._memo: dict[int, dict[str, torch.Tensor]] = {}
         self._bases: list[torch.Tensor] = []
         self._offsets: list[int] = []
@@ -326,7 +329,7 @@ class RefitProgram:
     def _gather_bucket(self, index: int) -> None:
         """``"tp-local"``: export the bucket's gathered rules (all-gathered over their TP group; every
         rank of the group runs the same list in the same order), checked against the plan."""
-        for i in self._gathers[index] if self.source == "tp-local" else ():
+        for i in self._gathers[index]:
             step = self._params[i].step
             hf = dict(export_rule(step.bound, self._bases[i], step.ctx, gather=self._gather_for(step.bound)))
             for name, tensor in hf.items():

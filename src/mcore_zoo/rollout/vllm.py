@@ -99,7 +99,8 @@ class VLLMAdapter(EngineAdapter):
         # direct mode copies each shard into a region of its parameter, viewed in the shard's shape
         self.raw_shards = mode == "direct"
         if engine_rank == "auto":
-            engine_rank = _worker_tp_rank(llm) if mode == "direct" and _executor(llm) == "ExecutorWithExternalLauncher" else None
+            external = mode == "direct" and _executor(llm) == "ExecutorWithExternalLauncher"
+            engine_rank = _worker_tp_rank(llm) if external else None
         self.engine_rank: Optional[int] = engine_rank  # type: ignore[assignment]
         self._manifest_for: Optional["weakref.ref[RefitPlan]"] = None
 
