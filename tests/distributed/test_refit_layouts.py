@@ -89,7 +89,8 @@ def _refit_tp_local(ckpts: dict) -> dict:
     rank = dist.get_rank()
     found: dict = {}
     for name, (ckpt, build) in ckpts.items():
-        parallel = Parallelism(tp=2)
+        build = dict(build)
+        parallel = Parallelism(tp=2, etp=build.pop("etp", None))
         ensure_model_parallel(parallel)
         model = mcore_zoo.build_model(ckpt, backend="portable", parallel=parallel, load=ckpt, **build)
         mine = DictAdapter(tp_size=2, engine_rank=rank)
@@ -119,7 +120,7 @@ def model_programs(model):
 
 def test_refit_from_tp_chunks_when_trainer_tp_equals_engine_tp(reference_checkpoint, mpu):
     """Dense (vocabularies the engine pads differently: their rows are gathered) and MoE (experts
-    under expert TP2, from their chunks): bit for bit the vLLM-loader emulation's tensors of each
+    under expert TP2 from their chunks, and whole under expert TP1): bit for bit the vLLM-loader emulation's tensors of each
     rank, on the first refit and the reused plan, through the reference adapter and through the vLLM
     worker extension (raw shards: views of the chunks)."""
     import torch
@@ -132,6 +133,8 @@ def test_refit_from_tp_chunks_when_trainer_tp_equals_engine_tp(reference_checkpo
         "llama-vocab-384-padded": (reference_checkpoint("LlamaForCausalLM", {"vocab_size": 384, "num_hidden_layers": 2}),
                                    {"make_vocab_size_divisible_by": 128}),
         "qwen3-moe": (reference_checkpoint("Qwen3MoeForCausalLM", {"num_hidden_layers": 2}), {}),
+        # experts whole on every rank (expert TP 1): the engine's expert TP rows are cut from them
+        "qwen3-moe-etp1": (reference_checkpoint("Qwen3MoeForCausalLM", {"num_hidden_layers": 2}), {"etp": 1}),
     }
     found = launch(_refit_tp_local, 2, {k: (str(v), kw) for k, (v, kw) in ckpts.items()})
     for name, (ckpt, _) in ckpts.items():
