@@ -558,3 +558,21 @@ def test_cuts_map_onto_a_view_whose_first_dimension_is_split():
     assert torch.equal(_cut_view(piece, (24, 3), ((0, 5, 7),)), piece.narrow(0, 5, 7))
     scalar = torch.tensor(1.0)
     assert _cut_view(scalar, (), ()) is scalar and _cut_view(scalar, (), ((0, 0, 1),)) is None
+
+
+def test_chunk_cuts_translate_a_slot_into_the_rank_chunk():
+    """``tp-local``: a slot's cuts of the gathered piece, in the coordinates of the TP chunk a rank
+    holds - or ``None`` where the slot reaches outside that chunk (the rule is then gathered)."""
+    from mcore_zoo.rollout.program import _chunk_cuts
+
+    shape = (8, 6)  # split over 2 ranks along axis 0: rows 0-3 on rank 0, 4-7 on rank 1
+    assert _chunk_cuts(shape, ((0, 4, 4),), 0, 1, 2) == ((4, 6), ())  # exactly rank 1's rows
+    assert _chunk_cuts(shape, ((0, 4, 4), (1, 2, 3)), 0, 1, 2) == ((4, 6), ((1, 2, 3),))  # other axes kept
+    assert _chunk_cuts(shape, ((0, 5, 2),), 0, 1, 2) == ((4, 6), ((0, 1, 2),))  # inside the chunk
+    assert _chunk_cuts(shape, ((0, 2, 4),), 0, 1, 2) is None  # starts in rank 0's rows
+    assert _chunk_cuts(shape, ((0, 4, 4),), 0, 0, 2) is None  # rank 1's rows asked of rank 0
+    assert _chunk_cuts(shape, ((1, 0, 3),), 0, 0, 2) is None  # all rows needed: not one chunk
+    assert _chunk_cuts(shape, ((0, 4, 4), (0, 0, 2)), 0, 1, 2) is None  # the split axis cut twice
+    assert _chunk_cuts((7, 6), ((0, 0, 3),), 0, 0, 2) is None  # no even split
+    assert _chunk_cuts(shape, ((0, 4, 4),), None, 1, 2) == (shape, ((0, 4, 4),))  # replicated: as is
+    assert _chunk_cuts(shape, ((0, 4, 4),), 0, 0, 1) == (shape, ((0, 4, 4),))  # TP 1: as is

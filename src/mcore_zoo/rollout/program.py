@@ -299,13 +299,23 @@ class RefitProgram:
             self._recipes[use.bucket][use.rank][use.position] = recipe
 
     def _computed(self, index: int, use: _Use) -> _Dynamic:
-        """A shard made per refit: from the rule's HF tensors (exported once per bucket: by
-        :meth:`_gather_bucket` for a gathered rule, else here from this rank's tensor), cut by the
-        slot; or, for a ``"tp-local"`` rule without views, from this rank's chunk of the piece."""
+        """A shard made per refit, cut by the slot from: the rule's gathered HF tensors (a gathered
+        ``"tp-local"`` rule: exported by :meth:`_gather_bucket` before the bucket); this rank's
+        chunk of its piece (another ``"tp-local"`` rule without views); or the rule's HF tensors
+        exported from this rank's tensor once per bucket (the rest: whole tensors here)."""
         raw = self.raw_shards
         param = self._params[index]
-        if self.source == "tp-local" and not param.gathered:
-            assert use.source is not None
+        if param.gathered:
+
+            def gathered_shard() -> torch.Tensor:
+                hf = self._memo.get(index)
+                if hf is None:  # _gather_bucket runs the bucket's gathers first: a bug if not
+                    raise ZooError(f"refit: {use.name}: gathered export missing for bucket {use.bucket}")
+                piece = use.slot.cut(hf[use.name])
+                return piece if raw else piece.to(use.slot.dtype)
+
+            return gathered_shard
+        if self.source == "tp-local" and use.source is not None:
 
             def chunk_shard() -> torch.Tensor:
                 step = param.step
@@ -319,7 +329,7 @@ class RefitProgram:
         def shard() -> torch.Tensor:
             hf = self._memo.get(index)
             if hf is None:
-                step = self._params[index].step
+                step = param.step
                 hf = self._memo[index] = dict(export_rule(step.bound, self._bases[index], step.ctx))
             piece = use.slot.cut(hf[use.name])
             return piece if raw else piece.to(use.slot.dtype)
