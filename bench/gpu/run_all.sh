@@ -149,14 +149,14 @@ fi
 if [[ " $phases " == *" profile-sdpa "* ]]; then
   # hf-exact-sdpa on te (TE GEMMs, HF's norms / RoPE / SwiGLU / biases, attention as HF's sdpa calls
   # it, one call per sequence; the training profile's knobs): its distance to HF eager against HF
-  # sdpa's, and against HF sdpa on a padded mixed-length batch; torch's varlen flash kernel (one
+  # sdpa's, and bitwise against HF sdpa on each sequence of a mixed pack (split-K off); torch's varlen flash kernel (one
   # call per pack) in its place. Then their training speed (the measurements behind `training`).
   run parity-hf-exact-sdpa 300 "${report[@]}" "${dense[@]}" --backend te --numerics hf-exact-sdpa \
       --lengths 512,512,512,512 --out "$out/parity/te-hf-exact-sdpa"
   variants=(--variant te/default=te:default --variant te/training=te:training --variant te/hf-exact-sdpa=te:hf-exact-sdpa
             --variant "te/training, varlen attention=te:training,attention=varlen,linear_bias=fused")
   run profile-sdpa-speed 300 $py bench/gpu/numerics_speed.py --no-gemm --out "$out/training/speed-sdpa" "${variants[@]}"
-  run parity-hf-exact-sdpa-bitwise 300 "${report[@]}" "${dense[@]}" --backend te --numerics hf-exact-sdpa \
+  run parity-hf-exact-sdpa-bitwise 300 "${nosplit[@]}" "${report[@]}" "${dense[@]}" --backend te --numerics hf-exact-sdpa \
       --reference sdpa --bitwise --no-baseline --lengths 512,512,512,300,100,37 --out "$out/parity/te-hf-exact-sdpa-vs-sdpa"
   run parity-training-varlen 300 "${report[@]}" "${dense[@]}" --backend te --numerics training \
       --knob attention=varlen --knob linear_bias=fused --lengths 512,512,512,512 --out "$out/parity/te-training-varlen"
