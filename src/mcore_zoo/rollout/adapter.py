@@ -75,9 +75,8 @@ class EngineAdapter:
 
     Subclasses set ``engine_format`` and ``tp_size`` (and ``raw_shards`` if they accept raw views,
     ``engine_rank`` if they feed one engine rank only; see the module docstring) and implement the
-    three calls. ``begin`` may check the plan against
-    the engine (names, shapes) and refuse it; ``end`` must raise when the engine did not receive
-    every tensor of the plan.
+    three calls. ``begin`` may check the plan against the engine (names, shapes) and refuse it;
+    ``end`` must raise when the engine did not receive every tensor of the plan.
     """
 
     engine_format: EngineFormat = VLLM
@@ -170,7 +169,6 @@ class DictAdapter(EngineAdapter):
                     missing.append(f"rank {rank}: {t.name} ({self._written[rank][t.name]} of {self.tensors[rank][t.name].numel()} elements)")
         if missing:
             raise ZooError(f"refit incomplete: {len(missing)} engine tensor(s) not fully written: " + "; ".join(missing[:8]))
-
 
     def _holds(self, rank: int) -> bool:
         return self.engine_rank is None or rank == self.engine_rank
