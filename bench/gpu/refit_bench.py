@@ -10,13 +10,18 @@ on the same GPU(s), next to a plain device-to-device copy of the same bytes.
 The engine starts from ``load_format="dummy"`` (only config.json is written); the trainer model
 is randomly initialised (speed does not depend on the values). One refit computes the plan and
 binds its data path (reported apart), then ``--iters`` refits are timed (median): wall time from
-the first gather to the engine's last write, synchronised. ``refit_source`` says which data path
-the receiving rank ran (``RefitStats.source``): ``"local"`` at TP1 (each engine shard copied
-straight from a view of the trainer's parameter), ``"tp-local"`` at TP2 (each rank's engine shards
-from views of its own TP chunks; ``VLLMAdapter`` reads its engine rank under ``external_launcher``),
-``"stream"`` where neither applies (the export, gathered over TP). The host time per tensor around the copies is measured on the CPU by ``bench/refit_host.py``. GB/s counts the bytes written into the engine (all engine
-ranks). The copy reference moves, per GPU, the same number of bytes as that GPU's engine rank
-receives, with one ``Tensor.copy_`` (bytes counted once, as for the refit).
+the first gather to the engine's last write, synchronised. Then ``exact``: every engine parameter
+compared bit for bit (``zoo_compare_parameters``) with a reference refit into plain tensors on
+another path (at TP2 the gathered export; at TP1 slot-shaped copies instead of raw views).
+
+``refit_source`` says which data path the receiving rank ran (``RefitStats.source``): ``"local"``
+at TP1 (each engine shard copied straight from a view of the trainer's parameter), ``"tp-local"``
+at TP2 (each rank's engine shards from views of its own TP chunks; ``VLLMAdapter`` reads its engine
+rank under ``external_launcher``), ``"stream"`` where neither applies (the export, gathered over
+TP). The host time per tensor around the copies is measured on the CPU by ``bench/refit_host.py``.
+GB/s counts the bytes written into the engine (all engine ranks). The copy reference moves, per
+GPU, the same number of bytes as that GPU's engine rank receives, with one ``Tensor.copy_`` (bytes
+counted once, as for the refit).
 
 Needs vLLM (bench/gpu/vllm-setup.sh; ``source bench/gpu/vllm-env.sh``) and, for ``te``, Transformer
 Engine (../shared/gpu).
@@ -83,7 +88,7 @@ def main() -> None:
 
     import mcore_zoo
     from mcore_zoo.placement import Parallelism
-    from mcore_zoo.rollout import VLLM_WORKER_EXTENSION, VLLMAdapter, get_plan
+    from mcore_zoo.rollout import VLLM_WORKER_EXTENSION, DictAdapter, VLLMAdapter, get_plan
 
     rank = int(os.environ.get("RANK", "0"))
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -115,6 +120,13 @@ def main() -> None:
             dist.barrier()
         runs.append(mcore_zoo.refit(model, adapter, bucket_size=args.bucket_size, receiver=receiver).seconds)
     seconds = statistics.median(runs)
+    # exactness: the engine's parameters against a reference refit into plain tensors on another
+    # path (at TP2 the gathered export - the reference adapter names no engine rank; at TP1 the
+    # slot-shaped copies instead of raw views)
+    reference = DictAdapter(tp_size=args.tp, device="cuda")
+    mcore_zoo.refit(model, reference, bucket_size=args.bucket_size, receiver=receiver)
+    mismatch = llm.collective_rpc("zoo_compare_parameters", args=(reference.tensors[rank if args.tp > 1 else 0],))
+    del reference
     per_rank = sum(s.nbytes for slots in plan.slots.values() for s in slots[rank if args.tp > 1 else 0])
     copy = copy_bandwidth(per_rank)
     result = {
@@ -126,6 +138,7 @@ def main() -> None:
         "first_refit_seconds_with_plan": t_first, "build_seconds": t_build,
         "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
         "first_refit_planned": first.planned, "refit_source": getattr(first, "source", ""),
+        "exact": not any(mismatch), "mismatch": [m for m in mismatch if m],
     }  # fmt: skip
     if rank == 0:
         print(json.dumps(result, indent=2))

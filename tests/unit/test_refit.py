@@ -576,3 +576,16 @@ def test_chunk_cuts_translate_a_slot_into_the_rank_chunk():
     assert _chunk_cuts((7, 6), ((0, 0, 3),), 0, 0, 2) is None  # no even split
     assert _chunk_cuts(shape, ((0, 4, 4),), None, 1, 2) == (shape, ((0, 4, 4),))  # replicated: as is
     assert _chunk_cuts(shape, ((0, 4, 4),), 0, 0, 1) == (shape, ((0, 4, 4),))  # TP 1: as is
+
+
+def test_worker_compares_its_parameters_bit_for_bit():
+    """``zoo_compare_parameters`` (the GPU refit benchmark's exactness check): None when equal;
+    otherwise it names the parameter - a one-ulp change, a shape, a name the engine lacks."""
+    params = {"model.norm.weight": torch.ones(4), "lm_head.weight": torch.arange(6.0).reshape(3, 2)}
+    worker = FakeWorker(params, 0)
+    assert worker.zoo_compare_parameters({k: v.clone() for k, v in params.items()}) is None
+    nudged = params["lm_head.weight"].clone()
+    nudged[1, 1] = torch.nextafter(nudged[1, 1], torch.tensor(10.0))
+    assert "lm_head.weight: values differ" in worker.zoo_compare_parameters({"lm_head.weight": nudged})
+    assert "expected (5,)" in worker.zoo_compare_parameters({"model.norm.weight": torch.ones(5)})
+    assert "not a parameter" in worker.zoo_compare_parameters({"model.embed.weight": torch.ones(1)})

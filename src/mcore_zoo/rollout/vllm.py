@@ -433,5 +433,22 @@ class ZooWorkerExtension:
             return f"refit incomplete: {len(short)} parameter(s) not fully written: " + "; ".join(short[:8])
         return None
 
+    def zoo_compare_parameters(self, expected: dict[str, torch.Tensor]) -> Optional[str]:
+        """Check this worker's parameters against ``expected`` (engine name -> tensor, e.g. a
+        :class:`~mcore_zoo.rollout.adapter.DictAdapter`'s tensors of this rank): ``None`` when every
+        named parameter is bit for bit equal, else what differs. Needs the tensors in this process
+        (an in-process engine: ``UniProcExecutor`` or ``external_launcher``)."""
+        params = dict(self._zoo_model().named_parameters())
+        wrong = []
+        for name, want in expected.items():
+            have = params.get(name)
+            if have is None:
+                wrong.append(f"{name}: not a parameter of the engine")
+            elif have.shape != want.shape or have.dtype != want.dtype:
+                wrong.append(f"{name}: {tuple(have.shape)} {have.dtype}, expected {tuple(want.shape)} {want.dtype}")
+            elif not torch.equal(have.data, want.to(have.device)):
+                wrong.append(f"{name}: values differ")
+        return f"{len(wrong)} parameter(s) differ: " + "; ".join(wrong[:8]) if wrong else None
+
 
 __all__ = ["VLLMAdapter", "ZooWorkerExtension", "EXTENSION"]
