@@ -13,8 +13,14 @@ import mcore_zoo
 from mcore_zoo.errors import ZooError
 from mcore_zoo.kernels import vllm_ops
 from mcore_zoo.kernels.vllm_ops import ReferenceKernels, use_kernels
+from mcore_zoo.numerics.profiles import get_profile
 
 from ..conftest import random_sequences
+
+#: the tiny test models have head size 16, where vLLM's decode steps tile attention differently from
+#: its prefill (vllm_ops.decode_equals_prefill): the profile refuses it unless told to compute every
+#: token as a prefill - which is what these CPU tests check anyway
+VLLM_EXACT = get_profile("vllm-exact").with_knobs(vllm_decode="prefill")
 
 
 def _gradcheck(fn, *inputs):
@@ -93,7 +99,8 @@ def test_the_model_wiring_matches_transformers_and_hf_exact_gradients(arch, refe
     grads = {}
     for numerics in ("vllm-exact", "hf-exact"):
         with use_kernels(ReferenceKernels()):
-            model = mcore_zoo.build_model(ckpt, backend="portable", numerics=numerics, load=ckpt)
+            profile = VLLM_EXACT if numerics == "vllm-exact" else numerics
+            model = mcore_zoo.build_model(ckpt, backend="portable", numerics=profile, load=ckpt)
             out = mcore_zoo.packed_forward(model, seqs)
             mcore_zoo.train_step(model, seqs, loss_fn, compute_entropy=True)
         grads[numerics] = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -112,12 +119,21 @@ def test_the_model_wiring_matches_transformers_and_hf_exact_gradients(arch, refe
 def test_vllm_exact_refuses_what_it_does_not_reproduce(reference_checkpoint, mpu):
     ckpt = reference_checkpoint("LlamaForCausalLM", {"num_hidden_layers": 2})
     with pytest.raises(ZooError, match="CUDA|VLLM_BATCH_INVARIANT"):  # vLLM's kernels, not stand-ins
-        mcore_zoo.build_model(ckpt, backend="portable", numerics="vllm-exact")
+        mcore_zoo.build_model(ckpt, backend="portable", numerics=VLLM_EXACT)
     with use_kernels(ReferenceKernels()), pytest.raises(ZooError, match="backend 'local' or 'portable'"):
-        mcore_zoo.build_model(ckpt, backend="te", numerics="vllm-exact")
+        mcore_zoo.build_model(ckpt, backend="te", numerics=VLLM_EXACT)
     moe = reference_checkpoint("Qwen3MoeForCausalLM", {"num_hidden_layers": 2})
     with use_kernels(ReferenceKernels()), pytest.raises(ZooError, match="dense decoders"):
-        mcore_zoo.build_model(moe, backend="portable", numerics="vllm-exact")
+        mcore_zoo.build_model(moe, backend="portable", numerics=VLLM_EXACT)
+    # head size 16: vLLM's decode steps are not its prefill there; refused unless accepted by the knob
+    with use_kernels(ReferenceKernels()), pytest.raises(ZooError, match="head size 16.*vllm_decode='prefill'"):
+        mcore_zoo.build_model(ckpt, backend="portable", numerics="vllm-exact")
+    with use_kernels(ReferenceKernels()), pytest.raises(ZooError, match="make_vocab_size_divisible_by"):
+        mcore_zoo.build_model(ckpt, backend="portable", numerics=VLLM_EXACT, make_vocab_size_divisible_by=96)
+    wide = reference_checkpoint("Qwen3ForCausalLM", {"num_hidden_layers": 1, "head_dim": 128})
+    with use_kernels(ReferenceKernels()):  # head size 128: decode steps are prefill's, accepted as it is
+        mcore_zoo.build_model(wide, backend="portable", numerics="vllm-exact")
+    assert not vllm_ops.decode_equals_prefill(64) and vllm_ops.decode_equals_prefill(80)
 
 
 def test_the_engines_fused_log_prob_kernel_gives_the_value_and_log_softmax_the_gradient():

@@ -212,8 +212,9 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, layout: 
 
     from ..kernels import vllm_ops
 
-    if vllm_ops.logprob_head_active():  # a vllm-exact model (TP 1): vLLM's log-softmax
-        return vllm_ops.token_logprobs_and_entropy(logits, labels, temperature=temperature, compute_entropy=False)[0]
+    if vllm_ops.logprob_head_active():  # a vllm-exact model: vLLM's log-prob kernel on the whole vocabulary
+        whole = _gather_vocab(logits, layout)
+        return vllm_ops.token_logprobs_and_entropy(whole, labels, temperature=temperature, compute_entropy=False)[0]
     group = layout.groups.tp if layout.tp > 1 else None
     logprobs, _ = token_logprobs_and_entropy(logits, labels, tp_group=group, temperature=temperature, compute_entropy=False)
     return logprobs

@@ -85,7 +85,7 @@ import torch.distributed as dist
 from ..errors import ZooError
 from ..handle import ModelHandle, handle_of
 from ..packing import alignment_for
-from .forward import Microbatch, _sequences, build_microbatches, partition_by_tokens, run_schedule, two_way_pipeline
+from .forward import Microbatch, _gather_vocab, _sequences, build_microbatches, partition_by_tokens, run_schedule, two_way_pipeline
 from .vocab_parallel import token_logprobs_and_entropy
 
 
@@ -205,10 +205,11 @@ def token_outputs(handle: ModelHandle, mb: Microbatch, output: torch.Tensor, *, 
     if getattr(handle.options, "head", "lm") == "value":
         values = local[:, 0].float()
     else:
-        if handle.numerics.kernels == "vllm":  # vllm-exact (TP 1): vLLM's log-softmax, bitwise its log-probs
+        if handle.numerics.kernels == "vllm":  # vllm-exact: vLLM's log-prob kernel on the gathered logits
             from ..kernels import vllm_ops
 
-            logprobs, entropy = vllm_ops.token_logprobs_and_entropy(local, targets, temperature=temperature,
+            logprobs, entropy = vllm_ops.token_logprobs_and_entropy(_gather_vocab(local, layout), targets,
+                                                                    temperature=temperature,
                                                                     compute_entropy=compute_entropy)  # fmt: skip
         else:
             logprobs, entropy = token_logprobs_and_entropy(

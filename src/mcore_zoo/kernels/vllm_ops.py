@@ -41,6 +41,24 @@ PAGE_SIZE = 16  # vLLM's KV-cache block size for FlashAttention on CUDA (FA3 til
 FUSED_NORM_TOKENS = 255
 
 
+def decode_equals_prefill(head_size: int) -> bool:
+    """Whether vLLM's FlashAttention-3 (paged cache of :data:`PAGE_SIZE`-token blocks, ``num_splits=1``)
+    gives a token's attention output the same bits in a decode step (``max_seqlen_q=1``: one query
+    per sequence over its cached keys) as in a prefill of its whole sequence - the computation the
+    trainer's pack reproduces.
+
+    Measured on an H100 with vLLM 0.26 (``bench/gpu/vllm_exact_decode_probe.py``; asserted by
+    ``tests/gpu/test_vllm_exact_gpu.py``): equal at head sizes 80, 96, 128, 192 and 256; at 16, 32
+    and 64 the rows at positions >= 128 (past the first 128-key tile) differ in the last bits. FA3
+    runs a call with ``max_seqlen_q == 1`` as non-causal except at 64 < head size <= 128 with a
+    paged cache; at 16 and 32 that switch is the whole difference (the same call with
+    ``max_seqlen_q=2`` equals the prefill, so vLLM itself gives a token other bits in a pure decode
+    step than in a step that also prefills another request); at 64 a one-query call differs from
+    the prefill with ``max_seqlen_q=2`` as well.
+    """
+    return head_size > 64
+
+
 class VLLMKernels:
     """vLLM 0.26's batch-invariant kernels (CUDA). Constructing it checks they can run."""
 

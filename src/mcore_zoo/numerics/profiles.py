@@ -83,6 +83,11 @@ class NumericsProfile:
         kernels: ``"backend"`` (the modules the knobs above choose) or ``"vllm"``: every op of the
             decoder on vLLM's batch-invariant kernels (the ``vllm-exact`` profile; the other knobs
             are then not consulted).
+        vllm_decode: ``kernels="vllm"`` only. ``"exact"`` refuses head sizes at which vLLM's
+            FlashAttention-3 computes a decode step (one query per sequence) with another tiling
+            than a prefill (head size <= 64: tokens at positions >= 128 that the engine sampled in
+            decode steps would differ in the last bits; see :func:`mcore_zoo.kernels.vllm_ops.decode_equals_prefill`);
+            ``"prefill"`` accepts them and computes every token as vLLM's prefill does.
     """
 
     name: str
@@ -98,6 +103,7 @@ class NumericsProfile:
     moe_experts: str = "grouped_mm"
     grouped_experts: bool = False
     kernels: str = "backend"
+    vllm_decode: str = "exact"
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -109,6 +115,7 @@ class NumericsProfile:
             "router": ("hf", "mcore"),
             "moe_experts": ("grouped_mm", "eager"),
             "kernels": ("backend", "vllm"),
+            "vllm_decode": ("exact", "prefill"),
         }
         for knob, allowed in checks.items():
             if getattr(self, knob) not in allowed:

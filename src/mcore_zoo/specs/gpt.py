@@ -172,7 +172,7 @@ def gpt_layer_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile, *,
 
 
 def _vllm_first_layer(arch: ArchConfig, layer: Any, config: Any, vp_stage: Optional[int], pp_rank: Optional[int],
-                      layers: list) -> list:  # fmt: skip
+                      layers: list, numerics: NumericsProfile) -> list:  # fmt: skip
     """vLLM normalises the first layer's input without a residual (its Triton norm) and every later
     norm with the fused add + norm kernel: the model's first layer gets the former."""
     import dataclasses
@@ -181,7 +181,7 @@ def _vllm_first_layer(arch: ArchConfig, layer: Any, config: Any, vp_stage: Optio
 
     from .vllm_exact import check_supported, pieces
 
-    check_supported(arch, config)
+    check_supported(arch, config, numerics)
     if not layers or get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank) != 0:
         return layers
     first = dataclasses.replace(layer, submodules=dataclasses.replace(
@@ -228,7 +228,7 @@ def gpt_layer_specs(
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     layers = [layer] * count
     if numerics.kernels == "vllm":
-        layers = _vllm_first_layer(arch, layer, config, vp_stage, pp_rank, layers)
+        layers = _vllm_first_layer(arch, layer, config, vp_stage, pp_rank, layers, numerics)
     if arch.moe is not None:  # MoE: per global layer index, the MoE or the dense MLP layer
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 

@@ -17,8 +17,14 @@ normalises the sum: :class:`VLLMResidualRMSNorm` runs the fused kernel on that s
 kernel's own output. The modules here are mcore's (same parameters, same checkpoint mapping) with
 their arithmetic routed to :mod:`mcore_zoo.kernels.vllm_ops`.
 
+Tensor parallelism splits the layers as vLLM's tensor-parallel engine does (q / k / v and gate /
+up by heads and rows, ``o_proj`` / ``down_proj`` by input columns with an all-reduce of the partial
+sums in the model dtype, vocabulary-parallel embedding and LM head with the logits gathered before
+the log-prob kernel), so at the engine's TP size the trainer computes each token as that engine
+does.
+
 Scope (refused otherwise, naming the reason): dense RMSNorm + SwiGLU + NeoX RoPE decoders (the
-dense built-ins), tensor / context parallel size 1, no sequence parallelism.
+dense built-ins), context parallel size 1, no sequence parallelism.
 """
 
 from __future__ import annotations
@@ -37,11 +43,21 @@ from .portable import PortableAttention
 def _vllm_linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                  gradient_accumulation_fusion: bool = False, allreduce_dgrad: bool = False,
                  sequence_parallel: bool = False, tp_group: Any = None, **_: Any) -> torch.Tensor:  # fmt: skip
-    """mcore's ``linear_with_grad_accumulation_and_async_allreduce`` contract on vLLM's GEMM (TP 1)."""
+    """mcore's ``linear_with_grad_accumulation_and_async_allreduce`` contract on vLLM's GEMM.
+
+    Under tensor parallelism (no sequence parallelism) a column-parallel layer gets its replicated
+    input as it is and ``allreduce_dgrad``: the input's gradient is all-reduced over ``tp_group`` in
+    the backward (mcore's ``copy_to_tensor_model_parallel_region``); a row-parallel layer returns
+    its partial sums, which mcore all-reduces in the model dtype - as vLLM's ``RowParallelLinear``
+    (NCCL, the custom all-reduce being off in batch-invariant mode)."""
     if gradient_accumulation_fusion:
         raise ZooError("numerics 'vllm-exact' does not support gradient_accumulation_fusion")
-    if sequence_parallel or allreduce_dgrad or (tp_group is not None and tp_group.size() > 1):
-        raise ZooError("numerics 'vllm-exact' supports tensor parallel size 1 only")
+    if sequence_parallel:
+        raise ZooError("numerics 'vllm-exact' does not support sequence parallelism")
+    if allreduce_dgrad:
+        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+        input = copy_to_tensor_model_parallel_region(input, group=tp_group)
     return vllm_ops.linear(input, weight, bias)
 
 
@@ -165,18 +181,32 @@ def pieces() -> dict[str, Any]:
     )
 
 
-def check_supported(arch: Any, config: Any) -> None:
+def check_supported(arch: Any, config: Any, numerics: Any = None) -> None:
     """Refuse, naming the reason, what the ``vllm-exact`` forward does not reproduce."""
     name = arch.architecture
+    head_size = getattr(config, "kv_channels", None) or arch.head_dim
+    if getattr(numerics, "vllm_decode", "exact") == "exact" and not vllm_ops.decode_equals_prefill(head_size):
+        raise ZooError(
+            f"{name}: numerics 'vllm-exact' cannot reproduce vLLM's decode steps at head size {head_size}: at head"
+            " sizes <= 64 vLLM's FlashAttention-3 computes a one-query decode step with another tiling than a"
+            " prefill, so tokens at positions >= 128 that the engine sampled while decoding differ in the last"
+            " bits (mcore_zoo.kernels.vllm_ops.decode_equals_prefill). To compute every token as vLLM's prefill"
+            " does (prompt tokens and positions < 128 stay bitwise), use"
+            " get_profile('vllm-exact').with_knobs(vllm_decode='prefill')"
+        )
     if arch.moe is not None or arch.mla is not None:
         raise ZooError(f"{name}: numerics 'vllm-exact' covers dense decoders (no MoE / MLA kernels yet)")
     if arch.normalization != "RMSNorm":
         raise ZooError(f"{name}: numerics 'vllm-exact' needs RMSNorm, the model uses {arch.normalization}")
     if not getattr(config, "gated_linear_unit", False) or getattr(config, "activation_func", None) is not torch.nn.functional.silu:
         raise ZooError(f"{name}: numerics 'vllm-exact' needs a SwiGLU MLP (vLLM's silu_and_mul)")
-    for field, value in (("tensor_model_parallel_size", 1), ("context_parallel_size", 1)):
-        if getattr(config, field, 1) != value:
-            raise ZooError(f"{name}: numerics 'vllm-exact' supports {field}=1 only, got {getattr(config, field)}")
+    padded = getattr(arch, "padded_vocab_size", None)
+    if padded is not None and padded != arch.vocab_size:
+        raise ZooError(f"{name}: numerics 'vllm-exact' needs the HF vocabulary ({arch.vocab_size}) as it is, not padded"
+                       f" to {padded} (make_vocab_size_divisible_by): vLLM's log-prob kernel reduces over the real"
+                       " vocabulary only")  # fmt: skip
+    if getattr(config, "context_parallel_size", 1) != 1:
+        raise ZooError(f"{name}: numerics 'vllm-exact' supports context_parallel_size=1 only, got {config.context_parallel_size}")
     if getattr(config, "sequence_parallel", False):
         raise ZooError(f"{name}: numerics 'vllm-exact' does not support sequence parallelism")
     if getattr(config, "rotary_interleaved", False):
