@@ -3,6 +3,7 @@
 Run from the repository root (``PYTHONPATH=src`` or an editable install)::
 
     python bench/refit_host.py [--layers 32] [--engine-tp 1] [--iters 40] [--rounds 3] [--profile 25] [--json out.json]
+    python bench/refit_host.py --device cuda   # the same on a GPU: CUDA tensors, each refit synchronised
 
 The model is Llama-3-8B-shaped in everything but its widths: 32 layers, untied, so the same 291 HF
 tensors as the 8B model (``bench/gpu/refit_bench.py``), at hidden 64 / FFN 128 / 4 heads / 2 KV
@@ -23,6 +24,10 @@ alternating order:
 * ``dict``: ``DictAdapter`` (an adapter that takes buckets of slot-shaped shards);
 * ``copies``: the floor - one ``copy_`` per HF tensor between preallocated contiguous tensors of
   the same shapes, in a bare loop (what any refit must at least do on this CPU).
+
+With ``--device cuda`` every tensor lives on the GPU and each timed call ends with
+``torch.cuda.synchronize()``; the copies are tiny, so what is timed is the host time of launching
+them - whether a refit of this many tensors is bound by its host work on that machine.
 
 Reported: median milliseconds per refit and microseconds per HF tensor, and the overhead per tensor
 above the ``copies`` floor. These are CPU host-time numbers: on a GPU the copies are asynchronous
@@ -81,7 +86,8 @@ def stand_in_workers(plan: Any) -> list[Any]:
                     if not hasattr(holder, part):
                         holder.add_module(part, torch.nn.Module())
                     holder = getattr(holder, part)
-                holder.register_parameter(leaf, torch.nn.Parameter(torch.zeros(t.shape, dtype=t.dtype), requires_grad=False))
+                holder.register_parameter(leaf, torch.nn.Parameter(torch.zeros(t.shape, dtype=t.dtype, device=DEVICE),
+                                                                   requires_grad=False))  # fmt: skip
             self.model_runner = type("Runner", (), {"model": model})()
             self.rank = rank
 
@@ -91,11 +97,16 @@ def stand_in_workers(plan: Any) -> list[Any]:
     return [Worker(tensors, rank) for rank, tensors in enumerate(plan.engine_tensors)]
 
 
+DEVICE = "cpu"
+
+
 def timed(fn: Callable[[], Any], iters: int) -> list[float]:
     out = []
     for _ in range(iters):
         t0 = time.perf_counter()
         fn()
+        if DEVICE != "cpu":
+            torch.cuda.synchronize()
         out.append(time.perf_counter() - t0)
     return out
 
@@ -128,9 +139,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--profile", type=int, default=0, help="print the top N functions (tottime) of one vllm refit")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--full-width", action="store_true", help="Llama-3-8B widths in bf16 (a GPU run: device time too)")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    global DEVICE
+    DEVICE = args.device
 
     import mcore_zoo
     from mcore_zoo.parallel import ensure_model_parallel
@@ -142,8 +157,11 @@ def main() -> None:
         programs = None
 
     ensure_model_parallel()
-    config = dict(LLAMA3_8B, **SHAPE, num_hidden_layers=args.layers)
-    model = mcore_zoo.build_model(config, backend="local")
+    shape = dict(SHAPE, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                 vocab_size=128256) if args.full_width else SHAPE  # fmt: skip
+    config = dict(LLAMA3_8B, **shape, num_hidden_layers=args.layers)
+    model = mcore_zoo.build_model(config, backend="local", device=args.device,
+                                  params_dtype=torch.bfloat16 if args.full_width else torch.float32)  # fmt: skip
     tp, size = args.engine_tp, args.bucket_size
     plan = get_plan(model, target_tp=tp, bucket_size=size)
     tensors = len(plan.hf)
@@ -173,7 +191,7 @@ def main() -> None:
         return lambda: mcore_zoo.refit(model, adapter, bucket_size=size)
 
     def copies() -> Callable[[], Any]:
-        pairs = [(torch.empty(shape, dtype=dt), torch.randn(shape).to(dt)) for _, shape, dt in plan.hf]
+        pairs = [(torch.empty(shape, dtype=dt, device=DEVICE), torch.randn(shape).to(DEVICE, dt)) for _, shape, dt in plan.hf]
 
         def run() -> None:
             for dst, src in pairs:
@@ -184,6 +202,8 @@ def main() -> None:
     configs: dict[str, Callable[[], Callable[[], Any]]] = {"vllm": vllm_refit, "dict": dict_refit, "copies": copies}
     if programs is not None and hasattr(programs, "local_source"):
         configs["vllm-stream"] = forced_stream(vllm_refit)
+    if args.full_width:  # memory: the model, one stand-in engine and the copies' pairs
+        configs = {k: v for k, v in configs.items() if k in ("vllm", "copies")}
     runs = {name: make() for name, make in configs.items()}
     first = {name: run() for name, run in runs.items()}  # plan and binding: not timed
     sources = {name: getattr(stats, "source", "") for name, stats in first.items() if stats is not None}
@@ -197,7 +217,8 @@ def main() -> None:
     floor = statistics.median(times["copies"])
     result: dict[str, Any] = {
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-        "threads": args.threads, "layers": args.layers, "engine_tp": tp, "hf_tensors": tensors,
+        "threads": args.threads, "layers": args.layers, "device": args.device, "full_width": args.full_width,
+        "engine_tp": tp, "hf_tensors": tensors,
         "buckets": len(plan.buckets), "sources": sources, "configs": {},
     }  # fmt: skip
     print(f"{tensors} HF tensors, engine TP{tp}, {len(plan.buckets)} bucket(s), torch {torch.__version__}, {args.threads} thread(s)")

@@ -9,7 +9,8 @@
 # profile against vLLM's batch-invariant mode; needs vllm-setup.sh too), seeds (the training
 # profile at more seeds), moe-exact (hf-exact MoE vs transformers), grouped (TE grouped-GEMM experts)
 # mla (DeepSeek-V3, te), profile-sdpa (hf-exact-sdpa on te: distance and speed) and two-gpu (refit
-# at TP2, DeepSeek-V3 EP2 / TP2; 2 GPUs). RUN_GPU picks the GPU of the single-GPU on-request phases.
+# at TP2, DeepSeek-V3 EP2 / TP2; 2 GPUs), vllm-exact-tp2 (vllm-exact at TP2 against a TP2 engine;
+# 2 GPUs). RUN_GPU picks the GPU of the single-GPU on-request phases.
 # Each job logs to OUT/logs/; a failing (or, past its time limit, killed) job is recorded and the
 # others go on. Limits: JOB_TIMEOUT (single-GPU jobs, default 420 s), MULTI_TIMEOUT (torchrun jobs,
 # default 240 s: a layout failing on some ranks only would otherwise wait for NCCL's timeout).
@@ -172,6 +173,16 @@ if [[ " $phases " == *" two-gpu "* ]] && (( ngpu >= 2 )); then
   MULTI_TIMEOUT=${MLA_TIMEOUT:-420} tr 2 bench/gpu/parallel_parity.py --config "${MLA_CONFIG:-.gpu/cfg/deepseek-v3.json}" --layers 2 \
       --set n_routed_experts=64 --layouts ep2,tp2 --out "$out/parallel-2gpu-mla" > "$out/logs/mla-ep2.log" 2>&1
   echo "mla-ep2 exit $?" >> "$out/logs/status"
+fi
+
+if [[ " $phases " == *" vllm-exact-tp2 "* ]] && (( ngpu >= 2 )); then
+  # vllm-exact at TP2 against a TP2 engine in batch-invariant mode (needs vllm-setup.sh), one engine per process
+  tr() { local n=$1; shift; timeout "${MULTI_TIMEOUT:-240}" $py -m torch.distributed.run --standalone --nproc_per_node "$n" "$@"; }
+  mkdir -p "$out/vllm-exact-tp2"
+  for arch in ${TP2_ARCHS:-LlamaForCausalLM Qwen2ForCausalLM Qwen3ForCausalLM MistralForCausalLM}; do
+    tr 2 bench/gpu/vllm_exact_tp.py --arch "$arch" --out "$out/vllm-exact-tp2/$arch.json" > "$out/logs/vllm-exact-tp2-$arch.log" 2>&1
+    echo "vllm-exact-tp2-$arch exit $?" >> "$out/logs/status"
+  done
 fi
 
 if [[ " $phases " == *" seeds "* ]]; then

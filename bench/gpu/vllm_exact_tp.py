@@ -1,0 +1,103 @@
+"""``vllm-exact`` at tensor parallel size 2: the trainer (TP2) against a TP2 vLLM engine in
+batch-invariant mode, on two GPUs::
+
+    source bench/gpu/vllm-env.sh
+    torchrun --standalone --nproc_per_node 2 bench/gpu/vllm_exact_tp.py --arch LlamaForCausalLM --out /tmp/tp2-llama.json
+
+The GPU test's setup (tests/gpu/test_vllm_exact_gpu.py: random checkpoint at head size 128, four
+prompts, 48 sampled tokens each), with both sides split over two GPUs: the zoo model built with
+``Parallelism(tp=2)`` and exported, a ``vllm.LLM`` with ``tensor_parallel_size=2`` under
+``external_launcher`` (engine rank = trainer rank, one process per GPU). The zoo then runs one
+THD pack of prompt + continuation; its log-probs of the sampled and the prompt tokens are compared
+bit for bit with the engine's (every rank computes them; rank 0 writes the JSON). ``--tp 1``
+runs the same comparison in one process (the single-GPU reference of this script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ["VLLM_BATCH_INVARIANT"] = "1"
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "gpu"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", default="LlamaForCausalLM", help="one of the GPU test's dense built-ins (one engine per process)")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+
+    import torch
+    import torch.distributed as dist
+    import vllm
+    from test_vllm_exact_gpu import ARCHS, PROMPTS, SIZES, _sample
+
+    import mcore_zoo
+    from mcore_zoo.parity.reference import write_reference_checkpoint
+    from mcore_zoo.placement import Parallelism
+    from mcore_zoo.rollout import VLLM_WORKER_EXTENSION
+    from mcore_zoo.testing.common import case_config, random_sequences
+
+    rank = int(os.environ.get("RANK", "0"))
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    results = []
+    for arch in [args.arch]:
+        tmp = os.path.join(tempfile.gettempdir(), f"vllm-exact-tp{args.tp}-{arch}")
+        ckpt = os.path.join(tmp, f"ckpt-rank{rank}")  # the same seed on every rank: the same bytes
+        write_reference_checkpoint(mcore_zoo.lookup(arch), case_config(arch, {**SIZES, **dict(ARCHS)[arch]}), ckpt,
+                                   seed=0, dtype=torch.bfloat16)  # fmt: skip
+        model = mcore_zoo.build_model(ckpt, backend="local", numerics="vllm-exact", params_dtype=torch.bfloat16, load=ckpt,
+                                      parallel=Parallelism(tp=args.tp))  # fmt: skip
+        export = os.path.join(tmp, "export")
+        mcore_zoo.save_hf_checkpoint(model, export, dtype=torch.bfloat16, overwrite=True)
+        if dist.is_initialized():
+            dist.barrier()
+        kwargs = dict(model=export, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, seed=0,
+                      max_model_len=512, gpu_memory_utilization=0.3, enable_prefix_caching=False, block_size=16,
+                      attention_backend="FLASH_ATTN", worker_extension_cls=VLLM_WORKER_EXTENSION,
+                      tensor_parallel_size=args.tp)  # fmt: skip
+        if args.tp > 1:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        llm = vllm.LLM(**kwargs)
+        vocab = mcore_zoo.handle_of(model).arch_config.vocab_size
+        prompts = random_sequences(PROMPTS, vocab, seed=7)
+        sampled = _sample(llm, prompts)
+        full = [torch.cat([p, g]) for p, (g, _, _) in zip(prompts, sampled)]
+        out = mcore_zoo.packed_forward(model, [s.cuda() for s in full])
+        r = {"arch": arch, "tp": args.tp, "generated": 0, "generated_bitwise": 0, "prompt": 0, "prompt_bitwise": 0,
+             "generated_max_abs": 0.0, "prompt_max_abs": 0.0, "generated_mean_abs": 0.0}  # fmt: skip
+        diffs = []
+        for p, (g, gen_lp, prompt_lp), lp in zip(prompts, sampled, out.logprobs):
+            lp = lp.float().cpu()
+            mine_gen, mine_prompt = lp[len(p) - 1 :], lp[: len(p) - 1]
+            r["generated"] += gen_lp.numel()
+            r["generated_bitwise"] += int((mine_gen == gen_lp).sum())
+            r["generated_max_abs"] = max(r["generated_max_abs"], float((mine_gen - gen_lp).abs().max()))
+            diffs.append((mine_gen - gen_lp).abs())
+            r["prompt"] += prompt_lp.numel()
+            r["prompt_bitwise"] += int((mine_prompt == prompt_lp).sum())
+            if prompt_lp.numel():
+                r["prompt_max_abs"] = max(r["prompt_max_abs"], float((mine_prompt - prompt_lp).abs().max()))
+        r["generated_mean_abs"] = float(torch.cat(diffs).mean())
+        # token_mult_prob_error as the RL frameworks gate it: exp(mean |dlogp|) over the sampled tokens
+        r["token_mult_prob_error"] = float(torch.exp(torch.cat(diffs).mean()))
+        if rank == 0:
+            print(json.dumps(r), flush=True)
+        results.append(r)
+        del llm, model
+        torch.cuda.empty_cache()
+    if rank == 0:
+        payload = {"gpu": torch.cuda.get_device_name(), "vllm": vllm.__version__, "results": results}
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(payload, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
