@@ -10,7 +10,10 @@ on the same GPU(s), next to a plain device-to-device copy of the same bytes.
 The engine starts from ``load_format="dummy"`` (only config.json is written); the trainer model
 is randomly initialised (speed does not depend on the values). One refit computes the plan and
 binds its data path (reported apart), then ``--iters`` refits are timed (median): wall time from
-the first gather to the engine's last write, synchronised. Then ``exact``: every engine parameter
+the first gather to the engine's last write, synchronised, and the engine's prefix-cache reset that
+``VLLMAdapter`` calls after it. The same refits are then timed without that reset
+(``transfer_*``: the weights alone), and the reset alone (``llm.reset_prefix_cache()``: vLLM walks
+every KV-cache block in Python, so it costs in proportion to the cache's block count). Then ``exact``: every engine parameter
 compared bit for bit (``zoo_compare_parameters``) with a reference refit into plain tensors on
 another path (at TP2 the gathered export; at TP1 slot-shaped copies instead of raw views).
 
@@ -68,6 +71,14 @@ def copy_bandwidth(nbytes: int, iters: int = 20) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
+def _kv_blocks(llm) -> int:
+    """The engine's number of KV-cache blocks (what its prefix-cache reset walks), or -1."""
+    try:
+        return int(llm.llm_engine.vllm_config.cache_config.num_gpu_blocks)
+    except Exception:
+        return -1
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", type=int, default=1)
@@ -120,6 +131,19 @@ def main() -> None:
             dist.barrier()
         runs.append(mcore_zoo.refit(model, adapter, bucket_size=args.bucket_size, receiver=receiver).seconds)
     seconds = statistics.median(runs)
+    # the same refits without the engine's prefix-cache reset (VLLMAdapter.end calls
+    # llm.reset_prefix_cache(): vLLM walks every KV-cache block in Python, so its cost follows the
+    # cache's block count, not the weights), and that reset alone
+    bare = VLLMAdapter(llm, reset_prefix_cache=False)
+    mcore_zoo.refit(model, bare, bucket_size=args.bucket_size, receiver=receiver)
+    transfer, resets = [], []
+    for _ in range(args.iters):
+        if dist.is_initialized():
+            dist.barrier()
+        transfer.append(mcore_zoo.refit(model, bare, bucket_size=args.bucket_size, receiver=receiver).seconds)
+        t0 = time.perf_counter()
+        llm.reset_prefix_cache()
+        resets.append(time.perf_counter() - t0)
     # exactness: the engine's parameters against a reference refit into plain tensors on another
     # path (at TP2 the gathered export - the reference adapter names no engine rank; at TP1 the
     # slot-shaped copies instead of raw views)
@@ -135,6 +159,11 @@ def main() -> None:
         "engine_bytes_per_rank": per_rank, "refit_seconds_median": seconds, "refit_seconds_all": runs,
         "refit_gbps": plan.nbytes / seconds / 1e9, "refit_gbps_per_gpu": per_rank / seconds / 1e9,
         "copy_gbps_per_gpu": copy, "fraction_of_copy": per_rank / seconds / 1e9 / copy,
+        "transfer_seconds_median": statistics.median(transfer), "transfer_seconds_all": transfer,
+        "transfer_gbps_per_gpu": per_rank / statistics.median(transfer) / 1e9,
+        "transfer_fraction_of_copy": per_rank / statistics.median(transfer) / 1e9 / copy,
+        "prefix_cache_reset_seconds_median": statistics.median(resets),
+        "kv_cache_blocks": _kv_blocks(llm),
         "first_refit_seconds_with_plan": t_first, "build_seconds": t_build,
         "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
         "first_refit_planned": first.planned, "refit_source": getattr(first, "source", ""),
@@ -145,6 +174,9 @@ def main() -> None:
         print(f"| {result['gpu']} | TP{args.tp} | {args.layers} layers {args.backend} | {plan.nbytes / 1e9:.2f} GB |"
               f" {seconds * 1e3:.0f} ms | {result['refit_gbps']:.0f} GB/s ({result['refit_gbps_per_gpu']:.0f} per GPU) |"
               f" {copy:.0f} GB/s | {result['fraction_of_copy']:.0%} | {result['refit_source']} |")  # fmt: skip
+        print(f"without the prefix-cache reset: {result['transfer_seconds_median'] * 1e3:.1f} ms,"
+              f" {result['transfer_fraction_of_copy']:.0%} of the copy; the reset alone"
+              f" {result['prefix_cache_reset_seconds_median'] * 1e3:.1f} ms ({result['kv_cache_blocks']} KV blocks)")  # fmt: skip
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=2)

@@ -270,9 +270,13 @@ class FakeWorker(ZooWorkerExtension):
 
 
 class FakeLLM:
-    def __init__(self, workers):
+    def __init__(self, workers, prefix_caching=None):
         self.workers = workers
         self.prefix_cache_resets = 0
+        if prefix_caching is not None:  # as vLLM exposes it: llm.llm_engine.vllm_config.cache_config
+            cache = type("CacheConfig", (), {"enable_prefix_caching": prefix_caching})()
+            config = type("VllmConfig", (), {"cache_config": cache})()
+            self.llm_engine = type("Engine", (), {"vllm_config": config})()
 
     def reset_prefix_cache(self):
         self.prefix_cache_resets += 1
@@ -295,6 +299,12 @@ def test_vllm_worker_extension_writes_parameters_in_place(mpu, reference_checkpo
     got = [{k: p.data for k, p in w.model_runner.model.named_parameters()} for w in workers]
     assert_same(got, want)
     assert llm.prefix_cache_resets == 2  # KV blocks of the old weights are dropped after each refit
+    uncached = FakeLLM(workers, prefix_caching=False)  # an engine without a prefix cache has none to drop
+    mcore_zoo.refit(model, VLLMAdapter(uncached, tp_size=2, transport="inproc"), bucket_size="64KB")
+    assert uncached.prefix_cache_resets == 0
+    cached = FakeLLM(workers, prefix_caching=True)
+    mcore_zoo.refit(model, VLLMAdapter(cached, tp_size=2, transport="inproc"), bucket_size="64KB")
+    assert cached.prefix_cache_resets == 1
     for before, w in zip(params_before, workers):  # in place: the same parameter objects
         assert all(before[k] is p for k, p in w.model_runner.model.named_parameters())
 

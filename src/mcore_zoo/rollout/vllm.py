@@ -78,7 +78,9 @@ class VLLMAdapter(EngineAdapter):
         transport: ``"auto"`` (objects in-process, CUDA IPC otherwise), ``"inproc"`` or ``"ipc"``.
         tp_size: the engine's tensor-parallel size (default: read from the engine's config).
         reset_prefix_cache: after a refit, drop vLLM's cached KV blocks (computed with the old
-            weights) through ``llm.reset_prefix_cache()``.
+            weights) through ``llm.reset_prefix_cache()`` - skipped for an engine started with
+            ``enable_prefix_caching=False``, which caches none. vLLM walks every KV-cache block
+            in Python for it: 0.9 ms for 23,601 blocks, 2.6 ms for 55,603 (H200, vLLM 0.26).
         engine_rank: the one engine TP rank this adapter feeds (``refit(..., receiver="all")``
             with one engine rank per trainer rank: a trainer of the same TP then sends that rank's
             shards only, from its own TP chunks). ``"auto"``: the worker's TP rank when the engine
@@ -95,7 +97,7 @@ class VLLMAdapter(EngineAdapter):
         self.engine_format: EngineFormat = VLLM if mode == "direct" else HF_NAMES
         self.tp_size = tp_size if tp_size is not None else _engine_tp(llm)
         self.transport = _transport(llm) if transport == "auto" else transport
-        self.reset_prefix_cache = reset_prefix_cache
+        self.reset_prefix_cache = reset_prefix_cache and _prefix_caching(llm)
         # direct mode copies each shard into a region of its parameter, viewed in the shard's shape
         self.raw_shards = mode == "direct"
         if engine_rank == "auto":
@@ -128,6 +130,15 @@ class VLLMAdapter(EngineAdapter):
 def _engine_tp(llm: Any) -> int:
     config = llm.llm_engine.vllm_config
     return int(config.parallel_config.tensor_parallel_size)
+
+
+def _prefix_caching(llm: Any) -> bool:
+    """Whether the engine caches KV blocks across requests (``True`` when its config cannot be read:
+    then the reset is done)."""
+    try:
+        return bool(llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
+    except AttributeError:
+        return True
 
 
 def _executor(llm: Any) -> str:
