@@ -184,6 +184,12 @@ def pieces() -> dict[str, Any]:
 def check_supported(arch: Any, config: Any, numerics: Any = None) -> None:
     """Refuse, naming the reason, what the ``vllm-exact`` forward does not reproduce."""
     name = arch.architecture
+    if arch.moe is not None or arch.mla is not None:
+        raise ZooError(f"{name}: numerics 'vllm-exact' covers dense decoders (no MoE / MLA kernels yet)")
+    if arch.normalization != "RMSNorm":
+        raise ZooError(f"{name}: numerics 'vllm-exact' needs RMSNorm, the model uses {arch.normalization}")
+    if not getattr(config, "gated_linear_unit", False) or getattr(config, "activation_func", None) is not torch.nn.functional.silu:
+        raise ZooError(f"{name}: numerics 'vllm-exact' needs a SwiGLU MLP (vLLM's silu_and_mul)")
     head_size = getattr(config, "kv_channels", None) or arch.head_dim
     if getattr(numerics, "vllm_decode", "exact") == "exact" and not vllm_ops.decode_equals_prefill(head_size):
         raise ZooError(
@@ -194,12 +200,6 @@ def check_supported(arch: Any, config: Any, numerics: Any = None) -> None:
             " does (prompt tokens and positions < 128 stay bitwise), use"
             " get_profile('vllm-exact').with_knobs(vllm_decode='prefill')"
         )
-    if arch.moe is not None or arch.mla is not None:
-        raise ZooError(f"{name}: numerics 'vllm-exact' covers dense decoders (no MoE / MLA kernels yet)")
-    if arch.normalization != "RMSNorm":
-        raise ZooError(f"{name}: numerics 'vllm-exact' needs RMSNorm, the model uses {arch.normalization}")
-    if not getattr(config, "gated_linear_unit", False) or getattr(config, "activation_func", None) is not torch.nn.functional.silu:
-        raise ZooError(f"{name}: numerics 'vllm-exact' needs a SwiGLU MLP (vLLM's silu_and_mul)")
     padded = getattr(arch, "padded_vocab_size", None)
     if padded is not None and padded != arch.vocab_size:
         raise ZooError(f"{name}: numerics 'vllm-exact' needs the HF vocabulary ({arch.vocab_size}) as it is, not padded"
