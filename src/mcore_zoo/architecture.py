@@ -130,7 +130,7 @@ class Architecture:
             if not isinstance(arch, ArchConfig):
                 raise PluginError(f"{origin}: amend_config returned {type(arch).__name__}, expected ArchConfig")
         report = reader.finish()
-        return arch.replace(fields=report, hf_config=config)
+        return arch.replace(fields=report, hf_config=reader.config)  # with any field the reader stated
 
     def weight_map(self, arch: "ArchConfig") -> "WeightMap":
         """The weight table for ``arch``."""

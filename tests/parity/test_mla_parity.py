@@ -141,6 +141,30 @@ def test_published_config_every_field_classified(mpu):
     assert wmap.is_ignored("model.layers.61.eh_proj.weight") and not wmap.is_ignored("model.layers.60.mlp.gate.weight")
 
 
+def test_export_config_states_the_v3_routing_the_model_computes(mpu, tmp_path):
+    """A DeepSeek-V3 config without ``scoring_func`` / ``topk_method`` (transformers' own config class
+    has neither) is read as transformers' model computes it, and the export's config.json says so:
+    vLLM reads their absence as softmax scoring without the score-correction bias, then fails on the
+    bias tensor the export carries. A stated value is kept as it is."""
+    import json
+
+    from mcore_zoo.registry import get_registry
+    from mcore_zoo.weights.export import hf_config_for_export
+
+    arch = get_registry().get(ARCH)
+    source = {k: v for k, v in arch.example_config().items() if k not in ("scoring_func", "topk_method")}
+    converted = arch.config_from_hf(source)
+    assert converted.hf_config["scoring_func"] == "sigmoid" and converted.hf_config["topk_method"] == "noaux_tc"
+    assert not converted.fields["scoring_func"].present  # still reported as absent from the source
+    model = mcore_zoo.build_model(source, backend="portable")
+    mcore_zoo.save_hf_checkpoint(model, tmp_path / "export")
+    written = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert written["scoring_func"] == "sigmoid" and written["topk_method"] == "noaux_tc"
+    assert hf_config_for_export(mcore_zoo.handle_of(model))["topk_method"] == "noaux_tc"
+    stated = arch.config_from_hf({**source, "scoring_func": "sigmoid"})
+    assert stated.fields["scoring_func"].present
+
+
 def test_foreign_model_type_read_with_builtin_config(mpu):
     """Kimi-K2 names model_type 'kimi_k2' (remote code): read with transformers' DeepseekV3Config."""
     from mcore_zoo.registry import get_registry

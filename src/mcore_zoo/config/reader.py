@@ -139,16 +139,22 @@ class ConfigReader:
         reason: str,
         default: Any = _MISSING,
         detail: Optional[str] = None,
+        state_absent: bool = False,
     ) -> Any:
         """Require ``name`` to have an allowed value; record it as ignored (it changes nothing).
 
         ``allowed`` is a value, a collection of values, or a predicate. Raises
-        :class:`UnsupportedConfigError` naming field and value otherwise.
+        :class:`UnsupportedConfigError` naming field and value otherwise. ``state_absent``: when
+        the field is absent, write ``default`` into the normalised config (:attr:`config`, which
+        exports copy) - for fields whose absence other readers of the config (vLLM, SGLang)
+        take for another value than transformers' model computes.
         """
         value, present = self._value(name, default)
         if not _allowed(value, allowed):
             raise self.unsupported(name, value, reason)
         self._record(name, value, "ignored", detail or f"value {value!r} has no effect here", present)
+        if state_absent and name not in self.config:
+            self.config[name] = value
         return value
 
     def map_checked(

@@ -124,11 +124,13 @@ def read_quantization(reader):  # type: ignore[no-untyped-def]
 
 
 def read_remote_only(reader, *, score: str, topk_method: tuple) -> None:  # type: ignore[no-untyped-def]
+    # stated in the export when absent: vLLM reads a V3 config without them as softmax scoring
+    # without the score-correction bias, and then cannot load the bias the export carries
     reader.expect("scoring_func", score, default=score, reason=f"{REMOTE_ONLY} model always scores with {score}",
-                  detail=f"{score} (what transformers' model computes)")  # fmt: skip
+                  detail=f"{score} (what transformers' model computes)", state_absent=True)  # fmt: skip
     reader.expect("topk_method", topk_method, default=topk_method[0],
                   reason=f"{REMOTE_ONLY} model routes with {topk_method[0]}",
-                  detail=f"{topk_method[0]} (what transformers' model computes)")  # fmt: skip
+                  detail=f"{topk_method[0]} (what transformers' model computes)", state_absent=True)  # fmt: skip
     reader.expect("moe_layer_freq", 1, default=1, reason=f"{REMOTE_ONLY} model makes every layer after"
                   " first_k_dense_replace MoE (moe_layer_freq 1)", detail="1: every layer after the dense ones")  # fmt: skip
     reader.ignore("ep_size", "expert-parallel size of the remote inference code; the layout is chosen with Parallelism")
