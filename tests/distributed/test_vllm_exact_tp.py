@@ -29,26 +29,8 @@ def _run(ckpt: str, tp: int, seqs: list) -> dict:
         out = mcore_zoo.packed_forward(model, seqs, return_logits=False)
         mcore_zoo.train_step(model, seqs, _loss)
     kinds = {type(m).__name__ for m in model.modules()}
-    full = {}
-    if tp > 1:  # each TP-split tensor's gradient gathered whole: column-parallel rows, row-parallel columns
-        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-
-        split = {}
-        for mod_name, mod in model.named_modules():
-            dim = 0 if isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding)) else 1 if isinstance(mod, RowParallelLinear) else None
-            for p_name, p in mod.named_parameters(recurse=False):
-                if dim is not None and not (dim == 1 and p_name == "bias"):
-                    split[f"{mod_name}.{p_name}" if mod_name else p_name] = dim
-    for name, p in model.named_parameters():
-        g = p.grad
-        if tp > 1 and name in split:
-            parts = [torch.empty_like(g) for _ in range(tp)]
-            torch.distributed.all_gather(parts, g.contiguous())
-            if name.endswith("linear_fc1.weight"):  # each rank holds [gate_r; up_r]
-                parts = [torch.cat([q.chunk(2)[i] for q in parts]) for i in range(2)]
-            g = torch.cat(parts, dim=split[name])
-        full[name] = g.clone()
-    return {"logprobs": out.logprobs, "grads": full, "kinds": kinds}
+    grads = dict(mcore_zoo.iter_hf_weights(model, grads=True))  # whole tensors under HF names, gathered over TP
+    return {"logprobs": out.logprobs, "grads": grads, "kinds": kinds}
 
 
 def test_vllm_exact_tp2_matches_transformers_and_its_tp1_gradients(reference_checkpoint, hf_reference):
