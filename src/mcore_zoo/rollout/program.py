@@ -278,10 +278,8 @@ class RefitProgram:
             shapes = {k: tuple(piece.shape) for k, piece in enumerate(step.bound.transform.split(meta, step.ctx))}
             wanted = {k: shape for k, shape in param.chunk_shapes.items() if not param.gathered}
         for key, shape in wanted.items():
-            if shapes.get(key) != shape:
-                what = key if isinstance(key, str) else f"{step.bound.hf[key]} (this rank's chunk)"
-                raise ZooError(f"refit: {what}: planned shape {shape}, the model's is {shapes.get(key)}"
-                               " (plan made for another model?)")  # fmt: skip
+            what = key if isinstance(key, str) else f"{step.bound.hf[key]} (this rank's chunk)"
+            _check_planned(what, shape, shapes.get(key))
         views = None if param.gathered else export_views(step.bound, base, step.ctx, chunk=self.source == "tp-local")
         offset = base.storage_offset()
         for use in param.uses:
@@ -343,9 +341,7 @@ class RefitProgram:
             step = self._params[i].step
             hf = dict(export_rule(step.bound, self._bases[i], step.ctx, gather=self._gather_for(step.bound)))
             for name, tensor in hf.items():
-                if tuple(tensor.shape) != self._params[i].planned[name]:
-                    raise ZooError(f"refit: {name}: planned shape {self._params[i].planned[name]}, the model's is"
-                                   f" {tuple(tensor.shape)} (plan made for another model?)")  # fmt: skip
+                _check_planned(name, self._params[i].planned[name], tuple(tensor.shape))
             self._memo[i] = hf
 
     def _local_bucket(self, index: int) -> _Items:
@@ -405,6 +401,12 @@ def _piece_of(slot: Slot, sources: list[tuple[int, Optional[_Select]]]) -> tuple
             if select is not None and (select[0], select[1], select[2] - select[1]) == first:
                 return source, first, slot.cuts[1:]
     return None, None, slot.cuts
+
+
+def _check_planned(what: str, planned: tuple[int, ...], got: Optional[tuple[int, ...]]) -> None:
+    """Raise unless the model's piece ``what`` has the shape the plan was made for."""
+    if got != planned:
+        raise ZooError(f"refit: {what}: planned shape {planned}, the model's is {got} (plan made for another model?)")
 
 
 def _chunk_cuts(shape: tuple[int, ...], cuts: tuple[Cut, ...], axis: Optional[int], rank: int,
