@@ -135,6 +135,8 @@ def test_refit_from_tp_chunks_when_trainer_tp_equals_engine_tp(reference_checkpo
         "qwen3-moe": (reference_checkpoint("Qwen3MoeForCausalLM", {"num_hidden_layers": 2}), {}),
         # experts whole on every rank (expert TP 1): the engine's expert TP rows are cut from them
         "qwen3-moe-etp1": (reference_checkpoint("Qwen3MoeForCausalLM", {"num_hidden_layers": 2}), {"etp": 1}),
+        # MLA: the engine keeps fused_qkv_a_proj = [q_a; kv_a] whole on every rank (ReplicatedLinear)
+        "deepseek-v3": (reference_checkpoint("DeepseekV3ForCausalLM", {"num_hidden_layers": 2}), {}),
     }
     found = launch(_refit_tp_local, 2, {k: (str(v), kw) for k, (v, kw) in ckpts.items()})
     for name, (ckpt, _) in ckpts.items():

@@ -33,6 +33,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the worker in th
 if importlib.util.find_spec("vllm") is None:  # before any fixture builds a checkpoint
     pytestmark = pytest.mark.skip(reason="needs vLLM (bench/gpu/vllm-setup.sh, source bench/gpu/vllm-env.sh)")
 
+MLA = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64, "head_dim": 64,
+       "qk_head_dim": 128, "num_key_value_heads": 8, "moe_intermediate_size": 128, "n_routed_experts": 8,
+       "num_experts_per_tok": 2}  # fmt: skip
 ARCHS = [
     ("LlamaForCausalLM", {}),
     ("Qwen2ForCausalLM", {}),
@@ -40,6 +43,12 @@ ARCHS = [
     ("MistralForCausalLM", {"sliding_window": None}),
     ("Qwen3MoeForCausalLM", {"moe_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2}),
     ("MixtralForCausalLM", {"intermediate_size": 128, "num_local_experts": 8, "num_experts_per_tok": 2}),
+    ("Qwen2MoeForCausalLM", {"moe_intermediate_size": 128, "shared_expert_intermediate_size": 256, "num_experts": 8,
+                             "num_experts_per_tok": 2}),  # fmt: skip
+    ("Glm4MoeForCausalLM", {"moe_intermediate_size": 128, "n_routed_experts": 8, "num_experts_per_tok": 2}),
+    # MLA: vLLM's Hopper MLA kernels take kv_lora_rank + rope = 576 (DeepSeek's own 512 + 64)
+    ("DeepseekV2ForCausalLM", {**MLA, "q_lora_rank": None}),  # V2-Lite's shape: q_proj, kv_a_proj_with_mqa apart
+    ("DeepseekV3ForCausalLM", {**MLA, "q_lora_rank": 128}),  # fused_qkv_a_proj
 ]
 SIZES = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8, "num_key_value_heads": 4,
          "num_hidden_layers": 4, "vocab_size": 1000}  # fmt: skip  (1000: vLLM pads the vocabulary to 1024)

@@ -3,7 +3,8 @@
 The reference is an independent re-implementation of what vLLM 0.26's ``load_weights`` makes of an
 HF checkpoint at tensor-parallel size ``tp``: its stacked-parameter and expert tables copied below
 as data (``hf_to_vllm_mapper.orig_to_new_stacked`` of ``llama.py`` / ``qwen3_moe.py`` /
-``qwen2_moe.py`` / ``glm4_moe.py``; ``RoutedExperts.build_expert_params_mapping``), and the weight
+``qwen2_moe.py`` / ``glm4_moe.py``, ``stacked_params_mapping`` of ``deepseek_v2.py``;
+``RoutedExperts.build_expert_params_mapping``), and the weight
 loaders' slicing rules (``QKVParallelLinear``, ``MergedColumnParallelLinear``,
 ``RowParallelLinear``, ``VocabParallelEmbedding`` padded to 64 rows with zero padding,
 ``RoutedExperts._load_w13`` / ``_load_w2``), applied to the HF safetensors file. It shares no
@@ -34,6 +35,15 @@ VLLM_STACKED = {
     ".gate_proj": (".gate_up_proj", 0),
     ".up_proj": (".gate_up_proj", 1),
 }
+#: deepseek_v2.py's stacked_params_mapping with its MLA part (no q/k/v fusion: MLA has no k_proj);
+#: kv_a_proj_with_mqa joins fused_qkv_a_proj only when that parameter exists (q_lora_rank set)
+VLLM_STACKED_MLA = {
+    ".gate_proj": (".gate_up_proj", 0),
+    ".up_proj": (".gate_up_proj", 1),
+    ".q_a_proj": (".fused_qkv_a_proj", 0),
+    ".kv_a_proj_with_mqa": (".fused_qkv_a_proj", 1),
+}
+COLUMN_PARALLEL_MLA = re.compile(r".*\.(q_proj|q_b_proj|kv_b_proj)\.weight")  # ColumnParallelLinear
 #: RoutedExperts.build_expert_params_mapping: per expert (shard_id, ckpt name) -> param prefix
 VLLM_EXPERT_PARAM = {"w1": "experts.routed_experts.w13_", "w3": "experts.routed_experts.w13_", "w2": "experts.routed_experts.w2_"}
 #: ckpt_gate_proj_name, ckpt_down_proj_name, ckpt_up_proj_name per family
@@ -72,10 +82,20 @@ def vllm_engine_tensors(hf: dict[str, torch.Tensor], config: dict, tp: int) -> l
                     params[pname][e].narrow(0, half, per).copy_(w.narrow(0, rank * per, per))
                 continue
             stem, leaf = name.rsplit(".", 1)
-            hit = next(((k, v) for k, v in VLLM_STACKED.items() if ("." + stem).endswith(k)), None)
+            mla = config["model_type"].startswith("deepseek")
+            hit = next(((k, v) for k, v in (VLLM_STACKED_MLA if mla else VLLM_STACKED).items() if ("." + stem).endswith(k)), None)
+            if hit is not None and hit[1][0] == ".fused_qkv_a_proj" and config.get("q_lora_rank") is None:
+                hit = None  # no fused_qkv_a_proj parameter: kv_a_proj_with_mqa is a ReplicatedLinear
             if hit is not None:
                 suffix, (new, shard_id) = hit
                 pname = stem[: len(stem) - len(suffix) + 1] + new[1:] + "." + leaf
+                if new == ".fused_qkv_a_proj":  # MergedColumnParallelLinear(disable_tp=True)
+                    q_lora, kv_a = config["q_lora_rank"], config["kv_lora_rank"] + config["qk_rope_head_dim"]
+                    offset, size, total = (0, q_lora, q_lora + kv_a) if shard_id == 0 else (q_lora, kv_a, q_lora + kv_a)
+                    if pname not in params:
+                        params[pname] = torch.full((total, *w.shape[1:]), float("nan"), dtype=w.dtype)
+                    params[pname].narrow(0, offset, size).copy_(w)
+                    continue
                 if shard_id in ("q", "k", "v"):  # QKVParallelLinear.weight_loader
                     q_size, kv_size = heads // tp * hd, kv // tp * hd
                     offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
@@ -95,6 +115,10 @@ def vllm_engine_tensors(hf: dict[str, torch.Tensor], config: dict, tp: int) -> l
                 p[: stop - start].copy_(w[start:stop])
                 p[stop - start :].fill_(0)
                 params[name] = p
+                continue
+            if mla and COLUMN_PARALLEL_MLA.fullmatch(name):
+                size = w.shape[0] // tp
+                params[name] = w.narrow(0, rank * size, size).clone()
                 continue
             if ROW_PARALLEL.fullmatch(name):
                 size = w.shape[1] // tp
@@ -124,6 +148,8 @@ CASES = [
     ("qwen2-moe", "Qwen2MoeForCausalLM", {}),
     ("mixtral", "MixtralForCausalLM", {}),
     ("glm4-moe", "Glm4MoeForCausalLM", {}),
+    ("deepseek-v3", "DeepseekV3ForCausalLM", {}),  # q_lora_rank: fused_qkv_a_proj
+    ("deepseek-v2-lite", "DeepseekV2ForCausalLM", {}),  # no q_lora_rank: q_proj, kv_a_proj_with_mqa apart
 ]
 
 
@@ -599,3 +625,37 @@ def test_worker_compares_its_parameters_bit_for_bit():
     assert "lm_head.weight: values differ" in worker.zoo_compare_parameters({"lm_head.weight": nudged})
     assert "expected (5,)" in worker.zoo_compare_parameters({"model.norm.weight": torch.ones(5)})
     assert "not a parameter" in worker.zoo_compare_parameters({"model.embed.weight": torch.ones(1)})
+
+
+def test_vllm_worker_extension_rederives_mla_weights_after_a_refit(mpu, reference_checkpoint):
+    """vLLM's MLA attention keeps ``W_UK_T`` / ``W_UV`` computed from ``kv_b_proj`` after loading;
+    a refit must have them recomputed from the new ``kv_b_proj`` (in place), or the engine attends
+    with the old weights."""
+    import types
+
+    _, model, config, hf = _setup(reference_checkpoint, "DeepseekV3ForCausalLM", {})
+    want = vllm_engine_tensors(hf, config, 1)[0]
+    worker = FakeWorker({k: torch.zeros_like(v) for k, v in want.items()}, 0)
+    worker.model_config = types.SimpleNamespace(dtype=torch.float32)
+
+    class MLAAttention(torch.nn.Module):  # vLLM's class name: what the worker looks for
+        def __init__(self, kv_b_proj):
+            super().__init__()
+            self.kv_b_proj = kv_b_proj
+            self.W_UK_T = torch.nn.Parameter(torch.zeros(kv_b_proj.weight.shape[::-1]), requires_grad=False)
+            self.dtypes = []
+
+        def process_weights_after_loading(self, act_dtype):
+            self.dtypes.append(act_dtype)
+            self.W_UK_T.copy_(self.kv_b_proj.weight.t())  # in place, as replace_parameter(prefer_copy=True)
+
+    layers = [worker.model_runner.model.get_submodule(f"model.layers.{i}") for i in range(config["num_hidden_layers"])]
+    attns = [MLAAttention(layer.self_attn.kv_b_proj) for layer in layers]
+    for layer, attn in zip(layers, attns):
+        layer.self_attn.add_module("mla_attn", attn)
+    derived_before = [a.W_UK_T for a in attns]
+    mcore_zoo.refit(model, VLLMAdapter(FakeLLM([worker]), tp_size=1, transport="inproc"), bucket_size="16KB")
+    for i, attn in enumerate(attns):
+        kv_b = want[f"model.layers.{i}.self_attn.kv_b_proj.weight"]
+        assert attn.dtypes == [torch.float32]
+        assert attn.W_UK_T is derived_before[i] and torch.equal(attn.W_UK_T, kv_b.t())

@@ -15,8 +15,9 @@ Two layouts ship:
 
 * :data:`VLLM` - vLLM 0.26's own parameter names and shard order (``hf_to_vllm_mapper`` /
   ``orig_to_new_stacked`` of ``llama.py``, ``qwen2.py``, ``qwen3_moe.py``, ``qwen2_moe.py``,
-  ``mixtral.py``, ``glm4_moe.py``; ``RoutedExperts.build_expert_params_mapping`` and ``_load_w13``
-  for the experts; ``DEFAULT_VOCAB_PADDING_SIZE`` of ``vocab_parallel_embedding.py``).
+  ``mixtral.py``, ``glm4_moe.py``, and ``stacked_params_mapping`` of ``deepseek_v2.py`` for MLA's
+  ``fused_qkv_a_proj``; ``RoutedExperts.build_expert_params_mapping`` and ``_load_w13`` for the
+  experts; ``DEFAULT_VOCAB_PADDING_SIZE`` of ``vocab_parallel_embedding.py``).
 * :data:`HF_NAMES` - HF names, whole tensors, no fusion: for engines that fuse and split on their
   side (SGLang's ``update_weights_from_tensor``, vLLM's own ``load_weights``).
 """
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Container, Optional, Union
 
 
 @dataclass(frozen=True)
@@ -35,12 +36,18 @@ class Fusion:
 
     ``order`` lists the shard ids of the engine tensor in the order they sit along its first axis
     on every tensor-parallel rank (``("q", "k", "v")``, ``(0, 1)``).
+
+    ``requires``: the fusion applies only where the module also has this HF sibling (same stem,
+    this suffix instead). vLLM's DeepSeek attention fuses ``kv_a_proj_with_mqa`` into
+    ``fused_qkv_a_proj`` only next to a ``q_a_proj`` (``q_lora_rank`` set), and keeps MLA's
+    ``q_proj`` unfused (no ``k_proj`` beside it).
     """
 
     hf_suffix: str
     engine_suffix: str
     shard: Union[str, int]
     order: tuple[Union[str, int], ...]
+    requires: str = ""
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,9 @@ class EngineFormat:
             this many rows before splitting it over tensor parallelism (``0``: no padding).
         presplit: the engine wants each tensor-parallel rank's shard (``True``) or whole tensors
             that it splits itself (``False``).
+        replicated: HF module suffixes (``".q_a_proj"``) the engine keeps whole on every
+            tensor-parallel rank even where the trainer splits them (vLLM's MLA down-projections
+            are ``ReplicatedLinear`` / ``disable_tp``; Megatron-Core may shard them).
     """
 
     name: str
@@ -76,13 +86,24 @@ class EngineFormat:
     experts_prefix: str = ""
     vocab_padding: int = 0
     presplit: bool = True
+    replicated: tuple[str, ...] = ()
 
-    def fusion_for(self, hf_name: str) -> Optional[tuple[str, Fusion]]:
-        """``(engine_name, fusion)`` for an HF tensor that the engine fuses, else ``None``."""
+    def replicates(self, hf_name: str) -> bool:
+        """Whether the engine keeps this HF tensor whole on every tensor-parallel rank."""
+        stem = "." + hf_name.rpartition(".")[0]
+        return any(stem.endswith(suffix) for suffix in self.replicated)
+
+    def fusion_for(self, hf_name: str, hf_names: Container[str] = ()) -> Optional[tuple[str, Fusion]]:
+        """``(engine_name, fusion)`` for an HF tensor that the engine fuses, else ``None``.
+        ``hf_names``: every HF tensor of the model (a fusion with ``requires`` looks its sibling
+        up there; without them such a fusion never applies)."""
         stem, dot, leaf = hf_name.rpartition(".")  # leaf: weight / bias
         for f in self.fusions:
             if ("." + stem).endswith(f.hf_suffix):
-                return stem[: len(stem) - len(f.hf_suffix) + 1] + f.engine_suffix[1:] + dot + leaf, f
+                base = stem[: len(stem) - len(f.hf_suffix) + 1]
+                if f.requires and base + f.requires[1:] + ".weight" not in hf_names:
+                    continue
+                return base + f.engine_suffix[1:] + dot + leaf, f
         return None
 
     def expert_for(self, hf_name: str, roles: dict[str, str]) -> Optional[tuple[str, int, str, tuple[str, ...]]]:
@@ -105,16 +126,21 @@ _EXPERT = re.compile(r"(?P<prefix>.*\.)experts\.(?P<expert>\d+)\.(?P<proj>[A-Za-
 
 _QKV = ("q", "k", "v")
 _GATE_UP = (0, 1)
+_QKV_A = (0, 1)
 
-#: vLLM 0.26 (the ``hf_to_vllm_mapper`` tables of its Llama / Qwen / Mixtral / GLM-4.5 model files)
+#: vLLM 0.26 (the ``hf_to_vllm_mapper`` / ``stacked_params_mapping`` tables of its Llama / Qwen /
+#: Mixtral / GLM-4.5 / DeepSeek-V2 model files)
 VLLM = EngineFormat(
     name="vllm",
     fusions=(
-        Fusion(".q_proj", ".qkv_proj", "q", _QKV),
+        Fusion(".q_proj", ".qkv_proj", "q", _QKV, requires=".k_proj"),
         Fusion(".k_proj", ".qkv_proj", "k", _QKV),
         Fusion(".v_proj", ".qkv_proj", "v", _QKV),
         Fusion(".gate_proj", ".gate_up_proj", 0, _GATE_UP),
         Fusion(".up_proj", ".gate_up_proj", 1, _GATE_UP),
+        # MLA (``deepseek_v2.py``): replicated, [q_a; kv_a] when the attention has q_a_proj
+        Fusion(".q_a_proj", ".fused_qkv_a_proj", 0, _QKV_A),
+        Fusion(".kv_a_proj_with_mqa", ".fused_qkv_a_proj", 1, _QKV_A, requires=".q_a_proj"),
     ),
     experts=ExpertFusion(
         projections=(("gate", "w13_weight", "w1"), ("up", "w13_weight", "w3"), ("down", "w2_weight", "w2")),
@@ -122,6 +148,7 @@ VLLM = EngineFormat(
     ),
     experts_prefix="routed_experts.",
     vocab_padding=64,
+    replicated=(".q_a_proj", ".kv_a_proj_with_mqa"),
 )
 
 #: HF names, whole tensors (the engine fuses and splits: SGLang, vLLM ``load_weights``)

@@ -207,6 +207,7 @@ def plan_refit(
     roles = _expert_roles(handle)
     vocab = {name for name, items in specs.items() if any(b.rule.mcore in VOCAB_PARAMETERS for _, _, b in items)}
     hf = [(e.name, tuple(e.shape), e.dtype) for e in entries]
+    hf_names = {name for name, _, _ in hf}
 
     # 1. every HF piece: (engine name, expert, shard id, order) and its cuts per rank
     pieces: dict[str, list[list[tuple[str, Optional[int], Any, tuple[Any, ...], tuple[Cut, ...], tuple[int, ...], int, int]]]] = {}
@@ -220,12 +221,14 @@ def plan_refit(
             if hit is not None:
                 target, expert, shard, order = hit
             else:
-                fused = engine_format.fusion_for(name)
+                fused = engine_format.fusion_for(name, hf_names)
                 if fused is not None:
                     target, f = fused
                     shard, order = f.shard, f.order
         if engine_format.presplit:
             parts = sorted(specs[name], key=lambda s: -1 if s[0] is None else s[0][1])
+            if engine_format.replicates(name):  # whole on every engine rank, however the trainer splits it
+                parts = [(select, None, rule) for select, _, rule in parts]
         else:  # whole HF tensors: the engine splits and fuses
             parts = [(None, None, specs[name][0][2])]
         for rank in range(tp):

@@ -375,6 +375,34 @@ class ZooWorkerExtension:
         self._zoo_relayout = (model, found)
         return found
 
+    def _zoo_derived_modules(self) -> list[tuple[str, Any]]:
+        """Attention layers that keep weights derived from a refit parameter, which vLLM computes
+        after loading: MLA's ``W_UK_T`` / ``W_UV``, read off ``kv_b_proj``
+        (``MLAAttention.process_weights_after_loading``; without a re-derivation the engine would
+        keep attending with the old weights). Found with one walk of the model, kept while the
+        worker holds the same model."""
+        model = self._zoo_model()
+        cached = getattr(self, "_zoo_derived", None)
+        if cached is not None and cached[0] is model:
+            return cached[1]
+        found = [(name, module) for name, module in model.named_modules()
+                 if any(c.__name__ == "MLAAttention" for c in type(module).__mro__)
+                 and hasattr(module, "process_weights_after_loading")]  # fmt: skip
+        self._zoo_derived = (model, found)
+        return found
+
+    def _zoo_rederive(self) -> None:
+        """Recompute the derived weights of :meth:`_zoo_derived_modules` from the refit parameters,
+        as vLLM's loader does after loading (``process_weights_after_loading(model_config.dtype)``;
+        the results are copied into the existing tensors, so captured CUDA graphs stay valid)."""
+        derived = self._zoo_derived_modules()
+        if not derived:
+            return
+        config = getattr(self, "model_config", None) or self.vllm_config.model_config  # type: ignore[attr-defined]
+        with torch.no_grad():
+            for _, module in derived:
+                module.process_weights_after_loading(config.dtype)
+
     def zoo_refit_begin(self, plan_id: int, manifests: Optional[list[Any]], mode: str,
                         counts: Optional[list[list[int]]] = None) -> Optional[str]:  # fmt: skip
         """Start a refit: bind the plan (``manifests`` / ``counts`` given: per engine rank, the
@@ -432,6 +460,10 @@ class ZooWorkerExtension:
             with torch.no_grad():
                 for _, module in self._zoo_relayout_modules():
                     module.quant_method.process_weights_after_loading(module)
+        try:  # both modes: neither the direct copies nor vLLM's loaders update derived weights
+            self._zoo_rederive()
+        except Exception as exc:  # reported to the trainer through collective_rpc
+            return f"refit end: re-deriving MLA weights failed: {type(exc).__name__}: {exc}"
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         binding = getattr(self, "_zoo_binding", None)
