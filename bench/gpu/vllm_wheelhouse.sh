@@ -23,8 +23,8 @@ mkdir -p "$out/dl" "$out/meta"
 skipfile="$out/meta/skip.txt"
 : > "$skipfile"
 [ -n "${VLLM_SKIP_FILE:-}" ] && cat "$VLLM_SKIP_FILE" >> "$skipfile"
-# VLLM_LEAN=1: leave out kernels vLLM imports only on first use, for paths a bf16 dense / MoE LLM
-# does not take: tokenspeed-mla (MLA prefill, + tokenspeed-triton) and humming-kernels (MXFP4 /
+# VLLM_LEAN=1: leave out kernels vLLM imports only on first use, for paths a bf16 LLM on Hopper
+# does not take: tokenspeed-mla (MLA prefill on Blackwell only, + tokenspeed-triton) and humming-kernels (MXFP4 /
 # NVFP4 / MXFP8 kernels, + nvidia-cuda-nvcc / nvvm / cccl): 790 MB instead of 1012 MB.
 [ "${VLLM_LEAN:-0}" = 1 ] && printf 'tokenspeed-mla\nhumming-kernels\n' >> "$skipfile"
 python3 "$root/bench/gpu/vllm_resolve.py" "$out/dl" --skip-file "$skipfile"

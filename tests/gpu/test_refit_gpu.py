@@ -33,8 +33,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the worker in th
 if importlib.util.find_spec("vllm") is None:  # before any fixture builds a checkpoint
     pytestmark = pytest.mark.skip(reason="needs vLLM (bench/gpu/vllm-setup.sh, source bench/gpu/vllm-env.sh)")
 
-MLA = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64, "head_dim": 64,
-       "qk_head_dim": 128, "num_key_value_heads": 8, "moe_intermediate_size": 128, "n_routed_experts": 8,
+MLA = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "head_dim": 64,
+       "qk_head_dim": 192, "num_key_value_heads": 8, "moe_intermediate_size": 128, "n_routed_experts": 8,
        "num_experts_per_tok": 2}  # fmt: skip
 ARCHS = [
     ("LlamaForCausalLM", {}),
@@ -46,7 +46,7 @@ ARCHS = [
     ("Qwen2MoeForCausalLM", {"moe_intermediate_size": 128, "shared_expert_intermediate_size": 256, "num_experts": 8,
                              "num_experts_per_tok": 2}),  # fmt: skip
     ("Glm4MoeForCausalLM", {"moe_intermediate_size": 128, "n_routed_experts": 8, "num_experts_per_tok": 2}),
-    # MLA: vLLM's Hopper MLA kernels take kv_lora_rank + rope = 576 (DeepSeek's own 512 + 64)
+    # MLA: vLLM's Hopper MLA kernels take DeepSeek's own widths (kv_lora_rank 512, rope 64, nope / v 128)
     ("DeepseekV2ForCausalLM", {**MLA, "q_lora_rank": None}),  # V2-Lite's shape: q_proj, kv_a_proj_with_mqa apart
     ("DeepseekV3ForCausalLM", {**MLA, "q_lora_rank": 128}),  # fused_qkv_a_proj
 ]

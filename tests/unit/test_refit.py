@@ -659,3 +659,25 @@ def test_vllm_worker_extension_rederives_mla_weights_after_a_refit(mpu, referenc
         kv_b = want[f"model.layers.{i}.self_attn.kv_b_proj.weight"]
         assert attn.dtypes == [torch.float32]
         assert attn.W_UK_T is derived_before[i] and torch.equal(attn.W_UK_T, kv_b.t())
+
+
+def test_vllm_adapter_takes_a_plugins_engine_format(mpu, reference_checkpoint):
+    """A plugin whose vLLM model class fuses differently passes its own format: the plan follows
+    it (here: no gate / up fusion), and the default format's plan is refused by that engine."""
+    from dataclasses import replace
+
+    _, model, config, hf = _setup(reference_checkpoint, "LlamaForCausalLM", {})
+    unfused = replace(VLLM, name="vllm-unfused-mlp", fusions=tuple(f for f in VLLM.fusions if "gate_up" not in f.engine_suffix))
+    want = vllm_engine_tensors(hf, config, 1)[0]
+    engine = {k: v for k, v in want.items() if "gate_up_proj" not in k}
+    for i in range(config["num_hidden_layers"]):
+        for proj in ("gate_proj", "up_proj"):
+            engine[f"model.layers.{i}.mlp.{proj}.weight"] = hf[f"model.layers.{i}.mlp.{proj}.weight"]
+    worker = FakeWorker({k: torch.zeros_like(v) for k, v in engine.items()}, 0)
+    with pytest.raises(ZooError, match="no parameter 'model.layers.0.mlp.gate_up_proj.weight'"):
+        mcore_zoo.refit(model, VLLMAdapter(FakeLLM([worker]), tp_size=1, transport="inproc"))
+    mcore_zoo.refit(model, VLLMAdapter(FakeLLM([worker]), tp_size=1, transport="inproc", engine_format=unfused))
+    got = {k: p.data for k, p in worker.model_runner.model.named_parameters()}
+    assert_same([got], [engine])
+    with pytest.raises(ValueError, match="mode='direct' only"):
+        VLLMAdapter(FakeLLM([worker]), tp_size=1, mode="load_weights", engine_format=unfused)

@@ -35,6 +35,10 @@ trainer's parameter in the parameter's dtype, possibly in a refined shape (mcore
 q / k / v rows as ``[groups, rows, hidden]``): the worker copies it into its region viewed in that
 shape - one copy per shard from the trainer's parameter into the engine's, no intermediate.
 
+Derived weights: vLLM's MLA attention keeps ``W_UK_T`` / ``W_UV``, computed from ``kv_b_proj``
+after loading. ``zoo_refit_end`` recomputes them in both modes, as vLLM's loader does
+(``MLAAttention.process_weights_after_loading``, into the existing tensors).
+
 Transport: when the engine's workers run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``
 with one worker: ``UniProcExecutor``, or ``ExecutorWithExternalLauncher``), ``collective_rpc``
 hands the shards over as they are (one device-to-device copy into each parameter). Otherwise each
@@ -81,6 +85,9 @@ class VLLMAdapter(EngineAdapter):
             weights) through ``llm.reset_prefix_cache()`` - skipped for an engine started with
             ``enable_prefix_caching=False``, which caches none. vLLM walks every KV-cache block
             in Python for it: 0.9 ms for 23,601 blocks, 2.6 ms for 55,603 (H200, vLLM 0.26).
+        engine_format: the engine's fusion map in direct mode (default :data:`VLLM`); a plugin
+            whose vLLM model class fuses or replicates tensors otherwise passes its own
+            :class:`~mcore_zoo.rollout.engine_format.EngineFormat`.
         engine_rank: the one engine TP rank this adapter feeds (``refit(..., receiver="all")``
             with one engine rank per trainer rank: a trainer of the same TP then sends that rank's
             shards only, from its own TP chunks). ``"auto"``: the worker's TP rank when the engine
@@ -89,12 +96,15 @@ class VLLMAdapter(EngineAdapter):
     """
 
     def __init__(self, llm: Any, *, mode: str = "direct", transport: str = "auto", tp_size: Optional[int] = None,
-                 reset_prefix_cache: bool = True, engine_rank: Union[int, str, None] = "auto") -> None:  # fmt: skip
+                 reset_prefix_cache: bool = True, engine_rank: Union[int, str, None] = "auto",
+                 engine_format: Optional[EngineFormat] = None) -> None:  # fmt: skip
         if mode not in ("direct", "load_weights"):
             raise ValueError(f"mode must be 'direct' or 'load_weights', got {mode!r}")
+        if engine_format is not None and (mode != "direct" or not engine_format.presplit):
+            raise ValueError("engine_format applies to mode='direct' only, and must be pre-split (presplit=True)")
         self.llm = llm
         self.mode = mode
-        self.engine_format: EngineFormat = VLLM if mode == "direct" else HF_NAMES
+        self.engine_format: EngineFormat = (engine_format or VLLM) if mode == "direct" else HF_NAMES
         self.tp_size = tp_size if tp_size is not None else _engine_tp(llm)
         self.transport = _transport(llm) if transport == "auto" else transport
         self.reset_prefix_cache = reset_prefix_cache and _prefix_caching(llm)
