@@ -681,3 +681,39 @@ def test_vllm_adapter_takes_a_plugins_engine_format(mpu, reference_checkpoint):
     assert_same([got], [engine])
     with pytest.raises(ValueError, match="mode='direct' only"):
         VLLMAdapter(FakeLLM([worker]), tp_size=1, mode="load_weights", engine_format=unfused)
+
+
+def test_vllm_worker_defers_stable_buckets_to_the_flush(mpu, reference_checkpoint):
+    """Buckets whose shards are views of the trainer's parameters (the local source) are kept by the
+    worker and written in ``end`` - where, on a GPU, one CUDA graph replays them; here (CPU) they are
+    copied one by one. Nothing is written before the flush; everything is exact after it, also after
+    the trainer's weights change; a shard made per refit (not a view) is written as it comes."""
+    _, model, config, hf = _setup(reference_checkpoint, "Qwen3MoeForCausalLM", {})
+    want = vllm_engine_tensors(hf, config, 1)
+    worker = FakeWorker({k: torch.zeros_like(v) for k, v in want[0].items()}, 0)
+    seen = []
+
+    class Watching(VLLMAdapter):
+        def load_bucket(self, bucket):
+            super().load_bucket(bucket)
+            seen.append((bucket.stable, len(worker._zoo_binding.pending)))
+
+    adapter = Watching(FakeLLM([worker]), tp_size=1, transport="inproc")
+    stats = mcore_zoo.refit(model, adapter, bucket_size="64KB")
+    assert stats.source == "local" and len(seen) == stats.buckets > 2
+    assert all(stable for stable, _ in seen) and [n for _, n in seen] == list(range(1, len(seen) + 1))
+    assert worker._zoo_flushed == "copied" and not worker._zoo_binding.pending
+    assert_same([{k: p.data for k, p in worker.model_runner.model.named_parameters()}], want)
+    # new trainer weights: the next refit writes them (no stale copy survives a flush)
+    with torch.no_grad():
+        for p in model[0].parameters() if isinstance(model, list) else model.parameters():
+            p.mul_(-1)
+    mcore_zoo.refit(model, adapter, bucket_size="64KB")
+    flipped = {k: -v for k, v in want[0].items()}
+    got = {k: p.data for k, p in worker.model_runner.model.named_parameters()}
+    assert all(torch.equal(got[k], flipped[k]) for k in want[0])
+    # without graphs every bucket is written as it arrives
+    seen.clear()
+    plain = Watching(FakeLLM([worker]), tp_size=1, transport="inproc", cuda_graph=False)
+    mcore_zoo.refit(model, plain, bucket_size="64KB")
+    assert [n for _, n in seen] == [0] * len(seen)
