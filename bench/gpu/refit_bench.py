@@ -11,9 +11,7 @@ The engine starts from ``load_format="dummy"`` (only config.json is written); th
 is randomly initialised (speed does not depend on the values). One refit computes the plan and
 binds its data path (reported apart), then ``--iters`` refits are timed (median): wall time from
 the first gather to the engine's last write, synchronised, and the engine's prefix-cache reset that
-``VLLMAdapter`` calls alongside it. ``VLLMAdapter`` defaults to ``cuda_graph=True``: the worker
-captures the refit's copies once and replays them as one CUDA graph (``cuda_graph.state_timed``
-says ``replayed``); ``eager_*`` are the same timings with the copies made shard by shard. The same refits are then timed without that reset
+``VLLMAdapter`` runs while the GPU finishes the copies (before the worker's end synchronises). The same refits are then timed without that reset
 (``transfer_*``: the weights alone), and the reset alone (``llm.reset_prefix_cache()``: vLLM walks
 every KV-cache block in Python, so it costs in proportion to the cache's block count). Then ``exact``: every engine parameter
 compared bit for bit (``zoo_compare_parameters``) with a reference refit into plain tensors on
@@ -146,21 +144,6 @@ def main() -> None:
         t0 = time.perf_counter()
         llm.reset_prefix_cache()
         resets.append(time.perf_counter() - t0)
-    graph_state = llm.collective_rpc(lambda worker: worker._zoo_flushed)
-    # the same two timings with the worker copying shard by shard as they arrive (no CUDA graph)
-    eager = VLLMAdapter(llm, cuda_graph=False)
-    eager_bare = VLLMAdapter(llm, cuda_graph=False, reset_prefix_cache=False)
-    mcore_zoo.refit(model, eager, bucket_size=args.bucket_size, receiver=receiver)
-    eager_runs, eager_transfer = [], []
-    for _ in range(args.iters):
-        for adapter_, out in ((eager, eager_runs), (eager_bare, eager_transfer)):
-            if dist.is_initialized():
-                dist.barrier()
-            out.append(mcore_zoo.refit(model, adapter_, bucket_size=args.bucket_size, receiver=receiver).seconds)
-    # a last graph refit, so that the exactness check below reads what a replay wrote
-    mcore_zoo.refit(model, bare, bucket_size=args.bucket_size, receiver=receiver)
-    mcore_zoo.refit(model, bare, bucket_size=args.bucket_size, receiver=receiver)
-    last_state = llm.collective_rpc(lambda worker: worker._zoo_flushed)
     # exactness: the engine's parameters against a reference refit into plain tensors on another
     # path (at TP2 the gathered export - the reference adapter names no engine rank; at TP1 the
     # slot-shaped copies instead of raw views)
@@ -180,11 +163,6 @@ def main() -> None:
         "transfer_gbps_per_gpu": per_rank / statistics.median(transfer) / 1e9,
         "transfer_fraction_of_copy": per_rank / statistics.median(transfer) / 1e9 / copy,
         "prefix_cache_reset_seconds_median": statistics.median(resets),
-        "cuda_graph": {"state_timed": graph_state, "state_checked": last_state},
-        "eager_refit_seconds_median": statistics.median(eager_runs), "eager_refit_seconds_all": eager_runs,
-        "eager_fraction_of_copy": per_rank / statistics.median(eager_runs) / 1e9 / copy,
-        "eager_transfer_seconds_median": statistics.median(eager_transfer),
-        "eager_transfer_fraction_of_copy": per_rank / statistics.median(eager_transfer) / 1e9 / copy,
         "kv_cache_blocks": _kv_blocks(llm),
         "first_refit_seconds_with_plan": t_first, "build_seconds": t_build,
         "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
@@ -199,10 +177,6 @@ def main() -> None:
         print(f"without the prefix-cache reset: {result['transfer_seconds_median'] * 1e3:.1f} ms,"
               f" {result['transfer_fraction_of_copy']:.0%} of the copy; the reset alone"
               f" {result['prefix_cache_reset_seconds_median'] * 1e3:.1f} ms ({result['kv_cache_blocks']} KV blocks)")  # fmt: skip
-        print(f"copies shard by shard (no CUDA graph): {result['eager_refit_seconds_median'] * 1e3:.1f} ms"
-              f" ({result['eager_fraction_of_copy']:.0%}), without the reset"
-              f" {result['eager_transfer_seconds_median'] * 1e3:.1f} ms ({result['eager_transfer_fraction_of_copy']:.0%});"
-              f" graph states {graph_state} / {last_state}")  # fmt: skip
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=2)

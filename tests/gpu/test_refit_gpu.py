@@ -139,18 +139,6 @@ def check(ckpt: str, arch: str, out_dir: str) -> dict:
     result["token_mult_prob_error"] = float(d.double().exp().mean())
     result["max_abs_dlogp"] = float(d.max())
     result["refit_mb"], result["refit_ms"] = stats.nbytes / 1e6, stats.seconds * 1e3
-
-    # the steady state: the previous refit captured its copies as one CUDA graph; a scrambled
-    # engine is restored by replaying it, bit for bit
-    def flushed(worker):
-        return worker._zoo_flushed
-
-    result["graph_before"] = llm.collective_rpc(flushed)
-    _scramble(llm, 3)
-    mcore_zoo.refit(model, adapter, dtype=torch.bfloat16, bucket_size="2MB")
-    result["graph_after"] = llm.collective_rpc(flushed)
-    result["replay_params_differ"] = [n for n, p in _params(llm).items() if not torch.equal(p, want[n])]
-    result["replay_logprobs_bitwise"] = all(torch.equal(a, b) for a, b in zip(_logprobs(llm, seqs), want_lp))
     return result
 
 
@@ -171,8 +159,6 @@ def test_refit_into_vllm_is_bitwise(reference_checkpoint, arch, overrides, tmp_p
     assert r["logprobs_bitwise"]
     assert r["skipped_bucket_error"] is not None and "refit incomplete" in r["skipped_bucket_error"]
     assert r["skipped_bucket_params_differ"] > 0
-    assert r["graph_before"] == ["captured"] and r["graph_after"] == ["replayed"], (r["graph_before"], r["graph_after"])
-    assert r["replay_params_differ"] == [] and r["replay_logprobs_bitwise"]
 
 
 if __name__ == "__main__":

@@ -23,11 +23,6 @@ has exactly the slot's shape and dtype. ``bucket.named(rank)`` gives plain ``[(n
 for engines that take names only (an engine format without fusion: whole HF tensors under HF
 names).
 
-``bucket.stable`` is ``True`` when every shard of the bucket is a view of a trainer parameter (the
-local sources' raw views, no per-refit copy among them): its storage then stays valid until the
-refit ends, so an adapter may keep the shards past ``load_bucket`` and copy them in ``end`` (the
-vLLM worker extension does, to replay the whole refit as one CUDA graph).
-
 ``raw_shards = True`` is for adapters that copy each shard into a region of an engine tensor
 themselves (:class:`~mcore_zoo.rollout.vllm.VLLMAdapter` in direct mode): the shard may then also
 be a view of the trainer's parameter that holds the slot's elements in row-major order in a shape
@@ -61,12 +56,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclass
 class RefitBucket:
-    """One bucket: ``items[rank]`` = ``[(slot, shard), ...]`` for engine TP rank ``rank``;
-    ``stable``: every shard is a view of a trainer parameter (module docstring)."""
+    """One bucket: ``items[rank]`` = ``[(slot, shard), ...]`` for engine TP rank ``rank``."""
 
     index: int
     items: list[list[tuple["Slot", torch.Tensor]]]
-    stable: bool = False
 
     def named(self, rank: int = 0) -> list[tuple[str, torch.Tensor]]:
         """``[(engine_name, tensor)]`` of one rank (for name-only engines)."""

@@ -137,17 +137,15 @@ class RefitProgram:
         return list(range(self.target_tp)) if self.engine_rank is None else [self.engine_rank]
 
     # ------------------------------------------------------------------ one refit
-    def buckets(self, stream: Optional[Iterator[tuple[str, torch.Tensor]]]) -> Iterator[tuple[int, _Items, bool]]:
-        """``(bucket index, items, stable)`` per bucket in plan order, ``items[rank]`` = ``[(slot,
-        shard)]``, ``stable``: every shard is a view of a trainer parameter (what
-        :class:`~mcore_zoo.rollout.adapter.RefitBucket` carries). ``stream``: the export
+    def buckets(self, stream: Optional[Iterator[tuple[str, torch.Tensor]]]) -> Iterator[tuple[int, _Items]]:
+        """``(bucket index, items)`` per bucket in plan order, ``items[rank]`` = ``[(slot, shard)]``
+        (what :class:`~mcore_zoo.rollout.adapter.RefitBucket` carries). ``stream``: the export
         (``"stream"`` source; ``None`` for ``"local"``). Release each bucket's items before asking
-        for the next unless it is stable (they may hold copies: memory stays bounded by one
-        bucket)."""
+        for the next (they may hold copies: memory stays bounded by one bucket)."""
         if self.source == "stream":
             assert stream is not None
             for index, ops in enumerate(self._stream_ops):
-                yield index, self._stream_bucket(index, ops, stream), False
+                yield index, self._stream_bucket(index, ops, stream)
             extra = next(stream, None)
             if extra is not None:
                 raise ZooError(f"refit: the export has {extra[0]!r}, which the plan does not list")
@@ -156,8 +154,7 @@ class RefitProgram:
             self._refresh()
             for index in range(len(self.slots)):
                 self._gather_bucket(index)
-                items, stable = self._local_bucket(index)
-                yield index, items, stable
+                yield index, self._local_bucket(index)
         finally:
             self._bases, self._offsets = [], []  # hold no parameter between refits
             self._memo.clear()
@@ -347,24 +344,20 @@ class RefitProgram:
                 _check_planned(name, self._params[i].planned[name], tuple(tensor.shape))
             self._memo[i] = hf
 
-    def _local_bucket(self, index: int) -> tuple[_Items, bool]:
-        """The bucket's items, and whether every shard is a view of a parameter (no copy made)."""
+    def _local_bucket(self, index: int) -> _Items:
         bases, offsets, strided = self._bases, self._offsets, torch.as_strided
         items: _Items = [[] for _ in range(self.target_tp)]
-        stable = True
         for rank in self._ranks:
             shards = []
             for param, size, stride, offset, make in self._recipes[index][rank]:
                 if size is None:
                     shards.append(make())
-                    stable = False
                     continue
                 view = bases[param] if stride is None else strided(bases[param], size, stride, offsets[param] + offset)
                 shards.append(view if make is None else make(view))
-                stable = stable and make is None
             items[rank] = list(zip(self.slots[index][rank], shards))
         self._memo.clear()
-        return items, stable
+        return items
 
 
 class _Param:

@@ -168,8 +168,8 @@ def _feed(adapter: EngineAdapter, plan: RefitPlan, program: "programs.RefitProgr
     ``begin`` and ``end``. Returns ``(bytes, tensors)`` sent (the planned shards' bytes)."""
     adapter.begin(plan)
     nbytes = tensors = 0
-    for index, items, stable in program.buckets(stream):
-        adapter.load_bucket(RefitBucket(index, items, stable))
+    for index, items in program.buckets(stream):
+        adapter.load_bucket(RefitBucket(index, items))
         del items
         nbytes += program.nbytes[index]
         tensors += program.tensors[index]

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
@@ -81,11 +81,6 @@ class VLLMAdapter(EngineAdapter):
         mode: ``"direct"`` or ``"load_weights"`` (module docstring).
         transport: ``"auto"`` (objects in-process, CUDA IPC otherwise), ``"inproc"`` or ``"ipc"``.
         tp_size: the engine's tensor-parallel size (default: read from the engine's config).
-        cuda_graph: in direct mode with the worker in this process, a refit whose buckets are all
-            views of trainer parameters (the local sources) is written by one CUDA graph from the
-            second refit on: the worker captures the copies once and replays them while every
-            buffer is where it was (else it copies them one by one and captures again). The
-            copies run in ``end``, alongside the prefix-cache reset.
         reset_prefix_cache: after a refit, drop vLLM's cached KV blocks (computed with the old
             weights) through ``llm.reset_prefix_cache()`` - skipped for an engine started with
             ``enable_prefix_caching=False``, which caches none. vLLM walks every KV-cache block
@@ -102,7 +97,7 @@ class VLLMAdapter(EngineAdapter):
 
     def __init__(self, llm: Any, *, mode: str = "direct", transport: str = "auto", tp_size: Optional[int] = None,
                  reset_prefix_cache: bool = True, engine_rank: Union[int, str, None] = "auto",
-                 engine_format: Optional[EngineFormat] = None, cuda_graph: bool = True) -> None:  # fmt: skip
+                 engine_format: Optional[EngineFormat] = None) -> None:  # fmt: skip
         if mode not in ("direct", "load_weights"):
             raise ValueError(f"mode must be 'direct' or 'load_weights', got {mode!r}")
         if engine_format is not None and (mode != "direct" or not engine_format.presplit):
@@ -113,7 +108,6 @@ class VLLMAdapter(EngineAdapter):
         self.tp_size = tp_size if tp_size is not None else _engine_tp(llm)
         self.transport = _transport(llm) if transport == "auto" else transport
         self.reset_prefix_cache = reset_prefix_cache and _prefix_caching(llm)
-        self.cuda_graph = cuda_graph and mode == "direct" and self.transport == "inproc"
         # direct mode copies each shard into a region of its parameter, viewed in the shard's shape
         self.raw_shards = mode == "direct"
         if engine_rank == "auto":
@@ -127,7 +121,7 @@ class VLLMAdapter(EngineAdapter):
         known = self._manifest_for is not None and self._manifest_for() is plan
         manifests = None if known else [plan.manifest(r) for r in range(plan.target_tp)]
         counts = None if known else [plan.bucket_counts(r) for r in range(plan.target_tp)]
-        _check(self.llm.collective_rpc("zoo_refit_begin", args=(id(plan), manifests, self.mode, counts, self.cuda_graph)), "begin")
+        _check(self.llm.collective_rpc("zoo_refit_begin", args=(id(plan), manifests, self.mode, counts)), "begin")
         self._manifest_for = weakref.ref(plan)
 
     def load_bucket(self, bucket: RefitBucket) -> None:
@@ -135,13 +129,12 @@ class VLLMAdapter(EngineAdapter):
             payloads: list[Any] = [[t for _, t in per] for per in bucket.items]
         else:
             payloads = [_pack(per) for per in bucket.items]
-        stable = bucket.stable and self.transport == "inproc"
-        _check(self.llm.collective_rpc("update_weights_from_buckets", args=(bucket.index, payloads, stable)), "bucket")
+        _check(self.llm.collective_rpc("update_weights_from_buckets", args=(bucket.index, payloads)), "bucket")
 
     def end(self) -> None:
-        # the deferred copies are enqueued first, so that the engine's prefix-cache reset (host
-        # work) runs while the GPU copies; the worker's end then synchronises and checks
-        _check(self.llm.collective_rpc("zoo_refit_flush"), "flush")
+        # the prefix-cache reset is host work: run it while the GPU finishes the copies already
+        # enqueued, before the worker's end synchronises and checks (an incomplete refit still
+        # raises; its cache is dropped either way)
         if self.reset_prefix_cache and hasattr(self.llm, "reset_prefix_cache"):
             self.llm.reset_prefix_cache()
         _check(self.llm.collective_rpc("zoo_refit_end"), "end")
@@ -248,8 +241,6 @@ class _Binding:
         self.covers = mode != "direct"
         self.bases: list[torch.Tensor] = []
         self.offsets: list[int] = []
-        self.pending: dict[int, list[torch.Tensor]] = {}  # deferred buckets of this refit
-        self.graph: Optional[tuple[Any, Any]] = None  # (CUDA graph of every bucket's copies, its signature)
         if sum(counts) != len(manifest):
             self.problems.append(f"bucket counts cover {sum(counts)} slots, the manifest has {len(manifest)}")
             return
@@ -316,19 +307,10 @@ class _Binding:
         return True
 
     def release(self) -> None:
-        self.bases, self.offsets, self.pending = [], [], {}
+        self.bases, self.offsets = [], []
 
     def write(self, index: int, shards: list[torch.Tensor]) -> None:
         """Copy bucket ``index``'s shards (plan order) into their regions."""
-        for dest, shard, pad, _ in self._regions(index, shards):
-            dest.copy_(shard)
-            if pad is not None:
-                pad.zero_()
-
-    def _regions(self, index: int, shards: list[torch.Tensor]) -> Iterator[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], bool]]:
-        """Per shard of bucket ``index``: ``(region, shard, padding rows or None, pure)``; the shard
-        cast to the planned dtype first where needed; ``pure``: no tensor was made for it (a copy
-        straight from the shard as it came - what a CUDA graph may capture)."""
         dests = self.buckets[index]
         if len(shards) != len(dests):
             raise ZooError(f"{len(shards)} shard(s), the plan has {len(dests)} for this rank")
@@ -337,67 +319,19 @@ class _Binding:
             param, size, stride, offset, pad, cast, numel, refined = dest
             if shard.numel() != numel:
                 raise ZooError(f"a shard of {shard.numel()} elements for a slot of {numel}")
-            pure = True
-            if cast is not None and shard.dtype != cast:  # the planned dtype first, as the export would have cast it
-                shard, pure = shard.to(cast), False
+            if cast is not None:  # the planned dtype first, as the export would have cast it
+                shard = shard.to(cast)
             base, start = bases[param], offsets[param]
             if shard.shape != size:  # a raw view in a refined shape: same elements, row-major
                 if refined is None or refined[0] != shard.shape:
                     refined = dest[7] = (shard.shape, _view_stride(size, stride or base.stride(), shard.shape))
                 if refined[1] is None:  # the region cannot be viewed so: reshape the shard instead
-                    shard, pure = shard.reshape(size), False
+                    shard = shard.reshape(size)
                 else:
                     size, stride = refined
-            region = base if stride is None else strided(base, size, stride, start + offset)
-            zero = None if pad is None else strided(base, pad[0], pad[1] or base.stride(), start + pad[2])
-            yield region, shard, zero, pure
-
-    # ------------------------------------------------------------------ deferred copies, one graph
-    def defer(self, index: int, shards: list[torch.Tensor]) -> None:
-        """Keep bucket ``index``'s shards (views of trainer parameters, valid until the refit
-        ends) for :meth:`flush`."""
-        self.pending[index] = shards
-
-    def flush(self) -> str:
-        """Write the deferred buckets: replay the CUDA graph captured on an earlier refit when
-        every buffer it reads and writes is where it was (the same shard views and engine
-        storage: data pointer, shape, stride, dtype; the same buckets deferred), else copy them one
-        by one - and, when every copy is pure and on one GPU, capture those copies as the graph for
-        the next refit. Buckets not deferred (shards made per refit) were written as they came.
-        Returns ``"replayed"``, ``"captured"``, ``"copied"`` or ``""`` (none
-        deferred). Enqueues only: the caller synchronises."""
-        pending, self.pending = self.pending, {}
-        if not pending:
-            return ""
-        signature = (tuple((i, tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in pending[i]))
-                           for i in sorted(pending)),
-                     tuple((b.data_ptr(), b.dtype) for b in self.bases))  # fmt: skip
-        if self.graph is not None and signature == self.graph[1]:
-            self.graph[0].replay()
-            return "replayed"
-        self.graph = None
-        regions = [r for i in sorted(pending) for r in self._regions(i, pending[i])]
-        for dest, shard, pad, _ in regions:
-            dest.copy_(shard)
+            (base if stride is None else strided(base, size, stride, start + offset)).copy_(shard)
             if pad is not None:
-                pad.zero_()
-        device = self.bases[0].device if self.bases else None
-        if not (device is not None and device.type == "cuda"
-                and all(pure and shard.device == device == dest.device for dest, shard, _, pure in regions)):  # fmt: skip
-            return "copied"
-        graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream(device)
-        with torch.cuda.stream(side):  # capturing records the copies, runs none
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                for dest, shard, pad, _ in regions:
-                    dest.copy_(shard)
-                    if pad is not None:
-                        pad.zero_()
-            finally:
-                graph.capture_end()
-        self.graph = (graph, signature)
-        return "captured"
+                strided(base, pad[0], pad[1] or base.stride(), start + pad[2]).zero_()
 
     def short(self, done: list[int]) -> list[str]:
         """Parameters not written exactly once over, given how often each bucket was written."""
@@ -483,16 +417,12 @@ class ZooWorkerExtension:
                 module.process_weights_after_loading(config.dtype)
 
     def zoo_refit_begin(self, plan_id: int, manifests: Optional[list[Any]], mode: str,
-                        counts: Optional[list[list[int]]] = None, cuda_graph: bool = False) -> Optional[str]:  # fmt: skip
+                        counts: Optional[list[list[int]]] = None) -> Optional[str]:  # fmt: skip
         """Start a refit: bind the plan (``manifests`` / ``counts`` given: per engine rank, the
         plan's manifest and its slots per bucket) or check the binding of the plan ``plan_id``
-        this worker already has, re-binding it if the engine replaced a parameter.
-        ``cuda_graph``: defer the copies of stable buckets to :meth:`zoo_refit_flush` (one CUDA
-        graph replay from the second refit on)."""
+        this worker already has, re-binding it if the engine replaced a parameter."""
         model = self._zoo_model()
         self._zoo_mode = mode
-        self._zoo_defer = cuda_graph and mode == "direct"
-        self._zoo_flushed = ""
         relayout = self._zoo_relayout_modules()
         if mode == "direct" and relayout:
             backend = relayout[0][1].quant_method.unquantized_backend
@@ -517,10 +447,9 @@ class ZooWorkerExtension:
         self._zoo_done = [0] * len(binding.buckets)
         return None
 
-    def update_weights_from_buckets(self, index: int, payloads: list[Any], stable: bool = False) -> Optional[str]:
+    def update_weights_from_buckets(self, index: int, payloads: list[Any]) -> Optional[str]:
         """Write bucket ``index``: ``payloads[rank]`` is that engine rank's shards in plan order
-        (a list of tensors in-process, a packed buffer otherwise). ``stable``: the shards are views
-        of trainer parameters, valid until the refit ends (their copies may be deferred)."""
+        (a list of tensors in-process, a packed buffer otherwise)."""
         try:
             binding = getattr(self, "_zoo_binding", None)
             if binding is None:
@@ -530,8 +459,6 @@ class ZooWorkerExtension:
             with torch.no_grad():
                 if self._zoo_mode == "load_weights":
                     self._zoo_model().load_weights(list(zip(binding.buckets[index], shards)))
-                elif stable and self._zoo_defer and isinstance(payload, list):
-                    binding.defer(index, shards)
                 else:
                     binding.write(index, shards)
             self._zoo_done[index] += 1
@@ -539,26 +466,7 @@ class ZooWorkerExtension:
         except Exception as exc:  # reported to the trainer through collective_rpc
             return f"bucket {index}: {type(exc).__name__}: {exc}"
 
-    def zoo_refit_flush(self) -> Optional[str]:
-        """Write the deferred buckets (:meth:`_Binding.flush`: one CUDA graph replay in a steady
-        state); enqueues only, so that the engine's host work (the adapter's prefix-cache reset)
-        overlaps the copies. :meth:`zoo_refit_end` synchronises."""
-        binding = getattr(self, "_zoo_binding", None)
-        if binding is None:
-            return None
-        try:
-            with torch.no_grad():
-                flushed = binding.flush()
-            if flushed:
-                self._zoo_flushed = flushed  # what this refit's deferred copies did (tests, benchmarks read it)
-            return None
-        except Exception as exc:  # reported to the trainer through collective_rpc
-            return f"refit flush: {type(exc).__name__}: {exc}"
-
     def zoo_refit_end(self) -> Optional[str]:
-        error = self.zoo_refit_flush()  # buckets still deferred (an adapter that does not flush)
-        if error:
-            return error
         if self._zoo_mode != "direct":
             # vLLM's RL update path: weights through the loaders, then the kernels' relayout
             # (``_setup_kernel`` copies into the existing storage on a weight update)
