@@ -84,7 +84,8 @@ class VLLMAdapter(EngineAdapter):
         reset_prefix_cache: after a refit, drop vLLM's cached KV blocks (computed with the old
             weights) through ``llm.reset_prefix_cache()`` - skipped for an engine started with
             ``enable_prefix_caching=False``, which caches none. vLLM walks every KV-cache block
-            in Python for it: 0.9 ms for 23,601 blocks, 2.6 ms for 55,603 (H200, vLLM 0.26).
+            in Python for it: 0.9-1.8 ms for 23,601 blocks, 2.6-3.3 ms for 55,603 (H200, vLLM 0.26); ``end``
+            runs it while the GPU finishes the copies.
         engine_format: the engine's fusion map in direct mode (default :data:`VLLM`); a plugin
             whose vLLM model class fuses or replicates tensors otherwise passes its own
             :class:`~mcore_zoo.rollout.engine_format.EngineFormat`.
