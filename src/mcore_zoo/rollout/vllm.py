@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 
@@ -355,6 +355,17 @@ def _view_stride(size: tuple[int, ...], stride: tuple[int, ...], shape: Any) -> 
         return None
 
 
+def _relays_out_experts(module: Any) -> bool:
+    """A MoE layer whose unquantized kernel keeps experts in a layout other than the loader's."""
+    backend = getattr(getattr(module, "quant_method", None), "unquantized_backend", None)
+    return backend is not None and getattr(backend, "name", str(backend)) not in _LOADER_LAYOUT_MOE_BACKENDS
+
+
+def _derives_weights(module: Any) -> bool:
+    """vLLM's MLA attention (found by class name: vLLM is imported in the worker only)."""
+    return any(c.__name__ == "MLAAttention" for c in type(module).__mro__) and hasattr(module, "process_weights_after_loading")
+
+
 class ZooWorkerExtension:
     """Mixed into vLLM's worker class (``worker_extension_cls``); methods run on every worker and
     return ``None`` on success or an error string (``collective_rpc`` gathers them)."""
@@ -372,38 +383,32 @@ class ZooWorkerExtension:
         """This worker's tensor-parallel rank (``VLLMAdapter(engine_rank="auto")`` asks)."""
         return self._zoo_tp_rank()
 
+    def _zoo_modules(self, kind: str, wanted: Callable[[Any], bool]) -> list[tuple[str, Any]]:
+        """The model's modules that ``wanted`` picks, ``(name, module)``: found with one walk of the
+        model per ``kind``, kept while the worker holds the same model."""
+        model = self._zoo_model()
+        found_by_kind = getattr(self, "_zoo_found", None)
+        if found_by_kind is None:
+            found_by_kind = self._zoo_found = {}
+        cached = found_by_kind.get(kind)
+        if cached is not None and cached[0] is model:
+            return cached[1]
+        found = [(name, module) for name, module in model.named_modules() if wanted(module)]
+        found_by_kind[kind] = (model, found)
+        return found
+
     def _zoo_relayout_modules(self) -> list[tuple[str, Any]]:
         """MoE layers whose kernel keeps experts in its own layout after loading (FlashInfer
         CUTLASS swaps w13 to [w3; w1], FlashInfer TRT-LLM permutes blocks; Triton - vLLM's default on
-        Hopper - keeps the loader's layout): ``(name, module)``. Found with one walk of the model,
-        kept while the worker holds the same model."""
-        model = self._zoo_model()
-        cached = getattr(self, "_zoo_relayout", None)
-        if cached is not None and cached[0] is model:
-            return cached[1]
-        found = []
-        for name, module in model.named_modules():
-            backend = getattr(getattr(module, "quant_method", None), "unquantized_backend", None)
-            if backend is not None and getattr(backend, "name", str(backend)) not in _LOADER_LAYOUT_MOE_BACKENDS:
-                found.append((name, module))
-        self._zoo_relayout = (model, found)
-        return found
+        Hopper - keeps the loader's layout)."""
+        return self._zoo_modules("relayout", _relays_out_experts)
 
     def _zoo_derived_modules(self) -> list[tuple[str, Any]]:
         """Attention layers that keep weights derived from a refit parameter, which vLLM computes
         after loading: MLA's ``W_UK_T`` / ``W_UV``, read off ``kv_b_proj``
         (``MLAAttention.process_weights_after_loading``; without a re-derivation the engine would
-        keep attending with the old weights). Found with one walk of the model, kept while the
-        worker holds the same model."""
-        model = self._zoo_model()
-        cached = getattr(self, "_zoo_derived", None)
-        if cached is not None and cached[0] is model:
-            return cached[1]
-        found = [(name, module) for name, module in model.named_modules()
-                 if any(c.__name__ == "MLAAttention" for c in type(module).__mro__)
-                 and hasattr(module, "process_weights_after_loading")]  # fmt: skip
-        self._zoo_derived = (model, found)
-        return found
+        keep attending with the old weights)."""
+        return self._zoo_modules("derived", _derives_weights)
 
     def _zoo_rederive(self) -> None:
         """Recompute the derived weights of :meth:`_zoo_derived_modules` from the refit parameters,
