@@ -17,6 +17,13 @@ every KV-cache block in Python, so it costs in proportion to the cache's block c
 compared bit for bit (``zoo_compare_parameters``) with a reference refit into plain tensors on
 another path (at TP2 the gathered export; at TP1 slot-shaped copies instead of raw views).
 
+The same refits are also timed with one ``copy_`` per shard (``per_shard_*``:
+``VLLMAdapter(fused_copies=False)``); ``fused_copies`` says whether the timed refits ran the fused
+copies (one Triton launch per bucket, :mod:`mcore_zoo.kernels.copy_runs`). ``--trace DIR`` also
+profiles one refit each way with ``torch.profiler`` (Chrome traces in DIR, a summary under
+``diagnostics``: when the GPU started and finished, its busy time and idle gaps, device time per
+kernel) and times the bare loop of the per-shard copies (``copy_floor``).
+
 ``refit_source`` says which data path the receiving rank ran (``RefitStats.source``): ``"local"``
 at TP1 (each engine shard copied straight from a view of the trainer's parameter), ``"tp-local"``
 at TP2 (each rank's engine shards from views of its own TP chunks; ``VLLMAdapter`` reads its engine
@@ -36,6 +43,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -71,6 +79,113 @@ def copy_bandwidth(nbytes: int, iters: int = 20) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
+def copy_floor(refit_once, iters: int = 5) -> dict:
+    """The device floor of the refit's own copies: every ``Tensor.copy_`` one refit makes (engine
+    region <- trainer view, as the worker issues them) is recorded, then replayed as a bare loop
+    (median of ``iters``): what the copies cost with no bookkeeping around them. Also how many are
+    plain memcpys (both sides contiguous) and their bytes."""
+    import torch
+
+    pairs, original = [], torch.Tensor.copy_
+
+    def record(dst, src, non_blocking=False):  # type: ignore[no-untyped-def]
+        if sys._getframe(1).f_code.co_name in ("_copy", "write"):  # the worker's copies only
+            pairs.append((dst, src))
+        return original(dst, src, non_blocking)
+
+    torch.Tensor.copy_ = record
+    try:
+        refit_once()
+    finally:
+        torch.Tensor.copy_ = original
+    times = []
+    with torch.no_grad():  # the trainer's views require grad; the worker writes under no_grad too
+        for _ in range(iters + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for dst, src in pairs:
+                dst.copy_(src)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    plain = [d.is_contiguous() and s.is_contiguous() and d.dtype == s.dtype for d, s in pairs]
+    size = [d.numel() * d.element_size() for d, _ in pairs]
+    result = {
+        "copies": len(pairs), "bytes": sum(size), "loop_seconds_median": statistics.median(times[1:]),
+        "plain_memcpy_copies": sum(plain), "plain_memcpy_bytes": sum(n for n, p in zip(size, plain) if p),
+        "other": sorted({(tuple(s.shape), s.stride(), tuple(d.shape), d.stride(), str(s.dtype), str(d.dtype))
+                         for (d, s), p in zip(pairs, plain) if not p}, key=str)[:12],
+        "largest_copies_mb": sorted((n / 1e6 for n in size), reverse=True)[:5],
+        "copies_under_1mb": sum(1 for n in size if n < 1e6),
+    }  # fmt: skip
+    pairs.clear()
+    return result
+
+
+def trace_summary(path: str, label: str = "zoo_refit") -> dict:
+    """What one profiled refit did, from its Chrome trace (``torch.profiler``): host span of the
+    ``label`` annotation, when the GPU started and finished, its busy time (union of kernels and
+    memcpys), idle gaps, device time per op name (memcpy GB/s from the trace's bytes) and the host's
+    last launch (host-bound when it lands near the GPU's end)."""
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    marks = [e for e in events if e.get("name") == label and e.get("cat") == "user_annotation"]
+    if not marks:
+        return {"error": f"no {label!r} annotation in the trace"}
+    t0 = marks[0]["ts"]
+    t1 = t0 + marks[0]["dur"]
+    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e["ts"] >= t0),
+                    key=lambda e: e["ts"])  # fmt: skip
+    launches = [e for e in events if e.get("cat") == "cuda_runtime" and t0 <= e["ts"] <= t1
+                and any(k in e["name"] for k in ("Launch", "Memcpy", "Memset"))]  # fmt: skip
+    if not device:
+        return {"error": "no device events after the annotation"}
+    busy, gaps, end = 0.0, [], device[0]["ts"]
+    for e in device:
+        start, stop = e["ts"], e["ts"] + e["dur"]
+        if start > end:
+            gaps.append((start - end, e["name"][:60]))
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    by_name: dict = {}
+    for e in device:
+        d = by_name.setdefault(e["name"][:80], {"count": 0, "us": 0.0, "bytes": 0})
+        d["count"] += 1
+        d["us"] += e["dur"]
+        d["bytes"] += int(e.get("args", {}).get("bytes", 0) or 0)
+    for d in by_name.values():
+        d["gbps"] = d["bytes"] / d["us"] / 1e3 if d["bytes"] and d["us"] else None
+    host_ops: dict = {}
+    for e in events:
+        if e.get("cat") == "cpu_op" and t0 <= e["ts"] <= t1:
+            h = host_ops.setdefault(e["name"], [0, 0.0])
+            h[0] += 1
+            h[1] += e["dur"]
+    return {
+        "host_span_ms": (t1 - t0) / 1e3, "device_first_ms": (device[0]["ts"] - t0) / 1e3,
+        "device_last_end_ms": (end - t0) / 1e3, "device_busy_ms": busy / 1e3,
+        "device_idle_ms": (end - device[0]["ts"] - busy) / 1e3, "device_ops": len(device),
+        "gaps_over_20us": sum(1 for g, _ in gaps if g > 20), "largest_gaps_us": sorted(gaps, reverse=True)[:10],
+        "last_launch_ms": (max(e["ts"] + e["dur"] for e in launches) - t0) / 1e3 if launches else None,
+        "launches": len(launches),
+        "by_name": dict(sorted(by_name.items(), key=lambda kv: -kv[1]["us"])[:12]),
+        "host_ops_top": dict(sorted(host_ops.items(), key=lambda kv: -kv[1][1])[:15]),
+    }  # fmt: skip
+
+
+def profile_refit(refit_once, path: str, label: str = "zoo_refit") -> dict:
+    """One refit under ``torch.profiler`` (CPU and CUDA), its trace written to ``path`` and
+    summarised (:func:`trace_summary`)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function(label):
+            refit_once()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    return trace_summary(path, label)
+
+
 def _kv_blocks(llm) -> int:
     """The engine's number of KV-cache blocks (what its prefix-cache reset walks), or -1."""
     try:
@@ -88,6 +203,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.45)
     ap.add_argument("--out")
+    ap.add_argument("--trace", help="folder: profile one refit with and one without the prefix-cache reset"
+                    " (Chrome traces, a summary in the JSON) and time the refit's bare copy loop")
     args = ap.parse_args()
 
     import torch
@@ -131,6 +248,7 @@ def main() -> None:
             dist.barrier()
         runs.append(mcore_zoo.refit(model, adapter, bucket_size=args.bucket_size, receiver=receiver).seconds)
     seconds = statistics.median(runs)
+    fused = bool(llm.collective_rpc("zoo_refit_fused")[0])  # whether those refits ran the fused copies
     # the same refits without the engine's prefix-cache reset (VLLMAdapter.end calls
     # llm.reset_prefix_cache(): vLLM walks every KV-cache block in Python, so its cost follows the
     # cache's block count, not the weights), and that reset alone
@@ -144,6 +262,14 @@ def main() -> None:
         t0 = time.perf_counter()
         llm.reset_prefix_cache()
         resets.append(time.perf_counter() - t0)
+    # the same refits with one copy_ per shard (fused_copies=False): what the fused copies replace
+    per_shard = VLLMAdapter(llm, fused_copies=False)
+    mcore_zoo.refit(model, per_shard, bucket_size=args.bucket_size, receiver=receiver)
+    shard_runs = []
+    for _ in range(args.iters):
+        if dist.is_initialized():
+            dist.barrier()
+        shard_runs.append(mcore_zoo.refit(model, per_shard, bucket_size=args.bucket_size, receiver=receiver).seconds)
     # exactness: the engine's parameters against a reference refit into plain tensors on another
     # path (at TP2 the gathered export - the reference adapter names no engine rank; at TP1 the
     # slot-shaped copies instead of raw views)
@@ -151,6 +277,24 @@ def main() -> None:
     mcore_zoo.refit(model, reference, bucket_size=args.bucket_size, receiver=receiver)
     mismatch = llm.collective_rpc("zoo_compare_parameters", args=(reference.tensors[rank if args.tp > 1 else 0],))
     del reference
+    diagnostics = {}
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
+        for name, ad in (("with_reset", adapter), ("weights_only", bare)):
+            if dist.is_initialized():
+                dist.barrier()
+            diagnostics[name] = profile_refit(
+                lambda ad=ad: mcore_zoo.refit(model, ad, bucket_size=args.bucket_size, receiver=receiver),
+                os.path.join(args.trace, f"refit-tp{args.tp}-{name}-rank{rank}.json"))  # fmt: skip
+        if dist.is_initialized():
+            dist.barrier()
+        diagnostics["per_shard"] = profile_refit(
+            lambda: mcore_zoo.refit(model, per_shard, bucket_size=args.bucket_size, receiver=receiver),
+            os.path.join(args.trace, f"refit-tp{args.tp}-per-shard-rank{rank}.json"))  # fmt: skip
+        if dist.is_initialized():
+            dist.barrier()
+        diagnostics["copy_floor"] = copy_floor(
+            lambda: mcore_zoo.refit(model, per_shard, bucket_size=args.bucket_size, receiver=receiver))
     per_rank = sum(s.nbytes for slots in plan.slots.values() for s in slots[rank if args.tp > 1 else 0])
     copy = copy_bandwidth(per_rank)
     result = {
@@ -163,12 +307,17 @@ def main() -> None:
         "transfer_gbps_per_gpu": per_rank / statistics.median(transfer) / 1e9,
         "transfer_fraction_of_copy": per_rank / statistics.median(transfer) / 1e9 / copy,
         "prefix_cache_reset_seconds_median": statistics.median(resets),
+        "fused_copies": fused, "per_shard_seconds_median": statistics.median(shard_runs),
+        "per_shard_seconds_all": shard_runs,
+        "per_shard_fraction_of_copy": per_rank / statistics.median(shard_runs) / 1e9 / copy,
         "kv_cache_blocks": _kv_blocks(llm),
         "first_refit_seconds_with_plan": t_first, "build_seconds": t_build,
         "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
         "first_refit_planned": first.planned, "refit_source": getattr(first, "source", ""),
         "exact": not any(mismatch), "mismatch": [m for m in mismatch if m],
     }  # fmt: skip
+    if diagnostics:
+        result["diagnostics"] = diagnostics
     if rank == 0:
         print(json.dumps(result, indent=2))
         print(f"| {result['gpu']} | TP{args.tp} | {args.layers} layers {args.backend} | {plan.nbytes / 1e9:.2f} GB |"
@@ -177,6 +326,8 @@ def main() -> None:
         print(f"without the prefix-cache reset: {result['transfer_seconds_median'] * 1e3:.1f} ms,"
               f" {result['transfer_fraction_of_copy']:.0%} of the copy; the reset alone"
               f" {result['prefix_cache_reset_seconds_median'] * 1e3:.1f} ms ({result['kv_cache_blocks']} KV blocks)")  # fmt: skip
+        print(f"fused copies {result['fused_copies']}; one copy_ per shard instead: {result['per_shard_seconds_median'] * 1e3:.1f} ms,"
+              f" {result['per_shard_fraction_of_copy']:.0%} of the copy")  # fmt: skip
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=2)

@@ -4,7 +4,9 @@ For each architecture: the zoo model (bf16, ``local`` backend) is exported with
 ``save_hf_checkpoint``; vLLM loads that export (its own loaders) - the reference parameters and
 prompt log-probs are taken; every engine parameter is then overwritten with noise, and
 ``mcore_zoo.refit`` (direct mode: the zoo's fused, pre-split shards written by name) must bring
-back every parameter and every log-prob bitwise. A refit that skips one bucket must fail (the
+back every parameter and every log-prob bitwise - with the fused copies (one Triton launch per
+bucket, asserted to have run) and again with one ``copy_`` per shard, and once more with the fused
+copies' tables reused. A refit that skips one bucket must fail (the
 worker's completeness check) and leave parameters that differ. Finally token_mult_prob_error of
 vLLM vs the mcore model is printed per architecture (``-s`` shows it). Each architecture runs in
 its own process (one vLLM engine per process).
@@ -116,6 +118,10 @@ def check(ckpt: str, arch: str, out_dir: str) -> dict:
     result["params_differ"] = [n for n in want if not torch.equal(got[n], want[n])]
     got_lp = _logprobs(llm, seqs)
     result["logprobs_bitwise"] = all(torch.equal(a, b) for a, b in zip(got_lp, want_lp))
+    result["fused"] = bool(llm.collective_rpc("zoo_refit_fused")[0])  # one launch per bucket (Triton)
+    _scramble(llm, 3)  # the same refit with one copy_ per shard
+    mcore_zoo.refit(model, VLLMAdapter(llm, fused_copies=False), dtype=torch.bfloat16, bucket_size="2MB")
+    result["per_shard_params_differ"] = [n for n, p in _params(llm).items() if not torch.equal(p, want[n])]
 
     # one bucket skipped: the worker refuses, and the parameters are not those of the export
     class Skipping(VLLMAdapter):
@@ -133,6 +139,7 @@ def check(ckpt: str, arch: str, out_dir: str) -> dict:
 
     # parity after refit: vLLM vs the mcore model, per token
     stats = mcore_zoo.refit(model, adapter, dtype=torch.bfloat16, bucket_size="2MB")
+    result["reused_tables_params_differ"] = [n for n, p in _params(llm).items() if not torch.equal(p, want[n])]
     lp = _logprobs(llm, seqs)
     out = mcore_zoo.packed_forward(model, [s.cuda() for s in seqs], seq_format="bshd")  # local: no THD
     d = torch.cat([(a - b.float().cpu()).abs() for a, b in zip(lp, out.logprobs)])
@@ -157,6 +164,8 @@ def test_refit_into_vllm_is_bitwise(reference_checkpoint, arch, overrides, tmp_p
     assert r["scrambled_differs"] and r["buckets"] > 2
     assert r["names_equal"] and r["params_differ"] == []
     assert r["logprobs_bitwise"]
+    assert r["fused"], "the refit did not run the fused copies (Triton missing?)"
+    assert r["per_shard_params_differ"] == [] and r["reused_tables_params_differ"] == []
     assert r["skipped_bucket_error"] is not None and "refit incomplete" in r["skipped_bucket_error"]
     assert r["skipped_bucket_params_differ"] > 0
 

@@ -686,3 +686,97 @@ def test_vllm_adapter_takes_a_plugins_engine_format(mpu, reference_checkpoint):
     assert_same([got], [engine])
     with pytest.raises(ValueError, match="mode='direct' only"):
         VLLMAdapter(FakeLLM([worker]), tp_size=1, mode="load_weights", engine_format=unfused)
+
+
+@pytest.fixture
+def fused_on(monkeypatch):
+    """The worker's fused copies on the CPU: ``copy_runs.supported`` says yes, so each bucket's
+    byte copies go into a RunTable, executed here with ``memmove`` (on CUDA: the Triton kernel)."""
+    from mcore_zoo.kernels import copy_runs
+
+    monkeypatch.setattr(copy_runs, "supported", lambda device: True)
+    launches = []
+    launch = copy_runs.RunTable.launch
+
+    def counted(self):
+        launches.append(len(self.runs))
+        return launch(self)
+
+    monkeypatch.setattr(copy_runs.RunTable, "launch", counted)
+    return launches
+
+
+FUSED_CASES = [c for c in CASES if c[0] in ("llama3", "llama-vocab250", "qwen3-moe", "glm4-moe", "deepseek-v3")]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("case,arch,overrides", FUSED_CASES, ids=[c[0] for c in FUSED_CASES])
+def test_fused_copies_write_the_engine_bitwise(mpu, reference_checkpoint, fused_on, case, arch, overrides, tp):
+    """Every bucket's byte copies in one table per bucket (padded vocabulary rows, GLM's fp32
+    router and other casts shard by shard): the engine equals vLLM's loaders' result, on the
+    first refit (tables built) and the next (tables reused) after the trainer's weights changed."""
+    from mcore_zoo.distributed.export import iter_hf_weights
+
+    model, config, want, workers, adapter = _vllm_setup(reference_checkpoint, arch, overrides, tp, transport="inproc")
+    stats = mcore_zoo.refit(model, adapter, bucket_size="32KB")
+    assert_same(_engine_params(workers), want)
+    assert len(fused_on) == stats.buckets * tp and sum(fused_on) > 0
+    bindings = [w._zoo_binding for w in workers]
+    assert all(b.fused and len(b.tables) == stats.buckets for b in bindings)
+    tables = [dict(b.tables) for b in bindings]
+    with torch.no_grad():
+        for p in mcore_zoo.handle_of(model).chunks[0].parameters():
+            p.mul_(-2)
+    mcore_zoo.refit(model, adapter, bucket_size="32KB")
+    assert all(b.tables[i] is t[i] for b, t in zip(bindings, tables) for i in t)  # reused, not rebuilt
+    want = vllm_engine_tensors({k: v.clone() for k, v in iter_hf_weights(model)}, config, tp)
+    assert_same(_engine_params(workers), want)
+
+
+def test_fused_copies_follow_moved_tensors_and_fall_back_when_the_kernel_fails(mpu, reference_checkpoint, fused_on,
+                                                                               monkeypatch):  # fmt: skip
+    """A table is keyed on where the shards and the engine's storage are: a trainer parameter
+    given new storage and an engine parameter replaced rebuild it, bitwise. A launch that raises
+    (no kernel on this machine) turns fused copies off for the binding and copies shard by shard."""
+    from mcore_zoo.distributed.export import iter_hf_weights
+    from mcore_zoo.kernels import copy_runs
+
+    model, config, _, workers, adapter = _vllm_setup(reference_checkpoint, "LlamaForCausalLM", {}, 2, transport="inproc")
+    mcore_zoo.refit(model, adapter, bucket_size="16KB")
+    chunk = mcore_zoo.handle_of(model).chunks[0]
+    fc2 = chunk.decoder.layers[0].mlp.linear_fc2
+    fc2.weight.data = torch.randn_like(fc2.weight)  # new storage under the same parameter
+    engine = workers[1].model_runner.model.get_submodule("model.layers.0.mlp.gate_up_proj")
+    engine.weight = torch.nn.Parameter(torch.zeros_like(engine.weight), requires_grad=False)
+    mcore_zoo.refit(model, adapter, bucket_size="16KB")
+    want = vllm_engine_tensors({k: v.clone() for k, v in iter_hf_weights(model)}, config, 2)
+    assert_same(_engine_params(workers), want)
+
+    def broken(self):
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(copy_runs.RunTable, "launch", broken)
+    with torch.no_grad():
+        fc2.weight.add_(1)
+    with pytest.warns(UserWarning, match="fused copies off"):
+        mcore_zoo.refit(model, adapter, bucket_size="16KB")
+    assert not any(w._zoo_binding.fused for w in workers)
+    want = vllm_engine_tensors({k: v.clone() for k, v in iter_hf_weights(model)}, config, 2)
+    assert_same(_engine_params(workers), want)
+    mcore_zoo.refit(model, adapter, bucket_size="16KB")  # stays off, no second warning needed
+    assert not any(w._zoo_binding.fused for w in workers)
+
+
+def test_fused_copies_only_where_asked_and_supported(mpu, reference_checkpoint, monkeypatch):
+    """Off on a device without the kernel (this CPU: ``copy_runs.supported`` is CUDA with Triton),
+    off for the packed transport and when the adapter opts out; on otherwise."""
+    from mcore_zoo.kernels import copy_runs
+
+    assert not copy_runs.supported(torch.device("cpu"))
+    cases = [({"transport": "inproc"}, False, False), ({"transport": "inproc"}, True, True),
+             ({"transport": "ipc"}, True, False), ({"transport": "inproc", "fused_copies": False}, True, False)]  # fmt: skip
+    for kwargs, kernel, fused in cases:
+        model, _, _, workers, adapter = _vllm_setup(reference_checkpoint, "LlamaForCausalLM", {}, 1, **kwargs)
+        monkeypatch.setattr(copy_runs, "supported", lambda device, k=kernel: k)
+        mcore_zoo.refit(model, adapter)
+        assert workers[0]._zoo_binding.fused == fused, kwargs

@@ -15,7 +15,9 @@ Two sources of shards:
   once per parameter layout, through the transform's views (:func:`~mcore_zoo.weights.export.export_views`)
   and the slot's cuts; a refit reads each parameter by its module path (a replaced parameter is
   followed), checks its dtype, shape and stride (a change re-derives its recipes) and makes each
-  view with one call. No view is kept between refits: a parameter the trainer moves (offloading
+  view with one call. Each parameter is read when the first bucket that needs it is due, so
+  the engine starts copying the first bucket while the later ones' parameters are read. No view
+  is kept between refits: a parameter the trainer moves (offloading
   between rollouts) is not held in memory by a refit. An adapter with ``raw_shards`` (the vLLM
   adapter in direct mode) receives the views as they are - q, k and v rows of mcore's per-group
   interleaved ``linear_qkv`` as ``[groups, rows, hidden]`` views - in the parameter's dtype, and
@@ -151,8 +153,12 @@ class RefitProgram:
                 raise ZooError(f"refit: the export has {extra[0]!r}, which the plan does not list")
             return
         try:
-            self._refresh()
+            self._bases = [None] * len(self._params)  # type: ignore[list-item]
+            self._offsets = [0] * len(self._params)
             for index in range(len(self.slots)):
+                # each parameter is read when its first bucket is due, so that the first bucket's
+                # copies start while the host reads the parameters of the later ones
+                self._refresh(self._first_needed[index])
                 self._gather_bucket(index)
                 yield index, self._local_bucket(index)
         finally:
@@ -250,18 +256,30 @@ class RefitProgram:
         #: only ``"tp-local"`` has any)
         self._gathers = [[i for i in dict.fromkeys(owner[name][0] for name in names) if self._params[i].gathered]
                          for names in plan.buckets]  # fmt: skip
+        #: per bucket: the parameters whose first use (a shard or a gather) is in it
+        first: dict[int, int] = {}
+        for b in range(len(plan.buckets)):
+            for i in self._gathers[b]:
+                first.setdefault(i, b)
+        for i, param in enumerate(self._params):
+            for use in param.uses:
+                first[i] = min(first.get(i, use.bucket), use.bucket)
+        self._first_needed: list[list[int]] = [[] for _ in plan.buckets]
+        for i, b in sorted(first.items()):
+            self._first_needed[b].append(i)
         self._memo: dict[int, dict[str, torch.Tensor]] = {}
         self._bases: list[torch.Tensor] = []
         self._offsets: list[int] = []
 
-    def _refresh(self) -> None:
-        """This refit's parameters (each read by its module path: a replaced parameter is
-        followed), and new recipes for any whose layout (dtype, shape, stride) changed since the
+    def _refresh(self, indices: list[int]) -> None:
+        """This refit's parameters ``indices`` (each read by its module path: a replaced parameter
+        is followed), and new recipes for any whose layout (dtype, shape, stride) changed since the
         last refit - none, in a steady state. Recipes do not depend on where the storage is, so a
         parameter moved (offloaded and back) needs none."""
-        self._bases = [param.step.ref.get(param.chunk).detach() for param in self._params]
-        self._offsets = [base.storage_offset() for base in self._bases]
-        for index, (param, base) in enumerate(zip(self._params, self._bases)):
+        for index in indices:
+            param = self._params[index]
+            base = self._bases[index] = param.step.ref.get(param.chunk).detach()
+            self._offsets[index] = base.storage_offset()
             key = (base.dtype, base.shape, base.stride())
             if key != param.key:
                 self._rebind(index, param, base)

@@ -41,18 +41,21 @@ after loading. ``zoo_refit_end`` recomputes them in both modes, as vLLM's loader
 
 Transport: when the engine's workers run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``
 with one worker: ``UniProcExecutor``, or ``ExecutorWithExternalLauncher``), ``collective_rpc``
-hands the shards over as they are (one device-to-device copy into each parameter). Otherwise each
+hands the shards over as they are (one device-to-device copy into each parameter; on CUDA with
+Triton the worker writes all of a bucket's byte copies with one launch, :mod:`mcore_zoo.kernels.copy_runs`,
+its table built on the first refit and kept while the tensors stay where they were). Otherwise each
 bucket is packed into one flat buffer per engine rank (in the planned dtype) and sent as a CUDA IPC
 handle (``torch.multiprocessing.reductions.reduce_tensor``); the worker opens it and copies from it.
 
 The worker-extension methods are what ``collective_rpc`` calls by name:
-``zoo_refit_begin(plan_id, manifests, mode, counts)``, ``update_weights_from_buckets(index,
+``zoo_refit_begin(plan_id, manifests, mode, counts, fused)``, ``update_weights_from_buckets(index,
 payloads)``, ``zoo_refit_end()``. This module imports vLLM only inside the worker methods.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
@@ -86,6 +89,11 @@ class VLLMAdapter(EngineAdapter):
             ``enable_prefix_caching=False``, which caches none. vLLM walks every KV-cache block
             in Python for it: 0.9-1.8 ms for 23,601 blocks, 2.6-3.3 ms for 55,603 (H200, vLLM 0.26); ``end``
             runs it while the GPU finishes the copies.
+        fused_copies: in direct mode with the worker in this process, write each bucket's shards
+            with one kernel launch instead of a ``copy_`` each where they are plain byte copies
+            (:mod:`mcore_zoo.kernels.copy_runs`: CUDA with Triton; elsewhere, or for a cast, a
+            reshape or padding rows, ``copy_``). The kernel's table is built on the first refit
+            and kept while the trainer's and the engine's tensors stay where they were.
         engine_format: the engine's fusion map in direct mode (default :data:`VLLM`); a plugin
             whose vLLM model class fuses or replicates tensors otherwise passes its own
             :class:`~mcore_zoo.rollout.engine_format.EngineFormat`.
@@ -98,7 +106,7 @@ class VLLMAdapter(EngineAdapter):
 
     def __init__(self, llm: Any, *, mode: str = "direct", transport: str = "auto", tp_size: Optional[int] = None,
                  reset_prefix_cache: bool = True, engine_rank: Union[int, str, None] = "auto",
-                 engine_format: Optional[EngineFormat] = None) -> None:  # fmt: skip
+                 engine_format: Optional[EngineFormat] = None, fused_copies: bool = True) -> None:  # fmt: skip
         if mode not in ("direct", "load_weights"):
             raise ValueError(f"mode must be 'direct' or 'load_weights', got {mode!r}")
         if engine_format is not None and (mode != "direct" or not engine_format.presplit):
@@ -109,6 +117,7 @@ class VLLMAdapter(EngineAdapter):
         self.tp_size = tp_size if tp_size is not None else _engine_tp(llm)
         self.transport = _transport(llm) if transport == "auto" else transport
         self.reset_prefix_cache = reset_prefix_cache and _prefix_caching(llm)
+        self.fused_copies = fused_copies and mode == "direct" and self.transport == "inproc"
         # direct mode copies each shard into a region of its parameter, viewed in the shard's shape
         self.raw_shards = mode == "direct"
         if engine_rank == "auto":
@@ -122,7 +131,8 @@ class VLLMAdapter(EngineAdapter):
         known = self._manifest_for is not None and self._manifest_for() is plan
         manifests = None if known else [plan.manifest(r) for r in range(plan.target_tp)]
         counts = None if known else [plan.bucket_counts(r) for r in range(plan.target_tp)]
-        _check(self.llm.collective_rpc("zoo_refit_begin", args=(id(plan), manifests, self.mode, counts)), "begin")
+        args = (id(plan), manifests, self.mode, counts, self.fused_copies)
+        _check(self.llm.collective_rpc("zoo_refit_begin", args=args), "begin")
         self._manifest_for = weakref.ref(plan)
 
     def load_bucket(self, bucket: RefitBucket) -> None:
@@ -234,6 +244,11 @@ class _Binding:
 
     def __init__(self, model: torch.nn.Module, manifest: list[Any], counts: list[int], mode: str) -> None:
         self.model, self.mode = weakref.ref(model), mode
+        #: write each bucket's plain byte copies with one launch (direct mode; set per refit by
+        #: ``zoo_refit_begin``; see :meth:`write`), and whether that failed here once
+        self.fused, self.fused_broken = False, False
+        #: per bucket: (the shards' and engine storage's layout key, its RunTable, the positions left out)
+        self.tables: dict[int, tuple[Any, Any, list[int]]] = {}
         self.problems: list[str] = []
         self.want: dict[str, int] = {}
         self.params: list[tuple[Any, str, Any, Any]] = []  # (owner module, leaf, parameter) weakly, layout
@@ -311,28 +326,92 @@ class _Binding:
         self.bases, self.offsets = [], []
 
     def write(self, index: int, shards: list[torch.Tensor]) -> None:
-        """Copy bucket ``index``'s shards (plan order) into their regions."""
+        """Copy bucket ``index``'s shards (plan order) into their regions.
+
+        With fused copies (:attr:`fused`), every shard that is a plain byte copy into its region
+        goes into one :class:`~mcore_zoo.kernels.copy_runs.RunTable` per bucket, written by one
+        launch; the table is kept while the same shards (data pointer, shape, stride, dtype) fill
+        the same engine storage, and rebuilt otherwise. The rest (a cast, a reshaped shard,
+        padding rows, odd sizes) is copied shard by shard."""
         dests = self.buckets[index]
         if len(shards) != len(dests):
             raise ZooError(f"{len(shards)} shard(s), the plan has {len(dests)} for this rank")
-        bases, offsets, strided = self.bases, self.offsets, torch.as_strided
+        if self.fused:
+            try:
+                rest = self._write_fused(index, dests, shards)
+            except ZooError:
+                raise
+            except Exception as exc:  # e.g. Triton cannot compile here: nothing was written yet
+                self.fused, self.fused_broken, self.tables = False, True, {}
+                warnings.warn(f"refit: fused copies off, copying shard by shard ({type(exc).__name__}: {exc})",
+                              stacklevel=2)  # fmt: skip
+                rest = range(len(dests))
+            for i in rest:
+                self._copy(dests[i], shards[i])
+            return
         for dest, shard in zip(dests, shards):
-            param, size, stride, offset, pad, cast, numel, refined = dest
-            if shard.numel() != numel:
-                raise ZooError(f"a shard of {shard.numel()} elements for a slot of {numel}")
-            if cast is not None:  # the planned dtype first, as the export would have cast it
-                shard = shard.to(cast)
-            base, start = bases[param], offsets[param]
-            if shard.shape != size:  # a raw view in a refined shape: same elements, row-major
-                if refined is None or refined[0] != shard.shape:
-                    refined = dest[7] = (shard.shape, _view_stride(size, stride or base.stride(), shard.shape))
-                if refined[1] is None:  # the region cannot be viewed so: reshape the shard instead
-                    shard = shard.reshape(size)
+            self._copy(dest, shard)
+
+    def _write_fused(self, index: int, dests: list[Any], shards: list[torch.Tensor]) -> list[int]:
+        """Launch bucket ``index``'s run table (built or rebuilt when the shards or the engine's
+        storage moved); returns the positions of the shards it leaves to :meth:`_copy`."""
+        from ..kernels.copy_runs import RunTable, byte_runs
+
+        bases = self.bases
+        key = (tuple((s.data_ptr(), s.shape, s.stride(), s.dtype) for s in shards),
+               tuple(bases[dest[0]].data_ptr() for dest in dests))  # fmt: skip
+        cached = self.tables.get(index)
+        if cached is None or cached[0] != key:
+            runs: list[tuple[int, int, int]] = []
+            rest = []
+            for i, (dest, shard) in enumerate(zip(dests, shards)):
+                region = self._region(dest, shard)
+                found = None if region is None or dest[4] is not None else byte_runs(region, shard)
+                if found is None:
+                    rest.append(i)
                 else:
-                    size, stride = refined
-            (base if stride is None else strided(base, size, stride, start + offset)).copy_(shard)
-            if pad is not None:
-                strided(base, pad[0], pad[1] or base.stride(), start + pad[2]).zero_()
+                    runs.extend(found)
+            cached = self.tables[index] = (key, RunTable(runs, bases[dests[0][0]].device), rest)
+        cached[1].launch()
+        return cached[2]
+
+    def _region(self, dest: list[Any], shard: torch.Tensor) -> Optional[torch.Tensor]:
+        """The region of ``dest`` viewed in ``shard``'s shape when ``shard`` can be copied into it
+        as it is (the planned dtype, no reshape); ``None`` otherwise."""
+        if shard.numel() != dest[6]:
+            raise ZooError(f"a shard of {shard.numel()} elements for a slot of {dest[6]}")
+        if dest[5] is not None:  # the engine parameter has another dtype: copy_ converts
+            return None
+        return self._view(dest, shard.shape)
+
+    def _view(self, dest: list[Any], shape: torch.Size) -> Optional[torch.Tensor]:
+        """The region of ``dest`` viewed in ``shape`` (a raw shard's refined shape: same elements,
+        row-major), or ``None`` where the region cannot be viewed so."""
+        param, size, stride, offset = dest[:4]
+        base = self.bases[param]
+        if shape != size:
+            refined = dest[7]
+            if refined is None or refined[0] != shape:
+                refined = dest[7] = (shape, _view_stride(size, stride or base.stride(), shape))
+            if refined[1] is None:
+                return None
+            size, stride = refined
+        return base if stride is None else torch.as_strided(base, size, stride, self.offsets[param] + offset)
+
+    def _copy(self, dest: list[Any], shard: torch.Tensor) -> None:
+        """Copy one shard into its region (and zero its padding rows)."""
+        param, size, stride, offset, pad, cast, numel, refined = dest
+        if shard.numel() != numel:
+            raise ZooError(f"a shard of {shard.numel()} elements for a slot of {numel}")
+        if cast is not None:  # the planned dtype first, as the export would have cast it
+            shard = shard.to(cast)
+        region = self._view(dest, shard.shape)
+        if region is None:  # the region cannot be viewed in the shard's shape: reshape the shard instead
+            region, shard = self._view(dest, size), shard.reshape(size)
+        region.copy_(shard)  # type: ignore[union-attr]
+        if pad is not None:
+            base = self.bases[param]
+            torch.as_strided(base, pad[0], pad[1] or base.stride(), self.offsets[param] + pad[2]).zero_()
 
     def short(self, done: list[int]) -> list[str]:
         """Parameters not written exactly once over, given how often each bucket was written."""
@@ -423,10 +502,12 @@ class ZooWorkerExtension:
                 module.process_weights_after_loading(config.dtype)
 
     def zoo_refit_begin(self, plan_id: int, manifests: Optional[list[Any]], mode: str,
-                        counts: Optional[list[list[int]]] = None) -> Optional[str]:  # fmt: skip
+                        counts: Optional[list[list[int]]] = None, fused: bool = False) -> Optional[str]:  # fmt: skip
         """Start a refit: bind the plan (``manifests`` / ``counts`` given: per engine rank, the
         plan's manifest and its slots per bucket) or check the binding of the plan ``plan_id``
-        this worker already has, re-binding it if the engine replaced a parameter."""
+        this worker already has, re-binding it if the engine replaced a parameter. ``fused``:
+        write each bucket's plain copies with one launch where this worker's device has the
+        kernel (:mod:`mcore_zoo.kernels.copy_runs`; CUDA with Triton)."""
         model = self._zoo_model()
         self._zoo_mode = mode
         relayout = self._zoo_relayout_modules()
@@ -450,6 +531,12 @@ class ZooWorkerExtension:
                 self._zoo_binding = None
                 return f"{len(binding.problems)} plan/engine mismatch(es): " + "; ".join(binding.problems[:8])
             binding.current(model)
+        if fused and mode == "direct" and not binding.fused_broken:
+            from ..kernels import copy_runs
+
+            binding.fused = bool(binding.bases) and copy_runs.supported(binding.bases[0].device)
+        else:
+            binding.fused = False
         self._zoo_done = [0] * len(binding.buckets)
         return None
 
@@ -494,6 +581,12 @@ class ZooWorkerExtension:
         if short:
             return f"refit incomplete: {len(short)} parameter(s) not fully written: " + "; ".join(short[:8])
         return None
+
+    def zoo_refit_fused(self) -> bool:
+        """Whether this worker's last refit wrote its buckets with fused copies (one launch per
+        bucket: ``VLLMAdapter(fused_copies=True)`` on a device with the kernel)."""
+        binding = getattr(self, "_zoo_binding", None)
+        return bool(binding is not None and binding.fused)
 
     def zoo_compare_parameters(self, expected: dict[str, torch.Tensor]) -> Optional[str]:
         """Check this worker's parameters against ``expected`` (engine name -> tensor, e.g. a
