@@ -21,6 +21,10 @@ alternating order:
 * ``vllm``: ``VLLMAdapter(llm)`` in direct mode, in-process transport (the path of the GPU bench);
 * ``vllm-stream``: the same with the export stream forced (what a TP / PP / EP > 1 trainer runs,
   less its collectives); only where the installed mcore_zoo has the local source to switch off;
+* ``vllm-fused``: the same with the worker's fused copies (one run table per bucket,
+  :mod:`mcore_zoo.kernels.copy_runs`): on CUDA the Triton kernel, on the CPU its runs replayed
+  with ``memmove`` (``copy_runs.supported`` forced) - there a stand-in for the launch's host cost,
+  so at engine TP 1 only;
 * ``dict``: ``DictAdapter`` (an adapter that takes buckets of slot-shaped shards);
 * ``copies``: the floor - one ``copy_`` per HF tensor between preallocated contiguous tensors of
   the same shapes, in a bare loop (what any refit must at least do on this CPU).
@@ -151,6 +155,10 @@ def main() -> None:
     from mcore_zoo.parallel import ensure_model_parallel
     from mcore_zoo.rollout import DictAdapter, VLLMAdapter, get_plan
 
+    try:  # the worker's fused copies (absent before they existed)
+        from mcore_zoo.kernels import copy_runs
+    except ImportError:
+        copy_runs = None
     try:  # the switch between the local source and the export stream (absent before it existed)
         from mcore_zoo.rollout import program as programs
     except ImportError:
@@ -186,6 +194,21 @@ def main() -> None:
 
         return run_with_stream
 
+    def fused_refit() -> Callable[[], Any]:
+        """``VLLMAdapter`` with the worker's fused copies (one run table per bucket); on the CPU its
+        runs execute with ``memmove`` (``copy_runs.supported`` forced), on CUDA with the kernel."""
+        adapter = VLLMAdapter(StandInLLM(stand_in_workers(plan)), tp_size=tp, transport="inproc")
+
+        def refit() -> Any:
+            real = copy_runs.supported
+            copy_runs.supported = lambda device: True
+            try:
+                return mcore_zoo.refit(model, adapter, bucket_size=size)
+            finally:
+                copy_runs.supported = real
+
+        return refit
+
     def dict_refit() -> Callable[[], Any]:
         adapter = DictAdapter(tp_size=tp)
         return lambda: mcore_zoo.refit(model, adapter, bucket_size=size)
@@ -200,10 +223,14 @@ def main() -> None:
         return run
 
     configs: dict[str, Callable[[], Callable[[], Any]]] = {"vllm": vllm_refit, "dict": dict_refit, "copies": copies}
+    if copy_runs is not None and (args.device == "cuda" or tp == 1):
+        # not on the CPU at engine TP > 1: a TP1 trainer's column slices are one run per row there,
+        # and memmove replays runs one by one in Python, where the kernel takes them in one launch
+        configs["vllm-fused"] = fused_refit
     if programs is not None and hasattr(programs, "local_source"):
         configs["vllm-stream"] = forced_stream(vllm_refit)
     if args.full_width:  # memory: the model, one stand-in engine and the copies' pairs
-        configs = {k: v for k, v in configs.items() if k in ("vllm", "copies")}
+        configs = {k: v for k, v in configs.items() if k in ("vllm", "vllm-fused", "copies")}
     runs = {name: make() for name, make in configs.items()}
     first = {name: run() for name, run in runs.items()}  # plan and binding: not timed
     sources = {name: getattr(stats, "source", "") for name, stats in first.items() if stats is not None}
