@@ -357,6 +357,8 @@ class _Binding:
         storage moved); returns the positions of the shards it leaves to :meth:`_copy`."""
         from ..kernels.copy_runs import RunTable, byte_runs
 
+        if not dests:  # no slot of this rank in the bucket
+            return []
         bases = self.bases
         key = (tuple((s.data_ptr(), s.shape, s.stride(), s.dtype) for s in shards),
                tuple(bases[dest[0]].data_ptr() for dest in dests))  # fmt: skip
