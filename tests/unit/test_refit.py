@@ -499,6 +499,25 @@ def test_a_steady_state_refit_walks_neither_model(mpu, reference_checkpoint, mon
     assert_same(_engine_params(workers), want)
 
 
+def test_parameters_are_read_when_their_first_bucket_is_due(mpu, reference_checkpoint):
+    """The local source reads a parameter when the first bucket that needs it is handed over, not
+    all of them before the first bucket: the engine copies bucket 0 while the host reads the rest."""
+    model, _, want, workers, adapter = _vllm_setup(reference_checkpoint, "LlamaForCausalLM", {}, 1, transport="inproc")
+    mcore_zoo.refit(model, adapter, bucket_size="16KB")
+    (program,) = mcore_zoo.handle_of(model).derived("refit_programs", dict).values()
+    read = []
+
+    class Watching(VLLMAdapter):
+        def load_bucket(self, bucket):
+            read.append(sum(b is not None for b in program._bases))
+            super().load_bucket(bucket)
+
+    stats = mcore_zoo.refit(model, Watching(adapter.llm, tp_size=1, transport="inproc"), bucket_size="16KB")
+    assert stats.buckets > 2 and len(read) == stats.buckets
+    assert read == sorted(read) and read[0] < read[-1] == len(program._params), read
+    assert_same(_engine_params(workers), want)
+
+
 @pytest.mark.parametrize("adapter_kind", ["dict", "vllm"])
 def test_refit_follows_parameters_the_trainer_replaced(mpu, reference_checkpoint, adapter_kind):
     """Views bound on the first refit must not outlive the tensors they view: a parameter object
