@@ -47,6 +47,7 @@ compare with another checkout).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import json
@@ -54,7 +55,7 @@ import platform
 import pstats
 import statistics
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -102,6 +103,17 @@ def stand_in_workers(plan: Any) -> list[Any]:
 
 
 DEVICE = "cpu"
+
+
+@contextlib.contextmanager
+def patched(module: Any, name: str, value: Any) -> Iterator[None]:
+    """``module.name`` is ``value`` inside the block (a switch of the package's, flipped for one run)."""
+    real = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, real)
 
 
 def timed(fn: Callable[[], Any], iters: int) -> list[float]:
@@ -183,12 +195,8 @@ def main() -> None:
             inner = make()
 
             def refit() -> Any:
-                real = programs.local_source
-                programs.local_source = lambda handle: False
-                try:
+                with patched(programs, "local_source", lambda handle: False):
                     return inner()
-                finally:
-                    programs.local_source = real
 
             return refit
 
@@ -200,12 +208,8 @@ def main() -> None:
         adapter = VLLMAdapter(StandInLLM(stand_in_workers(plan)), tp_size=tp, transport="inproc")
 
         def refit() -> Any:
-            real = copy_runs.supported
-            copy_runs.supported = lambda device: True
-            try:
+            with patched(copy_runs, "supported", lambda device: True):
                 return mcore_zoo.refit(model, adapter, bucket_size=size)
-            finally:
-                copy_runs.supported = real
 
         return refit
 

@@ -181,8 +181,9 @@ def pieces() -> dict[str, Any]:
     )
 
 
-def check_supported(arch: Any, config: Any, numerics: Any = None) -> None:
-    """Refuse, naming the reason, what the ``vllm-exact`` forward does not reproduce."""
+def check_supported(arch: Any, config: Any, numerics: Any) -> None:
+    """Refuse, naming the reason, what the ``vllm-exact`` forward does not reproduce with the
+    profile ``numerics`` (its ``vllm_decode`` knob)."""
     name = arch.architecture
     if arch.moe is not None or arch.mla is not None:
         raise ZooError(f"{name}: numerics 'vllm-exact' covers dense decoders (no MoE / MLA kernels yet)")
@@ -191,7 +192,7 @@ def check_supported(arch: Any, config: Any, numerics: Any = None) -> None:
     if not getattr(config, "gated_linear_unit", False) or getattr(config, "activation_func", None) is not torch.nn.functional.silu:
         raise ZooError(f"{name}: numerics 'vllm-exact' needs a SwiGLU MLP (vLLM's silu_and_mul)")
     head_size = getattr(config, "kv_channels", None) or arch.head_dim
-    if getattr(numerics, "vllm_decode", "exact") == "exact" and not vllm_ops.decode_equals_prefill(head_size):
+    if numerics.vllm_decode == "exact" and not vllm_ops.decode_equals_prefill(head_size):
         raise ZooError(
             f"{name}: numerics 'vllm-exact' cannot reproduce vLLM's decode steps at head size {head_size}: at head"
             " sizes <= 64 vLLM's FlashAttention-3 computes a one-query decode step with another tiling than a"
