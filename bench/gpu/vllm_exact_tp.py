@@ -11,6 +11,13 @@ prompts, 48 sampled tokens each), with both sides split over two GPUs: the zoo m
 THD pack of prompt + continuation; its log-probs of the sampled and the prompt tokens are compared
 bit for bit with the engine's (every rank computes them; rank 0 writes the JSON). ``--tp 1``
 runs the same comparison in one process (the single-GPU reference of this script).
+
+Gradients: one ``train_step`` of ``-sum(log-probs)`` on the same pack, gathered over TP under HF
+names (``iter_hf_weights(grads=True)``), against an ``hf-exact`` model of the same layout
+(relative L2, as the GPU test reports at TP1). ``--grads FILE`` saves them (safetensors) when it
+does not exist and otherwise compares with the saved ones: run ``--tp 1 --grads F`` first, then
+TP2 with the same ``F`` for the distance of the TP2 backward to the TP1 one (bf16: only the
+row-parallel partial sums and the all-reduces add in another order).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ def main() -> None:
     ap.add_argument("--arch", default="LlamaForCausalLM", help="one of the GPU test's dense built-ins (one engine per process)")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--out")
+    ap.add_argument("--grads", help="safetensors file: written if absent, else the reference the gradients are compared with")
     args = ap.parse_args()
 
     import torch
@@ -89,6 +97,9 @@ def main() -> None:
         r["token_mult_prob_error"] = float(torch.exp(torch.cat(diffs).mean()))
         if rank == 0:
             print(json.dumps(r), flush=True)
+        r.update(_gradients(model, ckpt, [s.cuda() for s in full], args))
+        if rank == 0:
+            print(json.dumps({k: v for k, v in r.items() if k.startswith("grad")}), flush=True)
         results.append(r)
         del llm, model
         torch.cuda.empty_cache()
@@ -97,6 +108,51 @@ def main() -> None:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(payload, f, indent=1)
+
+
+def _rel_l2(mine: dict, ref: dict) -> tuple:
+    """Relative L2 distance of two gradient sets over all tensors, and the worst tensor's."""
+    num = den = worst = 0.0
+    for name, g in ref.items():
+        d, n = float((mine[name].float() - g.float()).norm()), float(g.float().norm())
+        num, den, worst = num + d * d, den + n * n, max(worst, d / max(n, 1e-30))
+    return (num / den) ** 0.5, worst
+
+
+def _gradients(model, ckpt: str, seqs: list, args) -> dict:
+    """Gradients of ``-sum(log-probs)`` against ``hf-exact``'s at the same TP, and against the saved
+    ones of ``--grads`` (see the module docstring)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    import mcore_zoo
+    from mcore_zoo.placement import Parallelism
+
+    def loss(t):
+        return torch.where(t.mask, -t.logprobs, 0.0).sum(), {}
+
+    def grads(m) -> dict:
+        m.zero_grad(set_to_none=True)  # train_step adds to what .grad holds
+        mcore_zoo.train_step(m, seqs, loss)
+        return {n: g.detach().float().cpu() for n, g in mcore_zoo.iter_hf_weights(m, grads=True)}  # gathered: every rank
+
+    mine = grads(model)
+    ref = mcore_zoo.build_model(ckpt, backend="local", numerics="hf-exact", params_dtype=torch.bfloat16, load=ckpt,
+                                parallel=Parallelism(tp=args.tp))  # fmt: skip
+    r: dict = {}
+    r["grad_rel_l2_vs_hf_exact"], r["grad_rel_l2_worst_param"] = _rel_l2(mine, grads(ref))
+    del ref
+    if args.grads:
+        if os.path.exists(args.grads):
+            saved = load_file(args.grads)
+            assert set(saved) == set(mine), sorted(set(saved) ^ set(mine))[:5]
+            r["grad_reference"] = args.grads
+            r["grad_rel_l2_vs_reference"], r["grad_rel_l2_vs_reference_worst_param"] = _rel_l2(mine, saved)
+            r["grad_bitwise_vs_reference"] = sum(int(torch.equal(mine[n], saved[n])) for n in saved)
+            r["grad_tensors"] = len(saved)
+        elif int(os.environ.get("RANK", "0")) == 0:
+            save_file({n: g.contiguous() for n, g in mine.items()}, args.grads)
+    return r
 
 
 if __name__ == "__main__":
