@@ -180,7 +180,12 @@ if [[ " $phases " == *" vllm-exact-tp2 "* ]] && (( ngpu >= 2 )); then
   tr() { local n=$1; shift; timeout "${MULTI_TIMEOUT:-240}" $py -m torch.distributed.run --standalone --nproc_per_node "$n" "$@"; }
   mkdir -p "$out/vllm-exact-tp2"
   for arch in ${TP2_ARCHS:-LlamaForCausalLM Qwen2ForCausalLM Qwen3ForCausalLM MistralForCausalLM}; do
-    tr 2 bench/gpu/vllm_exact_tp.py --arch "$arch" --out "$out/vllm-exact-tp2/$arch.json" > "$out/logs/vllm-exact-tp2-$arch.log" 2>&1
+    # the single-GPU run first: its pack and gradients are the TP2 run's gradient reference
+    grads="$out/vllm-exact-tp2/tp1-$arch-grads.safetensors"; rm -f "$grads"
+    timeout "${JOB_TIMEOUT:-420}" $py bench/gpu/vllm_exact_tp.py --tp 1 --arch "$arch" --grads "$grads" \
+        --out "$out/vllm-exact-tp2/tp1-$arch.json" > "$out/logs/vllm-exact-tp1-$arch.log" 2>&1
+    echo "vllm-exact-tp1-$arch exit $?" >> "$out/logs/status"
+    tr 2 bench/gpu/vllm_exact_tp.py --arch "$arch" --grads "$grads" --out "$out/vllm-exact-tp2/$arch.json" > "$out/logs/vllm-exact-tp2-$arch.log" 2>&1
     echo "vllm-exact-tp2-$arch exit $?" >> "$out/logs/status"
   done
 fi

@@ -14,10 +14,11 @@ runs the same comparison in one process (the single-GPU reference of this script
 
 Gradients: one ``train_step`` of ``-sum(log-probs)`` on the same pack, gathered over TP under HF
 names (``iter_hf_weights(grads=True)``), against an ``hf-exact`` model of the same layout
-(relative L2, as the GPU test reports at TP1). ``--grads FILE`` saves them (safetensors) when it
-does not exist and otherwise compares with the saved ones: run ``--tp 1 --grads F`` first, then
-TP2 with the same ``F`` for the distance of the TP2 backward to the TP1 one (bf16: only the
-row-parallel partial sums and the all-reduces add in another order).
+(relative L2, as the GPU test reports at TP1). ``--grads FILE`` saves them with the pack's tokens
+(safetensors) when it does not exist, and otherwise takes the saved tokens (two engines may sample
+differently) and compares with the saved gradients: run ``--tp 1 --grads F`` first, then TP2 with
+the same ``F`` for the distance of the TP2 backward to the TP1 one (bf16: only the row-parallel
+partial sums and the all-reduces add in another order).
 """
 
 from __future__ import annotations
@@ -136,6 +137,10 @@ def _gradients(model, ckpt: str, seqs: list, args) -> dict:
         mcore_zoo.train_step(m, seqs, loss)
         return {n: g.detach().float().cpu() for n, g in mcore_zoo.iter_hf_weights(m, grads=True)}  # gathered: every rank
 
+    saved: dict = {}
+    if args.grads and os.path.exists(args.grads):
+        saved = load_file(args.grads)  # the reference's sequences too: the engines may sample differently
+        seqs = [saved.pop(f"tokens.{i}").cuda() for i in range(sum(k.startswith("tokens.") for k in saved))]
     mine = grads(model)
     ref = mcore_zoo.build_model(ckpt, backend="local", numerics="hf-exact", params_dtype=torch.bfloat16, load=ckpt,
                                 parallel=Parallelism(tp=args.tp))  # fmt: skip
@@ -143,15 +148,15 @@ def _gradients(model, ckpt: str, seqs: list, args) -> dict:
     r["grad_rel_l2_vs_hf_exact"], r["grad_rel_l2_worst_param"] = _rel_l2(mine, grads(ref))
     del ref
     if args.grads:
-        if os.path.exists(args.grads):
-            saved = load_file(args.grads)
+        if saved:
             assert set(saved) == set(mine), sorted(set(saved) ^ set(mine))[:5]
             r["grad_reference"] = args.grads
             r["grad_rel_l2_vs_reference"], r["grad_rel_l2_vs_reference_worst_param"] = _rel_l2(mine, saved)
             r["grad_bitwise_vs_reference"] = sum(int(torch.equal(mine[n], saved[n])) for n in saved)
             r["grad_tensors"] = len(saved)
         elif int(os.environ.get("RANK", "0")) == 0:
-            save_file({n: g.contiguous() for n, g in mine.items()}, args.grads)
+            tokens = {f"tokens.{i}": t.cpu().contiguous() for i, t in enumerate(seqs)}
+            save_file({**{n: g.contiguous() for n, g in mine.items()}, **tokens}, args.grads)
     return r
 
 
