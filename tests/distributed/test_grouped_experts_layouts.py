@@ -12,7 +12,8 @@ Per layout, on every rank:
 * sharded loading: the rank reads its own experts' tensors and the shared ones, nothing else
   (an instrumented checkpoint reader);
 * the packed forward against the single-process sequential-experts model (1e-5, as the
-  sequential layouts in ``test_moe_layouts.py``);
+  sequential layouts in ``test_moe_layouts.py``, whose inputs no token routes within ``MARGIN`` of
+  a tie: checked on the reference);
 * the export gathered over EP / expert-TP equals the checkpoint bit for bit;
 * a refit into vLLM's layout at engine TP 2 (fused ``w13_weight`` / ``w2_weight`` experts) equals
   the independent vLLM-loader emulation of ``tests/unit/test_refit.py`` bit for bit.
@@ -31,7 +32,16 @@ from mcore_zoo.placement import Parallelism
 
 from ..conftest import checkpoint_tensors, export_mismatches, random_sequences
 from ..unit.test_refit import assert_same, vllm_engine_tensors
-from .test_moe_layouts import LENGTHS, OVERRIDES, TOL, _counting_checkpoint, _expected_reads
+from .test_moe_layouts import (
+    LENGTHS,
+    OVERRIDES,
+    TOL,
+    _counting_checkpoint,
+    _expected_reads,
+    assert_decisive_routing,
+    logits_mismatch,
+    routing_margins,
+)
 
 LAYOUTS = {
     "Qwen3MoeForCausalLM": [("ep2", Parallelism(ep=2)), ("etp2", Parallelism(tp=2)),
@@ -125,8 +135,9 @@ def test_grouped_experts_under_ep_and_expert_tp(reference_checkpoint, mpu, arch_
     moe_layers = sum(1 for i in range(num_layers) if arch.moe.is_moe_layer(i))
     found = launch(_run, 2, str(ckpt), arch_name, LAYOUTS[arch_name])
     single = mcore_zoo.build_model(ckpt, backend="portable", numerics="hf-exact", load=ckpt).eval()
-    with torch.no_grad():
+    with torch.no_grad(), routing_margins(single) as margins:
         ref = mcore_zoo.packed_forward(single, random_sequences(LENGTHS, 256)).logits
+    assert_decisive_routing(margins, LENGTHS, arch_name)
     config = json.loads((ckpt / "config.json").read_text())
     engine = vllm_engine_tensors(load_file(str(ckpt / "model.safetensors")), config, 2)
     for name, parallel in LAYOUTS[arch_name]:
@@ -146,8 +157,8 @@ def test_grouped_experts_under_ep_and_expert_tp(reference_checkpoint, mpu, arch_
             )
             if r["tp_size"] == r["etp_size"] == 1:  # whole tensors: exactly those tensors' bytes
                 assert r["read_bytes"] == r["report_bytes"] == sum(source[n].numel() * source[n].element_size() for n in want), where
-            diff = max((a - b).abs().max().item() for a, b in zip(r["logits"], ref))
-            assert diff <= TOL, f"{where}: logits differ from the single-process sequential model by {diff}"
+            diff, detail = logits_mismatch(r["logits"], ref, margins)
+            assert diff <= TOL, f"{where}: logits differ from the single-process sequential model by {diff} ({detail})"
             assert r["export"] == [], f"{where}: exported tensors differ: {r['export'][:5]}"
         assert found[1][name]["refit"] is None
         assert_same(found[0][name]["refit"], engine)
