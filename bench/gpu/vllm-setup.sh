@@ -9,11 +9,15 @@
 # installs (pip --no-index --no-deps --target) only the distributions the machine's python3 does
 # not already have, so nothing it ships replaces a package of the image. Idempotent: a second run
 # on the same machine only checks. Chunks may be sent in any order; a missing one is named.
+#
+# STACK=sglang: SGLang's wheels (STACK=sglang vllm_wheelhouse.sh) from .gpu/sglang/cN into
+# /tmp/sglang-wh, installed into /tmp/sglang-site (a site of its own: its pins differ from vLLM's).
 set -euo pipefail
-W=/tmp/vllm-wh
-S=/tmp/vllm-site
-manifest=.gpu/vllm/meta/manifest.tsv
-[ -f "$manifest" ] || { echo "no $manifest: carry .gpu/vllm/meta with this call"; exit 2; }
+STACK=${STACK:-vllm}
+W=/tmp/$STACK-wh
+S=/tmp/$STACK-site
+manifest=.gpu/$STACK/meta/manifest.tsv
+[ -f "$manifest" ] || { echo "no $manifest: carry .gpu/$STACK/meta with this call"; exit 2; }
 if [ ! -f "$W/.ready" ]; then
   t0=$(date +%s)
   bad=0
@@ -27,7 +31,8 @@ if [ ! -f "$W/.ready" ]; then
     [ -f "$W/$file" ] || { echo "missing wheel $file (a chunk was not sent)"; bad=1; continue; }
     [ "$(md5sum "$W/$file" | cut -d' ' -f1)" = "$md5" ] || { echo "checksum mismatch: $file (resend its chunk)"; bad=1; continue; }
     dist="${file%%-*}"
-    if python3 -c "import importlib.metadata as m, sys; m.version(sys.argv[1])" "$dist" 2>/dev/null; then
+    if ! grep -qx "$dist" ".gpu/$STACK/meta/force.txt" 2>/dev/null && \
+        python3 -c "import importlib.metadata as m, sys; m.version(sys.argv[1])" "$dist" 2>/dev/null; then
       echo "skip $dist (the image has $(python3 -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$dist"))"
     else
       install+=("$W/$file")
@@ -38,4 +43,4 @@ if [ ! -f "$W/.ready" ]; then
   touch "$W/.ready"
   echo "installed ${#install[@]} wheels into $S in $(( $(date +%s) - t0 )) s"
 fi
-PYTHONPATH="$S${PYTHONPATH:+:$PYTHONPATH}" python3 -c "import vllm, torch; print('vllm', vllm.__version__, '| torch', torch.__version__, '|', torch.cuda.get_device_name())"
+PYTHONPATH="$S${PYTHONPATH:+:$PYTHONPATH}" python3 -c "import $STACK as m, torch; print('$STACK', m.__version__, '| torch', torch.__version__, '|', torch.cuda.get_device_name())"

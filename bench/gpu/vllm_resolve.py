@@ -33,6 +33,8 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
 VLLM = os.environ.get("VLLM_VERSION", "0.26.0")
+#: the distribution the walk starts from (``RESOLVE_ROOT="sglang==0.5.17"`` for SGLang's set)
+ROOT = os.environ.get("RESOLVE_ROOT", f"vllm=={VLLM}")
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_34_x86_64", "manylinux_2_35_x86_64"]  # fmt: skip
 
@@ -106,12 +108,12 @@ def older_versions(name: str) -> list[str]:
 
 
 def resolve(out: Path, skip: set[str], extra_specs: dict[str, SpecifierSet]):  # type: ignore[no-untyped-def]
-    """Breadth-first from vllm; returns ``(chosen, missing, None)`` or, when a requirement conflicts
+    """Breadth-first from ``ROOT``; returns ``(chosen, missing, None)`` or, when a requirement conflicts
     with a choice, ``(..., reason)`` after adding a constraint to ``extra_specs`` (then run again):
     the conflicting package is narrowed when the combined specifier has a wheel, else the package
     that asked for it is moved to an older version whose requirements fit."""
     skip = set(skip)
-    queue = deque([(Requirement(f"vllm=={VLLM}"), "-")])
+    queue = deque([(Requirement(ROOT), "-")])
     chosen: dict[str, tuple[Requirement, Path, str]] = {}
     done: dict[str, set[str]] = {}  # name -> extras whose requirements were followed ("" = base)
     specs: dict[str, SpecifierSet] = {}
@@ -132,7 +134,7 @@ def resolve(out: Path, skip: set[str], extra_specs: dict[str, SpecifierSet]):  #
                 except subprocess.CalledProcessError:
                     pass
                 requirer = canonicalize_name(re.sub(r"\[.*", "", by))
-                if requirer == "vllm":  # vLLM's own pins are fixed
+                if requirer == canonicalize_name(Requirement(ROOT).name):  # the root's own pins are fixed
                     requirer = canonicalize_name(re.sub(r"\[.*", "", chosen[name][2]))
                 have = parse_wheel_filename(chosen[requirer][1].name)[1]
                 for v in older_versions(requirer):

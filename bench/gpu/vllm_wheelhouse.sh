@@ -13,9 +13,14 @@
 #
 # .gpu/ is in .git/info/exclude: nothing here is committed. Device side: bench/gpu/vllm-setup.sh
 # (its header has the calls). Re-running reuses the downloads. VLLM_LEAN=1: see below.
+#
+# STACK=sglang: the same for SGLang (RESOLVE_ROOT, default sglang==0.5.17, the release that pins
+# the GPU machine's torch 2.11.0) into .gpu/sglang/; install with STACK=sglang vllm-setup.sh.
 set -euo pipefail
 root="$(pwd)"
-out="$root/.gpu/vllm"
+STACK=${STACK:-vllm}
+out="$root/.gpu/$STACK"
+if [ "$STACK" = sglang ]; then export RESOLVE_ROOT=${RESOLVE_ROOT:-sglang==0.5.17}; fi
 limit=$((48 * 1024 * 1024))
 exclude="$(git rev-parse --git-path info/exclude)"; mkdir -p "$(dirname "$exclude")"
 grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
@@ -27,7 +32,24 @@ skipfile="$out/meta/skip.txt"
 # does not take: tokenspeed-mla (MLA prefill on Blackwell only, + tokenspeed-triton) and humming-kernels (MXFP4 /
 # NVFP4 / MXFP8 kernels, + nvidia-cuda-nvcc / nvvm / cccl): 790 MB instead of 1012 MB.
 [ "${VLLM_LEAN:-0}" = 1 ] && printf 'tokenspeed-mla\nhumming-kernels\n' >> "$skipfile"
+# SGLang: flash-attn-4 (Blackwell attention; its newest release conflicts with SGLang's
+# nvidia-cutlass-dsl pin), tokenspeed-mla and humming-kernels, as above: 1055 MB
+[ "$STACK" = sglang ] && printf 'flash-attn-4\ntokenspeed-mla\nhumming-kernels\n' >> "$skipfile"
 python3 "$root/bench/gpu/vllm_resolve.py" "$out/dl" --skip-file "$skipfile"
+: > "$out/meta/force.txt"
+if [ "$STACK" = sglang ]; then
+  # SGLang 0.5.17 pins transformers 5.12.1: the image's newer transformers already registers a
+  # config name (qwen3_asr) SGLang registers at engine start. 5.12.1 takes tokenizers <= 0.23.0.
+  # Both are installed into SGLang's own site even though the image has (other versions of) them.
+  for pin in transformers==5.12.1 tokenizers==0.22.2; do
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --platform any -d "$out/dl" "$pin"
+    name=${pin%%==*}; version=${pin##*==}
+    file=$(cd "$out/dl" && ls "$name-$version-"*.whl | head -1)
+    printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$version" "$(stat -c %s "$out/dl/$file")" "$file" "sglang (pin over the image)" >> "$out/dl/wheels.tsv"
+    echo "$name" >> "$out/meta/force.txt"
+  done
+fi
 rm -rf "$out"/c[0-9]* "$out/parts" && mkdir -p "$out/parts"
 : > "$out/meta/manifest.tsv"
 tail -n +2 "$out/dl/wheels.tsv" | while IFS=$'\t' read -r name version bytes file by; do
@@ -58,7 +80,7 @@ for i, (used, names) in enumerate(bins):
     os.makedirs(f"{out}/c{i}")
     for f in names:
         os.replace(f"{out}/parts/{f}", f"{out}/c{i}/{f}")
-print(f"{len(bins)} chunk folders: .gpu/vllm/c0 .. c{len(bins) - 1}")
+print(f"{len(bins)} chunk folders: {out}/c0 .. c{len(bins) - 1}")
 PY
 rmdir "$out/parts"
 cp "$out/dl/wheels.tsv" "$out/meta/"

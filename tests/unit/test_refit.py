@@ -404,6 +404,7 @@ def test_sglang_adapter_sends_hf_names_and_flushes_once(mpu, reference_checkpoin
 
         def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
             self.calls.append(([(n, t.clone()) for n, t in named_tensors], flush_cache))
+            return True, "Success"  # what sglang.Engine returns
 
     engine = FakeEngine()
     stats = mcore_zoo.refit(model, SGLangAdapter(engine, tp_size=2), bucket_size="64KB")
@@ -411,6 +412,32 @@ def test_sglang_adapter_sends_hf_names_and_flushes_once(mpu, reference_checkpoin
     assert [flush for _, flush in engine.calls] == [False] * (stats.buckets - 1) + [True]
     got = dict(item for named, _ in engine.calls for item in named)
     assert_same([got], [{k: v for k, v in hf.items() if "rotary_emb" not in k}])
+
+
+def test_sglang_adapter_fails_on_a_refused_or_skipped_bucket(mpu, reference_checkpoint):
+    from mcore_zoo.errors import ZooError
+    from mcore_zoo.rollout import SGLangAdapter
+
+    _, model, _, _ = _setup(reference_checkpoint, "LlamaForCausalLM", {})
+
+    class RefusingEngine:
+        def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+            return False, "Failed to update weights: boom"
+
+    with pytest.raises(ZooError, match="SGLang refused bucket 0 .*boom"):
+        mcore_zoo.refit(model, SGLangAdapter(RefusingEngine()), bucket_size="64KB")
+
+    class Engine:
+        def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+            return True, "Success"
+
+    class SkipsOne(SGLangAdapter):
+        def load_bucket(self, bucket):
+            if bucket.index != 1:
+                super().load_bucket(bucket)
+
+    with pytest.raises(ZooError, match="refit incomplete: [1-9][0-9]* tensor\\(s\\) never sent"):
+        mcore_zoo.refit(model, SkipsOne(Engine()), bucket_size="64KB")
 
 
 # ---------------------------------------------------------------- the bound data path (rollout/program.py)

@@ -35,7 +35,7 @@ would round them. This spares the trainer-side copy that reshaping or casting wo
 no collective).
 
 Adapters that ship: :class:`~mcore_zoo.rollout.vllm.VLLMAdapter` (an in-process ``vllm.LLM``) and
-:class:`~mcore_zoo.rollout.sglang.SGLangAdapter` (a sketch for SGLang's
+:class:`~mcore_zoo.rollout.sglang.SGLangAdapter` (SGLang's
 ``update_weights_from_tensor``). :class:`DictAdapter` keeps engine tensors in a dict (tests, and a
 reference for adapter authors).
 """

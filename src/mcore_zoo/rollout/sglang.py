@@ -1,20 +1,24 @@
-"""A sketch of an SGLang adapter: ``Engine.update_weights_from_tensor``.
+"""An SGLang adapter: ``Engine.update_weights_from_tensor``.
 
 SGLang fuses and splits on its side (its models' ``load_weights`` with ``stacked_params_mapping``),
 so this adapter plans with :data:`~mcore_zoo.rollout.engine_format.HF_NAMES`: whole tensors under HF
-names, one list per bucket. ``update_weights_from_tensor(named_tensors, load_format=None,
-flush_cache=True)`` takes ``[(name, tensor)]``; for an engine in other processes SGLang serialises
-the tensors itself (CUDA IPC for GPU tensors). ``flush_cache`` is requested on the last bucket only.
+names, one call per bucket. ``update_weights_from_tensor(named_tensors, load_format=None,
+flush_cache=...)`` takes ``[(name, tensor)]``; the engine's scheduler runs in other processes, so
+SGLang serialises the tensors itself (CUDA IPC handles for GPU tensors: the engine reads the
+trainer's memory, GPU to GPU on one device) and every engine TP rank loads the whole tensors and
+keeps its own slice. The call returns when every rank has loaded the bucket; its ``(success,
+message)`` is checked. The radix (prefix) cache is flushed with the last bucket only.
 
-Not run in this repository's tests (SGLang is not installed anywhere the tests run); the interface
-is the one :class:`~mcore_zoo.rollout.adapter.EngineAdapter` documents, so a trainer can use it as
-is or adapt it to its SGLang version.
+``end`` raises unless every tensor of the plan went to the engine exactly once and every call
+succeeded. Works with the offline ``sglang.Engine`` (in this process) and with anything that has
+its ``update_weights_from_tensor`` signature.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ZooError
 from .adapter import EngineAdapter, RefitBucket
 from .engine_format import HF_NAMES
 
@@ -23,23 +27,41 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class SGLangAdapter(EngineAdapter):
-    """``engine``: an ``sglang.Engine`` (offline engine, in this process)."""
+    """``engine``: an ``sglang.Engine`` (offline engine, in this process; its TP size is its own
+    business: SGLang slices whole tensors per rank). ``flush_cache``: flush the engine's prefix
+    cache with the last bucket (the cached KV of the old weights must not be reused)."""
 
     engine_format = HF_NAMES
 
-    def __init__(self, engine: Any, tp_size: int = 1) -> None:
+    def __init__(self, engine: Any, tp_size: int = 1, *, flush_cache: bool = True) -> None:
         self.engine = engine
         self.tp_size = tp_size
+        self.flush_cache = flush_cache
         self._last = -1
+        self._want: set[str] = set()
+        self._sent: dict[str, int] = {}
 
     def begin(self, plan: "RefitPlan") -> None:
         self._last = len(plan.buckets) - 1
+        self._want = {t.name for tensors in plan.engine_tensors for t in tensors}
+        self._sent = {}
 
     def load_bucket(self, bucket: RefitBucket) -> None:
-        self.engine.update_weights_from_tensor(bucket.named(0), flush_cache=bucket.index == self._last)
+        named = bucket.named(0)
+        result = self.engine.update_weights_from_tensor(named, flush_cache=self.flush_cache and bucket.index == self._last)
+        success, message = result if isinstance(result, tuple) else (result is not False, str(result))
+        if not success:
+            raise ZooError(f"SGLang refused bucket {bucket.index} ({len(named)} tensor(s), first {named[0][0] if named else '-'!r}): {message}")
+        for name, _ in named:
+            self._sent[name] = self._sent.get(name, 0) + 1
 
     def end(self) -> None:
-        pass
+        missing = sorted(self._want - set(self._sent))
+        twice = sorted(n for n, k in self._sent.items() if k > 1)
+        extra = sorted(set(self._sent) - self._want)
+        if missing or twice or extra:
+            raise ZooError(f"refit incomplete: {len(missing)} tensor(s) never sent {missing[:8]},"
+                           f" {len(twice)} sent more than once {twice[:8]}, {len(extra)} not in the plan {extra[:8]}")  # fmt: skip
 
 
 __all__ = ["SGLangAdapter"]
