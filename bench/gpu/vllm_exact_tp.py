@@ -111,30 +111,20 @@ def main() -> None:
                 json.dump(payload, f, indent=1)
 
 
-def _rel_l2(mine: dict, ref: dict) -> tuple:
-    """Relative L2 distance of two gradient sets over all tensors, and the worst tensor's."""
-    num = den = worst = 0.0
-    for name, g in ref.items():
-        d, n = float((mine[name].float() - g.float()).norm()), float(g.float().norm())
-        num, den, worst = num + d * d, den + n * n, max(worst, d / max(n, 1e-30))
-    return (num / den) ** 0.5, worst
-
-
 def _gradients(model, ckpt: str, seqs: list, args) -> dict:
     """Gradients of ``-sum(log-probs)`` against ``hf-exact``'s at the same TP, and against the saved
     ones of ``--grads`` (see the module docstring)."""
     import torch
     from safetensors.torch import load_file, save_file
 
+    from test_vllm_exact_gpu import _loss, grad_rel_l2
+
     import mcore_zoo
     from mcore_zoo.placement import Parallelism
 
-    def loss(t):
-        return torch.where(t.mask, -t.logprobs, 0.0).sum(), {}
-
     def grads(m) -> dict:
         m.zero_grad(set_to_none=True)  # train_step adds to what .grad holds
-        mcore_zoo.train_step(m, seqs, loss)
+        mcore_zoo.train_step(m, seqs, _loss)
         return {n: g.detach().float().cpu() for n, g in mcore_zoo.iter_hf_weights(m, grads=True)}  # gathered: every rank
 
     saved: dict = {}
@@ -145,13 +135,13 @@ def _gradients(model, ckpt: str, seqs: list, args) -> dict:
     ref = mcore_zoo.build_model(ckpt, backend="local", numerics="hf-exact", params_dtype=torch.bfloat16, load=ckpt,
                                 parallel=Parallelism(tp=args.tp))  # fmt: skip
     r: dict = {}
-    r["grad_rel_l2_vs_hf_exact"], r["grad_rel_l2_worst_param"] = _rel_l2(mine, grads(ref))
+    r["grad_rel_l2_vs_hf_exact"], r["grad_rel_l2_worst_param"] = grad_rel_l2(mine, grads(ref))
     del ref
     if args.grads:
         if saved:
             assert set(saved) == set(mine), sorted(set(saved) ^ set(mine))[:5]
             r["grad_reference"] = args.grads
-            r["grad_rel_l2_vs_reference"], r["grad_rel_l2_vs_reference_worst_param"] = _rel_l2(mine, saved)
+            r["grad_rel_l2_vs_reference"], r["grad_rel_l2_vs_reference_worst_param"] = grad_rel_l2(mine, saved)
             r["grad_bitwise_vs_reference"] = sum(int(torch.equal(mine[n], saved[n])) for n in saved)
             r["grad_tensors"] = len(saved)
         elif int(os.environ.get("RANK", "0")) == 0:

@@ -1,5 +1,9 @@
 """GPU tests: skipped (with the reason) on machines without CUDA."""
 
+import json
+import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -30,3 +34,13 @@ def bf16_checkpoints(tmp_path_factory: Any, size: dict, extra: dict) -> dict:
         write_reference_checkpoint(arch, config, path, dtype=torch.bfloat16)
         out[name] = path
     return out
+
+
+def run_check(script: str, *args: str, env: Any = None, timeout: int = 900) -> dict:
+    """``python script *args`` in a fresh process (one inference engine per process), with this
+    process's ``sys.path`` (and ``env`` added to the environment); fails with the tails of its
+    output unless it exits 0, and returns the JSON of its last stdout line."""
+    proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **(env or {})})  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -21,7 +21,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -145,10 +144,9 @@ def test_refit_into_sglang_is_bitwise(reference_checkpoint, arch, overrides, tmp
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     ckpt = reference_checkpoint(arch, {**SIZES, **overrides})
-    proc = subprocess.run([sys.executable, __file__, str(ckpt), arch, str(tmp_path)], capture_output=True, text=True,
-                          timeout=900, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    from .conftest import run_check  # here: this file also runs as a script
+
+    r = run_check(__file__, str(ckpt), arch, str(tmp_path))
     print(f"\n{arch}: SGLang {r['sglang']} after refit vs mcore local bf16: token_mult_prob_error {r['token_mult_prob_error']:.6f},"
           f" max |dlogp| {r['max_abs_dlogp']:.3e}; refit {r['refit_mb']:.1f} MB in {r['refit_ms']:.1f} ms")  # fmt: skip
     assert r["scrambled_differs"] and r["buckets"] > 2

@@ -20,7 +20,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -168,6 +167,16 @@ def _loss(t):
     return torch.where(t.mask, -t.logprobs, 0.0).sum(), {}
 
 
+def grad_rel_l2(mine: dict, ref: dict) -> tuple[float, float]:
+    """Relative L2 distance of two gradient sets (``{name: tensor}``, the names of ``ref``) over
+    all tensors, and the worst single tensor's."""
+    num = den = worst = 0.0
+    for name, g in ref.items():
+        d, n = float((mine[name].float() - g.float()).norm()), float(g.float().norm())
+        num, den, worst = num + d * d, den + n * n, max(worst, d / max(n, 1e-30))
+    return (num / den) ** 0.5, worst
+
+
 def check(ckpt: str, arch: str, out_dir: str) -> dict:
     """One architecture, in a fresh process with VLLM_BATCH_INVARIANT=1."""
     import vllm
@@ -230,15 +239,8 @@ def check(ckpt: str, arch: str, out_dir: str) -> dict:
     grads = {n: p.grad.float() for n, p in model.named_parameters()}
     ref = mcore_zoo.build_model(ckpt, backend="local", numerics="hf-exact", params_dtype=torch.bfloat16, load=ckpt)
     mcore_zoo.train_step(ref, seqs, _loss)
-    num = den = 0.0
-    worst = 0.0
-    for n, p in ref.named_parameters():
-        d = float((grads[n] - p.grad.float()).norm())
-        r = float(p.grad.float().norm())
-        num, den = num + d * d, den + r * r
-        worst = max(worst, d / max(r, 1e-30))
-    result["grad_rel_l2_vs_hf_exact"] = (num / den) ** 0.5
-    result["grad_rel_l2_worst_param"] = worst
+    result["grad_rel_l2_vs_hf_exact"], result["grad_rel_l2_worst_param"] = grad_rel_l2(
+        grads, {n: p.grad for n, p in ref.named_parameters()})  # fmt: skip
     del llm
     return result
 
@@ -282,12 +284,9 @@ def test_vllm_exact_log_probs_equal_vllm_batch_invariant(reference_checkpoint, a
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     ckpt = reference_checkpoint(arch, {**SIZES, **overrides})
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "VLLM_BATCH_INVARIANT": "1",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # fmt: skip
-    proc = subprocess.run([sys.executable, __file__, "check", str(ckpt), arch, str(tmp_path)], capture_output=True,
-                          text=True, timeout=900, env=env)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    from .conftest import run_check  # here: this file also runs as a script
+
+    r = run_check(__file__, "check", str(ckpt), arch, str(tmp_path), env={"VLLM_BATCH_INVARIANT": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     print(f"\n{arch}: generated {r['generated_bitwise']}/{r['generated_tokens']} bitwise (max |d| {r['generated_max_abs']:.3e}),"
           f" prompt {r['prompt_bitwise']}/{r['prompt_tokens']} (max |d| {r['prompt_max_abs']:.3e});"
           f" gradients vs hf-exact rel L2 {r['grad_rel_l2_vs_hf_exact']:.3e} (worst param {r['grad_rel_l2_worst_param']:.3e})")  # fmt: skip
