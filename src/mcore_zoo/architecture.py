@@ -130,7 +130,21 @@ class Architecture:
             if not isinstance(arch, ArchConfig):
                 raise PluginError(f"{origin}: amend_config returned {type(arch).__name__}, expected ArchConfig")
         report = reader.finish()
+        if arch.moe is not None:
+            arch = arch.replace(moe=dataclasses.replace(arch.moe, router_weight_dtype=self._reference_router_weight_dtype()))
         return arch.replace(fields=report, hf_config=reader.config)  # with any field the reader stated
+
+    def _reference_router_weight_dtype(self) -> str:
+        """The router weight's dtype in the installed transformers reference class
+        (:func:`~mcore_zoo.config.moe.reference_router_weight_dtype`); ``"params"`` when the class
+        cannot be imported (a remote-code model, or a plugin without a reference class)."""
+        from .config.moe import reference_router_weight_dtype
+
+        try:
+            cls = self.reference_model_class()
+        except Exception:  # noqa: BLE001 - no reference class: nothing to follow
+            return "params"
+        return reference_router_weight_dtype(cls)
 
     def weight_map(self, arch: "ArchConfig") -> "WeightMap":
         """The weight table for ``arch``."""

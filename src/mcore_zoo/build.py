@@ -205,10 +205,14 @@ def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
     Megatron-Core's torch-norm wrapper (``local`` / ``portable`` default norms) creates fp32
     weights whatever ``params_dtype`` says, relying on a trainer's ``Float16Module`` to cast later;
-    HF keeps norm weights in the model dtype, so a model that is used as built must too.
+    HF keeps norm weights in the model dtype, so a model that is used as built must too. A
+    parameter marked ``keep_fp32`` (one the reference keeps in fp32, e.g. a router's gate weight:
+    :attr:`~mcore_zoo.config.arch.MoESpec.router_weight_dtype`) stays as it is.
     """
     with torch.no_grad():
         for param in model.parameters():
+            if getattr(param, "keep_fp32", False):
+                continue
             if param.is_floating_point() and param.dtype != dtype:
                 param.data = param.data.to(dtype)
 

@@ -12,6 +12,7 @@ import torch
 
 import mcore_zoo
 from mcore_zoo.numerics.profiles import get_profile
+from mcore_zoo.parity.reference import load_reference
 from mcore_zoo.testing.common import REL_TOL, max_abs_diff
 
 from ..conftest import random_sequences
@@ -56,8 +57,7 @@ def test_hf_exact_bitwise_bf16(mpu, reference_checkpoint, arch_name, experts):
     and adds them in bf16."""
     ckpt = reference_checkpoint(arch_name)
     arch = mcore_zoo.lookup(arch_name)
-    hf = arch.reference_model_class().from_pretrained(str(ckpt), dtype=torch.bfloat16, attn_implementation="eager",
-                                                      experts_implementation=experts).eval()  # fmt: skip
+    hf = load_reference(arch, ckpt, dtype=torch.bfloat16, experts_implementation=experts)
     profile = get_profile("hf-exact").with_knobs(moe_experts=experts)
     model = mcore_zoo.build_model(ckpt, backend="local", numerics=profile, load=ckpt,
                                   params_dtype=torch.bfloat16).eval()  # fmt: skip

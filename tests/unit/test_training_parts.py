@@ -119,10 +119,12 @@ def critic_checkpoint(tmp_path_factory):
 def test_value_head_matches_transformers_and_exports_bitwise(critic_checkpoint, mpu, tmp_path):
     from transformers import AutoModelForTokenClassification
 
+    from mcore_zoo.parity.reference import own_aligned_storage
+
     critic = mcore_zoo.build_model(critic_checkpoint, backend="portable", numerics="hf-exact", head="value")
     report = mcore_zoo.load_hf_weights(critic, critic_checkpoint)
     assert report.absent == {}
-    hf = AutoModelForTokenClassification.from_pretrained(critic_checkpoint).eval()
+    hf = own_aligned_storage(AutoModelForTokenClassification.from_pretrained(critic_checkpoint)).eval()
     seqs = random_sequences(LENGTHS, 256)
     with torch.no_grad():
         values = mcore_zoo.packed_forward(critic, seqs).values
@@ -134,7 +136,8 @@ def test_value_head_matches_transformers_and_exports_bitwise(critic_checkpoint, 
     mcore_zoo.save_hf_checkpoint(critic, tmp_path / "out")
     saved = json.loads((tmp_path / "out" / "config.json").read_text())
     assert saved["architectures"] == ["LlamaForTokenClassification"] and len(saved["id2label"]) == 1
-    again = AutoModelForTokenClassification.from_pretrained(tmp_path / "out").eval()
+    # both transformers models in allocator-aligned storage (own_aligned_storage: CPU GEMMs may round by alignment)
+    again = own_aligned_storage(AutoModelForTokenClassification.from_pretrained(tmp_path / "out")).eval()
     with torch.no_grad():
         assert torch.equal(again(seqs[0][None]).logits, hf(seqs[0][None]).logits)
 

@@ -60,6 +60,10 @@ class MoESpec:
         shared_expert_ffn_hidden_size: width of the always-on shared expert(s) (summed), or None.
         shared_expert_gate: the shared expert's output is scaled by ``sigmoid(x @ gate.T)``.
         aux_loss_coeff: load-balancing loss coefficient (0: off).
+        router_weight_dtype: ``"fp32"`` when the installed transformers model keeps the router's
+            gate weight in fp32 whatever the load dtype (``_keep_in_fp32_modules_strict`` names
+            ``gate.weight`` from transformers 5.2x on for GLM-4.5 and DeepSeek-V2 / V3); the zoo's
+            HF-order router then keeps it in fp32 too. ``"params"``: the model's parameter dtype.
     """
 
     num_experts: int
@@ -79,6 +83,7 @@ class MoESpec:
     probs_dtype: str = "hidden"  # "hidden" | "fp32"
     aux_loss_coeff: float = 0.0
     layer_pattern: Optional[tuple] = None
+    router_weight_dtype: str = "params"  # "params" | "fp32" (the reference keeps the gate weight in fp32)
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def is_moe_layer(self, layer_index: int) -> bool:

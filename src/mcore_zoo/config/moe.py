@@ -170,3 +170,14 @@ def moe_layout_problems(arch: ArchConfig, ep: int, etp: Optional[int], tp: int) 
     if moe.shared_expert_ffn_hidden_size is not None and moe.shared_expert_ffn_hidden_size % tp:
         problems.append(f"shared expert size {moe.shared_expert_ffn_hidden_size} is not divisible by tp={tp}")
     return problems
+
+
+def reference_router_weight_dtype(reference_class: Any) -> str:
+    """``"fp32"`` when the transformers class ``reference_class`` keeps the MoE router's gate weight
+    in fp32 whatever dtype the model is loaded in (``gate.weight`` among its
+    ``_keep_in_fp32_modules_strict`` / ``_keep_in_fp32_modules``), else ``"params"``. Which classes
+    do so changes between transformers releases, so this reads the installed one."""
+    names: list = []
+    for attr in ("_keep_in_fp32_modules_strict", "_keep_in_fp32_modules"):
+        names.extend(getattr(reference_class, attr, None) or [])
+    return "fp32" if any(name in ("gate.weight", "gate") for name in names) else "params"

@@ -121,4 +121,23 @@ def load_reference(
     model = cls.from_pretrained(str(checkpoint), dtype=dtype, attn_implementation=attn_implementation, **kwargs)
     if device is not None:
         model = model.to(device)
-    return model.eval()
+    return own_aligned_storage(model).eval()
+
+
+def own_aligned_storage(model: torch.nn.Module) -> torch.nn.Module:
+    """Give every CPU parameter and buffer of ``model`` storage of its own (the allocator's 64-byte
+    alignment), in place; returns ``model``.
+
+    transformers 5 keeps tensors of a safetensors file memory-mapped when no cast is needed: a
+    weight then starts wherever its offset puts it in the file (any multiple of its element size).
+    A CPU GEMM's rounding can depend on that alignment (measured: the same weights from two files
+    whose offsets differ by 8 bytes gave logits 3e-8 apart on an AVX512 CPU), so a bitwise
+    comparison against such a model would depend on how the file happened to be laid out. Every
+    zoo-built model owns allocator-aligned storage; the reference gets the same."""
+    with torch.no_grad():
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for name, tensor in table.items():
+                    if tensor is not None and tensor.device.type == "cpu" and tensor.data_ptr() % 64:
+                        tensor.data = tensor.data.clone()
+    return model

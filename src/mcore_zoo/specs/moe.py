@@ -193,6 +193,93 @@ def _install_hf_order_combine() -> None:
     wrap_once(token_dispatcher, "unpermute", make)
 
 
+def _install_permute_record() -> None:
+    """Record the ``sorted_indices`` (each permuted row's token) of the token dispatchers'
+    ``permute`` in the thread's MoE state while an :class:`HFOrderMoELayer` runs on this thread, so
+    that its experts can put the rows in the reference's order (:func:`reference_row_order`).
+    Installed once, process-wide; returns the original's result unchanged."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def record(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            if getattr(_LOCAL, "combine", None) is not None:
+                _LOCAL.sorted_indices = result[2]
+            return result
+
+        return record
+
+    wrap_once(token_dispatcher, "permute", make)
+
+
+def reference_row_order(sorted_indices: torch.Tensor, tokens_per_expert: list[int],
+                        topk_indices: Optional[torch.Tensor], batch: int, experts: str) -> Optional[torch.Tensor]:  # fmt: skip
+    """The order in which transformers' experts see the rows that Megatron-Core's dispatcher hands
+    the experts, or ``None`` when it cannot be derived (experts on other ranks, dropped tokens).
+
+    Megatron-Core's permuted rows ``[R, H]`` come expert by expert, each expert's tokens in
+    ascending order of their sequence-major index ``s * batch + b`` (``sorted_indices [R]``).
+    transformers flattens the tokens batch-major (``b * seq + s``) and, per experts
+    implementation:
+
+    * ``"eager"``: each expert takes its rows ordered by top-k slot, then batch-major token
+      (``torch.where`` over the expert's ``[topk, tokens]`` mask);
+    * ``"grouped_mm"``: the rows are ``torch.sort`` of the flattened top-k expert ids
+      (``[tokens * topk]``, batch-major), whose order within an expert is the sort's own.
+
+    A CPU GEMM's result for a row can depend on where the row sits in the GEMM (the kernels and
+    threads split the rows in blocks), so the zoo's experts run on the rows in the reference's
+    order. Returns ``order [R]`` with ``rows[order]`` in the reference's order; each expert's rows
+    stay in its own group, so ``tokens_per_expert`` still splits them. ``None`` under expert
+    parallelism (the reference has no such layout; Megatron-Core's order is kept)."""
+    rows = sorted_indices.numel()
+    num_tokens = topk_indices.shape[0] if topk_indices is not None else 0
+    if topk_indices is None or rows != num_tokens * topk_indices.shape[1] or rows != sum(tokens_per_expert):
+        return None
+    if int(topk_indices.max()) >= len(tokens_per_expert) or int(sorted_indices.max()) >= num_tokens:
+        return None  # experts on other ranks, or tokens gathered from other ranks
+    topk = topk_indices.shape[1]
+    batch = max(int(batch or 1), 1)
+    if num_tokens % batch:
+        return None
+    seq = num_tokens // batch
+    device = sorted_indices.device
+    tokens = sorted_indices.to(device)
+    batch_major = (tokens % batch) * seq + tokens // batch  # each row's token, batch-major
+    expert_of_row = torch.repeat_interleave(torch.arange(len(tokens_per_expert), device=device),
+                                            torch.tensor(tokens_per_expert, device=device))  # fmt: skip
+    hf_topk = topk_indices.to(device).view(seq, batch, topk).transpose(0, 1).reshape(num_tokens, topk)
+    slot = (hf_topk[batch_major] == expert_of_row.unsqueeze(1)).int().argmax(dim=1)  # the row's top-k slot
+    if experts == "eager":  # torch.where over the expert's [topk, tokens] mask: slot-major
+        return torch.argsort((expert_of_row * topk + slot) * num_tokens + batch_major)
+    if experts != "grouped_mm":
+        raise ValueError(f"unknown experts implementation {experts!r}; use 'grouped_mm' or 'eager'")
+    _, perm = torch.sort(hf_topk.reshape(-1))  # transformers' own call, on the same tensor
+    position = torch.empty_like(perm)
+    position[perm] = torch.arange(perm.numel(), device=device)  # pair (token, slot) -> its row
+    return torch.argsort(position[batch_major * topk + slot])
+
+
+def run_in_reference_order(run: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor,
+                           tokens_per_expert: list[int], experts: str) -> torch.Tensor:  # fmt: skip
+    """``run(rows')`` with ``rows'`` in the reference's row order (:func:`reference_row_order`,
+    from the dispatcher's rows recorded on this thread), its output rows put back in Megatron-Core's
+    order; ``run(rows)`` as it is when the order cannot be derived. Differentiable."""
+    sorted_indices = getattr(_LOCAL, "sorted_indices", None)
+    if sorted_indices is None or sorted_indices.numel() != rows.shape[0]:
+        return run(rows)
+    topk_indices = getattr(_LOCAL, "topk_indices", None)
+    if topk_indices is not None and len(tokens_per_expert) != int(getattr(_LOCAL, "num_experts", -1)):
+        return run(rows)  # expert parallelism: this rank holds some of the experts
+    order = reference_row_order(sorted_indices, tokens_per_expert, topk_indices, getattr(_LOCAL, "batch", 1), experts)
+    if order is None:
+        return run(rows)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return run(rows[order])[inverse]
+
+
 @functools.lru_cache(maxsize=None)
 def hf_moe_layer_class(experts: str = "grouped_mm") -> type:
     from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -202,15 +289,38 @@ def hf_moe_layer_class(experts: str = "grouped_mm") -> type:
         transformers' ``experts`` implementation (:func:`hf_order_unpermute`), ending in the
         dtype of the layer's input."""
 
-        def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        def _begin(self, hidden_dtype: torch.dtype) -> None:
             _install_hf_order_combine()
-            _LOCAL.combine = (self.config.moe_router_topk, experts, hidden_states.dtype)
+            _install_permute_record()
+            _LOCAL.combine = (self.config.moe_router_topk, experts, hidden_dtype)
+            _LOCAL.num_experts = self.config.num_moe_experts
             _LOCAL.topk_indices = None
+            _LOCAL.sorted_indices = None
+
+        @staticmethod
+        def _end() -> None:
+            _LOCAL.combine = None
+            _LOCAL.topk_indices = None
+            _LOCAL.sorted_indices = None
+
+        def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self._begin(hidden_states.dtype)
             try:
                 return super().forward(hidden_states, *args, **kwargs)
             finally:
-                _LOCAL.combine = None
-                _LOCAL.topk_indices = None
+                self._end()
+
+        # route -> ... -> combine is also what Megatron-Core's MoE recomputation (recompute_modules
+        # "moe") reruns in the backward, outside forward: it starts and ends the HF-order state too
+        def route(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self._begin(hidden_states.dtype)
+            return super().route(hidden_states, *args, **kwargs)
+
+        def combine(self, output: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super().combine(output, *args, **kwargs)
+            finally:
+                self._end()
 
     return HFOrderMoELayer
 
@@ -225,6 +335,11 @@ def hf_router_class() -> type:
         def __init__(self, *args: Any, moe: MoESpec, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.zoo_moe = moe
+            if moe.router_weight_dtype == "fp32":  # as the reference keeps it (MoESpec.router_weight_dtype)
+                for param in (self.weight, self.bias):
+                    if param is not None:
+                        param.data = param.data.float()
+                        param.keep_fp32 = True  # the build's dtype cast leaves it
             if self.router_replay is not None:  # per-microbatch record / replay (pipeline schedules)
                 from megatron.core.transformer.moe.router_replay import RouterReplay
 
@@ -345,16 +460,17 @@ def hf_experts_class(experts: str = "grouped_mm") -> type:
             if self.config.fp8 or getattr(self.config, "fp4", None) or self.config.moe_apply_probs_on_input:
                 raise NotImplementedError("HFOrderSequentialMLP: fp8/fp4 and moe_apply_probs_on_input are not supported")
             counts = tokens_per_expert.tolist()
-            tokens_list = torch.split(permuted_local_hidden_states, counts)
-            probs_list = torch.split(permuted_probs, counts)
-            outputs = []
-            for expert, tokens, probs in zip(self.local_experts, tokens_list, probs_list):
-                output, bias = expert(tokens)
-                if bias is not None:
-                    output = output + bias
-                weighted = output * probs.unsqueeze(-1)
-                outputs.append(weighted if experts == "grouped_mm" else weighted.to(output.dtype))
-            return torch.cat(outputs, dim=0), None
+
+            def run(rows: torch.Tensor) -> torch.Tensor:
+                outputs = []
+                for expert, tokens in zip(self.local_experts, torch.split(rows, counts)):
+                    output, bias = expert(tokens)
+                    outputs.append(output if bias is None else output + bias)
+                return torch.cat(outputs, dim=0)
+
+            output = run_in_reference_order(run, permuted_local_hidden_states, counts, experts)
+            weighted = output * permuted_probs.unsqueeze(-1)
+            return (weighted if experts == "grouped_mm" else weighted.to(output.dtype)), None
 
     return HFOrderSequentialMLP
 
@@ -383,7 +499,11 @@ def hf_grouped_experts_class(experts: str = "grouped_mm") -> type:
         def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                     permuted_probs: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
             ones = torch.ones_like(permuted_probs)
-            output, _ = super().forward(permuted_local_hidden_states, tokens_per_expert, ones, *args, **kwargs)
+
+            def run(rows: torch.Tensor) -> torch.Tensor:
+                return super(HFOrderTEGroupedMLP, self).forward(rows, tokens_per_expert, ones, *args, **kwargs)[0]
+
+            output = run_in_reference_order(run, permuted_local_hidden_states, tokens_per_expert.tolist(), experts)
             weighted = output * permuted_probs.unsqueeze(-1)
             return (weighted if experts == "grouped_mm" else weighted.to(output.dtype)), None
 

@@ -45,6 +45,27 @@ MOE_PACK_REL_TOL = 1e-5
 TP_REL_TOL = 1e-5
 
 
+#: Layouts against one process (TP / PP / EP / CP on gloo): the same math in other summation
+#: orders (row-parallel partial sums, expert GEMMs over other row counts, chunked attention). Each
+#: reordered reduction moves a value by a few units in the last place of the largest value it
+#: sums, and the layers compound it, so the bound is ``LAYOUT_ULPS`` ulps of the values' dtype at
+#: their largest magnitude (at least 1): 1.5e-5 for fp32 values of size <= 1, 7.6e-5 for fp32
+#: logits of size 5. A wrong shard, a missing reduction or a changed expert moves them by O(0.1).
+LAYOUT_ULPS = 128
+
+
+def layout_bound(ref: Any, ulps: int = LAYOUT_ULPS) -> float:
+    """``ulps`` units in the last place of ``ref``'s dtype at the largest magnitude among ``ref``
+    (a tensor or a list of tensors; at least 1.0): the bound of a layout comparison
+    (:data:`LAYOUT_ULPS`)."""
+    import torch
+
+    tensors = [ref] if isinstance(ref, torch.Tensor) else list(ref)
+    largest = max([t.detach().abs().max().item() for t in tensors if t.numel()] + [1.0])
+    dtype = tensors[0].dtype if tensors and tensors[0].is_floating_point() else torch.float32
+    return ulps * torch.finfo(dtype).eps * largest
+
+
 def max_abs_diff(got: Any, ref: Any) -> float:
     return (got.float() - ref.float()).abs().max().item() if got.numel() else 0.0
 
