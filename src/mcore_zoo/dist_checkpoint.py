@@ -84,9 +84,11 @@ def meta_model(
 
 
 def _checkpoint_dtype(ckpt: Any) -> torch.dtype:
-    """The dtype holding most of the checkpoint's bytes."""
+    """The dtype holding most of the checkpoint's bytes (of an FP8 block-quantized checkpoint: of
+    its tensors stored unquantized, e.g. bf16 - the dequantized weights take that dtype too)."""
     counts: Counter = Counter()
-    for name in ckpt.keys():
+    names = [n for n in ckpt.keys() if ckpt.entry(n) is not None] or list(ckpt.keys())
+    for name in names:
         shape = ckpt.shape(name)
         counts[ckpt.dtype(name)] += int(torch.Size(shape).numel())
     return counts.most_common(1)[0][0]
@@ -112,14 +114,16 @@ def hf_to_mcore(
     """
     from .distributed.io import sharded_layout, write_streaming
     from .handle import handle_of
-    from .weights.io import HFCheckpoint, atomic_output_dir
-    from .weights.load import plan_load, read_rule_into
+    from .weights.io import atomic_output_dir
+    from .weights.load import open_hf_checkpoint, plan_load, read_rule_into
 
     from .hf_assets import MCORE_ASSET_DIR, copy_assets
     from .hub import resolve
+    from .registry import lookup
 
     hf_dir = resolve(hf_dir)  # a Hugging Face Hub id: its snapshot
-    with HFCheckpoint(hf_dir) as ckpt:
+    arch_config = lookup(hf_dir).config_from_hf(hf_dir, ignore_fields=ignore_fields)
+    with contextlib.closing(open_hf_checkpoint(hf_dir, arch_config)) as ckpt:  # FP8 blocks as load_hf_weights reads them
         dtype = parse_dtype(params_dtype) or _checkpoint_dtype(ckpt)
         model = meta_model(hf_dir, backend=backend, params_dtype=dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                            ignore_fields=ignore_fields)  # fmt: skip

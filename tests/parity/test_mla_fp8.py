@@ -123,3 +123,19 @@ def test_fp8_state_dict_loads(mpu, fp8_checkpoints):
     for name, value in model.state_dict().items():
         if torch.is_tensor(value) and value.is_floating_point():
             assert torch.equal(value, params[name]), name
+
+
+def test_convert_hf_reads_fp8_checkpoints_as_load_does(mpu, fp8_checkpoints, tmp_path):
+    """``convert --hf`` opens an FP8 block-quantized checkpoint as ``build_model(load=)`` does
+    (dequantized as it is read): the distributed checkpoint, converted back to HF, holds the
+    reference dequantization in the checkpoint's own unquantized dtype."""
+    from mcore_zoo.cli import main
+
+    fp8_dir, deq_dir, _ = fp8_checkpoints
+    assert main(["convert", "--hf", str(fp8_dir), "--out", str(tmp_path / "mcore")]) == 0
+    assert main(["convert", "--mcore", str(tmp_path / "mcore"), "--out", str(tmp_path / "back")]) == 0
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    want = load_file(str(deq_dir / "model.safetensors"))
+    assert set(back) == set(want)
+    assert all(torch.equal(back[k], want[k].to(back[k].dtype)) for k in want)
+    assert all(back[k].dtype == want[k].dtype for k in want if "embed_tokens" in k)

@@ -162,10 +162,13 @@ def test_glm_mtp_built_one_depth_only():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["qwen3-30b-a3b.json", "mixtral-8x7b-v0.1.json"])
+@pytest.mark.parametrize("config", ["qwen3-30b-a3b.json", "mixtral-8x7b-v0.1.json", "qwen1.5-moe-a2.7b.json",
+                                    "kimi-k2-instruct.json"])  # fmt: skip
 def test_published_config_converts_and_parity_report_passes(tmp_path, capsys, config):
     """Published MoE configs: every field classified, ``show --json`` carries the MoE block, and
-    ``parity-report --random-weights --scale tiny`` passes on the CPU."""
+    ``parity-report --random-weights --scale tiny`` passes on the CPU. Qwen1.5-MoE-A2.7B carries the
+    legacy ``expert_interval``; Kimi-K2's ``model_type: kimi_k2`` names remote code (``auto_map``),
+    which never runs: the DeepSeek-V3 classes read it."""
     import json
 
     from mcore_zoo.cli import main
@@ -175,7 +178,7 @@ def test_published_config_converts_and_parity_report_passes(tmp_path, capsys, co
     published = json.loads((CONFIGS / config).read_text())
     assert main(["show", "--config", str(CONFIGS / config), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    experts = published.get("num_experts", published.get("num_local_experts"))
+    experts = published.get("num_experts", published.get("num_local_experts", published.get("n_routed_experts")))
     assert shown["moe"]["num_experts"] == experts
     assert shown["moe"]["top_k"] == published["num_experts_per_tok"]
     assert shown["moe"]["expert_ffn_hidden_size"] == published.get("moe_intermediate_size", published["intermediate_size"])
@@ -297,3 +300,30 @@ def test_parity_report_loads_the_reference_with_the_profiles_experts_kernel(expe
             "--backend", "local", "-q", "--no-layers", "--no-baseline", "--knob", f"moe_experts={experts}"]  # fmt: skip
     assert main(args) == 0
     assert f"experts_implementation={experts!r}" in capsys.readouterr().out
+
+
+def test_remote_code_model_type_checkpoint_works_in_every_command(mpu, reference_checkpoint, tmp_path, capsys):
+    """A checkpoint whose config says ``model_type: kimi_k2`` (remote code named in ``auto_map``,
+    never run): ``show``, ``convert --hf`` / ``--mcore`` and ``parity-report --model`` all read it
+    with the built-in DeepSeek-V3 classes."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from mcore_zoo.cli import main
+
+    source = reference_checkpoint("DeepseekV3ForCausalLM")
+    kimi = tmp_path / "kimi"
+    shutil.copytree(source, kimi)
+    config = json.loads((kimi / "config.json").read_text())
+    config.update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                                                  "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})  # fmt: skip
+    (kimi / "config.json").write_text(json.dumps(config))
+    assert main(["show", "--config", str(kimi), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["architecture"] == "DeepseekV3ForCausalLM"
+    assert main(["convert", "--hf", str(kimi), "--out", str(tmp_path / "mcore")]) == 0
+    assert main(["convert", "--mcore", str(tmp_path / "mcore"), "--out", str(tmp_path / "back")]) == 0
+    a, b = load_file(str(kimi / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert main(["parity-report", "--model", str(kimi), "-q", "--no-layers", "--no-baseline"]) == 0

@@ -18,6 +18,11 @@ from mcore_zoo.errors import LayoutError, UnclassifiedConfigFieldsError, Unknown
 
 from ..conftest import CONFIGS, case_config
 
+#: every built-in architecture (the zoo's own entry points)
+BUILTIN_ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                 "Qwen2MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM",
+                 "DeepseekV2ForCausalLM"]
+
 
 def tconfig(source, **kw):
     plan = prepare(source, **kw)
@@ -289,3 +294,40 @@ def test_config_class_validation_errors_become_config_errors():
     config = case_config("LlamaForCausalLM", {"rope_scaling": {"rope_type": "yarn"}})  # yarn needs a factor
     with pytest.raises(mcore_zoo.ConfigError, match="transformers rejects"):
         mcore_zoo.lookup(config).config_from_hf(config)
+
+
+@pytest.mark.parametrize("arch_name", BUILTIN_ARCHS)
+def test_every_field_the_installed_transformers_saves_is_classified(arch_name, tmp_path):
+    """Each built-in's transformers config class, saved by the installed transformers
+    (``save_pretrained`` writes the fields that version adds, e.g. 5.17's ``expert_interval``
+    for Qwen2-MoE), converts: every field it serialises is classified, none is left over."""
+    from transformers import CONFIG_MAPPING
+
+    arch = mcore_zoo.lookup(arch_name)
+    example = arch.example_config()
+    config = CONFIG_MAPPING[example.pop("model_type")](**example)
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    converted = arch.config_from_hf(str(tmp_path))  # raises UnclassifiedConfigFieldsError naming any left over
+    classified = set(converted.fields.fields()) | set(GENERIC_IGNORED)
+    assert set(saved) <= classified | {"model_type"}, sorted(set(saved) - classified)
+    assert {r.kind for r in converted.fields.records} <= {"mapped", "ignored"}
+
+
+@pytest.mark.parametrize("config_file, arch_name", [("qwen1.5-moe-a2.7b.json", "Qwen2MoeForCausalLM"),
+                                                    ("kimi-k2-instruct.json", "DeepseekV3ForCausalLM")])  # fmt: skip
+def test_published_configs_with_legacy_or_remote_code_fields(config_file, arch_name):
+    """Qwen1.5-MoE-A2.7B (``expert_interval``) and Kimi-K2 (``model_type: kimi_k2`` with remote
+    code in ``auto_map``), fields as published, convert without remote code."""
+    raw = json.loads((CONFIGS / config_file).read_text())
+    arch = mcore_zoo.lookup(raw)
+    assert arch.name == arch_name
+    converted = arch.config_from_hf(raw)
+    assert converted.moe is not None and converted.num_layers == raw["num_hidden_layers"]
+    assert "model_type" in converted.hf_config
+
+
+def test_expert_interval_that_contradicts_the_sparse_step_is_refused():
+    raw = json.loads((CONFIGS / "qwen1.5-moe-a2.7b.json").read_text())
+    with pytest.raises(UnsupportedConfigError, match="expert_interval"):
+        mcore_zoo.lookup(raw).config_from_hf(dict(raw, expert_interval=2))

@@ -29,7 +29,7 @@ from ..handle import ModelHandle, handle_of
 from ..placement import Placement
 from ..progress import progress
 from ..weights.io import HFCheckpoint
-from ..weights.load import DictCheckpoint, LoadReport, absent_tensors, plan_load, read_rule_into
+from ..weights.load import DictCheckpoint, LoadReport, absent_tensors, open_hf_checkpoint, plan_load, read_rule_into
 from ..weights.rules import model_tensors
 
 logger = logging.getLogger(__name__)
@@ -62,11 +62,15 @@ def load_hf_weights(
     handle.check_current()  # before any IO
     own = not isinstance(checkpoint, HFCheckpoint)
     quantization = handle.arch_config.checkpoint_quantization
-    ckpt = HFCheckpoint(checkpoint, allow_torch_load=allow_torch_load, allow_fp8=quantization is not None) if own else checkpoint
-    if quantization is not None:  # FP8 blocks: dequantized as they are read (mcore_zoo.weights.fp8)
+    if own:  # FP8 blocks: dequantized as they are read (mcore_zoo.weights.fp8)
+        ckpt = open_hf_checkpoint(checkpoint, handle.arch_config, allow_torch_load=allow_torch_load)
+    elif quantization is not None:
         from ..weights.fp8 import Fp8BlockFormat, Fp8Checkpoint
 
-        ckpt = Fp8Checkpoint(ckpt, Fp8BlockFormat.from_hf(quantization, architecture=handle.arch_config.architecture))
+        ckpt = Fp8Checkpoint(checkpoint, Fp8BlockFormat.from_hf(quantization, architecture=handle.arch_config.architecture))
+    else:
+        ckpt = checkpoint
+    if quantization is not None:
         handle.fp8_source = ckpt  # which tensors were quantized, and their scales (export)
     try:
         plan, ignored = plan_load(handle, ckpt)

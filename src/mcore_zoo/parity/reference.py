@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
@@ -64,15 +65,23 @@ def randomize_(model: torch.nn.Module, seed: int = 0, *, attention_logit_std: fl
     return model
 
 
-def hf_config_object(config: Any, attn_implementation: str = "eager") -> Any:
-    """A transformers config object from a dict / path / config object."""
-    from transformers import AutoConfig, PretrainedConfig
+def hf_config_object(config: Any, attn_implementation: str = "eager", fallback_model_type: Optional[str] = None) -> Any:
+    """A transformers config object from a dict / path / config object.
+
+    ``fallback_model_type``: the built-in config class to use for a dict whose ``model_type``
+    transformers does not know (Kimi-K2's ``kimi_k2``, a DeepSeek-V3 published with remote code),
+    as the zoo's config reading does (:func:`~mcore_zoo.config.normalize.normalize_with_defaults`);
+    remote code never runs here. The object then carries the built-in model type."""
+    from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 
     if isinstance(config, PretrainedConfig):
         return config
     if isinstance(config, dict):
         cfg = dict(config)
         model_type = cfg.pop("model_type")
+        if model_type not in CONFIG_MAPPING and fallback_model_type in CONFIG_MAPPING:
+            cfg.pop("auto_map", None)  # the remote code it names is not what runs
+            model_type = fallback_model_type
         obj = AutoConfig.for_model(model_type, **cfg)
     else:
         obj = AutoConfig.from_pretrained(str(config))
@@ -95,7 +104,7 @@ def write_reference_checkpoint(
     the transformers class). Returns ``out_dir``.
     """
     cls = architecture.reference_model_class()
-    hf_config = hf_config_object(config)
+    hf_config = hf_config_object(config, fallback_model_type=architecture.entry.model_type)
     torch.manual_seed(seed)
     model = cls(hf_config).to(torch.float32)
     randomize_(model, seed, attention_logit_std=attention_logit_std)
@@ -118,10 +127,39 @@ def load_reference(
     ``"eager"``; ``None`` leaves transformers' default."""
     cls = architecture.reference_model_class()
     kwargs = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
-    model = cls.from_pretrained(str(checkpoint), dtype=dtype, attn_implementation=attn_implementation, **kwargs)
+    config = _builtin_config_for_remote_type(architecture, checkpoint, attn_implementation)
+    if config is not None:
+        kwargs["config"] = config
+    model, info = cls.from_pretrained(str(checkpoint), dtype=dtype, attn_implementation=attn_implementation,
+                                      output_loading_info=True, **kwargs)  # fmt: skip
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        from ..errors import MissingTensorsError
+
+        raise MissingTensorsError(missing, source=f"{checkpoint} (transformers' {cls.__name__} would leave these at"
+                                                  " random init, so it is no reference)")  # fmt: skip
     if device is not None:
         model = model.to(device)
     return own_aligned_storage(model).eval()
+
+
+def _builtin_config_for_remote_type(architecture: Any, checkpoint: Any, attn_implementation: str) -> Any:
+    """For a checkpoint whose ``model_type`` transformers does not know (Kimi-K2's ``kimi_k2``,
+    published with remote code): its config read with the architecture's built-in config class
+    (:func:`hf_config_object`), else ``None``. transformers picks its checkpoint conversions (e.g.
+    per-expert weights into fused experts) by the config's model type: with the unknown one it
+    leaves those weights at random init."""
+    from transformers import CONFIG_MAPPING
+
+    from ..config.normalize import read_json_config
+
+    path = Path(str(checkpoint))
+    if not (path / "config.json").is_file():
+        return None
+    raw = read_json_config(path)
+    if raw.get("model_type") in CONFIG_MAPPING or architecture.entry.model_type not in CONFIG_MAPPING:
+        return None
+    return hf_config_object(raw, attn_implementation, fallback_model_type=architecture.entry.model_type)
 
 
 def own_aligned_storage(model: torch.nn.Module) -> torch.nn.Module:

@@ -37,6 +37,22 @@ EXAMPLE_CONFIG = {
 }
 
 
+def read_expert_interval(reader):  # type: ignore[no-untyped-def]
+    """``expert_interval``: a field of Qwen's pre-release code that Qwen1.5-MoE's published config
+    carries (and transformers 5.17 writes when it saves any Qwen2-MoE config); no transformers
+    model reads it - ``decoder_sparse_step`` places the MoE layers. Ignored when it agrees with
+    ``decoder_sparse_step`` (or is 1, the published value); any other value is refused, since the
+    config would then say two things about which layers are MoE."""
+    if not reader.has("expert_interval"):
+        return
+    value = reader.peek("expert_interval")
+    step = reader.peek("decoder_sparse_step") if reader.has("decoder_sparse_step") else 1
+    if value not in (1, step) or isinstance(value, bool):
+        raise reader.unsupported("expert_interval", value, f"transformers ignores it and places the MoE layers by"
+                                 f" decoder_sparse_step={step!r}; the two disagree")  # fmt: skip
+    reader.ignore("expert_interval", "not read by transformers (legacy field); agrees with decoder_sparse_step")
+
+
 def convert(reader):  # type: ignore[no-untyped-def]
     from mcore_zoo.config.arch import MoESpec
     from mcore_zoo.plugin_api import read_dense_decoder
@@ -51,6 +67,7 @@ def convert(reader):  # type: ignore[no-untyped-def]
                                 " (+ moe_shared_expert_gate: sigmoid(shared_expert_gate(x)) scales it)",
                                 lambda v: isinstance(v, int) and v > 0, reason="the HF model always has a shared expert: must be > 0")  # fmt: skip
     norm = reader.map("norm_topk_prob", "top-k weights divided by their sum (HF order)", False)
+    read_expert_interval(reader)
     pattern = read_sparse_layers(reader, layers)
     aux = read_aux_loss(reader)
     arch = read_dense_decoder(reader, qkv_bias=bool(bias), sliding_window=window, sliding_window_layers=flags)

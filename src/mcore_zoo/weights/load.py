@@ -197,3 +197,25 @@ class DictCheckpoint(HFCheckpoint):
 
     def close(self) -> None:
         pass
+
+
+def open_hf_checkpoint(checkpoint: Any, arch_config: Any, *, allow_torch_load: bool = False) -> Any:
+    """The HF checkpoint ``checkpoint`` (a path) opened for ``arch_config``: an
+    :class:`~mcore_zoo.weights.io.HFCheckpoint`, behind a dequantizing
+    :class:`~mcore_zoo.weights.fp8.Fp8Checkpoint` when the config declares FP8 block quantization
+    (``checkpoint_quantization``: DeepSeek-V3 / Kimi-K2 as published). Every reader of an HF
+    checkpoint for a model (``load_hf_weights``, ``convert --hf``) opens it here, so they accept
+    the same checkpoints."""
+    from .io import HFCheckpoint
+
+    quantization = getattr(arch_config, "checkpoint_quantization", None)
+    ckpt = HFCheckpoint(checkpoint, allow_torch_load=allow_torch_load, allow_fp8=quantization is not None)
+    if quantization is None:
+        return ckpt
+    from .fp8 import Fp8BlockFormat, Fp8Checkpoint
+
+    try:
+        return Fp8Checkpoint(ckpt, Fp8BlockFormat.from_hf(quantization, architecture=arch_config.architecture))
+    except BaseException:
+        ckpt.close()
+        raise
