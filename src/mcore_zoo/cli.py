@@ -19,6 +19,7 @@ import dataclasses
 import json
 import shlex
 import sys
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 from .config.reader import parse_ignore_fields
@@ -412,9 +413,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     set_quiet(args.quiet)
     try:
-        return _run(args, debug)
+        with warnings.catch_warnings():
+            if not debug:
+                quiet_library_warnings()
+            return _run(args, debug)
     finally:
         set_quiet(False)  # in-process callers (tests, scripts) get their default back
+
+
+#: Warnings of the libraries the CLI drives that say nothing about the user's input: Megatron-Core's
+#: and Transformer Engine's import-time notes (TE / Apex not installed, deprecated scopes), and
+#: torch's single-process note of ``torch.distributed.checkpoint``. ``--debug`` shows them.
+LIBRARY_WARNING_MODULES = r"(megatron|transformer_engine|apex)(\.|$)"
+LIBRARY_WARNING_MESSAGES = (r"torch\.distributed is disabled, unavailable or uninitialized",)
+
+
+def quiet_library_warnings() -> None:
+    """Ignore :data:`LIBRARY_WARNING_MODULES` / :data:`LIBRARY_WARNING_MESSAGES` (in the current
+    ``warnings.catch_warnings`` scope). The zoo's own warnings stay."""
+    warnings.filterwarnings("ignore", module=LIBRARY_WARNING_MODULES)
+    for message in LIBRARY_WARNING_MESSAGES:
+        warnings.filterwarnings("ignore", message=message)
 
 
 def _run(args: argparse.Namespace, debug: bool) -> int:

@@ -93,3 +93,18 @@ def test_ignore_field_on_convert_and_parity_report(mpu, reference_checkpoint, tm
     assert main(["parity-report", "--model", str(hf), "-q", "--no-layers", "--no-baseline",
                  "--ignore-field", "made_up_field=unused"]) == 0  # fmt: skip
     assert "'made_up_field' ignored on request (--ignore-field): unused" in capsys.readouterr().out
+
+
+def test_library_warnings_only_with_debug():
+    """Megatron-Core's import-time warnings (Transformer Engine / Apex missing, ...) say nothing
+    about the user's input: a command prints none of them unless ``--debug``."""
+    import subprocess
+    import sys
+
+    from ..conftest import CONFIGS
+
+    command = [sys.executable, "-m", "mcore_zoo.cli", "show", "--config", str(CONFIGS / "llama-3.1-8b.json")]
+    quiet = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    loud = subprocess.run(command[:3] + ["--debug"] + command[3:], capture_output=True, text=True, timeout=300)
+    assert loud.returncode == 0 and "Warning" in loud.stderr
