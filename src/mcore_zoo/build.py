@@ -11,6 +11,8 @@ packed forward read it.
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Union
 
@@ -76,14 +78,19 @@ class BuildPlan:
             model_class = mtp_gpt_model_class()
             if post_process:
                 kwargs["mtp_block_spec"] = mtp_block_spec(arch, options.backend, options.numerics)
-        model = model_class(
-            config=self.transformer_config,
-            transformer_layer_spec=specs,
-            pre_process=pre_process,
-            post_process=post_process,
-            **kwargs,
-            **extra,
-        )
+        # without random init (weights to be loaded) Megatron-Core would leave the tensor-parallel
+        # attributes unset: its optimizer then counts sharded parameters as replicated
+        construction = (contextlib.nullcontext() if self.transformer_config.perform_initialization
+                        else compat.tensor_parallel_attributes_without_init(self.transformer_config))  # fmt: skip
+        with construction:
+            model = model_class(
+                config=self.transformer_config,
+                transformer_layer_spec=specs,
+                pre_process=pre_process,
+                post_process=post_process,
+                **kwargs,
+                **extra,
+            )
         if options.head == "value" and post_process:
             from .specs.heads import ValueHead
 

@@ -7,6 +7,7 @@ initialisation, the GPTModel deprecation warning. See ``docs/mcore-compat.md``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -188,3 +189,72 @@ def patch_moe_utils_without_te() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+#: Modules that call Megatron-Core's weight-initialisation helpers by their imported name.
+_INIT_HELPER_MODULES = (
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.extensions.transformer_engine",
+)
+
+
+def _keep(tensor: Any) -> Any:
+    """An init method that leaves the tensor as it is (and returns it, as ``normal_`` does)."""
+    return tensor
+
+
+@contextlib.contextmanager
+def tensor_parallel_attributes_without_init(config: Any) -> Any:
+    """Build modules under ``config`` with ``perform_initialization=False`` semantics (no random
+    initialisation: every weight will be loaded) while Megatron-Core still sets each parameter's
+    tensor-parallel attributes (``tensor_model_parallel``, ``partition_dim``,
+    ``partition_stride``) exactly as its own initialisation does.
+
+    Megatron-Core sets those attributes only inside its weight-init helpers
+    (``_initialize_affine_weight_cpu`` / ``_gpu``), which run only when ``perform_initialization``
+    is on; without them its optimizer counts TP-sharded parameters as replicated (gradient norm and
+    clipping wrong under TP). Its Transformer Engine layers already work this way (an init method
+    that does nothing, ``condition_init_method``). So, for the construction only:
+    ``perform_initialization`` on, the config's init methods replaced by one that does nothing, and
+    the two helpers replaced by ones that set the attributes with the partition dim and stride they
+    are given and skip the initialisation (the CPU helper's full-size master weight included).
+    The config is restored afterwards."""
+    import importlib
+
+    from megatron.core.tensor_parallel import layers
+
+    def cpu_helper(weight: Any, output_size: Any, input_size: Any, per_partition_size: Any, partition_dim: int,
+                   init_method: Any, stride: int = 1, return_master_weight: bool = False, *args: Any,
+                   skip_set_tensor_parallel_attributes: bool = False, **kwargs: Any) -> Any:  # fmt: skip
+        if not skip_set_tensor_parallel_attributes:
+            layers.set_tensor_model_parallel_attributes(tensor=weight, is_parallel=True, dim=partition_dim, stride=stride)
+        return None
+
+    def gpu_helper(weight: Any, init_method: Any, partition_dim: int, stride: int = 1, is_expert: bool = False) -> None:
+        layers.set_tensor_model_parallel_attributes(tensor=weight, is_parallel=True, dim=partition_dim, stride=stride)
+
+    saved_fields = {name: getattr(config, name) for name in ("perform_initialization", "init_method",
+                                                             "output_layer_init_method", "embedding_init_method")
+                    if hasattr(config, name)}  # fmt: skip
+    patched = []
+    try:
+        for module_name in _INIT_HELPER_MODULES:
+            try:
+                module = importlib.import_module(module_name)
+            except Exception:  # noqa: BLE001 - e.g. the TE extension without Transformer Engine
+                continue
+            for name, helper in (("_initialize_affine_weight_cpu", cpu_helper), ("_initialize_affine_weight_gpu", gpu_helper)):
+                if hasattr(module, name):
+                    patched.append((module, name, getattr(module, name)))
+                    setattr(module, name, helper)
+        config.perform_initialization = True
+        for name in saved_fields:
+            if name != "perform_initialization":
+                setattr(config, name, _keep)
+        yield
+    finally:
+        for module, name, original in reversed(patched):
+            setattr(module, name, original)
+        for name, value in saved_fields.items():
+            setattr(config, name, value)

@@ -22,7 +22,7 @@ import torch
 import mcore_zoo
 from mcore_zoo.placement import Parallelism
 from mcore_zoo.distributed import launch
-from mcore_zoo.testing.common import load_safetensors_dir
+from mcore_zoo.testing.common import layout_bound, load_safetensors_dir
 
 from ..conftest import ROOT, random_sequences
 
@@ -77,6 +77,28 @@ def _update(model, batch: dict, critic: bool, **kw) -> tuple[dict, float]:
     return _grads(model), result.loss.item()
 
 
+def _megatron_grad_norm(model) -> float:
+    """The gradient norm Megatron-Core's optimizer clips by: the gradients of the parameters it
+    counts (``param_is_not_shared`` and ``param_is_not_tensor_parallel_duplicate``, which read
+    each parameter's tensor-parallel attributes), summed over the model-parallel group
+    (``get_main_grads_for_grad_norm`` and ``get_grad_norm_fp32``, whose CUDA buffers keep them off
+    the CPU)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    total = torch.zeros((), dtype=torch.float64)
+    for chunk in model if isinstance(model, list) else [model]:
+        for param in chunk.parameters():
+            grad = getattr(param, "main_grad", None) if getattr(param, "main_grad", None) is not None else param.grad
+            if grad is not None and param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
+                total += grad.double().pow(2).sum()
+    if dist.is_initialized() and ps.model_parallel_is_initialized():
+        dist.all_reduce(total, group=ps.get_model_parallel_group())
+    return total.sqrt().item()
+
+
 def _build(ckpt: str, parallel: Parallelism, critic: bool, ddp: bool = False, **kw):
     kw = {**kw, "head": "value"} if critic else kw
     model = mcore_zoo.build_model(ckpt, backend="portable", numerics=NUMERICS, parallel=parallel, load=ckpt, **kw)
@@ -107,6 +129,7 @@ def _run_layouts(ckpt: str, value_ckpt: str, layouts: list, mutate: bool) -> dic
         r: dict = {}
         actor = _build(ckpt, parallel, critic=False, ddp=ddp)
         r["actor"], r["actor_loss"] = _update(actor, batch, False, **kw)
+        r["grad_norm"] = _megatron_grad_norm(actor)
         critic = _build(value_ckpt, parallel, critic=True, ddp=ddp)
         r["critic"], r["critic_loss"] = _update(critic, batch, True, **kw)
         r["critic_export"] = {k: v.clone() for k, v in mcore_zoo.iter_hf_weights(critic)}
@@ -152,8 +175,10 @@ def _reference(ckpt: Path, value_ckpt: Path, layouts: list) -> dict:
     batch = _batch(vocab)
     actor = _build(str(ckpt), Parallelism(), critic=False)
     critic = _build(str(value_ckpt), Parallelism(), critic=True)
+    updated = _update(actor, batch, False)
     return {
-        "actor": _update(actor, batch, False),
+        "actor": updated,
+        "grad_norm": _megatron_grad_norm(actor),
         "critic": _update(critic, batch, True),
         "critic_export": {k: v.clone() for k, v in mcore_zoo.iter_hf_weights(critic)},
         "values": mcore_zoo.packed_forward(critic, batch["seqs"]).values,
@@ -176,6 +201,11 @@ def _check(found: list[dict], ref: dict, value_source: dict, world: int) -> dict
             assert actor <= TOL, f"{where}: actor gradients differ by {actor}"
             assert critic <= TOL, f"{where}: critic gradients differ by {critic}"
             assert abs(r["actor_loss"] - ref["actor"][1]) <= TOL and abs(r["critic_loss"] - ref["critic"][1]) <= TOL, where
+            # Megatron's optimizer would clip by this norm: every TP shard counted once (the
+            # parameters' tensor-parallel attributes), the tied embedding once
+            norm_bound = layout_bound(torch.tensor([ref["grad_norm"]]))
+            assert abs(r["grad_norm"] - ref["grad_norm"]) <= norm_bound, \
+                f"{where}: Megatron's gradient norm {r['grad_norm']:.6g} != single process {ref['grad_norm']:.6g}"
             values = max((a - b).abs().max().item() for a, b in zip(r["values"], ref["values"]))
             assert values <= TOL, f"{where}: critic values (packed_forward) differ by {values}"
             exported = r["critic_export"]
