@@ -4,6 +4,7 @@ never reach the HF side, and log-probabilities are those of the HF vocabulary.""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -73,3 +74,28 @@ def test_convert_round_trip_with_padding(mpu, reference_checkpoint, tmp_path):
     assert main(["-q", "convert", "--mcore", str(tmp_path / "m"), "--out", str(tmp_path / "h")]) == 0
     a, b = load_file(str(ckpt / "model.safetensors")), load_file(str(tmp_path / "h" / "model.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_token_ids_past_the_hf_vocabulary_are_refused(mpu, reference_checkpoint):
+    """Ids in the padding rows (>= the HF vocab_size, < the padded size) and out-of-range ids are
+    refused by packed_forward and train_step, naming the sequence and the position; so are a
+    pad_token_id out of range and sequences of the wrong kind."""
+    from mcore_zoo.errors import InputError
+
+    ckpt = reference_checkpoint("LlamaForCausalLM")
+    model = mcore_zoo.build_model(ckpt, backend="portable", load=ckpt, params_dtype=torch.float32,
+                                  make_vocab_size_divisible_by=128)  # fmt: skip
+    vocab = mcore_zoo.handle_of(model).arch_config.vocab_size
+    good = torch.arange(5)
+    loss = lambda t: (-(t.logprobs * t.mask).sum(), {})  # noqa: E731
+    for bad, where in ((torch.tensor([1, 2, vocab]), "sequences[1][2]"), (torch.tensor([3, -1]), "sequences[1][1]")):
+        with pytest.raises(InputError, match=re.escape(where)):
+            mcore_zoo.packed_forward(model, [good, bad])
+        with pytest.raises(InputError, match=re.escape(where)):
+            mcore_zoo.train_step(model, [good, bad], loss)
+    with pytest.raises(InputError, match="pad_token_id"):
+        mcore_zoo.packed_forward(model, [good], pad_token_id=vocab + 1)
+    with pytest.raises(InputError, match="integers"):
+        mcore_zoo.packed_forward(model, [good.float()])
+    with pytest.raises(InputError, match="list of 1-D token tensors"):
+        mcore_zoo.train_step(model, "hello", loss)

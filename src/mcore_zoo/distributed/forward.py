@@ -410,13 +410,48 @@ def packed_forward(
     return out
 
 
-def _sequences(sequences: Union[Sequence[torch.Tensor], torch.Tensor], attention_mask: Optional[torch.Tensor]) -> list[torch.Tensor]:
+def _sequences(sequences: Union[Sequence[torch.Tensor], torch.Tensor], attention_mask: Optional[torch.Tensor],
+               vocab_size: Optional[int] = None, pad_token_id: int = 0) -> list[torch.Tensor]:  # fmt: skip
+    """The 1-D token sequences of ``sequences`` (a list of 1-D integer tensors, or a padded
+    ``[B, S]`` batch with ``attention_mask``), checked: integer ids in ``[0, vocab_size)`` - the
+    HF vocabulary, not a padded one (rows past it are padding, whose logits the zoo masks) - and a
+    ``pad_token_id`` in range. Raises :class:`~mcore_zoo.errors.InputError` naming the argument,
+    the sequence and the position."""
+    from ..errors import InputError
+
+    if vocab_size is not None and not (isinstance(pad_token_id, int) and not isinstance(pad_token_id, bool)
+                                       and 0 <= pad_token_id < vocab_size):  # fmt: skip
+        raise InputError(f"pad_token_id={pad_token_id!r} is not a token id of this model (0 <= id < {vocab_size})")
     if isinstance(sequences, torch.Tensor) and sequences.dim() == 2:
+        if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != sequences.shape):
+            raise InputError(f"attention_mask must be a tensor of the batch's shape {tuple(sequences.shape)}")
         rows = pack_sequences(sequences, attention_mask)
-        return rows.unpack(rows.input_ids)
-    if attention_mask is not None:
+        seqs = rows.unpack(rows.input_ids)
+    elif attention_mask is not None:
         raise ZooError("attention_mask goes with a padded [B, S] batch")
-    return [torch.as_tensor(s).reshape(-1) for s in sequences]
+    elif isinstance(sequences, torch.Tensor) or not isinstance(sequences, Sequence) or isinstance(sequences, (str, bytes)):
+        raise InputError(f"sequences must be a list of 1-D token tensors or a [B, S] tensor, got {type(sequences).__name__}"
+                         + (f" of shape {tuple(sequences.shape)}" if isinstance(sequences, torch.Tensor) else ""))  # fmt: skip
+    else:
+        seqs = []
+        for i, s in enumerate(sequences):
+            try:
+                t = torch.as_tensor(s)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                raise InputError(f"sequences[{i}] is not a token tensor ({type(s).__name__}: {exc})") from None
+            if t.dim() > 1 and t.numel() != max(t.shape):
+                raise InputError(f"sequences[{i}] must be 1-D, got shape {tuple(t.shape)}")
+            seqs.append(t.reshape(-1))
+    for i, t in enumerate(seqs):
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise InputError(f"sequences[{i}] holds {t.dtype} values; token ids are integers")
+        if vocab_size is not None and t.numel():
+            bad = ((t < 0) | (t >= vocab_size)).nonzero()
+            if bad.numel():
+                j = int(bad[0, 0])
+                raise InputError(f"sequences[{i}][{j}] = {int(t[j])} is not a token id of this model (0 <= id <"
+                                 f" {vocab_size}, the HF vocab_size){'' if bad.numel() == 1 else f'; {bad.numel()} such ids'}")  # fmt: skip
+    return seqs
 
 
 def generic_forward(
@@ -484,12 +519,14 @@ def generic_forward(
     if align is not None and align % needed:
         raise ZooError(f"align={align} is not a multiple of {needed}, which this layout needs")
     align = align or needed
+    vocab_size = handle.arch_config.vocab_size
     if isinstance(sequences, PackedBatch):
+        _sequences([sequences.input_ids.reshape(-1)], None, vocab_size, pad_token_id)
         batch = sequences.to(device)
         micro = [make_microbatch(batch, layout, list(range(len(batch.lengths))))]
         lengths = list(batch.lengths)
     else:
-        seqs = _sequences(sequences, attention_mask)
+        seqs = _sequences(sequences, attention_mask, vocab_size, pad_token_id)
         if not seqs:
             raise ZooError("nothing to run")
         lengths = [int(s.numel()) for s in seqs]

@@ -413,7 +413,7 @@ def train_step(
         mtp_loss_scale = float(getattr(config, "mtp_loss_scaling_factor", None) or 0.0)
     given = _given_chunks(model, handle)
     wrapped = any(hasattr(c, "finish_grad_sync") for c in given)
-    seqs = _sequences(sequences, None)
+    seqs = _sequences(sequences, None, handle.arch_config.vocab_size, pad_token_id)
     if not seqs:
         raise ZooError("nothing to train on")
     align = alignment_for(layout.tp, layout.cp, layout.sequence_parallel)
