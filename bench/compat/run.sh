@@ -14,6 +14,7 @@
 #   newest    Python 3.11, no lock: the newest releases pyproject.toml admits
 #   mc-0.19   Python 3.12, megatron-core 0.19.x, torch 2.11 (PyPI's CUDA build, run on the CPU),
 #             transformers 5.17.0 (the GPU machine's stack without Transformer Engine)
+#   tf-X.Y.Z  Python 3.11, megatron-core 0.16.x, transformers X.Y.Z (probing a range's edge)
 #
 # CPU only; each point takes a few minutes to install (the CUDA build of torch: ~3 GB) and
 # 5-10 minutes to test on 2 cores.
@@ -41,6 +42,7 @@ install() {  # point -> pip arguments after "-e $ROOT[dev]"
     lock)    echo "$PY311" "-c $ROOT/constraints.txt" ;;
     newest)  echo "$PY311" "torch==2.13.0" ;;
     mc-0.19) echo "$PY312" "torch==2.11.0 megatron-core==0.19.2 transformers==5.17.0" ;;
+    tf-[0-9]*) echo "$PY311" "torch==2.13.0 transformers==${1#tf-}" ;;  # any other transformers release
     *) echo "unknown point $1" >&2; return 2 ;;
   esac
 }
@@ -65,7 +67,7 @@ PY
   (cd "$ROOT" && "$venv/bin/python" -m pytest -n 2 -q -p no:cacheprovider tests/unit tests/parity) >>"$log" 2>&1
   tests_rc=$?
   tested=$(date +%s)
-  (cd "$ROOT" && "$venv/bin/mcore-zoo" parity-report --arch all --no-layers) >"$OUT/$point.parity.md" 2>>"$log"
+  (cd "$ROOT" && "$venv/bin/mcore-zoo" parity-report --arch all --no-layers --out "$OUT/$point.parity") >"$OUT/$point.parity.md" 2>>"$log"
   parity_rc=$?
   "$venv/bin/python" - "$point" "$OUT/$point.json" "$log" "$tests_rc" "$parity_rc" \
       "$((installed - start))" "$((tested - installed))" "$(( $(date +%s) - tested ))" <<'PY'

@@ -112,3 +112,36 @@ def test_convert_round_trip_keeps_tokenizer_and_generation_config(mpu, reference
     for name, text in ASSETS.items():
         assert (tmp_path / "back" / name).read_text() == text, name
     assert json.loads((tmp_path / "back" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_assets_that_link_outside_the_checkpoint_are_refused(mpu, reference_checkpoint, tmp_path):
+    """A tokenizer file that is a link to a file outside the checkpoint (or the Hub cache entry
+    it comes from) is refused by name, by ``save_hf_checkpoint``, ``convert --hf`` and
+    ``convert --mcore`` (its ``hf_assets/``): its contents never reach an export."""
+    from mcore_zoo.errors import InputError
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not for the export")
+    src = _with_assets(reference_checkpoint("LlamaForCausalLM"), tmp_path / "src")
+    (src / "pytorch_model.bin").unlink()
+    (src / "tokenizer.json").unlink()
+    (src / "tokenizer.json").symlink_to(secret)
+    model = mcore_zoo.build_model(src, backend="portable", load=src, params_dtype=torch.float32)
+    with pytest.raises(InputError, match="tokenizer.json.*outside the checkpoint"):
+        mcore_zoo.save_hf_checkpoint(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert main(["-q", "convert", "--hf", str(src), "--out", str(tmp_path / "m1")]) == 2
+    assert not (tmp_path / "m1").exists()
+    # an mcore checkpoint whose hf_assets/ holds such a link
+    (src / "tokenizer.json").unlink()
+    (src / "tokenizer.json").write_text(ASSETS["tokenizer.json"])
+    assert main(["-q", "convert", "--hf", str(src), "--out", str(tmp_path / "m2")]) == 0
+    linked = tmp_path / "m2" / "hf_assets" / "tokenizer.json"
+    linked.unlink()
+    linked.symlink_to(secret)
+    assert main(["-q", "convert", "--mcore", str(tmp_path / "m2"), "--out", str(tmp_path / "back")]) == 2
+    assert not (tmp_path / "back").exists()
+    # a link inside the checkpoint is fine
+    linked.unlink()
+    linked.symlink_to(tmp_path / "m2" / "hf_assets" / "tokenizer_config.json")
+    assert main(["-q", "convert", "--mcore", str(tmp_path / "m2"), "--out", str(tmp_path / "back")]) == 0
