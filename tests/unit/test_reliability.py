@@ -221,6 +221,42 @@ def test_overwrite_replaces_only_a_previous_zoo_output(tmp_path):
     assert (out / "notes.txt").read_text() == "the user's" and (out / "b.txt").is_file()
 
 
+def test_overwrite_checks_every_depth(tmp_path):
+    """The manifest lists every file the zoo wrote at every depth with its size: a user's file in a
+    sub-folder of a previous output, a file changed since, or a link stops ``overwrite``."""
+    import os
+
+    from mcore_zoo.weights.io import atomic_output_dir
+
+    out = tmp_path / "out"
+
+    def write(first: str) -> None:
+        with atomic_output_dir(out, overwrite=True) as tmp:
+            (tmp / "sub" / "deeper").mkdir(parents=True)
+            (tmp / "sub" / "deeper" / "w.bin").write_text(first)
+            (tmp / "top.txt").write_text("t")
+
+    write("1")
+    write("2")  # a previous zoo output, untouched: replaced
+    assert (out / "sub" / "deeper" / "w.bin").read_text() == "2"
+    for name, make in [("sub/deeper/notes.txt", lambda p: p.write_text("the user's")),
+                       ("sub/deeper/w.bin", lambda p: p.write_text("changed by the user")),
+                       ("sub/mine", lambda p: p.mkdir()),
+                       ("sub/link", lambda p: p.symlink_to(tmp_path))]:  # fmt: skip
+        target = out / name
+        before = target.read_text() if target.is_file() else None
+        make(target)
+        with pytest.raises(FileExistsError, match=name):
+            write("3")
+        assert (out / "top.txt").is_file()  # nothing removed
+        if before is None:
+            target.unlink() if target.is_symlink() or target.is_file() else os.rmdir(target)
+        else:
+            target.write_text(before)
+    write("4")
+    assert (out / "sub" / "deeper" / "w.bin").read_text() == "4"
+
+
 def test_overwrite_never_deletes_an_input_or_its_parent(mpu, reference_checkpoint, tmp_path):
     from mcore_zoo.cli import main
 

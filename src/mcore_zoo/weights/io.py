@@ -40,6 +40,7 @@ import mmap
 import os
 import posixpath
 import shutil
+import stat
 import struct
 import warnings
 from dataclasses import dataclass
@@ -500,13 +501,49 @@ def _same_or_inside(inner: Path, outer: Path) -> bool:
         return False
 
 
+def _tree(root: Path) -> tuple[dict[str, int], list[str], list[str]]:
+    """Everything under ``root`` at every depth (links not followed), as paths relative to it:
+    ``({regular file: size}, [directories], [anything else: links, fifos, ...])``."""
+    files: dict[str, int] = {}
+    dirs: list[str] = []
+    other: list[str] = []
+    for current, subdirs, names in os.walk(root, followlinks=False):
+        base = Path(current)
+        for name in subdirs + names:
+            full = base / name
+            rel = full.relative_to(root).as_posix()
+            info = full.lstat()
+            if stat.S_ISDIR(info.st_mode):
+                dirs.append(rel)
+            elif stat.S_ISREG(info.st_mode):
+                files[rel] = info.st_size
+            else:
+                other.append(rel)
+    files.pop(OUTPUT_MANIFEST, None)
+    return files, sorted(dirs), sorted(other)
+
+
 def _foreign_entries(final: Path) -> list[str]:
-    """Entries of ``final`` that its manifest does not list (all of them without a manifest)."""
+    """What ``final`` holds that its manifest does not list, at every depth: a file not written
+    by mcore-zoo or changed in size since, a directory it did not create, a link or other special
+    file. Everything, without a readable manifest. (A manifest of an older mcore-zoo lists
+    top-level names only: it vouches for top-level files, not for what a folder holds.)"""
     try:
-        written = set(json.loads((final / OUTPUT_MANIFEST).read_text())["files"])
+        manifest = json.loads((final / OUTPUT_MANIFEST).read_text())
+        listed = manifest["files"]
     except (OSError, ValueError, KeyError, TypeError):
-        written = set()
-    return sorted(p.name for p in final.iterdir() if p.name != OUTPUT_MANIFEST and p.name not in written)
+        listed = []
+    sizes: dict[str, Any] = {}
+    dirs: set = set()
+    if isinstance(listed, list) and all(isinstance(entry, dict) for entry in listed):
+        sizes = {entry.get("path"): entry.get("size") for entry in listed}
+        dirs = set(manifest.get("dirs", [])) if isinstance(manifest.get("dirs", []), list) else set()
+    elif isinstance(listed, list):  # the older form: top-level names
+        sizes = {name: None for name in listed if isinstance(name, str) and "/" not in name}
+    files, found_dirs, other = _tree(final)
+    foreign = [f for f, size in files.items() if f not in sizes or (sizes[f] is not None and sizes[f] != size)]
+    foreign += [d for d in found_dirs if d not in dirs]
+    return sorted(foreign + other)
 
 
 def check_output_dir(
@@ -603,10 +640,16 @@ def _make_partial(final: Path) -> Path:
 
 
 def _write_manifest(tmp: Path) -> None:
+    """List every file mcore-zoo wrote into ``tmp`` (at every depth, with its size) and every
+    directory it made: ``overwrite`` later removes the output only if it holds nothing else."""
     from .. import __version__
 
-    files = sorted(p.name for p in tmp.iterdir() if p.name != OUTPUT_MANIFEST)
-    (tmp / OUTPUT_MANIFEST).write_text(json.dumps({"producer": "mcore-zoo", "version": __version__, "files": files}) + "\n")
+    files, dirs, other = _tree(tmp)
+    if other:
+        raise OutputError(tmp, f"wrote something other than files and folders: {', '.join(other[:5])}")
+    manifest = {"producer": "mcore-zoo", "version": __version__,
+                "files": [{"path": f, "size": files[f]} for f in sorted(files)], "dirs": dirs}  # fmt: skip
+    (tmp / OUTPUT_MANIFEST).write_text(json.dumps(manifest) + "\n")
 
 
 def _swap_into_place(tmp: Path, final: Path, overwrite: bool, inputs: Sequence[str | os.PathLike]) -> None:
