@@ -240,7 +240,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if args.ignore_field:
             raise ZooError("--ignore-field applies to --hf (to mcore); the way back reads the fields the"
                            " conversion ignored from the checkpoint's mcore_zoo.json")  # fmt: skip
-        files = mcore_to_hf(args.mcore, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite)
+        files = mcore_to_hf(args.mcore, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite,
+                            trust_pickle=args.trust_pickle)  # fmt: skip
         print(f"wrote HF checkpoint {args.out} ({len(files)} weight file(s))")
     return EXIT_OK
 
@@ -297,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
                    help="--hf: pad the vocabulary to a multiple of N, as a Megatron trainer configured so expects")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="--mcore: unpickle the checkpoint's .metadata without the allow-list (only for a checkpoint you trust)")
     p.set_defaults(func=cmd_convert)
 
     for register in _EXTRA_COMMANDS:
@@ -384,9 +387,16 @@ def _StderrHandler() -> Any:  # noqa: N802 - a factory; logging is imported lazi
     return _stderr_handler_class()()
 
 
+#: Library loggers with their own handlers whose warnings say nothing about the user's input: a
+#: CUDA build of torch run on a CPU machine notes at import that it found no CUDA runtime.
+LIBRARY_LOGGERS = ("torch.utils.cpp_extension",)
+
+
 def _configure_logging(debug: bool, quiet: bool) -> None:
     import logging
 
+    for name in LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.NOTSET if debug else logging.ERROR)
     root = logging.getLogger()
     for handler in list(root.handlers):
         if getattr(handler, "_mcore_zoo", False):

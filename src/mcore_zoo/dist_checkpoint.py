@@ -245,13 +245,16 @@ def _reading_dist_checkpoint(mcore_dir: Union[str, os.PathLike]) -> Iterator[Non
         ) from exc
 
 
-def load_mcore_checkpoint(model: Any, mcore_dir: Union[str, os.PathLike]) -> None:
+def load_mcore_checkpoint(model: Any, mcore_dir: Union[str, os.PathLike], *, trust_pickle: bool = False) -> None:
     """Load a distributed checkpoint into ``model`` - this rank's chunk, or its list of VPP chunks -
     at any layout. Every rank of the job calls it (one collective load). Every parameter must be
     found and every checkpoint tensor used; only ``_extra_state`` entries (Transformer Engine's
-    FP8 metadata) may be absent from the checkpoint."""
+    FP8 metadata) may be absent from the checkpoint. The DCP ``.metadata`` is read without running
+    pickled code unless ``trust_pickle`` (:func:`mcore_to_hf`)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from .distributed.io import dcp_metadata_reads
 
     from .handle import handle_of
 
@@ -259,7 +262,8 @@ def load_mcore_checkpoint(model: Any, mcore_dir: Union[str, os.PathLike]) -> Non
     handle.check_current()  # before any IO
     chunks = handle.chunks
     request = {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
-    state, missing, unexpected = dist_checkpointing.load(request, str(mcore_dir), strict=StrictHandling.RETURN_ALL)
+    with dcp_metadata_reads(trust_pickle):
+        state, missing, unexpected = dist_checkpointing.load(request, str(mcore_dir), strict=StrictHandling.RETURN_ALL)
     absent = sorted(k for k in unexpected if not re.search(r"_extra_state(/|$)", k))  # asked for, not stored
     if absent or missing:
         raise ZooError(
@@ -289,10 +293,15 @@ def mcore_to_hf(
     dtype: Optional[Union[str, torch.dtype]] = None,
     max_shard_size: Union[int, str] = "5GB",
     overwrite: bool = False,
+    trust_pickle: bool = False,
 ) -> list[str]:
     """Megatron-Core distributed checkpoint (written by :func:`hf_to_mcore`, or saved by a training
-    job from a zoo-built model of any layout) -> HF checkpoint, one decoder layer at a time."""
-    from .distributed.io import read_params, sharded_layout
+    job from a zoo-built model of any layout) -> HF checkpoint, one decoder layer at a time.
+
+    The checkpoint's DCP ``.metadata`` (a pickle) is read with an allow-list of the types it holds,
+    so a crafted one cannot run code; ``trust_pickle=True`` (``--trust-pickle``) reads it with
+    plain ``pickle``, for a checkpoint you trust whose metadata names other types."""
+    from .distributed.io import read_dcp_metadata, read_params, sharded_layout
     from .handle import handle_of
     from .weights.export import export_rule, hf_config_for_export, write_hf_checkpoint
 
@@ -300,6 +309,8 @@ def mcore_to_hf(
     from .progress import progress
 
     meta = read_meta(mcore_dir)
+    if not trust_pickle:  # refused before anything is written
+        read_dcp_metadata(Path(mcore_dir) / ".metadata")
     model = meta_model(meta["hf_config"], backend=meta.get("backend", "local"), params_dtype=parse_dtype(meta.get("params_dtype")),
                        make_vocab_size_divisible_by=meta.get("make_vocab_size_divisible_by"),
                        ignore_fields=meta.get("ignore_fields") or None)  # fmt: skip
@@ -312,7 +323,8 @@ def mcore_to_hf(
     def items() -> Iterator[tuple[str, torch.Tensor]]:
         groups = list(_layer_groups(list(layout.params)))
         with _reading_dist_checkpoint(mcore_dir):
-            for group in progress(read_params(layout, groups, mcore_dir), total=len(groups), desc="mcore -> hf", unit="layer"):
+            reads = read_params(layout, groups, mcore_dir, trust_pickle=trust_pickle)
+            for group in progress(reads, total=len(groups), desc="mcore -> hf", unit="layer"):
                 for name, tensor in group.items():
                     if name in rules:
                         for hf_name, hf_tensor in export_rule(rules[name], tensor, ctx):

@@ -130,7 +130,7 @@ def _all_cases(tmp: Path, src: Path, tied: Path, mcore: Path) -> dict[str, tuple
 
         return cut
 
-    dist("dist-metadata-truncated", truncate(".metadata"), "cannot be read")
+    dist("dist-metadata-truncated", truncate(".metadata"), "damaged or truncated")
     dist("dist-distcp-truncated", truncate("*.distcp"), "cannot be read")
     dist("dist-meta-garbage", lambda c: (c / "mcore_zoo.json").write_text("{not json"), "mcore_zoo.json")
     dist("dist-meta-wrong-type", lambda c: (c / "mcore_zoo.json").write_text(json.dumps(

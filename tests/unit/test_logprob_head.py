@@ -357,4 +357,11 @@ def test_triton_kernels_against_fp64_in_interpreter():
         pytest.skip("Triton is not installed (CUDA builds of torch ship it; the CPU wheel does not)")
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, "-c", _TRITON_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    if "scope.set_attr(tensor, \"__index__\"" in run.stderr and "only 0-dimensional arrays" in run.stderr:
+        # the interpreter's own __index__ of a runtime scalar (a loop bound) fails under numpy 2.4+
+        # (seen with Triton 3.6); compiled kernels (the GPU test) are unaffected
+        import numpy
+        import triton
+
+        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot take a runtime loop bound with numpy {numpy.__version__}")
     assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr[-3000:]

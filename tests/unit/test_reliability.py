@@ -379,3 +379,40 @@ def test_max_shard_size_must_be_a_size():
     for bad in ("abc", "0", "-1MB", "GB"):
         with pytest.raises(ZooError, match="size"):
             parse_size(bad)
+
+
+class _Payload:
+    """Unpickling this runs a command (the way a crafted .metadata attacks a reader)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_crafted_dcp_metadata_runs_no_code(mpu, reference_checkpoint, tmp_path):
+    """``convert --mcore`` and ``load_mcore_checkpoint`` read a distributed checkpoint's
+    ``.metadata`` with an allow-list unpickler: a pickle that would run a command is refused,
+    naming the file and the global, and the command never runs (unless the user trusts it)."""
+    import pickle
+
+    from mcore_zoo.cli import main
+    from mcore_zoo.distributed.io import read_dcp_metadata
+
+    ckpt = reference_checkpoint("LlamaForCausalLM")
+    mcore = tmp_path / "mcore"
+    assert main(["-q", "convert", "--hf", str(ckpt), "--out", str(mcore)]) == 0
+    assert type(read_dcp_metadata(mcore / ".metadata")).__name__ == "Metadata"  # the real one passes
+    marker = tmp_path / "pwned"
+    (mcore / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+    with pytest.raises(ZooError, match=r"\.metadata.*refused to unpickle (posix|os)\.system"):
+        read_dcp_metadata(mcore / ".metadata")
+    assert main(["-q", "convert", "--mcore", str(mcore), "--out", str(tmp_path / "back")]) == 2
+    assert not marker.exists() and not (tmp_path / "back").exists()
+    model = mcore_zoo.build_model(ckpt, backend="portable", params_dtype=torch.float32)
+    with pytest.raises(ZooError, match="refused to unpickle"):
+        mcore_zoo.load_mcore_checkpoint(model, mcore)
+    assert not marker.exists()

@@ -22,6 +22,7 @@ checkpoint from a single process holding one parameter at a time:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import io
@@ -212,15 +213,90 @@ def _region_load_planner() -> type:
     return RegionLoadPlanner
 
 
+#: What a DCP ``.metadata`` pickle may name (written by torch's ``FileSystemWriter``, for the zoo's
+#: own checkpoints and Megatron-Core's ``torch_dist`` saves alike): DCP's metadata classes, torch
+#: sizes, dtypes and layouts, paths. Nothing else is unpickled unless the user trusts the file.
+DCP_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint.planner": {"LoadItemType", "WriteItemType"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size", "device", "layout", "memory_format"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "slice"},
+}  # fmt: skip
+
+
+def read_dcp_metadata(path: str | os.PathLike) -> Any:
+    """The ``Metadata`` of a DCP ``.metadata`` file, unpickled with the allow-list
+    :data:`DCP_METADATA_GLOBALS` (any ``torch`` dtype too): a file naming anything else - the way
+    a crafted pickle runs code - raises :class:`~mcore_zoo.errors.InputError` naming the file and
+    the refused global, before anything of it is called."""
+    import pickle
+
+    from ..errors import InputError
+
+    class AllowListUnpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if name in DCP_METADATA_GLOBALS.get(module, ()):
+                return super().find_class(module, name)
+            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
+            raise InputError(f"{path}: refused to unpickle {module}.{name} (not a checkpoint metadata type; pass"
+                             " trust_pickle=True / --trust-pickle only for a checkpoint you trust)")  # fmt: skip
+
+    try:
+        with open(path, "rb") as stream:
+            return AllowListUnpickler(stream).load()
+    except InputError:
+        raise
+    except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
+        raise InputError(f"{path}: damaged or truncated DCP metadata ({type(exc).__name__}: {exc})") from None
+
+
+@contextlib.contextmanager
+def dcp_metadata_reads(trust_pickle: bool = False) -> Iterator[None]:
+    """Within the block, torch's DCP ``FileSystemReader`` - the zoo's and Megatron-Core's
+    ``dist_checkpointing.load`` - reads ``.metadata`` through :func:`read_dcp_metadata`; with
+    ``trust_pickle``, with torch's own unrestricted ``pickle.load``. (Process-wide for the block:
+    the reader is constructed inside Megatron-Core.)"""
+    from torch.distributed.checkpoint import filesystem
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    if trust_pickle:
+        yield
+        return
+    original = filesystem.FileSystemReader.read_metadata
+
+    def read_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
+        metadata = read_dcp_metadata(self._get_metadata_path(kwargs.get("rank")))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    filesystem.FileSystemReader.read_metadata = read_metadata
+    try:
+        yield
+    finally:
+        filesystem.FileSystemReader.read_metadata = original
+
+
 def read_params(
     layout: ShardedLayout,
     groups: Iterable[Sequence[str]],
     directory: str | os.PathLike,
     *,
     dtype: Optional[torch.dtype] = None,
+    trust_pickle: bool = False,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """For each group of parameter names, read those parameters from a ``torch_dist`` checkpoint
-    (only that group in memory; any chunking on disk) and yield ``{name: tensor}``."""
+    (only that group in memory; any chunking on disk) and yield ``{name: tensor}``. The DCP
+    metadata is read without running pickled code unless ``trust_pickle`` (:func:`dcp_metadata_reads`)."""
     import torch.distributed.checkpoint as dcp
 
     by_param: dict[str, list[ShardedChunk]] = {}
@@ -234,8 +310,10 @@ def read_params(
             tensors[name] = torch.empty(shape, dtype=dtype or param_dtype)
             for c in by_param.get(name, []):
                 requests[(c.key, c.global_offset)] = (c.of(tensors[name]).view(c.sizes), c.global_shape)
-        dcp.load({}, storage_reader=dcp.FileSystemReader(str(directory)), planner=_region_load_planner()(requests), no_dist=True)
+        with dcp_metadata_reads(trust_pickle):
+            dcp.load({}, storage_reader=dcp.FileSystemReader(str(directory)), planner=_region_load_planner()(requests), no_dist=True)
         yield tensors
 
 
-__all__ = ["ShardedChunk", "ShardedLayout", "sharded_layout", "write_streaming", "read_params"]
+__all__ = ["ShardedChunk", "ShardedLayout", "sharded_layout", "write_streaming", "read_params", "read_dcp_metadata",
+           "dcp_metadata_reads"]
