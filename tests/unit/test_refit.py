@@ -826,3 +826,46 @@ def test_fused_copies_only_where_asked_and_supported(mpu, reference_checkpoint, 
         monkeypatch.setattr(copy_runs, "supported", lambda device, k=kernel: k)
         mcore_zoo.refit(model, adapter)
         assert workers[0]._zoo_binding.fused == fused, kwargs
+
+
+class SwappingAdapter(DictAdapter):
+    """Writes the first slot of a bucket in place of the second one of the same size: every
+    element count still adds up, one region is written twice and another never."""
+
+    def load_bucket(self, bucket: RefitBucket) -> None:
+        items = bucket.items[0]
+        for i in range(len(items) - 1):
+            (a, ta), (b, tb) = items[i], items[i + 1]
+            if a.name == b.name and a.expert == b.expert and ta.shape == tb.shape:
+                items[i] = (b, ta)  # b's region twice, a's never
+                break
+        super().load_bucket(bucket)
+
+
+def test_a_region_written_twice_and_one_never_fails_though_counts_add_up(mpu, reference_checkpoint):
+    """Completeness is checked by row spans, not element counts (DictAdapter, the plan, and the
+    vLLM worker's binding of a manifest)."""
+    from mcore_zoo.rollout.vllm import _manifest_tiling_problems
+
+    _, model, _, _ = _setup(reference_checkpoint, "Qwen3MoeForCausalLM", {})
+    plan = get_plan(model, target_tp=1, bucket_size="64KB")
+    with pytest.raises(ZooError, match="twice"):
+        mcore_zoo.refit(model, SwappingAdapter(tp_size=1), plan=plan)
+    # the engine side: a manifest with one slot planned twice and its neighbour never
+    manifest = plan.manifest(0)
+    i = next(i for i in range(len(manifest) - 1) if manifest[i][0] == manifest[i + 1][0]
+             and manifest[i][1] == manifest[i + 1][1] and manifest[i][3] == manifest[i + 1][3])  # fmt: skip
+    params = {t.name: torch.empty(t.shape) for t in plan.engine_tensors[0]}
+    assert _manifest_tiling_problems(manifest, params) == []
+    bad = list(manifest)
+    bad[i + 1] = bad[i]
+    assert any("twice" in p for p in _manifest_tiling_problems(bad, params))
+    # the plan itself: an export plan naming an HF tensor twice, or leaving one out
+    from mcore_zoo.distributed.export import export_plan
+
+    handle = mcore_zoo.handle_of(model)
+    entries = list(export_plan(handle))
+    with pytest.raises(ZooError, match="named twice"):
+        plan_refit(handle, VLLM, entries=entries + entries[:1])
+    with pytest.raises(ZooError, match="misses"):
+        plan_refit(handle, VLLM, entries=entries[1:])

@@ -208,6 +208,13 @@ def plan_refit(
     vocab = {name for name, items in specs.items() if any(b.rule.mcore in VOCAB_PARAMETERS for _, _, b in items)}
     hf = [(e.name, tuple(e.shape), e.dtype) for e in entries]
     hf_names = {name for name, _, _ in hf}
+    if len(hf_names) != len(hf):
+        twice = sorted({name for name, _, _ in hf if sum(n == name for n, _, _ in hf) > 1})
+        raise ZooError(f"refit plan: HF tensor(s) named twice in the export plan: {twice[:8]}")
+    needed = set(handle.weight_map.export_names())
+    if hf_names != needed:
+        raise ZooError(f"refit plan: the export plan misses {sorted(needed - hf_names)[:8]} and has no rule for"
+                       f" {sorted(hf_names - needed)[:8]}")  # fmt: skip
 
     # 1. every HF piece: (engine name, expert, shard id, order) and its cuts per rank
     pieces: dict[str, list[list[tuple[str, Optional[int], Any, tuple[Any, ...], tuple[Cut, ...], tuple[int, ...], int, int]]]] = {}
@@ -310,7 +317,27 @@ def plan_refit(
         else:
             buckets.append([name])
             used = size
-    return RefitPlan(handle.arch_config.architecture, engine_format, tp, dtype, limit, hf, slots, buckets, engine_tensors)
+    plan = RefitPlan(handle.arch_config.architecture, engine_format, tp, dtype, limit, hf, slots, buckets, engine_tensors)
+    _check_tiling(plan)
+    return plan
+
+
+def _check_tiling(plan: RefitPlan) -> None:
+    """Every engine tensor of every rank is filled by the plan's slots exactly once, row by row
+    (:class:`~mcore_zoo.rollout.adapter.RegionCoverage`), and every HF tensor is in one bucket."""
+    from .adapter import RegionCoverage, planned_regions, slot_rows
+
+    in_buckets = [name for names in plan.buckets for name in names]
+    if sorted(in_buckets) != sorted(name for name, _, _ in plan.hf):
+        raise ZooError("refit plan: the buckets do not hold every HF tensor exactly once")
+    for rank in range(plan.target_tp):
+        coverage = RegionCoverage()
+        for per_rank in plan.slots.values():
+            for slot in per_rank[rank]:
+                coverage.add((rank, slot.name, slot.expert), *slot_rows(slot.offset, slot.shape, slot.pad))
+        problems = coverage.problems(planned_regions(plan, rank))
+        if problems:
+            raise ZooError("refit plan: engine tensors not tiled by the slots: " + "; ".join(problems[:8]))
 
 
 __all__ = ["Slot", "EngineTensor", "RefitPlan", "plan_refit", "VOCAB_PARAMETERS"]

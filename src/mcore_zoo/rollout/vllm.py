@@ -286,6 +286,9 @@ class _Binding:
             self.params.append((weakref.ref(model.get_submodule(owner)), leaf, weakref.ref(param), _layout(param)))
         if self.problems:
             return
+        self.problems += _manifest_tiling_problems(manifest, params)
+        if self.problems:
+            return
 
         def recipe(view: torch.Tensor, base: torch.Tensor) -> tuple[tuple[int, ...], Optional[tuple[int, ...]], int]:
             size, stride, offset = tuple(view.shape), view.stride(), view.storage_offset() - base.storage_offset()
@@ -422,6 +425,26 @@ class _Binding:
             for name, n in written.items():
                 got[name] += times * n
         return [f"{n} ({w} of {self.want[n]} elements)" for n, w in got.items() if w != self.want[n]]
+
+
+def _manifest_tiling_problems(manifest: list[Any], params: dict[str, torch.Tensor]) -> list[str]:
+    """Whether the manifest's slots tile every parameter they name exactly - each row (of each
+    expert) once, none left - as row spans (:class:`~mcore_zoo.rollout.adapter.RegionCoverage`);
+    a count of elements would pass a slot planned twice and another never."""
+    from .adapter import RegionCoverage, slot_rows
+
+    coverage, expected = RegionCoverage(), {}
+    try:
+        for name, expert, offset, shape, _dtype, pad, _rows in manifest:
+            coverage.add((0, name, expert), *slot_rows(offset, shape, pad))
+            param = params[name]
+            if expert is None:
+                expected[(0, name, None)] = param.shape[0] if param.dim() else 1
+            else:
+                expected.update({(0, name, e): param.shape[1] if param.dim() > 1 else 1 for e in range(param.shape[0])})
+    except ZooError as exc:
+        return [str(exc)]
+    return coverage.problems(expected)
 
 
 def _layout(tensor: torch.Tensor) -> tuple[Any, ...]:
