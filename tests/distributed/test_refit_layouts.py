@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import torch
 from safetensors.torch import load_file
 
 import mcore_zoo
@@ -24,7 +25,7 @@ def _refit_layouts(ckpt: str, layouts: list) -> dict:
 
     from mcore_zoo.errors import ZooError
     from mcore_zoo.parallel import ensure_model_parallel
-    from mcore_zoo.rollout import DictAdapter
+    from mcore_zoo.rollout import HF_NAMES, DictAdapter
 
     found: dict = {}
     for name, parallel in layouts:
@@ -43,7 +44,18 @@ def _refit_layouts(ckpt: str, layouts: list) -> dict:
             refused = str(exc)
         every = DictAdapter(tp_size=2)  # receiver="all": one engine rank per trainer rank
         mcore_zoo.refit(model, every, receiver="all", bucket_size="32KB")
+        # an engine format other than vLLM's, known only to the receiver (docs/rollout.md's pattern):
+        # the other rank learns the plan from it instead of issuing other collectives
+        named = DictAdapter(engine_format=HF_NAMES) if dist.get_rank() == 0 else None
+        mcore_zoo.refit(model, named, bucket_size="32KB")
+        try:  # a receiver without an adapter: every rank fails with its message, none waits
+            mcore_zoo.refit(model, None, bucket_size="32KB")
+            missing = None
+        except ZooError as exc:
+            missing = str(exc)
         found[name] = {
+            "hf_names": named.tensors[0] if named is not None else None,
+            "missing": missing,
             "planned": [r.planned for r in runs],
             "tensors": adapter.tensors if adapter is not None else None,
             "calls": adapter.calls if adapter is not None else None,
@@ -68,6 +80,10 @@ def test_refit_from_tp2_pp2_ep2_sources(reference_checkpoint, mpu):
         assert_same(found[0][name]["all"], want)
         assert_same(found[1][name]["all"], want)
         assert found[0][name]["refused"] == "the engine refuses" and found[1][name]["refused"] is None
+        source = load_file(str(ckpt / "model.safetensors"))
+        got = found[0][name]["hf_names"]
+        assert set(got) == set(source) and all(torch.equal(got[k], source[k]) for k in source), name
+        assert all("rank 0 receives but has no engine adapter" in found[r][name]["missing"] for r in (0, 1))
 
 
 def _refit_tp_local(ckpts: dict) -> dict:

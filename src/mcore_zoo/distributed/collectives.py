@@ -47,3 +47,23 @@ def all_true(flags: list[bool], group: Any) -> list[bool]:
     votes = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32, device=device)
     dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
     return [bool(v) for v in votes.tolist()]
+
+
+def broadcast_text(text: str, src: int, group: Any = None) -> str:
+    """``text`` of global rank ``src`` on every rank of ``group`` (default: the world), as bytes in
+    tensors - no pickle. A per-rank argument whose value decides which collectives follow (the
+    refit's engine format and TP, known only where the engine is) is shared with it. NCCL groups
+    broadcast on the current CUDA device."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return text
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    data = text.encode("utf-8") if dist.get_rank() == src else b""
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=src, group=group)
+    buffer = torch.zeros(int(length.item()), dtype=torch.uint8, device=device)
+    if dist.get_rank() == src and data:
+        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    if buffer.numel():
+        dist.broadcast(buffer, src=src, group=group)
+    return bytes(buffer.cpu().tolist()).decode("utf-8")

@@ -116,10 +116,12 @@ def refit(
     receive = receiver == "all" or placement.rank == receiver
     planned = plan is None
     if plan is None:
-        if receive and adapter is None:
-            raise ZooError(f"refit: rank {receiver} receives but has no engine adapter")
-        engine_format = adapter.engine_format if receive else _engine_format_from_receiver(handle, adapter)
-        tp = target_tp if target_tp is not None else (adapter.tp_size if receive else _tp_from_receiver(adapter))
+        if receiver == "all":
+            if adapter is None:
+                raise ZooError(f"refit: rank {placement.rank} receives (receiver='all') but has no engine adapter")
+            engine_format, tp = adapter.engine_format, target_tp if target_tp is not None else adapter.tp_size
+        else:  # only the receiver knows the engine: the other ranks learn the plan's settings from it
+            engine_format, tp = _settings_from_receiver(handle, adapter if receive else None, int(receiver), target_tp)
         before = len(_PLANS.get(handle, {}))
         plan = get_plan(handle, engine_format=engine_format, target_tp=tp, dtype=dtype, bucket_size=bucket_size)
         planned = len(_PLANS.get(handle, {})) > before
@@ -189,14 +191,41 @@ def _sync(handle: ModelHandle) -> None:
         torch.cuda.synchronize(handle.device)
 
 
-def _engine_format_from_receiver(handle: ModelHandle, adapter: Any) -> EngineFormat:
-    """Non-receiving ranks need the same plan (its computation is collective over PP): they take
-    the engine format from their own adapter argument if they have one, else vLLM's."""
-    return getattr(adapter, "engine_format", None) or get_engine_format("vllm")
+def _settings_from_receiver(handle: ModelHandle, adapter: Optional[EngineAdapter], receiver: int,
+                            target_tp: Optional[int]) -> tuple[EngineFormat, int]:  # fmt: skip
+    """The plan's engine format and TP on every rank, as the receiver's adapter says: every rank
+    computes the same plan (collective over PP) and issues the same gathers, whatever it passed
+    as ``adapter``. The receiver broadcasts them (or its error, so that every rank fails with the
+    same message instead of waiting); a rank that cannot resolve the format fails every rank."""
+    from ..distributed.collectives import all_true, broadcast_text
 
-
-def _tp_from_receiver(adapter: Any) -> int:
-    return int(getattr(adapter, "tp_size", 1) or 1)
+    if not handle.placement.distributed:
+        if adapter is None:
+            raise ZooError(f"refit: rank {receiver} receives but has no engine adapter")
+        return adapter.engine_format, target_tp if target_tp is not None else adapter.tp_size
+    if handle.placement.rank == receiver:
+        if adapter is None:
+            message = f"!refit: rank {receiver} receives but has no engine adapter"
+        else:
+            tp = target_tp if target_tp is not None else adapter.tp_size
+            message = f"{adapter.engine_format.name}\n{int(tp)}"
+    else:
+        message = ""
+    message = broadcast_text(message, receiver)
+    if message.startswith("!"):
+        raise ZooError(message[1:])
+    name, tp_text = message.split("\n")
+    if handle.placement.rank == receiver:
+        engine_format: Optional[EngineFormat] = adapter.engine_format  # type: ignore[union-attr]
+    else:
+        try:
+            engine_format = get_engine_format(name)
+        except ValueError:
+            engine_format = None
+    if not all_true([engine_format is not None], None)[0]:
+        raise ZooError(f"refit: the receiver's engine format {name!r} is not registered on every rank; pass"
+                       f" plan=get_plan(...) on every rank")  # fmt: skip
+    return engine_format, int(tp_text)  # type: ignore[return-value]
 
 
 __all__ = ["refit", "get_plan", "RefitStats"]
