@@ -31,6 +31,8 @@ _LAZY = {
     "ContractError": "mcore_zoo.testing.contracts:ContractError",
     "REL_TOL": "mcore_zoo.testing.common:REL_TOL",
     "TP_REL_TOL": "mcore_zoo.testing.common:TP_REL_TOL",
+    "LAYOUT_ULPS": "mcore_zoo.testing.common:LAYOUT_ULPS",
+    "layout_bound": "mcore_zoo.testing.common:layout_bound",
     "PARITY_LENGTHS": "mcore_zoo.testing.common:PARITY_LENGTHS",
     "assert_same": "mcore_zoo.testing.common:assert_same",
     "random_sequences": "mcore_zoo.testing.common:random_sequences",
