@@ -189,13 +189,51 @@ def _write_errors(out: Path, tmp: Path) -> Iterator[None]:
         yield
     except ZooError:
         raise
-    except (OSError, RuntimeError) as exc:
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:  # torch's CheckpointException is a BaseException
+        cause = _os_error_in(exc)
+        if cause is not None:
+            where = f"{cause.filename}: " if cause.filename else ""
+            detail = f"{where}{cause.strerror or cause}"
+        else:
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            detail = (lines[-1] if lines else type(exc).__name__)[:300]
+        hints = []
         try:
-            free = f"{shutil.disk_usage(tmp).free / 2**20:.1f} MiB free on its device"
+            hints.append(f"{shutil.disk_usage(tmp).free / 2**20:.1f} MiB free on its device")
         except OSError:
-            free = "free space unknown"
-        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else " ".join(str(exc).split())
-        raise OutputError(out, f"writing failed: {detail} ({free}; is the disk full or read-only?)") from exc
+            hints.append("free space unknown")
+        try:
+            import resource
+
+            limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+            if limit != resource.RLIM_INFINITY:
+                hints.append(f"file size limit {limit} bytes (ulimit -f)")
+        except (ImportError, OSError, ValueError):
+            pass
+        raise OutputError(out, f"writing failed: {detail} ({'; '.join(hints)}; is the disk full, a quota or"
+                               " file size limit reached, or the directory read-only?)") from exc  # fmt: skip
+
+
+def _os_error_in(exc: BaseException) -> Optional[OSError]:
+    """The first ``OSError`` behind ``exc``: in its cause / context chain, or among the per-rank
+    failures of torch's ``CheckpointException``."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        current = todo.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and (current.errno or current.strerror):
+            return current
+        todo += [current.__cause__, current.__context__]
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            for failure in failures.values():
+                todo.append(failure[0] if isinstance(failure, tuple) and failure else failure)
+    return None
 
 
 def read_meta(mcore_dir: Union[str, os.PathLike]) -> dict[str, Any]:

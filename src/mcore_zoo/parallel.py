@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import compat, cpu_shim
+from .errors import ZooError
 from .placement import Parallelism, Placement
 
 
@@ -33,11 +34,26 @@ def ensure_process_group(backend: Optional[str] = None) -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend=backend)
+        _init_process_group(backend=backend)
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    dist.init_process_group(backend=backend, rank=0, world_size=1)
+    _init_process_group(backend=backend, rank=0, world_size=1)
+
+
+def _init_process_group(**kwargs: object) -> None:
+    """``dist.init_process_group``; a rendezvous address that cannot be used (``MASTER_PORT`` busy,
+    often inherited from another job's environment) is a :class:`ZooError` naming it."""
+    try:
+        dist.init_process_group(**kwargs)  # type: ignore[arg-type]
+    except (RuntimeError, OSError) as exc:  # DistNetworkError is a RuntimeError
+        text = " ".join(str(exc).split())
+        if "address already in use" in text.lower() or "EADDRINUSE" in text or type(exc).__name__ == "DistNetworkError":
+            where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+            raise ZooError(f"torch.distributed cannot rendezvous at MASTER_ADDR:MASTER_PORT = {where}"
+                           f" ({text[:200]}): the port is in use - set MASTER_PORT to a free port, or unset it"
+                           " for a single process") from None  # fmt: skip
+        raise
 
 
 def ensure_model_parallel(parallel: Optional[Parallelism] = None, *, seed: int = 1234) -> Parallelism:

@@ -275,3 +275,38 @@ def test_four_ranks_tp2ep2_pp2ep2_ep4(reference_checkpoint, hf_reference, mpu, t
     found = launch(_run, 4, str(ckpt), str(tmp_path), layouts, str(tmp_path / "mcore"))
     worst = _check(found, ckpt, hf_reference(ARCH, ckpt), tmp_path, 4, 8)
     print("max |dlogit| vs the single-process model:", worst)
+
+
+def _moe_tp2_without_sp(ckpt: str) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from mcore_zoo.errors import ZooError
+    from mcore_zoo.parallel import ensure_model_parallel
+
+    parallel = Parallelism(tp=2)
+    ensure_model_parallel(parallel)
+    model = mcore_zoo.build_model(ckpt, backend="portable", parallel=parallel, load=ckpt, params_dtype=torch.float32)
+    seqs = random_sequences([12, 9], 256, seed=2)
+    found = {}
+    for name, call in [("forward", lambda: mcore_zoo.packed_forward(model.train(), seqs)),
+                       ("train_step", lambda: mcore_zoo.train_step(model.train(), seqs, lambda t: (-(t.logprobs * t.mask).sum(), {})))]:  # fmt: skip
+        try:
+            with torch.no_grad() if name == "forward" else contextlib.nullcontext():
+                call()
+            found[name] = None
+        except ZooError as exc:
+            found[name] = str(exc)
+    with torch.no_grad():
+        found["eval"] = mcore_zoo.packed_forward(model.eval(), seqs).logits[0].shape[0]
+    ps.destroy_model_parallel()
+    return found
+
+
+def test_moe_at_tp2_without_sequence_parallel_in_training_mode_is_named(reference_checkpoint, mpu):
+    """Megatron-Core's MoE layer refuses training mode at TP > 1 without sequence parallelism (a
+    raw ValueError, under no_grad too): the zoo says so first, naming both ways out; eval runs."""
+    ckpt = reference_checkpoint("Qwen3MoeForCausalLM", {"num_hidden_layers": 2})
+    for rank in launch(_moe_tp2_without_sp, 2, str(ckpt)):
+        assert "sequence_parallel=True" in rank["forward"] and "model.eval()" in rank["forward"]
+        assert "sequence_parallel=True" in rank["train_step"]
+        assert rank["eval"] == 12

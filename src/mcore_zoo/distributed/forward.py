@@ -410,6 +410,20 @@ def packed_forward(
     return out
 
 
+def check_moe_training_layout(handle: ModelHandle) -> None:
+    """Megatron-Core's MoE layer refuses to run in training mode under tensor parallelism without
+    sequence parallelism (a raw ``ValueError`` from inside the forward, also under ``no_grad``):
+    say so before the forward, with the two ways out."""
+    moe = handle.arch_config.moe
+    if moe is None or handle.placement.tp == 1 or handle.placement.sequence_parallel:
+        return
+    if any(chunk.training for chunk in handle.chunks):
+        raise ZooError(f"{handle.arch_config.architecture}: an MoE model at TP={handle.placement.tp} without sequence"
+                       " parallelism cannot run in training mode (Megatron-Core's MoE layer refuses it): build it"
+                       " with Parallelism(..., sequence_parallel=True), or call model.eval() for forwards"
+                       " that do not train")  # fmt: skip
+
+
 def _sequences(sequences: Union[Sequence[torch.Tensor], torch.Tensor], attention_mask: Optional[torch.Tensor],
                vocab_size: Optional[int] = None, pad_token_id: int = 0) -> list[torch.Tensor]:  # fmt: skip
     """The 1-D token sequences of ``sequences`` (a list of 1-D integer tensors, or a padded
@@ -501,6 +515,7 @@ def generic_forward(
     handle.check_current()
     layout = handle.placement
     chunks = handle.chunks
+    check_moe_training_layout(handle)
     if seq_format not in ("thd", "bshd"):
         raise ZooError(f"unknown seq_format {seq_format!r}; use 'thd' or 'bshd'")
     staged = layout.pp > 1 or layout.cp > 1

@@ -85,7 +85,7 @@ import torch.distributed as dist
 from ..errors import ZooError
 from ..handle import ModelHandle, handle_of
 from ..packing import alignment_for
-from .forward import Microbatch, _gather_vocab, _sequences, build_microbatches, partition_by_tokens, run_schedule, two_way_pipeline
+from .forward import Microbatch, _gather_vocab, _sequences, check_moe_training_layout, build_microbatches, partition_by_tokens, run_schedule, two_way_pipeline
 from .vocab_parallel import token_logprobs_and_entropy
 
 
@@ -413,6 +413,7 @@ def train_step(
         mtp_loss_scale = float(getattr(config, "mtp_loss_scaling_factor", None) or 0.0)
     given = _given_chunks(model, handle)
     wrapped = any(hasattr(c, "finish_grad_sync") for c in given)
+    check_moe_training_layout(handle)
     seqs = _sequences(sequences, None, handle.arch_config.vocab_size, pad_token_id)
     if not seqs:
         raise ZooError("nothing to train on")

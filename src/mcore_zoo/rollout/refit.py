@@ -112,6 +112,9 @@ def refit(
     """
     handle = handle_of(model)
     handle.check_current()
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise ZooError(f"refit: dtype={dtype!r} is not a floating-point torch dtype (weights travel as floats:"
+                       " torch.bfloat16, torch.float16 or torch.float32)")  # fmt: skip
     placement = handle.placement
     receive = receiver == "all" or placement.rank == receiver
     planned = plan is None

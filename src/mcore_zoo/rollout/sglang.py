@@ -49,7 +49,12 @@ class SGLangAdapter(EngineAdapter):
     def load_bucket(self, bucket: RefitBucket) -> None:
         named = bucket.named(0)
         result = self.engine.update_weights_from_tensor(named, flush_cache=self.flush_cache and bucket.index == self._last)
-        success, message = result if isinstance(result, tuple) else (result is not False, str(result))
+        if isinstance(result, tuple):  # (success, message), as SGLang's engine answers; or more / fewer parts
+            if not result or not isinstance(result[0], bool):
+                raise ZooError(f"SGLang answered bucket {bucket.index} with {result!r}: expected (success, message)")
+            success, message = result[0], " ".join(str(part) for part in result[1:])
+        else:
+            success, message = result is not False, str(result)
         if not success:
             raise ZooError(f"SGLang refused bucket {bucket.index} ({len(named)} tensor(s), first {named[0][0] if named else '-'!r}): {message}")
         for name, _ in named:
