@@ -222,7 +222,12 @@ DCP_METADATA_GLOBALS = {
         "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.distributed.checkpoint.planner": {"LoadItemType", "WriteItemType"},
+    "torch.distributed.checkpoint.planner": {
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData", "LoadPlan", "ReadItem",
+        "LoadItemType",
+    },
+    # empty classes Megatron-Core keeps so that older checkpoints' metadata unpickles
+    "megatron.core.dist_checkpointing.strategies.torch": {"MCoreSavePlan", "MCoreMetadata"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size", "device", "layout", "memory_format"},
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},

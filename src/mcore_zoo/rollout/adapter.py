@@ -43,12 +43,13 @@ reference for adapter authors).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from ..errors import ZooError
 from .engine_format import VLLM, EngineFormat
+from .plan import RegionCoverage, planned_regions, slot_rows
 
 if TYPE_CHECKING:  # pragma: no cover
     from .plan import RefitPlan, Slot
@@ -109,76 +110,6 @@ def write_slot(target: torch.Tensor, slot_expert: Optional[int], offset: int, ro
         pad.zero_()
         written += pad.numel()
     return written
-
-
-class RegionCoverage:
-    """Which rows of which engine tensors were written, as row intervals: per ``(rank, tensor,
-    expert)`` key the ``[start, stop)`` spans (dim 0 of the tensor, or of ``tensor[expert]``).
-
-    Completeness counted in elements passes a refit that writes one slot twice and another never;
-    spans do not: :meth:`add` refuses a span that overlaps one already written, and :meth:`gaps`
-    names what was left. Every adapter checks its refit with it."""
-
-    def __init__(self) -> None:
-        self._spans: dict[Any, list[tuple[int, int]]] = {}
-
-    def add(self, key: Any, start: int, stop: int) -> None:
-        """Record rows ``start .. stop`` of ``key``; raises :class:`ZooError` if any of them was
-        written already."""
-        spans = self._spans.setdefault(key, [])
-        for a, b in spans:
-            if start < b and a < stop:
-                raise ZooError(f"refit writes rows {start}..{stop} of {_key_name(key)} twice (rows {a}..{b} already written)")
-        spans.append((start, stop))
-
-    def gaps(self, key: Any, rows: int) -> list[tuple[int, int]]:
-        """The row spans of ``key`` (``rows`` rows) nothing wrote."""
-        out, at = [], 0
-        for a, b in sorted(self._spans.get(key, [])):
-            if a > at:
-                out.append((at, a))
-            at = max(at, b)
-        if at < rows:
-            out.append((at, rows))
-        return out
-
-    def problems(self, expected: Any) -> list[str]:
-        """For every ``(key, rows)`` of ``expected``: the rows left unwritten (and any key written
-        that is not expected)."""
-        expected = dict(expected)
-        found = []
-        for key, rows in expected.items():
-            missing = self.gaps(key, rows)
-            if missing:
-                shown = ", ".join(f"{a}..{b}" for a, b in missing[:4])
-                found.append(f"{_key_name(key)}: rows {shown} of {rows} never written")
-        found += [f"{_key_name(key)}: written, but the plan has no such tensor" for key in self._spans if key not in expected]
-        return found
-
-
-def _key_name(key: Any) -> str:
-    rank, name, expert = key
-    return f"rank {rank}: {name}" + ("" if expert is None else f"[expert {expert}]")
-
-
-def planned_regions(plan: "RefitPlan", rank: int) -> dict[tuple[int, str, Optional[int]], int]:
-    """Engine rank ``rank``'s tensors as :class:`RegionCoverage` keys and their rows: one key per
-    tensor, or per expert of a stacked-experts tensor (0-dim tensors count as one row)."""
-    stacked = {s.name for per in plan.slots.values() for s in per[rank] if s.expert is not None}
-    regions: dict[tuple[int, str, Optional[int]], int] = {}
-    for t in plan.engine_tensors[rank]:
-        if t.name in stacked:
-            for expert in range(t.shape[0]):
-                regions[(rank, t.name, expert)] = t.shape[1] if len(t.shape) > 1 else 1
-        else:
-            regions[(rank, t.name, None)] = t.shape[0] if t.shape else 1
-    return regions
-
-
-def slot_rows(slot_offset: int, shape: Sequence[int], pad: int) -> tuple[int, int]:
-    """The rows ``[start, stop)`` a slot fills: its piece and the zero rows after it."""
-    rows = shape[0] if len(shape) else 1
-    return slot_offset, slot_offset + rows + pad
 
 
 class DictAdapter(EngineAdapter):
@@ -243,4 +174,4 @@ class DictAdapter(EngineAdapter):
         return self.engine_rank is None or rank == self.engine_rank
 
 
-__all__ = ["EngineAdapter", "RefitBucket", "DictAdapter", "RegionCoverage", "planned_regions", "slot_rows", "write_slot"]
+__all__ = ["EngineAdapter", "RefitBucket", "DictAdapter", "write_slot"]

@@ -431,7 +431,7 @@ def _manifest_tiling_problems(manifest: list[Any], params: dict[str, torch.Tenso
     """Whether the manifest's slots tile every parameter they name exactly - each row (of each
     expert) once, none left - as row spans (:class:`~mcore_zoo.rollout.adapter.RegionCoverage`);
     a count of elements would pass a slot planned twice and another never."""
-    from .adapter import RegionCoverage, slot_rows
+    from .plan import RegionCoverage, slot_rows
 
     coverage, expected = RegionCoverage(), {}
     try:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
