@@ -125,10 +125,16 @@ class Architecture:
         arch = self.contribution("converter")(reader)
         if not isinstance(arch, ArchConfig):
             raise PluginError(f"{self.provider_of('converter')}: converter returned {type(arch).__name__}, expected ArchConfig")
+        changes: list[tuple[str, str, Any, Any]] = []
         for amend, origin in self._amendments("amend_config"):
+            before = arch
             arch = amend(reader, arch)
             if not isinstance(arch, ArchConfig):
                 raise PluginError(f"{origin}: amend_config returned {type(arch).__name__}, expected ArchConfig")
+            changes += [(origin, f.name, getattr(before, f.name), getattr(arch, f.name)) for f in dataclasses.fields(arch)
+                        if f.compare and getattr(before, f.name) != getattr(arch, f.name)]  # fmt: skip
+        if changes:
+            arch = arch.replace(amendments=tuple(changes))
         report = reader.finish()
         if arch.moe is not None:
             arch = arch.replace(moe=dataclasses.replace(arch.moe, router_weight_dtype=self._reference_router_weight_dtype()))

@@ -29,7 +29,7 @@ from .errors import ZooError
 from .handle import ModelHandle
 from .numerics.profiles import NumericsProfile, get_profile
 from .placement import Parallelism, Placement
-from .provenance import warn_provider
+from .provenance import warn_amendments, warn_provider
 from .vocab import install_logit_mask, padded_vocab_size
 
 
@@ -138,6 +138,7 @@ def prepare(
     if head == "value":
         ignore_fields = {**_value_head_fields(hf_config), **dict(ignore_fields or {})}
     arch = architecture.config_from_hf(hf_config, ignore_fields=ignore_fields, trust_remote_code=trust_remote_code)
+    warn_amendments(arch)  # an extension that changed the converted config is named
     if head == "value" and arch.mtp_num_layers:
         raise ZooError(f"{arch.architecture}: a value head has no multi-token prediction; drop the MTP layers"
                        " with ignore_fields={'num_nextn_predict_layers': reason}")  # fmt: skip

@@ -39,20 +39,26 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     reg = _registry()
     records = sorted(reg.plugins.values(), key=lambda r: (not r.builtin, r.name))
     conflicts = reg.conflicts()
+    unused = reg.unclaimed_extensions()
     if args.json:
         print(json.dumps({
             "plugins": [
                 {"name": r.name, "module": r.module, "distribution": r.distribution, "version": r.version,
-                 "builtin": r.builtin, "status": r.status, "error": r.error, "architectures": r.architectures}
+                 "builtin": r.builtin, "status": r.status, "error": r.error, "architectures": r.architectures,
+                 "extensions": r.extensions}
                 for r in records
             ],
             "conflicts": {a: [c.origin for c in cs] for a, cs in conflicts.items()},
+            "unused_extensions": unused,
         }, indent=2))  # fmt: skip
     else:
-        rows = [("PLUGIN", "DISTRIBUTION", "VERSION", "STATUS", "ARCHITECTURES")]
+        rows = [("PLUGIN", "DISTRIBUTION", "VERSION", "STATUS", "ARCHITECTURES", "EXTENDS")]
         for r in records:
-            rows.append((r.name, r.distribution, r.version, r.status, ", ".join(r.architectures) or "-"))
+            rows.append((r.name, r.distribution, r.version, r.status, ", ".join(r.architectures) or "-",
+                         ", ".join(r.extensions) or "-"))  # fmt: skip
         _table(rows)
+        for arch, origins in unused.items():
+            print(f"\nUNUSED extension(s) of {arch} (no installed plugin provides it): " + "; ".join(origins))
         for r in records:
             if r.status == "failed":
                 print(f"\nFAILED {r.origin}:\n  " + (r.error or "").replace("\n", "\n  "))

@@ -81,6 +81,19 @@ def provider_note(architecture: Any) -> Optional[str]:
     return note
 
 
+def amendment_notes(arch_config: Any) -> list[str]:
+    """One sentence per change an extension's ``amend_config`` made to the converted config
+    (:attr:`~mcore_zoo.config.arch.ArchConfig.amendments`), naming the extension."""
+    return [f"{arch_config.architecture}: {field} changed from {before!r} to {after!r} by the extension of {origin}"
+            for origin, field, before, after in getattr(arch_config, "amendments", ())]  # fmt: skip
+
+
+def warn_amendments(arch_config: Any) -> None:
+    """Log :func:`amendment_notes` as warnings (at build time)."""
+    for note in amendment_notes(arch_config):
+        logger.warning(note)
+
+
 def warn_provider(architecture: Any) -> None:
     """Log :func:`provider_note` as a warning (at build time)."""
     note = provider_note(architecture)

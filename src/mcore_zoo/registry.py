@@ -55,6 +55,8 @@ ENV_PLUGINS = "MCORE_ZOO_PLUGINS"
 ENV_BLOCK = "MCORE_ZOO_BLOCK_PLUGINS"
 
 HOOKS = ("mcore_zoo_architectures", "mcore_zoo_extensions")
+#: More items than any plugin contributes: a hook that yields without end is stopped here.
+MAX_HOOK_ITEMS = 10_000
 
 
 @dataclass
@@ -274,8 +276,17 @@ class Registry:
         others = [p for name, p in self._pm.list_name_plugin() if name != plugin_name]
         try:
             caller = self._pm.subset_hook_caller(hook, remove_plugins=others)
-            results = call_with_timeout(caller, f"{plugin_name}'s {hook} hook")
-            items = [item for result in results for item in (result or [])]
+
+            def consumed() -> list[Any]:  # the results are read under the timeout too (a generator may not end)
+                out: list[Any] = []
+                for result in caller():
+                    for item in result or []:
+                        out.append(item)
+                        if len(out) > MAX_HOOK_ITEMS:
+                            raise PluginError(f"{hook} returned more than {MAX_HOOK_ITEMS} items")
+                return out
+
+            items = call_with_timeout(consumed, f"{plugin_name}'s {hook} hook")
             for item in items:
                 if not isinstance(item, kind):
                     raise PluginError(f"{hook} returned {type(item).__name__}, expected {kind.__name__}")

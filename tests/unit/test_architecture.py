@@ -226,6 +226,47 @@ def test_amendments_classify_new_config_fields_and_extend_the_weight_map():
     assert "amend_config" in architecture.provenance()
 
 
+def _tighter_eps(reader, arch):
+    return arch.replace(norm_eps=1e-3)
+
+
+def test_an_extension_that_changes_a_builtin_is_named_at_build_and_in_the_parity_report(mpu, reference_checkpoint, caplog):
+    import logging
+
+    reg = Registry()
+    reg.register(_plugin(mcore_zoo_extensions=[Extension("LlamaForCausalLM", amend_config=_tighter_eps)]), "eps")
+    architecture = reg.get("LlamaForCausalLM")
+    arch = architecture.config_from_hf(case_config("LlamaForCausalLM", {}))
+    assert arch.norm_eps == 1e-3 and [(c[1], c[3]) for c in arch.amendments] == [("norm_eps", 1e-3)]
+    ckpt = reference_checkpoint("LlamaForCausalLM")
+    with caplog.at_level(logging.WARNING, logger="mcore_zoo"):
+        mcore_zoo.build_model(ckpt, architecture=architecture, backend="portable")
+    assert any("norm_eps changed from" in r.getMessage() and "'eps'" in r.getMessage() for r in caplog.records)
+    from mcore_zoo.provenance import amendment_notes
+
+    assert "by the extension of" in amendment_notes(arch)[0]
+
+
+def test_unused_extensions_and_endless_hooks(capsys, monkeypatch):
+    """An extension of an architecture nobody provides is listed as unused by ``mcore-zoo
+    plugins``; a hook that yields without end is stopped by the plugin timeout."""
+    import itertools
+
+    from mcore_zoo import cli
+
+    reg = Registry()
+    reg.register(_plugin(mcore_zoo_extensions=[Extension("NobodysForCausalLM", amend_config=_tighter_eps)]), "orphan")
+    assert "NobodysForCausalLM" in reg.unclaimed_extensions()
+    monkeypatch.setattr(cli, "_registry", lambda: reg)
+    assert cli.main(["plugins"]) == 0
+    assert "UNUSED extension(s) of NobodysForCausalLM" in capsys.readouterr().out
+    monkeypatch.setenv("MCORE_ZOO_PLUGIN_TIMEOUT", "2")
+    endless = types.ModuleType("endless")
+    endless.mcore_zoo_extensions = hookimpl(lambda: (Extension("LlamaForCausalLM", amend_config=_tighter_eps) for _ in itertools.count()))
+    record = Registry().register(endless, "endless")
+    assert record.status == "failed" and ("more than" in record.error or "did not finish" in record.error), record.error
+
+
 def test_an_extension_that_changes_nothing_is_refused():
     with pytest.raises(mcore_zoo.PluginError, match="changes nothing"):
         Extension("LlamaForCausalLM")

@@ -180,6 +180,8 @@ class ArchConfig:
     mtp_layer_moe: bool = False
     hf_config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     fields: Optional[FieldReport] = field(default=None, compare=False, repr=False)
+    #: what extensions' ``amend_config`` changed: ``(origin, attribute, before, after)`` per change
+    amendments: tuple = field(default=(), compare=False, repr=False)
 
     @property
     def heads_per_group(self) -> int:

@@ -425,6 +425,15 @@ def _notes(opts: ParityOptions, r: dict[str, Any], source: Any, token_info: dict
     provider = provider_note(source.architecture)
     if provider:
         notes.insert(0, provider)
+    from ..provenance import amendment_notes
+
+    try:
+        amended = source.architecture.config_from_hf(source.config, ignore_fields=opts.ignore_fields)
+    except Exception:  # noqa: BLE001 - the run itself reports a config that does not convert
+        amended = None
+    if amended is not None:  # what an extension changed in a built-in's (or a plugin's) conversion
+        at = 1 if provider else 0
+        notes[at:at] = amendment_notes(amended)
     for name, reason in sorted(opts.ignore_fields.items()):
         notes.append(f"HF config field {name!r} ignored on request (--ignore-field): {reason}")
     if opts.bitwise and device == "cuda" and os.environ.get("CUBLAS_WORKSPACE_CONFIG") != ":0:0":
