@@ -8,7 +8,6 @@ default process group and Megatron-Core's groups when they do not exist yet.
 from __future__ import annotations
 
 import os
-import socket
 from typing import Optional
 
 import torch
@@ -17,12 +16,6 @@ import torch.distributed as dist
 from . import compat, cpu_shim
 from .errors import ZooError
 from .placement import Parallelism, Placement
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ensure_process_group(backend: Optional[str] = None) -> None:
@@ -36,9 +29,9 @@ def ensure_process_group(backend: Optional[str] = None) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         _init_process_group(backend=backend)
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    _init_process_group(backend=backend, rank=0, world_size=1)
+    # one process needs no rendezvous: an in-memory store, so that no port is taken (nor one
+    # inherited from another job's MASTER_PORT reused)
+    _init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def _init_process_group(**kwargs: object) -> None:

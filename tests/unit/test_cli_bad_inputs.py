@@ -188,7 +188,7 @@ def test_a_write_failure_names_the_output(mpu, reference_checkpoint, tmp_path, c
     out = tmp_path / "out"
     assert main(["-q", "convert", "--hf", str(reference_checkpoint("LlamaForCausalLM")), "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and str(out) in err and "disk full or read-only" in err
+    assert len(err.strip().splitlines()) == 1 and str(out) in err and "is the disk full" in err and "read-only" in err
     assert list(tmp_path.iterdir()) == []
 
 

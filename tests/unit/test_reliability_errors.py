@@ -15,18 +15,24 @@ import mcore_zoo
 from mcore_zoo.errors import ZooError
 
 
-def test_busy_master_port_is_named():
+def test_busy_master_port_is_named_and_a_single_process_needs_none():
+    """Under torchrun's environment a busy MASTER_PORT is a ZooError naming it; a single process
+    (no RANK / WORLD_SIZE) takes no port, so an inherited busy MASTER_PORT does not matter."""
+    code = ("from mcore_zoo.parallel import ensure_process_group\n"
+            "from mcore_zoo.errors import ZooError\n"
+            "try:\n    ensure_process_group('gloo')\n    print('OK')\nexcept ZooError as e:\n    print('ZOO', e)\n")  # fmt: skip
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        code = ("from mcore_zoo.parallel import ensure_process_group\n"
-                "from mcore_zoo.errors import ZooError\n"
-                "try:\n    ensure_process_group('gloo')\nexcept ZooError as e:\n    print('ZOO', e)\n")  # fmt: skip
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         env.pop("RANK", None)
-        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert "ZOO" in run.stdout and f"127.0.0.1:{port}" in run.stdout and "MASTER_PORT" in run.stdout, run.stdout + run.stderr
+        env.pop("WORLD_SIZE", None)
+        single = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        ranked = subprocess.run([sys.executable, "-c", code], env=dict(env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"),
+                                capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert single.stdout.strip() == "OK", single.stdout + single.stderr
+    assert "ZOO" in ranked.stdout and f"127.0.0.1:{port}" in ranked.stdout and "MASTER_PORT" in ranked.stdout, ranked.stdout + ranked.stderr
 
 
 def test_write_failure_under_a_file_size_limit_names_the_file_and_the_limit(reference_checkpoint, tmp_path):
