@@ -80,3 +80,24 @@ def test_sglang_answer_of_the_wrong_form_is_named(mpu, reference_checkpoint):
             mcore_zoo.refit(model, adapter)
     with pytest.raises(ZooError, match="SGLang refused bucket 0.*full"):
         mcore_zoo.refit(model, SGLangAdapter(Engine((False, "engine memory full"))))
+
+
+def test_train_step_and_forward_inputs_are_named(mpu, reference_checkpoint):
+    """token_data of the wrong kind or length and non-positive micro-batching options are
+    InputErrors naming the argument, not raw IndexError / TypeError / AttributeError."""
+    from mcore_zoo.errors import InputError
+
+    ckpt = reference_checkpoint("LlamaForCausalLM")
+    model = mcore_zoo.build_model(ckpt, backend="portable", load=ckpt, params_dtype=torch.float32)
+    seqs = [torch.arange(5), torch.arange(7)]
+    loss = lambda t: (-(t.logprobs * t.mask).sum(), {})  # noqa: E731
+    for token_data, words in [({"w": [torch.ones(4)]}, "1 values for 2 sequences"),
+                              ({"w": "x"}, "one value per sequence"),
+                              ([1, 2], "must be a dict"),
+                              ({"w": [torch.ones(4), "a"]}, r"token_data\['w'\]\[1\] is a str")]:  # fmt: skip
+        with pytest.raises(InputError, match=words):
+            mcore_zoo.train_step(model, seqs, loss, token_data=token_data)
+    with pytest.raises(InputError, match="num_microbatches=0"):
+        mcore_zoo.packed_forward(model, seqs, num_microbatches=0)
+    with pytest.raises(InputError, match="max_tokens_per_microbatch=-1"):
+        mcore_zoo.train_step(model, seqs, loss, max_tokens_per_microbatch=-1)

@@ -410,6 +410,15 @@ def packed_forward(
     return out
 
 
+def check_batching(num_microbatches: Any, max_tokens_per_microbatch: Any) -> None:
+    """Micro-batching options, when given, are positive integers (:class:`InputError` otherwise)."""
+    from ..errors import InputError
+
+    for name, value in (("num_microbatches", num_microbatches), ("max_tokens_per_microbatch", max_tokens_per_microbatch)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise InputError(f"{name}={value!r}: give a positive integer (or leave it out)")
+
+
 def check_moe_training_layout(handle: ModelHandle) -> None:
     """Megatron-Core's MoE layer refuses to run in training mode under tensor parallelism without
     sequence parallelism (a raw ``ValueError`` from inside the forward, also under ``no_grad``):
@@ -516,6 +525,7 @@ def generic_forward(
     layout = handle.placement
     chunks = handle.chunks
     check_moe_training_layout(handle)
+    check_batching(num_microbatches, max_tokens_per_microbatch)
     if seq_format not in ("thd", "bshd"):
         raise ZooError(f"unknown seq_format {seq_format!r}; use 'thd' or 'bshd'")
     staged = layout.pp > 1 or layout.cp > 1

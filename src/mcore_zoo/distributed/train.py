@@ -85,7 +85,7 @@ import torch.distributed as dist
 from ..errors import ZooError
 from ..handle import ModelHandle, handle_of
 from ..packing import alignment_for
-from .forward import Microbatch, _gather_vocab, _sequences, check_moe_training_layout, build_microbatches, partition_by_tokens, run_schedule, two_way_pipeline
+from .forward import Microbatch, _gather_vocab, _sequences, check_batching, check_moe_training_layout, build_microbatches, partition_by_tokens, run_schedule, two_way_pipeline
 from .vocab_parallel import token_logprobs_and_entropy
 
 
@@ -150,6 +150,34 @@ LossFn = Callable[[TokenOutputs], tuple[torch.Tensor, Mapping[str, Any]]]
 
 
 # ---------------------------------------------------------------------------- per-token data
+def check_token_data(token_data: Any, seqs: Sequence[torch.Tensor]) -> None:
+    """``token_data`` fits ``seqs``: a mapping of names to one value per sequence, each a number or
+    a 0-d tensor (broadcast), or a numeric 1-D tensor / list of ``len - 1`` or ``len`` entries.
+    Raises :class:`~mcore_zoo.errors.InputError` naming the entry."""
+    from ..errors import InputError
+
+    if token_data is None:
+        return
+    if not isinstance(token_data, Mapping):
+        raise InputError(f"token_data must be a dict {{name: per-sequence values}}, got {type(token_data).__name__}")
+    for key, per_seq in token_data.items():
+        if isinstance(per_seq, (str, bytes)) or not isinstance(per_seq, (Sequence, torch.Tensor)):
+            raise InputError(f"token_data[{key!r}] must hold one value per sequence (a list), got {type(per_seq).__name__}")
+        if len(per_seq) != len(seqs):
+            raise InputError(f"token_data[{key!r}] has {len(per_seq)} values for {len(seqs)} sequences")
+        for i, value in enumerate(per_seq):
+            if isinstance(value, bool) or not isinstance(value, (numbers.Number, torch.Tensor, Sequence)) or isinstance(value, (str, bytes)):
+                raise InputError(f"token_data[{key!r}][{i}] is a {type(value).__name__}; give a number or a tensor")
+            try:
+                tensor = torch.as_tensor(value)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                raise InputError(f"token_data[{key!r}][{i}] is not numeric ({exc})") from None
+            n = int(seqs[i].numel())
+            if tensor.dim() > 0 and tensor.numel() not in (n, n - 1):
+                raise InputError(f"token_data[{key!r}][{i}] has {tensor.numel()} entries; the sequence has {n} tokens"
+                                 f" (give {n - 1} per next-token prediction, {n} per token, or a scalar)")  # fmt: skip
+
+
 def _pack_token_data(token_data: Mapping[str, Sequence[Any]], mb: Microbatch, device: torch.device) -> dict[str, torch.Tensor]:
     """Lay each sequence's data out like the pack (entry ``j`` at the sequence's position ``j``),
     then keep this rank's share. Per sequence: a tensor of ``len - 1`` (per next-token
@@ -414,9 +442,11 @@ def train_step(
     given = _given_chunks(model, handle)
     wrapped = any(hasattr(c, "finish_grad_sync") for c in given)
     check_moe_training_layout(handle)
+    check_batching(num_microbatches, max_tokens_per_microbatch)
     seqs = _sequences(sequences, None, handle.arch_config.vocab_size, pad_token_id)
     if not seqs:
         raise ZooError("nothing to train on")
+    check_token_data(token_data, seqs)
     align = alignment_for(layout.tp, layout.cp, layout.sequence_parallel)
     padded = [-(-int(s.numel()) // align) * align for s in seqs]
     interleaved = layout.vpp > 1
