@@ -445,6 +445,87 @@ def tensor_parallel_rank(cases: Sequence[tuple[str, str, str]], tp: int, ep: int
     return results
 
 
+#: The numerics of the gradient contract on both sides: HF's op order, with norms that support
+#: sequence parallelism (which MoE models under TP train with).
+GRADIENT_NUMERICS = "hf-exact"
+
+
+def _next_token_loss(tokens: Any) -> Any:
+    return -(tokens.logprobs * tokens.mask).sum(), {}
+
+
+def gradient_step(model: Any) -> dict[str, Any]:
+    """One ``train_step`` of :func:`_next_token_loss` over the :data:`TP_LENGTHS` pack; every
+    gradient gathered under its HF name (collective: every rank of the model calls it)."""
+    from ..distributed.export import iter_hf_weights
+    from ..distributed.train import train_step
+    from ..handle import handle_of
+
+    model.train()
+    model.zero_grad(set_to_none=True)
+    seqs = random_sequences(TP_LENGTHS, handle_of(model).arch_config.vocab_size, seed=6)
+    train_step(model, seqs, _next_token_loss)
+    return {name: grad.clone() for name, grad in iter_hf_weights(model, grads=True)}
+
+
+def gradient_rank(cases: Sequence[tuple[str, str, str]], tp: int, ep: int = 1) -> dict[str, dict]:
+    """Runs on every rank of a :func:`mcore_zoo.distributed.launch`: for each ``(subject,
+    architecture, checkpoint)`` build at TP ``tp`` x EP ``ep`` (sequence parallelism for MoE
+    models under TP, as Megatron-Core's MoE layer trains only so), load, and run
+    :func:`gradient_step`. Errors are returned per case."""
+    from ..build import build_model
+    from ..parallel import ensure_model_parallel
+    from ..placement import Parallelism
+    from ..registry import get_registry
+
+    torch = _torch()
+    ensure_model_parallel(Parallelism(tp=tp, ep=ep))
+    results: dict[str, dict] = {}
+    for subject, arch_name, checkpoint in cases:
+        try:
+            architecture = get_registry().get(arch_name)
+            moe = architecture.config_from_hf(checkpoint).moe is not None
+            model = build_model(checkpoint, architecture=architecture, backend="portable", numerics=GRADIENT_NUMERICS,
+                                load=checkpoint, params_dtype=torch.float32,
+                                parallel=Parallelism(tp=tp, ep=ep, sequence_parallel=moe and tp > 1))  # fmt: skip
+            results[subject] = {"grads": gradient_step(model)}
+        except Exception as exc:  # reported per case by the parent
+            results[subject] = {"error": describe(exc)}
+    return results
+
+
+def run_gradients(cases: Sequence[tuple[str, str, str]], tp: int = 2, ep: int = 1) -> list[dict[str, dict]]:
+    """Launch :func:`gradient_rank` on ``tp * ep`` gloo ranks (one launch for all cases)."""
+    from ..distributed.launch import launch
+
+    return launch(gradient_rank, tp * ep, [tuple(map(str, c)) for c in cases], tp, ep)
+
+
+def check_gradients(architecture: Any, checkpoint: Path, subject: str, ranks: Sequence[Mapping[str, dict]], where: str) -> None:
+    """Every rank's gathered gradients for ``subject`` against one process's step, tensor by
+    tensor within :func:`~mcore_zoo.testing.common.layout_bound`."""
+    from .common import layout_bound
+
+    for rank, results in enumerate(ranks):
+        result = results.get(subject, {"error": "no result"})
+        if "error" in result:
+            fail("gradients", f"{subject}, {where}", f"rank {rank}: {result['error']}")
+    with contract("gradients", f"{subject}, one process"):
+        want = gradient_step(build(architecture, checkpoint, numerics=GRADIENT_NUMERICS, load=checkpoint))
+    problems = []
+    for rank, results in enumerate(ranks):
+        got = results[subject]["grads"]
+        if set(got) != set(want):
+            problems.append(f"rank {rank}: gradients of {sorted(set(got) ^ set(want))[:6]} on one side only")
+            continue
+        off = {n: max_abs_diff(got[n], want[n]) for n in want if max_abs_diff(got[n], want[n]) > layout_bound(want[n])}
+        for name in sorted(off, key=off.get, reverse=True)[:6]:
+            problems.append(f"rank {rank}: {name}: max |dgrad| {off[name]:.3e} (largest entry {want[name].abs().max().item():.3g},"
+                            f" bound {layout_bound(want[name]):.2e})")  # fmt: skip
+    if problems:
+        fail("gradients", f"{subject}, {where}", "\n".join(problems))
+
+
 def run_tensor_parallel(cases: Sequence[tuple[str, str, str]], tp: int = 2, ep: int = 1) -> list[dict[str, dict]]:
     """Launch :func:`tensor_parallel_rank` on ``tp * ep`` gloo ranks (one launch for all cases)."""
     from ..distributed.launch import launch

@@ -103,6 +103,19 @@ CONTRACTS: dict[str, Contract] = {
             " experts and everything else are rules without '{expert}'. num_experts must divide by 2.",
         ),
         Contract(
+            "gradients",
+            "train_step gradients at TP=2 (MoE models also at EP=2) equal one process's, every parameter",
+            "two gloo ranks build every example config (TP=2 with sequence parallelism for MoE models;"
+            " then EP=2 for MoE models), run one train_step of a next-token loss over a pack and gather"
+            " every gradient under its HF name; each equals the single-process step's within"
+            " layout_bound (128 ulps of its largest entry, at least 1)",
+            "a parameter the layer keeps whole on every TP rank but uses on sharded activations (a q/k"
+            " norm over the full width, a custom gate) needs its gradient summed over the TP group: use"
+            " a TP-aware module (Megatron-Core's norms take the full width only before the split), or"
+            " mark the parameter as Megatron-Core marks sequence-parallel weights so that"
+            " finalize_model_grads all-reduces it; a qk_norm per head must see per-head shapes.",
+        ),
+        Contract(
             "bad-input",
             "unknown fields, unsupported values and damaged checkpoints fail closed, naming the culprit",
             "an HF config field nobody classifies raises UnclassifiedConfigFieldsError naming it; each"

@@ -32,6 +32,7 @@ TEST_CONTRACTS = {
     "test_bad_input": "bad-input",
     "test_tensor_parallel": "tensor-parallel",
     "test_expert_parallel": "expert-parallel",
+    "test_gradients": "gradients",
 }
 
 
@@ -298,6 +299,51 @@ class ConformanceSuite:
             raise errors[0]
         if errors:
             raise ContractError("expert-parallel", f"{len(errors)} example configs",
+                                "\n\n".join(f"[{e.contract}] {e.subject}:\n{e.problem}" for e in errors))  # fmt: skip
+
+
+    def test_gradients(self, zoo_suite: _State) -> None:
+        """One TP launch for every example config, one EP launch for the MoE ones: train_step
+        gradients against one process's (contract ``gradients``)."""
+        from ..config.transformer import validate_layout
+        from ..placement import Parallelism
+        from .checks import check_gradients, run_gradients
+
+        cases = self.zoo_cases()
+        if not cases:
+            pytest.skip(f"no architecture of plugin(s) {self.zoo_plugins()} loaded: see test_registration")
+        tp, ep = self.tensor_parallel, self.expert_parallel
+        errors: list[ContractError] = []
+        runs: dict[tuple[int, int], list[Any]] = {(tp, 1): [], (1, ep): []}
+        for case in cases:
+            try:
+                architecture = zoo_suite.architecture(case)
+                with contract("gradients", case.subject):
+                    arch = architecture.config_from_hf(zoo_suite.config(case))
+                    validate_layout(arch, Parallelism(tp=tp, sequence_parallel=arch.moe is not None))
+                    if arch.moe is not None:
+                        validate_layout(arch, Parallelism(ep=ep))
+                checkpoint = zoo_suite.checkpoint(case, "gradients")
+                runs[(tp, 1)].append((case, architecture, checkpoint))
+                if arch.moe is not None:
+                    runs[(1, ep)].append((case, architecture, checkpoint))
+            except ContractError as exc:
+                errors.append(exc)
+        for (run_tp, run_ep), runnable in runs.items():
+            if not runnable:
+                continue
+            where = f"TP={run_tp}" if run_ep == 1 else f"EP={run_ep}"
+            with contract("gradients", f"{type(self).__name__} ({where} launch)"):
+                ranks = run_gradients([(c.subject, a.name, ckpt) for c, a, ckpt in runnable], run_tp, run_ep)
+            for case, architecture, checkpoint in runnable:
+                try:
+                    check_gradients(architecture, checkpoint, case.subject, ranks, where)
+                except ContractError as exc:
+                    errors.append(exc)
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise ContractError("gradients", f"{len(errors)} example configs",
                                 "\n\n".join(f"[{e.contract}] {e.subject}:\n{e.problem}" for e in errors))  # fmt: skip
 
 
