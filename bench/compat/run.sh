@@ -23,7 +23,9 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 OUT=${OUT:-$ROOT/out/compat}
 WORK=${WORK:-/tmp/mcore-zoo-compat}
 PY311=${PY311:-$(command -v python3.11 || echo python3)}
-PY312=${PY312:-$(p="$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python3.12"; [ -x "$p" ] && echo "$p" || command -v python3.12)}
+PY312=${PY312:-$(for p in "$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python3.12" \
+                         "${PYENV_ROOT:-$HOME/.pyenv}/versions/3.12.1/bin/python3.12"; do
+                   [ -x "$p" ] && { echo "$p"; exit; }; done; command -v python3.12)}
 TF_LOW=$("$PY311" - "$ROOT/pyproject.toml" <<'PY'
 import re, sys, tomllib
 deps = tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]
