@@ -426,7 +426,9 @@ def check_moe_training_layout(handle: ModelHandle) -> None:
     moe = handle.arch_config.moe
     if moe is None or handle.placement.tp == 1 or handle.placement.sequence_parallel:
         return
-    if any(chunk.training for chunk in handle.chunks):
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    if any(m.training for chunk in handle.chunks for m in chunk.modules() if isinstance(m, MoELayer)):
         raise ZooError(f"{handle.arch_config.architecture}: an MoE model at TP={handle.placement.tp} without sequence"
                        " parallelism cannot run in training mode (Megatron-Core's MoE layer refuses it): build it"
                        " with Parallelism(..., sequence_parallel=True), or call model.eval() for forwards"
