@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .common import (
     MOE_PACK_EXACT,
@@ -426,20 +426,31 @@ def tensor_parallel_rank(cases: Sequence[tuple[str, str, str]], tp: int, ep: int
     from ..placement import Parallelism
     from ..distributed.forward import packed_forward
     from ..parallel import ensure_model_parallel
-    from ..registry import get_registry
     from ..distributed.export import iter_hf_weights
 
     torch = _torch()
     ensure_model_parallel(Parallelism(tp=tp, ep=ep))
+
+    def run(architecture: Any, checkpoint: str) -> dict:
+        model = build(architecture, checkpoint, load=checkpoint)
+        seqs = random_sequences(TP_LENGTHS, handle_of(model).arch_config.vocab_size, seed=5)
+        with torch.no_grad():
+            out = packed_forward(model, seqs)
+        return {"seqs": seqs, "logits": out.logits, "exported": dict(iter_hf_weights(model))}
+
+    return _per_case(cases, run)
+
+
+def _per_case(cases: Sequence[tuple[str, str, str]], run: Callable[[Any, str], dict]) -> dict[str, dict]:
+    """``{subject: run(architecture, checkpoint)}`` for each ``(subject, architecture name,
+    checkpoint)`` of a rank; an exception becomes that case's ``{"error": ...}`` (the parent
+    reports it per case)."""
+    from ..registry import get_registry
+
     results: dict[str, dict] = {}
     for subject, arch_name, checkpoint in cases:
         try:
-            architecture = get_registry().get(arch_name)
-            model = build(architecture, checkpoint, load=checkpoint)
-            seqs = random_sequences(TP_LENGTHS, handle_of(model).arch_config.vocab_size, seed=5)
-            with torch.no_grad():
-                out = packed_forward(model, seqs)
-            results[subject] = {"seqs": seqs, "logits": out.logits, "exported": dict(iter_hf_weights(model))}
+            results[subject] = run(get_registry().get(arch_name), checkpoint)
         except Exception as exc:  # reported per case by the parent
             results[subject] = {"error": describe(exc)}
     return results
@@ -476,22 +487,18 @@ def gradient_rank(cases: Sequence[tuple[str, str, str]], tp: int, ep: int = 1) -
     from ..build import build_model
     from ..parallel import ensure_model_parallel
     from ..placement import Parallelism
-    from ..registry import get_registry
 
     torch = _torch()
     ensure_model_parallel(Parallelism(tp=tp, ep=ep))
-    results: dict[str, dict] = {}
-    for subject, arch_name, checkpoint in cases:
-        try:
-            architecture = get_registry().get(arch_name)
-            moe = architecture.config_from_hf(checkpoint).moe is not None
-            model = build_model(checkpoint, architecture=architecture, backend="portable", numerics=GRADIENT_NUMERICS,
-                                load=checkpoint, params_dtype=torch.float32,
-                                parallel=Parallelism(tp=tp, ep=ep, sequence_parallel=moe and tp > 1))  # fmt: skip
-            results[subject] = {"grads": gradient_step(model)}
-        except Exception as exc:  # reported per case by the parent
-            results[subject] = {"error": describe(exc)}
-    return results
+
+    def run(architecture: Any, checkpoint: str) -> dict:
+        moe = architecture.config_from_hf(checkpoint).moe is not None
+        model = build_model(checkpoint, architecture=architecture, backend="portable", numerics=GRADIENT_NUMERICS,
+                            load=checkpoint, params_dtype=torch.float32,
+                            parallel=Parallelism(tp=tp, ep=ep, sequence_parallel=moe and tp > 1))  # fmt: skip
+        return {"grads": gradient_step(model)}
+
+    return _per_case(cases, run)
 
 
 def run_gradients(cases: Sequence[tuple[str, str, str]], tp: int = 2, ep: int = 1) -> list[dict[str, dict]]:

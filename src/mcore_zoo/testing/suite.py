@@ -255,14 +255,7 @@ class ConformanceSuite:
                     check_tensor_parallel(architecture, checkpoint, case.subject, ranks, tp)
                 except ContractError as exc:
                     errors.append(exc)
-        if len(errors) == 1:
-            raise errors[0]
-        if errors:
-            raise ContractError(
-                "tensor-parallel",
-                f"{len(errors)} example configs",
-                "\n\n".join(f"[{e.contract}] {e.subject}:\n{e.problem}" for e in errors),
-            )
+        _raise_collected("tensor-parallel", errors)
 
 
     def test_expert_parallel(self, zoo_suite: _State) -> None:
@@ -295,11 +288,7 @@ class ConformanceSuite:
                     check_tensor_parallel(architecture, checkpoint, case.subject, ranks, 1, name="expert-parallel")
                 except ContractError as exc:
                     errors.append(exc)
-        if len(errors) == 1:
-            raise errors[0]
-        if errors:
-            raise ContractError("expert-parallel", f"{len(errors)} example configs",
-                                "\n\n".join(f"[{e.contract}] {e.subject}:\n{e.problem}" for e in errors))  # fmt: skip
+        _raise_collected("expert-parallel", errors)
 
 
     def test_gradients(self, zoo_suite: _State) -> None:
@@ -340,11 +329,17 @@ class ConformanceSuite:
                     check_gradients(architecture, checkpoint, case.subject, ranks, where)
                 except ContractError as exc:
                     errors.append(exc)
-        if len(errors) == 1:
-            raise errors[0]
-        if errors:
-            raise ContractError("gradients", f"{len(errors)} example configs",
-                                "\n\n".join(f"[{e.contract}] {e.subject}:\n{e.problem}" for e in errors))  # fmt: skip
+        _raise_collected("gradients", errors)
+
+
+def _raise_collected(name: str, errors: list[ContractError]) -> None:
+    """Raise the broken contracts of one launch's example configs: the one error as it is, several
+    as one ``name`` error listing each."""
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ContractError(name, f"{len(errors)} example configs",
+                            "\n\n".join(f"[{e.contract}] {e.subject}:\n{e.problem}" for e in errors))  # fmt: skip
 
 
 def _archs(state: _State, plugin: str) -> list[str]:
