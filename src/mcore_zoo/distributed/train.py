@@ -181,7 +181,8 @@ def check_token_data(token_data: Any, seqs: Sequence[torch.Tensor]) -> None:
 def _pack_token_data(token_data: Mapping[str, Sequence[Any]], mb: Microbatch, device: torch.device) -> dict[str, torch.Tensor]:
     """Lay each sequence's data out like the pack (entry ``j`` at the sequence's position ``j``),
     then keep this rank's share. Per sequence: a tensor of ``len - 1`` (per next-token
-    prediction, like log-probs) or ``len`` entries (per token), or a scalar (broadcast)."""
+    prediction, like log-probs) or ``len`` entries (per token), or a scalar (broadcast); checked
+    by :func:`check_token_data` before the step."""
     out = {}
     starts = mb.batch.cu_seqlens_padded.tolist()
     for key, per_seq in token_data.items():
@@ -195,12 +196,7 @@ def _pack_token_data(token_data: Mapping[str, Sequence[Any]], mb: Microbatch, de
             if isinstance(value, numbers.Number) or torch.as_tensor(value).dim() == 0:
                 packed[starts[k] : starts[k] + n] = torch.as_tensor(value, dtype=dtype)
                 continue
-            value = torch.as_tensor(value).reshape(-1)
-            if value.numel() not in (n, n - 1):
-                raise ZooError(
-                    f"token_data[{key!r}][{member}] has {value.numel()} entries; the sequence has {n} tokens"
-                    f" (give {n - 1} per next-token prediction, {n} per token, or a scalar)"
-                )
+            value = torch.as_tensor(value).reshape(-1)  # n or n - 1 entries (check_token_data)
             packed[starts[k] : starts[k] + value.numel()] = value.to(device=device, dtype=dtype)
         out[key] = mb.local(packed)
     return out
