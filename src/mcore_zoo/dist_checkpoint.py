@@ -197,8 +197,7 @@ def _write_errors(out: Path, tmp: Path) -> Iterator[None]:
             where = f"{cause.filename}: " if cause.filename else ""
             detail = f"{where}{cause.strerror or cause}"
         else:
-            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-            detail = (lines[-1] if lines else type(exc).__name__)[:300]
+            detail = _one_line(exc)
         hints = []
         try:
             hints.append(f"{shutil.disk_usage(tmp).free / 2**20:.1f} MiB free on its device")
@@ -214,6 +213,13 @@ def _write_errors(out: Path, tmp: Path) -> Iterator[None]:
             pass
         raise OutputError(out, f"writing failed: {detail} ({'; '.join(hints)}; is the disk full, a quota or"
                                " file size limit reached, or the directory read-only?)") from exc  # fmt: skip
+
+
+def _one_line(exc: BaseException) -> str:
+    """``exc``'s message on one line (at most 300 characters): torch's ``CheckpointException``
+    embeds each rank's traceback, whose last line is the cause."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return (lines[-1] if "Traceback" in str(exc) else " ".join(lines))[:300] or type(exc).__name__
 
 
 def _os_error_in(exc: BaseException) -> Optional[OSError]:
@@ -274,9 +280,7 @@ def _reading_dist_checkpoint(mcore_dir: Union[str, os.PathLike]) -> Iterator[Non
     except (KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
     except BaseException as exc:  # torch's CheckpointException is a BaseException; pickle, EOF, ...
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        # torch's CheckpointException embeds each rank's traceback: its last line is the cause
-        detail = (lines[-1] if "Traceback" in str(exc) else " ".join(lines))[:300] or type(exc).__name__
+        detail = _one_line(exc)
         raise InputError(
             f"distributed checkpoint {mcore_dir} cannot be read (damaged or truncated .metadata / .distcp files?):"
             f" {detail}"
