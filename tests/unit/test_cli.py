@@ -108,3 +108,22 @@ def test_library_warnings_only_with_debug():
     assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
     loud = subprocess.run(command[:3] + ["--debug"] + command[3:], capture_output=True, text=True, timeout=300)
     assert loud.returncode == 0 and "Warning" in loud.stderr
+
+
+def test_show_refuses_a_field_of_the_wrong_type(tmp_path, capsys):
+    """``show`` converts the config as every other command does: a RoPE base given in words is a
+    usage error naming the field (exit 2), in either place transformers versions keep it."""
+    from ..conftest import CONFIGS
+
+    published = json.loads((CONFIGS / "llama-3.1-8b.json").read_text())
+    for where in ("top", "rope_parameters"):
+        config = dict(published)
+        if where == "top":
+            config["rope_theta"] = "ten thousand"
+        else:
+            config.pop("rope_theta", None)
+            config["rope_parameters"] = {**(config.pop("rope_scaling") or {}), "rope_theta": "ten thousand"}
+        path = tmp_path / f"{where}.json"
+        path.write_text(json.dumps(config))
+        assert main(["show", "--config", str(path)]) == 2, where
+        assert "rope_theta" in capsys.readouterr().err, where
