@@ -16,7 +16,7 @@ runs on the CPU in fp32 against the transformers model; a failure names the cont
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, ClassVar, Iterator, Mapping, Optional, Sequence, Union
 
 import pytest
 
@@ -247,14 +247,9 @@ class ConformanceSuite:
                 runnable.append((case, architecture, zoo_suite.checkpoint(case, "tensor-parallel")))
             except ContractError as exc:
                 errors.append(exc)
-        if runnable:
-            with contract("tensor-parallel", f"{type(self).__name__} (TP={tp} launch)"):
-                ranks = run_tensor_parallel([(c.subject, a.name, ckpt) for c, a, ckpt in runnable], tp)
-            for case, architecture, checkpoint in runnable:
-                try:
-                    check_tensor_parallel(architecture, checkpoint, case.subject, ranks, tp)
-                except ContractError as exc:
-                    errors.append(exc)
+        errors += _launch_and_check("tensor-parallel", f"{type(self).__name__} (TP={tp} launch)", runnable,
+                                    lambda cases: run_tensor_parallel(cases, tp),
+                                    lambda arch, ckpt, subject, ranks: check_tensor_parallel(arch, ckpt, subject, ranks, tp))  # fmt: skip
         _raise_collected("tensor-parallel", errors)
 
 
@@ -280,14 +275,10 @@ class ConformanceSuite:
                 errors.append(exc)
         if not runnable and not errors:
             pytest.skip("no MoE architecture among the example configs")
-        if runnable:
-            with contract("expert-parallel", f"{type(self).__name__} (EP={ep} launch)"):
-                ranks = run_tensor_parallel([(c.subject, a.name, ckpt) for c, a, ckpt in runnable], 1, ep)
-            for case, architecture, checkpoint in runnable:
-                try:
-                    check_tensor_parallel(architecture, checkpoint, case.subject, ranks, 1, name="expert-parallel")
-                except ContractError as exc:
-                    errors.append(exc)
+        errors += _launch_and_check("expert-parallel", f"{type(self).__name__} (EP={ep} launch)", runnable,
+                                    lambda cases: run_tensor_parallel(cases, 1, ep),
+                                    lambda arch, ckpt, subject, ranks: check_tensor_parallel(
+                                        arch, ckpt, subject, ranks, 1, name="expert-parallel"))  # fmt: skip
         _raise_collected("expert-parallel", errors)
 
 
@@ -319,17 +310,29 @@ class ConformanceSuite:
             except ContractError as exc:
                 errors.append(exc)
         for (run_tp, run_ep), runnable in runs.items():
-            if not runnable:
-                continue
             where = f"TP={run_tp}" if run_ep == 1 else f"EP={run_ep}"
-            with contract("gradients", f"{type(self).__name__} ({where} launch)"):
-                ranks = run_gradients([(c.subject, a.name, ckpt) for c, a, ckpt in runnable], run_tp, run_ep)
-            for case, architecture, checkpoint in runnable:
-                try:
-                    check_gradients(architecture, checkpoint, case.subject, ranks, where)
-                except ContractError as exc:
-                    errors.append(exc)
+            errors += _launch_and_check("gradients", f"{type(self).__name__} ({where} launch)", runnable,
+                                        lambda cases, t=run_tp, e=run_ep: run_gradients(cases, t, e),
+                                        lambda arch, ckpt, subject, ranks, w=where: check_gradients(arch, ckpt, subject, ranks, w))  # fmt: skip
         _raise_collected("gradients", errors)
+
+
+def _launch_and_check(name: str, launch_subject: str, runnable: list[Any], launch: Callable[[list[Any]], Any],
+                      check: Callable[..., None]) -> list[ContractError]:  # fmt: skip
+    """One gloo launch for the ``(case, architecture, checkpoint)`` triples of ``runnable`` (a
+    failed launch breaks contract ``name`` for all of them), then ``check(architecture,
+    checkpoint, subject, ranks)`` per case; returns the contract errors of the cases."""
+    if not runnable:
+        return []
+    with contract(name, launch_subject):
+        ranks = launch([(c.subject, a.name, ckpt) for c, a, ckpt in runnable])
+    errors = []
+    for case, architecture, checkpoint in runnable:
+        try:
+            check(architecture, checkpoint, case.subject, ranks)
+        except ContractError as exc:
+            errors.append(exc)
+    return errors
 
 
 def _raise_collected(name: str, errors: list[ContractError]) -> None:
