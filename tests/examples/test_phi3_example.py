@@ -53,7 +53,7 @@ def test_installed_example_passes_its_own_test_suite(installed):
     out = proc.stdout
     assert proc.returncode == 0, out[-6000:] + proc.stderr[-3000:]
     assert "mcore-zoo conformance" in out
-    for contract, count in [("registration", 1), ("config", 2), ("weight-map", 2), ("parity", 2), ("thd", 2),
+    for contract, count in [("registration", 1), ("config", 2), ("build", 2), ("weight-map", 2), ("parity", 2), ("thd", 2),
                             ("tensor-parallel", 1), ("bad-input", 2)]:  # fmt: skip
         assert f"{contract:<16} {count} passed\n" in out, (contract, out[-3000:])
     assert " failed" not in out.splitlines()[-1] and " passed" in out.splitlines()[-1]

@@ -55,6 +55,19 @@ def convert(reader):
     return arch
 '''
 
+BAD_SPEC = '''
+def layer_spec(arch, backend, numerics, *, config, vp_stage=None, pp_rank=None):
+    """a q_layernorm slot filled with a module whose constructor Megatron-Core cannot call."""
+    import copy
+    import torch
+    from mcore_zoo.specs.gpt import gpt_layer_specs
+    block = gpt_layer_specs(arch, backend, numerics, config=config, vp_stage=vp_stage, pp_rank=pp_rank)
+    layer = copy.deepcopy(block.layer_specs[0])
+    layer.submodules.self_attention.submodules.q_layernorm = torch.nn.LayerNorm
+    block.layer_specs = [layer] * len(block.layer_specs)
+    return block
+'''
+
 SUITES = '''
 from mcore_zoo.testing import ConformanceSuite
 
@@ -70,6 +83,9 @@ class TestLazy(ConformanceSuite):
 class TestRival(ConformanceSuite):
     plugin = "rival"
 
+class TestBadSpec(ConformanceSuite):
+    plugin = "badspec"
+
 class TestBroken(ConformanceSuite):
     plugin = "broken"
 
@@ -82,7 +98,7 @@ class TestMissing(ConformanceSuite):
 
 SELECTION = (
     "(TestGood and not tensor_parallel and not expert_parallel and not gradients) or (TestSwapped and (weight_map or parity)) or (TestLazy and bad_input)"
-    " or (TestRival and (registration or test_config)) or TestBroken or ((TestHeavy or TestMissing) and registration)"
+    " or (TestRival and (registration or test_config)) or (TestBadSpec and (test_build or weight_map)) or TestBroken or ((TestHeavy or TestMissing) and registration)"
 )
 
 
@@ -94,6 +110,8 @@ def verdicts(tmp_path_factory):
               GOOD.format(arch="SwappedLlamaForCausalLM", extra=', weight_rules="zoo_swapped:weight_map"') + SWAPPED_RULES)
     make_dist(site, "zoo-lazy", "1.0", "lazy", "zoo_lazy",
               GOOD.format(arch="LazyLlamaForCausalLM", extra=', converter="zoo_lazy:convert"') + LAZY_CONVERTER)
+    make_dist(site, "zoo-badspec", "1.0", "badspec", "zoo_badspec",
+              GOOD.format(arch="BadSpecLlamaForCausalLM", extra=', layer_spec="zoo_badspec:layer_spec"') + BAD_SPEC)
     make_dist(site, "zoo-rival", "0.9", "rival", "zoo_rival", GOOD.format(arch="LlamaForCausalLM", extra=""))
     make_dist(site, "zoo-broken", "0.1", "broken", "zoo_broken", "raise RuntimeError('needs CUDA 99')\n")
     make_dist(site, "zoo-heavy", "1.0", "heavy", "zoo_heavy", "import torch\n" + GOOD.format(arch="HeavyLlamaForCausalLM", extra=""))  # fmt: skip
@@ -122,7 +140,7 @@ def test_correct_plugin_passes_next_to_broken_ones(verdicts):
     proc, results = verdicts
     good = {k: v[0] for k, v in results.items() if k.startswith("TestGood::")}
     assert set(good) == {f"TestGood::test_{c}" + ("[good]" if c == "registration" else "[GoodLlamaForCausalLM]")
-                         for c in ("registration", "config", "weight_map", "parity", "thd", "bad_input")}, good  # fmt: skip
+                         for c in ("registration", "config", "build", "weight_map", "parity", "thd", "bad_input")}, good  # fmt: skip
     assert set(good.values()) == {"passed"}, proc.stdout[-5000:]
     assert proc.returncode == 1  # the broken plugins fail the run
 
@@ -137,6 +155,16 @@ def test_broken_weight_map_fails_parity_not_round_trip(verdicts):
     # the stage-by-stage diagnosis points at the first layer's MLP, after equal embedding and attention
     assert "embedding: equal" in text and "layer 0 attention: equal" in text
     assert "layer 0 MLP: max |diff|" in text and "first difference is in layer 0 MLP: check the activation, the gate/up order" in text
+
+
+def test_model_that_cannot_be_constructed_breaks_the_build_contract_wherever_it_is_built(verdicts):
+    """A bad q_layernorm spec: contract ``build`` broken, in its own test and in the weight-map
+    test that needed the model (not reported as a weight-map failure)."""
+    for test in ("test_build", "test_weight_map"):
+        status, text = outcome(verdicts, f"TestBadSpec::{test}[BadSpecLlamaForCausalLM]")
+        assert status == "failed", (test, text)
+        assert "mcore-zoo contract 'build' broken for BadSpecLlamaForCausalLM (example config), backend" in text, text
+        assert "contract 'weight-map' broken" not in text and "LayerNorm" in text
 
 
 def test_bulk_classifying_converter_fails_bad_input(verdicts):

@@ -108,5 +108,5 @@ def test_generated_package_installs_and_passes_once_filled_in(tmp_path):
     installed.write_text(source.replace("    return read_dense_decoder(reader)\n", FILLED_IN))
     second = run_tests()
     assert second.returncode == 0, second.stdout[-6000:]
-    for contract in ("registration", "config", "weight-map", "parity", "thd", "tensor-parallel", "bad-input"):
+    for contract in ("registration", "config", "build", "weight-map", "parity", "thd", "tensor-parallel", "bad-input"):
         assert f"{contract:<16} 1 passed\n" in second.stdout

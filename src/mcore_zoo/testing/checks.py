@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -51,18 +52,39 @@ def _eager() -> Any:
     return get_profile("default").with_knobs(attention="eager")
 
 
-def build(architecture: Any, source: Any, *, backend: str = "portable", numerics: Any = None, load: Any = None) -> Any:
-    """A single-process fp32 model of ``architecture`` built from ``source`` (config or checkpoint)."""
+def build(architecture: Any, source: Any, *, backend: str = "portable", numerics: Any = None, load: Any = None,
+          subject: Optional[str] = None) -> Any:  # fmt: skip
+    """A single-process fp32 model of ``architecture`` built from ``source`` (config or checkpoint).
+
+    With ``subject``, a failure while the model is constructed (the layer spec, ``GPTModel``, the
+    parameters) breaks contract ``build`` for it, whichever contract asked for the model; the
+    converter's errors (``config``) and the checkpoint's (``weight-map``) keep their own."""
     from ..build import build_model
 
-    return build_model(
-        str(source) if isinstance(source, Path) else source,
-        architecture=architecture,
-        backend=backend,
-        numerics=numerics if numerics is not None else _eager(),
-        load=str(load) if load is not None else None,
-        params_dtype=_torch().float32,
-    ).eval()
+    try:
+        return build_model(
+            str(source) if isinstance(source, Path) else source,
+            architecture=architecture,
+            backend=backend,
+            numerics=numerics if numerics is not None else _eager(),
+            load=str(load) if load is not None else None,
+            params_dtype=_torch().float32,
+        ).eval()
+    except Exception as exc:
+        if subject is not None and raised_while_constructing(exc):
+            raise ContractError("build", f"{subject}, backend {backend!r}", describe(exc)) from exc
+        raise
+
+
+def raised_while_constructing(exc: BaseException) -> bool:
+    """Whether ``exc`` (raised by ``build_model``) came from constructing the model rather than from
+    converting the config (a ``ConfigError``) or reading the checkpoint (a ``WeightMapError``, or
+    anything raised under ``load_hf_weights``: a plugin's weight transform, say)."""
+    from ..errors import ConfigError, WeightMapError
+
+    if isinstance(exc, (ConfigError, WeightMapError, ContractError)):
+        return False
+    return not any(frame.name == "load_hf_weights" for frame in traceback.extract_tb(exc.__traceback__))
 
 
 def reference(architecture: Any, checkpoint: Path, attn: str = "eager") -> Any:
@@ -185,6 +207,23 @@ def check_config(architecture: Any, config: Mapping[str, Any], subject: str) -> 
     return arch
 
 
+# ---------------------------------------------------------------------------- build
+#: The backends the build contract constructs (those that run on the CPU), with their numerics.
+CPU_BACKENDS = {"portable": None, "local": "default"}
+
+
+def check_build(architecture: Any, config: Mapping[str, Any], subject: str) -> None:
+    """Contract ``build``: the model of ``config`` is constructed at random init with every CPU
+    backend the entry declares. A converter failure stays the ``config`` contract's."""
+    for backend, numerics in CPU_BACKENDS.items():
+        if backend not in architecture.entry.backends:
+            continue
+        with contract("config", subject):  # build() raises contract build itself for construction failures
+            model = build(architecture, dict(config), backend=backend, numerics=numerics, subject=subject)
+        if not any(True for _ in model.parameters()):
+            fail("build", f"{subject}, backend {backend!r}", "the model has no parameters")
+
+
 # ---------------------------------------------------------------------------- weight map
 def check_weight_map(architecture: Any, checkpoint: Path, subject: str) -> None:
     """Bitwise HF -> mcore -> HF round trip that covers every tensor; no dead rules."""
@@ -193,7 +232,7 @@ def check_weight_map(architecture: Any, checkpoint: Path, subject: str) -> None:
 
     torch = _torch()
     with contract("weight-map", subject):
-        model = build(architecture, checkpoint, backend="local", numerics="default", load=checkpoint)
+        model = build(architecture, checkpoint, backend="local", numerics="default", load=checkpoint, subject=subject)
         source = load_safetensors_dir(checkpoint)
         wmap = handle_of(model).weight_map
         exported: dict[str, Any] = {}
@@ -233,8 +272,8 @@ def check_parity(architecture: Any, checkpoint: Path, subject: str, *, sensitivi
     torch = _torch()
     with contract("parity", subject):
         hf = reference(architecture, checkpoint)
-        model = build(architecture, checkpoint, load=checkpoint)
-        local = build(architecture, checkpoint, backend="local", numerics="hf-exact", load=checkpoint)
+        model = build(architecture, checkpoint, load=checkpoint, subject=subject)
+        local = build(architecture, checkpoint, backend="local", numerics="hf-exact", load=checkpoint, subject=subject)
     vocab = hf.config.vocab_size
     seqs = random_sequences(PARITY_LENGTHS, vocab)
     ids = torch.stack(random_sequences([40, 40, 40], vocab, seed=1))
@@ -382,7 +421,8 @@ def check_thd(architecture: Any, checkpoint: Path, subject: str) -> None:
     torch = _torch()
     problems = []
     with torch.no_grad(), contract("thd", subject):
-        model = build(architecture, checkpoint, numerics=get_profile("default").with_knobs(attention="sdpa"), load=checkpoint)
+        model = build(architecture, checkpoint, numerics=get_profile("default").with_knobs(attention="sdpa"), load=checkpoint,
+                      subject=subject)
         arch_config = handle_of(model).arch_config
         vocab = arch_config.vocab_size
         moe = arch_config.moe is not None  # experts see other row counts: MOE_PACK_REL_TOL
@@ -443,17 +483,26 @@ def tensor_parallel_rank(cases: Sequence[tuple[str, str, str]], tp: int, ep: int
 
 def _per_case(cases: Sequence[tuple[str, str, str]], run: Callable[[Any, str], dict]) -> dict[str, dict]:
     """``{subject: run(architecture, checkpoint)}`` for each ``(subject, architecture name,
-    checkpoint)`` of a rank; an exception becomes that case's ``{"error": ...}`` (the parent
-    reports it per case)."""
+    checkpoint)`` of a rank; an exception becomes that case's ``{"error": ..., "constructing": ...}``
+    (the parent reports it per case: :func:`rank_error`)."""
     from ..registry import get_registry
 
     results: dict[str, dict] = {}
     for subject, arch_name, checkpoint in cases:
         try:
             results[subject] = run(get_registry().get(arch_name), checkpoint)
-        except Exception as exc:  # reported per case by the parent
-            results[subject] = {"error": describe(exc)}
+        except Exception as exc:  # reported per case by the parent (a construction failure as contract build)
+            results[subject] = {"error": describe(exc), "constructing": raised_while_constructing(exc)}
     return results
+
+
+def rank_error(name: str, where: str, subject: str, ranks: Sequence[Mapping[str, dict]]) -> None:
+    """Fail contract ``name`` for the first rank whose run of ``subject`` raised (contract
+    ``build`` when the model could not be constructed there)."""
+    for rank, results in enumerate(ranks):
+        result = results.get(subject, {"error": "no result"})
+        if "error" in result:
+            fail("build" if result.get("constructing") else name, where, f"rank {rank}: {result['error']}")
 
 
 #: The numerics of the gradient contract on both sides: HF's op order, with norms that support
@@ -513,12 +562,9 @@ def check_gradients(architecture: Any, checkpoint: Path, subject: str, ranks: Se
     tensor within :func:`~mcore_zoo.testing.common.layout_bound`."""
     from .common import layout_bound
 
-    for rank, results in enumerate(ranks):
-        result = results.get(subject, {"error": "no result"})
-        if "error" in result:
-            fail("gradients", f"{subject}, {where}", f"rank {rank}: {result['error']}")
+    rank_error("gradients", f"{subject}, {where}", subject, ranks)
     with contract("gradients", f"{subject}, one process"):
-        want = gradient_step(build(architecture, checkpoint, numerics=GRADIENT_NUMERICS, load=checkpoint))
+        want = gradient_step(build(architecture, checkpoint, numerics=GRADIENT_NUMERICS, load=checkpoint, subject=subject))
     problems = []
     for rank, results in enumerate(ranks):
         got = results[subject]["grads"]
@@ -547,10 +593,7 @@ def check_tensor_parallel(architecture: Any, checkpoint: Path, subject: str, ran
     torch = _torch()
     problems = []
     where = f"{subject}, TP={tp}" if name == "tensor-parallel" else f"{subject}, EP={len(ranks)}"
-    for rank, results in enumerate(ranks):
-        result = results.get(subject, {"error": "no result"})
-        if "error" in result:
-            fail(name, where, f"rank {rank}: {result['error']}")
+    rank_error(name, where, subject, ranks)
     with contract(name, subject):
         hf = reference(architecture, checkpoint)
         source = load_safetensors_dir(checkpoint)
@@ -634,7 +677,7 @@ def check_bad_input(architecture: Any, config: Mapping[str, Any], checkpoint: Pa
 
     with contract("bad-input", subject):
         state = load_safetensors_dir(checkpoint)
-        model = build(architecture, checkpoint, backend="local", numerics="default")
+        model = build(architecture, checkpoint, backend="local", numerics="default", subject=subject)
         wmap = handle_of(model).weight_map
     victim = next(
         (n for b in wmap.expand_full() if "{layer}" in b.rule.mcore for n in b.hf if n in state and state[n].dim() == 2),

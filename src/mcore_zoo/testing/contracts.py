@@ -49,6 +49,17 @@ CONTRACTS: dict[str, Contract] = {
             " `mcore-zoo show ARCH` prints the classification.",
         ),
         Contract(
+            "build",
+            "the model is constructed from the example config: layer spec, GPTModel, parameters",
+            "a single process builds the model of every example config on the CPU in fp32 with every"
+            " backend the entry declares that runs there (portable, local), at random init; a failure"
+            " while constructing the model in any other contract's run is reported here, not there",
+            "read the traceback: a custom layer_spec names a module with the wrong constructor (Megatron-Core"
+            " builds each submodule with config=..., hidden_size=... keywords: a q_layernorm / k_layernorm"
+            " must accept them, like mcore_zoo.specs.norms.HFRMSNorm), a submodule slot the layer class"
+            " does not have, or a converter that produced an ArchConfig the spec cannot honour.",
+        ),
+        Contract(
             "weight-map",
             "HF -> Megatron-Core -> HF is bitwise and covers every tensor and parameter",
             "a random reference checkpoint loads (every checkpoint tensor consumed or ignored with a"

@@ -8,8 +8,9 @@
 
 The subclass collects, for every architecture the plugin registers (and every variant of its
 example config the class lists), one test per contract: ``test_registration`` (per plugin),
-``test_config``, ``test_weight_map``, ``test_parity``, ``test_thd``, ``test_bad_input`` (per
-example config) and ``test_tensor_parallel`` (one multi-process launch for all of them). Everything
+``test_config``, ``test_build``, ``test_weight_map``, ``test_parity``, ``test_thd``,
+``test_bad_input`` (per example config), and ``test_tensor_parallel``, ``test_expert_parallel``,
+``test_gradients`` (multi-process launches shared by all of them). Everything
 runs on the CPU in fp32 against the transformers model; a failure names the contract and the fix.
 """
 
@@ -26,6 +27,7 @@ from .contracts import ContractError, contract
 TEST_CONTRACTS = {
     "test_registration": "registration",
     "test_config": "config",
+    "test_build": "build",
     "test_weight_map": "weight-map",
     "test_parity": "parity",
     "test_thd": "thd",
@@ -199,6 +201,11 @@ class ConformanceSuite:
         from .checks import check_config
 
         check_config(zoo_suite.architecture(zoo_case), zoo_suite.config(zoo_case), zoo_case.subject)
+
+    def test_build(self, zoo_suite: _State, zoo_case: Case) -> None:
+        from .checks import check_build
+
+        check_build(zoo_suite.architecture(zoo_case), zoo_suite.config(zoo_case), zoo_case.subject)
 
     def test_weight_map(self, zoo_suite: _State, zoo_case: Case) -> None:
         from .checks import check_weight_map
