@@ -58,6 +58,7 @@ _LAZY = {
     "get_profile": "mcore_zoo.numerics.profiles:get_profile",
     "build_model": "mcore_zoo.build:build_model",
     "model_provider": "mcore_zoo.build:model_provider",
+    "BuildRequest": "mcore_zoo.build:BuildRequest",
     "handle_of": "mcore_zoo.handle:handle_of",
     "ModelHandle": "mcore_zoo.handle:ModelHandle",
     "ensure_model_parallel": "mcore_zoo.parallel:ensure_model_parallel",

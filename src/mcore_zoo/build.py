@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
@@ -35,6 +35,60 @@ from .vocab import install_logit_mask, padded_vocab_size
 
 def _default_dtype() -> torch.dtype:
     return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+
+
+@dataclass(frozen=True)
+class BuildRequest:
+    """What a caller asks to be built: the one set of build options that :func:`build_model`,
+    :func:`model_provider`, :func:`prepare` and :func:`mcore_zoo.dist_checkpoint.meta_model` take
+    (as a ``request=`` object, or as keyword arguments of the same names).
+
+    Attributes:
+        architecture: the registered architecture (default: looked up from the HF config).
+        backend: ``"te"``, ``"local"`` or ``"portable"`` (see :mod:`mcore_zoo.specs.gpt`).
+        numerics: profile name (``"default"``, ``"hf-exact"``, ...) or a NumericsProfile.
+        params_dtype: default bf16 on CUDA, fp32 on CPU.
+        parallel: layout; default: the initialised Megatron parallel state, else all 1 (the
+            process group and Megatron groups are then created for a single process).
+        overrides: extra ``TransformerConfig`` fields (names are checked).
+        ignore_fields: ``{hf_field: reason}`` to accept HF config fields no rule classifies.
+        trust_remote_code: let transformers run the checkpoint's own config code (never by default).
+        perform_initialization: run Megatron-Core's random init; :func:`build_model` decides it
+            (off when it loads weights).
+        head: ``"lm"`` or ``"value"``: a critic whose output layer is a width-1 value head
+            (:class:`~mcore_zoo.specs.heads.ValueHead`), loaded from the checkpoint's ``score``
+            tensors (transformers' ``*ForTokenClassification`` with one label); the checkpoint's
+            ``lm_head.weight``, if any, is skipped and reported as such.
+        value_head_init: ``"zeros"`` / ``"normal"``: initialise the value head this way when the
+            checkpoint has none (a causal-LM checkpoint); without it such a load fails.
+        make_vocab_size_divisible_by: pad the embedding and output layer to a multiple of this
+            times TP, as Megatron trainers do; loading and export stay exact (:mod:`mcore_zoo.vocab`).
+    """
+
+    architecture: Optional[Architecture] = None
+    backend: str = "local"
+    numerics: Union[str, NumericsProfile, None] = None
+    params_dtype: Optional[torch.dtype] = None
+    parallel: Optional[Parallelism] = None
+    overrides: Optional[Mapping[str, Any]] = None
+    ignore_fields: Optional[Mapping[str, str]] = None
+    trust_remote_code: bool = False
+    perform_initialization: bool = True
+    head: str = "lm"
+    value_head_init: Optional[str] = None
+    make_vocab_size_divisible_by: Optional[int] = None
+
+    @classmethod
+    def of(cls, request: Optional["BuildRequest"] = None, /, **options: Any) -> "BuildRequest":
+        """``request`` (default: all defaults) with ``options`` set; an unknown option is a
+        ``TypeError`` naming it and the known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown build option(s) {unknown}; the options are {sorted(known)}")
+        if request is not None and not isinstance(request, cls):
+            raise TypeError(f"request must be a BuildRequest, not {type(request).__name__}")
+        return replace(request or cls(), **options)
 
 
 @dataclass(frozen=True)
@@ -106,59 +160,43 @@ class BuildPlan:
         return model
 
 
-def prepare(
-    source: Any,
-    *,
-    architecture: Optional[Architecture] = None,
-    backend: str = "local",
-    numerics: Union[str, NumericsProfile, None] = None,
-    params_dtype: Optional[torch.dtype] = None,
-    parallel: Optional[Parallelism] = None,
-    overrides: Optional[Mapping[str, Any]] = None,
-    ignore_fields: Optional[Mapping[str, str]] = None,
-    trust_remote_code: bool = False,
-    perform_initialization: bool = True,
-    head: str = "lm",
-    value_head_init: Optional[str] = None,
-    make_vocab_size_divisible_by: Optional[int] = None,
-) -> BuildPlan:
+def prepare(source: Any, request: Optional[BuildRequest] = None, /, **options: Any) -> BuildPlan:
     """Convert and configure without building. The HF config is read once; the parallel layout
     (default: the initialised parallel state's, else all 1) is validated against the model here,
-    before anything is built or read."""
+    before anything is built or read. ``request`` / ``options``: a :class:`BuildRequest`."""
     from megatron.core.transformer import TransformerConfig  # noqa: F401 - fail early if absent
 
     from .registry import lookup, read_config_dict
 
-    remote = trust_remote_code and not isinstance(source, Mapping) and not hasattr(source, "to_dict")
+    req = BuildRequest.of(request, **options)
+    remote = req.trust_remote_code and not isinstance(source, Mapping) and not hasattr(source, "to_dict")
     hf_config = source if remote else read_config_dict(source)  # the file is read once (remote code: by transformers)
-    _check_head(head, value_head_init)
-    if architecture is None:
-        architecture = lookup(_causal_lm_name(hf_config) if head == "value" else hf_config)
+    _check_head(req.head, req.value_head_init)
+    architecture = req.architecture or lookup(_causal_lm_name(hf_config) if req.head == "value" else hf_config)
     warn_provider(architecture)  # a third-party plugin (or an override of a built-in) is named
-    if head == "value":
+    ignore_fields = req.ignore_fields
+    if req.head == "value":
         ignore_fields = {**_value_head_fields(hf_config), **dict(ignore_fields or {})}
-    arch = architecture.config_from_hf(hf_config, ignore_fields=ignore_fields, trust_remote_code=trust_remote_code)
+    arch = architecture.config_from_hf(hf_config, ignore_fields=ignore_fields, trust_remote_code=req.trust_remote_code)
     warn_amendments(arch)  # an extension that changed the converted config is named
-    if head == "value" and arch.mtp_num_layers:
+    if req.head == "value" and arch.mtp_num_layers:
         raise ZooError(f"{arch.architecture}: a value head has no multi-token prediction; drop the MTP layers"
                        " with ignore_fields={'num_nextn_predict_layers': reason}")  # fmt: skip
     cuda = torch.cuda.is_available()
-    profile = get_profile(numerics).for_device(cuda)
-    if parallel is None:
-        parallel = Placement.current().parallel
-    if make_vocab_size_divisible_by is not None:  # Megatron's padded vocabulary (mcore_zoo.vocab)
-        arch = arch.replace(padded_vocab_size=padded_vocab_size(arch.vocab_size, make_vocab_size_divisible_by, parallel.tp))
+    parallel = req.parallel if req.parallel is not None else Placement.current().parallel
+    if req.make_vocab_size_divisible_by is not None:  # Megatron's padded vocabulary (mcore_zoo.vocab)
+        arch = arch.replace(padded_vocab_size=padded_vocab_size(arch.vocab_size, req.make_vocab_size_divisible_by, parallel.tp))
     validate_layout(arch, parallel)
     options = BuildOptions(
-        backend=backend,
+        backend=req.backend,
         parallel=parallel,
-        params_dtype=params_dtype or _default_dtype(),
-        numerics=profile,
+        params_dtype=req.params_dtype or _default_dtype(),
+        numerics=get_profile(req.numerics).for_device(cuda),
         cpu=not cuda,
-        overrides=dict(overrides or {}),
-        perform_initialization=perform_initialization,
-        head=head,
-        value_head_init=value_head_init,
+        overrides=dict(req.overrides or {}),
+        perform_initialization=req.perform_initialization,
+        head=req.head,
+        value_head_init=req.value_head_init,
     )
     config = compat.make_transformer_config(transformer_config_class(arch), **transformer_config_kwargs(arch, options))
     return BuildPlan(architecture, arch, options, config)
@@ -249,42 +287,22 @@ def install_rope(model: torch.nn.Module, arch: ArchConfig, numerics: NumericsPro
 
 def build_model(
     source: Any,
+    request: Optional[BuildRequest] = None,
+    /,
     *,
-    architecture: Optional[Architecture] = None,
-    backend: str = "local",
-    numerics: Union[str, NumericsProfile, None] = None,
-    params_dtype: Optional[torch.dtype] = None,
-    parallel: Optional[Parallelism] = None,
-    overrides: Optional[Mapping[str, Any]] = None,
-    ignore_fields: Optional[Mapping[str, str]] = None,
     load: Any = None,
-    trust_remote_code: bool = False,
     device: Optional[Union[str, torch.device]] = None,
-    head: str = "lm",
-    value_head_init: Optional[str] = None,
-    make_vocab_size_divisible_by: Optional[int] = None,
+    **options: Any,
 ) -> Union[torch.nn.Module, list[torch.nn.Module]]:
     """Build the Megatron-Core model for an HF architecture.
 
     Args:
         source: HF config (object or dict), checkpoint directory or config.json path.
-        backend: ``"te"``, ``"local"`` or ``"portable"`` (see :mod:`mcore_zoo.specs.gpt`).
-        numerics: profile name (``"default"``, ``"hf-exact"``, ...) or a NumericsProfile.
-        params_dtype: default bf16 on CUDA, fp32 on CPU.
-        parallel: layout; default: the initialised Megatron parallel state, else all 1 (the
-            process group and Megatron groups are then created for a single process).
-        overrides: extra ``TransformerConfig`` fields.
-        ignore_fields: ``{hf_field: reason}`` to accept HF config fields no rule classifies.
-        load: an HF checkpoint directory to load weights from (every parameter must be covered).
+        request, options: the build options, a :class:`BuildRequest` and / or its fields as
+            keywords (``backend=``, ``numerics=``, ``parallel=``, ``head=``, ...).
+        load: an HF checkpoint directory to load weights from (every parameter must be covered);
+            the model is then built without random init.
         device: where the model lives (default: the current CUDA device, else CPU).
-        head: ``"lm"`` or ``"value"``: a critic whose output layer is a width-1 value head
-            (:class:`~mcore_zoo.specs.heads.ValueHead`), loaded from the checkpoint's ``score``
-            tensors (transformers' ``*ForTokenClassification`` with one label); the checkpoint's
-            ``lm_head.weight``, if any, is skipped and reported as such.
-        value_head_init: ``"zeros"`` / ``"normal"``: initialise the value head this way when the
-            checkpoint has none (a causal-LM checkpoint); without it such a load fails.
-        make_vocab_size_divisible_by: pad the embedding and output layer to a multiple of this
-            times TP, as Megatron trainers do; loading and export stay exact (:mod:`mcore_zoo.vocab`).
 
     Returns:
         One ``GPTModel`` for this rank's pipeline stage, or a list of virtual-pipeline chunks when
@@ -295,21 +313,9 @@ def build_model(
 
     # convert and validate the layout first: a layout that does not divide the model is an error
     # before any process group is created or any weight is read
-    plan = prepare(
-        source,
-        architecture=architecture,
-        backend=backend,
-        numerics=numerics,
-        params_dtype=params_dtype,
-        parallel=parallel,
-        overrides=overrides,
-        ignore_fields=ignore_fields,
-        trust_remote_code=trust_remote_code,
-        perform_initialization=load is None,
-        head=head,
-        value_head_init=value_head_init,
-        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-    )
+    if "perform_initialization" in options:
+        raise TypeError("build_model decides perform_initialization (off when it loads weights)")
+    plan = prepare(source, BuildRequest.of(request, **options, perform_initialization=load is None))
     ensure_model_parallel(plan.options.parallel)
     provide = _provider(plan)
     target = torch.device(device) if device is not None else (
@@ -356,15 +362,15 @@ def _provider(plan: BuildPlan) -> Callable[..., torch.nn.Module]:
     return provide
 
 
-def model_provider(source: Any, **kwargs: Any) -> Callable[..., torch.nn.Module]:
+def model_provider(source: Any, request: Optional[BuildRequest] = None, /, **options: Any) -> Callable[..., torch.nn.Module]:
     """A Megatron ``model_provider_func``: ``(pre_process, post_process, vp_stage=None) -> GPTModel``.
 
-    Takes the same arguments as :func:`build_model` except ``load``/``device`` (a trainer loads
-    after wrapping, with :func:`mcore_zoo.load_hf_weights`). Parallel state must be initialised
+    Takes the build options of :func:`build_model` (a :class:`BuildRequest` and / or keywords),
+    not ``load``/``device`` (a trainer loads after wrapping, with :func:`mcore_zoo.load_hf_weights`). Parallel state must be initialised
     (Megatron's ``get_model`` runs inside an initialised job). The callable exposes
     ``.transformer_config`` and ``.arch_config``; the chunks it builds share one model handle.
     """
     for key in ("load", "device"):
-        if key in kwargs:
+        if key in options:
             raise TypeError(f"model_provider does not take {key!r}")
-    return _provider(prepare(source, **kwargs))
+    return _provider(prepare(source, request, **options))

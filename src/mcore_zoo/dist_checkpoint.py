@@ -63,22 +63,21 @@ def _single_process() -> None:
     ensure_model_parallel()
 
 
-def meta_model(
-    source: Any, *, backend: str = "local", params_dtype: Optional[torch.dtype] = None,
-    make_vocab_size_divisible_by: Optional[int] = None, ignore_fields: Optional[Mapping[str, str]] = None,
-) -> torch.nn.Module:  # fmt: skip
+def meta_model(source: Any, request: Any = None, /, **options: Any) -> torch.nn.Module:
     """The single-process (TP = PP = 1) model on the ``meta`` device: names, shapes, sharding
-    metadata and the bound weight map, without memory. ``ignore_fields``: as for
-    :func:`mcore_zoo.build_model`."""
-    from .build import prepare
+    metadata and the bound weight map, without memory. ``request`` / ``options``: the build options
+    of :func:`mcore_zoo.build_model` (a :class:`~mcore_zoo.build.BuildRequest` and / or keywords);
+    the layout, CPU initialisation and the absence of random init are this function's."""
+    from .build import BuildRequest, prepare
     from .placement import Parallelism
 
+    for key in ("parallel", "perform_initialization"):
+        if key in options:
+            raise TypeError(f"meta_model does not take {key!r} (a single process, no random init)")
+    req = BuildRequest.of(request, **options)
     _single_process()
-    plan = prepare(
-        source, backend=backend, params_dtype=params_dtype, parallel=Parallelism(),
-        overrides={"use_cpu_initialization": True}, perform_initialization=False,
-        make_vocab_size_divisible_by=make_vocab_size_divisible_by, ignore_fields=ignore_fields,
-    )  # fmt: skip
+    plan = prepare(source, req, parallel=Parallelism(), perform_initialization=False,
+                   overrides={**dict(req.overrides or {}), "use_cpu_initialization": True})  # fmt: skip
     with torch.device("meta"):
         return plan.new_handle().attach(plan.build_chunk())
 

@@ -273,6 +273,36 @@ def test_parallel_sizes_and_overrides_apply():
         prepare(case_config("LlamaForCausalLM", {}), overrides={"no_such_field": 1})
 
 
+def test_one_build_request_serves_prepare_build_model_model_provider_and_meta_model():
+    """The build options are one typed object: a ``BuildRequest`` and the same options as keywords
+    give the same plan; keywords amend a request; an unknown option is a TypeError naming it."""
+    from dataclasses import fields
+
+    from mcore_zoo.build import BuildRequest, build_model, model_provider
+    from mcore_zoo.dist_checkpoint import meta_model
+
+    config = case_config("Qwen3ForCausalLM", {})
+    request = BuildRequest(backend="portable", numerics="hf-exact", params_dtype=torch.bfloat16,
+                           overrides={"recompute_granularity": "full", "recompute_method": "uniform",
+                                      "recompute_num_layers": 1})  # fmt: skip
+    by_request, by_keywords = prepare(config, request), prepare(config, **{f.name: getattr(request, f.name) for f in fields(request)})
+    assert by_request.options == by_keywords.options and by_request.arch_config == by_keywords.arch_config
+    assert by_request.options.backend == "portable" and by_request.options.numerics.name == "hf-exact"
+    assert by_request.transformer_config.recompute_granularity == "full"
+    assert prepare(config, request, backend="local").options.backend == "local"
+    with pytest.raises(TypeError, match=r"unknown build option\(s\) \['bakend'\]"):
+        prepare(config, request, bakend="te")
+    with pytest.raises(TypeError, match="unknown build option"):
+        build_model(config, request, bakend="te")
+    with pytest.raises(TypeError, match="perform_initialization"):
+        build_model(config, request, perform_initialization=False)
+    provider = model_provider(config, request, backend="local")
+    assert provider.transformer_config.recompute_granularity == "full" and provider.transformer_config.bf16
+    model = meta_model(config, request)
+    assert next(model.parameters()).device.type == "meta" and next(model.parameters()).dtype is torch.bfloat16
+    assert model.mcore_zoo.options.backend == "portable"
+
+
 def test_bf16_sets_mixed_precision_flags():
     tc = prepare(case_config("Qwen3ForCausalLM", {}), params_dtype=torch.bfloat16).transformer_config
     assert tc.bf16 and tc.params_dtype is torch.bfloat16 and not tc.fp16
