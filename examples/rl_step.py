@@ -102,9 +102,7 @@ def write_tiny_llama(out_dir: str, num_layers: int = 2) -> str:
 
 
 def main() -> dict[str, float]:
-    from mcore_zoo.parallel import ensure_model_parallel
-
-    ensure_model_parallel(mcore_zoo.Parallelism())  # one process; under torchrun pass the layout
+    mcore_zoo.ensure_model_parallel(mcore_zoo.Parallelism())  # one process; under torchrun pass the layout
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_tiny_llama(tmp)
         actor = mcore_zoo.build_model(ckpt, backend="portable", load=ckpt)

@@ -112,7 +112,7 @@ def installed() -> Iterator[None]:
     any backend on the CPU (see the module docstring); restored on exit."""
     from megatron.core.extensions import transformer_engine_spec_provider as provider
 
-    from mcore_zoo.config import moe
+    from mcore_zoo.families.moe import config as moe
 
     saved = (provider.TEColumnParallelGroupedLinear, provider.TERowParallelGroupedLinear, moe.check_grouped_experts)
     provider.TEColumnParallelGroupedLinear = StandInColumnParallelGroupedLinear

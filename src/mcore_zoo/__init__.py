@@ -57,6 +57,8 @@ _LAZY = {
     "NumericsProfile": "mcore_zoo.numerics.profiles:NumericsProfile",
     "get_profile": "mcore_zoo.numerics.profiles:get_profile",
     "build_model": "mcore_zoo.build:build_model",
+    "prepare": "mcore_zoo.build:prepare",
+    "BuildPlan": "mcore_zoo.build:BuildPlan",
     "model_provider": "mcore_zoo.build:model_provider",
     "BuildRequest": "mcore_zoo.build:BuildRequest",
     "handle_of": "mcore_zoo.handle:handle_of",

@@ -142,9 +142,9 @@ class Architecture:
 
     def _reference_router_weight_dtype(self) -> str:
         """The router weight's dtype in the installed transformers reference class
-        (:func:`~mcore_zoo.config.moe.reference_router_weight_dtype`); ``"params"`` when the class
+        (:func:`~mcore_zoo.families.moe.config.reference_router_weight_dtype`); ``"params"`` when the class
         cannot be imported (a remote-code model, or a plugin without a reference class)."""
-        from .config.moe import reference_router_weight_dtype
+        from .families.moe.config import reference_router_weight_dtype
 
         try:
             cls = self.reference_model_class()

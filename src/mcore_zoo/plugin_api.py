@@ -28,7 +28,23 @@ Groups:
   :func:`attention_rules`, :func:`gated_mlp_rules`, :func:`tied_lm_head_ignored`,
   :func:`dense_decoder_weight_map`);
 * layer spec and forward - :func:`gpt_layer_specs`, :func:`generic_forward`,
-  :class:`PackedOutput`, :class:`PackedBatch`.
+  :class:`PackedOutput`, :class:`PackedBatch`;
+* the decoder table and checkpoint formats - :func:`decoder_weight_map` (a pre-norm decoder's table
+  from its MLP rules and, optionally, its attention rules), :func:`read_quantization` (an FP8
+  block-quantized ``quantization_config``);
+* mixture of experts (:mod:`mcore_zoo.families.moe`) - the readers :func:`read_expert_counts`,
+  :func:`read_sparse_layers`, :func:`read_aux_loss`, :func:`read_no_jitter`,
+  :func:`read_shared_experts`, :func:`read_expert_groups`, :func:`read_grouped_sigmoid_router`
+  (GLM-4.5 / DeepSeek-V3's router, a whole :class:`MoESpec`); the rules :func:`routed_expert_rules`,
+  :func:`shared_expert_rules`, :func:`router_expert_bias_rule`, :func:`deepseek_moe_rules` and the
+  table :func:`moe_decoder_weight_map` (Qwen-MoE naming); the MoE layer spec follows ``arch.moe``;
+* multi-head latent attention and the DeepSeek decoder (:mod:`mcore_zoo.families.mla`) -
+  :class:`MLASpec`, :func:`read_mla`, :func:`read_deepseek` (a whole DeepSeek-V2 / V3 converter),
+  :func:`read_remote_code_names`, :func:`mla_attention_rules`, :func:`deepseek_weight_map`; the MLA
+  layer spec follows ``arch.mla``;
+* multi-token prediction (:mod:`mcore_zoo.families.mtp`) - :func:`read_mtp`; the MTP block and its
+  rules follow ``arch.mtp_num_layers`` (:func:`decoder_weight_map` adds them);
+* attention windows - :func:`read_sliding_window` (one ``sliding_window`` for every layer).
 """
 
 from __future__ import annotations
@@ -47,6 +63,8 @@ _LAZY = {
     "classify_common_fields": "mcore_zoo.config.common:classify_common_fields",
     "read_layer_types": "mcore_zoo.config.common:read_layer_types",
     "read_qwen_window": "mcore_zoo.config.common:read_qwen_window",
+    "read_sliding_window": "mcore_zoo.config.common:read_sliding_window",
+    "read_quantization": "mcore_zoo.config.common:read_quantization",
     # weight table
     "WeightMap": "mcore_zoo.weights.rules:WeightMap",
     "Rule": "mcore_zoo.weights.rules:Rule",
@@ -70,6 +88,29 @@ _LAZY = {
     "gated_mlp_rules": "mcore_zoo.weights.dense:gated_mlp_rules",
     "tied_lm_head_ignored": "mcore_zoo.weights.dense:tied_lm_head_ignored",
     "dense_decoder_weight_map": "mcore_zoo.weights.dense:dense_decoder_weight_map",
+    "decoder_weight_map": "mcore_zoo.weights.dense:decoder_weight_map",
+    # mixture of experts
+    "read_expert_counts": "mcore_zoo.families.moe.config:read_expert_counts",
+    "read_sparse_layers": "mcore_zoo.families.moe.config:read_sparse_layers",
+    "read_aux_loss": "mcore_zoo.families.moe.config:read_aux_loss",
+    "read_no_jitter": "mcore_zoo.families.moe.config:read_no_jitter",
+    "read_shared_experts": "mcore_zoo.families.moe.config:read_shared_experts",
+    "read_expert_groups": "mcore_zoo.families.moe.config:read_expert_groups",
+    "read_grouped_sigmoid_router": "mcore_zoo.families.moe.config:read_grouped_sigmoid_router",
+    "routed_expert_rules": "mcore_zoo.families.moe.weights:routed_expert_rules",
+    "shared_expert_rules": "mcore_zoo.families.moe.weights:shared_expert_rules",
+    "router_expert_bias_rule": "mcore_zoo.families.moe.weights:router_expert_bias_rule",
+    "deepseek_moe_rules": "mcore_zoo.families.moe.weights:deepseek_moe_rules",
+    "moe_decoder_weight_map": "mcore_zoo.families.moe.weights:moe_decoder_weight_map",
+    # multi-head latent attention, the DeepSeek decoder
+    "MLASpec": "mcore_zoo.config.arch:MLASpec",
+    "read_mla": "mcore_zoo.families.mla.config:read_mla",
+    "read_deepseek": "mcore_zoo.families.mla.config:read_deepseek",
+    "read_remote_code_names": "mcore_zoo.families.mla.config:read_remote_code_names",
+    "mla_attention_rules": "mcore_zoo.families.mla.weights:mla_attention_rules",
+    "deepseek_weight_map": "mcore_zoo.families.mla.weights:deepseek_weight_map",
+    # multi-token prediction
+    "read_mtp": "mcore_zoo.families.mtp.config:read_mtp",
     # layer spec and forward
     "gpt_layer_specs": "mcore_zoo.specs.gpt:gpt_layer_specs",
     "generic_forward": "mcore_zoo.distributed.forward:generic_forward",

@@ -339,7 +339,7 @@ def count_tokens(model: Any) -> Iterator[TokenCounts]:
     """Count, per MoE layer and expert, the tokens routed inside the block (from the routers'
     routing maps; padding positions of a pack included; forwards recomputed in the backward by
     activation recomputation are not counted again)."""
-    from .specs.moe import in_backward
+    from .families.moe.spec import in_backward
 
     routers = moe_routers(model)
     counts = TokenCounts([torch.zeros(r.config.num_moe_experts, dtype=torch.long) for r in routers])

@@ -50,7 +50,7 @@ FIELD_HINTS = {
     " (see mcore_zoo.plugins.mistral); per-layer windows: mcore_zoo.plugin_api.read_qwen_window",
     "use_sliding_window": "see mcore_zoo.plugin_api.read_qwen_window",
     "max_window_layers": "see mcore_zoo.plugin_api.read_qwen_window",
-    "layer_types": "per-layer attention kinds: mcore_zoo.config.common.read_layer_types",
+    "layer_types": "per-layer attention kinds: mcore_zoo.plugin_api.read_layer_types",
     "use_bias": "biases of every linear layer: read_dense_decoder(reader, qkv_bias=..., attn_output_bias=...)"
     " and ArchConfig.mlp_bias",
 }
@@ -287,7 +287,7 @@ def weight_map(arch):  # type: ignore[no-untyped-def]
 def layer_spec(arch, backend, numerics, **kwargs):  # type: ignore[no-untyped-def]
     """Megatron-Core layer specs for ``backend`` ("te", "local", "portable"): the zoo's GPT spec.
     Replace only if {a.architecture} needs modules a Llama-like decoder layer does not have."""
-    from mcore_zoo.specs.gpt import gpt_layer_specs
+    from mcore_zoo.plugin_api import gpt_layer_specs
 
     return gpt_layer_specs(arch, backend, numerics, **kwargs)
 
@@ -295,8 +295,8 @@ def layer_spec(arch, backend, numerics, **kwargs):  # type: ignore[no-untyped-de
 def forward(handle, sequences, attention_mask=None, **options):  # type: ignore[no-untyped-def]
     """THD-packed forward, called by ``mcore_zoo.packed_forward`` for this architecture: the zoo's
     generic one (cu_seqlens, every parallel layout, per-sequence log-probs). Wrap it to add inputs
-    or outputs; the contract is ``mcore_zoo.entry.FORWARD_CONTRACT``."""
-    from mcore_zoo.distributed.forward import generic_forward
+    or outputs; the contract is ``mcore_zoo.plugin_api.FORWARD_CONTRACT``."""
+    from mcore_zoo.plugin_api import generic_forward
 
     return generic_forward(handle, sequences, attention_mask, **options)
 

@@ -32,7 +32,7 @@ CASES = {
 LAYOUTS = [("tp2", Parallelism(tp=2)), ("ep2", Parallelism(ep=2)), ("pp2", Parallelism(pp=2))]
 #: the layout whose training step is compared: TP2 without sequence parallelism, where each rank
 #: sees every token and the k_rope gradient of the kv down projection is summed over the heads of
-#: both ranks by the zoo (mcore_zoo.specs.mla). Megatron-Core refuses to train MoE layers under TP
+#: both ranks by the zoo (mcore_zoo.families.mla.spec). Megatron-Core refuses to train MoE layers under TP
 #: without sequence parallelism, so they run in eval mode (no dropout either way) and the routed
 #: experts' gradients are not compared; everything else is
 TRAINED = "tp2"

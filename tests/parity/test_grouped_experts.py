@@ -103,7 +103,7 @@ def test_the_comparison_sees_where_the_routing_weight_is_applied(mpu, reference_
     is not bitwise equal to the sequential HF-order model: the equality above is not vacuous."""
     from megatron.core.transformer.moe.experts import TEGroupedMLP
 
-    from mcore_zoo.specs import moe as moe_specs
+    from mcore_zoo.families.moe import spec as moe_specs
 
     ckpt = reference_checkpoint("MixtralForCausalLM")
     ids = torch.stack(random_sequences([29, 29], 256, seed=4))

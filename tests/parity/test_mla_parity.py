@@ -55,7 +55,7 @@ def test_no_q_lora_layer_is_built_as_the_spec_names(mpu, reference_checkpoint):
     from megatron.core.transformer.identity_op import IdentityOp
 
     from mcore_zoo.errors import ZooError
-    from mcore_zoo.specs.mla import _check_built_as_specified
+    from mcore_zoo.families.mla.spec import _check_built_as_specified
 
     model = _build(reference_checkpoint(ARCH, {"q_lora_rank": None, "rms_norm_eps": 1e-2}))
     attn = model.decoder.layers[0].self_attention

@@ -235,7 +235,7 @@ def test_the_combine_adds_each_tokens_experts_in_hf_order():
     per-expert ``index_add_`` in bf16, bit for bit, and its gradient is the gather of the upstream
     gradient. An fp32 accumulation (one rounding at the end) and Megatron-Core's ``scatter_add_``
     are not HF's order: with three experts per token and bf16 outputs they differ here."""
-    from mcore_zoo.specs.moe import hf_order_unpermute
+    from mcore_zoo.families.moe.spec import hf_order_unpermute
 
     gen = torch.Generator().manual_seed(0)
     tokens, hidden, experts, topk = 50, 16, 8, 3
@@ -264,7 +264,7 @@ def test_the_grouped_combine_sums_in_hf_top_k_order():
     """``experts="grouped_mm"``: fp32 weighted outputs placed at each token's top-k position and
     summed there (transformers' ``grouped_mm`` experts: ``.view(T, K, H).sum(dim=1)``), cast to bf16
     once; differentiable."""
-    from mcore_zoo.specs.moe import hf_order_unpermute
+    from mcore_zoo.families.moe.spec import hf_order_unpermute
 
     gen = torch.Generator().manual_seed(0)
     tokens, hidden, experts, topk = 50, 16, 8, 3

@@ -158,7 +158,7 @@ def test_routes_from_a_rollout_engine_are_packed_like_the_tokens(mpu, reference_
 def test_the_hf_order_combine_runs_in_the_layer_and_in_backward(mpu, reference_checkpoint, monkeypatch):
     """A ``router="hf"`` MoE layer combines through ``hf_order_unpermute`` (once per MoE layer per
     forward) and the gradient flows through it; a ``router="mcore"`` build uses the stock combine."""
-    from mcore_zoo.specs import moe as moe_specs
+    from mcore_zoo.families.moe import spec as moe_specs
 
     calls = []
     original = moe_specs.hf_order_unpermute

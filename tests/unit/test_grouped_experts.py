@@ -99,7 +99,7 @@ def test_the_experts_spec_is_megatrons_own_te_grouped_spec(router):
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.moe.experts import TEGroupedMLP
 
-    from mcore_zoo.specs.moe import hf_grouped_experts_class, moe_mlp_submodule
+    from mcore_zoo.families.moe.spec import hf_grouped_experts_class, moe_mlp_submodule
 
     arch = mcore_zoo.lookup(MOE).config_from_hf(mcore_zoo.lookup(MOE).example_config())
     pieces = {"linear_fc1": object(), "linear_fc2": object()}

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import mcore_zoo
-from mcore_zoo.errors import UnsupportedConfigError
 from mcore_zoo.testing import random_sequences
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -22,10 +21,8 @@ def published(name: str) -> dict:
 
 
 def test_phi3_mini_4k_instruct_published_config():
-    from mcore_zoo.build import prepare
-
     config = published("phi-3-mini-4k-instruct.json")
-    plan = prepare(config)
+    plan = mcore_zoo.prepare(config)
     arch, tc = plan.arch_config, plan.transformer_config
     assert (tc.num_layers, tc.hidden_size, tc.ffn_hidden_size) == (32, 3072, 8192)
     assert (tc.num_attention_heads, tc.num_query_groups, tc.kv_channels) == (32, 32, 96)
@@ -50,7 +47,7 @@ def test_longrope_is_refused_with_the_reason(rope_type):
     config = _longrope(rope_type)
     with pytest.raises(mcore_zoo.ConfigError, match="longrope") as err:
         mcore_zoo.lookup(config).config_from_hf(config)
-    if isinstance(err.value, UnsupportedConfigError):
+    if isinstance(err.value, mcore_zoo.UnsupportedConfigError):
         assert err.value.field.endswith(".rope_type") and err.value.value == "longrope"
         assert "short_factor" in str(err.value) and "original_max_position_embeddings" in str(err.value)
     else:  # some transformers versions reject the legacy name themselves

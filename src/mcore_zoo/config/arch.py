@@ -173,7 +173,7 @@ class ArchConfig:
     #: rows of the embedding / output layer when padded (``make_vocab_size_divisible_by``); None: vocab_size
     padded_vocab_size: Optional[int] = None
     #: multi-token prediction (DeepSeek-V3 / GLM-4.5 ``num_nextn_predict_layers``): Megatron-Core's MTP
-    #: block with this many depths, on the last pipeline stage (:mod:`mcore_zoo.specs.mtp`); 0: none
+    #: block with this many depths, on the last pipeline stage (:mod:`mcore_zoo.families.mtp.spec`); 0: none
     mtp_num_layers: int = 0
     #: whether the MTP layers' MLP is the MoE block (by the checkpoint's own rule for layer index
     #: ``num_hidden_layers + d``) rather than the dense MLP

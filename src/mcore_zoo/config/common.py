@@ -7,7 +7,10 @@ reason, or checked (``is_encoder_decoder`` must be false, ``pruned_heads`` empty
 transformers is covered, so a new generic field fails loudly instead of slipping through.
 
 :func:`read_dense_decoder` reads the fields shared by Llama-like decoders (Llama, Mistral, Qwen2,
-Qwen3 and most of their descendants) into an :class:`ArchConfig`.
+Qwen3 and most of their descendants) into an :class:`ArchConfig`. The attention windows some of them
+add: :func:`read_qwen_window` / :func:`read_layer_types` (per layer), :func:`read_sliding_window`
+(one window for every layer). :func:`read_quantization` accepts the one quantized checkpoint format
+the zoo loads (FP8 blocks, dequantized on load) before :func:`classify_common_fields` would refuse it.
 """
 
 from __future__ import annotations
@@ -235,3 +238,33 @@ def read_qwen_window(reader: ConfigReader, num_layers: int) -> tuple[Optional[in
     if window is not None and flags is None:
         window = None  # no layer slides
     return window, flags
+
+
+def read_sliding_window(reader: ConfigReader) -> Optional[int]:
+    """One ``sliding_window`` for every layer, or ``None`` (Qwen3-MoE, Mixtral): ``use_sliding_window``
+    is read where the config has it (the Qwen3-MoE config class clears the window unless it is set);
+    ``max_window_layers`` is ignored, as transformers applies the window to every layer."""
+    if reader.has("use_sliding_window"):
+        use = reader.peek("use_sliding_window")
+        reader.map("use_sliding_window", "sliding-window attention on every layer" if use else "false: full attention")
+    reader.ignore("max_window_layers", "not read by the transformers model: its window (if any) applies to every layer")
+    window = reader.map("sliding_window", "window_size=(sliding_window - 1, 0) on every layer", None)
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise reader.unsupported("sliding_window", window, "must be a positive integer or null")
+    return window
+
+
+def read_quantization(reader: ConfigReader) -> Optional[dict]:
+    """``quantization_config``: an FP8 block-quantized checkpoint (DeepSeek-V3 / R1, Kimi-K2 publish
+    theirs so) is dequantized on load; every other quantization is refused, naming it."""
+    q = reader.peek("quantization_config")
+    if not q:
+        reader.ignore("quantization_config", "null")
+        return None
+    from ..weights.fp8 import Fp8BlockFormat
+
+    fmt = Fp8BlockFormat.from_hf(q, architecture=reader.architecture)  # refusals name quantization_config.<key>
+    reader.map("quantization_config", f"FP8 block-quantized checkpoint ({fmt.fmt}, blocks {list(fmt.block)}):"
+               " F8 weights dequantized with their weight_scale_inv into the model dtype on load;"
+               " save_hf_checkpoint(fp8=True) writes the format back")  # fmt: skip
+    return dict(q)

@@ -55,7 +55,7 @@ def validate_layout(arch: ArchConfig, parallel: Parallelism) -> None:
     if arch.mtp_num_layers and parallel.vpp is not None and parallel.vpp > 1:
         problems.append("multi-token prediction (num_nextn_predict_layers) is not tested with vpp > 1")
     if arch.moe is not None or parallel.ep > 1:  # MoE: experts over ep, expert FFN over etp
-        from .moe import moe_layout_problems
+        from ..families.moe.config import moe_layout_problems
 
         problems += moe_layout_problems(arch, parallel.ep, parallel.etp, tp)
     if problems:
@@ -163,7 +163,7 @@ def transformer_config_kwargs(arch: ArchConfig, options: BuildOptions) -> dict[s
         kwargs.update(_yarn_fields(arch))
     grouped = arch.moe is not None and numerics.grouped_experts
     if arch.moe is not None:  # MoE fields (mcore_zoo.config.moe): router, experts, dispatcher
-        from . import moe
+        from ..families.moe import config as moe
 
         if grouped:
             moe.check_grouped_experts(arch, options.backend, cuda=not options.cpu)

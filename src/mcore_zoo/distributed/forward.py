@@ -257,7 +257,7 @@ def _collect(mb: Microbatch, output: torch.Tensor, layout: Placement, want_logit
     logits / log-probs; a value head's ``[1, T / cp, 1]`` -> per-sequence values. A model with
     ``mtp_depths`` MTP depths outputs those depths' logits after the main ones
     (:func:`~mcore_zoo.specs.mtp.split_mtp_output`); ``want_mtp``: their log-probs too."""
-    from ..specs.mtp import split_mtp_output
+    from ..families.mtp.spec import split_mtp_output
 
     output, parts = split_mtp_output(output, mtp_depths)
     extra = {"mtp_logprobs": _mtp_logprobs(mb, parts, layout, bshd)} if want_mtp else {}

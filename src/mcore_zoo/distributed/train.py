@@ -217,7 +217,7 @@ def token_outputs(handle: ModelHandle, mb: Microbatch, output: torch.Tensor, *, 
     """The last stage's model output for ``mb`` (``[1, n, V / tp]`` logits or ``[1, n, 1]`` values;
     with MTP, the depths' logits after them) -> :class:`TokenOutputs` (log-probs / entropy through
     the vocab-parallel head)."""
-    from ..specs.mtp import split_mtp_output
+    from ..families.mtp.spec import split_mtp_output
 
     layout = handle.placement
     output, parts = split_mtp_output(output, handle.arch_config.mtp_num_layers)

@@ -70,7 +70,7 @@ class NumericsProfile:
             over all experts, top-k, renormalise by division, scale) applied to each expert's
             output after ``linear_fc2``; ``"mcore"``: Megatron-Core's stock ``TopKRouter`` and
             ``SequentialMLP`` (weights applied before ``linear_fc2``). See
-            :mod:`mcore_zoo.specs.moe`.
+            :mod:`mcore_zoo.families.moe.spec`.
         moe_experts: MoE models with ``router="hf"`` only: which of transformers' experts
             implementations the combine of a token's experts follows. ``"grouped_mm"`` (the
             default of ``from_pretrained`` since transformers 5): each expert's weighted output

@@ -1,11 +1,11 @@
 """Built-in plugin: ``DeepseekV2ForCausalLM`` (DeepSeek-V2, DeepSeek-V2-Lite).
 
-Multi-head latent attention as in DeepSeek-V3 (:mod:`mcore_zoo.plugins.deepseek_v3`; V2-Lite has no
+Multi-head latent attention as in DeepSeek-V3 (:mod:`mcore_zoo.families.mla`; V2-Lite has no
 ``q_lora_rank``). RoPE: transformers' DeepSeek-V2 rotates the interleaved rope pairs as complex
 numbers (fp32) and keeps them interleaved; Megatron-Core's MLA RoPE computes the same rotation with
 real arithmetic and leaves the pairs de-interleaved, which sums the scores in another order
 (float32-close, not bitwise). The zoo's MLA layer applies HF's complex rotation instead
-(:func:`mcore_zoo.specs.mla.complex_rope`): bitwise.
+(:func:`mcore_zoo.families.mla.spec.complex_rope`): bitwise.
 
 MoE: softmax scores in fp32; ``topk_method`` ``greedy`` (top-k of all experts) or
 ``group_limited_greedy`` (within the best ``topk_group`` of ``n_group`` groups, a group scoring its
@@ -52,7 +52,7 @@ EXAMPLE_CONFIG = {
 
 
 def convert(reader):  # type: ignore[no-untyped-def]
-    from mcore_zoo.plugins.deepseek_v3 import read_deepseek
+    from mcore_zoo.plugin_api import read_deepseek
 
     return read_deepseek(reader, v3=False)
 
@@ -64,7 +64,7 @@ def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
             architecture="DeepseekV2ForCausalLM",
             model_type="deepseek_v2",
             converter="mcore_zoo.plugins.deepseek_v2:convert",
-            weight_rules="mcore_zoo.weights.mla:deepseek_weight_map",
+            weight_rules="mcore_zoo.plugin_api:deepseek_weight_map",
             example_config=EXAMPLE_CONFIG,
             backends=("local", "portable"),
             description="DeepSeek-V2 / V2-Lite (MLA, YaRN mscale; softmax router, greedy or group-limited;"

@@ -12,8 +12,7 @@ Multi-token prediction (``num_nextn_predict_layers: 1``) is built as Megatron-Co
 loaded from ``model.layers.{num_hidden_layers}.*`` (``enorm``, ``hnorm``, ``eh_proj``, an MoE
 decoder layer - the checkpoint makes every layer from ``first_k_dense_replace`` on MoE -
 ``shared_head.norm``; ``embed_tokens`` / ``shared_head.head`` copies checked equal to the model's):
-the same machinery as DeepSeek-V3 (:mod:`mcore_zoo.config.mtp`, :mod:`mcore_zoo.weights.mtp`,
-:mod:`mcore_zoo.specs.mtp`). Dropping the MTP layers stays an explicit request
+the same machinery as DeepSeek-V3 (:mod:`mcore_zoo.families.mtp`). Dropping the MTP layers stays an explicit request
 (``ignore_fields={"num_nextn_predict_layers": reason}``).
 """
 
@@ -51,40 +50,32 @@ EXAMPLE_CONFIG = {
     "num_nextn_predict_layers": 0,
 }
 
+
 def convert(reader):  # type: ignore[no-untyped-def]
-    from mcore_zoo.config.arch import MoESpec
-    from mcore_zoo.plugin_api import read_dense_decoder
-    from mcore_zoo.config.moe import read_expert_counts, read_sparse_layers
-    from mcore_zoo.config.mtp import read_mtp
+    from mcore_zoo.plugin_api import (
+        read_dense_decoder, read_expert_counts, read_grouped_sigmoid_router, read_mtp, read_shared_experts,
+    )  # fmt: skip
 
     mtp = read_mtp(reader)
     bias = bool(reader.map("attention_bias", "add_qkv_bias (q/k/v biases; o_proj has none)", False))
     qk_norm = bool(reader.map("use_qk_norm", "qk_layernorm (per-head RMSNorm of q and k)", False))
     experts, topk, ffn = read_expert_counts(reader, experts_field="n_routed_experts")
-    shared = reader.map_checked("n_shared_experts", "moe_shared_expert_intermediate_size = n * moe_intermediate_size",
-                                lambda v: v is None or (isinstance(v, int) and v >= 0), reason="must be >= 0", default=None)  # fmt: skip
-    groups = reader.map_checked("n_group", "expert groups (moe_router_num_groups)",
-                                lambda v: isinstance(v, int) and v > 0 and experts % v == 0,
-                                reason=f"must divide n_routed_experts={experts}", default=1)  # fmt: skip
-    group_topk = reader.map_checked("topk_group", "groups chosen per token (moe_router_group_topk)",
-                                    lambda v: isinstance(v, int) and 0 < v <= groups, reason=f"must be in [1, n_group={groups}]",
-                                    default=1)  # fmt: skip
-    if (experts // groups) < 2:
-        raise reader.unsupported("n_group", groups, "a group scores the sum of its best two experts: needs >= 2 per group")
-    norm = reader.map("norm_topk_prob", "top-k weights divided by their sum + 1e-20 (HF order)", True)
-    scale = reader.map("routed_scaling_factor", "moe_router_topk_scaling_factor", 1.0)
-    layers = reader.peek("num_hidden_layers")
-    pattern = read_sparse_layers(reader, layers, step_field=None, dense_field=None, first_dense_field="first_k_dense_replace")
+    shared = read_shared_experts(reader, ffn)
+    moe = read_grouped_sigmoid_router(reader, experts, topk, ffn, shared_expert_ffn_hidden_size=shared)
     reader.ignore("output_router_logits", "the transformers GLM-4.5 model adds no load-balancing loss; it only returns"
                   " the router logits")  # fmt: skip
     reader.ignore("router_aux_loss_coef", "not read by the transformers GLM-4.5 model (no auxiliary loss)")
     arch = read_dense_decoder(reader, qkv_bias=bias, qk_norm=qk_norm)
-    moe = MoESpec(num_experts=experts, top_k=topk, expert_ffn_hidden_size=ffn,
-                  shared_expert_ffn_hidden_size=(shared * ffn) if shared else None, router_score_function="sigmoid",
-                  router_logits_fp32=True, router_expert_bias=True, num_groups=groups, group_topk=group_topk,
-                  group_score_topk=2, normalize_topk=bool(norm), normalize_eps=1e-20 if norm else 0.0,
-                  topk_scaling_factor=float(scale), probs_dtype="fp32", layer_pattern=pattern)  # fmt: skip
     return arch.replace(moe=moe, mtp_num_layers=mtp, mtp_layer_moe=mtp > 0)
+
+
+def weight_map(arch):  # type: ignore[no-untyped-def]
+    """Dense MLPs in the first ``first_k_dense_replace`` layers, then router (+ its
+    ``e_score_correction_bias`` -> the router's ``expert_bias`` buffer), routed experts and the
+    shared experts (``mlp.shared_experts.*``, no gate): DeepSeek's MoE layout."""
+    from mcore_zoo.plugin_api import decoder_weight_map, deepseek_moe_rules
+
+    return decoder_weight_map(arch, deepseek_moe_rules(arch))
 
 
 @hookimpl
@@ -94,7 +85,7 @@ def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
             architecture="Glm4MoeForCausalLM",
             model_type="glm4_moe",
             converter="mcore_zoo.plugins.glm4_moe:convert",
-            weight_rules="mcore_zoo.weights.moe:glm4_moe_weight_map",
+            weight_rules="mcore_zoo.plugins.glm4_moe:weight_map",
             example_config=EXAMPLE_CONFIG,
             backends=("te", "local", "portable"),
             description="GLM-4.5 (sigmoid router with expert bias, grouped top-k, scaled; shared experts; partial RoPE); MTP built (or dropped on request)",

@@ -34,12 +34,9 @@ EXAMPLE_CONFIG = {
 
 
 def convert(reader):  # type: ignore[no-untyped-def]
-    from mcore_zoo.config.arch import MoESpec
-    from mcore_zoo.plugin_api import read_dense_decoder
-    from mcore_zoo.config.moe import read_aux_loss, read_no_jitter
-    from mcore_zoo.plugins.qwen3_moe import read_window
+    from mcore_zoo.plugin_api import MoESpec, read_aux_loss, read_dense_decoder, read_no_jitter, read_sliding_window
 
-    window = read_window(reader)
+    window = read_sliding_window(reader)
     experts = reader.map_checked("num_local_experts", "num_moe_experts", lambda v: isinstance(v, int) and v > 0,
                                  reason="must be > 0")  # fmt: skip
     topk = reader.map_checked("num_experts_per_tok", "moe_router_topk", lambda v: isinstance(v, int) and 0 < v <= experts,
@@ -53,6 +50,15 @@ def convert(reader):  # type: ignore[no-untyped-def]
     return arch.replace(moe=moe)
 
 
+def weight_map(arch):  # type: ignore[no-untyped-def]
+    """Every layer MoE: experts ``block_sparse_moe.experts.{e}.w1`` (gate) / ``w3`` (up) / ``w2``
+    (down), router ``block_sparse_moe.gate``."""
+    from mcore_zoo.plugin_api import decoder_weight_map, routed_expert_rules
+
+    experts = routed_expert_rules(arch, hf_moe="block_sparse_moe.", gate="w1", up="w3", down="w2")
+    return decoder_weight_map(arch, experts)
+
+
 @hookimpl
 def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
     return [
@@ -60,7 +66,7 @@ def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
             architecture="MixtralForCausalLM",
             model_type="mixtral",
             converter="mcore_zoo.plugins.mixtral:convert",
-            weight_rules="mcore_zoo.weights.moe:mixtral_weight_map",
+            weight_rules="mcore_zoo.plugins.mixtral:weight_map",
             example_config=EXAMPLE_CONFIG,
             backends=("te", "local", "portable"),
             description="Mixtral (softmax top-2 router renormalised, fp32 weights; sliding window)",

@@ -54,10 +54,9 @@ def read_expert_interval(reader):  # type: ignore[no-untyped-def]
 
 
 def convert(reader):  # type: ignore[no-untyped-def]
-    from mcore_zoo.config.arch import MoESpec
-    from mcore_zoo.plugin_api import read_dense_decoder
-    from mcore_zoo.config.moe import read_aux_loss, read_expert_counts, read_sparse_layers
-    from mcore_zoo.plugin_api import read_qwen_window
+    from mcore_zoo.plugin_api import (
+        MoESpec, read_aux_loss, read_dense_decoder, read_expert_counts, read_qwen_window, read_sparse_layers,
+    )  # fmt: skip
 
     layers = reader.peek("num_hidden_layers")
     bias = reader.map("qkv_bias", "add_qkv_bias (q/k/v biases; o_proj has none)", True)
@@ -84,7 +83,7 @@ def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
             architecture="Qwen2MoeForCausalLM",
             model_type="qwen2_moe",
             converter="mcore_zoo.plugins.qwen2_moe:convert",
-            weight_rules="mcore_zoo.weights.moe:moe_decoder_weight_map",
+            weight_rules="mcore_zoo.plugin_api:moe_decoder_weight_map",
             example_config=EXAMPLE_CONFIG,
             backends=("te", "local", "portable"),
             description="Qwen2-MoE / Qwen1.5-MoE (softmax top-k router, sigmoid-gated shared expert; qkv bias)",

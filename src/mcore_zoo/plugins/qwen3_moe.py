@@ -37,29 +37,17 @@ EXAMPLE_CONFIG = {
     "output_router_logits": False,
 }
 
-def read_window(reader):  # type: ignore[no-untyped-def]
-    """Qwen3-MoE / Mixtral: one ``sliding_window`` for every layer (the Qwen3-MoE config class
-    clears it unless ``use_sliding_window``)."""
-    if reader.has("use_sliding_window"):
-        use = reader.peek("use_sliding_window")
-        reader.map("use_sliding_window", "sliding-window attention on every layer" if use else "false: full attention")
-    reader.ignore("max_window_layers", "not read by the transformers model: its window (if any) applies to every layer")
-    window = reader.map("sliding_window", "window_size=(sliding_window - 1, 0) on every layer", None)
-    if window is not None and (not isinstance(window, int) or window < 1):
-        raise reader.unsupported("sliding_window", window, "must be a positive integer or null")
-    return window
-
 
 def convert(reader):  # type: ignore[no-untyped-def]
-    from mcore_zoo.config.arch import MoESpec
-    from mcore_zoo.plugin_api import read_dense_decoder
-    from mcore_zoo.config.moe import read_aux_loss, read_expert_counts, read_sparse_layers
+    from mcore_zoo.plugin_api import (
+        MoESpec, read_aux_loss, read_dense_decoder, read_expert_counts, read_sliding_window, read_sparse_layers,
+    )  # fmt: skip
 
     bias = reader.map("attention_bias", "add_qkv_bias and add_bias_linear (q/k/v/o biases)", False)
     if bias:
         raise reader.unsupported("attention_bias", bias, "Qwen3-MoE has an o_proj bias but no expert bias;"
                                  " Megatron-Core's add_bias_linear sets both")  # fmt: skip
-    window = read_window(reader)
+    window = read_sliding_window(reader)
     experts, topk, ffn = read_expert_counts(reader, experts_field="num_local_experts" if reader.has("num_local_experts") else "num_experts")
     norm = reader.map("norm_topk_prob", "top-k weights divided by their sum (HF order)", False)
     layers = reader.peek("num_hidden_layers")
@@ -78,7 +66,7 @@ def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
             architecture="Qwen3MoeForCausalLM",
             model_type="qwen3_moe",
             converter="mcore_zoo.plugins.qwen3_moe:convert",
-            weight_rules="mcore_zoo.weights.moe:moe_decoder_weight_map",
+            weight_rules="mcore_zoo.plugin_api:moe_decoder_weight_map",
             example_config=EXAMPLE_CONFIG,
             backends=("te", "local", "portable"),
             description="Qwen3-MoE (softmax top-k router, norm_topk_prob, dense mlp_only_layers; q/k RMSNorm)",

@@ -14,7 +14,7 @@ Backends:
   and GPU, SDPA / varlen / flash-attn / HF-eager math).
 
 MoE layers use sequential experts on every backend; with the numerics knob ``grouped_experts``
-(``te`` only) Transformer Engine's grouped-GEMM experts (:func:`mcore_zoo.specs.moe.moe_mlp_submodule`).
+(``te`` only) Transformer Engine's grouped-GEMM experts (:func:`mcore_zoo.families.moe.spec.moe_mlp_submodule`).
 """
 
 from __future__ import annotations
@@ -128,21 +128,21 @@ def gpt_layer_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile, *,
         attention_pieces = _pieces(arch, backend, numerics.with_knobs(fuse_norm_into_linear=False))
         p = dict(p, input_layernorm=attention_pieces["input_layernorm"])
     if moe:  # the router and experts read the normalised input: the pre-MLP norm cannot be fused away
-        from .moe import moe_mlp_submodule
+        from ..families.moe.spec import moe_mlp_submodule
 
         if p["pre_mlp_layernorm"] is IdentityOp:  # te: a separate norm, and expert fc1s without one
             unfused = _pieces(arch, backend, numerics.with_knobs(fuse_norm_into_linear=False))
             p = dict(p, pre_mlp_layernorm=unfused["pre_mlp_layernorm"], linear_fc1=unfused["linear_fc1"])
         if numerics.grouped_experts:
-            from ..config import moe as moe_config
+            from ..families.moe import config as moe_config
 
             moe_config.check_grouped_experts(arch, backend)
         mlp = moe_mlp_submodule(arch, p, numerics.router, numerics.moe_experts, numerics.grouped_experts)
     else:
         mlp = mlp_submodule(p["linear_fc1"], p["linear_fc2"], module=p.get("mlp"))
     qk_norm = p["qk_norm"] if arch.qk_norm else IdentityOp
-    if arch.mla is not None:  # DeepSeek multi-head latent attention (mcore_zoo.specs.mla)
-        from .mla import mla_attention_spec
+    if arch.mla is not None:  # DeepSeek multi-head latent attention (mcore_zoo.families.mla.spec)
+        from ..families.mla.spec import mla_attention_spec
 
         attention = mla_attention_spec(arch, backend, numerics, attention_pieces)
     else:

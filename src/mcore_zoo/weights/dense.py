@@ -105,8 +105,8 @@ def decoder_weight_map(
     ``attention`` (default :func:`attention_rules`), the pre-MLP norm and ``mlp_rules``; the
     multi-token-prediction layers built from the same layer rules (:mod:`.mtp`), or ignored when
     the user dropped them. Ignores the old RoPE buffer, a tied ``lm_head.weight`` and ``ignored``."""
-    from ..config.mtp import dropped_mtp_ignored
-    from .mtp import mtp_copies, mtp_rules
+    from ..families.mtp.config import dropped_mtp_ignored
+    from ..families.mtp.weights import mtp_copies, mtp_rules
 
     layer = [
         replicated(LAYER + "input_layernorm.weight", HF_LAYER + "input_layernorm.weight"),

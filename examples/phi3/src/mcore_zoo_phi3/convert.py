@@ -49,7 +49,7 @@ def _rope_type(reader: Any) -> tuple[str, Any]:
 
 def convert(reader):  # type: ignore[no-untyped-def]
     """Classify every Phi-3 config field and return the :class:`~mcore_zoo.ArchConfig`."""
-    from mcore_zoo import read_dense_decoder
+    from mcore_zoo.plugin_api import read_dense_decoder
 
     source, rope_type = _rope_type(reader)
     if rope_type in LONGROPE_TYPES:

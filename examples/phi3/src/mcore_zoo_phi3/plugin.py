@@ -6,7 +6,7 @@ Importing it is cheap (no torch, Megatron-Core or transformers): the entry names
 
 from __future__ import annotations
 
-from mcore_zoo import ModelEntry, hookimpl
+from mcore_zoo.plugin_api import ModelEntry, hookimpl
 
 #: A tiny Phi-3 (random weights make sense at this size): 2 layers, GQA 4/2, head_dim 16, and a
 #: sliding window shorter than the test sequences so that the window is exercised.

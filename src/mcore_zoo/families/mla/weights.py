@@ -13,18 +13,19 @@ sources; every tensor keeps HF's layout (mcore splits the same rows the same way
 
 All column-parallel except ``linear_proj`` (row-parallel): Megatron-Core's local MLA spec builds the
 down projections as column-parallel linears whose outputs it gathers, so they split by rows too.
-The MoE part is GLM-4.5's (router + ``e_score_correction_bias``, routed experts, shared experts).
+The MoE part is :func:`~mcore_zoo.families.moe.weights.deepseek_moe_rules` (GLM-4.5 shares it).
 """
 
 from __future__ import annotations
 
-from ..config.arch import ArchConfig
-from .dense import HF_LAYER, LAYER, decoder_weight_map, gated_mlp_rules
-from .moe import routed_expert_rules, router_expert_bias_rule, shared_expert_rules
-from .rules import Rule, WeightMap, column_parallel, replicated, row_parallel
+from ...config.arch import ArchConfig
+from ...weights.dense import HF_LAYER, LAYER, decoder_weight_map
+from ...weights.rules import Rule, WeightMap, column_parallel, replicated, row_parallel
+from ..moe.weights import deepseek_moe_rules
 
 
 def mla_attention_rules(arch: ArchConfig, *, hf_attn: str = "self_attn.") -> list[Rule]:
+    """The MLA attention rules of ``arch.mla`` (see the module docstring), HF names under ``hf_attn``."""
     a, m = HF_LAYER + hf_attn, LAYER + "self_attention."
     rules = []
     if arch.mla.q_lora_rank is None:
@@ -50,11 +51,4 @@ def deepseek_weight_map(arch: ArchConfig) -> WeightMap:
     """DeepSeek-V2 / V3: embedding, MLA, norms, dense MLPs in the first ``first_k_dense_replace``
     layers, then router (+ ``e_score_correction_bias`` for V3's sigmoid router), routed experts and
     the shared experts."""
-    if arch.moe is None:
-        mlp = gated_mlp_rules(arch)
-    else:
-        mlp = gated_mlp_rules(arch, layer_kind="dense") + routed_expert_rules(arch)
-        if arch.moe.router_expert_bias:
-            mlp.append(router_expert_bias_rule())
-        mlp += shared_expert_rules(arch, hf_shared="mlp.shared_experts.")
-    return decoder_weight_map(arch, mlp, attention=mla_attention_rules(arch))
+    return decoder_weight_map(arch, deepseek_moe_rules(arch), attention=mla_attention_rules(arch))

@@ -2,13 +2,24 @@
 Megatron-Core ``TransformerConfig`` fields.
 
 Plugins read their family's fields with the ``read_*`` helpers (each field is classified through
-the :class:`~mcore_zoo.config.reader.ConfigReader`, like every other field). :func:`moe_config_kwargs`
-is what the zoo's config builder adds for an architecture with ``arch.moe``:
+the :class:`~mcore_zoo.config.reader.ConfigReader`, like every other field; plugins take them from
+:mod:`mcore_zoo.plugin_api`). The router kinds the zoo computes in HF's op order
+(:mod:`mcore_zoo.families.moe.spec`) and their readers:
+
+* softmax over all experts, top-k, renormalised or not (Qwen2-MoE, Qwen3-MoE, Mixtral):
+  :func:`read_expert_counts`, :func:`read_sparse_layers`, :func:`read_aux_loss`, built into a
+  :class:`MoESpec` by the plugin;
+* sigmoid scores with an expert-bias choice within the best groups, renormalised and scaled, plus
+  shared experts (GLM-4.5, DeepSeek-V3): :func:`read_grouped_sigmoid_router`;
+* the pieces the DeepSeek-V2 softmax router shares with it: :func:`read_shared_experts`,
+  :func:`read_expert_groups`.
+
+:func:`moe_config_kwargs` is what the zoo's config builder adds for an architecture with ``arch.moe``:
 
 * dropless routing (no capacity factor) and no token dropping, as every HF model computes;
 * ``moe_router_score_function`` / ``moe_router_pre_softmax`` / ``moe_router_topk_scaling_factor`` /
   groups / expert bias set to the closest stock Megatron-Core routing. The zoo's own router
-  (:mod:`mcore_zoo.specs.moe`, numerics knob ``router="hf"``, the default) overrides the
+  (:mod:`mcore_zoo.families.moe.spec`, numerics knob ``router="hf"``, the default) overrides the
   arithmetic to follow HF's op order exactly; these fields still drive Megatron-Core's aux-loss
   and bookkeeping code and the stock router (``router="mcore"``);
 * the token dispatcher: ``alltoall`` on CUDA, ``allgather`` on the CPU (Megatron-Core's all-to-all
@@ -21,9 +32,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..errors import ZooError
-from .arch import ArchConfig, MoESpec
-from .reader import ConfigReader
+from ...errors import ZooError
+from ...config.arch import ArchConfig, MoESpec
+from ...config.reader import ConfigReader
 
 
 def _positive_int(value: Any) -> bool:
@@ -93,6 +104,55 @@ def read_sparse_layers(reader: ConfigReader, num_layers: int, *, step_field: Opt
         raise reader.unsupported(dense_field or step_field or first_dense_field, reader.peek(dense_field or ""),
                                  "no layer is an MoE layer: convert it as the dense architecture")  # fmt: skip
     return None if all(flags) else tuple(flags)
+
+
+def read_shared_experts(reader: ConfigReader, expert_ffn_hidden_size: int, *,
+                        field: str = "n_shared_experts") -> Optional[int]:  # fmt: skip
+    """``n_shared_experts`` always-on experts, each as wide as a routed one (GLM-4.5, DeepSeek): the
+    summed width (``moe_shared_expert_intermediate_size``), or ``None`` for none."""
+    shared = reader.map_checked(field, "moe_shared_expert_intermediate_size = n * moe_intermediate_size",
+                                lambda v: v is None or (isinstance(v, int) and v >= 0), reason="must be >= 0", default=None)  # fmt: skip
+    return (shared * expert_ffn_hidden_size) if shared else None
+
+
+_BEST = {1: "its best expert", 2: "the sum of its best two experts"}
+
+
+def read_expert_groups(reader: ConfigReader, experts: int, *, group_score_topk: int = 2) -> tuple[int, int]:
+    """``(n_group, topk_group)``: experts are chosen within the best ``topk_group`` of ``n_group``
+    groups, a group scoring the sum of its best ``group_score_topk`` experts (GLM-4.5 / DeepSeek-V3:
+    2; DeepSeek-V2's ``group_limited_greedy``: 1)."""
+    groups = reader.map_checked("n_group", "expert groups (moe_router_num_groups)",
+                                lambda v: isinstance(v, int) and v > 0 and experts % v == 0,
+                                reason=f"must divide n_routed_experts={experts}", default=1)  # fmt: skip
+    group_topk = reader.map_checked("topk_group", "groups chosen per token (moe_router_group_topk)",
+                                    lambda v: isinstance(v, int) and 0 < v <= groups, reason=f"must be in [1, n_group={groups}]",
+                                    default=1)  # fmt: skip
+    if group_score_topk > 1 and (experts // groups) < group_score_topk:
+        best = _BEST.get(group_score_topk, f"the sum of its best {group_score_topk} experts")
+        raise reader.unsupported("n_group", groups, f"a group scores {best}: needs >= {group_score_topk} per group")
+    return groups, group_topk
+
+
+def read_grouped_sigmoid_router(reader: ConfigReader, experts: int, topk: int, expert_ffn_hidden_size: int, *,
+                                shared_expert_ffn_hidden_size: Optional[int]) -> MoESpec:  # fmt: skip
+    """The GLM-4.5 / DeepSeek-V3 router as transformers computes it: router logits in fp32, sigmoid
+    scores; experts chosen by ``scores + e_score_correction_bias`` within the best ``topk_group`` of
+    ``n_group`` groups (a group scores the sum of its best two); weights = the unbiased scores,
+    renormalised (``norm_topk_prob``, +1e-20) and times ``routed_scaling_factor``, kept in fp32;
+    dense MLPs in the first ``first_k_dense_replace`` layers. Reads ``n_group``, ``topk_group``,
+    ``norm_topk_prob``, ``routed_scaling_factor`` and ``first_k_dense_replace``; the counts and the
+    shared experts come from :func:`read_expert_counts` and :func:`read_shared_experts`."""
+    groups, group_topk = read_expert_groups(reader, experts, group_score_topk=2)
+    norm = bool(reader.map("norm_topk_prob", "top-k weights divided by their sum + 1e-20 (HF order)", True))
+    scale = reader.map("routed_scaling_factor", "moe_router_topk_scaling_factor", 1.0)
+    pattern = read_sparse_layers(reader, reader.peek("num_hidden_layers"), step_field=None, dense_field=None,
+                                 first_dense_field="first_k_dense_replace")  # fmt: skip
+    return MoESpec(num_experts=experts, top_k=topk, expert_ffn_hidden_size=expert_ffn_hidden_size,
+                   shared_expert_ffn_hidden_size=shared_expert_ffn_hidden_size, router_score_function="sigmoid",
+                   router_logits_fp32=True, router_expert_bias=True, num_groups=groups, group_topk=group_topk,
+                   group_score_topk=2, normalize_topk=norm, normalize_eps=1e-20 if norm else 0.0,
+                   topk_scaling_factor=float(scale), probs_dtype="fp32", layer_pattern=pattern)  # fmt: skip
 
 
 def check_grouped_experts(arch: ArchConfig, backend: str, *, cuda: bool = True) -> None:

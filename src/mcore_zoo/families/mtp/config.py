@@ -2,7 +2,7 @@
 
 A checkpoint with ``N`` MTP layers stores them after the decoder, as ``model.layers.{L + d}.*``
 (``L = num_hidden_layers``, ``d < N``). The zoo builds them as Megatron-Core's MTP block
-(:mod:`mcore_zoo.specs.mtp`). Two ways a config with MTP layers converts:
+(:mod:`mcore_zoo.families.mtp.spec`). Two ways a config with MTP layers converts:
 
 * **built** (default): ``ArchConfig.mtp_num_layers = N``. Only ``N = 1`` (what every published
   checkpoint has): for ``N > 1`` Megatron-Core's block feeds depth ``d + 1`` the *normed* output of

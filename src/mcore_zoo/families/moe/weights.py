@@ -22,6 +22,11 @@ biases). The same rules serve them: :meth:`WeightMap.bind` resolves each sequent
 grouped one (:func:`~mcore_zoo.weights.rules.grouped_expert_name`) when the model has that, so
 loading, the EP / expert-TP sharding, export and the rollout paths are the sequential ones.
 
+Plugins build their tables from these pieces (through :mod:`mcore_zoo.plugin_api`): Qwen's naming
+is :func:`moe_decoder_weight_map`; another naming is one call of :func:`routed_expert_rules` with its
+names (Mixtral: ``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2``); DeepSeek's layout (GLM-4.5
+too) is :func:`deepseek_moe_rules`.
+
 HF checkpoints store experts per expert (``experts.{e}.gate_proj.weight``: what published
 checkpoints and transformers 5's ``save_pretrained`` write; transformers 5 fuses them into 3-D
 ``gate_up_proj`` / ``down_proj`` parameters only in memory).
@@ -29,9 +34,9 @@ checkpoints and transformers 5's ``save_pretrained`` write; transformers 5 fuses
 
 from __future__ import annotations
 
-from ..config.arch import ArchConfig
-from .dense import HF_LAYER, LAYER, decoder_weight_map, gated_mlp_rules
-from .rules import GATE_UP, Rule, WeightMap, rule
+from ...config.arch import ArchConfig
+from ...weights.dense import HF_LAYER, LAYER, decoder_weight_map, gated_mlp_rules
+from ...weights.rules import GATE_UP, Rule, WeightMap, rule
 
 EXPERT = LAYER + "mlp.experts.local_experts.{expert}."
 
@@ -73,22 +78,21 @@ def moe_decoder_weight_map(arch: ArchConfig) -> WeightMap:
     return decoder_weight_map(arch, mlp)
 
 
-def mixtral_weight_map(arch: ArchConfig) -> WeightMap:
-    """Mixtral: every layer MoE, experts ``block_sparse_moe.experts.{e}.w1`` (gate) / ``w3`` (up) /
-    ``w2`` (down), router ``block_sparse_moe.gate``."""
-    return decoder_weight_map(arch, routed_expert_rules(arch, hf_moe="block_sparse_moe.", gate="w1", up="w3", down="w2"))
-
-
-def glm4_moe_weight_map(arch: ArchConfig) -> WeightMap:
-    """GLM-4.5: dense MLPs in the first ``first_k_dense_replace`` layers, then router (+ its
-    ``e_score_correction_bias`` -> the router's ``expert_bias`` buffer), routed experts and the
-    shared experts (``mlp.shared_experts.*``, no gate)."""
-    mlp = gated_mlp_rules(arch, layer_kind="dense") + routed_expert_rules(arch) + [router_expert_bias_rule()]
-    return decoder_weight_map(arch, mlp + shared_expert_rules(arch, hf_shared="mlp.shared_experts."))
-
-
 def router_expert_bias_rule() -> Rule:
     """HF ``mlp.gate.e_score_correction_bias`` -> the router's ``expert_bias`` buffer (GLM-4.5,
     DeepSeek-V3)."""
     return rule(LAYER + "mlp.router.expert_bias", HF_LAYER + "mlp.gate.e_score_correction_bias", layer_kind="moe",
                 note="buffer: added to the sigmoid scores to choose experts, not to weight them")
+
+
+def deepseek_moe_rules(arch: ArchConfig) -> list[Rule]:
+    """The MLP rules of a DeepSeek-style MoE decoder (DeepSeek-V2 / V3, GLM-4.5): dense MLPs on the
+    dense layers; router (+ ``e_score_correction_bias`` when the router has an expert bias), routed
+    experts and the shared experts (``mlp.shared_experts.*``, no gate) on the MoE layers. A dense
+    model (``arch.moe`` ``None``) gets the plain gated MLP."""
+    if arch.moe is None:
+        return gated_mlp_rules(arch)
+    rules = gated_mlp_rules(arch, layer_kind="dense") + routed_expert_rules(arch)
+    if arch.moe.router_expert_bias:
+        rules.append(router_expert_bias_rule())
+    return rules + shared_expert_rules(arch, hf_shared="mlp.shared_experts.")
