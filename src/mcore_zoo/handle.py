@@ -15,8 +15,11 @@ loading, export, re-sharding, distributed checkpoints, the packed forward - star
 * ``hf_source`` - the HF checkpoint the weights came from (its tokenizer files travel with exports);
 * the weight map, and its rules bound to each chunk (expert-parallel offsets applied, TP axes
   checked against Megatron-Core's own ``partition_dim``), computed once;
+* :meth:`ModelHandle.rule_steps` / :meth:`ModelHandle.export_steps`: each bound rule with its
+  tensor reference, transform context and TP group - the plain values loading, export and refit
+  take, so that none of them reaches back into the handle;
 * :meth:`ModelHandle.derived`: a cache for what operations derive from the chunks once and reuse
-  on every call (the export's bound steps, refit programs), dropped when a chunk is attached.
+  on every call (the rule steps, refit programs), dropped when a chunk is attached.
 
 This module imports neither the build nor any operation, so all of them can import it.
 """
@@ -30,7 +33,8 @@ import torch
 
 from .errors import WeightMapError, ZooError
 from .placement import Placement
-from .weights.rules import BoundRule, TransformContext, WeightMap, model_tensors
+from .weights.export import exports
+from .weights.rules import BoundRule, RuleStep, TensorRef, TransformContext, WeightMap, model_tensors
 
 if TYPE_CHECKING:  # pragma: no cover
     from .architecture import Architecture
@@ -88,30 +92,55 @@ class ModelHandle:
     def params_dtype(self) -> torch.dtype:
         return self.options.params_dtype
 
+    @property
+    def head(self) -> str:
+        """The output head: ``"lm"`` or ``"value"`` (a critic)."""
+        return getattr(self.options, "head", "lm")
+
     # ------------------------------------------------------------------ weights
     @property
     def weight_map(self) -> WeightMap:
         if self._weight_map is None:
             wmap = self.architecture.weight_map(self.arch_config)
-            if getattr(self.options, "head", "lm") == "value":
+            if self.head == "value":
                 from .weights.heads import with_value_head
 
                 wmap = with_value_head(wmap, init=self.options.value_head_init)
             self._weight_map = wmap
         return self._weight_map
 
-    def tp_slot(self, bound: Optional[BoundRule] = None) -> tuple[int, int, Any]:
-        """``(rank, size, group)`` of the tensor-parallel split that applies to ``bound``: expert
-        tensor parallelism for expert rules, dense TP otherwise (and without a rule)."""
+    def transform_context(self, bound: Optional[BoundRule] = None) -> TransformContext:
+        """What the weight transforms need: the architecture and this rank's TP slot for ``bound``
+        (expert tensor parallelism for expert rules, dense TP otherwise, and without a rule)."""
+        rank, size, _ = self._tp_split(bound)
+        return TransformContext(self.arch_config, rank, size)
+
+    def _tp_split(self, bound: Optional[BoundRule]) -> tuple[int, int, Any]:
+        """``(rank, size, group)`` of the tensor-parallel split that applies to ``bound``."""
         p = self.placement
         if bound is not None and bound.is_expert:
             return p.etp_rank, p.etp, p.groups.etp
         return p.tp_rank, p.tp, p.groups.tp
 
-    def transform_context(self, bound: Optional[BoundRule] = None) -> TransformContext:
-        """What the weight transforms need: the architecture and this rank's TP slot for ``bound``."""
-        rank, size, _ = self.tp_slot(bound)
-        return TransformContext(self.arch_config, rank, size)
+    def rule_steps(self, chunk: torch.nn.Module) -> list[RuleStep]:
+        """Every bound rule of ``chunk`` (:meth:`bound_rules`) as a :class:`RuleStep`: its tensor
+        reference, transform context, chunk, virtual stage and TP group, made once (cached) and
+        handed to loading and export as plain values."""
+
+        def make() -> list[RuleStep]:
+            stage = next((i for i, c in enumerate(self.chunks) if c is chunk), 0)
+            steps = []
+            for b in self.bound_rules(chunk):
+                rank, size, group = self._tp_split(b)
+                steps.append(RuleStep(b, TensorRef(b.mcore), TransformContext(self.arch_config, rank, size), chunk, stage, group))
+            return steps
+
+        return self.derived(("rule_steps", id(chunk)), make)
+
+    def export_steps(self) -> list[RuleStep]:
+        """The rule steps this rank's chunks export, in model order (chunk by chunk): what every
+        export and refit of the model reads (:func:`mcore_zoo.weights.export.exports` decides)."""
+        return self.derived("export_steps", lambda: [s for chunk in self.chunks for s in self.rule_steps(chunk) if exports(s.bound, chunk)])
 
     def bound_rules(self, chunk: torch.nn.Module) -> list[BoundRule]:
         """The weight rules bound to ``chunk`` (cached): local layer / expert indices mapped to

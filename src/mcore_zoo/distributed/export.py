@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -39,9 +39,9 @@ from ..config.transformer import validate_layout
 from ..errors import LayoutError, ZooError
 from ..handle import ModelHandle, handle_of
 from ..placement import Parallelism
-from ..weights.export import ExpertCopies, hf_config_for_export, stage_hf_weights, write_hf_checkpoint
+from ..weights.export import ExpertCopies, Gather, hf_config_for_export, hf_copies, stage_hf_weights, write_hf_checkpoint
 from ..weights.io import _parse_size, check_output_dir
-from ..weights.rules import BoundRule
+from ..weights.rules import BoundRule, RuleStep
 
 Model = Union[ModelHandle, torch.nn.Module, Sequence[torch.nn.Module]]
 
@@ -69,20 +69,13 @@ def _all_gather(piece: torch.Tensor, axis: int, group: Any, size: int) -> torch.
     return torch.cat(parts, dim=axis)
 
 
-def tp_gather_for(handle: ModelHandle) -> Callable[[BoundRule], Optional[Callable[[torch.Tensor, int], torch.Tensor]]]:
-    """``gather_for(bound)``: the all-gather of a rule's tensor-parallel pieces - over the expert
-    TP group for expert rules, the TP group otherwise (``None`` where that size is 1)."""
-
-    made: dict[bool, Optional[Callable[[torch.Tensor, int], torch.Tensor]]] = {}  # per kind (expert or dense)
-
-    def gather_for(b: BoundRule) -> Optional[Callable[[torch.Tensor, int], torch.Tensor]]:
-        kind = b.is_expert
-        if kind not in made:
-            _, size, group = handle.tp_slot(b)
-            made[kind] = None if size == 1 else (lambda piece, axis: _all_gather(piece, axis, group, size))
-        return made[kind]
-
-    return gather_for
+def tp_gather(step: RuleStep) -> Optional[Gather]:
+    """The all-gather of a rule step's tensor-parallel pieces over its TP group (the expert TP
+    group for expert rules); ``None`` where that size is 1."""
+    size, group = step.ctx.tp_size, step.tp_group
+    if size == 1:
+        return None
+    return lambda piece, axis: _all_gather(piece, axis, group, size)
 
 
 def expert_copies_for(handle: ModelHandle) -> Optional[ExpertCopies]:
@@ -116,21 +109,18 @@ def export_plan(handle: ModelHandle, *, dtype: Optional[torch.dtype] = None, gra
     """Every HF tensor of the model in export order (collective over the pipeline group); ``grads``:
     of a gradient export (parameters only)."""
     placement = handle.placement
-    local: list[tuple[int, str, tuple[int, ...], str]] = []
-    for vp, chunk in enumerate(handle.chunks):
-        for name, meta in _chunk_hf_weights(handle, chunk, dtype=dtype, meta=True, grads=grads):
-            local.append((vp, name, tuple(meta.shape), str(meta.dtype)))
+    local = [(vp, name, tuple(meta.shape), str(meta.dtype))
+             for vp, steps in enumerate(_steps_by_stage(handle))
+             for name, meta in _gathered(handle, steps, dtype=dtype, meta=True, grads=grads)]  # fmt: skip
     if placement.pp == 1:
         stages = [local]
     else:
         stages = [None] * placement.pp
         dist.all_gather_object(stages, local, group=placement.groups.pp)
-    entries = []
-    for vp in range(placement.vpp):
-        for stage, items in enumerate(stages):
-            for item_vp, name, shape, dt in items:
-                if item_vp == vp:
-                    entries.append(ExportEntry(name, shape, getattr(torch, dt.replace("torch.", "")), stage))
+    entries = [ExportEntry(name, shape, getattr(torch, dt.replace("torch.", "")), stage)
+               for vp in range(placement.vpp)
+               for stage, items in enumerate(stages)
+               for item_vp, name, shape, dt in items if item_vp == vp]  # fmt: skip
     seen: set[str] = set()
     for e in entries:
         if e.name in seen:
@@ -139,11 +129,18 @@ def export_plan(handle: ModelHandle, *, dtype: Optional[torch.dtype] = None, gra
     return entries
 
 
-def _chunk_hf_weights(handle: ModelHandle, chunk: Optional[torch.nn.Module] = None, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """:func:`~mcore_zoo.weights.export.stage_hf_weights` of one chunk (or all), gathered over TP
-    (expert TP) and EP."""
-    chunks = None if chunk is None else [chunk]
-    return stage_hf_weights(handle, chunks=chunks, gather_for=tp_gather_for(handle),
+def _steps_by_stage(handle: ModelHandle) -> list[list[RuleStep]]:
+    """The handle's export steps, per virtual-pipeline stage (chunk)."""
+    stages: list[list[RuleStep]] = [[] for _ in handle.chunks]
+    for step in handle.export_steps():
+        stages[step.stage].append(step)
+    return stages
+
+
+def _gathered(handle: ModelHandle, steps: Sequence[RuleStep], **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`~mcore_zoo.weights.export.stage_hf_weights` of ``steps``, gathered over TP (expert
+    TP) and EP, with the HF copies."""
+    return stage_hf_weights(steps, copies=hf_copies(handle.weight_map), gather_for=tp_gather,
                             expert_copies=expert_copies_for(handle), **kwargs)  # fmt: skip
 
 
@@ -189,10 +186,14 @@ def iter_hf_buckets(
     they may be views of the parameters themselves (TP = 1, an HF tensor that is a whole
     parameter): read them, do not modify them. Memory stays bounded when each bucket is released
     before the next is requested. ``grads=True`` gathers the parameters' gradients instead."""
-    handle = handle_of(model)
+    yield from _iter_buckets(handle_of(model), limit=_parse_size(bucket_size), dtype=dtype, ranks=ranks, grads=grads)
+
+
+def _iter_buckets(handle: ModelHandle, *, limit: int, dtype: Optional[torch.dtype], ranks: Optional[Sequence[int]],
+                  grads: bool) -> Iterator[list[tuple[str, torch.Tensor]]]:  # fmt: skip
+    """:func:`iter_hf_buckets` of a handle, ``limit`` bytes per bucket."""
     handle.check_current()
     placement = handle.placement
-    limit = _parse_size(bucket_size)
     wanted = None if ranks is None else set(int(r) for r in ranks)
     me = placement.rank
     # Expert parallelism: expert tensors are all-gathered over the EP group, which spans
@@ -203,7 +204,7 @@ def iter_hf_buckets(
         if not wanted.intersection(group_ranks):
             return  # no receiver in this model-parallel group: nothing to gather
     receive = wanted is None or me in wanted
-    local = _chunk_hf_weights(handle, dtype=dtype, grads=grads)
+    local = _gathered(handle, handle.export_steps(), dtype=dtype, grads=grads)
     if placement.pp == 1:
         bucket: list[tuple[str, torch.Tensor]] = []
         used = 0
@@ -284,32 +285,22 @@ def iter_hf_shards(
     validate_layout(handle.arch_config, Parallelism(tp=target_tp))
     if target_rank is not None and not 0 <= target_rank < target_tp:
         raise LayoutError(f"target_rank {target_rank} is not in [0, {target_tp})")
-    specs: dict[str, list[tuple[Optional[tuple[int, int, int]], Optional[int]]]] = {}
-    for b in handle.weight_map.expand_full():
-        if not b.rule.export:  # a tied output layer: its source is exported by the embedding rule
-            continue
-        for name, axis, select in zip(b.hf, b.tp_axes, b.selects):
-            specs.setdefault(name, []).append((select, axis))
-    for name, tensor in iter_hf_weights(handle, dtype=dtype, ranks=ranks, bucket_size=bucket_size):
-        shards = _split_for_tp(name, tensor, specs[name], target_tp)
-        yield name, (shards if target_rank is None else shards[target_rank])
+    parts = handle.weight_map.hf_parts()
+    ranks_wanted = range(target_tp) if target_rank is None else [target_rank]
+    for name, tensor in _iter_hf_weights(handle, dtype=dtype, ranks=ranks, bucket_size=bucket_size):
+        shards = [hf_shard(tensor, parts[name], rank, target_tp, name) for rank in ranks_wanted]
+        yield name, (shards if target_rank is None else shards[0])
 
 
-def _split_for_tp(name: str, tensor: torch.Tensor, spec: list[tuple[Optional[tuple[int, int, int]], Optional[int]]], tp: int) -> list[torch.Tensor]:
-    def chunks(t: torch.Tensor, axis: Optional[int], what: str) -> list[torch.Tensor]:
-        if axis is None or tp == 1:
-            return [t] * tp
-        if t.shape[axis] % tp:
-            raise LayoutError(f"{what} dim {axis} = {t.shape[axis]} is not divisible by target tp={tp}")
-        return list(torch.chunk(t, tp, dim=axis))
-
-    if len(spec) == 1 and spec[0][0] is None:
-        return chunks(tensor, spec[0][1], name)
-    parts = []
-    for select, axis in sorted(spec, key=lambda s: s[0][1]):  # type: ignore[index]
-        sel_axis, start, stop = select  # type: ignore[misc]
-        parts.append((sel_axis, chunks(tensor.narrow(sel_axis, start, stop - start), axis, f"{name}[{start}:{stop}]")))
-    return [torch.cat([p[r] for _, p in parts], dim=parts[0][0]) for r in range(tp)]
+def hf_shard(tensor: torch.Tensor, parts: Sequence[tuple[BoundRule, int]], rank: int, size: int, name: str) -> torch.Tensor:
+    """Rank ``rank`` of ``size``'s shard of a whole HF tensor made by ``parts`` (its rule sources,
+    :meth:`~mcore_zoo.weights.rules.WeightMap.hf_parts`): each part's TP slice, parts of a fused HF
+    tensor concatenated back (rank ``r`` of ``qkv_proj`` is ``[q_r; k_r; v_r]``)."""
+    slices = [b.tp_slice(k, rank, size) for b, k in parts]
+    pieces = [s.cut(tensor, name if s.select is None else f"{name}[{s.select[1]}:{s.select[2]}]") for s in slices]
+    if len(pieces) == 1:
+        return pieces[0]
+    return torch.cat(pieces, dim=slices[0].select[0])  # type: ignore[index]
 
 
 def iter_hf_weights(
@@ -332,11 +323,17 @@ def iter_hf_weights(
     (before any transfer). ``grads=True`` yields the parameters' gradients under HF names instead
     (gradient parity checks).
     """
-    handle = handle_of(model)
+    yield from _iter_hf_weights(handle_of(model), gather_tp=gather_tp, dtype=dtype, ranks=ranks, bucket_size=bucket_size, grads=grads)
+
+
+def _iter_hf_weights(handle: ModelHandle, *, gather_tp: bool = True, dtype: Optional[torch.dtype] = None,
+                     ranks: Optional[Sequence[int]] = None, bucket_size: Union[int, str] = "512MB",
+                     grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """:func:`iter_hf_weights` of a handle."""
     if not gather_tp:
-        yield from stage_hf_weights(handle, dtype=dtype, grads=grads)
+        yield from stage_hf_weights(handle.export_steps(), copies=hf_copies(handle.weight_map), dtype=dtype, grads=grads)
         return
-    for bucket in iter_hf_buckets(handle, bucket_size=bucket_size, dtype=dtype, ranks=ranks, grads=grads):
+    for bucket in _iter_buckets(handle, limit=_parse_size(bucket_size), dtype=dtype, ranks=ranks, grads=grads):
         yield from bucket
 
 
@@ -369,7 +366,7 @@ def save_hf_checkpoint(
     """
     handle = handle_of(model)
     needed = handle.weight_map.export_names()
-    config = hf_config_for_export(handle, dtype, fp8=fp8)
+    config = hf_config_for_export(handle.arch_config, dtype, fp8=fp8, head=handle.head)
     quantize = _fp8_export(handle, fp8, fp8_scales)
     needed = needed | set(_fp8_scale_names(handle)) if fp8 else needed
     if not handle.placement.distributed:
@@ -428,4 +425,4 @@ def _drain(items: Iterator[Any]) -> None:
         pass
 
 
-__all__ = ["ExportEntry", "export_plan", "iter_hf_buckets", "iter_hf_shards", "iter_hf_weights", "save_hf_checkpoint", "tp_gather_for", "expert_copies_for"]
+__all__ = ["ExportEntry", "export_plan", "iter_hf_buckets", "iter_hf_shards", "iter_hf_weights", "save_hf_checkpoint", "tp_gather", "expert_copies_for", "hf_shard"]

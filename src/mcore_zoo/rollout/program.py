@@ -32,7 +32,7 @@ Two sources of shards:
   rank is exactly this trainer rank's TP chunk of it (q / k / v by query group, gate / up, o /
   down, expert projections under expert TP), so it is cut from a view of the local parameter as
   above, with no collective; the cuts are translated from the gathered tensor's coordinates to the
-  chunk's (:func:`_chunk_cuts`). Rules whose engine shard is not this rank's chunk (a vocabulary
+  chunk's (:meth:`~mcore_zoo.weights.rules.TPSlice.within_chunk`). Rules whose engine shard is not this rank's chunk (a vocabulary
   that the trainer and the engine pad differently, a finishing step, a slot needing a whole fused
   tensor) are exported per refit with the TP all-gather, every rank taking part in the same order:
   which rules those are is voted once, when the program is bound, so that every rank issues the
@@ -49,14 +49,18 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Callable, Iterator, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
+from ..distributed.collectives import all_true
+from ..distributed.export import tp_gather
 from ..errors import ZooError
 from ..handle import ModelHandle
-from ..weights.export import ExportStep, export_rule, export_steps, export_views, hf_copies
-from .plan import Cut, RefitPlan, Slot
+from ..weights.export import export_rule, export_views, hf_copies
+from ..weights.rules import Cut, RuleStep, TPSlice, narrow
+from .plan import RefitPlan, Slot
 
 #: a shard made per refit (a copy, or an export of a rule without trusted views)
 _Dynamic = Callable[[], torch.Tensor]
@@ -96,15 +100,20 @@ def program_for(handle: ModelHandle, plan: RefitPlan, *, raw_shards: bool, sourc
     if program is None or program.plan_ref() is not plan:
         for k in [k for k, p in programs.items() if p.plan_ref() is None]:
             del programs[k]
-        program = programs[key] = RefitProgram(handle, plan, raw_shards=raw_shards, source=source, engine_rank=engine_rank)
+        program = programs[key] = RefitProgram(plan, handle.export_steps(), copies=hf_copies(handle.weight_map),
+                                               tp_group=handle.placement.groups.tp, raw_shards=raw_shards,
+                                               source=source, engine_rank=engine_rank)  # fmt: skip
     return program
 
 
 class RefitProgram:
     """See the module docstring. :meth:`buckets` runs one refit's data path (the receiving rank)."""
 
-    def __init__(self, handle: ModelHandle, plan: RefitPlan, *, raw_shards: bool, source: str,
-                 engine_rank: Optional[int] = None) -> None:  # fmt: skip
+    def __init__(self, plan: RefitPlan, steps: Sequence[RuleStep], *, copies: Mapping[str, Sequence[str]],
+                 tp_group: Any, raw_shards: bool, source: str, engine_rank: Optional[int] = None) -> None:  # fmt: skip
+        """Bind ``plan`` to the rule steps this rank exports (the model handle's
+        :meth:`~mcore_zoo.handle.ModelHandle.export_steps`, what every export reads) and their HF
+        ``copies``; ``tp_group``: the group a ``"tp-local"`` program votes over."""
         if source not in ("local", "tp-local", "stream"):
             raise ValueError(f"refit program source {source!r}")
         self.plan_ref = weakref.ref(plan)
@@ -124,14 +133,14 @@ class RefitProgram:
         self.slots = [[[s for name in names for s in plan.slots[name][rank]] for rank in range(plan.target_tp)]
                       for names in plan.buckets]  # fmt: skip
         if self.source == "stream":
-            # per bucket: (HF name, planned shape, [(engine rank, cuts)] in slot order) per tensor
             shapes = {name: tuple(shape) for name, shape, _ in plan.hf}
+            #: per bucket: what each HF tensor of the export stream is cut into
             self._stream_ops = [
-                [(name, shapes[name], [(r, s.cuts) for r in self._ranks for s in plan.slots[name][r]]) for name in names]
+                [_StreamOp(name, shapes[name], [(r, s.cuts) for r in self._ranks for s in plan.slots[name][r]]) for name in names]
                 for names in plan.buckets
             ]
         else:
-            self._bind_local(handle, plan)
+            self._bind_local(steps, copies, plan, tp_group)
 
     @property
     def _ranks(self) -> list[int]:
@@ -165,9 +174,10 @@ class RefitProgram:
             self._bases, self._offsets = [], []  # hold no parameter between refits
             self._memo.clear()
 
-    def _stream_bucket(self, index: int, ops: list[Any], stream: Iterator[tuple[str, torch.Tensor]]) -> _Items:
+    def _stream_bucket(self, index: int, ops: list["_StreamOp"], stream: Iterator[tuple[str, torch.Tensor]]) -> _Items:
         pieces: list[list[torch.Tensor]] = [[] for _ in self.slots[index]]
-        for name, shape, cuts in ops:
+        for op in ops:
+            name, shape = op.name, op.shape
             got = next(stream, None)
             if got is None:
                 raise ZooError(f"refit: the model's export ended before {name!r} (plan made for another model?)")
@@ -177,99 +187,50 @@ class RefitProgram:
             if tensor.shape != shape:
                 raise ZooError(f"refit: {name}: planned shape {shape}, export gave {tuple(tensor.shape)}"
                                " (plan made for another model?)")  # fmt: skip
-            for rank, steps in cuts:
-                piece = tensor
-                for axis, start, length in steps:
-                    piece = piece.narrow(axis, start, length)
-                pieces[rank].append(piece)
+            for rank, cuts in op.cuts:
+                pieces[rank].append(narrow(tensor, cuts))
         return [list(zip(slots, shards)) for slots, shards in zip(self.slots[index], pieces)]  # no shards: no items
 
     # ------------------------------------------------------------------ the local source
-    def _bind_local(self, handle: ModelHandle, plan: RefitPlan) -> None:
+    def _bind_local(self, steps: Sequence[RuleStep], copies: Mapping[str, Sequence[str]], plan: RefitPlan,
+                    tp_group: Any) -> None:  # fmt: skip
         """Which parameter (and which of its rule's HF pieces) every shard comes from, with the
         slot's cuts in the coordinates of the piece this rank holds (the whole piece at TP 1, its TP
         chunk for ``"tp-local"``); how it is cut out of the parameter is worked out by
         :meth:`_refresh` (per parameter layout). ``"tp-local"``: the rules some rank cannot serve
         from its chunk are voted over the TP group here and exported gathered on every rank."""
-        self._params: list[_Param] = []
-        owner: dict[str, tuple[int, list[tuple[int, Optional[_Select]]]]] = {}  # HF name -> (param, [(source, select)])
-        exported: set[str] = set()
-        for chunk in handle.chunks:
-            for step in export_steps(handle, chunk):
-                index = len(self._params)
-                param = _Param(step, chunk, handle.tp_slot(step.bound))
-                # a finishing step (a padded vocabulary) works on the gathered tensor only: its
-                # rank's rows are not a chunk of the HF tensor
-                param.gathered = param.tp[1] > 1 and getattr(step.bound.transform, "finish", None) is not None
-                self._params.append(param)
-                for k, (name, select) in enumerate(zip(step.bound.hf, step.bound.selects)):
-                    owner.setdefault(name, (index, []))[1].append((k, select))
-                    exported.add(name)
-        exported |= {c for name in exported for c in hf_copies(handle).get(name, ())}
-        planned = {name: tuple(shape) for name, shape, _ in plan.hf}
-        for name in planned:
-            if name not in owner:
-                raise ZooError(f"refit: plan lists {name!r}, which this model does not export (plan made for another model?)")
-        extra = sorted(exported - set(planned))
-        if extra:
-            raise ZooError(f"refit: the export has {extra[0]!r}, which the plan does not list")
+        self._params = [_Param(step) for step in steps]
+        owner = _owners(self._params)
+        planned = _check_exports(owner, copies, plan)
         for param in self._params:
             param.planned = {name: planned[name] for name in param.step.bound.hf}
-        #: per bucket, per engine rank, per shard: (param, size, stride, offset, make) - a view of the
-        #: parameter (``torch.as_strided``; stride ``None``: the whole parameter; ``make`` reshapes /
-        #: casts it, or ``None``), or, with size ``None``, ``make()`` exports the shard per refit
-        self._recipes: list[list[list[Any]]] = [[[None] * len(s) for s in per] for per in self.slots]
-        for b, names in enumerate(plan.buckets):
-            positions = [0] * plan.target_tp
-            for name in names:
-                index, sources = owner[name]
-                param = self._params[index]
-                for rank in self._ranks:
-                    for slot in plan.slots[name][rank]:
-                        position = positions[rank]
-                        positions[rank] += 1
-                        source, part, cuts = _piece_of(slot, sources)
-                        shape = list(planned[name])  # the source's piece of the HF tensor, gathered
-                        if part is not None:
-                            shape[part[0]] = part[2]
-                        held = None
-                        if source is not None:
-                            axis = param.step.bound.tp_axes[source]
-                            held = _chunk_cuts(tuple(shape), cuts, axis, *param.tp[:2])
-                        if held is None:  # the slot needs more than this rank's piece
-                            # under TP the rule is then exported gathered; at TP 1 (a slot of a
-                            # whole fused HF tensor) this rank's export has it all
-                            param.gathered = param.gathered or param.tp[1] > 1
-                            param.uses.append(_Use(b, rank, position, slot, name, None, tuple(shape), cuts))
-                            continue
-                        param.chunk_shapes[source] = held[0]
-                        param.uses.append(_Use(b, rank, position, slot, name, source, *held))
+        self._recipes: list[list[list[_Recipe]]] = [[[_NO_RECIPE] * len(s) for s in per] for per in self.slots]
+        self._place_uses(plan, owner, planned)
         if self.source == "tp-local":  # the same gathers on every rank: a rule one rank needs gathered, all gather
-            from ..distributed.collectives import all_true
-            from ..distributed.export import tp_gather_for
-
-            served = all_true([not p.gathered for p in self._params], handle.placement.groups.tp)
+            served = all_true([not p.gathered for p in self._params], tp_group)
             for param, ok in zip(self._params, served):
                 param.gathered = not ok
-            self._gather_for = tp_gather_for(handle)
         #: per bucket: the parameters exported gathered before its shards (every rank, this order;
         #: only ``"tp-local"`` has any)
-        self._gathers = [[i for i in dict.fromkeys(owner[name][0] for name in names) if self._params[i].gathered]
+        self._gathers = [[i for i in dict.fromkeys(owner[name].param for name in names) if self._params[i].gathered]
                          for names in plan.buckets]  # fmt: skip
         #: per bucket: the parameters whose first use (a shard or a gather) is in it
-        first: dict[int, int] = {}
-        for b in range(len(plan.buckets)):
-            for i in self._gathers[b]:
-                first.setdefault(i, b)
-        for i, param in enumerate(self._params):
-            for use in param.uses:
-                first[i] = min(first.get(i, use.bucket), use.bucket)
-        self._first_needed: list[list[int]] = [[] for _ in plan.buckets]
-        for i, b in sorted(first.items()):
-            self._first_needed[b].append(i)
+        self._first_needed = _first_needed(self._params, self._gathers)
         self._memo: dict[int, dict[str, torch.Tensor]] = {}
         self._bases: list[torch.Tensor] = []
         self._offsets: list[int] = []
+
+    def _place_uses(self, plan: RefitPlan, owner: dict[str, "_Owner"], planned: dict[str, tuple[int, ...]]) -> None:
+        """Every slot of this program's engine ranks as a :class:`_Use` of the parameter that
+        exports its HF tensor, at its bucket and position."""
+        for bucket, names in enumerate(plan.buckets):
+            positions = [0] * plan.target_tp
+            for name in names:
+                param = self._params[owner[name].param]
+                for rank in self._ranks:
+                    for slot in plan.slots[name][rank]:
+                        param.uses.append(_use_of(param, slot, owner[name].sources, planned[name], bucket, rank, positions[rank]))
+                        positions[rank] += 1
 
     def _refresh(self, indices: list[int]) -> None:
         """This refit's parameters ``indices`` (each read by its module path: a replaced parameter
@@ -278,12 +239,12 @@ class RefitProgram:
         parameter moved (offloaded and back) needs none."""
         for index in indices:
             param = self._params[index]
-            base = self._bases[index] = param.step.ref.get(param.chunk).detach()
+            base = self._bases[index] = param.step.tensor().detach()
             self._offsets[index] = base.storage_offset()
-            key = (base.dtype, base.shape, base.stride())
-            if key != param.key:
+            layout = (base.dtype, base.shape, base.stride())
+            if layout != param.layout:
                 self._rebind(index, param, base)
-                param.key = key
+                param.layout = layout
 
     def _rebind(self, index: int, param: _Param, base: torch.Tensor) -> None:
         step = param.step
@@ -299,20 +260,23 @@ class RefitProgram:
             what = key if isinstance(key, str) else f"{step.bound.hf[key]} (this rank's chunk)"
             _check_planned(what, shape, shapes.get(key))
         views = None if param.gathered else export_views(step.bound, base, step.ctx, chunk=self.source == "tp-local")
-        offset = base.storage_offset()
         for use in param.uses:
             view = None
             if views is not None and use.source is not None:
                 view = _cut_view(views[use.source][2], use.shape, use.cuts)
-            if view is None:
-                recipe = (index, None, None, 0, self._computed(index, use))
-            else:
-                exact = self.raw_shards or (tuple(view.shape) == use.slot.shape and view.dtype == use.slot.dtype)
-                make = None if exact else _reshaped(use.slot)
-                recipe = (index, tuple(view.shape), view.stride(), view.storage_offset() - offset, make)
-                if recipe[1:4] == (tuple(base.shape), base.stride(), 0):
-                    recipe = (index, (), None, 0, recipe[4])  # the whole parameter: no view to make
+            recipe = _MadeRecipe(index, self._computed(index, use)) if view is None else self._view_recipe(index, base, view, use.slot)
             self._recipes[use.bucket][use.rank][use.position] = recipe
+
+    def _view_recipe(self, index: int, base: torch.Tensor, view: torch.Tensor, slot: Slot) -> _Recipe:
+        """The recipe of a shard that is ``view`` of parameter ``index`` (``base``): the whole
+        parameter, or a strided view of it; reshaped / cast per refit unless the adapter takes raw
+        shards or the view already has the slot's shape and dtype."""
+        exact = self.raw_shards or (tuple(view.shape) == slot.shape and view.dtype == slot.dtype)
+        make = None if exact else _reshaped(slot)
+        offset = view.storage_offset() - base.storage_offset()
+        if (tuple(view.shape), view.stride(), offset) == (tuple(base.shape), base.stride(), 0):
+            return _WholeRecipe(index, make)  # the whole parameter: no view to make
+        return _ViewRecipe(index, tuple(view.shape), view.stride(), offset, make)
 
     def _computed(self, index: int, use: _Use) -> _Dynamic:
         """A shard made per refit, cut by the slot from: the rule's gathered HF tensors (a gathered
@@ -335,9 +299,7 @@ class RefitProgram:
 
             def chunk_shard() -> torch.Tensor:
                 step = param.step
-                piece = step.bound.transform.split(self._bases[index], step.ctx)[use.source]
-                for axis, start, length in use.cuts:
-                    piece = piece.narrow(axis, start, length)
+                piece = narrow(step.bound.transform.split(self._bases[index], step.ctx)[use.source], use.cuts)
                 return piece if raw else piece.reshape(use.slot.shape).to(use.slot.dtype)
 
             return chunk_shard
@@ -357,54 +319,184 @@ class RefitProgram:
         rank of the group runs the same list in the same order), checked against the plan."""
         for i in self._gathers[index]:
             step = self._params[i].step
-            hf = dict(export_rule(step.bound, self._bases[i], step.ctx, gather=self._gather_for(step.bound)))
+            hf = dict(export_rule(step.bound, self._bases[i], step.ctx, gather=tp_gather(step)))
             for name, tensor in hf.items():
                 _check_planned(name, self._params[i].planned[name], tuple(tensor.shape))
             self._memo[i] = hf
 
     def _local_bucket(self, index: int) -> _Items:
-        bases, offsets, strided = self._bases, self._offsets, torch.as_strided
+        bases, offsets = self._bases, self._offsets
         items: _Items = [[] for _ in range(self.target_tp)]
         for rank in self._ranks:
-            shards = []
-            for param, size, stride, offset, make in self._recipes[index][rank]:
-                if size is None:
-                    shards.append(make())
-                    continue
-                view = bases[param] if stride is None else strided(bases[param], size, stride, offsets[param] + offset)
-                shards.append(view if make is None else make(view))
+            shards = [recipe.shard(bases, offsets) for recipe in self._recipes[index][rank]]
             items[rank] = list(zip(self.slots[index][rank], shards))
         self._memo.clear()
         return items
 
 
+@dataclass(frozen=True)
+class _StreamOp:
+    """One HF tensor of the export stream: its name, planned shape and, per shard in slot order,
+    ``(engine rank, cuts)``."""
+
+    name: str
+    shape: tuple[int, ...]
+    cuts: list[tuple[int, tuple[Cut, ...]]]
+
+
+@dataclass(eq=False)
 class _Param:
-    """One exported mcore tensor of the local sources: its step, chunk, TP slot ``(rank, size,
-    group)``, the shards it feeds, the shape of this rank's chunk of each source piece they use, the
-    layout its recipes were made for, and whether it is exported gathered (``"tp-local"``)."""
+    """One exported mcore tensor of the local sources: its rule step (rule, tensor reference,
+    transform context with this rank's TP slot), the shards it feeds, the planned shape of each
+    of its HF tensors, the shape of this rank's chunk of each source piece they use, the layout its
+    recipes were made for, and whether it is exported gathered (``"tp-local"``)."""
 
-    __slots__ = ("step", "chunk", "tp", "uses", "planned", "chunk_shapes", "key", "gathered")
+    step: RuleStep
+    uses: list["_Use"] = field(default_factory=list)
+    planned: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    chunk_shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    layout: Any = None
+    gathered: bool = False
 
-    def __init__(self, step: ExportStep, chunk: torch.nn.Module, tp: tuple[int, int, Any]) -> None:
-        self.step, self.chunk, self.tp = step, chunk, tp
-        self.uses: list[_Use] = []
-        self.planned: dict[str, tuple[int, ...]] = {}
-        self.chunk_shapes: dict[int, tuple[int, ...]] = {}
-        self.key: Any = None
-        self.gathered = False
+    @property
+    def tp_size(self) -> int:
+        return self.step.ctx.tp_size
+
+    def chunk_slice(self, source: int) -> TPSlice:
+        """This rank's TP slice of rule source ``source`` (its whole piece: no select)."""
+        return TPSlice(self.step.bound.tp_axes[source], self.step.ctx.tp_rank, self.step.ctx.tp_size)
 
 
+@dataclass(frozen=True)
 class _Use:
     """One shard of a parameter: where it sits (bucket, engine rank, position), its slot and HF
     name, the rule source it is cut from (``None``: export the rule), that source's piece shape
     and the cuts left (in the piece's coordinates)."""
 
-    __slots__ = ("bucket", "rank", "position", "slot", "name", "source", "shape", "cuts")
+    bucket: int
+    rank: int
+    position: int
+    slot: Slot
+    name: str
+    source: Optional[int]
+    shape: tuple[int, ...]
+    cuts: tuple[Cut, ...]
 
-    def __init__(self, bucket: int, rank: int, position: int, slot: Slot, name: str, source: Optional[int],
-                 shape: tuple[int, ...], cuts: tuple[Cut, ...]) -> None:  # fmt: skip
-        self.bucket, self.rank, self.position, self.slot = bucket, rank, position, slot
-        self.name, self.source, self.shape, self.cuts = name, source, shape, cuts
+
+@dataclass(frozen=True)
+class _Owner:
+    """The parameter that exports an HF tensor and its rule sources for it: ``(source index,
+    select)`` (``select``: the source's part of a fused HF tensor, ``None``: all of it)."""
+
+    param: int
+    sources: list[tuple[int, Optional[_Select]]]
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    """How a refit makes one shard from the bases (the parameters as read for this refit)."""
+
+    param: int
+
+    def shard(self, bases: list[torch.Tensor], offsets: list[int]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class _WholeRecipe(_Recipe):
+    """The whole parameter, through ``make`` (a reshape / cast; ``None``: as it is)."""
+
+    make: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+
+    def shard(self, bases: list[torch.Tensor], offsets: list[int]) -> torch.Tensor:
+        base = bases[self.param]
+        return base if self.make is None else self.make(base)
+
+
+@dataclass(frozen=True)
+class _ViewRecipe(_Recipe):
+    """A view of the parameter (``torch.as_strided``: ``size``, ``stride``, storage ``offset``
+    relative to the parameter's), through ``make`` (``None``: as it is)."""
+
+    size: tuple[int, ...] = ()
+    stride: tuple[int, ...] = ()
+    offset: int = 0
+    make: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+
+    def shard(self, bases: list[torch.Tensor], offsets: list[int]) -> torch.Tensor:
+        view = torch.as_strided(bases[self.param], self.size, self.stride, offsets[self.param] + self.offset)
+        return view if self.make is None else self.make(view)
+
+
+@dataclass(frozen=True)
+class _MadeRecipe(_Recipe):
+    """A shard made per refit by ``make()`` (an export of the rule, a cut of its gathered tensors)."""
+
+    make: Optional[_Dynamic] = None
+
+    def shard(self, bases: list[torch.Tensor], offsets: list[int]) -> torch.Tensor:
+        return self.make()  # type: ignore[misc]
+
+
+#: a slot no recipe was bound for yet (every slot of a bound program has one)
+_NO_RECIPE = _Recipe(-1)
+
+
+def _owners(params: list[_Param]) -> dict[str, _Owner]:
+    """HF name -> the parameter exporting it and the rule sources that make it."""
+    owner: dict[str, _Owner] = {}
+    for index, param in enumerate(params):
+        bound = param.step.bound
+        for k, (name, select) in enumerate(zip(bound.hf, bound.selects)):
+            owner.setdefault(name, _Owner(index, [])).sources.append((k, select))
+    return owner
+
+
+def _check_exports(owner: dict[str, _Owner], copies: Mapping[str, Sequence[str]], plan: RefitPlan) -> dict[str, tuple[int, ...]]:
+    """The plan's HF tensors and what this model exports must be the same; returns their planned
+    shapes."""
+    exported = set(owner) | {c for name in owner for c in copies.get(name, ())}
+    planned = {name: tuple(shape) for name, shape, _ in plan.hf}
+    for name in planned:
+        if name not in owner:
+            raise ZooError(f"refit: plan lists {name!r}, which this model does not export (plan made for another model?)")
+    extra = sorted(exported - set(planned))
+    if extra:
+        raise ZooError(f"refit: the export has {extra[0]!r}, which the plan does not list")
+    return planned
+
+
+def _use_of(param: _Param, slot: Slot, sources: list[tuple[int, Optional[_Select]]], planned: tuple[int, ...],
+            bucket: int, rank: int, position: int) -> _Use:  # fmt: skip
+    """The use of ``param`` by ``slot``: cut from this rank's chunk of one rule source where the
+    slot lies inside it, else (``source`` ``None``) from the rule's export - gathered under TP
+    (the parameter is then marked ``gathered``); at TP 1 (a slot of a whole fused HF tensor)
+    this rank's export has it all."""
+    source, part, cuts = _piece_of(slot, sources)
+    shape = list(planned)  # the source's piece of the HF tensor, gathered
+    if part is not None:
+        shape[part[0]] = part[2]
+    held = None if source is None else param.chunk_slice(source).within_chunk(tuple(shape), cuts)
+    if held is None:  # the slot needs more than this rank's piece
+        param.gathered = param.gathered or param.tp_size > 1
+        return _Use(bucket, rank, position, slot, slot.hf_name, None, tuple(shape), cuts)
+    param.chunk_shapes[source] = held[0]  # type: ignore[index]
+    return _Use(bucket, rank, position, slot, slot.hf_name, source, *held)
+
+
+def _first_needed(params: list[_Param], gathers: list[list[int]]) -> list[list[int]]:
+    """Per bucket, the parameters whose first use (a shard or a gather) is in it."""
+    first: dict[int, int] = {}
+    for b, indices in enumerate(gathers):
+        for i in indices:
+            first.setdefault(i, b)
+    for i, param in enumerate(params):
+        for use in param.uses:
+            first[i] = min(first.get(i, use.bucket), use.bucket)
+    out: list[list[int]] = [[] for _ in gathers]
+    for i, b in sorted(first.items()):
+        out[b].append(i)
+    return out
 
 
 def _piece_of(slot: Slot, sources: list[tuple[int, Optional[_Select]]]) -> tuple[Optional[int], Optional[Cut], tuple[Cut, ...]]:
@@ -425,31 +517,6 @@ def _check_planned(what: str, planned: tuple[int, ...], got: Optional[tuple[int,
     """Raise unless the model's piece ``what`` has the shape the plan was made for."""
     if got != planned:
         raise ZooError(f"refit: {what}: planned shape {planned}, the model's is {got} (plan made for another model?)")
-
-
-def _chunk_cuts(shape: tuple[int, ...], cuts: tuple[Cut, ...], axis: Optional[int], rank: int,
-                size: int) -> Optional[tuple[tuple[int, ...], tuple[Cut, ...]]]:  # fmt: skip
-    """A slot's ``cuts`` of a gathered piece of ``shape`` (split over ``size`` TP ranks along
-    ``axis``; ``None``: replicated) in the coordinates of the chunk rank ``rank`` holds: ``(chunk
-    shape, cuts)``. ``None`` when the slot does not lie inside that chunk (it needs other ranks'
-    rows) or cuts the split axis more than once."""
-    if axis is None or size == 1:
-        return shape, cuts
-    length, rest = divmod(shape[axis], size)
-    if rest:
-        return None
-    chunk = (*shape[:axis], length, *shape[axis + 1 :])
-    lo, out, seen = rank * length, [], False
-    for cut_axis, start, n in cuts:
-        if cut_axis != axis:
-            out.append((cut_axis, start, n))
-            continue
-        if seen or start < lo or start + n > lo + length:
-            return None
-        seen = True
-        if n != length:
-            out.append((axis, start - lo, n))
-    return (chunk, tuple(out)) if seen else None
 
 
 def _cut_view(view: torch.Tensor, shape: tuple[int, ...], cuts: tuple[Cut, ...]) -> Optional[torch.Tensor]:

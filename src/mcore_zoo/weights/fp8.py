@@ -97,6 +97,7 @@ from ..errors import (
     UnsupportedConfigError,
     ZooError,
 )
+from .rules import TPSlice
 
 FP8_E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 SCALE_WINDOW = 8  # ulp searched around the reference scale_inv by requantize_block
@@ -604,11 +605,9 @@ class Fp8Checkpoint:
              select: Optional[tuple[int, int, int]] = None) -> torch.Tensor:  # fmt: skip
         if name not in self.plan.quantized:
             return self.inner.read(name, axis=axis, rank=rank, size=size, select=select)
-        from .io import chunk_index
-
         scale = self.scales[name]
         full = dequantize_block(self.inner.read(name), scale, torch.float32, self.fmt.block)
-        index = chunk_index(name, tuple(full.shape), axis=axis, rank=rank, size=size, select=select)
+        index = TPSlice(axis, rank, size, select).index(tuple(full.shape), f"tensor {name!r}")
         return full if index is None else full[index].clone()
 
     def read_into(self, name: str, out: torch.Tensor, **kwargs: Any) -> int:

@@ -32,6 +32,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 
 from ..config.arch import ArchConfig
+from ..errors import LayoutError
 
 #: canonical (local-spec) suffix -> alternative suffix used by backends that fuse norms into linears
 FUSED_NORM_ALIASES: dict[str, str] = {
@@ -40,6 +41,99 @@ FUSED_NORM_ALIASES: dict[str, str] = {
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
     "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
 }
+
+
+#: ``tensor.narrow(axis, start, length)``: one step of a cut
+Cut = tuple[int, int, int]
+
+
+def narrow(tensor: torch.Tensor, cuts: Sequence[Cut]) -> torch.Tensor:
+    """``tensor`` with every ``narrow(axis, start, length)`` step of ``cuts`` applied (a view)."""
+    for axis, start, length in cuts:
+        tensor = tensor.narrow(axis, start, length)
+    return tensor
+
+
+@dataclass(frozen=True)
+class TPSlice:
+    """Rank ``rank`` of ``size`` tensor-parallel ranks' share of one rule source: the ``select``
+    range of the HF tensor (all of it when ``None``), cut into ``size`` equal chunks along ``axis``
+    (``None``: replicated, every rank holds the whole range). The one definition of "rank r's slice
+    of source i": loading reads it, export re-splits gathered tensors with it, the refit plan cuts
+    engine shards with it and the refit program finds a shard inside a rank's chunk with it."""
+
+    axis: Optional[int] = None
+    rank: int = 0
+    size: int = 1
+    select: Optional[Cut] = None
+
+    def box(self, shape: Sequence[int], what: str = "tensor") -> list[tuple[int, int]]:
+        """``[(start, stop)]`` per dimension of ``shape`` that this slice holds. Raises
+        :class:`~mcore_zoo.errors.LayoutError` when the select range does not fit ``shape`` or the
+        range does not divide into ``size`` chunks."""
+        bounds = [(0, n) for n in shape]
+        if self.select is not None:
+            axis, start, stop = self.select
+            if stop > shape[axis]:
+                raise LayoutError(f"{what} dim {axis} = {shape[axis]} has no range [{start}, {stop})")
+            bounds[axis] = (start, stop)
+        if self.axis is not None and self.size > 1:
+            lo, hi = bounds[self.axis]
+            if (hi - lo) % self.size:
+                raise LayoutError(f"{what} dim {self.axis} range {hi - lo} is not divisible into {self.size} chunks")
+            step = (hi - lo) // self.size
+            bounds[self.axis] = (lo + self.rank * step, lo + (self.rank + 1) * step)
+        return bounds
+
+    def cuts(self, shape: Sequence[int], what: str = "tensor") -> tuple[Cut, ...]:
+        """:meth:`box` as ``narrow`` steps: the select range (when there is one), then this rank's
+        chunk inside it (when split); ``()`` for the whole tensor."""
+        box = self.box(shape, what)
+        out: list[Cut] = []
+        base = 0
+        if self.select is not None:
+            axis, start, stop = self.select
+            out.append((axis, start, stop - start))
+            base = start if axis == self.axis else 0
+        if self.axis is not None and self.size > 1:
+            lo, hi = box[self.axis]
+            out.append((self.axis, lo - base, hi - lo))
+        return tuple(out)
+
+    def index(self, shape: Sequence[int], what: str = "tensor") -> Optional[tuple[slice, ...]]:
+        """:meth:`box` as an index (trailing whole dimensions dropped; ``None``: everything)."""
+        index = [slice(lo, hi) for lo, hi in self.box(shape, what)]
+        while index and index[-1] == slice(0, shape[len(index) - 1]):
+            index.pop()
+        return tuple(index) or None
+
+    def cut(self, tensor: torch.Tensor, what: str = "tensor") -> torch.Tensor:
+        """This slice of ``tensor`` (a view)."""
+        return narrow(tensor, self.cuts(tuple(tensor.shape), what))
+
+    def within_chunk(self, shape: Sequence[int], cuts: Sequence[Cut]) -> Optional[tuple[tuple[int, ...], tuple[Cut, ...]]]:
+        """``cuts`` of a whole (gathered) piece of ``shape``, translated into the coordinates of the
+        chunk this slice holds (``select`` is not used: ``shape`` is the piece): ``(chunk shape,
+        cuts)``. ``None`` when they do not lie inside that chunk (they need other ranks' rows), cut
+        the split axis more than once, or the piece does not split evenly."""
+        axis = self.axis
+        if axis is None or self.size == 1:
+            return tuple(shape), tuple(cuts)
+        length, rest = divmod(shape[axis], self.size)
+        if rest:
+            return None
+        chunk = (*shape[:axis], length, *shape[axis + 1 :])
+        lo, out, seen = self.rank * length, [], False
+        for cut_axis, start, n in cuts:
+            if cut_axis != axis:
+                out.append((cut_axis, start, n))
+                continue
+            if seen or start < lo or start + n > lo + length:
+                return None
+            seen = True
+            if n != length:
+                out.append((axis, start - lo, n))
+        return (chunk, tuple(out)) if seen else None
 
 
 @dataclass(frozen=True)
@@ -301,6 +395,15 @@ class BoundRule:
     def selects(self) -> tuple[Optional[tuple[int, int, int]], ...]:
         return tuple(s.select for s in self.rule.sources)
 
+    def tp_slice(self, source: int, rank: int = 0, size: int = 1) -> TPSlice:
+        """Rank ``rank`` of ``size``'s slice of source ``source`` (its TP axis and select range)."""
+        s = self.rule.sources[source]
+        return TPSlice(s.tp_axis, rank, size, s.select)
+
+    def tp_slices(self, ctx: TransformContext) -> list[TPSlice]:
+        """The slice of every source that the TP rank of ``ctx`` holds, in source order."""
+        return [self.tp_slice(k, ctx.tp_rank, ctx.tp_size) for k in range(len(self.rule.sources))]
+
 
 @dataclass
 class WeightMap:
@@ -392,6 +495,19 @@ class WeightMap:
         """Every HF tensor an export writes: :meth:`hf_names` and the copies."""
         return self.hf_names() | {c for c, _ in self.copies}
 
+    def hf_parts(self) -> dict[str, list[tuple[BoundRule, int]]]:
+        """HF name -> the exported ``(bound rule, source index)`` pairs that make it, over the whole
+        model, parts of a fused HF tensor in the order of their ``select`` ranges (a tied output
+        layer's rule is left out: the embedding rule exports its source)."""
+        parts: dict[str, list[tuple[BoundRule, int]]] = {}
+        for b in self.expand_full():
+            if b.rule.export:
+                for k, name in enumerate(b.hf):
+                    parts.setdefault(name, []).append((b, k))
+        for items in parts.values():
+            items.sort(key=lambda item: -1 if item[0].selects[item[1]] is None else item[0].selects[item[1]][1])
+        return parts
+
     def copies_of(self, hf_name: str) -> list[str]:
         """The copies export writes next to ``hf_name``."""
         return [c for c, src in self.copies if src == hf_name]
@@ -473,6 +589,27 @@ class TensorRef:
 
     def __repr__(self) -> str:
         return f"TensorRef({self.name!r})"
+
+
+@dataclass(frozen=True, eq=False)
+class RuleStep:
+    """One rule bound to one chunk's tensor, with everything reading or writing it needs, as plain
+    values: the bound rule, a reference to its mcore tensor (re-resolved on every read, so a
+    replaced parameter is followed), its transform context (this rank's TP slot for the rule:
+    expert TP for expert rules, dense TP otherwise), the chunk and its virtual-pipeline stage, and
+    the process group its tensor-parallel pieces are gathered over. The model handle makes them
+    once (:meth:`~mcore_zoo.handle.ModelHandle.rule_steps`); loading and export take them."""
+
+    bound: BoundRule
+    ref: "TensorRef"
+    ctx: TransformContext
+    chunk: Any = None
+    stage: int = 0
+    tp_group: Any = None
+
+    def tensor(self) -> torch.Tensor:
+        """The mcore tensor, read by its module path now."""
+        return self.ref.get(self.chunk)
 
 
 #: canonical (Megatron-Core 0.16) infix -> the name 0.19 gives the MTP layer's decoder layer
