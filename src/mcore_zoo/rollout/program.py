@@ -199,7 +199,10 @@ class RefitProgram:
         chunk for ``"tp-local"``); how it is cut out of the parameter is worked out by
         :meth:`_refresh` (per parameter layout). ``"tp-local"``: the rules some rank cannot serve
         from its chunk are voted over the TP group here and exported gathered on every rank."""
-        self._params = [_Param(step) for step in steps]
+        # a finishing step (a padded vocabulary) works on the gathered tensor only: its rank's
+        # rows are not a chunk of the HF tensor
+        self._params = [_Param(step, gathered=step.ctx.tp_size > 1 and getattr(step.bound.transform, "finish", None) is not None)
+                        for step in steps]  # fmt: skip
         owner = _owners(self._params)
         planned = _check_exports(owner, copies, plan)
         for param in self._params:

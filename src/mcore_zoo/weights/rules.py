@@ -32,7 +32,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 
 from ..config.arch import ArchConfig
-from ..errors import LayoutError
+from ..errors import LayoutError, WeightMapError
 
 #: canonical (local-spec) suffix -> alternative suffix used by backends that fuse norms into linears
 FUSED_NORM_ALIASES: dict[str, str] = {
@@ -523,15 +523,18 @@ class WeightMap:
         return None
 
     # ------------------------------------------------------------------ binding to a model
-    def bind(self, module: torch.nn.Module, *, expert_offset: int = 0, num_local_experts: Optional[int] = None) -> list[BoundRule]:
+    def bind(self, module: torch.nn.Module, *, expert_offset: int = 0, num_local_experts: Optional[int] = None,
+             check: bool = False) -> list[BoundRule]:  # fmt: skip
         """Bound rules for the parameters that exist in ``module`` (one GPTModel chunk).
 
         Local layer ``i`` maps to the global HF layer ``decoder.layers[i].layer_number - 1``. Rules
         whose mcore parameter does not exist in this chunk (other pipeline stages; the output
         layer under tied embeddings) are dropped; mcore names are resolved through
-        :data:`FUSED_NORM_ALIASES` when the backend fuses norms.
+        :data:`FUSED_NORM_ALIASES` when the backend fuses norms. ``check``: each rule's TP axes
+        are checked against its parameter's ``partition_dim`` (:func:`check_partition_dim`).
         """
-        names = set(model_tensors(module))
+        params = model_tensors(module)
+        names = set(params)
         layers = _decoder_layers(module)
         layer_map = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
         experts = None
@@ -544,7 +547,26 @@ class WeightMap:
             if name is None:
                 continue
             bound.append(BoundRule(b.rule, name, b.hf, b.layer, b.expert))
+        for b in bound if check else ():
+            check_partition_dim(b, params[b.mcore])
         return bound
+
+
+def check_partition_dim(b: BoundRule, param: torch.Tensor) -> None:
+    """The rule's declared TP axes must be the parameter's ``partition_dim`` (split parameters) or
+    ``None`` (replicated ones). Raises :class:`WeightMapError` naming the parameter."""
+    if not hasattr(param, "tensor_model_parallel"):
+        return  # a module that does not declare its split (never the case for mcore / TE layers)
+    split = bool(param.tensor_model_parallel)
+    want = getattr(param, "partition_dim", None) if split else None
+    if split and want is None:
+        return
+    bad = [axis for axis in b.tp_axes if axis != want]
+    if bad:
+        raise WeightMapError(
+            f"rule for {b.mcore!r} declares tensor-parallel axes {list(b.tp_axes)}, but Megatron-Core"
+            + (f" splits the parameter along dim {want}" if split else " replicates the parameter")
+        )
 
 
 def model_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -610,6 +632,17 @@ class RuleStep:
     def tensor(self) -> torch.Tensor:
         """The mcore tensor, read by its module path now."""
         return self.ref.get(self.chunk)
+
+
+def bind_steps(bound: Sequence[BoundRule], chunk: torch.nn.Module, stage: int,
+               splits: Mapping[bool, tuple[TransformContext, Any]]) -> list[RuleStep]:  # fmt: skip
+    """``bound`` (the rules bound to ``chunk``, virtual stage ``stage``) as :class:`RuleStep` values;
+    ``splits[is_expert]``: the transform context and TP group of the rule's tensor-parallel split."""
+    steps = []
+    for b in bound:
+        ctx, group = splits[b.is_expert]
+        steps.append(RuleStep(b, TensorRef(b.mcore), ctx, chunk, stage, group))
+    return steps
 
 
 #: canonical (Megatron-Core 0.16) infix -> the name 0.19 gives the MTP layer's decoder layer
