@@ -129,7 +129,10 @@ class ModelHandle:
         if key not in self._derived:
             stage = next((i for i, c in enumerate(self.chunks) if c is chunk), 0)
             splits = self._tp_splits()
-            self._derived[key] = bind_steps(self.bound_rules(chunk), chunk, stage, splits)
+            p, moe = self.placement, self.arch_config.moe
+            per_rank = 0 if moe is None else moe.num_experts // p.ep
+            bound = self.bound_rules(chunk)
+            self._derived[key] = bind_steps(bound, chunk, stage, splits, ep=p.ep, ep_rank=p.ep_rank, per_rank=per_rank)
         return self._derived[key]
 
     def export_steps(self) -> list[RuleStep]:

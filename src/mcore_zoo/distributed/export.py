@@ -27,9 +27,8 @@ that issue collectives.
 
 from __future__ import annotations
 
-import math
 import os
-from dataclasses import dataclass
+from collections import deque
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
@@ -38,28 +37,27 @@ import torch.distributed as dist
 from ..config.transformer import validate_layout
 from ..errors import LayoutError, ZooError
 from ..handle import ModelHandle, handle_of
-from ..placement import Parallelism
-from ..weights.export import ExpertCopies, Gather, hf_config_for_export, hf_copies, stage_hf_weights, write_hf_checkpoint
+from ..placement import Parallelism, Placement
+from ..weights.export import (
+    ExpertGather,
+    ExportEntry,
+    Gather,
+    aligned_nbytes,
+    bucket_entries,
+    bucket_items,
+    export_entries,
+    hf_config_for_export,
+    hf_copies,
+    pack_bucket,
+    stage_hf_weights,
+    unpack_bucket,
+    write_hf_checkpoint,
+)
+from ..weights.fp8 import fp8_export, fp8_scale_names
 from ..weights.io import _parse_size, check_output_dir
-from ..weights.rules import BoundRule, RuleStep
+from ..weights.rules import BoundRule, RuleStep, WeightMap
 
 Model = Union[ModelHandle, torch.nn.Module, Sequence[torch.nn.Module]]
-
-_ALIGN = 64  # bytes; every tensor in a bucket starts at a multiple (views of any dtype stay legal)
-
-
-@dataclass(frozen=True)
-class ExportEntry:
-    """One HF tensor of the model as export will produce it."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    stage: int  # pipeline rank that holds it
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
 def _all_gather(piece: torch.Tensor, axis: int, group: Any, size: int) -> torch.Tensor:
@@ -78,97 +76,43 @@ def tp_gather(step: RuleStep) -> Optional[Gather]:
     return lambda piece, axis: _all_gather(piece, axis, group, size)
 
 
-def expert_copies_for(handle: ModelHandle) -> Optional[ExpertCopies]:
-    """``expert_copies(bound, tensor, meta)``: this local expert as every EP rank holds it,
-    all-gathered over the EP group (rank order = global expert order); ``None`` at EP 1."""
-    placement = handle.placement
-    if placement.ep == 1 or handle.arch_config.moe is None:
+def expert_gather(placement: Placement) -> Optional[ExpertGather]:
+    """The all-gather of a local expert's tensor over the expert-parallel group (rank order =
+    global expert order); ``None`` at EP 1."""
+    if placement.ep == 1:
         return None
-    ep, ep_rank, group = placement.ep, placement.ep_rank, placement.groups.ep
-    per_rank = handle.arch_config.moe.num_experts // ep
+    ep, group = placement.ep, placement.groups.ep
 
-    # every EP rank's copy of a local expert's rule, bound once per model (HF names re-filled)
-    bound = handle.derived("expert_copies", dict)
+    def gather(tensor: torch.Tensor) -> list[torch.Tensor]:
+        parts = [torch.empty_like(tensor) for _ in range(ep)]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return parts
 
-    def copies(b: BoundRule, tensor: torch.Tensor, meta: bool) -> list[tuple[BoundRule, torch.Tensor]]:
-        rules = bound.get(b.hf)  # HF names: global layer and expert, unique over chunks
-        if rules is None:
-            local_index = b.expert - ep_rank * per_rank
-            rules = bound[b.hf] = [b.for_expert(r * per_rank + local_index) for r in range(ep)]
-        if meta:
-            parts = [tensor.new_empty(tensor.shape) for _ in range(ep)]
-        else:
-            parts = [torch.empty_like(tensor) for _ in range(ep)]
-            dist.all_gather(parts, tensor.contiguous(), group=group)
-        return list(zip(rules, parts))
-
-    return copies
+    return gather
 
 
 def export_plan(handle: ModelHandle, *, dtype: Optional[torch.dtype] = None, grads: bool = False) -> list[ExportEntry]:
     """Every HF tensor of the model in export order (collective over the pipeline group); ``grads``:
     of a gradient export (parameters only)."""
-    placement = handle.placement
+    return _export_plan(handle.export_steps(), handle.weight_map, handle.placement, dtype=dtype, grads=grads)
+
+
+def _export_plan(steps: Sequence[RuleStep], weight_map: WeightMap, placement: Placement, *,
+                 dtype: Optional[torch.dtype], grads: bool) -> list[ExportEntry]:  # fmt: skip
+    """:func:`export_plan` of this rank's export ``steps``: their meta export (gathered shapes),
+    exchanged between the pipeline stages."""
+    ep, copies = expert_gather(placement), hf_copies(weight_map)
+    by_stage = [[s for s in steps if s.stage == vp] for vp in range(placement.vpp)]
     local = [(vp, name, tuple(meta.shape), str(meta.dtype))
-             for vp, steps in enumerate(_steps_by_stage(handle))
-             for name, meta in _gathered(handle, steps, dtype=dtype, meta=True, grads=grads)]  # fmt: skip
+             for vp, stage_steps in enumerate(by_stage)
+             for name, meta in stage_hf_weights(stage_steps, copies=copies, gather_for=tp_gather, expert_gather=ep,
+                                                dtype=dtype, meta=True, grads=grads)]  # fmt: skip
     if placement.pp == 1:
         stages = [local]
     else:
         stages = [None] * placement.pp
         dist.all_gather_object(stages, local, group=placement.groups.pp)
-    entries = [ExportEntry(name, shape, getattr(torch, dt.replace("torch.", "")), stage)
-               for vp in range(placement.vpp)
-               for stage, items in enumerate(stages)
-               for item_vp, name, shape, dt in items if item_vp == vp]  # fmt: skip
-    seen: set[str] = set()
-    for e in entries:
-        if e.name in seen:
-            raise ZooError(f"HF tensor {e.name!r} is exported by more than one pipeline stage")
-        seen.add(e.name)
-    return entries
-
-
-def _steps_by_stage(handle: ModelHandle) -> list[list[RuleStep]]:
-    """The handle's export steps, per virtual-pipeline stage (chunk)."""
-    stages: list[list[RuleStep]] = [[] for _ in handle.chunks]
-    for step in handle.export_steps():
-        stages[step.stage].append(step)
-    return stages
-
-
-def _gathered(handle: ModelHandle, steps: Sequence[RuleStep], **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """:func:`~mcore_zoo.weights.export.stage_hf_weights` of ``steps``, gathered over TP (expert
-    TP) and EP, with the HF copies."""
-    return stage_hf_weights(steps, copies=hf_copies(handle.weight_map), gather_for=tp_gather,
-                            expert_copies=expert_copies_for(handle), **kwargs)  # fmt: skip
-
-
-def _buckets(entries: list[ExportEntry], limit: int) -> list[list[ExportEntry]]:
-    buckets: list[list[ExportEntry]] = []
-    used = 0
-    for e in entries:
-        size = _aligned(e.nbytes)
-        if buckets and buckets[-1][0].stage == e.stage and used + size <= limit:
-            buckets[-1].append(e)
-            used += size
-        else:
-            buckets.append([e])
-            used = size
-    return buckets
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def _unpack(buffer: torch.Tensor, bucket: list[ExportEntry]) -> list[tuple[str, torch.Tensor]]:
-    out, offset = [], 0
-    for e in bucket:
-        view = buffer[offset : offset + e.nbytes].view(e.dtype).view(e.shape)
-        out.append((e.name, view))
-        offset += _aligned(e.nbytes)
-    return out
+    return export_entries(stages, placement.vpp)
 
 
 def iter_hf_buckets(
@@ -186,14 +130,17 @@ def iter_hf_buckets(
     they may be views of the parameters themselves (TP = 1, an HF tensor that is a whole
     parameter): read them, do not modify them. Memory stays bounded when each bucket is released
     before the next is requested. ``grads=True`` gathers the parameters' gradients instead."""
-    yield from _iter_buckets(handle_of(model), limit=_parse_size(bucket_size), dtype=dtype, ranks=ranks, grads=grads)
-
-
-def _iter_buckets(handle: ModelHandle, *, limit: int, dtype: Optional[torch.dtype], ranks: Optional[Sequence[int]],
-                  grads: bool) -> Iterator[list[tuple[str, torch.Tensor]]]:  # fmt: skip
-    """:func:`iter_hf_buckets` of a handle, ``limit`` bytes per bucket."""
+    handle = handle_of(model)
     handle.check_current()
-    placement = handle.placement
+    yield from _iter_buckets(handle.export_steps(), handle.weight_map, handle.placement, handle.device,
+                             limit=_parse_size(bucket_size), dtype=dtype, ranks=ranks, grads=grads)  # fmt: skip
+
+
+def _iter_buckets(steps: Sequence[RuleStep], weight_map: WeightMap, placement: Placement, device: torch.device, *,
+                  limit: int, dtype: Optional[torch.dtype], ranks: Optional[Sequence[int]],
+                  grads: bool) -> Iterator[list[tuple[str, torch.Tensor]]]:  # fmt: skip
+    """:func:`iter_hf_buckets` of this rank's export ``steps`` (the handle's, checked current),
+    ``limit`` bytes per bucket."""
     wanted = None if ranks is None else set(int(r) for r in ranks)
     me = placement.rank
     # Expert parallelism: expert tensors are all-gathered over the EP group, which spans
@@ -204,45 +151,27 @@ def _iter_buckets(handle: ModelHandle, *, limit: int, dtype: Optional[torch.dtyp
         if not wanted.intersection(group_ranks):
             return  # no receiver in this model-parallel group: nothing to gather
     receive = wanted is None or me in wanted
-    local = _gathered(handle, handle.export_steps(), dtype=dtype, grads=grads)
+    ep = expert_gather(placement)
+    # the plan first (pipeline stages: which stage sends which tensor), then the data
+    entries = _export_plan(steps, weight_map, placement, dtype=dtype, grads=grads) if placement.pp > 1 else []
+    local = stage_hf_weights(steps, copies=hf_copies(weight_map), gather_for=tp_gather, expert_gather=ep, dtype=dtype, grads=grads)
     if placement.pp == 1:
-        bucket: list[tuple[str, torch.Tensor]] = []
-        used = 0
-        for name, tensor in local:  # TP gathers happen here, on every TP rank
-            size = _aligned(tensor.numel() * tensor.element_size())
-            if bucket and used + size > limit:
-                if receive:
-                    yield bucket
-                bucket, used = [], 0
-            bucket.append((name, tensor))
-            used += size
-        if bucket and receive:
-            yield bucket
+        yield from (bucket for bucket in bucket_items(local, limit) if receive)  # TP gathers happen here, on every TP rank
         return
-    entries = export_plan(handle, dtype=dtype, grads=grads)
     pp_group = placement.groups.pp
     pp_ranks = dist.get_process_group_ranks(pp_group)
     destinations = [r for r in pp_ranks if wanted is None or r in wanted]
-    device = handle.device
-    for bucket_entries in _buckets(entries, limit):
-        owner = bucket_entries[0].stage
-        src = pp_ranks[owner]
-        total = sum(_aligned(e.nbytes) for e in bucket_entries)
-        if placement.pp_rank == owner:
-            buffer = torch.empty(total, dtype=torch.uint8, device=device)
-            for (name, view), e in zip(_unpack(buffer, bucket_entries), bucket_entries):
-                got_name, tensor = next(local)
-                if got_name != e.name or tuple(tensor.shape) != e.shape:
-                    raise ZooError(f"export plan out of step: planned {e.name} {e.shape}, got {got_name} {tuple(tensor.shape)}")
-                view.copy_(tensor)
-                del tensor
-        elif me in destinations:
-            buffer = torch.empty(total, dtype=torch.uint8, device=device)
-        else:
-            buffer = None
-        _move(buffer, src, me, destinations, pp_ranks, pp_group)
+    for bucket in bucket_entries(entries, limit):
+        owner = bucket[0].stage
+        sender = placement.pp_rank == owner
+        buffer = None
+        if sender or me in destinations:
+            buffer = torch.empty(sum(aligned_nbytes(e.nbytes) for e in bucket), dtype=torch.uint8, device=device)
+        if sender:
+            pack_bucket(buffer, bucket, local)
+        _move(buffer, pp_ranks[owner], me, destinations, pp_ranks, pp_group)
         if receive and buffer is not None:
-            yield _unpack(buffer, bucket_entries)
+            yield unpack_bucket(buffer, bucket)
         del buffer
     if next(local, None) is not None:
         raise ZooError("export plan out of step: this stage has tensors the plan does not list")
@@ -277,18 +206,19 @@ def iter_hf_shards(
     tensors: the same tensor ``target_tp`` times), or ``(hf_name, shard)`` for one ``target_rank``.
     Splits follow the rule table's TP axes - column-parallel weights by rows, row-parallel ones by
     columns, the vocabulary by rows - and fused HF tensors part by part (rank ``r`` of
-    ``qkv_proj`` is ``[q_r; k_r; v_r]``). Raises :class:`LayoutError` up front when ``target_tp``
-    does not divide the model (heads, KV heads, FFN, vocab). Same collective contract as
-    :func:`mcore_zoo.iter_hf_weights`.
+    ``qkv_proj`` is ``[q_r; k_r; v_r]``): :func:`hf_shard`, the rules' own
+    :class:`~mcore_zoo.weights.rules.TPSlice`. Raises :class:`LayoutError` up front when
+    ``target_tp`` does not divide the model (heads, KV heads, FFN, vocab). Same collective contract
+    as :func:`mcore_zoo.iter_hf_weights`.
     """
     handle = handle_of(model)
+    parts = handle.weight_map.hf_parts()
     validate_layout(handle.arch_config, Parallelism(tp=target_tp))
     if target_rank is not None and not 0 <= target_rank < target_tp:
         raise LayoutError(f"target_rank {target_rank} is not in [0, {target_tp})")
-    parts = handle.weight_map.hf_parts()
-    ranks_wanted = range(target_tp) if target_rank is None else [target_rank]
-    for name, tensor in _iter_hf_weights(handle, dtype=dtype, ranks=ranks, bucket_size=bucket_size):
-        shards = [hf_shard(tensor, parts[name], rank, target_tp, name) for rank in ranks_wanted]
+    targets = range(target_tp) if target_rank is None else [target_rank]
+    for name, tensor in iter_hf_weights(handle, dtype=dtype, ranks=ranks, bucket_size=bucket_size):
+        shards = [hf_shard(tensor, parts[name], rank, target_tp, name) for rank in targets]
         yield name, (shards if target_rank is None else shards[0])
 
 
@@ -323,18 +253,24 @@ def iter_hf_weights(
     (before any transfer). ``grads=True`` yields the parameters' gradients under HF names instead
     (gradient parity checks).
     """
-    yield from _iter_hf_weights(handle_of(model), gather_tp=gather_tp, dtype=dtype, ranks=ranks, bucket_size=bucket_size, grads=grads)
+    handle = handle_of(model)
+    if gather_tp:
+        handle.check_current()
+    steps = handle.export_steps()
+    yield from _hf_items(steps, handle.weight_map, handle.placement, handle.device, gather_tp=gather_tp, dtype=dtype,
+                         ranks=ranks, limit=_parse_size(bucket_size), grads=grads)  # fmt: skip
 
 
-def _iter_hf_weights(handle: ModelHandle, *, gather_tp: bool = True, dtype: Optional[torch.dtype] = None,
-                     ranks: Optional[Sequence[int]] = None, bucket_size: Union[int, str] = "512MB",
-                     grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
-    """:func:`iter_hf_weights` of a handle."""
-    if not gather_tp:
-        yield from stage_hf_weights(handle.export_steps(), copies=hf_copies(handle.weight_map), dtype=dtype, grads=grads)
+def _hf_items(steps: Sequence[RuleStep], weight_map: WeightMap, placement: Placement, device: torch.device, *,
+              gather_tp: bool = True, dtype: Optional[torch.dtype] = None, ranks: Optional[Sequence[int]] = None,
+              limit: int = 512 * 2**20, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """:func:`iter_hf_weights` of this rank's export ``steps`` (the handle's, checked current when
+    gathered)."""
+    if gather_tp:
+        for bucket in _iter_buckets(steps, weight_map, placement, device, limit=limit, dtype=dtype, ranks=ranks, grads=grads):
+            yield from bucket
         return
-    for bucket in _iter_buckets(handle, limit=_parse_size(bucket_size), dtype=dtype, ranks=ranks, grads=grads):
-        yield from bucket
+    yield from stage_hf_weights(steps, copies=hf_copies(weight_map), dtype=dtype, grads=grads)
 
 
 def save_hf_checkpoint(
@@ -365,34 +301,38 @@ def save_hf_checkpoint(
     if any step fails.
     """
     handle = handle_of(model)
-    needed = handle.weight_map.export_names()
+    handle.check_current()
+    steps = handle.export_steps()
+    placement, weight_map = handle.placement, handle.weight_map
+    quantize = fp8_export(handle.fp8_source, fp8_scales) if fp8 else None
+    needed = weight_map.export_names() | (fp8_scale_names(handle.fp8_source) if fp8 else set())
     config = hf_config_for_export(handle.arch_config, dtype, fp8=fp8, head=handle.head)
-    quantize = _fp8_export(handle, fp8, fp8_scales)
-    needed = needed | set(_fp8_scale_names(handle)) if fp8 else needed
-    if not handle.placement.distributed:
-        return write_hf_checkpoint(quantize(iter_hf_weights(handle, dtype=dtype)), out_dir, needed=needed, config=config,
-                                   max_shard_size=max_shard_size, overwrite=overwrite, assets=handle.hf_source)  # fmt: skip
-    writer = handle.placement.rank == writer_rank
-    verdict: list[Any] = [None]
-    if writer:  # a refusal known up front must not leave the other ranks inside the gathers
-        try:
-            check_output_dir(out_dir, overwrite=overwrite)
-        except FileExistsError as exc:
-            verdict[0] = str(exc)
-    dist.broadcast_object_list(verdict, src=writer_rank)
-    if verdict[0] is not None:
-        raise FileExistsError(verdict[0])
-    items = quantize(iter_hf_weights(handle, dtype=dtype, ranks=[writer_rank]))
+    distributed = placement.distributed
+    writer = not distributed or placement.rank == writer_rank
+    if distributed:  # a refusal known up front must not leave the other ranks inside the gathers
+        verdict: list[Any] = [None]
+        if writer:
+            try:
+                check_output_dir(out_dir, overwrite=overwrite)
+            except FileExistsError as exc:
+                verdict[0] = str(exc)
+        dist.broadcast_object_list(verdict, src=writer_rank)
+        if verdict[0] is not None:
+            raise FileExistsError(verdict[0])
+    items = _hf_items(steps, weight_map, placement, handle.device, dtype=dtype, ranks=[writer_rank] if distributed else None)
+    items = quantize(items) if quantize is not None else items
     outcome: list[Any] = [None]
-    if writer:
-        try:
+    try:
+        if writer:
             outcome[0] = ("ok", write_hf_checkpoint(items, out_dir, needed=needed, config=config, max_shard_size=max_shard_size,
                                                     overwrite=overwrite, assets=handle.hf_source))  # fmt: skip
-        except Exception as exc:
-            outcome[0] = ("error", f"{type(exc).__name__}: {exc}")
-            _drain(items)  # keep the collectives matched so the other ranks get the verdict
-    else:
-        _drain(items)
+    except Exception as exc:
+        if not distributed:
+            raise
+        outcome[0] = ("error", f"{type(exc).__name__}: {exc}")
+    if not distributed:
+        return outcome[0][1]
+    deque(items, maxlen=0)  # the rest of the export (all of it off the writer): the other ranks' gathers need it
     dist.broadcast_object_list(outcome, src=writer_rank)
     status, value = outcome[0]
     if status != "ok":
@@ -400,29 +340,5 @@ def save_hf_checkpoint(
     return value
 
 
-def _fp8_scale_names(handle: ModelHandle) -> list[str]:
-    return list(handle.fp8_source.plan.quantized.values())
-
-
-def _fp8_export(handle: ModelHandle, fp8: bool, fp8_scales: str) -> Any:
-    """Identity, or the FP8 quantization of the export items (see :func:`save_hf_checkpoint`)."""
-    if not fp8:
-        return lambda items: items
-    if fp8_scales not in ("fresh", "source"):
-        raise ValueError(f"fp8_scales={fp8_scales!r}; use 'fresh' or 'source'")
-    source = handle.fp8_source
-    if source is None:
-        raise ZooError("save_hf_checkpoint(fp8=True) writes the FP8 format of the checkpoint the model was loaded"
-                       " from; this model was not loaded from an FP8 block-quantized checkpoint")  # fmt: skip
-    from ..weights.fp8 import quantize_for_export
-
-    scales = source.scales if fp8_scales == "source" else None
-    return lambda items: quantize_for_export(items, source.plan.quantized, source.fmt, scales=scales)
-
-
-def _drain(items: Iterator[Any]) -> None:
-    for _ in items:
-        pass
-
-
-__all__ = ["ExportEntry", "export_plan", "iter_hf_buckets", "iter_hf_shards", "iter_hf_weights", "save_hf_checkpoint", "tp_gather", "expert_copies_for", "hf_shard"]
+__all__ = ["ExportEntry", "export_plan", "iter_hf_buckets", "iter_hf_shards", "iter_hf_weights", "save_hf_checkpoint",
+           "tp_gather", "expert_gather", "hf_shard"]  # fmt: skip

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
@@ -29,8 +31,10 @@ logger = logging.getLogger(__name__)
 
 #: ``gather(piece, axis)``: join this rank's tensor-parallel piece with the other TP ranks' pieces
 Gather = Callable[[torch.Tensor, int], torch.Tensor]
-#: ``expert_copies(bound, tensor, meta)``: every expert-parallel rank's copy of a local expert
-ExpertCopies = Callable[[BoundRule, torch.Tensor, bool], Iterable[tuple[BoundRule, torch.Tensor]]]
+#: ``expert_gather(tensor)``: every expert-parallel rank's copy of a local expert's tensor, in EP rank order
+ExpertGather = Callable[[torch.Tensor], list[torch.Tensor]]
+
+_ALIGN = 64  # bytes; every tensor in a bucket starts at a multiple (views of any dtype stay legal)
 
 
 def stage_hf_weights(
@@ -38,7 +42,7 @@ def stage_hf_weights(
     *,
     copies: Optional[Mapping[str, Sequence[str]]] = None,
     gather_for: Optional[Callable[[RuleStep], Optional[Gather]]] = None,
-    expert_copies: Optional[ExpertCopies] = None,
+    expert_gather: Optional[ExpertGather] = None,
     dtype: Optional[torch.dtype] = None,
     meta: bool = False,
     grads: bool = False,
@@ -48,9 +52,9 @@ def stage_hf_weights(
     ``copies`` (:func:`hf_copies`).
 
     ``gather_for(step)`` gives the function that joins a rule's tensor-parallel pieces (``None``,
-    or no ``gather_for``: each rank's own pieces). ``expert_copies(bound, tensor, meta)`` gives, for
-    an expert rule, every expert-parallel rank's copy of this local expert as ``(bound rule of that
-    expert, tensor)`` pairs (``None``: only this rank's experts). Both are supplied by
+    or no ``gather_for``: each rank's own pieces). ``expert_gather(tensor)`` gives every
+    expert-parallel rank's copy of a local expert's tensor, exported under the rules of
+    ``step.ep_rules`` (``None``: only this rank's experts). Both are supplied by
     :mod:`mcore_zoo.distributed.export`, which owns the collectives. ``meta=True`` yields meta
     tensors of the shapes and dtypes the real iteration would yield (gathered shapes where a
     gather is given), without reading a parameter or communicating (export planning).
@@ -67,7 +71,10 @@ def stage_hf_weights(
         gather = gather_for(step) if gather_for is not None else None
         if gather is not None and meta:
             gather = _meta_gather(ctx.tp_size)
-        pairs = expert_copies(b, local, meta) if expert_copies is not None and b.is_expert else [(b, local)]
+        pairs: Iterable[tuple[BoundRule, torch.Tensor]] = [(b, local)]
+        if expert_gather is not None and step.ep_rules:
+            parts = [local.new_empty(local.shape) for _ in step.ep_rules] if meta else expert_gather(local)
+            pairs = zip(step.ep_rules, parts)
         for rb, tensor in pairs:
             for name, piece in export_rule(rb, tensor, ctx, gather):
                 piece = piece.to(dtype) if dtype is not None else piece
@@ -102,6 +109,92 @@ def hf_copies(weight_map: WeightMap) -> dict[str, list[str]]:
     for copy, source in weight_map.copies:
         out.setdefault(source, []).append(copy)
     return out
+
+
+@dataclass(frozen=True)
+class ExportEntry:
+    """One HF tensor of the model as export will produce it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    stage: int  # pipeline rank that holds it
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def export_entries(stages: Sequence[Sequence[tuple[int, str, tuple[int, ...], str]]], vpp: int) -> list[ExportEntry]:
+    """The whole model's :class:`ExportEntry` list in export order (virtual stage by virtual stage,
+    pipeline stage by pipeline stage) from every pipeline stage's ``(virtual stage, name, shape,
+    dtype)`` items. Raises :class:`ZooError` for a tensor two stages export."""
+    entries = [ExportEntry(name, shape, getattr(torch, dt.replace("torch.", "")), stage)
+               for vp in range(vpp)
+               for stage, items in enumerate(stages)
+               for item_vp, name, shape, dt in items if item_vp == vp]  # fmt: skip
+    seen: set[str] = set()
+    for e in entries:
+        if e.name in seen:
+            raise ZooError(f"HF tensor {e.name!r} is exported by more than one pipeline stage")
+        seen.add(e.name)
+    return entries
+
+
+def aligned_nbytes(n: int) -> int:
+    """``n`` bytes rounded up to where the next tensor of a bucket starts."""
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def bucket_entries(entries: Sequence[ExportEntry], limit: int) -> list[list[ExportEntry]]:
+    """Consecutive entries of one pipeline stage, at most ``limit`` bytes a bucket (a larger tensor
+    is a bucket of its own)."""
+    buckets: list[list[ExportEntry]] = []
+    used = 0
+    for e in entries:
+        size = aligned_nbytes(e.nbytes)
+        if buckets and buckets[-1][0].stage == e.stage and used + size <= limit:
+            buckets[-1].append(e)
+            used += size
+        else:
+            buckets.append([e])
+            used = size
+    return buckets
+
+
+def bucket_items(items: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``items`` in lists of at most ``limit`` bytes (a larger tensor is a list of its own)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    used = 0
+    for name, tensor in items:
+        size = aligned_nbytes(tensor.numel() * tensor.element_size())
+        if bucket and used + size > limit:
+            yield bucket
+            bucket, used = [], 0
+        bucket.append((name, tensor))
+        used += size
+    if bucket:
+        yield bucket
+
+
+def unpack_bucket(buffer: torch.Tensor, bucket: Sequence[ExportEntry]) -> list[tuple[str, torch.Tensor]]:
+    """The entries of ``bucket`` as views of the flat byte ``buffer`` that carries them."""
+    out, offset = [], 0
+    for e in bucket:
+        view = buffer[offset : offset + e.nbytes].view(e.dtype).view(e.shape)
+        out.append((e.name, view))
+        offset += aligned_nbytes(e.nbytes)
+    return out
+
+
+def pack_bucket(buffer: torch.Tensor, bucket: Sequence[ExportEntry], items: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy the next ``len(bucket)`` export items into ``buffer``, each checked against its entry."""
+    for (_, view), e in zip(unpack_bucket(buffer, bucket), bucket):
+        got_name, tensor = next(items)
+        if got_name != e.name or tuple(tensor.shape) != e.shape:
+            raise ZooError(f"export plan out of step: planned {e.name} {e.shape}, got {got_name} {tuple(tensor.shape)}")
+        view.copy_(tensor)
+        del tensor
 
 
 def export_views(b: BoundRule, tensor: torch.Tensor, ctx: TransformContext, *,

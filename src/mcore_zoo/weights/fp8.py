@@ -86,7 +86,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -622,6 +622,26 @@ class Fp8Checkpoint:
 
     def close(self) -> None:
         self.inner.close()
+
+
+def fp8_export(source: Any, fp8_scales: str = "fresh") -> Callable[[Any], Any]:
+    """The quantization of export items into the FP8 block format of ``source`` (the
+    :class:`Fp8Checkpoint` view a model was loaded through: which tensors were quantized, their
+    block format and scales): :func:`quantize_for_export` with fresh scales (``"fresh"``) or the
+    loaded ones (``"source"``). Raises before anything is exported for another ``fp8_scales``, or
+    for a model that was not loaded from an FP8 block-quantized checkpoint (``source`` ``None``)."""
+    if fp8_scales not in ("fresh", "source"):
+        raise ValueError(f"fp8_scales={fp8_scales!r}; use 'fresh' or 'source'")
+    if source is None:
+        raise ZooError("save_hf_checkpoint(fp8=True) writes the FP8 format of the checkpoint the model was loaded"
+                       " from; this model was not loaded from an FP8 block-quantized checkpoint")  # fmt: skip
+    scales = source.scales if fp8_scales == "source" else None
+    return lambda items: quantize_for_export(items, source.plan.quantized, source.fmt, scales=scales)
+
+
+def fp8_scale_names(source: Any) -> set[str]:
+    """The ``X.weight_scale_inv`` tensors an FP8 export of ``source``'s format writes."""
+    return set(source.plan.quantized.values())
 
 
 def quantize_for_export(items: Any, quantized: Mapping[str, str], fmt: Fp8BlockFormat, *,

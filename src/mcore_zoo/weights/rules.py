@@ -618,8 +618,9 @@ class RuleStep:
     """One rule bound to one chunk's tensor, with everything reading or writing it needs, as plain
     values: the bound rule, a reference to its mcore tensor (re-resolved on every read, so a
     replaced parameter is followed), its transform context (this rank's TP slot for the rule:
-    expert TP for expert rules, dense TP otherwise), the chunk and its virtual-pipeline stage, and
-    the process group its tensor-parallel pieces are gathered over. The model handle makes them
+    expert TP for expert rules, dense TP otherwise), the chunk and its virtual-pipeline stage, the
+    process group its tensor-parallel pieces are gathered over and, for a local expert under
+    expert parallelism, the rule of every EP rank's copy of it (EP rank order: global experts). The model handle makes them
     once (:meth:`~mcore_zoo.handle.ModelHandle.rule_steps`); loading and export take them."""
 
     bound: BoundRule
@@ -628,6 +629,7 @@ class RuleStep:
     chunk: Any = None
     stage: int = 0
     tp_group: Any = None
+    ep_rules: tuple[BoundRule, ...] = ()
 
     def tensor(self) -> torch.Tensor:
         """The mcore tensor, read by its module path now."""
@@ -635,13 +637,20 @@ class RuleStep:
 
 
 def bind_steps(bound: Sequence[BoundRule], chunk: torch.nn.Module, stage: int,
-               splits: Mapping[bool, tuple[TransformContext, Any]]) -> list[RuleStep]:  # fmt: skip
+               splits: Mapping[bool, tuple[TransformContext, Any]], *, ep: int = 1, ep_rank: int = 0,
+               per_rank: int = 0) -> list[RuleStep]:  # fmt: skip
     """``bound`` (the rules bound to ``chunk``, virtual stage ``stage``) as :class:`RuleStep` values;
-    ``splits[is_expert]``: the transform context and TP group of the rule's tensor-parallel split."""
+    ``splits[is_expert]``: the transform context and TP group of the rule's tensor-parallel split;
+    ``ep`` / ``ep_rank`` / ``per_rank``: this rank's expert-parallel slot and the experts each EP
+    rank holds."""
     steps = []
     for b in bound:
         ctx, group = splits[b.is_expert]
-        steps.append(RuleStep(b, TensorRef(b.mcore), ctx, chunk, stage, group))
+        ep_rules: tuple[BoundRule, ...] = ()
+        if b.is_expert and ep > 1:
+            local = b.expert - ep_rank * per_rank  # type: ignore[operator]
+            ep_rules = tuple(b.for_expert(r * per_rank + local) for r in range(ep))
+        steps.append(RuleStep(b, TensorRef(b.mcore), ctx, chunk, stage, group, ep_rules))
     return steps
 
 
