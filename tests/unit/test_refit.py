@@ -634,7 +634,7 @@ def test_cuts_map_onto_a_view_whose_first_dimension_is_split():
     """A slot's cuts, given in the HF piece's coordinates, applied to a ``[groups, rows, ...]`` view
     of the piece: whole groups map to a narrow of the view, anything else is refused (the shard is
     then exported and cut instead)."""
-    from mcore_zoo.rollout.program import _cut_view
+    from mcore_zoo.weights.rules import narrow_view as _cut_view
 
     piece = torch.arange(6 * 4 * 3).reshape(6 * 4, 3)  # the HF piece: 6 groups of 4 rows
     view = torch.arange(6 * 4 * 3).reshape(6, 4, 3)  # the same elements, first dimension split

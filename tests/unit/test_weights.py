@@ -166,7 +166,7 @@ def test_no_partial_output_when_export_fails(mpu, reference_checkpoint, tmp_path
     model = mcore_zoo.build_model(ckpt, backend="local", load=ckpt)
     from mcore_zoo.distributed import export as export_mod
 
-    real = export_mod._hf_items
+    real = export_mod.hf_items
 
     def failing(*args, **kwargs):
         for i, item in enumerate(real(*args, **kwargs)):
@@ -174,7 +174,7 @@ def test_no_partial_output_when_export_fails(mpu, reference_checkpoint, tmp_path
                 raise RuntimeError("disk full")
             yield item
 
-    monkeypatch.setattr(export_mod, "_hf_items", failing)
+    monkeypatch.setattr(export_mod, "hf_items", failing)
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="disk full"):
         mcore_zoo.save_hf_checkpoint(model, out, max_shard_size="10KB")

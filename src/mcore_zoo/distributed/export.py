@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,7 @@ from ..weights.export import (
     write_hf_checkpoint,
 )
 from ..weights.fp8 import fp8_export, fp8_scale_names
-from ..weights.io import _parse_size, check_output_dir
+from ..weights.io import check_output_dir, parse_size
 from ..weights.rules import BoundRule, RuleStep, WeightMap
 
 Model = Union[ModelHandle, torch.nn.Module, Sequence[torch.nn.Module]]
@@ -133,7 +133,7 @@ def iter_hf_buckets(
     handle = handle_of(model)
     handle.check_current()
     yield from _iter_buckets(handle.export_steps(), handle.weight_map, handle.placement, handle.device,
-                             limit=_parse_size(bucket_size), dtype=dtype, ranks=ranks, grads=grads)  # fmt: skip
+                             limit=parse_size(bucket_size), dtype=dtype, ranks=ranks, grads=grads)  # fmt: skip
 
 
 def _iter_buckets(steps: Sequence[RuleStep], weight_map: WeightMap, placement: Placement, device: torch.device, *,
@@ -152,15 +152,18 @@ def _iter_buckets(steps: Sequence[RuleStep], weight_map: WeightMap, placement: P
             return  # no receiver in this model-parallel group: nothing to gather
     receive = wanted is None or me in wanted
     ep = expert_gather(placement)
-    # the plan first (pipeline stages: which stage sends which tensor), then the data
+    # the plan first (pipeline stages: which stage sends which tensor to whom), then the data
+    destinations: list[int] = []
+    moves: list[Callable[[Optional[torch.Tensor]], None]] = []
+    if placement.pp > 1:
+        pp_ranks = dist.get_process_group_ranks(placement.groups.pp)
+        destinations = [r for r in pp_ranks if wanted is None or r in wanted]
+        moves = [_pipeline_move(src, me, destinations, pp_ranks, placement.groups.pp) for src in pp_ranks]
     entries = _export_plan(steps, weight_map, placement, dtype=dtype, grads=grads) if placement.pp > 1 else []
     local = stage_hf_weights(steps, copies=hf_copies(weight_map), gather_for=tp_gather, expert_gather=ep, dtype=dtype, grads=grads)
     if placement.pp == 1:
         yield from (bucket for bucket in bucket_items(local, limit) if receive)  # TP gathers happen here, on every TP rank
         return
-    pp_group = placement.groups.pp
-    pp_ranks = dist.get_process_group_ranks(pp_group)
-    destinations = [r for r in pp_ranks if wanted is None or r in wanted]
     for bucket in bucket_entries(entries, limit):
         owner = bucket[0].stage
         sender = placement.pp_rank == owner
@@ -169,7 +172,7 @@ def _iter_buckets(steps: Sequence[RuleStep], weight_map: WeightMap, placement: P
             buffer = torch.empty(sum(aligned_nbytes(e.nbytes) for e in bucket), dtype=torch.uint8, device=device)
         if sender:
             pack_bucket(buffer, bucket, local)
-        _move(buffer, pp_ranks[owner], me, destinations, pp_ranks, pp_group)
+        moves[owner](buffer)
         if receive and buffer is not None:
             yield unpack_bucket(buffer, bucket)
         del buffer
@@ -177,18 +180,24 @@ def _iter_buckets(steps: Sequence[RuleStep], weight_map: WeightMap, placement: P
         raise ZooError("export plan out of step: this stage has tensors the plan does not list")
 
 
-def _move(buffer: Optional[torch.Tensor], src: int, me: int, destinations: list[int], pp_ranks: list[int], group: Any) -> None:
-    """Bring the owner's bucket to the destinations of this pipeline group."""
+def _pipeline_move(src: int, me: int, destinations: list[int], pp_ranks: list[int], group: Any) -> Callable[[Optional[torch.Tensor]], None]:
+    """How a bucket of pipeline rank ``src`` reaches the destinations of this pipeline group, as
+    this rank takes part: ``broadcast`` when every other stage wants it, point-to-point sends to the
+    chosen ranks otherwise (nothing where no other rank wants it)."""
     others = [r for r in destinations if r != src]
-    if not others:
-        return
-    if set(others) == set(pp_ranks) - {src}:
-        dist.broadcast(buffer, src=src, group=group)
-    elif me == src:
-        for r in others:
-            dist.send(buffer, dst=r)
-    elif me in others:
-        dist.recv(buffer, src=src)
+
+    def move(buffer: Optional[torch.Tensor]) -> None:
+        if not others:
+            return
+        if set(others) == set(pp_ranks) - {src}:
+            dist.broadcast(buffer, src=src, group=group)
+        elif me == src:
+            for r in others:
+                dist.send(buffer, dst=r)
+        elif me in others:
+            dist.recv(buffer, src=src)
+
+    return move
 
 
 def iter_hf_shards(
@@ -257,15 +266,17 @@ def iter_hf_weights(
     if gather_tp:
         handle.check_current()
     steps = handle.export_steps()
-    yield from _hf_items(steps, handle.weight_map, handle.placement, handle.device, gather_tp=gather_tp, dtype=dtype,
-                         ranks=ranks, limit=_parse_size(bucket_size), grads=grads)  # fmt: skip
+    yield from hf_items(steps, handle.weight_map, handle.placement, handle.device, gather_tp=gather_tp, dtype=dtype,
+                         ranks=ranks, limit=parse_size(bucket_size), grads=grads)  # fmt: skip
 
 
-def _hf_items(steps: Sequence[RuleStep], weight_map: WeightMap, placement: Placement, device: torch.device, *,
+def hf_items(steps: Sequence[RuleStep], weight_map: WeightMap, placement: Placement, device: torch.device, *,
               gather_tp: bool = True, dtype: Optional[torch.dtype] = None, ranks: Optional[Sequence[int]] = None,
               limit: int = 512 * 2**20, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
-    """:func:`iter_hf_weights` of this rank's export ``steps`` (the handle's, checked current when
-    gathered)."""
+    """:func:`iter_hf_weights` of this rank's export ``steps`` (the handle's
+    :meth:`~mcore_zoo.handle.ModelHandle.export_steps`, checked current when gathered), for a
+    caller that holds them: the one export path of ``iter_hf_weights``, ``save_hf_checkpoint`` and
+    :func:`mcore_zoo.refit`."""
     if gather_tp:
         for bucket in _iter_buckets(steps, weight_map, placement, device, limit=limit, dtype=dtype, ranks=ranks, grads=grads):
             yield from bucket
@@ -319,7 +330,7 @@ def save_hf_checkpoint(
         dist.broadcast_object_list(verdict, src=writer_rank)
         if verdict[0] is not None:
             raise FileExistsError(verdict[0])
-    items = _hf_items(steps, weight_map, placement, handle.device, dtype=dtype, ranks=[writer_rank] if distributed else None)
+    items = hf_items(steps, weight_map, placement, handle.device, dtype=dtype, ranks=[writer_rank] if distributed else None)
     items = quantize(items) if quantize is not None else items
     outcome: list[Any] = [None]
     try:
@@ -341,4 +352,4 @@ def save_hf_checkpoint(
 
 
 __all__ = ["ExportEntry", "export_plan", "iter_hf_buckets", "iter_hf_shards", "iter_hf_weights", "save_hf_checkpoint",
-           "tp_gather", "expert_gather", "hf_shard"]  # fmt: skip
+           "tp_gather", "expert_gather", "hf_shard", "hf_items"]  # fmt: skip

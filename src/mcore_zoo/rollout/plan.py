@@ -27,6 +27,7 @@ import torch
 
 from ..errors import LayoutError, ZooError
 from ..handle import ModelHandle
+from ..weights.io import parse_size
 from ..weights.rules import Cut, TPSlice, narrow
 from .engine_format import EngineFormat
 
@@ -134,27 +135,6 @@ class RefitPlan:
                 f"{tensors} engine tensors per rank, {len(self.buckets)} bucket(s), {self.nbytes / 2**30:.3f} GiB")  # fmt: skip
 
 
-def _parse_size(size: Union[int, str]) -> int:
-    from ..weights.io import _parse_size as parse
-
-    return parse(size)
-
-
-def _expert_roles(handle: ModelHandle) -> dict[str, str]:
-    """HF projection name -> role (``gate`` / ``up`` / ``down``) of routed experts, read off the
-    zoo's expert rules (``linear_fc1`` <- [gate, up], ``linear_fc2`` <- down)."""
-    roles: dict[str, str] = {}
-    for r in handle.weight_map.rules:
-        if "{expert}" not in r.mcore:
-            continue
-        names = [s.hf.rsplit(".", 2)[-2] for s in r.sources]
-        if r.mcore.endswith("linear_fc1.weight") and len(names) == 2:
-            roles.update({names[0]: "gate", names[1]: "up"})
-        elif r.mcore.endswith("linear_fc2.weight") and len(names) == 1:
-            roles[names[0]] = "down"
-    return roles
-
-
 def plan_refit(
     handle: ModelHandle,
     engine_format: EngineFormat,
@@ -176,19 +156,19 @@ def plan_refit(
     tp = target_tp if engine_format.presplit else 1
     if tp < 1:
         raise LayoutError(f"target_tp must be >= 1, got {target_tp}")
-    if engine_format.presplit and tp > 1:
-        validate_layout(handle.arch_config, Parallelism(tp=tp))
     if entries is None:
         entries = export_plan(handle, dtype=dtype)
     specs = handle.weight_map.hf_parts()
-    roles = _expert_roles(handle)
+    roles = handle.weight_map.expert_roles()
+    needed = set(handle.weight_map.export_names())
+    if engine_format.presplit and tp > 1:  # before any data moves
+        validate_layout(handle.arch_config, Parallelism(tp=tp))
     vocab = {name for name, items in specs.items() if any(b.rule.mcore in VOCAB_PARAMETERS for b, _ in items)}
     hf = [(e.name, tuple(e.shape), e.dtype) for e in entries]
     hf_names = {name for name, _, _ in hf}
     if len(hf_names) != len(hf):
         twice = sorted({name for name, _, _ in hf if sum(n == name for n, _, _ in hf) > 1})
         raise ZooError(f"refit plan: HF tensor(s) named twice in the export plan: {twice[:8]}")
-    needed = set(handle.weight_map.export_names())
     if hf_names != needed:
         raise ZooError(f"refit plan: the export plan misses {sorted(needed - hf_names)[:8]} and has no rule for"
                        f" {sorted(hf_names - needed)[:8]}")  # fmt: skip
@@ -269,7 +249,7 @@ def plan_refit(
         engine_tensors.append(tensors)
 
     # 3. buckets: consecutive HF tensors up to bucket_size bytes (all ranks' shards)
-    limit = _parse_size(bucket_size)
+    limit = parse_size(bucket_size)
     buckets: list[list[str]] = []
     used = 0
     for name, _, _ in hf:

@@ -50,7 +50,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -58,12 +58,10 @@ from ..distributed.collectives import all_true
 from ..distributed.export import tp_gather
 from ..errors import ZooError
 from ..handle import ModelHandle
-from ..weights.export import export_rule, export_views, hf_copies
-from ..weights.rules import Cut, RuleStep, TPSlice, narrow
+from ..weights.export import check_planned_shape, export_rule, export_views
+from ..weights.rules import Cut, RuleStep, TPSlice, narrow, narrow_view, strided_layout
 from .plan import RefitPlan, Slot
 
-#: a shard made per refit (a copy, or an export of a rule without trusted views)
-_Dynamic = Callable[[], torch.Tensor]
 #: one bucket: per engine rank, ``[(slot, shard)]`` in plan order
 _Items = list[list[tuple[Slot, torch.Tensor]]]
 #: a rule source's part of a fused HF tensor: ``(axis, start, stop)`` (``Source.select``)
@@ -87,22 +85,23 @@ def tp_local_source(handle: ModelHandle, target_tp: int, engine_rank: Optional[i
             and p.pp == 1 and p.vpp == 1 and p.ep == 1 and p.etp in (1, p.tp))  # fmt: skip
 
 
-def program_for(handle: ModelHandle, plan: RefitPlan, *, raw_shards: bool, source: str,
-                engine_rank: Optional[int] = None) -> "RefitProgram":  # fmt: skip
-    """The :class:`RefitProgram` of ``plan`` on this model for an adapter with (or without)
-    ``raw_shards``, from ``source`` (``"local"``: :func:`local_source`; ``"tp-local"``:
-    :func:`tp_local_source`, feeding ``engine_rank``; ``"stream"``): bound on first use, cached on
-    the handle while the plan lives (the programs of a plan that was garbage-collected are dropped
-    at the next binding). Binding a ``"tp-local"`` program is collective over the TP group."""
+def program_for(handle: ModelHandle, plan: RefitPlan, steps: Sequence[RuleStep], copies: Mapping[str, Sequence[str]], *,
+                raw_shards: bool, source: str, engine_rank: Optional[int] = None) -> "RefitProgram":  # fmt: skip
+    """The :class:`RefitProgram` of ``plan`` on this model - its export ``steps`` and HF ``copies``
+    (the handle's :meth:`~mcore_zoo.handle.ModelHandle.export_steps`, what every export reads) -
+    for an adapter with (or without) ``raw_shards``, from ``source`` (``"local"``:
+    :func:`local_source`; ``"tp-local"``: :func:`tp_local_source`, feeding ``engine_rank``;
+    ``"stream"``): bound on first use, cached on the handle while the plan lives (the programs of a
+    plan that was garbage-collected are dropped at the next binding; all of them when a chunk is
+    attached). Binding a ``"tp-local"`` program is collective over the TP group."""
     programs: dict[tuple[int, bool, str, Optional[int]], RefitProgram] = handle.derived("refit_programs", dict)
     key = (id(plan), raw_shards, source, engine_rank)
     program = programs.get(key)
     if program is None or program.plan_ref() is not plan:
         for k in [k for k, p in programs.items() if p.plan_ref() is None]:
             del programs[k]
-        program = programs[key] = RefitProgram(plan, handle.export_steps(), copies=hf_copies(handle.weight_map),
-                                               tp_group=handle.placement.groups.tp, raw_shards=raw_shards,
-                                               source=source, engine_rank=engine_rank)  # fmt: skip
+        program = programs[key] = RefitProgram(plan, steps, copies=copies, tp_group=handle.placement.groups.tp,
+                                               raw_shards=raw_shards, source=source, engine_rank=engine_rank)  # fmt: skip
     return program
 
 
@@ -151,45 +150,38 @@ class RefitProgram:
     def buckets(self, stream: Optional[Iterator[tuple[str, torch.Tensor]]]) -> Iterator[tuple[int, _Items]]:
         """``(bucket index, items)`` per bucket in plan order, ``items[rank]`` = ``[(slot, shard)]``
         (what :class:`~mcore_zoo.rollout.adapter.RefitBucket` carries). ``stream``: the export
-        (``"stream"`` source; ``None`` for ``"local"``). Release each bucket's items before asking
-        for the next (they may hold copies: memory stays bounded by one bucket)."""
-        if self.source == "stream":
-            assert stream is not None
-            for index, ops in enumerate(self._stream_ops):
-                yield index, self._stream_bucket(index, ops, stream)
-            extra = next(stream, None)
-            if extra is not None:
-                raise ZooError(f"refit: the export has {extra[0]!r}, which the plan does not list")
+        (``"stream"`` source; ``None`` for the local ones). Release each bucket's items before
+        asking for the next (they may hold copies: memory stays bounded by one bucket)."""
+        if self.source != "stream":
+            try:
+                self._bases = [None] * len(self._params)  # type: ignore[list-item]
+                self._offsets = [0] * len(self._params)
+                for index in range(len(self.slots)):
+                    yield index, self._local_bucket(index)
+            finally:
+                self._bases, self._offsets = [], []  # hold no parameter between refits
+                self._memo.clear()
             return
-        try:
-            self._bases = [None] * len(self._params)  # type: ignore[list-item]
-            self._offsets = [0] * len(self._params)
-            for index in range(len(self.slots)):
-                # each parameter is read when its first bucket is due, so that the first bucket's
-                # copies start while the host reads the parameters of the later ones
-                self._refresh(self._first_needed[index])
-                self._gather_bucket(index)
-                yield index, self._local_bucket(index)
-        finally:
-            self._bases, self._offsets = [], []  # hold no parameter between refits
-            self._memo.clear()
-
-    def _stream_bucket(self, index: int, ops: list["_StreamOp"], stream: Iterator[tuple[str, torch.Tensor]]) -> _Items:
-        pieces: list[list[torch.Tensor]] = [[] for _ in self.slots[index]]
-        for op in ops:
-            name, shape = op.name, op.shape
-            got = next(stream, None)
-            if got is None:
-                raise ZooError(f"refit: the model's export ended before {name!r} (plan made for another model?)")
-            got_name, tensor = got
-            if got_name != name:
-                raise ZooError(f"refit: plan out of step: planned {name!r}, export gave {got_name!r}")
-            if tensor.shape != shape:
-                raise ZooError(f"refit: {name}: planned shape {shape}, export gave {tuple(tensor.shape)}"
-                               " (plan made for another model?)")  # fmt: skip
-            for rank, cuts in op.cuts:
-                pieces[rank].append(narrow(tensor, cuts))
-        return [list(zip(slots, shards)) for slots, shards in zip(self.slots[index], pieces)]  # no shards: no items
+        assert stream is not None
+        for index, ops in enumerate(self._stream_ops):
+            pieces: list[list[torch.Tensor]] = [[] for _ in self.slots[index]]
+            for op in ops:
+                name, shape = op.name, op.shape
+                got = next(stream, None)
+                if got is None:
+                    raise ZooError(f"refit: the model's export ended before {name!r} (plan made for another model?)")
+                got_name, tensor = got
+                if got_name != name:
+                    raise ZooError(f"refit: plan out of step: planned {name!r}, export gave {got_name!r}")
+                if tensor.shape != shape:
+                    raise ZooError(f"refit: {name}: planned shape {shape}, export gave {tuple(tensor.shape)}"
+                                   " (plan made for another model?)")  # fmt: skip
+                for rank, cuts in op.cuts:
+                    pieces[rank].append(narrow(tensor, cuts))
+            yield index, [list(zip(slots, shards)) for slots, shards in zip(self.slots[index], pieces)]  # no shards: no items
+        extra = next(stream, None)
+        if extra is not None:
+            raise ZooError(f"refit: the export has {extra[0]!r}, which the plan does not list")
 
     # ------------------------------------------------------------------ the local source
     def _bind_local(self, steps: Sequence[RuleStep], copies: Mapping[str, Sequence[str]], plan: RefitPlan,
@@ -207,18 +199,20 @@ class RefitProgram:
         planned = _check_exports(owner, copies, plan)
         for param in self._params:
             param.planned = {name: planned[name] for name in param.step.bound.hf}
+        #: per bucket: the parameters whose first use (a shard or a gather) is in it - the first
+        #: bucket with one of their HF tensors (every HF tensor has a slot on every engine rank)
+        self._first_needed = _first_needed(len(self._params), [[owner[name].param for name in names] for names in plan.buckets])
         self._recipes: list[list[list[_Recipe]]] = [[[_NO_RECIPE] * len(s) for s in per] for per in self.slots]
         self._place_uses(plan, owner, planned)
         if self.source == "tp-local":  # the same gathers on every rank: a rule one rank needs gathered, all gather
             served = all_true([not p.gathered for p in self._params], tp_group)
             for param, ok in zip(self._params, served):
                 param.gathered = not ok
-        #: per bucket: the parameters exported gathered before its shards (every rank, this order;
-        #: only ``"tp-local"`` has any)
-        self._gathers = [[i for i in dict.fromkeys(owner[name].param for name in names) if self._params[i].gathered]
+        #: per bucket: the parameters exported gathered before its shards, with their TP gathers
+        #: (every rank, this order; only ``"tp-local"`` has any)
+        self._gathers = [[(i, tp_gather(self._params[i].step))
+                          for i in dict.fromkeys(owner[name].param for name in names) if self._params[i].gathered]
                          for names in plan.buckets]  # fmt: skip
-        #: per bucket: the parameters whose first use (a shard or a gather) is in it
-        self._first_needed = _first_needed(self._params, self._gathers)
         self._memo: dict[int, dict[str, torch.Tensor]] = {}
         self._bases: list[torch.Tensor] = []
         self._offsets: list[int] = []
@@ -235,22 +229,40 @@ class RefitProgram:
                         param.uses.append(_use_of(param, slot, owner[name].sources, planned[name], bucket, rank, positions[rank]))
                         positions[rank] += 1
 
-    def _refresh(self, indices: list[int]) -> None:
-        """This refit's parameters ``indices`` (each read by its module path: a replaced parameter
-        is followed), and new recipes for any whose layout (dtype, shape, stride) changed since the
-        last refit - none, in a steady state. Recipes do not depend on where the storage is, so a
-        parameter moved (offloaded and back) needs none."""
-        for index in indices:
-            param = self._params[index]
-            base = self._bases[index] = param.step.tensor().detach()
-            self._offsets[index] = base.storage_offset()
-            layout = (base.dtype, base.shape, base.stride())
-            if layout != param.layout:
-                self._rebind(index, param, base)
-                param.layout = layout
+    def _local_bucket(self, index: int) -> _Items:
+        """Bucket ``index`` from the local source: the parameters it is the first to need read
+        (:meth:`_refresh`), so that the first bucket's copies start while the host reads the
+        parameters of the later ones; its gathered rules exported (``"tp-local"``: all-gathered over
+        their TP group, every rank of the group in the same order, checked against the plan); then
+        every shard made by its recipe."""
+        for i in self._first_needed[index]:
+            self._refresh(i)
+        bases, offsets, memo = self._bases, self._offsets, self._memo
+        for i, gather in self._gathers[index]:
+            step = self._params[i].step
+            hf = memo[i] = dict(export_rule(step.bound, bases[i], step.ctx, gather=gather))
+            for name, tensor in hf.items():
+                check_planned_shape(name, self._params[i].planned[name], tuple(tensor.shape))
+        items: _Items = [[] for _ in range(self.target_tp)]
+        for rank in self._ranks:
+            shards = [recipe.shard(bases, offsets, memo) for recipe in self._recipes[index][rank]]
+            items[rank] = list(zip(self.slots[index][rank], shards))
+        memo.clear()
+        return items
 
-    def _rebind(self, index: int, param: _Param, base: torch.Tensor) -> None:
+    def _refresh(self, index: int) -> None:
+        """This refit's parameter ``index`` (read by its module path: a replaced parameter is
+        followed), and new recipes for its shards if its layout (dtype, shape, stride) changed since
+        the last refit - never, in a steady state. Recipes do not depend on where the storage is, so
+        a parameter moved (offloaded and back) needs none. Shards are views of the parameter where
+        the rule's transform gives trusted views of its HF pieces, else made per refit."""
+        param = self._params[index]
         step = param.step
+        base = self._bases[index] = step.tensor().detach()
+        self._offsets[index] = base.storage_offset()
+        layout = (base.dtype, base.shape, base.stride())
+        if layout == param.layout:
+            return
         meta = torch.empty(base.shape, dtype=base.dtype, device="meta")
         if self.source == "local":
             pieces = export_rule(step.bound, meta, step.ctx)
@@ -261,80 +273,27 @@ class RefitProgram:
             wanted = {k: shape for k, shape in param.chunk_shapes.items() if not param.gathered}
         for key, shape in wanted.items():
             what = key if isinstance(key, str) else f"{step.bound.hf[key]} (this rank's chunk)"
-            _check_planned(what, shape, shapes.get(key))
+            check_planned_shape(what, shape, shapes.get(key))
         views = None if param.gathered else export_views(step.bound, base, step.ctx, chunk=self.source == "tp-local")
         for use in param.uses:
             view = None
             if views is not None and use.source is not None:
-                view = _cut_view(views[use.source][2], use.shape, use.cuts)
-            recipe = _MadeRecipe(index, self._computed(index, use)) if view is None else self._view_recipe(index, base, view, use.slot)
+                view = narrow_view(views[use.source][2], use.shape, use.cuts)
+            slot, dtype = use.slot, None if self.raw_shards else use.slot.dtype
+            recipe: _Recipe
+            if view is not None:
+                exact = self.raw_shards or (tuple(view.shape) == slot.shape and view.dtype == slot.dtype)
+                cast = None if exact else (slot.shape, slot.dtype)  # a copy, made per refit
+                layout_of_view = strided_layout(base, view)
+                recipe = _WholeRecipe(index, cast) if layout_of_view is None else _ViewRecipe(index, cast, *layout_of_view)
+            elif param.gathered:  # exported gathered before the bucket (the bucket's gathers)
+                recipe = _GatheredRecipe(index, use.name, slot.cuts, dtype, use.bucket)
+            elif self.source == "tp-local" and use.source is not None:  # this rank's chunk of its piece
+                recipe = _ChunkRecipe(index, step, use.source, use.cuts, None if self.raw_shards else (slot.shape, slot.dtype))
+            else:  # the rule's HF tensors, exported from this rank's tensor once per bucket
+                recipe = _ExportRecipe(index, step, use.name, slot.cuts, dtype)
             self._recipes[use.bucket][use.rank][use.position] = recipe
-
-    def _view_recipe(self, index: int, base: torch.Tensor, view: torch.Tensor, slot: Slot) -> _Recipe:
-        """The recipe of a shard that is ``view`` of parameter ``index`` (``base``): the whole
-        parameter, or a strided view of it; reshaped / cast per refit unless the adapter takes raw
-        shards or the view already has the slot's shape and dtype."""
-        exact = self.raw_shards or (tuple(view.shape) == slot.shape and view.dtype == slot.dtype)
-        make = None if exact else _reshaped(slot)
-        offset = view.storage_offset() - base.storage_offset()
-        if (tuple(view.shape), view.stride(), offset) == (tuple(base.shape), base.stride(), 0):
-            return _WholeRecipe(index, make)  # the whole parameter: no view to make
-        return _ViewRecipe(index, tuple(view.shape), view.stride(), offset, make)
-
-    def _computed(self, index: int, use: _Use) -> _Dynamic:
-        """A shard made per refit, cut by the slot from: the rule's gathered HF tensors (a gathered
-        ``"tp-local"`` rule: exported by :meth:`_gather_bucket` before the bucket); this rank's
-        chunk of its piece (another ``"tp-local"`` rule without views); or the rule's HF tensors
-        exported from this rank's tensor once per bucket (the rest: whole tensors here)."""
-        raw = self.raw_shards
-        param = self._params[index]
-        if param.gathered:
-
-            def gathered_shard() -> torch.Tensor:
-                hf = self._memo.get(index)
-                if hf is None:  # _gather_bucket runs the bucket's gathers first: a bug if not
-                    raise ZooError(f"refit: {use.name}: gathered export missing for bucket {use.bucket}")
-                piece = use.slot.cut(hf[use.name])
-                return piece if raw else piece.to(use.slot.dtype)
-
-            return gathered_shard
-        if self.source == "tp-local" and use.source is not None:
-
-            def chunk_shard() -> torch.Tensor:
-                step = param.step
-                piece = narrow(step.bound.transform.split(self._bases[index], step.ctx)[use.source], use.cuts)
-                return piece if raw else piece.reshape(use.slot.shape).to(use.slot.dtype)
-
-            return chunk_shard
-
-        def shard() -> torch.Tensor:
-            hf = self._memo.get(index)
-            if hf is None:
-                step = param.step
-                hf = self._memo[index] = dict(export_rule(step.bound, self._bases[index], step.ctx))
-            piece = use.slot.cut(hf[use.name])
-            return piece if raw else piece.to(use.slot.dtype)
-
-        return shard
-
-    def _gather_bucket(self, index: int) -> None:
-        """``"tp-local"``: export the bucket's gathered rules (all-gathered over their TP group; every
-        rank of the group runs the same list in the same order), checked against the plan."""
-        for i in self._gathers[index]:
-            step = self._params[i].step
-            hf = dict(export_rule(step.bound, self._bases[i], step.ctx, gather=tp_gather(step)))
-            for name, tensor in hf.items():
-                _check_planned(name, self._params[i].planned[name], tuple(tensor.shape))
-            self._memo[i] = hf
-
-    def _local_bucket(self, index: int) -> _Items:
-        bases, offsets = self._bases, self._offsets
-        items: _Items = [[] for _ in range(self.target_tp)]
-        for rank in self._ranks:
-            shards = [recipe.shard(bases, offsets) for recipe in self._recipes[index][rank]]
-            items[rank] = list(zip(self.slots[index][rank], shards))
-        self._memo.clear()
-        return items
+        param.layout = layout
 
 
 @dataclass(frozen=True)
@@ -397,48 +356,99 @@ class _Owner:
 
 @dataclass(frozen=True)
 class _Recipe:
-    """How a refit makes one shard from the bases (the parameters as read for this refit)."""
+    """How a refit makes one shard of parameter ``param``, from the bases (the parameters as read
+    for this refit), their storage offsets and the bucket's exported HF tensors per parameter."""
 
     param: int
 
-    def shard(self, bases: list[torch.Tensor], offsets: list[int]) -> torch.Tensor:
+    def shard(self, bases: list[torch.Tensor], offsets: list[int], memo: dict[int, dict[str, torch.Tensor]]) -> torch.Tensor:
         raise NotImplementedError
+
+
+#: reshape and cast a shard to the slot's ``(shape, dtype)`` (a copy per refit); ``None``: as it is
+_Cast = Optional[tuple[tuple[int, ...], torch.dtype]]
+
+
+def _cast(tensor: torch.Tensor, cast: _Cast) -> torch.Tensor:
+    return tensor if cast is None else tensor.reshape(cast[0]).to(cast[1])
 
 
 @dataclass(frozen=True)
 class _WholeRecipe(_Recipe):
-    """The whole parameter, through ``make`` (a reshape / cast; ``None``: as it is)."""
+    """The whole parameter."""
 
-    make: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    cast: _Cast = None
 
-    def shard(self, bases: list[torch.Tensor], offsets: list[int]) -> torch.Tensor:
-        base = bases[self.param]
-        return base if self.make is None else self.make(base)
+    def shard(self, bases: list[torch.Tensor], offsets: list[int], memo: dict[int, dict[str, torch.Tensor]]) -> torch.Tensor:
+        return _cast(bases[self.param], self.cast)
 
 
 @dataclass(frozen=True)
 class _ViewRecipe(_Recipe):
     """A view of the parameter (``torch.as_strided``: ``size``, ``stride``, storage ``offset``
-    relative to the parameter's), through ``make`` (``None``: as it is)."""
+    relative to the parameter's)."""
 
+    cast: _Cast = None
     size: tuple[int, ...] = ()
     stride: tuple[int, ...] = ()
     offset: int = 0
-    make: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
-    def shard(self, bases: list[torch.Tensor], offsets: list[int]) -> torch.Tensor:
+    def shard(self, bases: list[torch.Tensor], offsets: list[int], memo: dict[int, dict[str, torch.Tensor]]) -> torch.Tensor:
         view = torch.as_strided(bases[self.param], self.size, self.stride, offsets[self.param] + self.offset)
-        return view if self.make is None else self.make(view)
+        return _cast(view, self.cast)
 
 
 @dataclass(frozen=True)
-class _MadeRecipe(_Recipe):
-    """A shard made per refit by ``make()`` (an export of the rule, a cut of its gathered tensors)."""
+class _ExportRecipe(_Recipe):
+    """The slot's cuts of HF tensor ``name``, exported from this rank's tensor (once per bucket, for
+    all the shards of the rule), cast to ``dtype`` (``None``: as it is)."""
 
-    make: Optional[_Dynamic] = None
+    step: Optional[RuleStep] = None
+    name: str = ""
+    cuts: tuple[Cut, ...] = ()
+    dtype: Optional[torch.dtype] = None
 
-    def shard(self, bases: list[torch.Tensor], offsets: list[int]) -> torch.Tensor:
-        return self.make()  # type: ignore[misc]
+    def shard(self, bases: list[torch.Tensor], offsets: list[int], memo: dict[int, dict[str, torch.Tensor]]) -> torch.Tensor:
+        hf = memo.get(self.param)
+        if hf is None:
+            step = self.step
+            hf = memo[self.param] = dict(export_rule(step.bound, bases[self.param], step.ctx))  # type: ignore[union-attr]
+        piece = narrow(hf[self.name], self.cuts)
+        return piece if self.dtype is None else piece.to(self.dtype)
+
+
+@dataclass(frozen=True)
+class _GatheredRecipe(_Recipe):
+    """The slot's cuts of HF tensor ``name`` exported gathered before bucket ``bucket`` (its
+    ``"tp-local"`` gathers), cast to ``dtype`` (``None``: as it is)."""
+
+    name: str = ""
+    cuts: tuple[Cut, ...] = ()
+    dtype: Optional[torch.dtype] = None
+    bucket: int = 0
+
+    def shard(self, bases: list[torch.Tensor], offsets: list[int], memo: dict[int, dict[str, torch.Tensor]]) -> torch.Tensor:
+        hf = memo.get(self.param)
+        if hf is None:  # the bucket's gathers run first: a bug if not
+            raise ZooError(f"refit: {self.name}: gathered export missing for bucket {self.bucket}")
+        piece = narrow(hf[self.name], self.cuts)
+        return piece if self.dtype is None else piece.to(self.dtype)
+
+
+@dataclass(frozen=True)
+class _ChunkRecipe(_Recipe):
+    """The ``cuts`` of this rank's chunk of rule source ``source`` (``"tp-local"``, a transform
+    without trusted views)."""
+
+    step: Optional[RuleStep] = None
+    source: int = 0
+    cuts: tuple[Cut, ...] = ()
+    cast: _Cast = None
+
+    def shard(self, bases: list[torch.Tensor], offsets: list[int], memo: dict[int, dict[str, torch.Tensor]]) -> torch.Tensor:
+        step = self.step
+        piece = narrow(step.bound.transform.split(bases[self.param], step.ctx)[self.source], self.cuts)  # type: ignore[union-attr]
+        return _cast(piece, self.cast)
 
 
 #: a slot no recipe was bound for yet (every slot of a bound program has one)
@@ -487,16 +497,14 @@ def _use_of(param: _Param, slot: Slot, sources: list[tuple[int, Optional[_Select
     return _Use(bucket, rank, position, slot, slot.hf_name, source, *held)
 
 
-def _first_needed(params: list[_Param], gathers: list[list[int]]) -> list[list[int]]:
-    """Per bucket, the parameters whose first use (a shard or a gather) is in it."""
+def _first_needed(params: int, owners: list[list[int]]) -> list[list[int]]:
+    """Per bucket, the parameters (of ``params``) whose first bucket it is; ``owners``: per bucket,
+    the parameters owning its HF tensors."""
     first: dict[int, int] = {}
-    for b, indices in enumerate(gathers):
+    for b, indices in enumerate(owners):
         for i in indices:
             first.setdefault(i, b)
-    for i, param in enumerate(params):
-        for use in param.uses:
-            first[i] = min(first.get(i, use.bucket), use.bucket)
-    out: list[list[int]] = [[] for _ in gathers]
+    out: list[list[int]] = [[] for _ in owners]
     for i, b in sorted(first.items()):
         out[b].append(i)
     return out
@@ -514,38 +522,6 @@ def _piece_of(slot: Slot, sources: list[tuple[int, Optional[_Select]]]) -> tuple
             if select is not None and (select[0], select[1], select[2] - select[1]) == first:
                 return source, first, slot.cuts[1:]
     return None, None, slot.cuts
-
-
-def _check_planned(what: str, planned: tuple[int, ...], got: Optional[tuple[int, ...]]) -> None:
-    """Raise unless the model's piece ``what`` has the shape the plan was made for."""
-    if got != planned:
-        raise ZooError(f"refit: {what}: planned shape {planned}, the model's is {got} (plan made for another model?)")
-
-
-def _cut_view(view: torch.Tensor, shape: tuple[int, ...], cuts: tuple[Cut, ...]) -> Optional[torch.Tensor]:
-    """``cuts`` (``narrow`` steps in the HF piece's coordinates, ``shape``) applied to ``view``,
-    which holds the piece in row-major order with its first dimension possibly split
-    (``[*lead, *shape[1:]]``, ``prod(lead) == shape[0]``). ``None`` where that does not hold or a
-    cut of the first dimension does not fall on whole rows of ``lead``'s inner part."""
-    if not shape:
-        return view if view.dim() == 0 and not cuts else None
-    extra = view.dim() - len(shape)
-    if extra < 0 or tuple(view.shape[extra + 1 :]) != tuple(shape[1:]) or math.prod(view.shape[: extra + 1]) != shape[0]:
-        return None
-    inner = math.prod(view.shape[1 : extra + 1])
-    for axis, start, length in cuts:
-        if axis:
-            view = view.narrow(axis + extra, start, length)
-        elif start % inner or length % inner:
-            return None
-        else:
-            view = view.narrow(0, start // inner, length // inner)
-    return view
-
-
-def _reshaped(slot: Slot) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A view in the slot's shape and dtype (a copy, made per refit, unless both already fit)."""
-    return lambda view: view.reshape(slot.shape).to(slot.dtype)
 
 
 __all__ = ["RefitProgram", "program_for", "local_source", "tp_local_source"]

@@ -197,6 +197,12 @@ def pack_bucket(buffer: torch.Tensor, bucket: Sequence[ExportEntry], items: Iter
         del tensor
 
 
+def check_planned_shape(what: str, planned: tuple[int, ...], got: Optional[tuple[int, ...]]) -> None:
+    """Raise unless the model's piece ``what`` has the shape a refit plan was made for."""
+    if got != planned:
+        raise ZooError(f"refit: {what}: planned shape {planned}, the model's is {got} (plan made for another model?)")
+
+
 def export_views(b: BoundRule, tensor: torch.Tensor, ctx: TransformContext, *,
                  chunk: bool = False) -> Optional[list[tuple[str, Any, torch.Tensor]]]:  # fmt: skip
     """The HF pieces of rule ``b`` as views of its mcore ``tensor``, without a copy, where the

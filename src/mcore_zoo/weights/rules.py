@@ -25,6 +25,7 @@ source along its axis and fuses the chunks with the same transform as at TP=1.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Sequence
@@ -52,6 +53,35 @@ def narrow(tensor: torch.Tensor, cuts: Sequence[Cut]) -> torch.Tensor:
     for axis, start, length in cuts:
         tensor = tensor.narrow(axis, start, length)
     return tensor
+
+
+def narrow_view(view: torch.Tensor, shape: tuple[int, ...], cuts: Sequence[Cut]) -> Optional[torch.Tensor]:
+    """``cuts`` (``narrow`` steps in the coordinates of a piece of ``shape``) applied to ``view``,
+    which holds the piece in row-major order with its first dimension possibly split
+    (``[*lead, *shape[1:]]``, ``prod(lead) == shape[0]``: a transform's view, :meth:`Transform.views`).
+    ``None`` where that does not hold or a cut of the first dimension does not fall on whole rows of
+    ``lead``'s inner part."""
+    if not shape:
+        return view if view.dim() == 0 and not cuts else None
+    extra = view.dim() - len(shape)
+    if extra < 0 or tuple(view.shape[extra + 1 :]) != tuple(shape[1:]) or math.prod(view.shape[: extra + 1]) != shape[0]:
+        return None
+    inner = math.prod(view.shape[1 : extra + 1])
+    for axis, start, length in cuts:
+        if axis:
+            view = view.narrow(axis + extra, start, length)
+        elif start % inner or length % inner:
+            return None
+        else:
+            view = view.narrow(0, start // inner, length // inner)
+    return view
+
+
+def strided_layout(base: torch.Tensor, view: torch.Tensor) -> Optional[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """``(size, stride, storage offset relative to base)`` that ``torch.as_strided`` remakes
+    ``view`` of ``base`` from; ``None`` when ``view`` is all of ``base`` (no view to make)."""
+    layout = (tuple(view.shape), tuple(view.stride()), view.storage_offset() - base.storage_offset())
+    return None if layout == (tuple(base.shape), tuple(base.stride()), 0) else layout
 
 
 @dataclass(frozen=True)
@@ -507,6 +537,20 @@ class WeightMap:
         for items in parts.values():
             items.sort(key=lambda item: -1 if item[0].selects[item[1]] is None else item[0].selects[item[1]][1])
         return parts
+
+    def expert_roles(self) -> dict[str, str]:
+        """HF projection name -> role (``gate`` / ``up`` / ``down``) of routed experts, read off the
+        expert rules (``linear_fc1`` <- [gate, up], ``linear_fc2`` <- down)."""
+        roles: dict[str, str] = {}
+        for r in self.rules:
+            if "{expert}" not in r.mcore:
+                continue
+            names = [s.hf.rsplit(".", 2)[-2] for s in r.sources]
+            if r.mcore.endswith("linear_fc1.weight") and len(names) == 2:
+                roles.update({names[0]: "gate", names[1]: "up"})
+            elif r.mcore.endswith("linear_fc2.weight") and len(names) == 1:
+                roles[names[0]] = "down"
+        return roles
 
     def copies_of(self, hf_name: str) -> list[str]:
         """The copies export writes next to ``hf_name``."""
