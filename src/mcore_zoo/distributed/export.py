@@ -1,14 +1,18 @@
 """Export from any TP / PP / VPP layout to HF names, in bounded buckets (rollout weight sync).
 
-:func:`iter_hf_buckets` is the one export path: :func:`iter_hf_weights`, :func:`iter_hf_shards` and
-:func:`save_hf_checkpoint` all go through it.
+The model's handle hands this module its export steps once (:meth:`~mcore_zoo.handle.ModelHandle.export_steps`:
+each exported rule bound to its tensor, transform context, TP group and expert-parallel copies);
+everything below works on those values. :func:`hf_items` is the one export path:
+:func:`iter_hf_weights`, :func:`iter_hf_buckets`, :func:`iter_hf_shards`, :func:`save_hf_checkpoint`
+and :func:`mcore_zoo.refit` all go through it.
 
 1. *Plan* (no data moves): each rank lists the HF tensors its chunks export - names, gathered
    shapes, dtypes - by running the export on meta tensors; the pipeline stages exchange their lists
    (one ``all_gather_object`` over the pipeline group). Every rank now knows the whole model in HF
-   order (virtual stage by virtual stage) and which stage owns each tensor.
+   order (virtual stage by virtual stage), which stage owns each tensor and how a bucket of each
+   stage reaches the ranks that want it.
 2. *Buckets*: consecutive tensors of one stage, at most ``bucket_size`` bytes (a larger tensor is
-   a bucket of its own).
+   a bucket of its own; :func:`~mcore_zoo.weights.export.bucket_entries`).
 3. *Move*: the owning stage's TP ranks all-gather each tensor's pieces (the same rule table as
    loading; QKV / gate-up split per group / half), pack the bucket into one flat buffer and send it
    over the pipeline group - ``broadcast`` when every stage wants it, point-to-point sends to the
@@ -16,9 +20,9 @@
 
 Memory per rank: one bucket, plus - on the owner - one gathered tensor while it is packed.
 
-:func:`iter_hf_shards` re-splits each gathered tensor for a target inference TP size along the
-axis the rule table gives (fused HF tensors such as ``qkv_proj`` part by part), so a rollout rank
-receives exactly its shard.
+:func:`iter_hf_shards` re-splits each gathered tensor for a target inference TP size with the
+rules' own :class:`~mcore_zoo.weights.rules.TPSlice` (fused HF tensors such as ``qkv_proj`` part
+by part), so a rollout rank receives exactly its shard.
 
 Ranks and groups come from the model's handle (:class:`~mcore_zoo.placement.Placement`); this module
 and :mod:`mcore_zoo.distributed.load` / :mod:`~mcore_zoo.distributed.forward` are the only places

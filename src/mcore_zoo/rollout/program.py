@@ -4,8 +4,11 @@ A :class:`~mcore_zoo.rollout.plan.RefitPlan` says where every HF tensor goes; th
 refit gets each engine shard, with everything that does not depend on the weights' values worked
 out when it is bound (on the first refit of a plan, then cached on the model's handle:
 :func:`program_for`): which parameter each shard comes from, how its view is cut, the order of
-the shards in each bucket, the bytes per bucket. A steady-state refit then does per tensor only
-the gather (TP / EP > 1), the cut into the engine's layout and the engine's copy.
+the shards in each bucket, the bytes per bucket. The program is bound to the rule steps the
+handle hands every export (:meth:`~mcore_zoo.handle.ModelHandle.export_steps`); each shard's
+recipe is a small dataclass (the whole parameter, a strided view of it, a cut of the rule's export
+or of its gathered export, a cut of this rank's chunk). A steady-state refit then does per tensor
+only the gather (TP / EP > 1), the cut into the engine's layout and the engine's copy.
 
 Two sources of shards:
 
@@ -32,13 +35,13 @@ Two sources of shards:
   rank is exactly this trainer rank's TP chunk of it (q / k / v by query group, gate / up, o /
   down, expert projections under expert TP), so it is cut from a view of the local parameter as
   above, with no collective; the cuts are translated from the gathered tensor's coordinates to the
-  chunk's (:meth:`~mcore_zoo.weights.rules.TPSlice.within_chunk`). Rules whose engine shard is not this rank's chunk (a vocabulary
-  that the trainer and the engine pad differently, a finishing step, a slot needing a whole fused
-  tensor) are exported per refit with the TP all-gather, every rank taking part in the same order:
+  chunk's (:meth:`~mcore_zoo.weights.rules.TPSlice.within_chunk`). Rules whose engine shard is not
+  this rank's chunk (a vocabulary that the trainer and the engine pad differently, a finishing
+  step, a slot needing a whole fused tensor) are exported per refit with the TP all-gather, every rank taking part in the same order:
   which rules those are is voted once, when the program is bound, so that every rank issues the
   same gathers. Items go to this rank's engine rank only.
-* ``"stream"`` - otherwise: the job-wide export (:func:`~mcore_zoo.distributed.export.iter_hf_weights`:
-  gathers over TP / EP, buckets moved over PP). Each HF tensor it yields is checked against the
+* ``"stream"`` - otherwise: the job-wide export of the same steps
+  (:func:`~mcore_zoo.distributed.export.hf_items`: gathers over TP / EP, buckets moved over PP). Each HF tensor it yields is checked against the
   plan (name, shape) and cut into its shards (views) with cuts computed once.
 
 Either way each bucket is handed to the adapter as a :class:`~mcore_zoo.rollout.adapter.RefitBucket`

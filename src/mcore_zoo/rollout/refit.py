@@ -14,6 +14,11 @@ the receiving rank's data path for it (:class:`~mcore_zoo.rollout.program.RefitP
 parameter view or export tensor every shard comes from, in which bucket and position) is bound on
 the first refit with that plan and cached too. Later calls reuse both and only move data. Tensors
 stay on the model's device: with trainer and engine on one GPU the whole refit is device-to-device.
+
+One refit, in order: the handle's export steps (what every export reads); the route every rank
+agrees on (engine format and TP from the receiver, the receiving rank's data path); the plan; the
+program bound to the steps; then the data: the export stream (when the program needs it) and the
+buckets fed to the engine.
 """
 
 from __future__ import annotations
