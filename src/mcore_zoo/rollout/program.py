@@ -50,7 +50,6 @@ in plan order, so bucketing, the adapter interface and its completeness checks a
 
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Optional, Sequence

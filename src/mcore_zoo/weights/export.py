@@ -20,11 +20,11 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequenc
 
 import torch
 
+from ..config.arch import ArchConfig
 from ..errors import MissingTensorsError, ZooError
 from ..hf_assets import copy_assets
 from ..progress import progress
 from .io import SafetensorsShardWriter, atomic_output_dir
-from ..config.arch import ArchConfig
 from .rules import BoundRule, RuleStep, TransformContext, WeightMap, direct_views
 
 logger = logging.getLogger(__name__)
