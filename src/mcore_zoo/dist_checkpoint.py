@@ -127,15 +127,14 @@ def hf_to_mcore(
         model = meta_model(hf_dir, backend=backend, params_dtype=dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                            ignore_fields=ignore_fields)  # fmt: skip
         handle = handle_of(model)
-        plan_load(handle, ckpt)  # coverage, unmapped parameters, shapes: all before writing
-        rules = {b.mcore: b for b in handle.bound_rules(model)}
+        steps = {s.bound.mcore: s for s in handle.rule_steps(model)}
+        plan_load(handle.weight_map, ckpt, [(model, list(steps.values()))])  # coverage, unmapped parameters, shapes: all before writing
         layout = sharded_layout(model)
-        ctx = handle.transform_context()
 
         def produce(name: str) -> torch.Tensor:
             shape, param_dtype = layout.params[name]
             tensor = torch.empty(shape, dtype=param_dtype)
-            read_rule_into(ckpt, rules[name], tensor, ctx)
+            read_rule_into(ckpt, steps[name].bound, tensor, steps[name].ctx)
             return tensor
 
         out = Path(out_dir)
@@ -356,9 +355,8 @@ def mcore_to_hf(
                        make_vocab_size_divisible_by=meta.get("make_vocab_size_divisible_by"),
                        ignore_fields=meta.get("ignore_fields") or None)  # fmt: skip
     handle = handle_of(model)
-    rules = {b.mcore: b for b in handle.bound_rules(model) if b.rule.export}
+    steps = {s.bound.mcore: s for s in handle.export_steps()}
     layout = sharded_layout(model)
-    ctx = handle.transform_context()
     out_dtype = parse_dtype(dtype)
 
     def items() -> Iterator[tuple[str, torch.Tensor]]:
@@ -367,11 +365,11 @@ def mcore_to_hf(
             reads = read_params(layout, groups, mcore_dir, trust_pickle=trust_pickle)
             for group in progress(reads, total=len(groups), desc="mcore -> hf", unit="layer"):
                 for name, tensor in group.items():
-                    if name in rules:
-                        for hf_name, hf_tensor in export_rule(rules[name], tensor, ctx):
+                    if name in steps:
+                        for hf_name, hf_tensor in export_rule(steps[name].bound, tensor, steps[name].ctx):
                             yield hf_name, hf_tensor.to(out_dtype) if out_dtype is not None else hf_tensor
 
     return write_hf_checkpoint(
-        items(), out_dir, needed=handle.weight_map.export_names(), config=hf_config_for_export(handle, out_dtype),
+        items(), out_dir, needed=handle.weight_map.export_names(), config=hf_config_for_export(handle.arch_config, out_dtype, head=handle.head),
         max_shard_size=max_shard_size, overwrite=overwrite, inputs=[mcore_dir], assets=Path(mcore_dir) / MCORE_ASSET_DIR,
     )  # fmt: skip

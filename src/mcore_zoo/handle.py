@@ -15,8 +15,11 @@ loading, export, re-sharding, distributed checkpoints, the packed forward - star
 * ``hf_source`` - the HF checkpoint the weights came from (its tokenizer files travel with exports);
 * the weight map, and its rules bound to each chunk (expert-parallel offsets applied, TP axes
   checked against Megatron-Core's own ``partition_dim``), computed once;
+* :meth:`ModelHandle.rule_steps` / :meth:`ModelHandle.export_steps`: each bound rule with its
+  tensor reference, transform context and TP group - the plain values loading, export and refit
+  take, so that none of them reaches back into the handle;
 * :meth:`ModelHandle.derived`: a cache for what operations derive from the chunks once and reuse
-  on every call (the export's bound steps, refit programs), dropped when a chunk is attached.
+  on every call (the rule steps, refit programs), dropped when a chunk is attached.
 
 This module imports neither the build nor any operation, so all of them can import it.
 """
@@ -28,9 +31,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from .errors import WeightMapError, ZooError
+from .errors import ZooError
 from .placement import Placement
-from .weights.rules import BoundRule, TransformContext, WeightMap, model_tensors
+from .weights.export import exports
+from .weights.rules import BoundRule, RuleStep, TransformContext, WeightMap, bind_steps, check_partition_dim
 
 if TYPE_CHECKING:  # pragma: no cover
     from .architecture import Architecture
@@ -88,30 +92,55 @@ class ModelHandle:
     def params_dtype(self) -> torch.dtype:
         return self.options.params_dtype
 
+    @property
+    def head(self) -> str:
+        """The output head: ``"lm"`` or ``"value"`` (a critic)."""
+        return getattr(self.options, "head", "lm")
+
     # ------------------------------------------------------------------ weights
     @property
     def weight_map(self) -> WeightMap:
         if self._weight_map is None:
             wmap = self.architecture.weight_map(self.arch_config)
-            if getattr(self.options, "head", "lm") == "value":
+            if self.head == "value":
                 from .weights.heads import with_value_head
 
                 wmap = with_value_head(wmap, init=self.options.value_head_init)
             self._weight_map = wmap
         return self._weight_map
 
-    def tp_slot(self, bound: Optional[BoundRule] = None) -> tuple[int, int, Any]:
-        """``(rank, size, group)`` of the tensor-parallel split that applies to ``bound``: expert
-        tensor parallelism for expert rules, dense TP otherwise (and without a rule)."""
-        p = self.placement
-        if bound is not None and bound.is_expert:
-            return p.etp_rank, p.etp, p.groups.etp
-        return p.tp_rank, p.tp, p.groups.tp
-
     def transform_context(self, bound: Optional[BoundRule] = None) -> TransformContext:
-        """What the weight transforms need: the architecture and this rank's TP slot for ``bound``."""
-        rank, size, _ = self.tp_slot(bound)
-        return TransformContext(self.arch_config, rank, size)
+        """What the weight transforms need: the architecture and this rank's TP slot for ``bound``
+        (expert tensor parallelism for expert rules, dense TP otherwise, and without a rule)."""
+        return self._tp_splits()[bound is not None and bound.is_expert][0]
+
+    def _tp_splits(self) -> dict[bool, tuple[TransformContext, Any]]:
+        """``{expert: (transform context, TP group)}`` of this rank's two tensor-parallel splits:
+        expert tensor parallelism for expert rules (``True``), dense TP otherwise."""
+        p = self.placement
+        return {False: (TransformContext(self.arch_config, p.tp_rank, p.tp), p.groups.tp),
+                True: (TransformContext(self.arch_config, p.etp_rank, p.etp), p.groups.etp)}  # fmt: skip
+
+    def rule_steps(self, chunk: torch.nn.Module) -> list[RuleStep]:
+        """Every bound rule of ``chunk`` (:meth:`bound_rules`) as a :class:`RuleStep`: its tensor
+        reference, transform context, chunk, virtual stage and TP group, made once (cached until a
+        chunk is attached) and handed to loading and export as plain values."""
+        key = ("rule_steps", id(chunk))
+        if key not in self._derived:
+            stage = next((i for i, c in enumerate(self.chunks) if c is chunk), 0)
+            splits = self._tp_splits()
+            p, moe = self.placement, self.arch_config.moe
+            per_rank = 0 if moe is None else moe.num_experts // p.ep
+            bound = self.bound_rules(chunk)
+            self._derived[key] = bind_steps(bound, chunk, stage, splits, ep=p.ep, ep_rank=p.ep_rank, per_rank=per_rank)
+        return self._derived[key]
+
+    def export_steps(self) -> list[RuleStep]:
+        """The rule steps this rank's chunks export, in model order (chunk by chunk): what every
+        export and refit of the model reads (:func:`mcore_zoo.weights.export.exports` decides)."""
+        if "export_steps" not in self._derived:
+            self._derived["export_steps"] = [s for chunk in self.chunks for s in self.rule_steps(chunk) if exports(s.bound, chunk)]
+        return self._derived["export_steps"]
 
     def bound_rules(self, chunk: torch.nn.Module) -> list[BoundRule]:
         """The weight rules bound to ``chunk`` (cached): local layer / expert indices mapped to
@@ -119,17 +148,10 @@ class ModelHandle:
         ``partition_dim`` (Megatron-Core and Transformer Engine set it on every split parameter)."""
         key = id(chunk)
         if key not in self._bound:
-            wmap = self.weight_map
             moe = self.arch_config.moe
-            if moe is None:
-                bound = wmap.bind(chunk)
-            else:
-                local = moe.num_experts // self.placement.ep
-                bound = wmap.bind(chunk, expert_offset=self.placement.ep_rank * local, num_local_experts=local)
-            params = model_tensors(chunk)
-            for b in bound:
-                check_partition_dim(b, params[b.mcore])
-            self._bound[key] = bound
+            local = None if moe is None else moe.num_experts // self.placement.ep
+            offset = 0 if local is None else self.placement.ep_rank * local
+            self._bound[key] = self.weight_map.bind(chunk, expert_offset=offset, num_local_experts=local, check=True)
         return self._bound[key]
 
     def derived(self, key: Any, make: Callable[[], Any]) -> Any:
@@ -153,23 +175,6 @@ class ModelHandle:
                 f"{self.arch_config.architecture}: {self.placement.vpp} virtual-pipeline chunk(s) per stage,"
                 f" {len(self._chunks)} built"
             )
-
-
-def check_partition_dim(b: BoundRule, param: torch.Tensor) -> None:
-    """The rule's declared TP axes must be the parameter's ``partition_dim`` (split parameters) or
-    ``None`` (replicated ones). Raises :class:`WeightMapError` naming the parameter."""
-    if not hasattr(param, "tensor_model_parallel"):
-        return  # a module that does not declare its split (never the case for mcore / TE layers)
-    split = bool(param.tensor_model_parallel)
-    want = getattr(param, "partition_dim", None) if split else None
-    if split and want is None:
-        return
-    bad = [axis for axis in b.tp_axes if axis != want]
-    if bad:
-        raise WeightMapError(
-            f"rule for {b.mcore!r} declares tensor-parallel axes {list(b.tp_axes)}, but Megatron-Core"
-            + (f" splits the parameter along dim {want}" if split else " replicates the parameter")
-        )
 
 
 def unwrap(model: Any) -> torch.nn.Module:

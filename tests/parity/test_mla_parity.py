@@ -160,7 +160,7 @@ def test_export_config_states_the_v3_routing_the_model_computes(mpu, tmp_path):
     mcore_zoo.save_hf_checkpoint(model, tmp_path / "export")
     written = json.loads((tmp_path / "export" / "config.json").read_text())
     assert written["scoring_func"] == "sigmoid" and written["topk_method"] == "noaux_tc"
-    assert hf_config_for_export(mcore_zoo.handle_of(model))["topk_method"] == "noaux_tc"
+    assert hf_config_for_export(mcore_zoo.handle_of(model).arch_config)["topk_method"] == "noaux_tc"
     stated = arch.config_from_hf({**source, "scoring_func": "sigmoid"})
     assert stated.fields["scoring_func"].present
 

@@ -212,11 +212,14 @@ def test_target_tp_that_does_not_divide_is_refused_up_front(mpu, reference_check
 
 
 def test_fused_hf_tensor_is_split_part_by_part():
-    from mcore_zoo.distributed.export import _split_for_tp
+    from mcore_zoo.distributed.export import hf_shard
+    from mcore_zoo.weights.rules import BoundRule, Rule, split_rows
 
     q, k, v = torch.arange(8.0), torch.arange(10.0, 14.0), torch.arange(20.0, 24.0)
-    spec = [((0, 0, 8), 0), ((0, 8, 12), 0), ((0, 12, 16), 0)]
-    shards = _split_for_tp("qkv_proj.weight", torch.cat([q, k, v]), spec, 2)
+    rule = Rule("linear_qkv.weight", split_rows("qkv_proj.weight", [8, 4, 4]))
+    bound = BoundRule(rule, rule.mcore, ("qkv_proj.weight",) * 3)
+    parts = [(bound, 0), (bound, 1), (bound, 2)]
+    shards = [hf_shard(torch.cat([q, k, v]), parts, rank, 2, "qkv_proj.weight") for rank in range(2)]
     assert torch.equal(shards[1], torch.cat([q[4:], k[2:], v[2:]]))
 
 

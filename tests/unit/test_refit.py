@@ -634,7 +634,7 @@ def test_cuts_map_onto_a_view_whose_first_dimension_is_split():
     """A slot's cuts, given in the HF piece's coordinates, applied to a ``[groups, rows, ...]`` view
     of the piece: whole groups map to a narrow of the view, anything else is refused (the shard is
     then exported and cut instead)."""
-    from mcore_zoo.rollout.program import _cut_view
+    from mcore_zoo.weights.rules import narrow_view as _cut_view
 
     piece = torch.arange(6 * 4 * 3).reshape(6 * 4, 3)  # the HF piece: 6 groups of 4 rows
     view = torch.arange(6 * 4 * 3).reshape(6, 4, 3)  # the same elements, first dimension split
@@ -650,7 +650,10 @@ def test_cuts_map_onto_a_view_whose_first_dimension_is_split():
 def test_chunk_cuts_translate_a_slot_into_the_rank_chunk():
     """``tp-local``: a slot's cuts of the gathered piece, in the coordinates of the TP chunk a rank
     holds - or ``None`` where the slot reaches outside that chunk (the rule is then gathered)."""
-    from mcore_zoo.rollout.program import _chunk_cuts
+    from mcore_zoo.weights.rules import TPSlice
+
+    def _chunk_cuts(shape, cuts, axis, rank, size):
+        return TPSlice(axis, rank, size).within_chunk(shape, cuts)
 
     shape = (8, 6)  # split over 2 ranks along axis 0: rows 0-3 on rank 0, 4-7 on rank 1
     assert _chunk_cuts(shape, ((0, 4, 4),), 0, 1, 2) == ((4, 6), ())  # exactly rank 1's rows

@@ -166,7 +166,7 @@ def test_no_partial_output_when_export_fails(mpu, reference_checkpoint, tmp_path
     model = mcore_zoo.build_model(ckpt, backend="local", load=ckpt)
     from mcore_zoo.distributed import export as export_mod
 
-    real = export_mod.iter_hf_weights
+    real = export_mod.hf_items
 
     def failing(*args, **kwargs):
         for i, item in enumerate(real(*args, **kwargs)):
@@ -174,7 +174,7 @@ def test_no_partial_output_when_export_fails(mpu, reference_checkpoint, tmp_path
                 raise RuntimeError("disk full")
             yield item
 
-    monkeypatch.setattr(export_mod, "iter_hf_weights", failing)
+    monkeypatch.setattr(export_mod, "hf_items", failing)
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="disk full"):
         mcore_zoo.save_hf_checkpoint(model, out, max_shard_size="10KB")
@@ -236,3 +236,23 @@ def test_fused_hf_tensors_via_selected_parts(mpu, reference_checkpoint):
     bad[name] = torch.cat([bad[name], bad[name][:1]])
     with pytest.raises(ShapeMismatchError, match="qkv_proj"):
         mcore_zoo.load_hf_state_dict(model, bad)
+
+
+def test_a_tp_slice_is_the_same_box_for_reading_cutting_and_indexing():
+    """Rank r's slice of a rule source: its select range, cut into equal chunks along the TP axis;
+    ``box`` (what a checkpoint read takes), ``cuts`` (what export and the refit plan narrow by)
+    and ``index`` describe the same elements."""
+    from mcore_zoo.errors import LayoutError
+    from mcore_zoo.weights.rules import TPSlice
+
+    full = torch.arange(24.0 * 4).reshape(24, 4)
+    part = TPSlice(axis=0, rank=1, size=2, select=(0, 8, 16))  # rows 8..16 (k of a fused qkv), rank 1's half
+    assert part.box(full.shape) == [(12, 16), (0, 4)]
+    assert part.cuts(full.shape) == ((0, 8, 8), (0, 4, 4))
+    assert torch.equal(part.cut(full), full[12:16])
+    assert torch.equal(full[part.index(full.shape)], full[12:16])
+    columns = TPSlice(axis=1, rank=0, size=2)
+    assert torch.equal(columns.cut(full), full[:, :2]) and columns.index(full.shape) == (slice(0, 24), slice(0, 2))
+    assert TPSlice().cuts(full.shape) == () and TPSlice().index(full.shape) is None
+    with pytest.raises(LayoutError, match="not divisible into 5 chunks"):
+        TPSlice(axis=0, size=5).box(full.shape)

@@ -1,14 +1,18 @@
 """Export from any TP / PP / VPP layout to HF names, in bounded buckets (rollout weight sync).
 
-:func:`iter_hf_buckets` is the one export path: :func:`iter_hf_weights`, :func:`iter_hf_shards` and
-:func:`save_hf_checkpoint` all go through it.
+The model's handle hands this module its export steps once (:meth:`~mcore_zoo.handle.ModelHandle.export_steps`:
+each exported rule bound to its tensor, transform context, TP group and expert-parallel copies);
+everything below works on those values. :func:`hf_items` is the one export path:
+:func:`iter_hf_weights`, :func:`iter_hf_buckets`, :func:`iter_hf_shards`, :func:`save_hf_checkpoint`
+and :func:`mcore_zoo.refit` all go through it.
 
 1. *Plan* (no data moves): each rank lists the HF tensors its chunks export - names, gathered
    shapes, dtypes - by running the export on meta tensors; the pipeline stages exchange their lists
    (one ``all_gather_object`` over the pipeline group). Every rank now knows the whole model in HF
-   order (virtual stage by virtual stage) and which stage owns each tensor.
+   order (virtual stage by virtual stage), which stage owns each tensor and how a bucket of each
+   stage reaches the ranks that want it.
 2. *Buckets*: consecutive tensors of one stage, at most ``bucket_size`` bytes (a larger tensor is
-   a bucket of its own).
+   a bucket of its own; :func:`~mcore_zoo.weights.export.bucket_entries`).
 3. *Move*: the owning stage's TP ranks all-gather each tensor's pieces (the same rule table as
    loading; QKV / gate-up split per group / half), pack the bucket into one flat buffer and send it
    over the pipeline group - ``broadcast`` when every stage wants it, point-to-point sends to the
@@ -16,9 +20,9 @@
 
 Memory per rank: one bucket, plus - on the owner - one gathered tensor while it is packed.
 
-:func:`iter_hf_shards` re-splits each gathered tensor for a target inference TP size along the
-axis the rule table gives (fused HF tensors such as ``qkv_proj`` part by part), so a rollout rank
-receives exactly its shard.
+:func:`iter_hf_shards` re-splits each gathered tensor for a target inference TP size with the
+rules' own :class:`~mcore_zoo.weights.rules.TPSlice` (fused HF tensors such as ``qkv_proj`` part
+by part), so a rollout rank receives exactly its shard.
 
 Ranks and groups come from the model's handle (:class:`~mcore_zoo.placement.Placement`); this module
 and :mod:`mcore_zoo.distributed.load` / :mod:`~mcore_zoo.distributed.forward` are the only places
@@ -27,9 +31,8 @@ that issue collectives.
 
 from __future__ import annotations
 
-import math
 import os
-from dataclasses import dataclass
+from collections import deque
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -38,28 +41,27 @@ import torch.distributed as dist
 from ..config.transformer import validate_layout
 from ..errors import LayoutError, ZooError
 from ..handle import ModelHandle, handle_of
-from ..placement import Parallelism
-from ..weights.export import ExpertCopies, hf_config_for_export, stage_hf_weights, write_hf_checkpoint
-from ..weights.io import _parse_size, check_output_dir
-from ..weights.rules import BoundRule
+from ..placement import Parallelism, Placement
+from ..weights.export import (
+    ExpertGather,
+    ExportEntry,
+    Gather,
+    aligned_nbytes,
+    bucket_entries,
+    bucket_items,
+    export_entries,
+    hf_config_for_export,
+    hf_copies,
+    pack_bucket,
+    stage_hf_weights,
+    unpack_bucket,
+    write_hf_checkpoint,
+)
+from ..weights.fp8 import fp8_export, fp8_scale_names
+from ..weights.io import check_output_dir, parse_size
+from ..weights.rules import BoundRule, RuleStep, WeightMap
 
 Model = Union[ModelHandle, torch.nn.Module, Sequence[torch.nn.Module]]
-
-_ALIGN = 64  # bytes; every tensor in a bucket starts at a multiple (views of any dtype stay legal)
-
-
-@dataclass(frozen=True)
-class ExportEntry:
-    """One HF tensor of the model as export will produce it."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    stage: int  # pipeline rank that holds it
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
 def _all_gather(piece: torch.Tensor, axis: int, group: Any, size: int) -> torch.Tensor:
@@ -69,109 +71,52 @@ def _all_gather(piece: torch.Tensor, axis: int, group: Any, size: int) -> torch.
     return torch.cat(parts, dim=axis)
 
 
-def tp_gather_for(handle: ModelHandle) -> Callable[[BoundRule], Optional[Callable[[torch.Tensor, int], torch.Tensor]]]:
-    """``gather_for(bound)``: the all-gather of a rule's tensor-parallel pieces - over the expert
-    TP group for expert rules, the TP group otherwise (``None`` where that size is 1)."""
-
-    made: dict[bool, Optional[Callable[[torch.Tensor, int], torch.Tensor]]] = {}  # per kind (expert or dense)
-
-    def gather_for(b: BoundRule) -> Optional[Callable[[torch.Tensor, int], torch.Tensor]]:
-        kind = b.is_expert
-        if kind not in made:
-            _, size, group = handle.tp_slot(b)
-            made[kind] = None if size == 1 else (lambda piece, axis: _all_gather(piece, axis, group, size))
-        return made[kind]
-
-    return gather_for
-
-
-def expert_copies_for(handle: ModelHandle) -> Optional[ExpertCopies]:
-    """``expert_copies(bound, tensor, meta)``: this local expert as every EP rank holds it,
-    all-gathered over the EP group (rank order = global expert order); ``None`` at EP 1."""
-    placement = handle.placement
-    if placement.ep == 1 or handle.arch_config.moe is None:
+def tp_gather(step: RuleStep) -> Optional[Gather]:
+    """The all-gather of a rule step's tensor-parallel pieces over its TP group (the expert TP
+    group for expert rules); ``None`` where that size is 1."""
+    size, group = step.ctx.tp_size, step.tp_group
+    if size == 1:
         return None
-    ep, ep_rank, group = placement.ep, placement.ep_rank, placement.groups.ep
-    per_rank = handle.arch_config.moe.num_experts // ep
+    return lambda piece, axis: _all_gather(piece, axis, group, size)
 
-    # every EP rank's copy of a local expert's rule, bound once per model (HF names re-filled)
-    bound = handle.derived("expert_copies", dict)
 
-    def copies(b: BoundRule, tensor: torch.Tensor, meta: bool) -> list[tuple[BoundRule, torch.Tensor]]:
-        rules = bound.get(b.hf)  # HF names: global layer and expert, unique over chunks
-        if rules is None:
-            local_index = b.expert - ep_rank * per_rank
-            rules = bound[b.hf] = [b.for_expert(r * per_rank + local_index) for r in range(ep)]
-        if meta:
-            parts = [tensor.new_empty(tensor.shape) for _ in range(ep)]
-        else:
-            parts = [torch.empty_like(tensor) for _ in range(ep)]
-            dist.all_gather(parts, tensor.contiguous(), group=group)
-        return list(zip(rules, parts))
+def expert_gather(placement: Placement) -> Optional[ExpertGather]:
+    """The all-gather of a local expert's tensor over the expert-parallel group (rank order =
+    global expert order); ``None`` at EP 1."""
+    if placement.ep == 1:
+        return None
+    ep, group = placement.ep, placement.groups.ep
 
-    return copies
+    def gather(tensor: torch.Tensor) -> list[torch.Tensor]:
+        parts = [torch.empty_like(tensor) for _ in range(ep)]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return parts
+
+    return gather
 
 
 def export_plan(handle: ModelHandle, *, dtype: Optional[torch.dtype] = None, grads: bool = False) -> list[ExportEntry]:
     """Every HF tensor of the model in export order (collective over the pipeline group); ``grads``:
     of a gradient export (parameters only)."""
-    placement = handle.placement
-    local: list[tuple[int, str, tuple[int, ...], str]] = []
-    for vp, chunk in enumerate(handle.chunks):
-        for name, meta in _chunk_hf_weights(handle, chunk, dtype=dtype, meta=True, grads=grads):
-            local.append((vp, name, tuple(meta.shape), str(meta.dtype)))
+    return _export_plan(handle.export_steps(), handle.weight_map, handle.placement, dtype=dtype, grads=grads)
+
+
+def _export_plan(steps: Sequence[RuleStep], weight_map: WeightMap, placement: Placement, *,
+                 dtype: Optional[torch.dtype], grads: bool) -> list[ExportEntry]:  # fmt: skip
+    """:func:`export_plan` of this rank's export ``steps``: their meta export (gathered shapes),
+    exchanged between the pipeline stages."""
+    ep, copies = expert_gather(placement), hf_copies(weight_map)
+    by_stage = [[s for s in steps if s.stage == vp] for vp in range(placement.vpp)]
+    local = [(vp, name, tuple(meta.shape), str(meta.dtype))
+             for vp, stage_steps in enumerate(by_stage)
+             for name, meta in stage_hf_weights(stage_steps, copies=copies, gather_for=tp_gather, expert_gather=ep,
+                                                dtype=dtype, meta=True, grads=grads)]  # fmt: skip
     if placement.pp == 1:
         stages = [local]
     else:
         stages = [None] * placement.pp
         dist.all_gather_object(stages, local, group=placement.groups.pp)
-    entries = []
-    for vp in range(placement.vpp):
-        for stage, items in enumerate(stages):
-            for item_vp, name, shape, dt in items:
-                if item_vp == vp:
-                    entries.append(ExportEntry(name, shape, getattr(torch, dt.replace("torch.", "")), stage))
-    seen: set[str] = set()
-    for e in entries:
-        if e.name in seen:
-            raise ZooError(f"HF tensor {e.name!r} is exported by more than one pipeline stage")
-        seen.add(e.name)
-    return entries
-
-
-def _chunk_hf_weights(handle: ModelHandle, chunk: Optional[torch.nn.Module] = None, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """:func:`~mcore_zoo.weights.export.stage_hf_weights` of one chunk (or all), gathered over TP
-    (expert TP) and EP."""
-    chunks = None if chunk is None else [chunk]
-    return stage_hf_weights(handle, chunks=chunks, gather_for=tp_gather_for(handle),
-                            expert_copies=expert_copies_for(handle), **kwargs)  # fmt: skip
-
-
-def _buckets(entries: list[ExportEntry], limit: int) -> list[list[ExportEntry]]:
-    buckets: list[list[ExportEntry]] = []
-    used = 0
-    for e in entries:
-        size = _aligned(e.nbytes)
-        if buckets and buckets[-1][0].stage == e.stage and used + size <= limit:
-            buckets[-1].append(e)
-            used += size
-        else:
-            buckets.append([e])
-            used = size
-    return buckets
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def _unpack(buffer: torch.Tensor, bucket: list[ExportEntry]) -> list[tuple[str, torch.Tensor]]:
-    out, offset = [], 0
-    for e in bucket:
-        view = buffer[offset : offset + e.nbytes].view(e.dtype).view(e.shape)
-        out.append((e.name, view))
-        offset += _aligned(e.nbytes)
-    return out
+    return export_entries(stages, placement.vpp)
 
 
 def iter_hf_buckets(
@@ -191,8 +136,15 @@ def iter_hf_buckets(
     before the next is requested. ``grads=True`` gathers the parameters' gradients instead."""
     handle = handle_of(model)
     handle.check_current()
-    placement = handle.placement
-    limit = _parse_size(bucket_size)
+    yield from _iter_buckets(handle.export_steps(), handle.weight_map, handle.placement, handle.device,
+                             limit=parse_size(bucket_size), dtype=dtype, ranks=ranks, grads=grads)  # fmt: skip
+
+
+def _iter_buckets(steps: Sequence[RuleStep], weight_map: WeightMap, placement: Placement, device: torch.device, *,
+                  limit: int, dtype: Optional[torch.dtype], ranks: Optional[Sequence[int]],
+                  grads: bool) -> Iterator[list[tuple[str, torch.Tensor]]]:  # fmt: skip
+    """:func:`iter_hf_buckets` of this rank's export ``steps`` (the handle's, checked current),
+    ``limit`` bytes per bucket."""
     wanted = None if ranks is None else set(int(r) for r in ranks)
     me = placement.rank
     # Expert parallelism: expert tensors are all-gathered over the EP group, which spans
@@ -203,62 +155,53 @@ def iter_hf_buckets(
         if not wanted.intersection(group_ranks):
             return  # no receiver in this model-parallel group: nothing to gather
     receive = wanted is None or me in wanted
-    local = _chunk_hf_weights(handle, dtype=dtype, grads=grads)
+    ep = expert_gather(placement)
+    # the plan first (pipeline stages: which stage sends which tensor to whom), then the data
+    destinations: list[int] = []
+    moves: list[Callable[[Optional[torch.Tensor]], None]] = []
+    if placement.pp > 1:
+        pp_ranks = dist.get_process_group_ranks(placement.groups.pp)
+        destinations = [r for r in pp_ranks if wanted is None or r in wanted]
+        moves = [_pipeline_move(src, me, destinations, pp_ranks, placement.groups.pp) for src in pp_ranks]
+    entries = _export_plan(steps, weight_map, placement, dtype=dtype, grads=grads) if placement.pp > 1 else []
+    local = stage_hf_weights(steps, copies=hf_copies(weight_map), gather_for=tp_gather, expert_gather=ep, dtype=dtype, grads=grads)
     if placement.pp == 1:
-        bucket: list[tuple[str, torch.Tensor]] = []
-        used = 0
-        for name, tensor in local:  # TP gathers happen here, on every TP rank
-            size = _aligned(tensor.numel() * tensor.element_size())
-            if bucket and used + size > limit:
-                if receive:
-                    yield bucket
-                bucket, used = [], 0
-            bucket.append((name, tensor))
-            used += size
-        if bucket and receive:
-            yield bucket
+        yield from (bucket for bucket in bucket_items(local, limit) if receive)  # TP gathers happen here, on every TP rank
         return
-    entries = export_plan(handle, dtype=dtype, grads=grads)
-    pp_group = placement.groups.pp
-    pp_ranks = dist.get_process_group_ranks(pp_group)
-    destinations = [r for r in pp_ranks if wanted is None or r in wanted]
-    device = handle.device
-    for bucket_entries in _buckets(entries, limit):
-        owner = bucket_entries[0].stage
-        src = pp_ranks[owner]
-        total = sum(_aligned(e.nbytes) for e in bucket_entries)
-        if placement.pp_rank == owner:
-            buffer = torch.empty(total, dtype=torch.uint8, device=device)
-            for (name, view), e in zip(_unpack(buffer, bucket_entries), bucket_entries):
-                got_name, tensor = next(local)
-                if got_name != e.name or tuple(tensor.shape) != e.shape:
-                    raise ZooError(f"export plan out of step: planned {e.name} {e.shape}, got {got_name} {tuple(tensor.shape)}")
-                view.copy_(tensor)
-                del tensor
-        elif me in destinations:
-            buffer = torch.empty(total, dtype=torch.uint8, device=device)
-        else:
-            buffer = None
-        _move(buffer, src, me, destinations, pp_ranks, pp_group)
+    for bucket in bucket_entries(entries, limit):
+        owner = bucket[0].stage
+        sender = placement.pp_rank == owner
+        buffer = None
+        if sender or me in destinations:
+            buffer = torch.empty(sum(aligned_nbytes(e.nbytes) for e in bucket), dtype=torch.uint8, device=device)
+        if sender:
+            pack_bucket(buffer, bucket, local)
+        moves[owner](buffer)
         if receive and buffer is not None:
-            yield _unpack(buffer, bucket_entries)
+            yield unpack_bucket(buffer, bucket)
         del buffer
     if next(local, None) is not None:
         raise ZooError("export plan out of step: this stage has tensors the plan does not list")
 
 
-def _move(buffer: Optional[torch.Tensor], src: int, me: int, destinations: list[int], pp_ranks: list[int], group: Any) -> None:
-    """Bring the owner's bucket to the destinations of this pipeline group."""
+def _pipeline_move(src: int, me: int, destinations: list[int], pp_ranks: list[int], group: Any) -> Callable[[Optional[torch.Tensor]], None]:
+    """How a bucket of pipeline rank ``src`` reaches the destinations of this pipeline group, as
+    this rank takes part: ``broadcast`` when every other stage wants it, point-to-point sends to the
+    chosen ranks otherwise (nothing where no other rank wants it)."""
     others = [r for r in destinations if r != src]
-    if not others:
-        return
-    if set(others) == set(pp_ranks) - {src}:
-        dist.broadcast(buffer, src=src, group=group)
-    elif me == src:
-        for r in others:
-            dist.send(buffer, dst=r)
-    elif me in others:
-        dist.recv(buffer, src=src)
+
+    def move(buffer: Optional[torch.Tensor]) -> None:
+        if not others:
+            return
+        if set(others) == set(pp_ranks) - {src}:
+            dist.broadcast(buffer, src=src, group=group)
+        elif me == src:
+            for r in others:
+                dist.send(buffer, dst=r)
+        elif me in others:
+            dist.recv(buffer, src=src)
+
+    return move
 
 
 def iter_hf_shards(
@@ -276,40 +219,31 @@ def iter_hf_shards(
     tensors: the same tensor ``target_tp`` times), or ``(hf_name, shard)`` for one ``target_rank``.
     Splits follow the rule table's TP axes - column-parallel weights by rows, row-parallel ones by
     columns, the vocabulary by rows - and fused HF tensors part by part (rank ``r`` of
-    ``qkv_proj`` is ``[q_r; k_r; v_r]``). Raises :class:`LayoutError` up front when ``target_tp``
-    does not divide the model (heads, KV heads, FFN, vocab). Same collective contract as
-    :func:`mcore_zoo.iter_hf_weights`.
+    ``qkv_proj`` is ``[q_r; k_r; v_r]``): :func:`hf_shard`, the rules' own
+    :class:`~mcore_zoo.weights.rules.TPSlice`. Raises :class:`LayoutError` up front when
+    ``target_tp`` does not divide the model (heads, KV heads, FFN, vocab). Same collective contract
+    as :func:`mcore_zoo.iter_hf_weights`.
     """
     handle = handle_of(model)
+    parts = handle.weight_map.hf_parts()
     validate_layout(handle.arch_config, Parallelism(tp=target_tp))
     if target_rank is not None and not 0 <= target_rank < target_tp:
         raise LayoutError(f"target_rank {target_rank} is not in [0, {target_tp})")
-    specs: dict[str, list[tuple[Optional[tuple[int, int, int]], Optional[int]]]] = {}
-    for b in handle.weight_map.expand_full():
-        if not b.rule.export:  # a tied output layer: its source is exported by the embedding rule
-            continue
-        for name, axis, select in zip(b.hf, b.tp_axes, b.selects):
-            specs.setdefault(name, []).append((select, axis))
+    targets = range(target_tp) if target_rank is None else [target_rank]
     for name, tensor in iter_hf_weights(handle, dtype=dtype, ranks=ranks, bucket_size=bucket_size):
-        shards = _split_for_tp(name, tensor, specs[name], target_tp)
-        yield name, (shards if target_rank is None else shards[target_rank])
+        shards = [hf_shard(tensor, parts[name], rank, target_tp, name) for rank in targets]
+        yield name, (shards if target_rank is None else shards[0])
 
 
-def _split_for_tp(name: str, tensor: torch.Tensor, spec: list[tuple[Optional[tuple[int, int, int]], Optional[int]]], tp: int) -> list[torch.Tensor]:
-    def chunks(t: torch.Tensor, axis: Optional[int], what: str) -> list[torch.Tensor]:
-        if axis is None or tp == 1:
-            return [t] * tp
-        if t.shape[axis] % tp:
-            raise LayoutError(f"{what} dim {axis} = {t.shape[axis]} is not divisible by target tp={tp}")
-        return list(torch.chunk(t, tp, dim=axis))
-
-    if len(spec) == 1 and spec[0][0] is None:
-        return chunks(tensor, spec[0][1], name)
-    parts = []
-    for select, axis in sorted(spec, key=lambda s: s[0][1]):  # type: ignore[index]
-        sel_axis, start, stop = select  # type: ignore[misc]
-        parts.append((sel_axis, chunks(tensor.narrow(sel_axis, start, stop - start), axis, f"{name}[{start}:{stop}]")))
-    return [torch.cat([p[r] for _, p in parts], dim=parts[0][0]) for r in range(tp)]
+def hf_shard(tensor: torch.Tensor, parts: Sequence[tuple[BoundRule, int]], rank: int, size: int, name: str) -> torch.Tensor:
+    """Rank ``rank`` of ``size``'s shard of a whole HF tensor made by ``parts`` (its rule sources,
+    :meth:`~mcore_zoo.weights.rules.WeightMap.hf_parts`): each part's TP slice, parts of a fused HF
+    tensor concatenated back (rank ``r`` of ``qkv_proj`` is ``[q_r; k_r; v_r]``)."""
+    slices = [b.tp_slice(k, rank, size) for b, k in parts]
+    pieces = [s.cut(tensor, name if s.select is None else f"{name}[{s.select[1]}:{s.select[2]}]") for s in slices]
+    if len(pieces) == 1:
+        return pieces[0]
+    return torch.cat(pieces, dim=slices[0].select[0])  # type: ignore[index]
 
 
 def iter_hf_weights(
@@ -333,11 +267,25 @@ def iter_hf_weights(
     (gradient parity checks).
     """
     handle = handle_of(model)
-    if not gather_tp:
-        yield from stage_hf_weights(handle, dtype=dtype, grads=grads)
+    if gather_tp:
+        handle.check_current()
+    steps = handle.export_steps()
+    yield from hf_items(steps, handle.weight_map, handle.placement, handle.device, gather_tp=gather_tp, dtype=dtype,
+                         ranks=ranks, limit=parse_size(bucket_size), grads=grads)  # fmt: skip
+
+
+def hf_items(steps: Sequence[RuleStep], weight_map: WeightMap, placement: Placement, device: torch.device, *,
+              gather_tp: bool = True, dtype: Optional[torch.dtype] = None, ranks: Optional[Sequence[int]] = None,
+              limit: int = 512 * 2**20, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """:func:`iter_hf_weights` of this rank's export ``steps`` (the handle's
+    :meth:`~mcore_zoo.handle.ModelHandle.export_steps`, checked current when gathered), for a
+    caller that holds them: the one export path of ``iter_hf_weights``, ``save_hf_checkpoint`` and
+    :func:`mcore_zoo.refit`."""
+    if gather_tp:
+        for bucket in _iter_buckets(steps, weight_map, placement, device, limit=limit, dtype=dtype, ranks=ranks, grads=grads):
+            yield from bucket
         return
-    for bucket in iter_hf_buckets(handle, bucket_size=bucket_size, dtype=dtype, ranks=ranks, grads=grads):
-        yield from bucket
+    yield from stage_hf_weights(steps, copies=hf_copies(weight_map), dtype=dtype, grads=grads)
 
 
 def save_hf_checkpoint(
@@ -368,34 +316,38 @@ def save_hf_checkpoint(
     if any step fails.
     """
     handle = handle_of(model)
-    needed = handle.weight_map.export_names()
-    config = hf_config_for_export(handle, dtype, fp8=fp8)
-    quantize = _fp8_export(handle, fp8, fp8_scales)
-    needed = needed | set(_fp8_scale_names(handle)) if fp8 else needed
-    if not handle.placement.distributed:
-        return write_hf_checkpoint(quantize(iter_hf_weights(handle, dtype=dtype)), out_dir, needed=needed, config=config,
-                                   max_shard_size=max_shard_size, overwrite=overwrite, assets=handle.hf_source)  # fmt: skip
-    writer = handle.placement.rank == writer_rank
-    verdict: list[Any] = [None]
-    if writer:  # a refusal known up front must not leave the other ranks inside the gathers
-        try:
-            check_output_dir(out_dir, overwrite=overwrite)
-        except FileExistsError as exc:
-            verdict[0] = str(exc)
-    dist.broadcast_object_list(verdict, src=writer_rank)
-    if verdict[0] is not None:
-        raise FileExistsError(verdict[0])
-    items = quantize(iter_hf_weights(handle, dtype=dtype, ranks=[writer_rank]))
+    handle.check_current()
+    steps = handle.export_steps()
+    placement, weight_map = handle.placement, handle.weight_map
+    quantize = fp8_export(handle.fp8_source, fp8_scales) if fp8 else None
+    needed = weight_map.export_names() | (fp8_scale_names(handle.fp8_source) if fp8 else set())
+    config = hf_config_for_export(handle.arch_config, dtype, fp8=fp8, head=handle.head)
+    distributed = placement.distributed
+    writer = not distributed or placement.rank == writer_rank
+    if distributed:  # a refusal known up front must not leave the other ranks inside the gathers
+        verdict: list[Any] = [None]
+        if writer:
+            try:
+                check_output_dir(out_dir, overwrite=overwrite)
+            except FileExistsError as exc:
+                verdict[0] = str(exc)
+        dist.broadcast_object_list(verdict, src=writer_rank)
+        if verdict[0] is not None:
+            raise FileExistsError(verdict[0])
+    items = hf_items(steps, weight_map, placement, handle.device, dtype=dtype, ranks=[writer_rank] if distributed else None)
+    items = quantize(items) if quantize is not None else items
     outcome: list[Any] = [None]
-    if writer:
-        try:
+    try:
+        if writer:
             outcome[0] = ("ok", write_hf_checkpoint(items, out_dir, needed=needed, config=config, max_shard_size=max_shard_size,
                                                     overwrite=overwrite, assets=handle.hf_source))  # fmt: skip
-        except Exception as exc:
-            outcome[0] = ("error", f"{type(exc).__name__}: {exc}")
-            _drain(items)  # keep the collectives matched so the other ranks get the verdict
-    else:
-        _drain(items)
+    except Exception as exc:
+        if not distributed:
+            raise
+        outcome[0] = ("error", f"{type(exc).__name__}: {exc}")
+    if not distributed:
+        return outcome[0][1]
+    deque(items, maxlen=0)  # the rest of the export (all of it off the writer): the other ranks' gathers need it
     dist.broadcast_object_list(outcome, src=writer_rank)
     status, value = outcome[0]
     if status != "ok":
@@ -403,29 +355,5 @@ def save_hf_checkpoint(
     return value
 
 
-def _fp8_scale_names(handle: ModelHandle) -> list[str]:
-    return list(handle.fp8_source.plan.quantized.values())
-
-
-def _fp8_export(handle: ModelHandle, fp8: bool, fp8_scales: str) -> Any:
-    """Identity, or the FP8 quantization of the export items (see :func:`save_hf_checkpoint`)."""
-    if not fp8:
-        return lambda items: items
-    if fp8_scales not in ("fresh", "source"):
-        raise ValueError(f"fp8_scales={fp8_scales!r}; use 'fresh' or 'source'")
-    source = handle.fp8_source
-    if source is None:
-        raise ZooError("save_hf_checkpoint(fp8=True) writes the FP8 format of the checkpoint the model was loaded"
-                       " from; this model was not loaded from an FP8 block-quantized checkpoint")  # fmt: skip
-    from ..weights.fp8 import quantize_for_export
-
-    scales = source.scales if fp8_scales == "source" else None
-    return lambda items: quantize_for_export(items, source.plan.quantized, source.fmt, scales=scales)
-
-
-def _drain(items: Iterator[Any]) -> None:
-    for _ in items:
-        pass
-
-
-__all__ = ["ExportEntry", "export_plan", "iter_hf_buckets", "iter_hf_shards", "iter_hf_weights", "save_hf_checkpoint", "tp_gather_for", "expert_copies_for"]
+__all__ = ["ExportEntry", "export_plan", "iter_hf_buckets", "iter_hf_shards", "iter_hf_weights", "save_hf_checkpoint",
+           "tp_gather", "expert_gather", "hf_shard", "hf_items"]  # fmt: skip

@@ -30,7 +30,6 @@ from ..placement import Placement
 from ..progress import progress
 from ..weights.io import HFCheckpoint
 from ..weights.load import DictCheckpoint, LoadReport, absent_tensors, open_hf_checkpoint, plan_load, read_rule_into
-from ..weights.rules import model_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -73,18 +72,18 @@ def load_hf_weights(
     if quantization is not None:
         handle.fp8_source = ckpt  # which tensors were quantized, and their scales (export)
     try:
-        plan, ignored = plan_load(handle, ckpt)
+        chunks = [(chunk, handle.rule_steps(chunk)) for chunk in handle.chunks]
+        plan, ignored = plan_load(handle.weight_map, ckpt, chunks)
         rank = handle.placement.rank
         report = LoadReport(ignored=ignored, absent=absent_tensors(handle.weight_map, ckpt.keys()))
-        for chunk, bound in plan:
-            params = model_tensors(chunk)  # parameters + checkpoint-state buffers (MoE expert_bias)
-            for b in progress(bound, total=len(bound), desc="loading HF weights", unit="param"):
-                param = params[b.mcore]
+        for steps in plan:
+            for step in progress(steps, total=len(steps), desc="loading HF weights", unit="param"):
+                param = step.tensor()
                 group = _replica_group(param, handle.placement) if replicas == "broadcast" else None
                 source = None if group is None else dist.get_process_group_ranks(group)[0]
                 if group is None or rank == source:
-                    report.bytes_read += read_rule_into(ckpt, b, param, handle.transform_context(b))
-                    report.tensors_read += len(b.hf)
+                    report.bytes_read += read_rule_into(ckpt, step.bound, param, step.ctx)
+                    report.tensors_read += len(step.bound.hf)
                 if group is not None:
                     dist.broadcast(param.data, src=source, group=group)
                     if rank != source:

@@ -27,13 +27,13 @@ import torch
 
 from ..errors import LayoutError, ZooError
 from ..handle import ModelHandle
-from ..weights.rules import BoundRule
+from ..weights.io import parse_size
+from ..weights.rules import Cut, TPSlice, narrow
 from .engine_format import EngineFormat
 
 #: mcore parameters whose rows are the vocabulary (the engine may pad them)
 VOCAB_PARAMETERS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
-Cut = tuple[int, int, int]  # narrow(axis, start, length)
 
 
 @dataclass(frozen=True)
@@ -70,9 +70,7 @@ class Slot:
 
     def cut(self, tensor: torch.Tensor) -> torch.Tensor:
         """This piece of the gathered HF tensor (a view)."""
-        for axis, start, length in self.cuts:
-            tensor = tensor.narrow(axis, start, length)
-        return tensor
+        return narrow(tensor, self.cuts)
 
 
 @dataclass(frozen=True)
@@ -137,47 +135,6 @@ class RefitPlan:
                 f"{tensors} engine tensors per rank, {len(self.buckets)} bucket(s), {self.nbytes / 2**30:.3f} GiB")  # fmt: skip
 
 
-def _parse_size(size: Union[int, str]) -> int:
-    from ..weights.io import _parse_size as parse
-
-    return parse(size)
-
-
-def _rule_specs(handle: ModelHandle) -> dict[str, list[tuple[Optional[Cut], Optional[int], BoundRule]]]:
-    """HF name -> ``[(select, tp_axis, bound rule)]`` over the whole model (all stages, experts)."""
-    specs: dict[str, list[tuple[Optional[Cut], Optional[int], BoundRule]]] = {}
-    for b in handle.weight_map.expand_full():
-        if not b.rule.export:  # a tied output layer: the embedding rule exports its source
-            continue
-        for name, axis, select in zip(b.hf, b.tp_axes, b.selects):
-            specs.setdefault(name, []).append((select, axis, b))
-    return specs
-
-
-def _expert_roles(handle: ModelHandle) -> dict[str, str]:
-    """HF projection name -> role (``gate`` / ``up`` / ``down``) of routed experts, read off the
-    zoo's expert rules (``linear_fc1`` <- [gate, up], ``linear_fc2`` <- down)."""
-    roles: dict[str, str] = {}
-    for r in handle.weight_map.rules:
-        if "{expert}" not in r.mcore:
-            continue
-        names = [s.hf.rsplit(".", 2)[-2] for s in r.sources]
-        if r.mcore.endswith("linear_fc1.weight") and len(names) == 2:
-            roles.update({names[0]: "gate", names[1]: "up"})
-        elif r.mcore.endswith("linear_fc2.weight") and len(names) == 1:
-            roles[names[0]] = "down"
-    return roles
-
-
-def _tp_cut(shape: Sequence[int], axis: Optional[int], tp: int, rank: int, what: str) -> Optional[Cut]:
-    if axis is None or tp == 1:
-        return None
-    if shape[axis] % tp:
-        raise LayoutError(f"{what}: dim {axis} = {shape[axis]} is not divisible by the engine's tp={tp}")
-    size = shape[axis] // tp
-    return (axis, rank * size, size)
-
-
 def plan_refit(
     handle: ModelHandle,
     engine_format: EngineFormat,
@@ -199,19 +156,19 @@ def plan_refit(
     tp = target_tp if engine_format.presplit else 1
     if tp < 1:
         raise LayoutError(f"target_tp must be >= 1, got {target_tp}")
-    if engine_format.presplit and tp > 1:
-        validate_layout(handle.arch_config, Parallelism(tp=tp))
     if entries is None:
         entries = export_plan(handle, dtype=dtype)
-    specs = _rule_specs(handle)
-    roles = _expert_roles(handle)
-    vocab = {name for name, items in specs.items() if any(b.rule.mcore in VOCAB_PARAMETERS for _, _, b in items)}
+    specs = handle.weight_map.hf_parts()
+    roles = handle.weight_map.expert_roles()
+    needed = set(handle.weight_map.export_names())
+    if engine_format.presplit and tp > 1:  # before any data moves
+        validate_layout(handle.arch_config, Parallelism(tp=tp))
+    vocab = {name for name, items in specs.items() if any(b.rule.mcore in VOCAB_PARAMETERS for b, _ in items)}
     hf = [(e.name, tuple(e.shape), e.dtype) for e in entries]
     hf_names = {name for name, _, _ in hf}
     if len(hf_names) != len(hf):
         twice = sorted({name for name, _, _ in hf if sum(n == name for n, _, _ in hf) > 1})
         raise ZooError(f"refit plan: HF tensor(s) named twice in the export plan: {twice[:8]}")
-    needed = set(handle.weight_map.export_names())
     if hf_names != needed:
         raise ZooError(f"refit plan: the export plan misses {sorted(needed - hf_names)[:8]} and has no rule for"
                        f" {sorted(hf_names - needed)[:8]}")  # fmt: skip
@@ -232,38 +189,24 @@ def plan_refit(
                 if fused is not None:
                     target, f = fused
                     shard, order = f.shard, f.order
-        if engine_format.presplit:
-            parts = sorted(specs[name], key=lambda s: -1 if s[0] is None else s[0][1])
-            if engine_format.replicates(name):  # whole on every engine rank, however the trainer splits it
-                parts = [(select, None, rule) for select, _, rule in parts]
-        else:  # whole HF tensors: the engine splits and fuses
-            parts = [(None, None, specs[name][0][2])]
+        if not engine_format.presplit:  # whole HF tensors: the engine splits and fuses
+            parts = [TPSlice()]
+        elif engine_format.replicates(name):  # whole on every engine rank, however the trainer splits it
+            parts = [TPSlice(select=b.selects[k]) for b, k in specs[name]]
+        else:
+            parts = [b.tp_slice(k) for b, k in specs[name]]
+        padding = engine_format.vocab_padding if name in vocab and engine_format.presplit else 0
         for rank in range(tp):
-            for k, (select, axis, _) in enumerate(parts):
-                cuts: list[Cut] = []
-                part_shape = list(shape)
-                if select is not None:
-                    sel_axis, start, stop = select
-                    cuts.append((sel_axis, start, stop - start))
-                    part_shape[sel_axis] = stop - start
-                pad = 0
-                if name in vocab and engine_format.presplit and engine_format.vocab_padding:
-                    rows = part_shape[0]
-                    padded = -(-rows // engine_format.vocab_padding) * engine_format.vocab_padding
-                    per = padded // tp
-                    start = min(rank * per, rows)
-                    real = max(0, min(per, rows - start))
-                    cuts.append((0, start, real))
-                    part_shape[0] = real
-                    pad = per - real
+            for k, part in enumerate(parts):
+                what = name if part.select is None else f"{name}[{part.select[1]}:{part.select[2]}]"
+                if padding:
+                    cuts, pad = _padded_vocab_cuts(shape, part, padding, tp, rank)
                 else:
-                    cut = _tp_cut(part_shape, axis, tp, rank, name if select is None else f"{name}[{select[1]}:{select[2]}]")
-                    if cut is not None:
-                        cuts.append(cut)
-                        part_shape[cut[0]] = cut[2]
+                    cuts, pad = TPSlice(part.axis, rank, tp, part.select).cuts(shape, what), 0
+                part_shape = tuple(narrow(torch.empty(shape, device="meta"), cuts).shape)
                 # a fused HF tensor's parts keep their order inside the engine tensor
                 key = (order.index(shard) if shard in order else 0, k)
-                per_rank[rank].append((target, expert, key, tuple(cuts), tuple(part_shape), pad, dt))
+                per_rank[rank].append((target, expert, key, cuts, part_shape, pad, dt))
         pieces[name] = per_rank
 
     # 2. row offsets inside each engine tensor, per rank (shard order of the engine's fusion)
@@ -306,7 +249,7 @@ def plan_refit(
         engine_tensors.append(tensors)
 
     # 3. buckets: consecutive HF tensors up to bucket_size bytes (all ranks' shards)
-    limit = _parse_size(bucket_size)
+    limit = parse_size(bucket_size)
     buckets: list[list[str]] = []
     used = 0
     for name, _, _ in hf:
@@ -320,6 +263,19 @@ def plan_refit(
     plan = RefitPlan(handle.arch_config.architecture, engine_format, tp, dtype, limit, hf, slots, buckets, engine_tensors)
     _check_tiling(plan)
     return plan
+
+
+def _padded_vocab_cuts(shape: Sequence[int], part: TPSlice, padding: int, tp: int, rank: int) -> tuple[tuple[Cut, ...], int]:
+    """A vocabulary the engine pads to a multiple of ``padding`` rows before splitting it over
+    ``tp`` ranks: the cuts of rank ``rank``'s real rows (after the part's select range) and the zero
+    rows that follow them."""
+    cuts = part.cuts(shape)  # the select range only: the vocabulary is split below
+    rows = narrow(torch.empty(shape, device="meta"), cuts).shape[0]
+    padded = -(-rows // padding) * padding
+    per = padded // tp
+    start = min(rank * per, rows)
+    real = max(0, min(per, rows - start))
+    return (*cuts, (0, start, real)), per - real
 
 
 def _check_tiling(plan: RefitPlan) -> None:

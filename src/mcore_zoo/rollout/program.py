@@ -4,8 +4,11 @@ A :class:`~mcore_zoo.rollout.plan.RefitPlan` says where every HF tensor goes; th
 refit gets each engine shard, with everything that does not depend on the weights' values worked
 out when it is bound (on the first refit of a plan, then cached on the model's handle:
 :func:`program_for`): which parameter each shard comes from, how its view is cut, the order of
-the shards in each bucket, the bytes per bucket. A steady-state refit then does per tensor only
-the gather (TP / EP > 1), the cut into the engine's layout and the engine's copy.
+the shards in each bucket, the bytes per bucket. The program is bound to the rule steps the
+handle hands every export (:meth:`~mcore_zoo.handle.ModelHandle.export_steps`); each shard's
+recipe is a small dataclass (the whole parameter, a strided view of it, a cut of the rule's export
+or of its gathered export, a cut of this rank's chunk). A steady-state refit then does per tensor
+only the gather (TP / EP > 1), the cut into the engine's layout and the engine's copy.
 
 Two sources of shards:
 
@@ -32,13 +35,13 @@ Two sources of shards:
   rank is exactly this trainer rank's TP chunk of it (q / k / v by query group, gate / up, o /
   down, expert projections under expert TP), so it is cut from a view of the local parameter as
   above, with no collective; the cuts are translated from the gathered tensor's coordinates to the
-  chunk's (:func:`_chunk_cuts`). Rules whose engine shard is not this rank's chunk (a vocabulary
-  that the trainer and the engine pad differently, a finishing step, a slot needing a whole fused
-  tensor) are exported per refit with the TP all-gather, every rank taking part in the same order:
+  chunk's (:meth:`~mcore_zoo.weights.rules.TPSlice.within_chunk`). Rules whose engine shard is not
+  this rank's chunk (a vocabulary that the trainer and the engine pad differently, a finishing
+  step, a slot needing a whole fused tensor) are exported per refit with the TP all-gather, every rank taking part in the same order:
   which rules those are is voted once, when the program is bound, so that every rank issues the
   same gathers. Items go to this rank's engine rank only.
-* ``"stream"`` - otherwise: the job-wide export (:func:`~mcore_zoo.distributed.export.iter_hf_weights`:
-  gathers over TP / EP, buckets moved over PP). Each HF tensor it yields is checked against the
+* ``"stream"`` - otherwise: the job-wide export of the same steps
+  (:func:`~mcore_zoo.distributed.export.hf_items`: gathers over TP / EP, buckets moved over PP). Each HF tensor it yields is checked against the
   plan (name, shape) and cut into its shards (views) with cuts computed once.
 
 Either way each bucket is handed to the adapter as a :class:`~mcore_zoo.rollout.adapter.RefitBucket`
@@ -47,19 +50,20 @@ in plan order, so bucketing, the adapter interface and its completeness checks a
 
 from __future__ import annotations
 
-import math
 import weakref
-from typing import Any, Callable, Iterator, Optional
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 
+from ..distributed.collectives import all_true
+from ..distributed.export import tp_gather
 from ..errors import ZooError
 from ..handle import ModelHandle
-from ..weights.export import ExportStep, export_rule, export_steps, export_views, hf_copies
-from .plan import Cut, RefitPlan, Slot
+from ..weights.export import check_planned_shape, export_rule, export_views
+from ..weights.rules import Cut, RuleStep, TPSlice, narrow, narrow_view, strided_layout
+from .plan import RefitPlan, Slot
 
-#: a shard made per refit (a copy, or an export of a rule without trusted views)
-_Dynamic = Callable[[], torch.Tensor]
 #: one bucket: per engine rank, ``[(slot, shard)]`` in plan order
 _Items = list[list[tuple[Slot, torch.Tensor]]]
 #: a rule source's part of a fused HF tensor: ``(axis, start, stop)`` (``Source.select``)
@@ -83,28 +87,34 @@ def tp_local_source(handle: ModelHandle, target_tp: int, engine_rank: Optional[i
             and p.pp == 1 and p.vpp == 1 and p.ep == 1 and p.etp in (1, p.tp))  # fmt: skip
 
 
-def program_for(handle: ModelHandle, plan: RefitPlan, *, raw_shards: bool, source: str,
-                engine_rank: Optional[int] = None) -> "RefitProgram":  # fmt: skip
-    """The :class:`RefitProgram` of ``plan`` on this model for an adapter with (or without)
-    ``raw_shards``, from ``source`` (``"local"``: :func:`local_source`; ``"tp-local"``:
-    :func:`tp_local_source`, feeding ``engine_rank``; ``"stream"``): bound on first use, cached on
-    the handle while the plan lives (the programs of a plan that was garbage-collected are dropped
-    at the next binding). Binding a ``"tp-local"`` program is collective over the TP group."""
+def program_for(handle: ModelHandle, plan: RefitPlan, steps: Sequence[RuleStep], copies: Mapping[str, Sequence[str]], *,
+                raw_shards: bool, source: str, engine_rank: Optional[int] = None) -> "RefitProgram":  # fmt: skip
+    """The :class:`RefitProgram` of ``plan`` on this model - its export ``steps`` and HF ``copies``
+    (the handle's :meth:`~mcore_zoo.handle.ModelHandle.export_steps`, what every export reads) -
+    for an adapter with (or without) ``raw_shards``, from ``source`` (``"local"``:
+    :func:`local_source`; ``"tp-local"``: :func:`tp_local_source`, feeding ``engine_rank``;
+    ``"stream"``): bound on first use, cached on the handle while the plan lives (the programs of a
+    plan that was garbage-collected are dropped at the next binding; all of them when a chunk is
+    attached). Binding a ``"tp-local"`` program is collective over the TP group."""
     programs: dict[tuple[int, bool, str, Optional[int]], RefitProgram] = handle.derived("refit_programs", dict)
     key = (id(plan), raw_shards, source, engine_rank)
     program = programs.get(key)
     if program is None or program.plan_ref() is not plan:
         for k in [k for k, p in programs.items() if p.plan_ref() is None]:
             del programs[k]
-        program = programs[key] = RefitProgram(handle, plan, raw_shards=raw_shards, source=source, engine_rank=engine_rank)
+        program = programs[key] = RefitProgram(plan, steps, copies=copies, tp_group=handle.placement.groups.tp,
+                                               raw_shards=raw_shards, source=source, engine_rank=engine_rank)  # fmt: skip
     return program
 
 
 class RefitProgram:
     """See the module docstring. :meth:`buckets` runs one refit's data path (the receiving rank)."""
 
-    def __init__(self, handle: ModelHandle, plan: RefitPlan, *, raw_shards: bool, source: str,
-                 engine_rank: Optional[int] = None) -> None:  # fmt: skip
+    def __init__(self, plan: RefitPlan, steps: Sequence[RuleStep], *, copies: Mapping[str, Sequence[str]],
+                 tp_group: Any, raw_shards: bool, source: str, engine_rank: Optional[int] = None) -> None:  # fmt: skip
+        """Bind ``plan`` to the rule steps this rank exports (the model handle's
+        :meth:`~mcore_zoo.handle.ModelHandle.export_steps`, what every export reads) and their HF
+        ``copies``; ``tp_group``: the group a ``"tp-local"`` program votes over."""
         if source not in ("local", "tp-local", "stream"):
             raise ValueError(f"refit program source {source!r}")
         self.plan_ref = weakref.ref(plan)
@@ -124,14 +134,14 @@ class RefitProgram:
         self.slots = [[[s for name in names for s in plan.slots[name][rank]] for rank in range(plan.target_tp)]
                       for names in plan.buckets]  # fmt: skip
         if self.source == "stream":
-            # per bucket: (HF name, planned shape, [(engine rank, cuts)] in slot order) per tensor
             shapes = {name: tuple(shape) for name, shape, _ in plan.hf}
+            #: per bucket: what each HF tensor of the export stream is cut into
             self._stream_ops = [
-                [(name, shapes[name], [(r, s.cuts) for r in self._ranks for s in plan.slots[name][r]]) for name in names]
+                [_StreamOp(name, shapes[name], [(r, s.cuts) for r in self._ranks for s in plan.slots[name][r]]) for name in names]
                 for names in plan.buckets
             ]
         else:
-            self._bind_local(handle, plan)
+            self._bind_local(steps, copies, plan, tp_group)
 
     @property
     def _ranks(self) -> list[int]:
@@ -142,151 +152,119 @@ class RefitProgram:
     def buckets(self, stream: Optional[Iterator[tuple[str, torch.Tensor]]]) -> Iterator[tuple[int, _Items]]:
         """``(bucket index, items)`` per bucket in plan order, ``items[rank]`` = ``[(slot, shard)]``
         (what :class:`~mcore_zoo.rollout.adapter.RefitBucket` carries). ``stream``: the export
-        (``"stream"`` source; ``None`` for ``"local"``). Release each bucket's items before asking
-        for the next (they may hold copies: memory stays bounded by one bucket)."""
-        if self.source == "stream":
-            assert stream is not None
-            for index, ops in enumerate(self._stream_ops):
-                yield index, self._stream_bucket(index, ops, stream)
-            extra = next(stream, None)
-            if extra is not None:
-                raise ZooError(f"refit: the export has {extra[0]!r}, which the plan does not list")
+        (``"stream"`` source; ``None`` for the local ones). Release each bucket's items before
+        asking for the next (they may hold copies: memory stays bounded by one bucket)."""
+        if self.source != "stream":
+            try:
+                self._bases = [None] * len(self._params)  # type: ignore[list-item]
+                self._offsets = [0] * len(self._params)
+                for index in range(len(self.slots)):
+                    yield index, self._local_bucket(index)
+            finally:
+                self._bases, self._offsets = [], []  # hold no parameter between refits
+                self._memo.clear()
             return
-        try:
-            self._bases = [None] * len(self._params)  # type: ignore[list-item]
-            self._offsets = [0] * len(self._params)
-            for index in range(len(self.slots)):
-                # each parameter is read when its first bucket is due, so that the first bucket's
-                # copies start while the host reads the parameters of the later ones
-                self._refresh(self._first_needed[index])
-                self._gather_bucket(index)
-                yield index, self._local_bucket(index)
-        finally:
-            self._bases, self._offsets = [], []  # hold no parameter between refits
-            self._memo.clear()
-
-    def _stream_bucket(self, index: int, ops: list[Any], stream: Iterator[tuple[str, torch.Tensor]]) -> _Items:
-        pieces: list[list[torch.Tensor]] = [[] for _ in self.slots[index]]
-        for name, shape, cuts in ops:
-            got = next(stream, None)
-            if got is None:
-                raise ZooError(f"refit: the model's export ended before {name!r} (plan made for another model?)")
-            got_name, tensor = got
-            if got_name != name:
-                raise ZooError(f"refit: plan out of step: planned {name!r}, export gave {got_name!r}")
-            if tensor.shape != shape:
-                raise ZooError(f"refit: {name}: planned shape {shape}, export gave {tuple(tensor.shape)}"
-                               " (plan made for another model?)")  # fmt: skip
-            for rank, steps in cuts:
-                piece = tensor
-                for axis, start, length in steps:
-                    piece = piece.narrow(axis, start, length)
-                pieces[rank].append(piece)
-        return [list(zip(slots, shards)) for slots, shards in zip(self.slots[index], pieces)]  # no shards: no items
+        assert stream is not None
+        for index, ops in enumerate(self._stream_ops):
+            pieces: list[list[torch.Tensor]] = [[] for _ in self.slots[index]]
+            for op in ops:
+                name, shape = op.name, op.shape
+                got = next(stream, None)
+                if got is None:
+                    raise ZooError(f"refit: the model's export ended before {name!r} (plan made for another model?)")
+                got_name, tensor = got
+                if got_name != name:
+                    raise ZooError(f"refit: plan out of step: planned {name!r}, export gave {got_name!r}")
+                if tensor.shape != shape:
+                    raise ZooError(f"refit: {name}: planned shape {shape}, export gave {tuple(tensor.shape)}"
+                                   " (plan made for another model?)")  # fmt: skip
+                for rank, cuts in op.cuts:
+                    pieces[rank].append(narrow(tensor, cuts))
+            yield index, [list(zip(slots, shards)) for slots, shards in zip(self.slots[index], pieces)]  # no shards: no items
+        extra = next(stream, None)
+        if extra is not None:
+            raise ZooError(f"refit: the export has {extra[0]!r}, which the plan does not list")
 
     # ------------------------------------------------------------------ the local source
-    def _bind_local(self, handle: ModelHandle, plan: RefitPlan) -> None:
+    def _bind_local(self, steps: Sequence[RuleStep], copies: Mapping[str, Sequence[str]], plan: RefitPlan,
+                    tp_group: Any) -> None:  # fmt: skip
         """Which parameter (and which of its rule's HF pieces) every shard comes from, with the
         slot's cuts in the coordinates of the piece this rank holds (the whole piece at TP 1, its TP
         chunk for ``"tp-local"``); how it is cut out of the parameter is worked out by
         :meth:`_refresh` (per parameter layout). ``"tp-local"``: the rules some rank cannot serve
         from its chunk are voted over the TP group here and exported gathered on every rank."""
-        self._params: list[_Param] = []
-        owner: dict[str, tuple[int, list[tuple[int, Optional[_Select]]]]] = {}  # HF name -> (param, [(source, select)])
-        exported: set[str] = set()
-        for chunk in handle.chunks:
-            for step in export_steps(handle, chunk):
-                index = len(self._params)
-                param = _Param(step, chunk, handle.tp_slot(step.bound))
-                # a finishing step (a padded vocabulary) works on the gathered tensor only: its
-                # rank's rows are not a chunk of the HF tensor
-                param.gathered = param.tp[1] > 1 and getattr(step.bound.transform, "finish", None) is not None
-                self._params.append(param)
-                for k, (name, select) in enumerate(zip(step.bound.hf, step.bound.selects)):
-                    owner.setdefault(name, (index, []))[1].append((k, select))
-                    exported.add(name)
-        exported |= {c for name in exported for c in hf_copies(handle).get(name, ())}
-        planned = {name: tuple(shape) for name, shape, _ in plan.hf}
-        for name in planned:
-            if name not in owner:
-                raise ZooError(f"refit: plan lists {name!r}, which this model does not export (plan made for another model?)")
-        extra = sorted(exported - set(planned))
-        if extra:
-            raise ZooError(f"refit: the export has {extra[0]!r}, which the plan does not list")
+        # a finishing step (a padded vocabulary) works on the gathered tensor only: its rank's
+        # rows are not a chunk of the HF tensor
+        self._params = [_Param(step, gathered=step.ctx.tp_size > 1 and getattr(step.bound.transform, "finish", None) is not None)
+                        for step in steps]  # fmt: skip
+        owner = _owners(self._params)
+        planned = _check_exports(owner, copies, plan)
         for param in self._params:
             param.planned = {name: planned[name] for name in param.step.bound.hf}
-        #: per bucket, per engine rank, per shard: (param, size, stride, offset, make) - a view of the
-        #: parameter (``torch.as_strided``; stride ``None``: the whole parameter; ``make`` reshapes /
-        #: casts it, or ``None``), or, with size ``None``, ``make()`` exports the shard per refit
-        self._recipes: list[list[list[Any]]] = [[[None] * len(s) for s in per] for per in self.slots]
-        for b, names in enumerate(plan.buckets):
-            positions = [0] * plan.target_tp
-            for name in names:
-                index, sources = owner[name]
-                param = self._params[index]
-                for rank in self._ranks:
-                    for slot in plan.slots[name][rank]:
-                        position = positions[rank]
-                        positions[rank] += 1
-                        source, part, cuts = _piece_of(slot, sources)
-                        shape = list(planned[name])  # the source's piece of the HF tensor, gathered
-                        if part is not None:
-                            shape[part[0]] = part[2]
-                        held = None
-                        if source is not None:
-                            axis = param.step.bound.tp_axes[source]
-                            held = _chunk_cuts(tuple(shape), cuts, axis, *param.tp[:2])
-                        if held is None:  # the slot needs more than this rank's piece
-                            # under TP the rule is then exported gathered; at TP 1 (a slot of a
-                            # whole fused HF tensor) this rank's export has it all
-                            param.gathered = param.gathered or param.tp[1] > 1
-                            param.uses.append(_Use(b, rank, position, slot, name, None, tuple(shape), cuts))
-                            continue
-                        param.chunk_shapes[source] = held[0]
-                        param.uses.append(_Use(b, rank, position, slot, name, source, *held))
+        #: per bucket: the parameters whose first use (a shard or a gather) is in it - the first
+        #: bucket with one of their HF tensors (every HF tensor has a slot on every engine rank)
+        self._first_needed = _first_needed(len(self._params), [[owner[name].param for name in names] for names in plan.buckets])
+        self._recipes: list[list[list[_Recipe]]] = [[[_NO_RECIPE] * len(s) for s in per] for per in self.slots]
+        self._place_uses(plan, owner, planned)
         if self.source == "tp-local":  # the same gathers on every rank: a rule one rank needs gathered, all gather
-            from ..distributed.collectives import all_true
-            from ..distributed.export import tp_gather_for
-
-            served = all_true([not p.gathered for p in self._params], handle.placement.groups.tp)
+            served = all_true([not p.gathered for p in self._params], tp_group)
             for param, ok in zip(self._params, served):
                 param.gathered = not ok
-            self._gather_for = tp_gather_for(handle)
-        #: per bucket: the parameters exported gathered before its shards (every rank, this order;
-        #: only ``"tp-local"`` has any)
-        self._gathers = [[i for i in dict.fromkeys(owner[name][0] for name in names) if self._params[i].gathered]
+        #: per bucket: the parameters exported gathered before its shards, with their TP gathers
+        #: (every rank, this order; only ``"tp-local"`` has any)
+        self._gathers = [[(i, tp_gather(self._params[i].step))
+                          for i in dict.fromkeys(owner[name].param for name in names) if self._params[i].gathered]
                          for names in plan.buckets]  # fmt: skip
-        #: per bucket: the parameters whose first use (a shard or a gather) is in it
-        first: dict[int, int] = {}
-        for b in range(len(plan.buckets)):
-            for i in self._gathers[b]:
-                first.setdefault(i, b)
-        for i, param in enumerate(self._params):
-            for use in param.uses:
-                first[i] = min(first.get(i, use.bucket), use.bucket)
-        self._first_needed: list[list[int]] = [[] for _ in plan.buckets]
-        for i, b in sorted(first.items()):
-            self._first_needed[b].append(i)
         self._memo: dict[int, dict[str, torch.Tensor]] = {}
         self._bases: list[torch.Tensor] = []
         self._offsets: list[int] = []
 
-    def _refresh(self, indices: list[int]) -> None:
-        """This refit's parameters ``indices`` (each read by its module path: a replaced parameter
-        is followed), and new recipes for any whose layout (dtype, shape, stride) changed since the
-        last refit - none, in a steady state. Recipes do not depend on where the storage is, so a
-        parameter moved (offloaded and back) needs none."""
-        for index in indices:
-            param = self._params[index]
-            base = self._bases[index] = param.step.ref.get(param.chunk).detach()
-            self._offsets[index] = base.storage_offset()
-            key = (base.dtype, base.shape, base.stride())
-            if key != param.key:
-                self._rebind(index, param, base)
-                param.key = key
+    def _place_uses(self, plan: RefitPlan, owner: dict[str, "_Owner"], planned: dict[str, tuple[int, ...]]) -> None:
+        """Every slot of this program's engine ranks as a :class:`_Use` of the parameter that
+        exports its HF tensor, at its bucket and position."""
+        for bucket, names in enumerate(plan.buckets):
+            positions = [0] * plan.target_tp
+            for name in names:
+                param = self._params[owner[name].param]
+                for rank in self._ranks:
+                    for slot in plan.slots[name][rank]:
+                        param.uses.append(_use_of(param, slot, owner[name].sources, planned[name], bucket, rank, positions[rank]))
+                        positions[rank] += 1
 
-    def _rebind(self, index: int, param: _Param, base: torch.Tensor) -> None:
+    def _local_bucket(self, index: int) -> _Items:
+        """Bucket ``index`` from the local source: the parameters it is the first to need read
+        (:meth:`_refresh`), so that the first bucket's copies start while the host reads the
+        parameters of the later ones; its gathered rules exported (``"tp-local"``: all-gathered over
+        their TP group, every rank of the group in the same order, checked against the plan); then
+        every shard made by its recipe."""
+        for i in self._first_needed[index]:
+            self._refresh(i)
+        bases, offsets, memo = self._bases, self._offsets, self._memo
+        for i, gather in self._gathers[index]:
+            step = self._params[i].step
+            hf = memo[i] = dict(export_rule(step.bound, bases[i], step.ctx, gather=gather))
+            for name, tensor in hf.items():
+                check_planned_shape(name, self._params[i].planned[name], tuple(tensor.shape))
+        items: _Items = [[] for _ in range(self.target_tp)]
+        for rank in self._ranks:
+            shards = [recipe.shard(bases, offsets, memo) for recipe in self._recipes[index][rank]]
+            items[rank] = list(zip(self.slots[index][rank], shards))
+        memo.clear()
+        return items
+
+    def _refresh(self, index: int) -> None:
+        """This refit's parameter ``index`` (read by its module path: a replaced parameter is
+        followed), and new recipes for its shards if its layout (dtype, shape, stride) changed since
+        the last refit - never, in a steady state. Recipes do not depend on where the storage is, so
+        a parameter moved (offloaded and back) needs none. Shards are views of the parameter where
+        the rule's transform gives trusted views of its HF pieces, else made per refit."""
+        param = self._params[index]
         step = param.step
+        base = self._bases[index] = step.tensor().detach()
+        self._offsets[index] = base.storage_offset()
+        layout = (base.dtype, base.shape, base.stride())
+        if layout == param.layout:
+            return
         meta = torch.empty(base.shape, dtype=base.dtype, device="meta")
         if self.source == "local":
             pieces = export_rule(step.bound, meta, step.ctx)
@@ -297,114 +275,241 @@ class RefitProgram:
             wanted = {k: shape for k, shape in param.chunk_shapes.items() if not param.gathered}
         for key, shape in wanted.items():
             what = key if isinstance(key, str) else f"{step.bound.hf[key]} (this rank's chunk)"
-            _check_planned(what, shape, shapes.get(key))
+            check_planned_shape(what, shape, shapes.get(key))
         views = None if param.gathered else export_views(step.bound, base, step.ctx, chunk=self.source == "tp-local")
-        offset = base.storage_offset()
         for use in param.uses:
             view = None
             if views is not None and use.source is not None:
-                view = _cut_view(views[use.source][2], use.shape, use.cuts)
-            if view is None:
-                recipe = (index, None, None, 0, self._computed(index, use))
-            else:
-                exact = self.raw_shards or (tuple(view.shape) == use.slot.shape and view.dtype == use.slot.dtype)
-                make = None if exact else _reshaped(use.slot)
-                recipe = (index, tuple(view.shape), view.stride(), view.storage_offset() - offset, make)
-                if recipe[1:4] == (tuple(base.shape), base.stride(), 0):
-                    recipe = (index, (), None, 0, recipe[4])  # the whole parameter: no view to make
+                view = narrow_view(views[use.source][2], use.shape, use.cuts)
+            slot, dtype = use.slot, None if self.raw_shards else use.slot.dtype
+            recipe: _Recipe
+            if view is not None:
+                exact = self.raw_shards or (tuple(view.shape) == slot.shape and view.dtype == slot.dtype)
+                cast = None if exact else (slot.shape, slot.dtype)  # a copy, made per refit
+                layout_of_view = strided_layout(base, view)
+                recipe = _WholeRecipe(index, cast) if layout_of_view is None else _ViewRecipe(index, cast, *layout_of_view)
+            elif param.gathered:  # exported gathered before the bucket (the bucket's gathers)
+                recipe = _GatheredRecipe(index, use.name, slot.cuts, dtype, use.bucket)
+            elif self.source == "tp-local" and use.source is not None:  # this rank's chunk of its piece
+                recipe = _ChunkRecipe(index, step, use.source, use.cuts, None if self.raw_shards else (slot.shape, slot.dtype))
+            else:  # the rule's HF tensors, exported from this rank's tensor once per bucket
+                recipe = _ExportRecipe(index, step, use.name, slot.cuts, dtype)
             self._recipes[use.bucket][use.rank][use.position] = recipe
-
-    def _computed(self, index: int, use: _Use) -> _Dynamic:
-        """A shard made per refit, cut by the slot from: the rule's gathered HF tensors (a gathered
-        ``"tp-local"`` rule: exported by :meth:`_gather_bucket` before the bucket); this rank's
-        chunk of its piece (another ``"tp-local"`` rule without views); or the rule's HF tensors
-        exported from this rank's tensor once per bucket (the rest: whole tensors here)."""
-        raw = self.raw_shards
-        param = self._params[index]
-        if param.gathered:
-
-            def gathered_shard() -> torch.Tensor:
-                hf = self._memo.get(index)
-                if hf is None:  # _gather_bucket runs the bucket's gathers first: a bug if not
-                    raise ZooError(f"refit: {use.name}: gathered export missing for bucket {use.bucket}")
-                piece = use.slot.cut(hf[use.name])
-                return piece if raw else piece.to(use.slot.dtype)
-
-            return gathered_shard
-        if self.source == "tp-local" and use.source is not None:
-
-            def chunk_shard() -> torch.Tensor:
-                step = param.step
-                piece = step.bound.transform.split(self._bases[index], step.ctx)[use.source]
-                for axis, start, length in use.cuts:
-                    piece = piece.narrow(axis, start, length)
-                return piece if raw else piece.reshape(use.slot.shape).to(use.slot.dtype)
-
-            return chunk_shard
-
-        def shard() -> torch.Tensor:
-            hf = self._memo.get(index)
-            if hf is None:
-                step = param.step
-                hf = self._memo[index] = dict(export_rule(step.bound, self._bases[index], step.ctx))
-            piece = use.slot.cut(hf[use.name])
-            return piece if raw else piece.to(use.slot.dtype)
-
-        return shard
-
-    def _gather_bucket(self, index: int) -> None:
-        """``"tp-local"``: export the bucket's gathered rules (all-gathered over their TP group; every
-        rank of the group runs the same list in the same order), checked against the plan."""
-        for i in self._gathers[index]:
-            step = self._params[i].step
-            hf = dict(export_rule(step.bound, self._bases[i], step.ctx, gather=self._gather_for(step.bound)))
-            for name, tensor in hf.items():
-                _check_planned(name, self._params[i].planned[name], tuple(tensor.shape))
-            self._memo[i] = hf
-
-    def _local_bucket(self, index: int) -> _Items:
-        bases, offsets, strided = self._bases, self._offsets, torch.as_strided
-        items: _Items = [[] for _ in range(self.target_tp)]
-        for rank in self._ranks:
-            shards = []
-            for param, size, stride, offset, make in self._recipes[index][rank]:
-                if size is None:
-                    shards.append(make())
-                    continue
-                view = bases[param] if stride is None else strided(bases[param], size, stride, offsets[param] + offset)
-                shards.append(view if make is None else make(view))
-            items[rank] = list(zip(self.slots[index][rank], shards))
-        self._memo.clear()
-        return items
+        param.layout = layout
 
 
+@dataclass(frozen=True)
+class _StreamOp:
+    """One HF tensor of the export stream: its name, planned shape and, per shard in slot order,
+    ``(engine rank, cuts)``."""
+
+    name: str
+    shape: tuple[int, ...]
+    cuts: list[tuple[int, tuple[Cut, ...]]]
+
+
+@dataclass(eq=False)
 class _Param:
-    """One exported mcore tensor of the local sources: its step, chunk, TP slot ``(rank, size,
-    group)``, the shards it feeds, the shape of this rank's chunk of each source piece they use, the
-    layout its recipes were made for, and whether it is exported gathered (``"tp-local"``)."""
+    """One exported mcore tensor of the local sources: its rule step (rule, tensor reference,
+    transform context with this rank's TP slot), the shards it feeds, the planned shape of each
+    of its HF tensors, the shape of this rank's chunk of each source piece they use, the layout its
+    recipes were made for, and whether it is exported gathered (``"tp-local"``)."""
 
-    __slots__ = ("step", "chunk", "tp", "uses", "planned", "chunk_shapes", "key", "gathered")
+    step: RuleStep
+    uses: list["_Use"] = field(default_factory=list)
+    planned: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    chunk_shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    layout: Any = None
+    gathered: bool = False
 
-    def __init__(self, step: ExportStep, chunk: torch.nn.Module, tp: tuple[int, int, Any]) -> None:
-        self.step, self.chunk, self.tp = step, chunk, tp
-        self.uses: list[_Use] = []
-        self.planned: dict[str, tuple[int, ...]] = {}
-        self.chunk_shapes: dict[int, tuple[int, ...]] = {}
-        self.key: Any = None
-        self.gathered = False
+    @property
+    def tp_size(self) -> int:
+        return self.step.ctx.tp_size
+
+    def chunk_slice(self, source: int) -> TPSlice:
+        """This rank's TP slice of rule source ``source`` (its whole piece: no select)."""
+        return TPSlice(self.step.bound.tp_axes[source], self.step.ctx.tp_rank, self.step.ctx.tp_size)
 
 
+@dataclass(frozen=True)
 class _Use:
     """One shard of a parameter: where it sits (bucket, engine rank, position), its slot and HF
     name, the rule source it is cut from (``None``: export the rule), that source's piece shape
     and the cuts left (in the piece's coordinates)."""
 
-    __slots__ = ("bucket", "rank", "position", "slot", "name", "source", "shape", "cuts")
+    bucket: int
+    rank: int
+    position: int
+    slot: Slot
+    name: str
+    source: Optional[int]
+    shape: tuple[int, ...]
+    cuts: tuple[Cut, ...]
 
-    def __init__(self, bucket: int, rank: int, position: int, slot: Slot, name: str, source: Optional[int],
-                 shape: tuple[int, ...], cuts: tuple[Cut, ...]) -> None:  # fmt: skip
-        self.bucket, self.rank, self.position, self.slot = bucket, rank, position, slot
-        self.name, self.source, self.shape, self.cuts = name, source, shape, cuts
+
+@dataclass(frozen=True)
+class _Owner:
+    """The parameter that exports an HF tensor and its rule sources for it: ``(source index,
+    select)`` (``select``: the source's part of a fused HF tensor, ``None``: all of it)."""
+
+    param: int
+    sources: list[tuple[int, Optional[_Select]]]
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    """How a refit makes one shard of parameter ``param``, from the bases (the parameters as read
+    for this refit), their storage offsets and the bucket's exported HF tensors per parameter."""
+
+    param: int
+
+    def shard(self, bases: list[torch.Tensor], offsets: list[int], memo: dict[int, dict[str, torch.Tensor]]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+#: reshape and cast a shard to the slot's ``(shape, dtype)`` (a copy per refit); ``None``: as it is
+_Cast = Optional[tuple[tuple[int, ...], torch.dtype]]
+
+
+def _cast(tensor: torch.Tensor, cast: _Cast) -> torch.Tensor:
+    return tensor if cast is None else tensor.reshape(cast[0]).to(cast[1])
+
+
+@dataclass(frozen=True)
+class _WholeRecipe(_Recipe):
+    """The whole parameter."""
+
+    cast: _Cast = None
+
+    def shard(self, bases: list[torch.Tensor], offsets: list[int], memo: dict[int, dict[str, torch.Tensor]]) -> torch.Tensor:
+        return _cast(bases[self.param], self.cast)
+
+
+@dataclass(frozen=True)
+class _ViewRecipe(_Recipe):
+    """A view of the parameter (``torch.as_strided``: ``size``, ``stride``, storage ``offset``
+    relative to the parameter's)."""
+
+    cast: _Cast = None
+    size: tuple[int, ...] = ()
+    stride: tuple[int, ...] = ()
+    offset: int = 0
+
+    def shard(self, bases: list[torch.Tensor], offsets: list[int], memo: dict[int, dict[str, torch.Tensor]]) -> torch.Tensor:
+        view = torch.as_strided(bases[self.param], self.size, self.stride, offsets[self.param] + self.offset)
+        return _cast(view, self.cast)
+
+
+@dataclass(frozen=True)
+class _ExportRecipe(_Recipe):
+    """The slot's cuts of HF tensor ``name``, exported from this rank's tensor (once per bucket, for
+    all the shards of the rule), cast to ``dtype`` (``None``: as it is)."""
+
+    step: Optional[RuleStep] = None
+    name: str = ""
+    cuts: tuple[Cut, ...] = ()
+    dtype: Optional[torch.dtype] = None
+
+    def shard(self, bases: list[torch.Tensor], offsets: list[int], memo: dict[int, dict[str, torch.Tensor]]) -> torch.Tensor:
+        hf = memo.get(self.param)
+        if hf is None:
+            step = self.step
+            hf = memo[self.param] = dict(export_rule(step.bound, bases[self.param], step.ctx))  # type: ignore[union-attr]
+        piece = narrow(hf[self.name], self.cuts)
+        return piece if self.dtype is None else piece.to(self.dtype)
+
+
+@dataclass(frozen=True)
+class _GatheredRecipe(_Recipe):
+    """The slot's cuts of HF tensor ``name`` exported gathered before bucket ``bucket`` (its
+    ``"tp-local"`` gathers), cast to ``dtype`` (``None``: as it is)."""
+
+    name: str = ""
+    cuts: tuple[Cut, ...] = ()
+    dtype: Optional[torch.dtype] = None
+    bucket: int = 0
+
+    def shard(self, bases: list[torch.Tensor], offsets: list[int], memo: dict[int, dict[str, torch.Tensor]]) -> torch.Tensor:
+        hf = memo.get(self.param)
+        if hf is None:  # the bucket's gathers run first: a bug if not
+            raise ZooError(f"refit: {self.name}: gathered export missing for bucket {self.bucket}")
+        piece = narrow(hf[self.name], self.cuts)
+        return piece if self.dtype is None else piece.to(self.dtype)
+
+
+@dataclass(frozen=True)
+class _ChunkRecipe(_Recipe):
+    """The ``cuts`` of this rank's chunk of rule source ``source`` (``"tp-local"``, a transform
+    without trusted views)."""
+
+    step: Optional[RuleStep] = None
+    source: int = 0
+    cuts: tuple[Cut, ...] = ()
+    cast: _Cast = None
+
+    def shard(self, bases: list[torch.Tensor], offsets: list[int], memo: dict[int, dict[str, torch.Tensor]]) -> torch.Tensor:
+        step = self.step
+        piece = narrow(step.bound.transform.split(bases[self.param], step.ctx)[self.source], self.cuts)  # type: ignore[union-attr]
+        return _cast(piece, self.cast)
+
+
+#: a slot no recipe was bound for yet (every slot of a bound program has one)
+_NO_RECIPE = _Recipe(-1)
+
+
+def _owners(params: list[_Param]) -> dict[str, _Owner]:
+    """HF name -> the parameter exporting it and the rule sources that make it."""
+    owner: dict[str, _Owner] = {}
+    for index, param in enumerate(params):
+        bound = param.step.bound
+        for k, (name, select) in enumerate(zip(bound.hf, bound.selects)):
+            owner.setdefault(name, _Owner(index, [])).sources.append((k, select))
+    return owner
+
+
+def _check_exports(owner: dict[str, _Owner], copies: Mapping[str, Sequence[str]], plan: RefitPlan) -> dict[str, tuple[int, ...]]:
+    """The plan's HF tensors and what this model exports must be the same; returns their planned
+    shapes."""
+    exported = set(owner) | {c for name in owner for c in copies.get(name, ())}
+    planned = {name: tuple(shape) for name, shape, _ in plan.hf}
+    for name in planned:
+        if name not in owner:
+            raise ZooError(f"refit: plan lists {name!r}, which this model does not export (plan made for another model?)")
+    extra = sorted(exported - set(planned))
+    if extra:
+        raise ZooError(f"refit: the export has {extra[0]!r}, which the plan does not list")
+    return planned
+
+
+def _use_of(param: _Param, slot: Slot, sources: list[tuple[int, Optional[_Select]]], planned: tuple[int, ...],
+            bucket: int, rank: int, position: int) -> _Use:  # fmt: skip
+    """The use of ``param`` by ``slot``: cut from this rank's chunk of one rule source where the
+    slot lies inside it, else (``source`` ``None``) from the rule's export - gathered under TP
+    (the parameter is then marked ``gathered``); at TP 1 (a slot of a whole fused HF tensor)
+    this rank's export has it all."""
+    source, part, cuts = _piece_of(slot, sources)
+    shape = list(planned)  # the source's piece of the HF tensor, gathered
+    if part is not None:
+        shape[part[0]] = part[2]
+    held = None if source is None else param.chunk_slice(source).within_chunk(tuple(shape), cuts)
+    if held is None:  # the slot needs more than this rank's piece
+        param.gathered = param.gathered or param.tp_size > 1
+        return _Use(bucket, rank, position, slot, slot.hf_name, None, tuple(shape), cuts)
+    param.chunk_shapes[source] = held[0]  # type: ignore[index]
+    return _Use(bucket, rank, position, slot, slot.hf_name, source, *held)
+
+
+def _first_needed(params: int, owners: list[list[int]]) -> list[list[int]]:
+    """Per bucket, the parameters (of ``params``) whose first bucket it is; ``owners``: per bucket,
+    the parameters owning its HF tensors."""
+    first: dict[int, int] = {}
+    for b, indices in enumerate(owners):
+        for i in indices:
+            first.setdefault(i, b)
+    out: list[list[int]] = [[] for _ in owners]
+    for i, b in sorted(first.items()):
+        out[b].append(i)
+    return out
 
 
 def _piece_of(slot: Slot, sources: list[tuple[int, Optional[_Select]]]) -> tuple[Optional[int], Optional[Cut], tuple[Cut, ...]]:
@@ -419,63 +524,6 @@ def _piece_of(slot: Slot, sources: list[tuple[int, Optional[_Select]]]) -> tuple
             if select is not None and (select[0], select[1], select[2] - select[1]) == first:
                 return source, first, slot.cuts[1:]
     return None, None, slot.cuts
-
-
-def _check_planned(what: str, planned: tuple[int, ...], got: Optional[tuple[int, ...]]) -> None:
-    """Raise unless the model's piece ``what`` has the shape the plan was made for."""
-    if got != planned:
-        raise ZooError(f"refit: {what}: planned shape {planned}, the model's is {got} (plan made for another model?)")
-
-
-def _chunk_cuts(shape: tuple[int, ...], cuts: tuple[Cut, ...], axis: Optional[int], rank: int,
-                size: int) -> Optional[tuple[tuple[int, ...], tuple[Cut, ...]]]:  # fmt: skip
-    """A slot's ``cuts`` of a gathered piece of ``shape`` (split over ``size`` TP ranks along
-    ``axis``; ``None``: replicated) in the coordinates of the chunk rank ``rank`` holds: ``(chunk
-    shape, cuts)``. ``None`` when the slot does not lie inside that chunk (it needs other ranks'
-    rows) or cuts the split axis more than once."""
-    if axis is None or size == 1:
-        return shape, cuts
-    length, rest = divmod(shape[axis], size)
-    if rest:
-        return None
-    chunk = (*shape[:axis], length, *shape[axis + 1 :])
-    lo, out, seen = rank * length, [], False
-    for cut_axis, start, n in cuts:
-        if cut_axis != axis:
-            out.append((cut_axis, start, n))
-            continue
-        if seen or start < lo or start + n > lo + length:
-            return None
-        seen = True
-        if n != length:
-            out.append((axis, start - lo, n))
-    return (chunk, tuple(out)) if seen else None
-
-
-def _cut_view(view: torch.Tensor, shape: tuple[int, ...], cuts: tuple[Cut, ...]) -> Optional[torch.Tensor]:
-    """``cuts`` (``narrow`` steps in the HF piece's coordinates, ``shape``) applied to ``view``,
-    which holds the piece in row-major order with its first dimension possibly split
-    (``[*lead, *shape[1:]]``, ``prod(lead) == shape[0]``). ``None`` where that does not hold or a
-    cut of the first dimension does not fall on whole rows of ``lead``'s inner part."""
-    if not shape:
-        return view if view.dim() == 0 and not cuts else None
-    extra = view.dim() - len(shape)
-    if extra < 0 or tuple(view.shape[extra + 1 :]) != tuple(shape[1:]) or math.prod(view.shape[: extra + 1]) != shape[0]:
-        return None
-    inner = math.prod(view.shape[1 : extra + 1])
-    for axis, start, length in cuts:
-        if axis:
-            view = view.narrow(axis + extra, start, length)
-        elif start % inner or length % inner:
-            return None
-        else:
-            view = view.narrow(0, start // inner, length // inner)
-    return view
-
-
-def _reshaped(slot: Slot) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A view in the slot's shape and dtype (a copy, made per refit, unless both already fit)."""
-    return lambda view: view.reshape(slot.shape).to(slot.dtype)
 
 
 __all__ = ["RefitProgram", "program_for", "local_source", "tp_local_source"]

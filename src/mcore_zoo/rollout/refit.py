@@ -14,22 +14,31 @@ the receiving rank's data path for it (:class:`~mcore_zoo.rollout.program.RefitP
 parameter view or export tensor every shard comes from, in which bucket and position) is bound on
 the first refit with that plan and cached too. Later calls reuse both and only move data. Tensors
 stay on the model's device: with trainer and engine on one GPU the whole refit is device-to-device.
+
+One refit, in order: the handle's export steps (what every export reads); the route every rank
+agrees on (engine format and TP from the receiver, the receiving rank's data path); the plan; the
+program bound to the steps; then the data: the export stream (when the program needs it) and the
+buckets fed to the engine.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from ..distributed.collectives import all_true, broadcast_text
+from ..distributed.export import hf_items
 from ..errors import ZooError
 from ..handle import ModelHandle, handle_of
+from ..weights.export import hf_copies
 from . import program as programs
 from .adapter import EngineAdapter, RefitBucket
-from .engine_format import EngineFormat, get_engine_format
+from .engine_format import ENGINE_FORMATS, EngineFormat, get_engine_format
 from .plan import RefitPlan, plan_refit
 
 Model = Union[ModelHandle, torch.nn.Module, Sequence[torch.nn.Module]]
@@ -65,8 +74,12 @@ def get_plan(
 ) -> RefitPlan:
     """The cached :class:`RefitPlan` for these settings, computed on first use (collective over the
     pipeline group: every rank calls it the same number of times)."""
-    handle = handle_of(model)
-    engine_format = get_engine_format(engine_format)
+    return _cached_plan(handle_of(model), get_engine_format(engine_format), target_tp, dtype, bucket_size)
+
+
+def _cached_plan(handle: ModelHandle, engine_format: EngineFormat, target_tp: int, dtype: Optional[torch.dtype],
+                 bucket_size: Union[int, str]) -> RefitPlan:  # fmt: skip
+    """:func:`get_plan` of a handle and an engine format."""
     key = (engine_format, target_tp if engine_format.presplit else 1, dtype, str(bucket_size))
     cache = _PLANS.setdefault(handle, {})
     if key not in cache:
@@ -112,60 +125,94 @@ def refit(
     """
     handle = handle_of(model)
     handle.check_current()
+    steps = handle.export_steps()  # what the export and the program read, as plain values
+    copies = hf_copies(handle.weight_map)
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise ZooError(f"refit: dtype={dtype!r} is not a floating-point torch dtype (weights travel as floats:"
                        " torch.bfloat16, torch.float16 or torch.float32)")  # fmt: skip
-    placement = handle.placement
-    receive = receiver == "all" or placement.rank == receiver
+    receive = receiver == "all" or handle.placement.rank == receiver
+    route = _route(handle, adapter if receive else None, plan, receiver, target_tp)
     planned = plan is None
     if plan is None:
-        if receiver == "all":
-            if adapter is None:
-                raise ZooError(f"refit: rank {placement.rank} receives (receiver='all') but has no engine adapter")
-            engine_format, tp = adapter.engine_format, target_tp if target_tp is not None else adapter.tp_size
-        else:  # only the receiver knows the engine: the other ranks learn the plan's settings from it
-            engine_format, tp = _settings_from_receiver(handle, adapter if receive else None, int(receiver), target_tp)
         before = len(_PLANS.get(handle, {}))
-        plan = get_plan(handle, engine_format=engine_format, target_tp=tp, dtype=dtype, bucket_size=bucket_size)
+        plan = _cached_plan(handle, route.engine_format, route.tp, dtype, bucket_size)  # type: ignore[arg-type]
         planned = len(_PLANS.get(handle, {})) > before
     if plan.architecture != handle.arch_config.architecture:
         raise ZooError(f"refit: plan is for {plan.architecture}, model is {handle.arch_config.architecture}")
-    if not receive:
-        for _ in _stream(handle, plan, receiver):
-            pass
-        return RefitStats(0, 0, 0, 0.0, planned)
-    assert adapter is not None
-    if plan.engine_format != adapter.engine_format:
-        raise ZooError(f"refit: plan made for the {plan.engine_format.name!r} engine format, adapter wants {adapter.engine_format.name!r}")
-    if adapter.engine_format.presplit and plan.target_tp != adapter.tp_size:
-        raise ZooError(f"refit: plan cut for engine tp={plan.target_tp}, adapter has tp={adapter.tp_size}")
-    # the local sources read the parameters directly (no export stream): "local" without any
-    # collective, "tp-local" with the TP all-gathers of the few rules no rank holds its engine
-    # shard of; the ranks of a TP group vote, so that all of them take the same path
-    engine_rank = getattr(adapter, "engine_rank", None) if receiver == "all" else None
-    source = "local" if programs.local_source(handle) else "stream"
-    if source == "stream" and receiver == "all" and handle.placement.tp > 1:
-        from ..distributed.collectives import all_true
-
-        if all_true([programs.tp_local_source(handle, plan.target_tp, engine_rank)], handle.placement.groups.tp)[0]:
-            source = "tp-local"
-    stream = _stream(handle, plan, receiver) if source == "stream" else None
-    _sync(handle)
-    t0 = time.perf_counter()
+    program, failure = None, None
+    if receive:
+        assert adapter is not None
+        if plan.engine_format != adapter.engine_format:
+            raise ZooError(f"refit: plan made for the {plan.engine_format.name!r} engine format, adapter wants {adapter.engine_format.name!r}")
+        if adapter.engine_format.presplit and plan.target_tp != adapter.tp_size:
+            raise ZooError(f"refit: plan cut for engine tp={plan.target_tp}, adapter has tp={adapter.tp_size}")
+        _sync(handle)
+        t0 = time.perf_counter()
+        try:
+            program = programs.program_for(handle, plan, steps, copies, raw_shards=bool(getattr(adapter, "raw_shards", False)),
+                                           source=route.source, engine_rank=route.engine_rank)  # fmt: skip
+        except Exception as exc:
+            failure = exc
+    stream = None
+    if not receive or route.source == "stream":  # the export the plan's buckets are cut from (it gathers)
+        ranks = None if not handle.placement.distributed or receiver == "all" else [int(receiver)]
+        stream = hf_items(steps, handle.weight_map, handle.placement, handle.device, dtype=plan.dtype, ranks=ranks,
+                          limit=plan.bucket_size)  # fmt: skip
     try:
-        program = programs.program_for(handle, plan, raw_shards=bool(getattr(adapter, "raw_shards", False)),
-                                       source=source, engine_rank=engine_rank)  # fmt: skip
-        nbytes, tensors = _feed(adapter, plan, program, stream)
+        if failure is not None:
+            raise failure
+        if program is None:  # not a receiving rank: its part of the gathers
+            deque(stream, maxlen=0)
+            return RefitStats(0, 0, 0, 0.0, planned)
+        nbytes, tensors = _feed(adapter, plan, program, stream)  # type: ignore[arg-type]
     except Exception:
         # keep the other ranks' gathers matched: they are iterating the same export
         try:
-            for _ in stream or ():
-                pass
+            deque(stream or (), maxlen=0)
         except Exception:  # noqa: S110 - the first error is the one to report
             pass
         raise
     _sync(handle)
     return RefitStats(len(plan.buckets), tensors, nbytes, time.perf_counter() - t0, planned, program.source)
+
+
+@dataclass(frozen=True)
+class _Route:
+    """How this rank takes part in one refit, agreed by every rank before any data moves: the
+    plan's engine format and TP size (what :func:`get_plan` is asked for when no plan is given), and
+    the receiving rank's data path (``source``: :mod:`mcore_zoo.rollout.program`) with the engine
+    rank it feeds (``receiver="all"`` with adapters that name it)."""
+
+    engine_format: Optional[EngineFormat]
+    tp: int
+    source: str
+    engine_rank: Optional[int]
+
+
+def _route(handle: ModelHandle, adapter: Optional[EngineAdapter], plan: Optional[RefitPlan], receiver: Union[int, str],
+           target_tp: Optional[int]) -> _Route:  # fmt: skip
+    """The :class:`_Route` of this rank (``adapter``: ``None`` off the receiving ranks). The local
+    sources read the parameters directly (no export stream): ``"local"`` without any collective,
+    ``"tp-local"`` with the TP all-gathers of the few rules no rank holds its engine shard of; the
+    ranks of a TP group vote, so that all of them take the same path. Without ``plan``, only the
+    receiver knows the engine when ``receiver`` is one rank: it tells the others."""
+    engine_format: Optional[EngineFormat] = None if plan is None else plan.engine_format
+    tp = 1 if plan is None else plan.target_tp
+    if plan is None and receiver == "all":
+        if adapter is None:
+            raise ZooError(f"refit: rank {handle.placement.rank} receives (receiver='all') but has no engine adapter")
+        engine_format, tp = adapter.engine_format, target_tp if target_tp is not None else adapter.tp_size
+    engine_rank = getattr(adapter, "engine_rank", None) if receiver == "all" else None
+    source = "local" if programs.local_source(handle) else "stream"
+    vote = source == "stream" and receiver == "all" and handle.placement.tp > 1
+    if vote:
+        planned_tp = tp if engine_format.presplit else 1  # type: ignore[union-attr]
+        vote = programs.tp_local_source(handle, planned_tp, engine_rank)
+    if plan is None and receiver != "all":
+        engine_format, tp = _settings_from_receiver(handle, adapter, int(receiver), target_tp)
+    elif source == "stream" and receiver == "all" and handle.placement.tp > 1:
+        source = "tp-local" if all_true([vote], handle.placement.groups.tp)[0] else source
+    return _Route(engine_format, tp, source, engine_rank)
 
 
 def _feed(adapter: EngineAdapter, plan: RefitPlan, program: "programs.RefitProgram", stream: Any) -> tuple[int, int]:
@@ -182,13 +229,6 @@ def _feed(adapter: EngineAdapter, plan: RefitPlan, program: "programs.RefitProgr
     return nbytes, tensors
 
 
-def _stream(handle: ModelHandle, plan: RefitPlan, receiver: Union[int, str]):  # type: ignore[no-untyped-def]
-    from ..distributed.export import iter_hf_weights
-
-    ranks = None if not handle.placement.distributed or receiver == "all" else [int(receiver)]
-    return iter_hf_weights(handle, dtype=plan.dtype, ranks=ranks, bucket_size=plan.bucket_size)
-
-
 def _sync(handle: ModelHandle) -> None:
     if handle.device.type == "cuda":
         torch.cuda.synchronize(handle.device)
@@ -200,8 +240,6 @@ def _settings_from_receiver(handle: ModelHandle, adapter: Optional[EngineAdapter
     computes the same plan (collective over PP) and issues the same gathers, whatever it passed
     as ``adapter``. The receiver broadcasts them (or its error, so that every rank fails with the
     same message instead of waiting); a rank that cannot resolve the format fails every rank."""
-    from ..distributed.collectives import all_true, broadcast_text
-
     if not handle.placement.distributed:
         if adapter is None:
             raise ZooError(f"refit: rank {receiver} receives but has no engine adapter")
@@ -221,10 +259,7 @@ def _settings_from_receiver(handle: ModelHandle, adapter: Optional[EngineAdapter
     if handle.placement.rank == receiver:
         engine_format: Optional[EngineFormat] = adapter.engine_format  # type: ignore[union-attr]
     else:
-        try:
-            engine_format = get_engine_format(name)
-        except ValueError:
-            engine_format = None
+        engine_format = ENGINE_FORMATS.get(name)
     if not all_true([engine_format is not None], None)[0]:
         raise ZooError(f"refit: the receiver's engine format {name!r} is not registered on every rank; pass"
                        f" plan=get_plan(...) on every rank")  # fmt: skip

@@ -1,8 +1,9 @@
 """Export a zoo-built model back to HF names: the single-rank part, derived from the same rule
 table as loading.
 
-:func:`stage_hf_weights` turns this rank's parameters into ``(hf_name, tensor)`` per rule (split
-each mcore tensor into its HF pieces; a caller-given ``gather`` joins tensor-parallel pieces), and
+:func:`stage_hf_weights` turns rule steps (the plain values the model handle makes: bound rule,
+tensor reference, transform context) into ``(hf_name, tensor)`` per rule (split each mcore tensor
+into its HF pieces; a caller-given ``gather`` joins tensor-parallel pieces), and
 :func:`write_hf_checkpoint` writes such items as an HF checkpoint (sharded safetensors + index +
 config.json), atomically. The job-wide export - TP gathers, pipeline buckets, re-sharding,
 ``save_hf_checkpoint`` - is :mod:`mcore_zoo.distributed.export`.
@@ -12,113 +13,194 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
+from ..config.arch import ArchConfig
 from ..errors import MissingTensorsError, ZooError
 from ..hf_assets import copy_assets
 from ..progress import progress
 from .io import SafetensorsShardWriter, atomic_output_dir
-from .rules import BoundRule, TensorRef, TransformContext, direct_views
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..handle import ModelHandle
+from .rules import BoundRule, RuleStep, TransformContext, WeightMap, direct_views
 
 logger = logging.getLogger(__name__)
 
 #: ``gather(piece, axis)``: join this rank's tensor-parallel piece with the other TP ranks' pieces
 Gather = Callable[[torch.Tensor, int], torch.Tensor]
-#: ``expert_copies(bound, tensor, meta)``: every expert-parallel rank's copy of a local expert
-ExpertCopies = Callable[[BoundRule, torch.Tensor, bool], Iterable[tuple[BoundRule, torch.Tensor]]]
+#: ``expert_gather(tensor)``: every expert-parallel rank's copy of a local expert's tensor, in EP rank order
+ExpertGather = Callable[[torch.Tensor], list[torch.Tensor]]
+
+_ALIGN = 64  # bytes; every tensor in a bucket starts at a multiple (views of any dtype stay legal)
 
 
 def stage_hf_weights(
-    handle: "ModelHandle",
+    steps: Sequence[RuleStep],
     *,
-    chunks: Optional[Sequence[torch.nn.Module]] = None,
-    gather_for: Optional[Callable[[BoundRule], Optional[Gather]]] = None,
-    expert_copies: Optional[ExpertCopies] = None,
+    copies: Optional[Mapping[str, Sequence[str]]] = None,
+    gather_for: Optional[Callable[[RuleStep], Optional[Gather]]] = None,
+    expert_gather: Optional[ExpertGather] = None,
     dtype: Optional[torch.dtype] = None,
     meta: bool = False,
     grads: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, tensor)`` for the HF tensors this rank's chunks hold (its pipeline stage only),
-    in model order (``chunks``: only these of the handle's chunks).
+    """``(hf_name, tensor)`` for the HF tensors of ``steps`` (the rules a rank's chunks export, in
+    model order: :meth:`~mcore_zoo.handle.ModelHandle.export_steps`), each followed by its
+    ``copies`` (:func:`hf_copies`).
 
-    ``gather_for(bound)`` gives the function that joins a rule's tensor-parallel pieces (``None``,
-    or no ``gather_for``: each rank's own pieces). ``expert_copies(bound, tensor, meta)`` gives, for
-    an expert rule, every expert-parallel rank's copy of this local expert as ``(bound rule of that
-    expert, tensor)`` pairs (``None``: only this rank's experts). Both are supplied by
+    ``gather_for(step)`` gives the function that joins a rule's tensor-parallel pieces (``None``,
+    or no ``gather_for``: each rank's own pieces). ``expert_gather(tensor)`` gives every
+    expert-parallel rank's copy of a local expert's tensor, exported under the rules of
+    ``step.ep_rules`` (``None``: only this rank's experts). Both are supplied by
     :mod:`mcore_zoo.distributed.export`, which owns the collectives. ``meta=True`` yields meta
     tensors of the shapes and dtypes the real iteration would yield (gathered shapes where a
     gather is given), without reading a parameter or communicating (export planning).
     ``grads=True`` yields the parameters' ``.grad`` instead (a parameter without a gradient raises;
     checkpoint-state buffers such as an MoE router's ``expert_bias`` are left out).
     """
-    copies_of = hf_copies(handle)
-    for chunk in handle.chunks if chunks is None else chunks:
-        for step in export_steps(handle, chunk):
-            b = step.bound
-            param = step.ref.get(chunk)
-            grad = None
-            if grads and not isinstance(param, torch.nn.Parameter):  # a buffer (MoE expert_bias): no gradient
-                continue
-            if grads and not meta:  # a DDP wrapper keeps them in main_grad
-                grad = param.grad if param.grad is not None else getattr(param, "main_grad", None)
-                if grad is None:
-                    raise ZooError(f"parameter {b.mcore!r} has no gradient")
-            source = grad if grads else param
-            local = torch.empty(param.shape, dtype=param.dtype, device="meta") if meta else source.detach()
-            ctx = step.ctx
-            gather = gather_for(b) if gather_for is not None else None
-            if gather is not None and meta:
-                gather = _meta_gather(ctx.tp_size)
-            copies = expert_copies(b, local, meta) if expert_copies is not None and b.is_expert else [(b, local)]
-            for rb, tensor in copies:
-                for name, piece in export_rule(rb, tensor, ctx, gather):
-                    piece = piece.to(dtype) if dtype is not None else piece
-                    yield name, piece
-                    for copy in copies_of.get(name, ()):  # e.g. an MTP layer's embed_tokens / shared_head.head
-                        yield copy, piece
+    copies_of = copies or {}
+    for step in steps:
+        b = step.bound
+        local = _local_tensor(step, meta=meta, grads=grads)
+        if local is None:
+            continue
+        ctx = step.ctx
+        gather = gather_for(step) if gather_for is not None else None
+        if gather is not None and meta:
+            gather = _meta_gather(ctx.tp_size)
+        pairs: Iterable[tuple[BoundRule, torch.Tensor]] = [(b, local)]
+        if expert_gather is not None and step.ep_rules:
+            parts = [local.new_empty(local.shape) for _ in step.ep_rules] if meta else expert_gather(local)
+            pairs = zip(step.ep_rules, parts)
+        for rb, tensor in pairs:
+            for name, piece in export_rule(rb, tensor, ctx, gather):
+                piece = piece.to(dtype) if dtype is not None else piece
+                yield name, piece
+                for copy in copies_of.get(name, ()):  # e.g. an MTP layer's embed_tokens / shared_head.head
+                    yield copy, piece
+
+
+def _local_tensor(step: RuleStep, *, meta: bool, grads: bool) -> Optional[torch.Tensor]:
+    """What a step exports on this rank: its tensor (or gradient), detached, or a meta tensor of
+    its shape; ``None`` for a buffer in a gradient export."""
+    param = step.tensor()
+    if grads and not isinstance(param, torch.nn.Parameter):  # a buffer (MoE expert_bias): no gradient
+        return None
+    if meta:
+        return torch.empty(param.shape, dtype=param.dtype, device="meta")
+    if not grads:
+        return param.detach()
+    grad = param.grad if param.grad is not None else getattr(param, "main_grad", None)  # DDP keeps main_grad
+    if grad is None:
+        raise ZooError(f"parameter {step.bound.mcore!r} has no gradient")
+    return grad.detach()
+
+
+#: one rule a chunk exports, bound once: see :class:`~mcore_zoo.weights.rules.RuleStep`
+ExportStep = RuleStep
+
+
+def hf_copies(weight_map: WeightMap) -> dict[str, list[str]]:
+    """HF name -> the copies export writes next to it (:meth:`WeightMap.copies_of`)."""
+    out: dict[str, list[str]] = {}
+    for copy, source in weight_map.copies:
+        out.setdefault(source, []).append(copy)
+    return out
 
 
 @dataclass(frozen=True)
-class ExportStep:
-    """One rule a chunk exports, bound once (:func:`export_steps`): the rule, a reference to its
-    mcore tensor (re-resolved on every read, so a replaced parameter is followed) and its
-    transform context."""
+class ExportEntry:
+    """One HF tensor of the model as export will produce it."""
 
-    bound: BoundRule
-    ref: TensorRef
-    ctx: TransformContext
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    stage: int  # pipeline rank that holds it
 
-
-def export_steps(handle: "ModelHandle", chunk: torch.nn.Module) -> list[ExportStep]:
-    """The rules ``chunk`` exports, in model order (:func:`exports`), each bound to its tensor and
-    transform context. Derived from the chunk's bound rules once and cached on the handle
-    (:meth:`~mcore_zoo.handle.ModelHandle.derived`): an export reads parameters through these
-    steps without walking the model or re-binding a rule."""
-
-    def make() -> list[ExportStep]:
-        return [ExportStep(b, TensorRef(b.mcore), handle.transform_context(b))
-                for b in handle.bound_rules(chunk) if exports(b, chunk)]  # fmt: skip
-
-    return handle.derived(("export_steps", id(chunk)), make)
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
-def hf_copies(handle: "ModelHandle") -> dict[str, list[str]]:
-    """HF name -> the copies export writes next to it (:meth:`WeightMap.copies_of`), cached."""
+def export_entries(stages: Sequence[Sequence[tuple[int, str, tuple[int, ...], str]]], vpp: int) -> list[ExportEntry]:
+    """The whole model's :class:`ExportEntry` list in export order (virtual stage by virtual stage,
+    pipeline stage by pipeline stage) from every pipeline stage's ``(virtual stage, name, shape,
+    dtype)`` items. Raises :class:`ZooError` for a tensor two stages export."""
+    entries = [ExportEntry(name, shape, getattr(torch, dt.replace("torch.", "")), stage)
+               for vp in range(vpp)
+               for stage, items in enumerate(stages)
+               for item_vp, name, shape, dt in items if item_vp == vp]  # fmt: skip
+    seen: set[str] = set()
+    for e in entries:
+        if e.name in seen:
+            raise ZooError(f"HF tensor {e.name!r} is exported by more than one pipeline stage")
+        seen.add(e.name)
+    return entries
 
-    def make() -> dict[str, list[str]]:
-        out: dict[str, list[str]] = {}
-        for copy, source in handle.weight_map.copies:
-            out.setdefault(source, []).append(copy)
-        return out
 
-    return handle.derived("hf_copies", make)
+def aligned_nbytes(n: int) -> int:
+    """``n`` bytes rounded up to where the next tensor of a bucket starts."""
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def bucket_entries(entries: Sequence[ExportEntry], limit: int) -> list[list[ExportEntry]]:
+    """Consecutive entries of one pipeline stage, at most ``limit`` bytes a bucket (a larger tensor
+    is a bucket of its own)."""
+    buckets: list[list[ExportEntry]] = []
+    used = 0
+    for e in entries:
+        size = aligned_nbytes(e.nbytes)
+        if buckets and buckets[-1][0].stage == e.stage and used + size <= limit:
+            buckets[-1].append(e)
+            used += size
+        else:
+            buckets.append([e])
+            used = size
+    return buckets
+
+
+def bucket_items(items: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``items`` in lists of at most ``limit`` bytes (a larger tensor is a list of its own)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    used = 0
+    for name, tensor in items:
+        size = aligned_nbytes(tensor.numel() * tensor.element_size())
+        if bucket and used + size > limit:
+            yield bucket
+            bucket, used = [], 0
+        bucket.append((name, tensor))
+        used += size
+    if bucket:
+        yield bucket
+
+
+def unpack_bucket(buffer: torch.Tensor, bucket: Sequence[ExportEntry]) -> list[tuple[str, torch.Tensor]]:
+    """The entries of ``bucket`` as views of the flat byte ``buffer`` that carries them."""
+    out, offset = [], 0
+    for e in bucket:
+        view = buffer[offset : offset + e.nbytes].view(e.dtype).view(e.shape)
+        out.append((e.name, view))
+        offset += aligned_nbytes(e.nbytes)
+    return out
+
+
+def pack_bucket(buffer: torch.Tensor, bucket: Sequence[ExportEntry], items: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy the next ``len(bucket)`` export items into ``buffer``, each checked against its entry."""
+    for (_, view), e in zip(unpack_bucket(buffer, bucket), bucket):
+        got_name, tensor = next(items)
+        if got_name != e.name or tuple(tensor.shape) != e.shape:
+            raise ZooError(f"export plan out of step: planned {e.name} {e.shape}, got {got_name} {tuple(tensor.shape)}")
+        view.copy_(tensor)
+        del tensor
+
+
+def check_planned_shape(what: str, planned: tuple[int, ...], got: Optional[tuple[int, ...]]) -> None:
+    """Raise unless the model's piece ``what`` has the shape a refit plan was made for."""
+    if got != planned:
+        raise ZooError(f"refit: {what}: planned shape {planned}, the model's is {got} (plan made for another model?)")
 
 
 def export_views(b: BoundRule, tensor: torch.Tensor, ctx: TransformContext, *,
@@ -193,15 +275,15 @@ def export_rule(
         yield name, torch.cat([piece for _, piece in selected], dim=selected[0][0][0])
 
 
-def hf_config_for_export(handle: "ModelHandle", dtype: Optional[torch.dtype] = None, *, fp8: bool = False) -> dict[str, Any]:
-    """The HF config dict to save next to exported weights. The source's ``quantization_config``
-    is kept only for an FP8 export (the weights are otherwise written dequantized)."""
-    arch = handle.arch_config
+def hf_config_for_export(arch: ArchConfig, dtype: Optional[torch.dtype] = None, *, fp8: bool = False, head: str = "lm") -> dict[str, Any]:
+    """The HF config dict to save next to exported weights of a model of ``arch`` (``head="value"``:
+    a critic). The source's ``quantization_config`` is kept only for an FP8 export (the weights
+    are otherwise written dequantized)."""
     config = dict(arch.hf_config)
     if not fp8:
         config.pop("quantization_config", None)
     config.setdefault("architectures", [arch.architecture])
-    if getattr(handle.options, "head", "lm") == "value":  # a critic: transformers' token classifier, one label
+    if head == "value":  # a critic: transformers' token classifier, one label
         name = arch.architecture
         base = name[: -len("ForCausalLM")] if name.endswith("ForCausalLM") else name
         config.update(architectures=[base + "ForTokenClassification"], id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})

@@ -86,7 +86,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -97,6 +97,7 @@ from ..errors import (
     UnsupportedConfigError,
     ZooError,
 )
+from .rules import TPSlice
 
 FP8_E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 SCALE_WINDOW = 8  # ulp searched around the reference scale_inv by requantize_block
@@ -604,11 +605,9 @@ class Fp8Checkpoint:
              select: Optional[tuple[int, int, int]] = None) -> torch.Tensor:  # fmt: skip
         if name not in self.plan.quantized:
             return self.inner.read(name, axis=axis, rank=rank, size=size, select=select)
-        from .io import chunk_index
-
         scale = self.scales[name]
         full = dequantize_block(self.inner.read(name), scale, torch.float32, self.fmt.block)
-        index = chunk_index(name, tuple(full.shape), axis=axis, rank=rank, size=size, select=select)
+        index = TPSlice(axis, rank, size, select).index(tuple(full.shape), f"tensor {name!r}")
         return full if index is None else full[index].clone()
 
     def read_into(self, name: str, out: torch.Tensor, **kwargs: Any) -> int:
@@ -623,6 +622,26 @@ class Fp8Checkpoint:
 
     def close(self) -> None:
         self.inner.close()
+
+
+def fp8_export(source: Any, fp8_scales: str = "fresh") -> Callable[[Any], Any]:
+    """The quantization of export items into the FP8 block format of ``source`` (the
+    :class:`Fp8Checkpoint` view a model was loaded through: which tensors were quantized, their
+    block format and scales): :func:`quantize_for_export` with fresh scales (``"fresh"``) or the
+    loaded ones (``"source"``). Raises before anything is exported for another ``fp8_scales``, or
+    for a model that was not loaded from an FP8 block-quantized checkpoint (``source`` ``None``)."""
+    if fp8_scales not in ("fresh", "source"):
+        raise ValueError(f"fp8_scales={fp8_scales!r}; use 'fresh' or 'source'")
+    if source is None:
+        raise ZooError("save_hf_checkpoint(fp8=True) writes the FP8 format of the checkpoint the model was loaded"
+                       " from; this model was not loaded from an FP8 block-quantized checkpoint")  # fmt: skip
+    scales = source.scales if fp8_scales == "source" else None
+    return lambda items: quantize_for_export(items, source.plan.quantized, source.fmt, scales=scales)
+
+
+def fp8_scale_names(source: Any) -> set[str]:
+    """The ``X.weight_scale_inv`` tensors an FP8 export of ``source``'s format writes."""
+    return set(source.plan.quantized.values())
 
 
 def quantize_for_export(items: Any, quantized: Mapping[str, str], fmt: Fp8BlockFormat, *,

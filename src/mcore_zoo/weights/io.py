@@ -18,7 +18,7 @@ set until the file is closed (a TP=1 load peaked at twice the model size). Mappi
 time leaves at most one tensor's file pages mapped; a positional read maps none. (A plain
 ``preadv`` faults the destination in page by page inside the kernel's copy and is no faster than
 the mapping; populating the pages first is what makes it faster - :mod:`~mcore_zoo.weights.pread`.)
-The chunk arithmetic (:func:`chunk_box`) is the same either way.
+The chunk arithmetic (:meth:`~mcore_zoo.weights.rules.TPSlice.box`) is the same either way.
 
 Pickle-based ``.bin`` files are refused unless ``allow_torch_load=True`` (then read with
 ``torch.load(weights_only=True)``).
@@ -51,6 +51,7 @@ import torch
 
 from ..errors import CheckpointFormatError, MissingTensorsError, OutputError, OutputExistsError, ShapeMismatchError, ZooError
 from . import pread
+from .rules import TPSlice
 
 logger = logging.getLogger(__name__)
 
@@ -351,7 +352,7 @@ class HFCheckpoint:
         Only those bytes are read, into a new tensor. Raises if the range does not divide by ``size``.
         """
         file = self._file_of(name)
-        box = chunk_box(name, self.shape(name), axis=axis, rank=rank, size=size, select=select)
+        box = TPSlice(axis, rank, size, select).box(self.shape(name), f"tensor {name!r}")
         if file in self._bin:
             tensor = self._bin[file][name]
             return tensor[tuple(slice(lo, hi) for lo, hi in box)].clone()
@@ -376,7 +377,7 @@ class HFCheckpoint:
         for safetensors files, whatever ``out``'s device or dtype).
         """
         file = self._file_of(name)
-        box = chunk_box(name, self.shape(name), axis=axis, rank=rank, size=size, select=select)
+        box = TPSlice(axis, rank, size, select).box(self.shape(name), f"tensor {name!r}")
         shape = tuple(hi - lo for lo, hi in box)
         if out.numel() != math.prod(shape):
             raise ShapeMismatchError(name, tuple(out.shape), shape, context="destination of read_into")
@@ -441,48 +442,6 @@ class HFCheckpoint:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def chunk_box(
-    name: str,
-    shape: tuple[int, ...],
-    *,
-    axis: Optional[int] = None,
-    rank: int = 0,
-    size: int = 1,
-    select: Optional[tuple[int, int, int]] = None,
-) -> list[tuple[int, int]]:
-    """``[(start, stop)]`` per dimension of tensor-parallel chunk ``rank`` of ``size`` along
-    ``axis``, within an optional ``(axis, start, stop)`` range. Raises if it does not divide."""
-    bounds = [(0, n) for n in shape]
-    if select is not None:
-        sel_axis, start, stop = select
-        if stop > shape[sel_axis]:
-            raise ZooError(f"tensor {name!r} dim {sel_axis} = {shape[sel_axis]} has no range [{start}, {stop})")
-        bounds[sel_axis] = (start, stop)
-    if axis is not None and size > 1:
-        lo, hi = bounds[axis]
-        if (hi - lo) % size:
-            raise ZooError(f"tensor {name!r} dim {axis} range {hi - lo} is not divisible into {size} chunks")
-        step = (hi - lo) // size
-        bounds[axis] = (lo + rank * step, lo + (rank + 1) * step)
-    return bounds
-
-
-def chunk_index(
-    name: str,
-    shape: tuple[int, ...],
-    *,
-    axis: Optional[int] = None,
-    rank: int = 0,
-    size: int = 1,
-    select: Optional[tuple[int, int, int]] = None,
-) -> Optional[tuple[slice, ...]]:
-    """:func:`chunk_box` as an index (trailing whole dimensions dropped; ``None``: everything)."""
-    index = [slice(lo, hi) for lo, hi in chunk_box(name, shape, axis=axis, rank=rank, size=size, select=select)]
-    while index and index[-1] == slice(0, shape[len(index) - 1]):
-        index.pop()
-    return tuple(index) or None
 
 
 # ---------------------------------------------------------------------------- writing
@@ -642,7 +601,7 @@ def _make_partial(final: Path) -> Path:
 def _write_manifest(tmp: Path) -> None:
     """List every file mcore-zoo wrote into ``tmp`` (at every depth, with its size) and every
     directory it made: ``overwrite`` later removes the output only if it holds nothing else."""
-    from .. import __version__
+    from .._version import __version__
 
     files, dirs, other = _tree(tmp)
     if other:

@@ -19,17 +19,14 @@ copied. The job-wide load (which rank reads, broadcasts to data-parallel replica
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from ..errors import MissingTensorsError, ShapeMismatchError, UnexpectedTensorsError, UnmappedParametersError
-from .io import HFCheckpoint, chunk_index
-from .rules import BoundRule, TransformContext, WeightMap, direct_views, model_tensors
+from .io import HFCheckpoint
+from .rules import BoundRule, RuleStep, TPSlice, TransformContext, WeightMap, direct_views
 from .tied import check_copies, check_tied_output
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..handle import ModelHandle
 
 
 @dataclass
@@ -115,27 +112,26 @@ def absent_tensors(wmap: WeightMap, names: set[str]) -> dict[str, str]:
     return {n: reason for n, reason in wmap.optional_hf_names().items() if n not in names}
 
 
-def plan_load(handle: "ModelHandle", checkpoint: HFCheckpoint) -> tuple[list[tuple[torch.nn.Module, list[BoundRule]]], dict[str, str]]:
-    """All checks of the module docstring; returns the per-chunk bound rules and ignored tensors.
-    Rules whose sources are absent by request (``Rule.absent``) are left out of the plan: their
-    parameters keep their explicit initialisation."""
-    ignored = check_coverage(handle.weight_map, checkpoint.keys(), str(checkpoint.path))
-    absent = absent_tensors(handle.weight_map, checkpoint.keys())
-    check_tied_output(handle.weight_map, checkpoint)
-    check_copies(handle.weight_map, checkpoint)
-    chunks = handle.chunks
+def plan_load(weight_map: WeightMap, checkpoint: HFCheckpoint,
+              chunks: Sequence[tuple[torch.nn.Module, Sequence[RuleStep]]]) -> tuple[list[list[RuleStep]], dict[str, str]]:  # fmt: skip
+    """All checks of the module docstring, for each chunk and its rule steps (every bound rule of
+    it: :meth:`~mcore_zoo.handle.ModelHandle.rule_steps`); returns the steps to read, per chunk, and
+    the ignored tensors. Rules whose sources are absent by request (``Rule.absent``) are left out
+    of the plan: their parameters keep their explicit initialisation."""
+    ignored = check_coverage(weight_map, checkpoint.keys(), str(checkpoint.path))
+    absent = absent_tensors(weight_map, checkpoint.keys())
+    check_tied_output(weight_map, checkpoint)
+    check_copies(weight_map, checkpoint)
     plan = []
     unmapped: list[str] = []
-    for index, chunk in enumerate(chunks):
-        params = model_tensors(chunk)  # parameters + checkpoint-state buffers (MoE expert_bias)
-        bound = handle.bound_rules(chunk)
-        covered = {b.mcore for b in bound}
+    for index, (chunk, steps) in enumerate(chunks):
+        covered = {s.bound.mcore for s in steps}
         prefix = f"chunk{index}." if len(chunks) > 1 else ""
         unmapped += [prefix + n for n, _ in chunk.named_parameters() if n not in covered]
-        bound = [b for b in bound if not any(n in absent for n in b.hf)]
-        for b in bound:
-            _check_bound_shapes(b, params[b.mcore].shape, handle.transform_context(b), checkpoint.shape)
-        plan.append((chunk, bound))
+        steps = [s for s in steps if not any(n in absent for n in s.bound.hf)]
+        for s in steps:
+            _check_bound_shapes(s.bound, s.tensor().shape, s.ctx, checkpoint.shape)
+        plan.append(steps)
     if unmapped:
         raise UnmappedParametersError(unmapped)
     return plan, ignored
@@ -184,7 +180,7 @@ class DictCheckpoint(HFCheckpoint):
 
     def read(self, name: str, *, axis: Optional[int] = None, rank: int = 0, size: int = 1, select: Any = None) -> torch.Tensor:
         tensor = self._state[name]
-        index = chunk_index(name, tuple(tensor.shape), axis=axis, rank=rank, size=size, select=select)
+        index = TPSlice(axis, rank, size, select).index(tuple(tensor.shape), f"tensor {name!r}")
         return tensor if index is None else tensor[index]
 
     def read_into(self, name: str, out: torch.Tensor, **kwargs: Any) -> int:

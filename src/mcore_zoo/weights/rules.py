@@ -25,6 +25,7 @@ source along its axis and fuses the chunks with the same transform as at TP=1.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Sequence
@@ -32,6 +33,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 
 from ..config.arch import ArchConfig
+from ..errors import LayoutError, WeightMapError
 
 #: canonical (local-spec) suffix -> alternative suffix used by backends that fuse norms into linears
 FUSED_NORM_ALIASES: dict[str, str] = {
@@ -40,6 +42,128 @@ FUSED_NORM_ALIASES: dict[str, str] = {
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
     "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
 }
+
+
+#: ``tensor.narrow(axis, start, length)``: one step of a cut
+Cut = tuple[int, int, int]
+
+
+def narrow(tensor: torch.Tensor, cuts: Sequence[Cut]) -> torch.Tensor:
+    """``tensor`` with every ``narrow(axis, start, length)`` step of ``cuts`` applied (a view)."""
+    for axis, start, length in cuts:
+        tensor = tensor.narrow(axis, start, length)
+    return tensor
+
+
+def narrow_view(view: torch.Tensor, shape: tuple[int, ...], cuts: Sequence[Cut]) -> Optional[torch.Tensor]:
+    """``cuts`` (``narrow`` steps in the coordinates of a piece of ``shape``) applied to ``view``,
+    which holds the piece in row-major order with its first dimension possibly split
+    (``[*lead, *shape[1:]]``, ``prod(lead) == shape[0]``: a transform's view, :meth:`Transform.views`).
+    ``None`` where that does not hold or a cut of the first dimension does not fall on whole rows of
+    ``lead``'s inner part."""
+    if not shape:
+        return view if view.dim() == 0 and not cuts else None
+    extra = view.dim() - len(shape)
+    if extra < 0 or tuple(view.shape[extra + 1 :]) != tuple(shape[1:]) or math.prod(view.shape[: extra + 1]) != shape[0]:
+        return None
+    inner = math.prod(view.shape[1 : extra + 1])
+    for axis, start, length in cuts:
+        if axis:
+            view = view.narrow(axis + extra, start, length)
+        elif start % inner or length % inner:
+            return None
+        else:
+            view = view.narrow(0, start // inner, length // inner)
+    return view
+
+
+def strided_layout(base: torch.Tensor, view: torch.Tensor) -> Optional[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """``(size, stride, storage offset relative to base)`` that ``torch.as_strided`` remakes
+    ``view`` of ``base`` from; ``None`` when ``view`` is all of ``base`` (no view to make)."""
+    layout = (tuple(view.shape), tuple(view.stride()), view.storage_offset() - base.storage_offset())
+    return None if layout == (tuple(base.shape), tuple(base.stride()), 0) else layout
+
+
+@dataclass(frozen=True)
+class TPSlice:
+    """Rank ``rank`` of ``size`` tensor-parallel ranks' share of one rule source: the ``select``
+    range of the HF tensor (all of it when ``None``), cut into ``size`` equal chunks along ``axis``
+    (``None``: replicated, every rank holds the whole range). The one definition of "rank r's slice
+    of source i": loading reads it, export re-splits gathered tensors with it, the refit plan cuts
+    engine shards with it and the refit program finds a shard inside a rank's chunk with it."""
+
+    axis: Optional[int] = None
+    rank: int = 0
+    size: int = 1
+    select: Optional[Cut] = None
+
+    def box(self, shape: Sequence[int], what: str = "tensor") -> list[tuple[int, int]]:
+        """``[(start, stop)]`` per dimension of ``shape`` that this slice holds. Raises
+        :class:`~mcore_zoo.errors.LayoutError` when the select range does not fit ``shape`` or the
+        range does not divide into ``size`` chunks."""
+        bounds = [(0, n) for n in shape]
+        if self.select is not None:
+            axis, start, stop = self.select
+            if stop > shape[axis]:
+                raise LayoutError(f"{what} dim {axis} = {shape[axis]} has no range [{start}, {stop})")
+            bounds[axis] = (start, stop)
+        if self.axis is not None and self.size > 1:
+            lo, hi = bounds[self.axis]
+            if (hi - lo) % self.size:
+                raise LayoutError(f"{what} dim {self.axis} range {hi - lo} is not divisible into {self.size} chunks")
+            step = (hi - lo) // self.size
+            bounds[self.axis] = (lo + self.rank * step, lo + (self.rank + 1) * step)
+        return bounds
+
+    def cuts(self, shape: Sequence[int], what: str = "tensor") -> tuple[Cut, ...]:
+        """:meth:`box` as ``narrow`` steps: the select range (when there is one), then this rank's
+        chunk inside it (when split); ``()`` for the whole tensor."""
+        box = self.box(shape, what)
+        out: list[Cut] = []
+        base = 0
+        if self.select is not None:
+            axis, start, stop = self.select
+            out.append((axis, start, stop - start))
+            base = start if axis == self.axis else 0
+        if self.axis is not None and self.size > 1:
+            lo, hi = box[self.axis]
+            out.append((self.axis, lo - base, hi - lo))
+        return tuple(out)
+
+    def index(self, shape: Sequence[int], what: str = "tensor") -> Optional[tuple[slice, ...]]:
+        """:meth:`box` as an index (trailing whole dimensions dropped; ``None``: everything)."""
+        index = [slice(lo, hi) for lo, hi in self.box(shape, what)]
+        while index and index[-1] == slice(0, shape[len(index) - 1]):
+            index.pop()
+        return tuple(index) or None
+
+    def cut(self, tensor: torch.Tensor, what: str = "tensor") -> torch.Tensor:
+        """This slice of ``tensor`` (a view)."""
+        return narrow(tensor, self.cuts(tuple(tensor.shape), what))
+
+    def within_chunk(self, shape: Sequence[int], cuts: Sequence[Cut]) -> Optional[tuple[tuple[int, ...], tuple[Cut, ...]]]:
+        """``cuts`` of a whole (gathered) piece of ``shape``, translated into the coordinates of the
+        chunk this slice holds (``select`` is not used: ``shape`` is the piece): ``(chunk shape,
+        cuts)``. ``None`` when they do not lie inside that chunk (they need other ranks' rows), cut
+        the split axis more than once, or the piece does not split evenly."""
+        axis = self.axis
+        if axis is None or self.size == 1:
+            return tuple(shape), tuple(cuts)
+        length, rest = divmod(shape[axis], self.size)
+        if rest:
+            return None
+        chunk = (*shape[:axis], length, *shape[axis + 1 :])
+        lo, out, seen = self.rank * length, [], False
+        for cut_axis, start, n in cuts:
+            if cut_axis != axis:
+                out.append((cut_axis, start, n))
+                continue
+            if seen or start < lo or start + n > lo + length:
+                return None
+            seen = True
+            if n != length:
+                out.append((axis, start - lo, n))
+        return (chunk, tuple(out)) if seen else None
 
 
 @dataclass(frozen=True)
@@ -301,6 +425,15 @@ class BoundRule:
     def selects(self) -> tuple[Optional[tuple[int, int, int]], ...]:
         return tuple(s.select for s in self.rule.sources)
 
+    def tp_slice(self, source: int, rank: int = 0, size: int = 1) -> TPSlice:
+        """Rank ``rank`` of ``size``'s slice of source ``source`` (its TP axis and select range)."""
+        s = self.rule.sources[source]
+        return TPSlice(s.tp_axis, rank, size, s.select)
+
+    def tp_slices(self, ctx: TransformContext) -> list[TPSlice]:
+        """The slice of every source that the TP rank of ``ctx`` holds, in source order."""
+        return [self.tp_slice(k, ctx.tp_rank, ctx.tp_size) for k in range(len(self.rule.sources))]
+
 
 @dataclass
 class WeightMap:
@@ -392,6 +525,33 @@ class WeightMap:
         """Every HF tensor an export writes: :meth:`hf_names` and the copies."""
         return self.hf_names() | {c for c, _ in self.copies}
 
+    def hf_parts(self) -> dict[str, list[tuple[BoundRule, int]]]:
+        """HF name -> the exported ``(bound rule, source index)`` pairs that make it, over the whole
+        model, parts of a fused HF tensor in the order of their ``select`` ranges (a tied output
+        layer's rule is left out: the embedding rule exports its source)."""
+        parts: dict[str, list[tuple[BoundRule, int]]] = {}
+        for b in self.expand_full():
+            if b.rule.export:
+                for k, name in enumerate(b.hf):
+                    parts.setdefault(name, []).append((b, k))
+        for items in parts.values():
+            items.sort(key=lambda item: -1 if item[0].selects[item[1]] is None else item[0].selects[item[1]][1])
+        return parts
+
+    def expert_roles(self) -> dict[str, str]:
+        """HF projection name -> role (``gate`` / ``up`` / ``down``) of routed experts, read off the
+        expert rules (``linear_fc1`` <- [gate, up], ``linear_fc2`` <- down)."""
+        roles: dict[str, str] = {}
+        for r in self.rules:
+            if "{expert}" not in r.mcore:
+                continue
+            names = [s.hf.rsplit(".", 2)[-2] for s in r.sources]
+            if r.mcore.endswith("linear_fc1.weight") and len(names) == 2:
+                roles.update({names[0]: "gate", names[1]: "up"})
+            elif r.mcore.endswith("linear_fc2.weight") and len(names) == 1:
+                roles[names[0]] = "down"
+        return roles
+
     def copies_of(self, hf_name: str) -> list[str]:
         """The copies export writes next to ``hf_name``."""
         return [c for c, src in self.copies if src == hf_name]
@@ -407,15 +567,18 @@ class WeightMap:
         return None
 
     # ------------------------------------------------------------------ binding to a model
-    def bind(self, module: torch.nn.Module, *, expert_offset: int = 0, num_local_experts: Optional[int] = None) -> list[BoundRule]:
+    def bind(self, module: torch.nn.Module, *, expert_offset: int = 0, num_local_experts: Optional[int] = None,
+             check: bool = False) -> list[BoundRule]:  # fmt: skip
         """Bound rules for the parameters that exist in ``module`` (one GPTModel chunk).
 
         Local layer ``i`` maps to the global HF layer ``decoder.layers[i].layer_number - 1``. Rules
         whose mcore parameter does not exist in this chunk (other pipeline stages; the output
         layer under tied embeddings) are dropped; mcore names are resolved through
-        :data:`FUSED_NORM_ALIASES` when the backend fuses norms.
+        :data:`FUSED_NORM_ALIASES` when the backend fuses norms. ``check``: each rule's TP axes
+        are checked against its parameter's ``partition_dim`` (:func:`check_partition_dim`).
         """
-        names = set(model_tensors(module))
+        params = model_tensors(module)
+        names = set(params)
         layers = _decoder_layers(module)
         layer_map = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
         experts = None
@@ -428,7 +591,26 @@ class WeightMap:
             if name is None:
                 continue
             bound.append(BoundRule(b.rule, name, b.hf, b.layer, b.expert))
+        for b in bound if check else ():
+            check_partition_dim(b, params[b.mcore])
         return bound
+
+
+def check_partition_dim(b: BoundRule, param: torch.Tensor) -> None:
+    """The rule's declared TP axes must be the parameter's ``partition_dim`` (split parameters) or
+    ``None`` (replicated ones). Raises :class:`WeightMapError` naming the parameter."""
+    if not hasattr(param, "tensor_model_parallel"):
+        return  # a module that does not declare its split (never the case for mcore / TE layers)
+    split = bool(param.tensor_model_parallel)
+    want = getattr(param, "partition_dim", None) if split else None
+    if split and want is None:
+        return
+    bad = [axis for axis in b.tp_axes if axis != want]
+    if bad:
+        raise WeightMapError(
+            f"rule for {b.mcore!r} declares tensor-parallel axes {list(b.tp_axes)}, but Megatron-Core"
+            + (f" splits the parameter along dim {want}" if split else " replicates the parameter")
+        )
 
 
 def model_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -473,6 +655,47 @@ class TensorRef:
 
     def __repr__(self) -> str:
         return f"TensorRef({self.name!r})"
+
+
+@dataclass(frozen=True, eq=False)
+class RuleStep:
+    """One rule bound to one chunk's tensor, with everything reading or writing it needs, as plain
+    values: the bound rule, a reference to its mcore tensor (re-resolved on every read, so a
+    replaced parameter is followed), its transform context (this rank's TP slot for the rule:
+    expert TP for expert rules, dense TP otherwise), the chunk and its virtual-pipeline stage, the
+    process group its tensor-parallel pieces are gathered over and, for a local expert under
+    expert parallelism, the rule of every EP rank's copy of it (EP rank order: global experts). The model handle makes them
+    once (:meth:`~mcore_zoo.handle.ModelHandle.rule_steps`); loading and export take them."""
+
+    bound: BoundRule
+    ref: "TensorRef"
+    ctx: TransformContext
+    chunk: Any = None
+    stage: int = 0
+    tp_group: Any = None
+    ep_rules: tuple[BoundRule, ...] = ()
+
+    def tensor(self) -> torch.Tensor:
+        """The mcore tensor, read by its module path now."""
+        return self.ref.get(self.chunk)
+
+
+def bind_steps(bound: Sequence[BoundRule], chunk: torch.nn.Module, stage: int,
+               splits: Mapping[bool, tuple[TransformContext, Any]], *, ep: int = 1, ep_rank: int = 0,
+               per_rank: int = 0) -> list[RuleStep]:  # fmt: skip
+    """``bound`` (the rules bound to ``chunk``, virtual stage ``stage``) as :class:`RuleStep` values;
+    ``splits[is_expert]``: the transform context and TP group of the rule's tensor-parallel split;
+    ``ep`` / ``ep_rank`` / ``per_rank``: this rank's expert-parallel slot and the experts each EP
+    rank holds."""
+    steps = []
+    for b in bound:
+        ctx, group = splits[b.is_expert]
+        ep_rules: tuple[BoundRule, ...] = ()
+        if b.is_expert and ep > 1:
+            local = b.expert - ep_rank * per_rank  # type: ignore[operator]
+            ep_rules = tuple(b.for_expert(r * per_rank + local) for r in range(ep))
+        steps.append(RuleStep(b, TensorRef(b.mcore), ctx, chunk, stage, group, ep_rules))
+    return steps
 
 
 #: canonical (Megatron-Core 0.16) infix -> the name 0.19 gives the MTP layer's decoder layer
