@@ -56,7 +56,7 @@ _LAZY = {
     "FieldReport": "mcore_zoo.config.reader:FieldReport",
     "NumericsProfile": "mcore_zoo.numerics.profiles:NumericsProfile",
     "get_profile": "mcore_zoo.numerics.profiles:get_profile",
-    "build_model": "mcore_zoo.build:build_model",
+    "build_model": "mcore_zoo.distributed.build:build_model",
     "model_provider": "mcore_zoo.build:model_provider",
     "BuildRequest": "mcore_zoo.build:BuildRequest",
     "handle_of": "mcore_zoo.handle:handle_of",

@@ -78,7 +78,7 @@ def load_hf_weights(
         report = LoadReport(ignored=ignored, absent=absent_tensors(handle.weight_map, ckpt.keys()))
         for chunk, bound in plan:
             params = model_tensors(chunk)  # parameters + checkpoint-state buffers (MoE expert_bias)
-            for b in progress(bound, total=len(bound), desc="loading HF weights", unit="param"):
+            for b in progress(bound, total=len(bound), desc="loading HF weights", unit="param", rank=rank):
                 param = params[b.mcore]
                 group = _replica_group(param, handle.placement) if replicas == "broadcast" else None
                 source = None if group is None else dist.get_process_group_ranks(group)[0]

@@ -85,6 +85,7 @@ import torch.distributed as dist
 from ..errors import ZooError
 from ..handle import ModelHandle, handle_of
 from ..packing import alignment_for
+from ..placement import group_size
 from .forward import Microbatch, _gather_vocab, _sequences, check_batching, check_moe_training_layout, build_microbatches, partition_by_tokens, run_schedule, two_way_pipeline
 from .vocab_parallel import token_logprobs_and_entropy
 
@@ -302,7 +303,7 @@ def _finalize_unwrapped(handle: ModelHandle) -> None:
         for g in averaged:
             g.div_(layout.tp)
     group = layout.groups.embedding  # None on middle stages (they hold no embedding copy)
-    if layout.pp > 1 and (layout.first_stage or layout.last_stage) and group is not None and dist.get_world_size(group) > 1:
+    if layout.pp > 1 and (layout.first_stage or layout.last_stage) and group is not None and group_size(group) > 1:
         chunk = chunks[0] if layout.first_stage else chunks[-1]
         # tied output layer, or the MTP block's copy of the embedding on the last stage
         if chunk.share_embeddings_and_output_weights or getattr(config, "mtp_num_layers", None):
@@ -322,11 +323,11 @@ def _finalize_experts(grads: list[torch.Tensor], layout: Any) -> None:
     ``dp`` replicas are averaged). With the same batch on every replica this equals the
     single-process gradient."""
     dp_cp = layout.groups.dp_cp
-    replicas = dist.get_world_size(dp_cp) if dp_cp is not None else 1
+    replicas = group_size(dp_cp) if dp_cp is not None else 1
     if not grads or replicas == 1:
         return
     expert_dp = layout.groups.expert_dp
-    if expert_dp is not None and dist.get_world_size(expert_dp) > 1:
+    if expert_dp is not None and group_size(expert_dp) > 1:
         _all_reduce_flat(grads, expert_dp)
     scale = 1.0 / replicas  # 1 / (dp * cp)
     for g in grads:
@@ -450,7 +451,7 @@ def train_step(
     groups = partition_by_tokens(padded, max_tokens_per_microbatch, count, multiple_of=layout.pp if interleaved else 1)
     want = len(groups)
     dp_group = layout.groups.dp_cp
-    if sync_microbatches and dp_group is not None and dist.get_world_size(dp_group) > 1:
+    if sync_microbatches and dp_group is not None and group_size(dp_group) > 1:
         n = torch.tensor([want], dtype=torch.long, device=handle.device)
         dist.all_reduce(n, op=dist.ReduceOp.MAX, group=dp_group)
         want = int(n.item())

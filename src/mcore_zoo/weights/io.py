@@ -642,7 +642,7 @@ def _make_partial(final: Path) -> Path:
 def _write_manifest(tmp: Path) -> None:
     """List every file mcore-zoo wrote into ``tmp`` (at every depth, with its size) and every
     directory it made: ``overwrite`` later removes the output only if it holds nothing else."""
-    from .. import __version__
+    from .._version import __version__
 
     files, dirs, other = _tree(tmp)
     if other:
