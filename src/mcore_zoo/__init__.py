@@ -90,6 +90,7 @@ _LAZY = {
     "StepResult": "mcore_zoo.distributed.train:StepResult",
     "token_logprobs_and_entropy": "mcore_zoo.distributed.vocab_parallel:token_logprobs_and_entropy",
     "partition_by_tokens": "mcore_zoo.distributed.forward:partition_by_tokens",
+    "plan_microbatches": "mcore_zoo.distributed.microbatches:plan_microbatches",
     "alignment_for": "mcore_zoo.packing:alignment_for",
     "ParityOptions": "mcore_zoo.parity.harness:ParityOptions",
     "run_parity": "mcore_zoo.parity.harness:run_parity",

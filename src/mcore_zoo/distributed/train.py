@@ -86,7 +86,8 @@ from ..errors import ZooError
 from ..handle import ModelHandle, handle_of
 from ..packing import alignment_for
 from ..placement import group_size
-from .forward import Microbatch, _gather_vocab, _sequences, check_batching, check_moe_training_layout, build_microbatches, partition_by_tokens, run_schedule, two_way_pipeline
+from .forward import Microbatch, _gather_vocab, _sequences, check_batching, check_moe_training_layout, build_microbatches, run_schedule, two_way_pipeline, uses_vllm_logprob_head
+from .microbatches import plan_microbatches
 from .vocab_parallel import token_logprobs_and_entropy
 
 
@@ -230,7 +231,7 @@ def token_outputs(handle: ModelHandle, mb: Microbatch, output: torch.Tensor, *, 
     if getattr(handle.options, "head", "lm") == "value":
         values = local[:, 0].float()
     else:
-        if handle.numerics.kernels == "vllm":  # vllm-exact: vLLM's log-prob kernel on the gathered logits
+        if uses_vllm_logprob_head(handle):  # vllm-exact: vLLM's log-prob kernel on the gathered logits
             from ..kernels import vllm_ops
 
             logprobs, entropy = vllm_ops.token_logprobs_and_entropy(_gather_vocab(local, layout), targets,
@@ -448,7 +449,8 @@ def train_step(
     padded = [-(-int(s.numel()) // align) * align for s in seqs]
     interleaved = layout.vpp > 1
     count = num_microbatches or (1 if layout.pp == 1 else min(len(seqs), layout.pp))
-    groups = partition_by_tokens(padded, max_tokens_per_microbatch, count, multiple_of=layout.pp if interleaved else 1)
+    multiple_of = layout.pp if interleaved else 1
+    groups = plan_microbatches(padded, count=count, max_tokens=max_tokens_per_microbatch, multiple_of=multiple_of)
     want = len(groups)
     dp_group = layout.groups.dp_cp
     if sync_microbatches and dp_group is not None and group_size(dp_group) > 1:
@@ -456,7 +458,7 @@ def train_step(
         dist.all_reduce(n, op=dist.ReduceOp.MAX, group=dp_group)
         want = int(n.item())
         if want > len(groups):
-            groups = partition_by_tokens(padded, max_tokens_per_microbatch, want, multiple_of=layout.pp if interleaved else 1)
+            groups = plan_microbatches(padded, count=want, max_tokens=max_tokens_per_microbatch, multiple_of=multiple_of)
     device = handle.device
     # a replica with fewer sequences than another gets padding micro-batches (at_least=want)
     micro = build_microbatches(layout, seqs, groups, align=align, pad_token_id=pad_token_id, device=device,
