@@ -95,6 +95,7 @@ _LAZY = {
     "ParityOptions": "mcore_zoo.parity.harness:ParityOptions",
     "run_parity": "mcore_zoo.parity.harness:run_parity",
     "refit": "mcore_zoo.rollout.refit:refit",
+    "megatron_patches": "mcore_zoo.specs.patching:patches",
 }
 
 __all__ = [
