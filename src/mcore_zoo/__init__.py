@@ -56,7 +56,7 @@ _LAZY = {
     "FieldReport": "mcore_zoo.config.reader:FieldReport",
     "NumericsProfile": "mcore_zoo.numerics.profiles:NumericsProfile",
     "get_profile": "mcore_zoo.numerics.profiles:get_profile",
-    "build_model": "mcore_zoo.build:build_model",
+    "build_model": "mcore_zoo.distributed.build:build_model",
     "prepare": "mcore_zoo.build:prepare",
     "BuildPlan": "mcore_zoo.build:BuildPlan",
     "model_provider": "mcore_zoo.build:model_provider",
@@ -92,10 +92,12 @@ _LAZY = {
     "StepResult": "mcore_zoo.distributed.train:StepResult",
     "token_logprobs_and_entropy": "mcore_zoo.distributed.vocab_parallel:token_logprobs_and_entropy",
     "partition_by_tokens": "mcore_zoo.distributed.forward:partition_by_tokens",
+    "plan_microbatches": "mcore_zoo.distributed.microbatches:plan_microbatches",
     "alignment_for": "mcore_zoo.packing:alignment_for",
     "ParityOptions": "mcore_zoo.parity.harness:ParityOptions",
     "run_parity": "mcore_zoo.parity.harness:run_parity",
     "refit": "mcore_zoo.rollout.refit:refit",
+    "megatron_patches": "mcore_zoo.specs.patching:patches",
 }
 
 __all__ = [

@@ -1,7 +1,8 @@
 """Build Megatron-Core ``GPTModel`` instances for a registered architecture.
 
-:func:`build_model` is the one-call path (config conversion, spec, build, install RoPE, load
-weights); :func:`model_provider` returns the ``(pre_process, post_process, vp_stage) -> GPTModel``
+:func:`build_chunks` builds this rank's chunks (config conversion, spec, build, install RoPE;
+:func:`mcore_zoo.build_model` adds the load, job-wide, in :mod:`mcore_zoo.distributed.build`);
+:func:`model_provider` returns the ``(pre_process, post_process, vp_stage) -> GPTModel``
 callable that Megatron's ``get_model`` and trainers built on it expect.
 
 Every model built here carries a :class:`~mcore_zoo.handle.ModelHandle` (``chunk.mcore_zoo``)
@@ -39,7 +40,7 @@ def _default_dtype() -> torch.dtype:
 
 @dataclass(frozen=True)
 class BuildRequest:
-    """What a caller asks to be built: the one set of build options that :func:`build_model`,
+    """What a caller asks to be built: the one set of build options that :func:`mcore_zoo.build_model`,
     :func:`model_provider`, :func:`prepare` and :func:`mcore_zoo.dist_checkpoint.meta_model` take
     (as a ``request=`` object, or as keyword arguments of the same names).
 
@@ -53,7 +54,7 @@ class BuildRequest:
         overrides: extra ``TransformerConfig`` fields (names are checked).
         ignore_fields: ``{hf_field: reason}`` to accept HF config fields no rule classifies.
         trust_remote_code: let transformers run the checkpoint's own config code (never by default).
-        perform_initialization: run Megatron-Core's random init; :func:`build_model` decides it
+        perform_initialization: run Megatron-Core's random init; :func:`mcore_zoo.build_model` decides it
             (off when it loads weights).
         head: ``"lm"`` or ``"value"``: a critic whose output layer is a width-1 value head
             (:class:`~mcore_zoo.specs.heads.ValueHead`), loaded from the checkpoint's ``score``
@@ -156,7 +157,7 @@ class BuildPlan:
 
             install(model, arch, self.transformer_config, options.params_dtype)
         if options.head != "value":  # a value head has no vocabulary to mask
-            install_logit_mask(model, arch)
+            install_logit_mask(model, arch, Placement.current().tp_rank)  # built for the running state
         return model
 
 
@@ -285,48 +286,31 @@ def install_rope(model: torch.nn.Module, arch: ArchConfig, numerics: NumericsPro
     type(rotary).forward.cache_clear()
 
 
-def build_model(
+def build_chunks(
     source: Any,
     request: Optional[BuildRequest] = None,
     /,
     *,
-    load: Any = None,
     device: Optional[Union[str, torch.device]] = None,
     **options: Any,
-) -> Union[torch.nn.Module, list[torch.nn.Module]]:
-    """Build the Megatron-Core model for an HF architecture.
-
-    Args:
-        source: HF config (object or dict), checkpoint directory or config.json path.
-        request, options: the build options, a :class:`BuildRequest` and / or its fields as
-            keywords (``backend=``, ``numerics=``, ``parallel=``, ``head=``, ...).
-        load: an HF checkpoint directory to load weights from (every parameter must be covered);
-            the model is then built without random init.
-        device: where the model lives (default: the current CUDA device, else CPU).
-
-    Returns:
-        One ``GPTModel`` for this rank's pipeline stage, or a list of virtual-pipeline chunks when
-        ``parallel.vpp`` is set. Each carries its :class:`~mcore_zoo.handle.ModelHandle`
-        (``.mcore_zoo``).
-    """
+) -> list[torch.nn.Module]:
+    """This rank's chunks of the model for an HF architecture: one ``GPTModel`` per virtual
+    pipeline stage (one without ``parallel.vpp``), each carrying the one
+    :class:`~mcore_zoo.handle.ModelHandle`. ``request`` / ``options``: a :class:`BuildRequest`
+    (``perform_initialization=False`` when the weights are loaded next); ``device`` as in
+    :func:`mcore_zoo.build_model`. Creates the parallel state if there is none. Loading is the
+    caller's (:func:`mcore_zoo.build_model` with ``load=``, in :mod:`mcore_zoo.distributed.build`)."""
     from .parallel import ensure_model_parallel
 
     # convert and validate the layout first: a layout that does not divide the model is an error
     # before any process group is created or any weight is read
-    if "perform_initialization" in options:
-        raise TypeError("build_model decides perform_initialization (off when it loads weights)")
-    plan = prepare(source, BuildRequest.of(request, **options, perform_initialization=load is None))
+    plan = prepare(source, request, **options)
     ensure_model_parallel(plan.options.parallel)
     provide = _provider(plan)
     target = torch.device(device) if device is not None else (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     )
-    chunks = [c.to(target) for c in _build_stage_chunks(provide, plan.options.parallel)]
-    if load is not None:
-        from .distributed.load import load_hf_weights
-
-        load_hf_weights(chunks, load)
-    return chunks if plan.options.parallel.vpp else chunks[0]
+    return [c.to(target) for c in _build_stage_chunks(provide, plan.options.parallel)]
 
 
 def _build_stage_chunks(provider: Callable[..., torch.nn.Module], parallel: Parallelism) -> list[torch.nn.Module]:
@@ -365,7 +349,7 @@ def _provider(plan: BuildPlan) -> Callable[..., torch.nn.Module]:
 def model_provider(source: Any, request: Optional[BuildRequest] = None, /, **options: Any) -> Callable[..., torch.nn.Module]:
     """A Megatron ``model_provider_func``: ``(pre_process, post_process, vp_stage=None) -> GPTModel``.
 
-    Takes the build options of :func:`build_model` (a :class:`BuildRequest` and / or keywords),
+    Takes the build options of :func:`mcore_zoo.build_model` (a :class:`BuildRequest` and / or keywords),
     not ``load``/``device`` (a trainer loads after wrapping, with :func:`mcore_zoo.load_hf_weights`). Parallel state must be initialised
     (Megatron's ``get_model`` runs inside an initialised job). The callable exposes
     ``.transformer_config`` and ``.arch_config``; the chunks it builds share one model handle.

@@ -180,6 +180,24 @@ def accepts_name_kwarg() -> bool:
     return mcore_version() >= (0, 19, 0)
 
 
+#: The Megatron-Core attributes this module sets: ``(module, attribute, why, scope)``. Listed with
+#: every other patch by :func:`mcore_zoo.specs.patching.patches`.
+PATCHES = (
+    ("megatron.core.transformer.moe.moe_utils", "te_general_gemm",
+     "defined as None where Transformer Engine is absent (0.16.1 reads it unconditionally); the value the"
+     " code's own torch.mm fallback expects", "process (set once, only where undefined)"),
+    ("megatron.core.tensor_parallel.layers", "_initialize_affine_weight_cpu / _initialize_affine_weight_gpu",
+     "set the tensor-parallel attributes without initialising: a model built to be loaded (also in"
+     " moe.experts and extensions.transformer_engine)", "while tensor_parallel_attributes_without_init builds; restored"),
+)  # fmt: skip
+_IN_EFFECT: set[str] = set()  # the PATCHES entries (by attribute) in place now
+
+
+def patches_in_effect() -> frozenset[str]:
+    """The attributes of :data:`PATCHES` this module has in place now."""
+    return frozenset(_IN_EFFECT)
+
+
 def patch_moe_utils_without_te() -> None:
     """0.16.1: ``moe_utils.RouterGatingLinearFunction`` reads the module global ``te_general_gemm``,
     which is only defined when Transformer Engine imports (``NameError`` otherwise). Define it as
@@ -189,6 +207,7 @@ def patch_moe_utils_without_te() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+        _IN_EFFECT.add("te_general_gemm")
 
 
 #: Modules that call Megatron-Core's weight-initialisation helpers by their imported name.
@@ -248,6 +267,7 @@ def tensor_parallel_attributes_without_init(config: Any) -> Any:
                 if hasattr(module, name):
                     patched.append((module, name, getattr(module, name)))
                     setattr(module, name, helper)
+        _IN_EFFECT.add(PATCHES[1][1])
         config.perform_initialization = True
         for name in saved_fields:
             if name != "perform_initialization":
@@ -256,5 +276,6 @@ def tensor_parallel_attributes_without_init(config: Any) -> Any:
     finally:
         for module, name, original in reversed(patched):
             setattr(module, name, original)
+        _IN_EFFECT.discard(PATCHES[1][1])
         for name, value in saved_fields.items():
             setattr(config, name, value)

@@ -31,6 +31,31 @@ import torch
 _LOCK = threading.Lock()
 _ACTIVE = False
 
+#: What :func:`activate` replaces, process-wide, in a process without CUDA: ``(module, attribute,
+#: why)``. Listed with every other patch by :func:`mcore_zoo.specs.patching.patches`.
+PATCHES = (
+    ("torch.cuda", "current_device", "returns the CPU device: Megatron-Core puts RoPE and some buffers there"),
+    ("torch.cuda", "synchronize", "does nothing: distributed checkpointing syncs after staging tensors"),
+    ("megatron.core.transformer.utils", "get_default_causal_mask", "built on the CPU, not device='cuda'"),
+    ("megatron.core.transformer.utils", "get_sliding_window_causal_mask", "built on the CPU, not device='cuda'"),
+    ("megatron.core.fusions.fused_softmax", "get_default_causal_mask", "built on the CPU, not device='cuda'"),
+    ("megatron.core.fusions.fused_softmax", "get_sliding_window_causal_mask", "built on the CPU, not device='cuda'"),
+    ("megatron.core.tensor_parallel.random", "initialize_rng_tracker",
+     "a tracker that forks CPU generator states, seeded per tensor-parallel rank like the original"),
+    ("megatron.core.tensor_parallel.random", "model_parallel_cuda_manual_seed", "seeds that CPU tracker"),
+    ("megatron.core.tensor_parallel", "model_parallel_cuda_manual_seed", "seeds that CPU tracker"),
+    ("megatron.core.pipeline_parallel.schedules", "torch", "tensors the schedules create with device='cuda' are made on the CPU"),
+    ("megatron.core.models.common.language_module.language_module", "LanguageModule.setup_embeddings_and_output_layer",
+     "the tied-embedding all-reduce of the first and last stage keeps the weight on the CPU"),
+    ("megatron.core.distributed.param_and_grad_buffer", "torch",
+     "DDP's gradient reduction (0.19) waits on a CUDA stream that has nothing to wait for"),
+)  # fmt: skip
+
+
+def active() -> bool:
+    """Whether :func:`activate` installed the CPU patches in this process."""
+    return _ACTIVE
+
 
 def needed() -> bool:
     return not torch.cuda.is_available()

@@ -51,12 +51,12 @@ def parse_dtype(name: Optional[Union[str, torch.dtype]]) -> Optional[torch.dtype
 
 def _single_process() -> None:
     """Conversion runs in one process at TP = PP = 1; create that state if there is none."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from .parallel import ensure_model_parallel
+    from .placement import process_count
 
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if process_count() > 1:
         raise ZooError("checkpoint conversion runs in a single process (it streams; no parallelism needed)")
     if ps.model_parallel_is_initialized() and ps.get_model_parallel_group().size() > 1:
         raise ZooError("checkpoint conversion needs TP = PP = 1 in this process")

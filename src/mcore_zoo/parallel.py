@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from . import compat, cpu_shim
 from .errors import ZooError
-from .placement import Parallelism, Placement
+from .placement import Parallelism, Placement, process_count
 
 
 def ensure_process_group(backend: Optional[str] = None) -> None:
@@ -67,7 +67,7 @@ def ensure_model_parallel(parallel: Optional[Parallelism] = None, *, seed: int =
         return parallel
     parallel = parallel or Parallelism()
     ensure_process_group()
-    world = dist.get_world_size()
+    world = process_count()
     if world % parallel.world_size_needed():
         from .errors import LayoutError
 

@@ -4,15 +4,19 @@ Two values, computed once:
 
 * :class:`Parallelism` - the layout a user asks for (sizes only: ``tp``, ``pp``, ``vpp``, ``cp``,
   ``ep``, ``etp``, sequence parallel). Pure data: it can be validated against an architecture
-  before any process group exists.
+  before any process group exists (defined in :mod:`mcore_zoo.config.parallelism`, with the rest
+  of what a build asks for; importable from here).
 * :class:`Placement` - the layout in effect for this process: the sizes, this rank's coordinate in
   every group and the process groups themselves. :meth:`Placement.current` reads Megatron-Core's
   ``parallel_state`` once (or describes a single process when it is not initialised); a built model
   carries its placement in its handle (:mod:`mcore_zoo.handle`), and every operation (load, export,
   forward, checkpoints) reads ranks and groups from there.
 
-This is the only module that asks Megatron-Core "which rank am I". It imports Megatron-Core lazily,
-so it can be imported by light modules.
+This is the only module that asks "which rank am I" or "how many ranks are there" - of
+Megatron-Core's ``parallel_state``, of ``torch.distributed`` (:func:`process_rank`,
+:func:`process_count`, :func:`group_rank`, :func:`group_size`) and of an inference engine's
+workers (:func:`vllm_tp_rank`); ``tests/unit/test_architecture.py`` checks it. It imports
+Megatron-Core lazily, so it can be imported by light modules.
 """
 
 from __future__ import annotations
@@ -21,35 +25,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .config.parallelism import Parallelism
 from .errors import LayoutError
-
-
-@dataclass(frozen=True)
-class Parallelism:
-    """A Megatron parallel layout (sizes only).
-
-    ``vpp`` is the number of virtual pipeline chunks per stage (``None`` = no interleaving);
-    ``etp`` is the expert tensor-parallel size (``None`` = same as ``tp``).
-    """
-
-    tp: int = 1
-    pp: int = 1
-    vpp: Optional[int] = None
-    cp: int = 1
-    ep: int = 1
-    etp: Optional[int] = None
-    sequence_parallel: bool = False
-
-    def world_size_needed(self) -> int:
-        """Ranks of one model replica's dense part: ``tp * pp * cp``."""
-        return self.tp * self.pp * self.cp
-
-    @property
-    def chunks_per_stage(self) -> int:
-        return self.vpp or 1
-
-    def replace(self, **changes: Any) -> "Parallelism":
-        return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True)
@@ -208,4 +185,42 @@ class Placement:
         return self.world_size > 1
 
 
-__all__ = ["Parallelism", "Placement", "ProcessGroups"]
+# ---------------------------------------------------------------------- rank queries
+def process_rank() -> int:
+    """This process's global rank (0 when ``torch.distributed`` is not initialised)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def process_count() -> int:
+    """The number of processes in the job (1 when ``torch.distributed`` is not initialised)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def group_size(group: Any) -> int:
+    """The number of ranks in process group ``group`` (``None``: the default group)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
+
+
+def group_rank(group: Any) -> int:
+    """This process's rank in process group ``group`` (``None``: the default group)."""
+    import torch.distributed as dist
+
+    return dist.get_rank(group)
+
+
+def vllm_tp_rank() -> int:
+    """The tensor-parallel rank of this vLLM worker (asked inside a worker process)."""
+    from vllm.distributed import parallel_state
+
+    return parallel_state.get_tp_group().rank_in_group
+
+
+__all__ = [
+    "Parallelism", "Placement", "ProcessGroups", "group_rank", "group_size", "process_count", "process_rank", "vllm_tp_rank",
+]

@@ -64,7 +64,7 @@ _LAZY = {
     "read_layer_types": "mcore_zoo.config.common:read_layer_types",
     "read_qwen_window": "mcore_zoo.config.common:read_qwen_window",
     "read_sliding_window": "mcore_zoo.config.common:read_sliding_window",
-    "read_quantization": "mcore_zoo.config.common:read_quantization",
+    "read_quantization": "mcore_zoo.config.quantization:read_quantization",
     # weight table
     "WeightMap": "mcore_zoo.weights.rules:WeightMap",
     "Rule": "mcore_zoo.weights.rules:Rule",

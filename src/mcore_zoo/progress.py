@@ -1,7 +1,11 @@
 """Progress bars for long work (loading, export, conversion): ``tqdm`` on standard error, shown
 only when it is a terminal and the user did not ask for quiet (``mcore-zoo -q`` or
 ``MCORE_ZOO_QUIET=1``). Messages go through :mod:`logging` (one logger per module, named after it);
-the command line configures it, a library user's own configuration is left alone."""
+the command line configures it, a library user's own configuration is left alone.
+
+This module asks nothing about the job: a caller that runs on every rank of a job passes its rank
+(``rank=placement.rank``), and bars are shown on rank 0 only; a caller that runs on one process
+(conversion, the writing rank of an export) leaves it at 0."""
 
 from __future__ import annotations
 
@@ -21,26 +25,21 @@ def set_quiet(quiet: bool) -> None:
     _quiet = True if quiet else None
 
 
-def enabled() -> bool:
-    """Bars are shown: not quiet, standard error is a terminal, and this is rank 0 of a job."""
-    if _quiet or os.environ.get(ENV_QUIET, "0") not in ("", "0"):
+def enabled(rank: int = 0) -> bool:
+    """Bars are shown: not quiet, standard error is a terminal, and ``rank`` (the caller's rank
+    in its job, 0 for a single process) is 0."""
+    if _quiet or os.environ.get(ENV_QUIET, "0") not in ("", "0") or rank != 0:
         return False
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
-            return False
-    except ImportError:  # pragma: no cover
-        pass
     try:
         return sys.stderr.isatty()
     except (AttributeError, ValueError):
         return False
 
 
-def progress(iterable: Iterable[T], *, total: Optional[int] = None, desc: str = "", unit: str = "it", **kwargs: Any) -> Iterator[T]:
-    """``iterable`` with a progress bar when :func:`enabled`, else unchanged."""
-    if not enabled():
+def progress(iterable: Iterable[T], *, total: Optional[int] = None, desc: str = "", unit: str = "it", rank: int = 0,
+             **kwargs: Any) -> Iterator[T]:  # fmt: skip
+    """``iterable`` with a progress bar when :func:`enabled` for ``rank``, else unchanged."""
+    if not enabled(rank):
         yield from iterable
         return
     from tqdm.auto import tqdm

@@ -5,7 +5,8 @@ tp`` rows so that the vocabulary divides evenly and GEMMs stay aligned. With
 ``build_model(..., make_vocab_size_divisible_by=128)`` the zoo does the same, exactly:
 
 * loading: each rank reads the whole HF ``[V, H]`` tensor, pads it with zero rows to ``[Vp, H]``
-  and keeps its tensor-parallel rows (:class:`PadVocab`);
+  and keeps its tensor-parallel rows (:class:`mcore_zoo.weights.vocab.PadVocab`, the weight
+  transform);
 * export: the gathered ``[Vp, H]`` tensor loses its padding rows before it is yielded, so they
   never reach the HF side (``iter_hf_weights``, ``save_hf_checkpoint``, ``convert``);
 * forward: the logits of the padding ids are set to :data:`PAD_LOGIT` (:func:`install_logit_mask`),
@@ -17,12 +18,11 @@ tp`` rows so that the vocabulary divides evenly and GEMMs stay aligned. With
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
 from .errors import ZooError
-from .weights.rules import Transform, TransformContext
 
 #: The logit of a padding id: finite in every float dtype (and after a temperature of 0.01), and
 #: far enough below any real logit that its probability is exactly 0 in fp32 (e^-104 underflows).
@@ -40,60 +40,15 @@ def padded_vocab_size(vocab_size: int, divisible_by: Optional[int], tp: int = 1)
     return -(-vocab_size // multiple) * multiple
 
 
-class PadVocab(Transform):
-    """One ``[V, ...]`` HF tensor <-> this rank's rows of the zero-padded ``[Vp, ...]`` mcore tensor.
-
-    Loading reads the whole HF tensor (``reads_whole``: the padded rows a rank owns are not a
-    tensor-parallel chunk of the unpadded tensor). On export the rank's rows are gathered over TP
-    and :meth:`finish` drops the padding."""
-
-    name = "pad-vocab"
-    reads_whole = True
-
-    def __init__(self, vocab_size: int, padded_size: int) -> None:
-        self.vocab_size, self.padded_size = vocab_size, padded_size
-
-    def fuse(self, pieces: Sequence[torch.Tensor], ctx: TransformContext) -> torch.Tensor:
-        (full,) = pieces
-        if full.shape[0] != self.vocab_size:
-            raise ZooError(f"{self}: the HF tensor has {full.shape[0]} rows, expected {self.vocab_size}")
-        rows = self.padded_size // ctx.tp_size
-        start, stop = ctx.tp_rank * rows, (ctx.tp_rank + 1) * rows
-        out = full.new_zeros((rows, *full.shape[1:]))
-        if start < self.vocab_size:
-            out[: min(stop, self.vocab_size) - start] = full[start : min(stop, self.vocab_size)]
-        return out
-
-    def split(self, tensor: torch.Tensor, ctx: TransformContext) -> list[torch.Tensor]:
-        return [tensor]  # this rank's padded rows; gathered over TP, then finish()
-
-    def finish(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The gathered ``[Vp, ...]`` tensor without its padding rows."""
-        if tensor.shape[0] != self.padded_size:
-            raise ZooError(
-                f"{self}: {tensor.shape[0]} rows to unpad, expected the gathered {self.padded_size}"
-                " (a padded vocabulary is exported gathered over tensor parallelism only)"
-            )
-        return tensor[: self.vocab_size]
-
-    def hf_shape(self, param_shape: Sequence[int], ctx: TransformContext) -> tuple[int, ...]:
-        return (self.vocab_size, *param_shape[1:])
-
-    def __repr__(self) -> str:
-        return f"pad-vocab({self.vocab_size}->{self.padded_size})"
-
-
-def install_logit_mask(model: torch.nn.Module, arch: Any) -> None:
+def install_logit_mask(model: torch.nn.Module, arch: Any, tp_rank: int) -> None:
     """Set the logits of padding ids to :data:`PAD_LOGIT` (the output layer's forward hook); no-op
-    without padding or on a stage without an output layer."""
+    without padding or on a stage without an output layer. ``tp_rank``: the tensor-parallel rank
+    the chunk is built for (its output layer holds that rank's slice of the vocabulary)."""
     padded = getattr(arch, "padded_vocab_size", None)
     layer = getattr(model, "output_layer", None)
     if not padded or padded == arch.vocab_size or layer is None:
         return
     vocab = arch.vocab_size
-    from .placement import Placement
-
-    tp_rank = Placement.current().tp_rank  # the chunk is built for the running parallel state
 
     def mask(module: torch.nn.Module, args: Any, output: Any) -> Any:
         logits, bias = output if isinstance(output, tuple) else (output, None)

@@ -1,4 +1,6 @@
-"""The package's shape: no import cycles, one model handle, per-contribution plugin hooks called
+"""The package's shape: its layers (every module placed in one, no import from a higher layer, the
+module map of docs/architecture.md in agreement), collectives only in ``distributed/``, ranks read
+only in ``placement.py``, no import cycles, one model handle, per-contribution plugin hooks called
 through pluggy, the architecture's forward actually dispatched, TP axes checked against
 Megatron-Core's own ``partition_dim``, built-in plugins small."""
 
@@ -6,9 +8,11 @@ from __future__ import annotations
 
 import ast
 import io
+import re
 import tokenize
 import types
 from pathlib import Path
+from typing import Iterator, Sequence
 
 import pytest
 import torch
@@ -103,27 +107,252 @@ def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": set()}) == []
 
 
+# ---------------------------------------------------------------------------- layers
+#: The layers, base first. A module imports only from its own layer and the layers before it.
+LAYERS = ("support", "description", "single rank", "registration", "model", "job-wide", "rollout", "tools")
+
+#: Every module of the package, by its path under ``src/mcore_zoo``, in exactly one layer. An entry
+#: with ``*`` is a pattern for one path part (``families/*/config.py``: every family's config). A
+#: module that no entry names fails ``test_every_module_is_placed_in_exactly_one_layer``.
+LAYER_TABLE: dict[str, tuple[str, ...]] = {
+    "support": (
+        "_lazy.py", "_version.py", "errors.py", "compat.py", "cpu_shim.py", "progress.py", "hub.py", "hf_assets.py",
+        "provenance.py", "vocab.py",
+    ),
+    "description": (
+        "config/__init__.py", "config/arch.py", "config/common.py",
+        "config/normalize.py", "config/parallelism.py", "config/quantization.py", "config/reader.py", "config/rope.py", "config/transformer.py",
+        "numerics/__init__.py", "numerics/profiles.py",
+        "weights/__init__.py", "weights/rules.py", "weights/dense.py", "weights/heads.py", "weights/vocab.py",
+        "families/*/config.py", "families/*/weights.py",
+    ),
+    "single rank": (
+        "weights/io.py", "weights/pread.py", "weights/load.py", "weights/export.py", "weights/tied.py", "weights/fp8.py",
+        "packing.py", "numerics/gemm.py", "kernels/__init__.py", "kernels/copy_runs.py", "kernels/logprob_rows.py",
+        "kernels/vllm_ops.py",
+    ),
+    "registration": (
+        "__init__.py", "entry.py", "hookspecs.py", "registry.py", "architecture.py", "plugin_api.py",
+        "plugins/__init__.py", "plugins/deepseek_v2.py", "plugins/deepseek_v3.py", "plugins/glm4_moe.py",
+        "plugins/llama.py", "plugins/mistral.py", "plugins/mixtral.py", "plugins/qwen2.py", "plugins/qwen2_moe.py",
+        "plugins/qwen3.py", "plugins/qwen3_moe.py", "families/__init__.py", "families/*/__init__.py",
+    ),
+    "model": (
+        "placement.py", "handle.py", "build.py", "parallel.py", "routing.py", "distributed/collectives.py",
+        "specs/__init__.py", "specs/gpt.py", "specs/heads.py", "specs/linears.py", "specs/norms.py", "specs/patching.py", "specs/portable.py", "specs/vllm_exact.py",
+        "families/*/spec.py",
+    ),
+    "job-wide": (
+        "distributed/__init__.py", "distributed/build.py", "distributed/experts.py", "distributed/export.py",
+        "distributed/forward.py", "distributed/io.py", "distributed/launch.py", "distributed/load.py",
+        "distributed/microbatches.py", "distributed/train.py", "distributed/vocab_parallel.py",
+    ),
+    "rollout": (
+        "rollout/__init__.py", "rollout/adapter.py", "rollout/engine_format.py", "rollout/plan.py",
+        "rollout/program.py", "rollout/refit.py", "rollout/sglang.py", "rollout/vllm.py",
+    ),
+    "tools": (
+        "dist_checkpoint.py", "cli.py", "scaffold.py", "numerics/capture.py", "numerics/metrics.py",
+        "parity/__init__.py", "parity/cli.py", "parity/environment.py", "parity/harness.py", "parity/inputs.py",
+        "parity/reference.py", "parity/report.py", "parity/runners.py", "parity/vllm_worker.py",
+        "testing/__init__.py", "testing/checks.py", "testing/common.py", "testing/contracts.py", "testing/plugin.py",
+        "testing/suite.py",
+    ),
+}  # fmt: skip
+
+def module_paths(root: Path = SRC) -> dict[str, str]:
+    """Dotted module name -> its path under ``root`` (``config/arch.py``, ``config/__init__.py``)."""
+    out = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path.relative_to(root).as_posix()
+    return out
+
+
+def entry_matches(entry: str, path: str) -> bool:
+    """``entry`` names ``path``: equal, or equal with each ``*`` standing for one path part."""
+    pattern = "/".join("[^/]+" if part == "*" else re.escape(part) for part in entry.split("/"))
+    return re.fullmatch(pattern, path) is not None
+
+
+def stale(entry: str, paths: set[str]) -> bool:
+    """``entry`` names one module (no ``*``) of a package that exists, and that module does not
+    exist (an entry of a package still to come is not stale)."""
+    return "*" not in entry and entry not in paths and (SRC / entry).parent.is_dir()
+
+
+def layers_of(path: str, table: dict[str, tuple[str, ...]] = LAYER_TABLE) -> list[str]:
+    """The layers whose entries name ``path`` (one, for a placed module)."""
+    return [layer for layer, entries in table.items() if any(entry_matches(e, path) for e in entries)]
+
+
+def upward_arrows(graph: dict[str, set[str]], layer_of: dict[str, str], order: Sequence[str] = LAYERS) -> set[tuple[str, str]]:
+    """The imports ``(importer, imported)`` of ``graph`` that go from a layer to a later one."""
+    rank = {layer: i for i, layer in enumerate(order)}
+    return {(m, d) for m, deps in graph.items() for d in deps if rank[layer_of[d]] > rank[layer_of[m]]}
+
+
+def test_the_layer_table_names_the_layers_in_order():
+    assert tuple(LAYER_TABLE) == LAYERS
+
+
+def test_every_module_is_placed_in_exactly_one_layer():
+    paths = set(module_paths().values())
+    problems = []
+    for path in sorted(paths):
+        found = layers_of(path)
+        if len(found) != 1:
+            problems.append(f"{path}: {'in ' + ', '.join(found) if found else 'in no layer: add it to LAYER_TABLE'}")
+    problems += [f"{entry}: no such module; remove it from LAYER_TABLE" for entries in LAYER_TABLE.values()
+                 for entry in entries if stale(entry, paths)]  # fmt: skip
+    assert not problems, "\n".join(problems)
+
+
+def test_a_family_module_finds_its_layer_by_pattern():
+    assert layers_of("families/moe/config.py") == ["description"]
+    assert layers_of("families/mla/weights.py") == ["description"]
+    assert layers_of("families/mtp/spec.py") == ["model"]
+    assert layers_of("families/moe/__init__.py") == ["registration"]
+    assert layers_of("families/moe/extra.py") == []
+
+
+def test_no_module_imports_from_a_higher_layer():
+    paths = module_paths()
+    layer_of = {module: layers_of(path)[0] for module, path in paths.items()}
+    arrows = upward_arrows(import_graph(), layer_of)
+    named = [f"{m} ({layer_of[m]}) imports {d} ({layer_of[d]})" for m, d in sorted(arrows)]
+    assert not named, "imports from a higher layer:\n" + "\n".join(named)
+
+
+def test_the_layer_rule_catches_an_upward_import():
+    layer_of = {"a": "support", "b": "model", "c": "tools"}
+    assert upward_arrows({"a": {"b"}, "b": {"a"}, "c": {"a", "b"}}, layer_of) == {("a", "b")}
+
+
+def _calls(tree: ast.AST) -> Iterator[tuple[str, str, int]]:
+    """``(receiver, function, line)`` of every call ``receiver.function(...)`` or ``function(...)``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Attribute):
+                receiver = func.value.id if isinstance(func.value, ast.Name) else ""
+                yield receiver, func.attr, node.lineno
+            elif isinstance(func, ast.Name):
+                yield "", func.id, node.lineno
+
+
+def _imported_names(tree: ast.AST, module: str) -> set[str]:
+    """Names bound by ``from <module> import ...`` in ``tree``."""
+    return {
+        a.asname or a.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module == module
+        for a in node.names
+    }
+
+
+#: The collectives of ``torch.distributed`` (called as ``dist.<name>`` or imported by name).
+COLLECTIVES = {
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast", "broadcast_object_list",
+    "send", "recv", "isend", "irecv", "batch_isend_irecv", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+    "all_to_all", "all_to_all_single", "gather", "gather_object", "scatter", "scatter_object_list", "barrier",
+    "monitored_barrier",
+}  # fmt: skip
+
+
 def test_only_distributed_issues_collectives_and_weights_is_single_rank():
     graph = import_graph()
     for module, deps in graph.items():
         if module.startswith("mcore_zoo.weights") or module == "mcore_zoo.packing":
             assert not any(d.startswith(("mcore_zoo.distributed", "mcore_zoo.build")) for d in deps), (module, deps)
+    issued = []
     for path in SRC.rglob("*.py"):
-        text = path.read_text()
-        if "/distributed/" in str(path) or path.name == "parallel.py":
+        if path.relative_to(SRC).parts[0] == "distributed":
             continue
-        for call in ("dist.all_reduce(", "dist.all_gather(", "dist.broadcast(", "dist.send(", "dist.recv("):
-            assert call not in text, f"{path.relative_to(SRC)} issues {call}"
+        tree = ast.parse(path.read_text())
+        by_name = _imported_names(tree, "torch.distributed") & COLLECTIVES
+        for receiver, function, line in _calls(tree):
+            if (receiver in ("dist", "distributed") and function in COLLECTIVES) or (not receiver and function in by_name):
+                issued.append(f"{path.relative_to(SRC)}:{line} issues {function}")
+    assert not issued, "\n".join(issued)
+
+
+#: Questions about this process's rank or the size of the job or of a group.
+RANK_QUERIES = re.compile(r"get_rank|get_world_size|get_global_rank|get_group_rank|get_\w*_rank|get_\w*_world_size|rank")
 
 
 def test_only_the_placement_asks_megatron_which_rank_this_is():
+    """No module but ``placement.py`` asks torch.distributed, Megatron-Core's ``parallel_state`` or
+    vLLM's which rank this process is or how many there are (``get_rank``, ``get_world_size``,
+    ``get_*_rank``, ``get_*_world_size``, ``rank_in_group``, ``group.rank()``): every other module
+    reads them from a :class:`~mcore_zoo.placement.Placement` or placement's functions."""
+    asked = []
     for path in SRC.rglob("*.py"):
-        if path.name == "placement.py":
+        if path.relative_to(SRC).as_posix() == "placement.py":
             continue
-        text = path.read_text()
-        for call in ("get_tensor_model_parallel_rank(", "get_pipeline_model_parallel_rank(",
-                     "get_context_parallel_rank(", "get_expert_model_parallel_rank("):  # fmt: skip
-            assert call not in text, f"{path.relative_to(SRC)} calls {call}"
+        tree = ast.parse(path.read_text())
+        for receiver, function, line in _calls(tree):
+            if RANK_QUERIES.fullmatch(function):
+                asked.append(f"{path.relative_to(SRC)}:{line} calls {function}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "rank_in_group":
+                asked.append(f"{path.relative_to(SRC)}:{node.lineno} reads rank_in_group")
+    assert not asked, "\n".join(asked)
+
+
+# ---------------------------------------------------------------------------- patches of Megatron-Core
+def test_every_wrapper_of_a_megatron_function_is_declared_with_its_reason():
+    from mcore_zoo.specs import patching
+
+    declared = {function for _, function in patching.WRAPPED}
+    used = set()
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "wrap_once" and len(node.args) > 1:
+                assert isinstance(node.args[1], ast.Constant), f"{path.relative_to(SRC)}:{node.lineno}: name the function literally"
+                used.add(node.args[1].value)
+    assert used == declared, f"declared but unused: {declared - used}; used but undeclared: {used - declared}"
+    with pytest.raises(mcore_zoo.ZooError, match="declare the patch"):
+        patching.wrap_once(types.ModuleType("somewhere"), "f", lambda original: original)
+    listed = mcore_zoo.megatron_patches()
+    assert {(p.module, p.function) for p in listed} >= set(patching.WRAPPED)
+    assert all(p.why and p.scope for p in listed)
+
+
+# ---------------------------------------------------------------------------- the map in the docs
+ARCHITECTURE_MD = SRC.parent.parent / "docs" / "architecture.md"
+
+
+def documented_modules(text: str) -> dict[str, str]:
+    """The module map of docs/architecture.md: module path -> the layer heading it is listed under
+    (``### <layer>`` headings, each followed by ``* `path` - what it is`` lines)."""
+    section = text.split("## Module map", 1)[1].split("\n## ", 1)[0]
+    out: dict[str, str] = {}
+    layer = None
+    for line in section.splitlines():
+        if line.startswith("### "):
+            layer = line[4:].strip()
+        found = re.match(r"\* `([^`]+)`", line)
+        if found:
+            out[found.group(1)] = layer
+    return out
+
+
+def test_the_module_map_in_the_docs_lists_every_module_in_its_layer():
+    text = ARCHITECTURE_MD.read_text()
+    section = text.split("## Module map", 1)[1].split("\n## ", 1)[0]
+    headings = tuple(line[4:].strip() for line in section.splitlines() if line.startswith("### "))
+    assert headings == LAYERS, "the module map's layers are not LAYERS, base first"
+    documented = documented_modules(text)
+    paths = set(module_paths().values())
+    problems = [f"{path}: not in docs/architecture.md's module map" for path in sorted(paths)
+                if not any(entry_matches(entry, path) for entry in documented)]  # fmt: skip
+    problems += [f"{entry}: in the module map, but no such module" for entry in documented if stale(entry, paths)]
+    problems += [f"{entry}: listed under {layer}, LAYER_TABLE says {layers_of(entry)}"
+                 for entry, layer in documented.items() if layers_of(entry) != [layer]]  # fmt: skip
+    assert not problems, "\n".join(problems)
 
 
 # ---------------------------------------------------------------------------- built-in size

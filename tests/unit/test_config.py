@@ -278,7 +278,8 @@ def test_one_build_request_serves_prepare_build_model_model_provider_and_meta_mo
     give the same plan; keywords amend a request; an unknown option is a TypeError naming it."""
     from dataclasses import fields
 
-    from mcore_zoo.build import BuildRequest, build_model, model_provider
+    from mcore_zoo.build import BuildRequest, model_provider
+    from mcore_zoo.distributed.build import build_model
     from mcore_zoo.dist_checkpoint import meta_model
 
     config = case_config("Qwen3ForCausalLM", {})

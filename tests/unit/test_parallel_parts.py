@@ -55,6 +55,27 @@ def test_microbatch_split():
     assert split_microbatches([4, 4, 9, 1], None, 8) == [[0, 1], [2], [3]]
 
 
+def test_one_planner_for_forward_and_training():
+    """The forward's and the training step's micro-batches come from one planner, with one
+    contract: at least ``count`` groups, each within the budget unless it is one long sequence."""
+    from mcore_zoo.distributed.forward import partition_by_tokens, split_microbatches
+    from mcore_zoo.distributed.microbatches import plan_microbatches
+
+    lengths = [40, 9, 23, 5, 17, 12, 30, 2]
+    for count, budget in ((None, None), (3, None), (None, 48), (4, 48), (None, 20)):
+        for keep_order in (True, False):
+            groups = plan_microbatches(lengths, count=count, max_tokens=budget, keep_order=keep_order)
+            assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+            assert len(groups) >= min(count or 1, len(lengths))
+            assert all(len(g) == 1 or sum(lengths[i] for i in g) <= (budget or sum(lengths)) for g in groups)
+            if keep_order:
+                assert [i for g in groups for i in g] == list(range(len(lengths)))  # contiguous runs
+        assert split_microbatches(lengths, count, budget) == plan_microbatches(lengths, count=count, max_tokens=budget, keep_order=True)
+        assert partition_by_tokens(lengths, budget, count) == plan_microbatches(lengths, count=count, max_tokens=budget)
+    assert plan_microbatches([5, 5, 5, 5], count=2, max_tokens=5, keep_order=True) == [[0], [1], [2], [3]]
+    assert plan_microbatches([]) == []
+
+
 def test_vocab_parallel_logprobs_single_rank_is_log_softmax():
     from mcore_zoo.distributed.forward import vocab_parallel_logprobs
     from mcore_zoo.placement import Placement

@@ -166,7 +166,7 @@ class ArchConfig:
     #: multi-head latent attention (DeepSeek); ``None``: standard GQA attention
     mla: Optional[MLASpec] = None
     #: the HF ``quantization_config`` of an FP8 block-quantized checkpoint (validated by
-    #: ``mcore_zoo.weights.fp8.Fp8BlockFormat``): loading dequantizes its tensors into the model's
+    #: ``mcore_zoo.config.quantization.Fp8BlockFormat``): loading dequantizes its tensors into the model's
     #: dtype, ``save_hf_checkpoint(fp8=True)`` writes the format back. ``None``: unquantized
     checkpoint_quantization: Optional[Mapping[str, Any]] = None
     extra_transformer_config: Mapping[str, Any] = field(default_factory=dict)

@@ -9,8 +9,9 @@ transformers is covered, so a new generic field fails loudly instead of slipping
 :func:`read_dense_decoder` reads the fields shared by Llama-like decoders (Llama, Mistral, Qwen2,
 Qwen3 and most of their descendants) into an :class:`ArchConfig`. The attention windows some of them
 add: :func:`read_qwen_window` / :func:`read_layer_types` (per layer), :func:`read_sliding_window`
-(one window for every layer). :func:`read_quantization` accepts the one quantized checkpoint format
-the zoo loads (FP8 blocks, dequantized on load) before :func:`classify_common_fields` would refuse it.
+(one window for every layer). :func:`mcore_zoo.config.quantization.read_quantization` accepts the one
+quantized checkpoint format the zoo loads (FP8 blocks, dequantized on load) before
+:func:`classify_common_fields` would refuse it.
 """
 
 from __future__ import annotations
@@ -252,19 +253,3 @@ def read_sliding_window(reader: ConfigReader) -> Optional[int]:
     if window is not None and (not isinstance(window, int) or window < 1):
         raise reader.unsupported("sliding_window", window, "must be a positive integer or null")
     return window
-
-
-def read_quantization(reader: ConfigReader) -> Optional[dict]:
-    """``quantization_config``: an FP8 block-quantized checkpoint (DeepSeek-V3 / R1, Kimi-K2 publish
-    theirs so) is dequantized on load; every other quantization is refused, naming it."""
-    q = reader.peek("quantization_config")
-    if not q:
-        reader.ignore("quantization_config", "null")
-        return None
-    from ..weights.fp8 import Fp8BlockFormat
-
-    fmt = Fp8BlockFormat.from_hf(q, architecture=reader.architecture)  # refusals name quantization_config.<key>
-    reader.map("quantization_config", f"FP8 block-quantized checkpoint ({fmt.fmt}, blocks {list(fmt.block)}):"
-               " F8 weights dequantized with their weight_scale_inv into the model dtype on load;"
-               " save_hf_checkpoint(fp8=True) writes the format back")  # fmt: skip
-    return dict(q)

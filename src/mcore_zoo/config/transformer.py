@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..errors import LayoutError, ZooError
 from ..numerics.profiles import NumericsProfile
-from ..placement import Parallelism
+from .parallelism import Parallelism
 from .arch import ArchConfig
 from .rope import yarn_attention_factor, yarn_mscale
 

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..placement import group_rank, group_size, process_rank
+
 
 class AllGatherRows(torch.autograd.Function):
     """``[n, ...]`` on each rank of ``group`` -> ``[size, n, ...]``; backward sums the gradient over
@@ -27,7 +29,7 @@ class AllGatherRows(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
-        return grad[ctx.group.rank()], None
+        return grad[group_rank(ctx.group)], None
 
 
 
@@ -40,7 +42,7 @@ def all_true(flags: list[bool], group: Any) -> list[bool]:
     """Element-wise AND of ``flags`` over the ranks of ``group`` (every rank passes a list of the
     same length; each gets the same answer). A decision that must be the same on every rank - which
     collectives a refit issues - is made with it. NCCL groups reduce on the current CUDA device."""
-    if group is None or dist.get_world_size(group) == 1 or not flags:
+    if group is None or group_size(group) == 1 or not flags:
         return list(flags)
     nccl = dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
@@ -54,15 +56,16 @@ def broadcast_text(text: str, src: int, group: Any = None) -> str:
     tensors - no pickle. A per-rank argument whose value decides which collectives follow (the
     refit's engine format and TP, known only where the engine is) is shared with it. NCCL groups
     broadcast on the current CUDA device."""
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+    if not dist.is_available() or not dist.is_initialized() or group_size(group) == 1:
         return text
     nccl = dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    data = text.encode("utf-8") if dist.get_rank() == src else b""
+    rank = process_rank()
+    data = text.encode("utf-8") if rank == src else b""
     length = torch.tensor([len(data)], dtype=torch.int64, device=device)
     dist.broadcast(length, src=src, group=group)
     buffer = torch.zeros(int(length.item()), dtype=torch.uint8, device=device)
-    if dist.get_rank() == src and data:
+    if rank == src and data:
         buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     if buffer.numel():
         dist.broadcast(buffer, src=src, group=group)

@@ -4,7 +4,9 @@
 architecture's forward contribution (a plugin may provide its own, see
 :data:`mcore_zoo.entry.FORWARD_CONTRACT`); the default is :func:`generic_forward`.
 
-:func:`generic_forward` packs variable-length sequences into micro-batches, gives each
+:func:`generic_forward` packs variable-length sequences into micro-batches (planned in input order
+by :func:`~mcore_zoo.distributed.microbatches.plan_microbatches`, the planner the training step
+uses too), gives each
 context-parallel rank its load-balanced (zigzag) share of every sequence, runs the model (directly,
 or through Megatron-Core's own pipeline schedule, forward-only), then gathers the outputs across
 tensor-parallel (vocab), context-parallel (tokens) and - optionally - pipeline ranks and puts them
@@ -44,6 +46,7 @@ from ..errors import ZooError
 from ..handle import ModelHandle, handle_of, unwrap
 from ..packing import PackedBatch, PackedOutput, alignment_for, next_token_logprobs, pack_sequences
 from ..placement import Placement
+from .microbatches import plan_microbatches
 
 
 # ---------------------------------------------------------------------------- micro-batches
@@ -106,66 +109,17 @@ def make_microbatch(batch: PackedBatch, layout: Placement, members: list[int]) -
 
 
 def split_microbatches(lengths: Sequence[int], count: Optional[int], max_tokens: Optional[int]) -> list[list[int]]:
-    """Contiguous groups of sequence indices: ``count`` groups balanced by tokens, or as few groups
-    as keep each under ``max_tokens`` (a longer sequence gets a group of its own)."""
-    n = len(lengths)
-    if max_tokens is not None:
-        groups: list[list[int]] = [[]]
-        used = 0
-        for i, length in enumerate(lengths):
-            if groups[-1] and used + length > max_tokens:
-                groups.append([])
-                used = 0
-            groups[-1].append(i)
-            used += length
-        return groups
-    count = max(1, min(count or 1, n))
-    total = sum(lengths)
-    groups = []
-    current: list[int] = []
-    done = 0
-    for i, length in enumerate(lengths):
-        current.append(i)
-        done += length
-        remaining_groups = count - len(groups) - 1
-        if remaining_groups and (done >= total * (len(groups) + 1) / count or n - i - 1 == remaining_groups):
-            groups.append(current)
-            current = []
-    if current:
-        groups.append(current)
-    return groups
+    """:func:`~mcore_zoo.distributed.microbatches.plan_microbatches` in input order (the forward's
+    groups): contiguous runs of sequence indices."""
+    return plan_microbatches(lengths, count=count, max_tokens=max_tokens, keep_order=True)
 
 
 def partition_by_tokens(lengths: Sequence[int], max_tokens: Optional[int] = None, count: Optional[int] = None,
                         multiple_of: int = 1) -> list[list[int]]:  # fmt: skip
-    """Balanced groups of sequence indices (not contiguous): the fewest groups - at least ``count``,
-    a multiple of ``multiple_of`` where there are enough sequences - whose token sums stay within
-    ``max_tokens`` (a longer sequence gets a group of its own), filled longest-first into the
-    lightest group. Each group lists its indices in ascending order; groups are ordered by their
-    first index. Used for micro-batches under a token budget and to spread a batch over
-    data-parallel ranks (``count=dp``)."""
-    n = len(lengths)
-    if n == 0:
-        return []
-    total = sum(lengths)
-    k = max(1, count or 1, -(-total // max_tokens) if max_tokens else 1)
-
-    def fill(k: int) -> list[list[int]]:
-        groups: list[list[int]] = [[] for _ in range(k)]
-        load = [0] * k
-        for i in sorted(range(n), key=lambda i: (-lengths[i], i)):
-            g = min(range(k), key=lambda g: (load[g], g))
-            groups[g].append(i)
-            load[g] += lengths[i]
-        return [sorted(g) for g in groups if g]
-
-    while True:
-        k = min(n, -(-k // multiple_of) * multiple_of) if n >= multiple_of else min(n, k)
-        groups = fill(k)
-        fits = max_tokens is None or all(len(g) == 1 or sum(lengths[i] for i in g) <= max_tokens for g in groups)
-        if fits or k >= n:
-            return sorted(groups, key=lambda g: g[0])
-        k += 1
+    """:func:`~mcore_zoo.distributed.microbatches.plan_microbatches`, balanced (the training
+    step's groups; also spreads a batch over data-parallel ranks with ``count=dp``): each group's
+    indices ascending, groups ordered by their first index."""
+    return plan_microbatches(lengths, count=count, max_tokens=max_tokens, multiple_of=multiple_of)
 
 
 def build_microbatches(layout: Placement, seqs: Sequence[torch.Tensor], groups: Sequence[Sequence[int]], *,
@@ -202,17 +156,26 @@ def _gather_vocab(logits: torch.Tensor, layout: Placement) -> torch.Tensor:
     return gather_from_tensor_model_parallel_region(logits)
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, layout: Placement, temperature: float = 1.0) -> torch.Tensor:
+def uses_vllm_logprob_head(handle: ModelHandle) -> bool:
+    """Whether ``handle``'s model computes log-probs with vLLM's log-softmax kernel on the whole
+    vocabulary (a ``vllm-exact`` build: numerics with ``kernels == "vllm"``). The forward and the
+    training step read it from the handle and pass it down (``vllm_head=``)."""
+    return getattr(handle.numerics, "kernels", None) == "vllm"
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, layout: Placement, temperature: float = 1.0, *,
+                            vllm_head: bool = False) -> torch.Tensor:  # fmt: skip
     """``log_softmax(logits / temperature)[label]`` in fp32 where ``logits [..., V / tp]`` is this TP
     rank's vocab slice; positions with ``label < 0`` give 0. TP ranks must call it together.
 
     Computed by :func:`~mcore_zoo.distributed.vocab_parallel.token_logprobs_and_entropy` (chunked:
-    no ``[T, V]`` fp32 copy of the logits; within ``1e-6 + 2 ulp`` of ``torch.log_softmax``)."""
+    no ``[T, V]`` fp32 copy of the logits; within ``1e-6 + 2 ulp`` of ``torch.log_softmax``), or with
+    ``vllm_head`` (:func:`uses_vllm_logprob_head`) by vLLM's log-prob kernel on the gathered vocabulary."""
     from .vocab_parallel import token_logprobs_and_entropy
 
-    from ..kernels import vllm_ops
+    if vllm_head:
+        from ..kernels import vllm_ops
 
-    if vllm_ops.logprob_head_active():  # a vllm-exact model: vLLM's log-prob kernel on the whole vocabulary
         whole = _gather_vocab(logits, layout)
         return vllm_ops.token_logprobs_and_entropy(whole, labels, temperature=temperature, compute_entropy=False)[0]
     group = layout.groups.tp if layout.tp > 1 else None
@@ -229,7 +192,8 @@ def _gather_cp(local: torch.Tensor, mb: Microbatch, layout: Placement) -> torch.
     return mb.batch.merge_context_parallel(parts)
 
 
-def _mtp_logprobs(mb: Microbatch, parts: Sequence[torch.Tensor], layout: Placement, bshd: bool) -> list[list[torch.Tensor]]:
+def _mtp_logprobs(mb: Microbatch, parts: Sequence[torch.Tensor], layout: Placement, bshd: bool,
+                  vllm_head: bool = False) -> list[list[torch.Tensor]]:  # fmt: skip
     """Per MTP depth ``d + 1``, per sequence: ``[len - 2 - d]`` fp32 log-probs of token ``j + d + 2``
     (temperature 1: the MTP training signal) from that depth's vocab-parallel logits."""
     result = []
@@ -241,10 +205,10 @@ def _mtp_logprobs(mb: Microbatch, parts: Sequence[torch.Tensor], layout: Placeme
             for row, tokens in zip(part, seqs):
                 labels = torch.full((row.shape[0],), -1, dtype=torch.long, device=row.device)
                 labels[: max(tokens.numel() - shift, 0)] = tokens[shift:].to(row.device)
-                rows.append(vocab_parallel_logprobs(row, labels, layout)[: max(tokens.numel() - shift, 0)])
+                rows.append(vocab_parallel_logprobs(row, labels, layout, vllm_head=vllm_head)[: max(tokens.numel() - shift, 0)])
             result.append(rows)
             continue
-        lp = vocab_parallel_logprobs(part[0], mb.mtp_labels(d + 1).to(part.device), layout)
+        lp = vocab_parallel_logprobs(part[0], mb.mtp_labels(d + 1).to(part.device), layout, vllm_head=vllm_head)
         packed = mb.batch.unpack(_gather_cp(lp, mb, layout))
         result.append([x[: max(n - shift, 0)] for x, n in zip(packed, mb.batch.lengths)])
     return result
@@ -252,20 +216,21 @@ def _mtp_logprobs(mb: Microbatch, parts: Sequence[torch.Tensor], layout: Placeme
 
 def _collect(mb: Microbatch, output: torch.Tensor, layout: Placement, want_logits: bool, want_logprobs: bool,
              bshd: bool = False, want_values: bool = False, temperature: float = 1.0, mtp_depths: int = 0,
-             want_mtp: bool = False) -> dict:  # fmt: skip
+             want_mtp: bool = False, vllm_head: bool = False) -> dict:  # fmt: skip
     """Last stage: model output ``[1, T / cp, V / tp]`` (BSHD: ``[B, S, V / tp]``) -> per-sequence
     logits / log-probs; a value head's ``[1, T / cp, 1]`` -> per-sequence values. A model with
     ``mtp_depths`` MTP depths outputs those depths' logits after the main ones
-    (:func:`~mcore_zoo.specs.mtp.split_mtp_output`); ``want_mtp``: their log-probs too."""
+    (:func:`~mcore_zoo.families.mtp.spec.split_mtp_output`); ``want_mtp``: their log-probs too.
+    ``vllm_head``: log-probs through vLLM's log-softmax (:func:`uses_vllm_logprob_head`)."""
     from ..families.mtp.spec import split_mtp_output
 
     output, parts = split_mtp_output(output, mtp_depths)
-    extra = {"mtp_logprobs": _mtp_logprobs(mb, parts, layout, bshd)} if want_mtp else {}
-    return {**_collect_main(mb, output, layout, want_logits, want_logprobs, bshd, want_values, temperature), **extra}
+    extra = {"mtp_logprobs": _mtp_logprobs(mb, parts, layout, bshd, vllm_head)} if want_mtp else {}
+    return {**_collect_main(mb, output, layout, want_logits, want_logprobs, bshd, want_values, temperature, vllm_head), **extra}
 
 
 def _collect_main(mb: Microbatch, output: torch.Tensor, layout: Placement, want_logits: bool, want_logprobs: bool,
-                  bshd: bool, want_values: bool, temperature: float) -> dict:  # fmt: skip
+                  bshd: bool, want_values: bool, temperature: float, vllm_head: bool) -> dict:  # fmt: skip
     """:func:`_collect` of the main model's output."""
     if want_values:
         if bshd:
@@ -276,7 +241,7 @@ def _collect_main(mb: Microbatch, output: torch.Tensor, layout: Placement, want_
         tokens = mb.batch.unpack(mb.batch.input_ids)
         result = {"logits": logits} if want_logits else {}
         if want_logprobs:
-            result["logprobs"] = [_next_token_logprobs(l, t, temperature) for l, t in zip(logits, tokens)]
+            result["logprobs"] = [_next_token_logprobs(l, t, temperature, vllm_head) for l, t in zip(logits, tokens)]
         return result
     local = output[0]
     result: dict[str, list[torch.Tensor]] = {}
@@ -285,9 +250,9 @@ def _collect_main(mb: Microbatch, output: torch.Tensor, layout: Placement, want_
         result["logits"] = logits
         if want_logprobs:
             tokens = mb.batch.unpack(mb.batch.input_ids)
-            result["logprobs"] = [_next_token_logprobs(l, t, temperature) for l, t in zip(logits, tokens)]
+            result["logprobs"] = [_next_token_logprobs(l, t, temperature, vllm_head) for l, t in zip(logits, tokens)]
     elif want_logprobs:
-        lp = vocab_parallel_logprobs(local, mb.labels[0].to(local.device), layout, temperature)
+        lp = vocab_parallel_logprobs(local, mb.labels[0].to(local.device), layout, temperature, vllm_head=vllm_head)
         result["logprobs"] = [x[: max(n - 1, 0)] for x, n in zip(mb.batch.unpack(_gather_cp(lp, mb, layout)), mb.batch.lengths)]
     return result
 
@@ -296,12 +261,12 @@ def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits if temperature == 1.0 else logits.float() / temperature
 
 
-def _next_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+def _next_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, vllm_head: bool = False) -> torch.Tensor:
     """One sequence's ``[len - 1]`` next-token log-probs from its full-vocabulary logits (vLLM's
-    log-softmax for a vllm-exact model, else ``log_softmax`` in fp32)."""
-    from ..kernels import vllm_ops
+    log-softmax with ``vllm_head``, else ``log_softmax`` in fp32)."""
+    if vllm_head:
+        from ..kernels import vllm_ops
 
-    if vllm_ops.logprob_head_active():
         targets = tokens[1:].to(logits.device)
         return vllm_ops.token_logprobs_and_entropy(logits[:-1], targets, temperature=temperature, compute_entropy=False)[0]
     return next_token_logprobs(_tempered(logits, temperature), tokens)
@@ -401,10 +366,7 @@ def packed_forward(
     own forward takes the same, see :data:`mcore_zoo.entry.FORWARD_CONTRACT`).
     """
     handle = handle_of(model)
-    from ..kernels.vllm_ops import logprob_head
-
-    with logprob_head(handle.numerics.kernels == "vllm"):  # vllm-exact: vLLM's log-softmax for log-probs
-        out = handle.architecture.forward(handle, sequences, attention_mask, **options)
+    out = handle.architecture.forward(handle, sequences, attention_mask, **options)
     if not isinstance(out, PackedOutput):
         raise ZooError(f"{handle.architecture.provider_of('forward')}: forward returned {type(out).__name__}, expected PackedOutput")
     return out
@@ -559,7 +521,7 @@ def generic_forward(
         lengths = [int(s.numel()) for s in seqs]
         if num_microbatches is None and max_tokens_per_microbatch is None:
             num_microbatches = 1 if layout.pp == 1 else min(len(seqs), layout.pp)
-        groups = split_microbatches(lengths, num_microbatches, max_tokens_per_microbatch)
+        groups = plan_microbatches(lengths, count=num_microbatches, max_tokens=max_tokens_per_microbatch, keep_order=True)
         micro = build_microbatches(layout, seqs, groups, align=align, pad_token_id=pad_token_id, device=device)
     if getattr(handle.options, "head", "lm") == "value":  # a critic: values instead of logits / log-probs
         return_logits = return_logprobs = False
@@ -572,7 +534,7 @@ def generic_forward(
                        " multi-token prediction (num_nextn_predict_layers > 0)")  # fmt: skip
     collect = functools.partial(_collect, layout=layout, want_logits=return_logits, want_logprobs=return_logprobs,
                                 want_values=want_values, temperature=temperature, mtp_depths=depths,
-                                want_mtp=return_mtp_logprobs)  # fmt: skip
+                                want_mtp=return_mtp_logprobs, vllm_head=uses_vllm_logprob_head(handle))  # fmt: skip
     if not staged:  # one stage, whole sequences on this rank: differentiable
         run = _run_bshd if seq_format == "bshd" else _run_thd
         stored = [collect(mb, run(chunks[0], mb, layout), bshd=seq_format == "bshd") for mb in micro]
@@ -708,4 +670,5 @@ __all__ = [
     "run_schedule",
     "two_way_pipeline",
     "vocab_parallel_logprobs",
+    "uses_vllm_logprob_head",
 ]

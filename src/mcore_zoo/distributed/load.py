@@ -77,7 +77,7 @@ def load_hf_weights(
         rank = handle.placement.rank
         report = LoadReport(ignored=ignored, absent=absent_tensors(handle.weight_map, ckpt.keys()))
         for steps in plan:
-            for step in progress(steps, total=len(steps), desc="loading HF weights", unit="param"):
+            for step in progress(steps, total=len(steps), desc="loading HF weights", unit="param", rank=rank):
                 param = step.tensor()
                 group = _replica_group(param, handle.placement) if replicas == "broadcast" else None
                 source = None if group is None else dist.get_process_group_ranks(group)[0]

@@ -85,7 +85,9 @@ import torch.distributed as dist
 from ..errors import ZooError
 from ..handle import ModelHandle, handle_of
 from ..packing import alignment_for
-from .forward import Microbatch, _gather_vocab, _sequences, check_batching, check_moe_training_layout, build_microbatches, partition_by_tokens, run_schedule, two_way_pipeline
+from ..placement import group_size
+from .forward import Microbatch, _gather_vocab, _sequences, check_batching, check_moe_training_layout, build_microbatches, run_schedule, two_way_pipeline, uses_vllm_logprob_head
+from .microbatches import plan_microbatches
 from .vocab_parallel import token_logprobs_and_entropy
 
 
@@ -229,7 +231,7 @@ def token_outputs(handle: ModelHandle, mb: Microbatch, output: torch.Tensor, *, 
     if getattr(handle.options, "head", "lm") == "value":
         values = local[:, 0].float()
     else:
-        if handle.numerics.kernels == "vllm":  # vllm-exact: vLLM's log-prob kernel on the gathered logits
+        if uses_vllm_logprob_head(handle):  # vllm-exact: vLLM's log-prob kernel on the gathered logits
             from ..kernels import vllm_ops
 
             logprobs, entropy = vllm_ops.token_logprobs_and_entropy(_gather_vocab(local, layout), targets,
@@ -302,7 +304,7 @@ def _finalize_unwrapped(handle: ModelHandle) -> None:
         for g in averaged:
             g.div_(layout.tp)
     group = layout.groups.embedding  # None on middle stages (they hold no embedding copy)
-    if layout.pp > 1 and (layout.first_stage or layout.last_stage) and group is not None and dist.get_world_size(group) > 1:
+    if layout.pp > 1 and (layout.first_stage or layout.last_stage) and group is not None and group_size(group) > 1:
         chunk = chunks[0] if layout.first_stage else chunks[-1]
         # tied output layer, or the MTP block's copy of the embedding on the last stage
         if chunk.share_embeddings_and_output_weights or getattr(config, "mtp_num_layers", None):
@@ -322,11 +324,11 @@ def _finalize_experts(grads: list[torch.Tensor], layout: Any) -> None:
     ``dp`` replicas are averaged). With the same batch on every replica this equals the
     single-process gradient."""
     dp_cp = layout.groups.dp_cp
-    replicas = dist.get_world_size(dp_cp) if dp_cp is not None else 1
+    replicas = group_size(dp_cp) if dp_cp is not None else 1
     if not grads or replicas == 1:
         return
     expert_dp = layout.groups.expert_dp
-    if expert_dp is not None and dist.get_world_size(expert_dp) > 1:
+    if expert_dp is not None and group_size(expert_dp) > 1:
         _all_reduce_flat(grads, expert_dp)
     scale = 1.0 / replicas  # 1 / (dp * cp)
     for g in grads:
@@ -447,15 +449,16 @@ def train_step(
     padded = [-(-int(s.numel()) // align) * align for s in seqs]
     interleaved = layout.vpp > 1
     count = num_microbatches or (1 if layout.pp == 1 else min(len(seqs), layout.pp))
-    groups = partition_by_tokens(padded, max_tokens_per_microbatch, count, multiple_of=layout.pp if interleaved else 1)
+    multiple_of = layout.pp if interleaved else 1
+    groups = plan_microbatches(padded, count=count, max_tokens=max_tokens_per_microbatch, multiple_of=multiple_of)
     want = len(groups)
     dp_group = layout.groups.dp_cp
-    if sync_microbatches and dp_group is not None and dist.get_world_size(dp_group) > 1:
+    if sync_microbatches and dp_group is not None and group_size(dp_group) > 1:
         n = torch.tensor([want], dtype=torch.long, device=handle.device)
         dist.all_reduce(n, op=dist.ReduceOp.MAX, group=dp_group)
         want = int(n.item())
         if want > len(groups):
-            groups = partition_by_tokens(padded, max_tokens_per_microbatch, want, multiple_of=layout.pp if interleaved else 1)
+            groups = plan_microbatches(padded, count=want, max_tokens=max_tokens_per_microbatch, multiple_of=multiple_of)
     device = handle.device
     # a replica with fewer sequences than another gets padding micro-batches (at_least=want)
     micro = build_microbatches(layout, seqs, groups, align=align, pad_token_id=pad_token_id, device=device,

@@ -113,6 +113,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ..placement import group_rank, group_size
+
 #: Default budget for one fp32 work buffer (the chunk is ``DEFAULT_CHUNK_BYTES // (4 * V/tp)``
 #: tokens: 441 tokens at a vocabulary of 151936 on one rank).
 DEFAULT_CHUNK_BYTES = 256 << 20
@@ -121,8 +123,8 @@ DEFAULT_CHUNK_BYTES = 256 << 20
 def _group_size_rank(group: Any) -> tuple[int, int]:
     if group is None or not dist.is_available() or not dist.is_initialized():
         return 1, 0
-    size = dist.get_world_size(group)
-    return size, (dist.get_rank(group) if size > 1 else 0)
+    size = group_size(group)
+    return size, (group_rank(group) if size > 1 else 0)
 
 
 def default_chunk_tokens(vocab_local: int) -> int:

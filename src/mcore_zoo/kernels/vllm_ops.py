@@ -547,23 +547,3 @@ class VLLMRope:
             raise ZooError(f"vllm-exact RoPE: {rows} positions for a query / key of shape {tuple(shape)}")
         flat = t.reshape(rows, -1)
         return rotary(flat, positions, self.cos_sin_cache, self.head_size).view(shape)
-
-
-# ---------------------------------------------------------------------------- log-prob head selection
-_HEAD = threading.local()
-
-
-@contextlib.contextmanager
-def logprob_head(enabled: bool) -> Iterator[None]:
-    """While active (on this thread), the zoo's log-prob heads use :func:`token_logprobs_and_entropy`
-    (vLLM's log-softmax); entered by the forward / training entry points for ``vllm-exact`` models."""
-    saved = getattr(_HEAD, "on", False)
-    _HEAD.on = bool(enabled)
-    try:
-        yield
-    finally:
-        _HEAD.on = saved
-
-
-def logprob_head_active() -> bool:
-    return getattr(_HEAD, "on", False)

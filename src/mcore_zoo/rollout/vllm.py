@@ -479,9 +479,9 @@ class ZooWorkerExtension:
         return runner.get_model() if hasattr(runner, "get_model") else runner.model
 
     def _zoo_tp_rank(self) -> int:
-        from vllm.distributed import parallel_state
+        from ..placement import vllm_tp_rank
 
-        return parallel_state.get_tp_group().rank_in_group
+        return vllm_tp_rank()
 
     def zoo_tp_rank(self) -> int:
         """This worker's tensor-parallel rank (``VLLMAdapter(engine_rank="auto")`` asks)."""

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from ..distributed.collectives import all_gather_rows
+from ..placement import group_rank
 
 KERNELS = ("auto", "eager", "sdpa", "varlen", "flash")
 
@@ -224,7 +225,7 @@ class PortableAttention(torch.nn.Module):
     def _thd_context_parallel(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any, kernel: str) -> torch.Tensor:
         """THD under context parallelism (see module docstring). ``cu_seqlens*`` are global."""
         group = self.cp_group
-        cp, rank = group.size(), group.rank()
+        cp, rank = group.size(), group_rank(group)
         keys = all_gather_rows(key.contiguous(), group)  # [cp, t_local, g, d]
         values = all_gather_rows(value.contiguous(), group)
         padded = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q

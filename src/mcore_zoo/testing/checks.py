@@ -59,7 +59,7 @@ def build(architecture: Any, source: Any, *, backend: str = "portable", numerics
     With ``subject``, a failure while the model is constructed (the layer spec, ``GPTModel``, the
     parameters) breaks contract ``build`` for it, whichever contract asked for the model; the
     converter's errors (``config``) and the checkpoint's (``weight-map``) keep their own."""
-    from ..build import build_model
+    from ..distributed.build import build_model
 
     try:
         return build_model(
@@ -533,7 +533,7 @@ def gradient_rank(cases: Sequence[tuple[str, str, str]], tp: int, ep: int = 1) -
     architecture, checkpoint)`` build at TP ``tp`` x EP ``ep`` (sequence parallelism for MoE
     models under TP, as Megatron-Core's MoE layer trains only so), load, and run
     :func:`gradient_step`. Errors are returned per case."""
-    from ..build import build_model
+    from ..distributed.build import build_model
     from ..parallel import ensure_model_parallel
     from ..placement import Parallelism
 

@@ -86,10 +86,10 @@ def embedding_rules(arch: ArchConfig) -> list[Rule]:
 
 
 def vocab_transform(arch: ArchConfig) -> Transform:
-    """Identity, or :class:`~mcore_zoo.vocab.PadVocab` for a padded vocabulary."""
+    """Identity, or :class:`~mcore_zoo.weights.vocab.PadVocab` for a padded vocabulary."""
     if not arch.padded_vocab_size or arch.padded_vocab_size == arch.vocab_size:
         return IDENTITY
-    from ..vocab import PadVocab
+    from .vocab import PadVocab
 
     return PadVocab(arch.vocab_size, arch.padded_vocab_size)
 

@@ -17,7 +17,8 @@ import dataclasses
 from typing import Any
 
 from ...config.arch import ArchConfig, MLASpec, MoESpec, RopeSpec
-from ...config.common import read_dense_decoder, read_quantization
+from ...config.common import read_dense_decoder
+from ...config.quantization import read_quantization
 from ...config.reader import ConfigReader
 from ...config.rope import yarn_mscale
 from ..moe.config import read_expert_counts, read_expert_groups, read_grouped_sigmoid_router, read_shared_experts, read_sparse_layers
