@@ -90,6 +90,19 @@ class MoESpec:
         """Whether global layer ``layer_index`` (0-based) is an MoE layer."""
         return self.layer_pattern is None or bool(self.layer_pattern[layer_index])
 
+    def layout_problems(self, ep: int, etp: Optional[int], tp: int) -> list[str]:
+        """Ways an expert-parallel layout (experts over ``ep``, each expert's FFN over ``etp``,
+        default ``tp``; shared experts over ``tp``) fails to divide this block (empty when it fits)."""
+        problems = []
+        if self.num_experts % ep:
+            problems.append(f"num_experts={self.num_experts} is not divisible by ep={ep}")
+        etp = tp if etp is None else etp
+        if self.expert_ffn_hidden_size % etp:
+            problems.append(f"moe_intermediate_size={self.expert_ffn_hidden_size} is not divisible by etp={etp}")
+        if self.shared_expert_ffn_hidden_size is not None and self.shared_expert_ffn_hidden_size % tp:
+            problems.append(f"shared expert size {self.shared_expert_ffn_hidden_size} is not divisible by tp={tp}")
+        return problems
+
 
 @dataclass(frozen=True)
 class MLASpec:

@@ -54,10 +54,8 @@ def validate_layout(arch: ArchConfig, parallel: Parallelism) -> None:
                         " shifts the MTP inputs across CP ranks by its own chunking, untested with the zoo's packs")
     if arch.mtp_num_layers and parallel.vpp is not None and parallel.vpp > 1:
         problems.append("multi-token prediction (num_nextn_predict_layers) is not tested with vpp > 1")
-    if arch.moe is not None or parallel.ep > 1:  # MoE: experts over ep, expert FFN over etp
-        from ..families.moe.config import moe_layout_problems
-
-        problems += moe_layout_problems(arch, parallel.ep, parallel.etp, tp)
+    if arch.moe is not None:  # MoE: experts over ep, expert FFN over etp (a dense model ignores them)
+        problems += arch.moe.layout_problems(parallel.ep, parallel.etp, tp)
     if problems:
         raise LayoutError(
             f"{arch.architecture}: layout tp={tp} pp={pp} vpp={parallel.vpp} cp={cp} ep={parallel.ep}"

@@ -16,13 +16,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ...config.arch import ArchConfig, MLASpec, MoESpec, RopeSpec
-from ...config.common import read_dense_decoder
-from ...config.quantization import read_quantization
-from ...config.reader import ConfigReader
-from ...config.rope import yarn_mscale
-from ..moe.config import read_expert_counts, read_expert_groups, read_grouped_sigmoid_router, read_shared_experts, read_sparse_layers
-from ..mtp.config import read_mtp
+from mcore_zoo.config.arch import ArchConfig, MLASpec, MoESpec, RopeSpec
+from mcore_zoo.config.common import read_dense_decoder
+from mcore_zoo.config.quantization import read_quantization
+from mcore_zoo.config.reader import ConfigReader
+from mcore_zoo.config.rope import yarn_mscale
+from mcore_zoo.families.moe.config import read_expert_counts, read_expert_groups, read_grouped_sigmoid_router, read_shared_experts, read_sparse_layers
+from mcore_zoo.families.mtp.config import read_mtp
 
 REMOTE_ONLY = "read only by the checkpoint's remote modelling code (never executed); transformers' DeepseekV3"
 

@@ -38,10 +38,10 @@ from typing import Any
 
 import torch
 
-from ...config.arch import ArchConfig
-from ...errors import ZooError
-from ...numerics.profiles import NumericsProfile
-from ...specs.patching import wrap_once
+from mcore_zoo.config.arch import ArchConfig
+from mcore_zoo.errors import ZooError
+from mcore_zoo.numerics.profiles import NumericsProfile
+from mcore_zoo.specs.patching import wrap_once
 
 
 def _rotary_class() -> Any:
@@ -52,7 +52,7 @@ def _rotary_class() -> Any:
         when the MLA layer takes the YaRN branch (which multiplies cos and sin by it)."""
 
         def __init__(self, arch: ArchConfig, *, with_scale: bool, cp_group: Any = None) -> None:
-            from ...config.rope import inv_freq
+            from mcore_zoo.config.rope import inv_freq
 
             mla = arch.mla
             super().__init__(mla.qk_rope_head_dim, rotary_percent=1.0, rotary_base=arch.rope.theta,
@@ -168,7 +168,7 @@ def _attention_class() -> Any:
     from megatron.core.transformer import multi_latent_attention as mla_module
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-    from ...specs.portable import PortableAttention
+    from mcore_zoo.specs.portable import PortableAttention
 
     if not isinstance(mla_module.TELinear, type):
         # without Transformer Engine its import shim leaves placeholders (not classes) with HAVE_TE true,
@@ -279,7 +279,7 @@ def mla_attention_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile
     from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from ...specs.portable import PortableAttention
+    from mcore_zoo.specs.portable import PortableAttention
 
     if backend not in ("local", "portable", "te"):
         raise ZooError(f"{arch.architecture}: MLA is built for the te, local and portable backends, not {backend!r}")

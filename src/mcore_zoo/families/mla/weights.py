@@ -18,10 +18,10 @@ The MoE part is :func:`~mcore_zoo.families.moe.weights.deepseek_moe_rules` (GLM-
 
 from __future__ import annotations
 
-from ...config.arch import ArchConfig
-from ...weights.dense import HF_LAYER, LAYER, decoder_weight_map
-from ...weights.rules import Rule, WeightMap, column_parallel, replicated, row_parallel
-from ..moe.weights import deepseek_moe_rules
+from mcore_zoo.config.arch import ArchConfig
+from mcore_zoo.weights.dense import HF_LAYER, LAYER, decoder_weight_map
+from mcore_zoo.weights.rules import Rule, WeightMap, column_parallel, replicated, row_parallel
+from mcore_zoo.families.moe.weights import deepseek_moe_rules
 
 
 def mla_attention_rules(arch: ArchConfig, *, hf_attn: str = "self_attn.") -> list[Rule]:

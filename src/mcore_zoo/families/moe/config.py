@@ -32,9 +32,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ...errors import ZooError
-from ...config.arch import ArchConfig, MoESpec
-from ...config.reader import ConfigReader
+from mcore_zoo.errors import ZooError
+from mcore_zoo.config.arch import ArchConfig, MoESpec
+from mcore_zoo.config.reader import ConfigReader
 
 
 def _positive_int(value: Any) -> bool:
@@ -214,22 +214,6 @@ def moe_config_kwargs(arch: ArchConfig, *, cuda: bool, grouped_experts: bool = F
     if moe.top_k == 1 and moe.router_score_function == "softmax":
         kwargs["moe_router_pre_softmax"] = True  # mcore refuses top-1 without it (both give 1.0)
     return kwargs
-
-
-def moe_layout_problems(arch: ArchConfig, ep: int, etp: Optional[int], tp: int) -> list[str]:
-    """Ways an expert-parallel layout fails to divide ``arch.moe`` (empty when it fits)."""
-    moe = arch.moe
-    if moe is None:  # a dense model ignores the expert groups (a trainer's EP setting for other models)
-        return []
-    problems = []
-    if moe.num_experts % ep:
-        problems.append(f"num_experts={moe.num_experts} is not divisible by ep={ep}")
-    etp = tp if etp is None else etp
-    if moe.expert_ffn_hidden_size % etp:
-        problems.append(f"moe_intermediate_size={moe.expert_ffn_hidden_size} is not divisible by etp={etp}")
-    if moe.shared_expert_ffn_hidden_size is not None and moe.shared_expert_ffn_hidden_size % tp:
-        problems.append(f"shared expert size {moe.shared_expert_ffn_hidden_size} is not divisible by tp={tp}")
-    return problems
 
 
 def reference_router_weight_dtype(reference_class: Any) -> str:

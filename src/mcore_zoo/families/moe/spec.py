@@ -34,9 +34,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ...config.arch import ArchConfig, MoESpec
-from ...errors import ZooError
-from ...specs.patching import wrap_once
+from mcore_zoo.config.arch import ArchConfig, MoESpec
+from mcore_zoo.errors import ZooError
+from mcore_zoo.specs.patching import wrap_once
 
 _LOCAL = threading.local()
 
@@ -547,7 +547,7 @@ def moe_mlp_submodule(arch: ArchConfig, pieces: dict[str, Any], router: str,
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from ...compat import patch_moe_utils_without_te
+    from mcore_zoo.compat import patch_moe_utils_without_te
 
     patch_moe_utils_without_te()
     moe = arch.moe
@@ -558,7 +558,7 @@ def moe_mlp_submodule(arch: ArchConfig, pieces: dict[str, Any], router: str,
     if experts not in ("grouped_mm", "eager"):
         raise ValueError(f"moe_experts={experts!r}; use 'grouped_mm' or 'eager'")
     if grouped:
-        from ...compat import te_grouped_experts
+        from mcore_zoo.compat import te_grouped_experts
 
         experts_spec = te_grouped_experts(hf_grouped_experts_class(experts) if router == "hf" else None)
     else:

@@ -34,9 +34,9 @@ checkpoints and transformers 5's ``save_pretrained`` write; transformers 5 fuses
 
 from __future__ import annotations
 
-from ...config.arch import ArchConfig
-from ...weights.dense import HF_LAYER, LAYER, decoder_weight_map, gated_mlp_rules
-from ...weights.rules import GATE_UP, Rule, WeightMap, rule
+from mcore_zoo.config.arch import ArchConfig
+from mcore_zoo.weights.dense import HF_LAYER, LAYER, decoder_weight_map, gated_mlp_rules
+from mcore_zoo.weights.rules import GATE_UP, Rule, WeightMap, rule
 
 EXPERT = LAYER + "mlp.experts.local_experts.{expert}."
 

@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from ...config.arch import ArchConfig
-from ...errors import ZooError
-from ...numerics.profiles import NumericsProfile
+from mcore_zoo.config.arch import ArchConfig
+from mcore_zoo.errors import ZooError
+from mcore_zoo.numerics.profiles import NumericsProfile
 
 
 def _inner_layer_field() -> str:
@@ -58,7 +58,7 @@ def mtp_block_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile) ->
     )
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from ...specs.gpt import _pieces, gpt_layer_spec
+    from mcore_zoo.specs.gpt import _pieces, gpt_layer_spec
 
     if not arch.mtp_num_layers:
         raise ZooError(f"{arch.architecture}: no multi-token-prediction layers to build")

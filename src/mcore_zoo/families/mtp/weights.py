@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ...config.arch import ArchConfig
-from ...weights.rules import Rule, column_parallel, replicated
+from mcore_zoo.config.arch import ArchConfig
+from mcore_zoo.weights.rules import Rule, column_parallel, replicated
 
 #: the decoder-layer prefix of a rule's mcore name (``weights.dense.LAYER``)
 _DECODER_LAYER = "decoder.layers.{layer}."
