@@ -127,7 +127,7 @@ class BuildPlan:
         if options.head == "value":  # the critic has no LM head to tie the embedding to
             kwargs["share_embeddings_and_output_weights"] = False
         model_class = GPTModel
-        if arch.mtp_num_layers:  # multi-token prediction: the block lives on the last stage (specs/mtp.py)
+        if arch.mtp_num_layers:  # multi-token prediction: the block lives on the last stage (families/mtp/spec.py)
             from .families.mtp.spec import mtp_block_spec, mtp_gpt_model_class
 
             model_class = mtp_gpt_model_class()

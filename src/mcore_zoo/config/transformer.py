@@ -155,18 +155,18 @@ def transformer_config_kwargs(arch: ArchConfig, options: BuildOptions) -> dict[s
         kwargs["window_size"] = (arch.sliding_window - 1, 0)
         if arch.sliding_window_layers is not None:
             kwargs["window_attn_skip_freq"] = [int(f) for f in arch.sliding_window_layers]
-    if arch.mla is not None:  # DeepSeek MLA: MLATransformerConfig fields (mcore_zoo.specs.mla)
+    if arch.mla is not None:  # DeepSeek MLA: MLATransformerConfig fields (mcore_zoo.families.mla.spec)
         kwargs.update(_mla_fields(arch))
     elif arch.rope.rope_type == "yarn":
         kwargs.update(_yarn_fields(arch))
     grouped = arch.moe is not None and numerics.grouped_experts
-    if arch.moe is not None:  # MoE fields (mcore_zoo.config.moe): router, experts, dispatcher
+    if arch.moe is not None:  # MoE fields (mcore_zoo.families.moe.config): router, experts, dispatcher
         from ..families.moe import config as moe
 
         if grouped:
             moe.check_grouped_experts(arch, options.backend, cuda=not options.cpu)
         kwargs.update(moe.moe_config_kwargs(arch, cuda=not options.cpu, grouped_experts=grouped))
-    if arch.mtp_num_layers:  # multi-token prediction (mcore_zoo.specs.mtp): the block on the last stage
+    if arch.mtp_num_layers:  # multi-token prediction (mcore_zoo.families.mtp.spec): the block on the last stage
         kwargs["mtp_num_layers"] = arch.mtp_num_layers
     kwargs.update(arch.extra_transformer_config)
     for name, value in options.overrides.items():
@@ -192,7 +192,7 @@ def transformer_config_class(arch: ArchConfig) -> Any:
 def _mla_fields(arch: ArchConfig) -> dict[str, Any]:
     """The ``MLATransformerConfig`` fields of ``arch.mla``. Megatron-Core's own RoPE module and
     softmax scale of each MLA layer are replaced by the zoo's (HF's frequencies, attention factor
-    and scale: :mod:`mcore_zoo.specs.mla`); these fields still size the layer and pick the branch."""
+    and scale: :mod:`mcore_zoo.families.mla.spec`); these fields still size the layer and pick the branch."""
     mla, rope = arch.mla, arch.rope
     if rope.rope_type not in ("default", "yarn"):
         raise ZooError(f"{arch.architecture}: MLA supports default and yarn RoPE, not {rope.rope_type!r}")
