@@ -120,8 +120,8 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "provenance.py", "vocab.py",
     ),
     "description": (
-        "config/__init__.py", "config/arch.py", "config/common.py",
-        "config/normalize.py", "config/parallelism.py", "config/quantization.py", "config/reader.py", "config/rope.py", "config/transformer.py",
+        "config/__init__.py", "config/arch.py", "config/common.py", "config/normalize.py", "config/parallelism.py",
+        "config/quantization.py", "config/reader.py", "config/rope.py", "config/transformer.py",
         "numerics/__init__.py", "numerics/profiles.py",
         "weights/__init__.py", "weights/rules.py", "weights/dense.py", "weights/heads.py", "weights/vocab.py",
         "families/*/config.py", "families/*/weights.py",
@@ -139,7 +139,8 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
     ),
     "model": (
         "placement.py", "handle.py", "build.py", "parallel.py", "routing.py", "distributed/collectives.py",
-        "specs/__init__.py", "specs/gpt.py", "specs/heads.py", "specs/linears.py", "specs/norms.py", "specs/patching.py", "specs/portable.py", "specs/vllm_exact.py",
+        "specs/__init__.py", "specs/gpt.py", "specs/heads.py", "specs/linears.py", "specs/norms.py",
+        "specs/patching.py", "specs/portable.py", "specs/vllm_exact.py",
         "families/*/spec.py",
     ),
     "job-wide": (
@@ -159,6 +160,7 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "testing/suite.py",
     ),
 }  # fmt: skip
+
 
 def module_paths(root: Path = SRC) -> dict[str, str]:
     """Dotted module name -> its path under ``root`` (``config/arch.py``, ``config/__init__.py``)."""
