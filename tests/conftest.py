@@ -18,6 +18,14 @@ from mcore_zoo.testing.common import random_sequences  # noqa: F401 - re-exporte
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The conformance suite's pytest plugin (fixtures ``zoo_mpu`` ...) comes through the
+    ``pytest11`` entry point of an installed mcore-zoo; where the project only runs from its tree
+    (``PYTHONPATH=src``, as on the GPU machine), register it here."""
+    if not config.pluginmanager.has_plugin("mcore_zoo") and not config.pluginmanager.has_plugin("mcore_zoo.testing.plugin"):
+        config.pluginmanager.import_plugin("mcore_zoo.testing.plugin")
+
+
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures"
 CONFIGS = FIXTURES / "configs"
