@@ -41,26 +41,22 @@ class HFRMSNorm(torch.nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, op_order=hf"
 
 
-class ZeroCenteredRMSNorm(torch.nn.Module):
+class ZeroCenteredRMSNorm(HFRMSNorm):
     """RMSNorm whose weight is stored zero-centred: ``norm(x) * (1 + weight)``, in the op order of
     transformers' ``Qwen3NextRMSNorm``: normalise in fp32, scale by ``1 + weight`` in fp32, then
-    cast to the input dtype. The weight starts at zero (scale 1). Constructed like
-    :class:`HFRMSNorm`; used by every backend for architectures with ``zero_centered_norm``."""
+    cast to the input dtype. Constructed like :class:`HFRMSNorm`; the weight starts at zero (scale
+    1). Used by every backend for architectures with ``zero_centered_norm``."""
 
-    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
-        super().__init__()
-        if getattr(config, "normalization", "RMSNorm") != "RMSNorm":
-            raise ValueError(f"ZeroCenteredRMSNorm implements RMSNorm, config asks for {config.normalization}")
-        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype, device=device))
-        self.eps = eps
-        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any) -> None:
+        super().__init__(config, hidden_size, eps, **kwargs)
+        with torch.no_grad():
+            self.weight.zero_()
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         x = hidden_states.float()
-        out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         out = out * (1.0 + self.weight.float())
         return out.type_as(hidden_states)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}, zero_centered=True, op_order=hf"
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, zero_centered=True, op_order=hf"

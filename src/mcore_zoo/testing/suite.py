@@ -337,7 +337,8 @@ def _refused(request: pytest.FixtureRequest, case: Case, arch: Any, parallel: An
     try:
         validate_layout(arch, parallel)
     except UnsupportedLayoutError as exc:
-        request.node.user_properties.append(("mcore_zoo_refused", f"{case.subject}: {exc}"))
+        reason = " ".join(str(exc).split())  # one line for the summary
+        request.node.user_properties.append(("mcore_zoo_refused", f"{case.subject}: {reason}"))
         return True
     return False
 
