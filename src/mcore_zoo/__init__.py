@@ -38,6 +38,7 @@ from .errors import (
     UnknownArchitectureError,
     UnmappedParametersError,
     UnsupportedConfigError,
+    UnsupportedLayoutError,
     WeightMapError,
     ZooError,
 )
@@ -114,6 +115,7 @@ __all__ = [
     "UnsupportedConfigError",
     "UnclassifiedConfigFieldsError",
     "LayoutError",
+    "UnsupportedLayoutError",
     "PluginError",
     "PluginConflictError",
     "UnknownArchitectureError",

@@ -99,6 +99,11 @@ class LayoutError(ConfigError):
     """A parallel layout (TP/PP/VPP/CP/EP) that does not divide the model."""
 
 
+class UnsupportedLayoutError(LayoutError):
+    """A parallel layout that divides the model, but that a layer of it is not built for yet (the
+    gated DeltaNet layer under tensor parallelism, ...): refused by name, never computed wrongly."""
+
+
 # --------------------------------------------------------------------------- weights
 
 

@@ -44,6 +44,12 @@ Groups:
   layer spec follows ``arch.mla``;
 * multi-token prediction (:mod:`mcore_zoo.families.mtp`) - :func:`read_mtp`; the MTP block and its
   rules follow ``arch.mtp_num_layers`` (:func:`decoder_weight_map` adds them);
+* gated DeltaNet (:mod:`mcore_zoo.families.gated_deltanet`) - :class:`GatedDeltaNetSpec`,
+  :func:`read_gated_deltanet` (``layer_types`` and the ``linear_*`` fields),
+  :func:`read_gated_deltanet_mtp` (the ``mtp_*`` fields: none, or dropped on request),
+  :func:`gated_deltanet_rules`, :func:`gated_attention_rules`, :func:`gated_deltanet_weight_map`
+  (Qwen3-Next's table), :func:`hybrid_layer_specs` (the layer spec: gated DeltaNet and gated
+  attention layers as ``arch.gated_deltanet.layer_types`` says);
 * attention windows - :func:`read_sliding_window` (one ``sliding_window`` for every layer).
 """
 
@@ -111,6 +117,14 @@ _LAZY = {
     "deepseek_weight_map": "mcore_zoo.families.mla.weights:deepseek_weight_map",
     # multi-token prediction
     "read_mtp": "mcore_zoo.families.mtp.config:read_mtp",
+    # gated DeltaNet (Qwen3-Next)
+    "GatedDeltaNetSpec": "mcore_zoo.config.arch:GatedDeltaNetSpec",
+    "read_gated_deltanet": "mcore_zoo.families.gated_deltanet.config:read_gated_deltanet",
+    "read_gated_deltanet_mtp": "mcore_zoo.families.gated_deltanet.config:read_mtp_fields",
+    "gated_attention_rules": "mcore_zoo.families.gated_deltanet.weights:gated_attention_rules",
+    "gated_deltanet_rules": "mcore_zoo.families.gated_deltanet.weights:gated_deltanet_rules",
+    "gated_deltanet_weight_map": "mcore_zoo.families.gated_deltanet.weights:gated_deltanet_weight_map",
+    "hybrid_layer_specs": "mcore_zoo.families.gated_deltanet.spec:hybrid_layer_specs",
     # layer spec and forward
     "gpt_layer_specs": "mcore_zoo.specs.gpt:gpt_layer_specs",
     "generic_forward": "mcore_zoo.distributed.forward:generic_forward",

@@ -134,6 +134,64 @@ class MLASpec:
 
 
 @dataclass(frozen=True)
+class GatedDeltaNetSpec:
+    """Gated DeltaNet linear attention (Qwen3-Next), as the HF model computes it, and where it sits.
+
+    Per linear-attention layer, from the normalised input ``x``: ``in_proj_qkvz(x)`` gives per key
+    head ``[q (dk), k (dk), v (r * dv), z (r * dv)]`` and ``in_proj_ba(x)`` per key head
+    ``[b (r), a (r)]`` (``r = num_value_heads / num_key_heads``); ``[q; k; v]`` (all heads, in that
+    order) runs through a depthwise causal convolution of width ``conv_kernel_dim`` and
+    ``activation``; q and k are L2-normalised, ``beta = sigmoid(b)``, the per-head decay
+    ``g = -exp(A_log) * softplus(a + dt_bias)``; the gated delta rule (chunks of ``chunk_size``,
+    state from zero at every sequence start) gives ``o``; ``out_proj(rmsnorm(o) * silu(z))`` with
+    the gated RMSNorm's own weight (not zero-centred) and ``norm_eps``.
+
+    Attributes:
+        layer_types: per layer (0-based), ``"linear_attention"`` or ``"full_attention"``.
+    """
+
+    layer_types: tuple
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel_dim: int
+    norm_eps: float
+    activation: str = "silu"
+    chunk_size: int = 64
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal convolution: ``[q; k; v]``."""
+        return 2 * self.key_dim + self.value_dim
+
+    def is_linear_layer(self, layer_index: int) -> bool:
+        """Whether global layer ``layer_index`` (0-based) is a gated DeltaNet layer."""
+        return self.layer_types[layer_index] == "linear_attention"
+
+    def layout_problems(self, parallel: Any) -> list[str]:
+        """The parallel sizes the zoo's gated DeltaNet layer does not split yet (empty when it fits)."""
+        reason = "the gated DeltaNet layer (layer_types linear_attention) is not split over"
+        problems = []
+        if parallel.tp > 1:
+            problems.append(f"tp={parallel.tp}: {reason} tensor-parallel ranks yet")
+        if parallel.cp > 1:
+            problems.append(f"cp={parallel.cp}: {reason} context-parallel ranks yet (its recurrent state runs"
+                            " through the whole sequence)")  # fmt: skip
+        if parallel.pp > 1:
+            problems.append(f"pp={parallel.pp}: {reason} pipeline stages yet (untested)")
+        return problems
+
+
+@dataclass(frozen=True)
 class ArchConfig:
     """A converted architecture instance. Shapes are global (before any parallel split).
 
@@ -178,6 +236,13 @@ class ArchConfig:
     moe: Optional[MoESpec] = None
     #: multi-head latent attention (DeepSeek); ``None``: standard GQA attention
     mla: Optional[MLASpec] = None
+    #: gated DeltaNet layers among the attention layers (Qwen3-Next); ``None``: attention everywhere
+    gated_deltanet: Optional[GatedDeltaNetSpec] = None
+    #: the attention output is multiplied by ``sigmoid(gate)``, the gate a second half of each query
+    #: head's projection (Qwen3-Next's full attention; Megatron-Core's ``attention_output_gate``)
+    attention_output_gate: bool = False
+    #: RMSNorms scale by ``1 + weight`` (weights stored zero-centred, Qwen3-Next), in HF's op order
+    zero_centered_norm: bool = False
     #: the HF ``quantization_config`` of an FP8 block-quantized checkpoint (validated by
     #: ``mcore_zoo.config.quantization.Fp8BlockFormat``): loading dequantizes its tensors into the model's
     #: dtype, ``save_hf_checkpoint(fp8=True)`` writes the format back. ``None``: unquantized

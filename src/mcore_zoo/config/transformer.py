@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.nn.functional as F
 
-from ..errors import LayoutError, ZooError
+from ..errors import LayoutError, UnsupportedLayoutError, ZooError
 from ..numerics.profiles import NumericsProfile
 from .parallelism import Parallelism
 from .arch import ArchConfig
@@ -23,7 +23,8 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 
 
 def validate_layout(arch: ArchConfig, parallel: Parallelism) -> None:
-    """Raise :class:`LayoutError` naming every way ``parallel`` fails to divide ``arch``."""
+    """Raise :class:`LayoutError` naming every way ``parallel`` fails to divide ``arch``; then
+    :class:`UnsupportedLayoutError` naming the parallel sizes a layer of ``arch`` is not built for."""
     problems = []
     tp, pp, cp = parallel.tp, parallel.pp, parallel.cp
     for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", parallel.ep)):
@@ -56,11 +57,13 @@ def validate_layout(arch: ArchConfig, parallel: Parallelism) -> None:
         problems.append("multi-token prediction (num_nextn_predict_layers) is not tested with vpp > 1")
     if arch.moe is not None:  # MoE: experts over ep, expert FFN over etp (a dense model ignores them)
         problems += arch.moe.layout_problems(parallel.ep, parallel.etp, tp)
+    where = f"{arch.architecture}: layout tp={tp} pp={pp} vpp={parallel.vpp} cp={cp} ep={parallel.ep}"
     if problems:
-        raise LayoutError(
-            f"{arch.architecture}: layout tp={tp} pp={pp} vpp={parallel.vpp} cp={cp} ep={parallel.ep}"
-            " does not fit the model:\n" + "\n".join(f"  - {p}" for p in problems)
-        )
+        raise LayoutError(f"{where} does not fit the model:\n" + "\n".join(f"  - {p}" for p in problems))
+    unsupported = arch.gated_deltanet.layout_problems(parallel) if arch.gated_deltanet is not None else []
+    if unsupported:
+        raise UnsupportedLayoutError(f"{where} is not supported by the model's layers yet:\n"
+                                     + "\n".join(f"  - {p}" for p in unsupported))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,8 @@ def transformer_config_kwargs(arch: ArchConfig, options: BuildOptions) -> dict[s
         kwargs.update(moe.moe_config_kwargs(arch, cuda=not options.cpu, grouped_experts=grouped))
     if arch.mtp_num_layers:  # multi-token prediction (mcore_zoo.families.mtp.spec): the block on the last stage
         kwargs["mtp_num_layers"] = arch.mtp_num_layers
+    if arch.attention_output_gate:  # Qwen3-Next: the query projection carries a sigmoid output gate
+        kwargs["attention_output_gate"] = True
     kwargs.update(arch.extra_transformer_config)
     for name, value in options.overrides.items():
         kwargs[name] = value

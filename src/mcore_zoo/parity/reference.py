@@ -33,7 +33,9 @@ _LN = re.compile(r"(^|\.)ln[_\w]*\.weight$")
 def randomize_(model: torch.nn.Module, seed: int = 0, *, attention_logit_std: float = 3.0) -> torch.nn.Module:
     """Re-initialise every parameter of an HF model in place (see module docstring).
 
-    * 1-D parameters named like norms: ``1 + N(0, 0.1)``; other 1-D (biases): ``N(0, 0.1)``.
+    * 1-D parameters named like norms: ``1 + N(0, 0.1)``; norm weights transformers initialises to
+      zero (zero-centred norms, which scale by ``1 + weight``: Qwen3-Next) and other 1-D
+      parameters (biases): ``N(0, 0.1)``.
     * embeddings: ``N(0, 1 / sqrt(hidden))`` (O(1) logits also when the output layer is tied).
     * query/key projections: ``N(0, sqrt(attention_logit_std / fan_in))``, so ``q.k / sqrt(d)``
       has std ~ ``attention_logit_std`` for unit-RMS inputs.
@@ -46,7 +48,7 @@ def randomize_(model: torch.nn.Module, seed: int = 0, *, attention_logit_std: fl
             if param.dim() == 1:
                 is_norm = "norm" in name or _LN.search(name) is not None
                 data.normal_(0.0, 0.1, generator=gen)
-                if is_norm:
+                if is_norm and bool(param.any()):  # an all-zero norm weight is zero-centred: 1 + weight
                     data += 1.0
             elif "embed" in name or "wte" in name:
                 # 1/sqrt(hidden): tied output layers then give O(1) logits like untied ones

@@ -55,6 +55,8 @@ def _pieces(arch: ArchConfig, backend: str, numerics: NumericsProfile) -> dict[s
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
         norm = HFRMSNorm if numerics.norm == "hf" else WrappedTorchNorm
+        if arch.zero_centered_norm:  # 1 + weight: HF's op order under every profile
+            from .norms import ZeroCenteredRMSNorm as norm
         core = _core_attention(backend, numerics, DotProductAttention)
         column, row = ColumnParallelLinear, RowParallelLinear
         if numerics.linear_bias == "fused":
@@ -73,6 +75,9 @@ def _pieces(arch: ArchConfig, backend: str, numerics: NumericsProfile) -> dict[s
             final_norm=norm,
         )
     if backend == "te":
+        if arch.zero_centered_norm:
+            raise ZooError(f"{arch.architecture}: zero-centred RMSNorm (1 + weight) is built on backends 'local' and"
+                           " 'portable' only")  # fmt: skip
         if not have_transformer_engine():
             raise ZooError("backend 'te' needs Transformer Engine (pip install 'mcore-zoo[te]')")
         from megatron.core.extensions.transformer_engine import (
@@ -224,6 +229,9 @@ def gpt_layer_specs(
             " Megatron-Core's torch norm does not. Use backend 'te', or a numerics profile with"
             " norm='hf' (e.g. 'hf-exact'), whose HFRMSNorm marks its weight sequence-parallel"
         )
+    if arch.gated_deltanet is not None:  # its layers come from the family's own layer spec
+        raise ZooError(f"{arch.architecture} has gated DeltaNet layers: build it with layer_spec="
+                       "'mcore_zoo.plugin_api:hybrid_layer_specs' (mcore_zoo.families.gated_deltanet.spec)")  # fmt: skip
     layer = gpt_layer_spec(arch, backend, numerics)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     layers = [layer] * count

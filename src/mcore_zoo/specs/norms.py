@@ -4,6 +4,7 @@
 Qwen2, Qwen3 copies) does: upcast to fp32, normalise, cast back to the input dtype, then multiply
 by the weight in the weight's dtype. Megatron-Core's and TE's RMSNorm multiply the weight before
 the final cast, which in bf16 rounds differently (measured: most of the bf16 logit gap to HF).
+:class:`ZeroCenteredRMSNorm` is Qwen3-Next's ``1 + weight`` RMSNorm in its op order.
 """
 
 from __future__ import annotations
@@ -38,3 +39,24 @@ class HFRMSNorm(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, op_order=hf"
+
+
+class ZeroCenteredRMSNorm(HFRMSNorm):
+    """RMSNorm whose weight is stored zero-centred: ``norm(x) * (1 + weight)``, in the op order of
+    transformers' ``Qwen3NextRMSNorm``: normalise in fp32, scale by ``1 + weight`` in fp32, then
+    cast to the input dtype. Constructed like :class:`HFRMSNorm`; the weight starts at zero (scale
+    1). Used by every backend for architectures with ``zero_centered_norm``."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any) -> None:
+        super().__init__(config, hidden_size, eps, **kwargs)
+        with torch.no_grad():
+            self.weight.zero_()
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        x = hidden_states.float()
+        out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        out = out * (1.0 + self.weight.float())
+        return out.type_as(hidden_states)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, zero_centered=True, op_order=hf"

@@ -6,7 +6,8 @@ passive unless conformance tests run, and it imports neither torch nor Megatron-
 * a report-header line with the versions a conformance result depends on;
 * failures of :class:`~mcore_zoo.testing.contracts.ContractError` are reported as their message
   (contract, example config, what happened, how to fix) instead of a traceback;
-* a terminal summary of the contracts checked (passed / failed / skipped per contract);
+* a terminal summary of the contracts checked (passed / failed / skipped per contract, and the
+  example configs a multi-process contract left out because the model refuses that layout by name);
 * fixtures for a plugin's own tests: ``zoo_mpu`` (single-process Megatron parallel state),
   ``zoo_reference_checkpoint`` and ``zoo_hf_reference``.
 """
@@ -21,6 +22,9 @@ from typing import Any, Callable, Iterator, Optional
 import pytest
 
 _RESULTS_KEY = pytest.StashKey[dict]()
+#: ``(contract, "subject: reason")`` of the example configs a multi-process contract left out
+#: because the model refuses the layout by name (``UnsupportedLayoutError``)
+_REFUSED_KEY = pytest.StashKey[list]()
 
 
 def _version(dist: str) -> str:
@@ -37,6 +41,7 @@ def pytest_configure(config: pytest.Config) -> None:
     global _CONFIG
     _CONFIG = config
     config.stash[_RESULTS_KEY] = defaultdict(list)
+    config.stash[_REFUSED_KEY] = []
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -66,6 +71,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         results = _CONFIG.stash.get(_RESULTS_KEY, None) if _CONFIG is not None else None
         if results is not None:
             results[props["mcore_zoo_contract"]].append((props.get("mcore_zoo_subject", report.nodeid), report.outcome))
+        refused = _CONFIG.stash.get(_REFUSED_KEY, None) if _CONFIG is not None else None
+        if refused is not None and report.when == "call":
+            refused += [(props["mcore_zoo_contract"], v) for k, v in report.user_properties if k == "mcore_zoo_refused"]
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
@@ -84,6 +92,9 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         if failed:
             line += "  -- broken for: " + "; ".join(failed)
         terminalreporter.write_line(line, red=bool(failed), green=not failed)
+        for contract_name, what in config.stash.get(_REFUSED_KEY, []):
+            if contract_name == name:
+                terminalreporter.write_line(f"{'':<16} layout refused by the model, left out: {what}", yellow=True)
 
 
 # ---------------------------------------------------------------------------- fixtures

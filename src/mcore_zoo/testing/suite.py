@@ -234,10 +234,10 @@ class ConformanceSuite:
         checkpoint = zoo_suite.checkpoint(zoo_case, "bad-input")
         check_bad_input(zoo_suite.architecture(zoo_case), config, checkpoint, zoo_case.subject, probes)
 
-    def test_tensor_parallel(self, zoo_suite: _State) -> None:
-        """One launch of ``tensor_parallel`` gloo ranks checks every example config."""
+    def test_tensor_parallel(self, zoo_suite: _State, request: pytest.FixtureRequest) -> None:
+        """One launch of ``tensor_parallel`` gloo ranks checks every example config (those whose
+        model refuses the layout by name are left out, reported with the reason)."""
         from ..placement import Parallelism
-        from ..config.transformer import validate_layout
         from .checks import check_tensor_parallel, run_tensor_parallel
 
         cases = self.zoo_cases()
@@ -250,7 +250,8 @@ class ConformanceSuite:
             try:
                 architecture = zoo_suite.architecture(case)
                 with contract("tensor-parallel", f"{case.subject}, TP={tp}"):
-                    validate_layout(architecture.config_from_hf(zoo_suite.config(case)), Parallelism(tp=tp))
+                    if _refused(request, case, architecture.config_from_hf(zoo_suite.config(case)), Parallelism(tp=tp)):
+                        continue
                 runnable.append((case, architecture, zoo_suite.checkpoint(case, "tensor-parallel")))
             except ContractError as exc:
                 errors.append(exc)
@@ -258,12 +259,12 @@ class ConformanceSuite:
                                     lambda cases: run_tensor_parallel(cases, tp),
                                     lambda arch, ckpt, subject, ranks: check_tensor_parallel(arch, ckpt, subject, ranks, tp))  # fmt: skip
         _raise_collected("tensor-parallel", errors)
+        _skip_if_all_refused(request, runnable)
 
 
-    def test_expert_parallel(self, zoo_suite: _State) -> None:
+    def test_expert_parallel(self, zoo_suite: _State, request: pytest.FixtureRequest) -> None:
         """One launch of ``expert_parallel`` gloo ranks checks every MoE example config."""
         from ..placement import Parallelism
-        from ..config.transformer import validate_layout
         from .checks import check_tensor_parallel, run_tensor_parallel
 
         ep = self.expert_parallel
@@ -274,13 +275,13 @@ class ConformanceSuite:
                 architecture = zoo_suite.architecture(case)
                 with contract("expert-parallel", f"{case.subject}, EP={ep}"):
                     arch = architecture.config_from_hf(zoo_suite.config(case))
-                    if arch.moe is None:
+                    if arch.moe is None or _refused(request, case, arch, Parallelism(ep=ep)):
                         continue
-                    validate_layout(arch, Parallelism(ep=ep))
                 runnable.append((case, architecture, zoo_suite.checkpoint(case, "expert-parallel")))
             except ContractError as exc:
                 errors.append(exc)
         if not runnable and not errors:
+            _skip_if_all_refused(request, runnable)
             pytest.skip("no MoE architecture among the example configs")
         errors += _launch_and_check("expert-parallel", f"{type(self).__name__} (EP={ep} launch)", runnable,
                                     lambda cases: run_tensor_parallel(cases, 1, ep),
@@ -289,10 +290,9 @@ class ConformanceSuite:
         _raise_collected("expert-parallel", errors)
 
 
-    def test_gradients(self, zoo_suite: _State) -> None:
+    def test_gradients(self, zoo_suite: _State, request: pytest.FixtureRequest) -> None:
         """One TP launch for every example config, one EP launch for the MoE ones: train_step
         gradients against one process's (contract ``gradients``)."""
-        from ..config.transformer import validate_layout
         from ..placement import Parallelism
         from .checks import check_gradients, run_gradients
 
@@ -307,12 +307,14 @@ class ConformanceSuite:
                 architecture = zoo_suite.architecture(case)
                 with contract("gradients", case.subject):
                     arch = architecture.config_from_hf(zoo_suite.config(case))
-                    validate_layout(arch, Parallelism(tp=tp, sequence_parallel=arch.moe is not None))
-                    if arch.moe is not None:
-                        validate_layout(arch, Parallelism(ep=ep))
+                    with_tp = not _refused(request, case, arch, Parallelism(tp=tp, sequence_parallel=arch.moe is not None))
+                    with_ep = arch.moe is not None and not _refused(request, case, arch, Parallelism(ep=ep))
+                if not (with_tp or with_ep):
+                    continue
                 checkpoint = zoo_suite.checkpoint(case, "gradients")
-                runs[(tp, 1)].append((case, architecture, checkpoint))
-                if arch.moe is not None:
+                if with_tp:
+                    runs[(tp, 1)].append((case, architecture, checkpoint))
+                if with_ep:
                     runs[(1, ep)].append((case, architecture, checkpoint))
             except ContractError as exc:
                 errors.append(exc)
@@ -322,6 +324,31 @@ class ConformanceSuite:
                                         lambda cases, t=run_tp, e=run_ep: run_gradients(cases, t, e),
                                         lambda arch, ckpt, subject, ranks, w=where: check_gradients(arch, ckpt, subject, ranks, w))  # fmt: skip
         _raise_collected("gradients", errors)
+        _skip_if_all_refused(request, [run for runnable in runs.values() for run in runnable])
+
+
+def _refused(request: pytest.FixtureRequest, case: Case, arch: Any, parallel: Any) -> bool:
+    """Whether the model of ``case`` refuses ``parallel`` by name (``UnsupportedLayoutError``: a
+    layer not built for it yet). The case is then left out of the launch, the reason kept on the
+    test's report (the conformance summary lists it). Any other layout problem raises."""
+    from ..config.transformer import validate_layout
+    from ..errors import UnsupportedLayoutError
+
+    try:
+        validate_layout(arch, parallel)
+    except UnsupportedLayoutError as exc:
+        reason = " ".join(str(exc).split())  # one line for the summary
+        request.node.user_properties.append(("mcore_zoo_refused", f"{case.subject}: {reason}"))
+        return True
+    return False
+
+
+def _skip_if_all_refused(request: pytest.FixtureRequest, runnable: list[Any]) -> None:
+    """Skip a multi-process contract none of whose example configs ran because each model refused
+    the layout by name, with the reasons."""
+    refused = [v for k, v in request.node.user_properties if k == "mcore_zoo_refused"]
+    if refused and not runnable:
+        pytest.skip("every example config's model refuses this layout by name:\n" + "\n".join(refused))
 
 
 def _launch_and_check(name: str, launch_subject: str, runnable: list[Any], launch: Callable[[list[Any]], Any],

@@ -313,7 +313,9 @@ class Rule:
         export: emit the sources on export (``False`` for a tied output layer whose source is the
             embedding, already exported by the embedding rule).
         layer_kind: for ``{layer}`` rules of MoE models: ``"all"`` layers, only ``"dense"`` ones or
-            only ``"moe"`` ones (``ArchConfig.moe.layer_pattern`` decides which is which).
+            only ``"moe"`` ones (``ArchConfig.moe.layer_pattern`` decides which is which); of models
+            with gated DeltaNet layers: only ``"full_attention"`` or only ``"linear_attention"``
+            ones (``ArchConfig.gated_deltanet.layer_types``).
         note: shown by ``mcore-zoo show``.
         absent: when set, the sources may be missing from a checkpoint: the load then leaves the
             parameter as built (an explicit initialisation, e.g. a value head's
@@ -495,7 +497,7 @@ class WeightMap:
                     else (layer_to_global[local_layer] if layer_to_global is not None else local_layer)
                 )
                 kind = "moe" if has_expert else r.layer_kind
-                if has_layer and kind != "all" and (kind == "moe") != self._layer_has_experts(global_layer):
+                if has_layer and not self._layer_is(kind, global_layer):
                     continue
                 expert_iter = expert_map.items() if has_expert else [(None, None)]
                 for local_e, global_e in expert_iter:
@@ -508,6 +510,17 @@ class WeightMap:
                         global_layer,
                         global_e,
                     )
+
+    def _layer_is(self, kind: str, global_layer: Optional[int]) -> bool:
+        """Whether a rule of ``layer_kind`` ``kind`` applies to global layer ``global_layer``: the MLP
+        kinds ``dense`` / ``moe`` by ``arch.moe``, the token-mixer kinds ``full_attention`` /
+        ``linear_attention`` by ``arch.gated_deltanet``."""
+        if kind == "all":
+            return True
+        if kind in ("full_attention", "linear_attention"):
+            linear = self.arch.gated_deltanet is not None and self.arch.gated_deltanet.is_linear_layer(global_layer)
+            return (kind == "linear_attention") == linear
+        return (kind == "moe") == self._layer_has_experts(global_layer)
 
     def _layer_has_experts(self, global_layer: Optional[int]) -> bool:
         moe = self.arch.moe

@@ -1,0 +1,278 @@
+"""Gated DeltaNet layers among gated full-attention layers (Qwen3-Next), as Megatron-Core layer specs.
+
+:class:`PortableGatedDeltaNet` is the linear-attention token mixer, in the ``self_attention`` slot
+of Megatron-Core's ``TransformerLayer``. It computes what transformers' ``Qwen3NextGatedDeltaNet``
+computes without a cache, with transformers' own torch fallbacks (``causal_conv1d_fn``,
+``torch_chunk_gated_delta_rule``, ``l2norm``, ``Qwen3NextRMSNormGated``) op for op, so that CPU
+fp32 is bitwise equal to the HF model. Its parameters keep the checkpoint's layout
+(``in_proj_qkvz``, ``in_proj_ba``, ``conv1d``, ``A_log``, ``dt_bias``, ``norm``, ``out_proj``).
+
+THD packs (``PackedSeqParams``): each sequence runs alone - the convolution window starts from
+zeros and the recurrent state from zero at every sequence start (``cu_seqlens_q``; a pack padded
+for alignment lays its sequences out by ``cu_seqlens_q_padded``, the padding rows give zeros) - so
+a packed sequence computes exactly what it computes run alone.
+
+Megatron-Core 0.16's own ``GatedDeltaNet`` (``megatron.core.ssm.gated_delta_net``) needs
+flash-linear-attention's kernels and refuses THD packs; it is not used here. The layer is built on
+backends ``local`` and ``portable``; tensor, context and pipeline parallelism are refused by
+:meth:`~mcore_zoo.config.arch.GatedDeltaNetSpec.layout_problems`.
+
+Full-attention layers are Megatron-Core's ``SelfAttention`` with ``attention_output_gate``
+(the query projection twice as wide, :mod:`.weights` lays it out), whose gate is applied in HF's
+op order by :class:`GatedSelfAttention`'s ``_apply_output_gate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from mcore_zoo.config.arch import ArchConfig, GatedDeltaNetSpec
+from mcore_zoo.errors import ZooError
+from mcore_zoo.numerics.profiles import NumericsProfile
+
+#: the backends the gated DeltaNet layer is built on
+BACKENDS = ("local", "portable")
+
+
+def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+    """transformers' ``l2norm`` (flash-linear-attention's definition)."""
+    inv_norm = torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+    return x * inv_norm
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
+    """transformers' ``causal_conv1d_fn``: depthwise convolution of ``x`` (``[b, channels, s]``) with
+    ``weight`` (``[channels, width]``), zeros left of the first position, then ``activation``."""
+    seq_len = x.shape[-1]
+    out = F.conv1d(x.to(weight.dtype), weight=weight.unsqueeze(1), bias=None, padding=weight.shape[-1] - 1,
+                   groups=x.shape[1])[:, :, :seq_len]  # fmt: skip
+    if activation == "silu":
+        out = F.silu(out)
+    elif activation is not None:
+        raise ZooError(f"gated DeltaNet convolution activation {activation!r} is not implemented (silu is)")
+    return out.to(x.dtype)
+
+
+def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                           beta: torch.Tensor, chunk_size: int = 64) -> torch.Tensor:  # fmt: skip
+    """transformers' ``torch_chunk_gated_delta_rule`` from a zero state, q and k L2-normalised in the
+    kernel; ``[b, s, heads, d]`` inputs (q / k with key heads, v with value heads), ``[b, s, v heads]``
+    decay ``g`` and ``beta``; returns ``[b, s, v heads, dv]`` in the input dtype."""
+    initial_dtype = query.dtype
+    batch, seq_len, num_k_heads, _ = key.shape
+    num_v_heads = value.shape[-2]
+    if num_k_heads != num_v_heads:
+        query = query.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+        key = key.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+    query, key, value, beta, decay = [x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+                                      for x in (query, key, value, beta, g)]  # fmt: skip
+    query = l2norm(query, dim=-1, eps=1e-6)
+    key = l2norm(key, dim=-1, eps=1e-6)
+    query = query * query.shape[-1] ** -0.5
+
+    pad = (chunk_size - seq_len % chunk_size) % chunk_size
+    query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
+    beta, decay = (F.pad(x, (0, pad)) for x in (beta, decay))
+    num_chunks = (seq_len + pad) // chunk_size
+    v_beta = value * beta.unsqueeze(-1)
+    k_beta = key * beta.unsqueeze(-1)
+    query, key, k_beta, v_beta = [x.reshape(x.shape[0], x.shape[1], -1, chunk_size, x.shape[-1])
+                                  for x in (query, key, k_beta, v_beta)]  # fmt: skip
+    decay = decay.reshape(decay.shape[0], decay.shape[1], -1, chunk_size)
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=query.device).triu(1)
+
+    cum_decay = decay.cumsum(dim=3)
+    pairwise = (cum_decay.unsqueeze(4) - cum_decay.unsqueeze(3)).masked_fill(upper, float("-inf")).exp()
+    ut_system = (k_beta @ key.transpose(-1, -2)) * pairwise
+    intra = (query @ key.transpose(-1, -2)) * pairwise
+    decayed_k_beta = k_beta * cum_decay.exp().unsqueeze(-1)
+    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(ut_system, decayed_k_beta, upper=False, unitriangular=True)
+
+    state = torch.zeros((batch, num_v_heads, key.shape[-1], value.shape[-1]), dtype=new_values.dtype,
+                        device=new_values.device)  # fmt: skip
+    out = torch.zeros_like(new_values)
+    query = query * cum_decay.exp().unsqueeze(-1)
+    key = key * (cum_decay[..., -1:] - cum_decay).exp().unsqueeze(-1)
+    chunk_decay = cum_decay[..., -1].exp()[..., None, None]
+    for i in range(num_chunks):
+        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
+        out[:, :, i] = query[:, :, i] @ state + intra[:, :, i] @ v_new
+        state = state * chunk_decay[:, :, i] + key[:, :, i].transpose(-1, -2) @ v_new
+    out = out.reshape(batch, num_v_heads, -1, value.shape[-1])[:, :, :seq_len]
+    return out.transpose(1, 2).to(initial_dtype, memory_format=torch.contiguous_format)
+
+
+class GatedRMSNorm(torch.nn.Module):
+    """transformers' ``Qwen3NextRMSNormGated``: ``weight * rmsnorm(x)`` (cast back to the input
+    dtype first) times ``silu(gate)`` in fp32, cast to the input dtype. The weight is not
+    zero-centred."""
+
+    def __init__(self, width: int, eps: float, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(width, dtype=dtype, device=device))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        hidden_states = self.weight * hidden_states.to(input_dtype)
+        hidden_states = hidden_states * F.silu(gate.to(torch.float32))
+        return hidden_states.to(input_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def gated_deltanet_class() -> type:
+    """:class:`PortableGatedDeltaNet` (a ``MegatronModule``; built lazily so importing this module
+    stays free of Megatron-Core)."""
+    from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
+    from megatron.core.transformer.module import MegatronModule
+
+    class PortableGatedDeltaNet(MegatronModule):
+        """The gated DeltaNet token mixer (module docstring): ``[s, b, h]`` in, ``([s, b, h], None)`` out."""
+
+        def __init__(self, config: Any, submodules: Any = None, layer_number: Optional[int] = None, *,
+                     spec: GatedDeltaNetSpec, **_: Any) -> None:  # fmt: skip
+            super().__init__(config)
+            self.spec, self.layer_number = spec, layer_number
+            device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+            dtype, h = config.params_dtype, config.hidden_size
+            linear = functools.partial(torch.nn.Linear, bias=False, device=device, dtype=dtype)
+            self.in_proj_qkvz = linear(h, 2 * spec.key_dim + 2 * spec.value_dim)
+            self.in_proj_ba = linear(h, 2 * spec.num_value_heads)
+            self.conv1d = torch.nn.Conv1d(spec.conv_dim, spec.conv_dim, spec.conv_kernel_dim, bias=False,
+                                          groups=spec.conv_dim, padding=spec.conv_kernel_dim - 1,
+                                          device=device, dtype=dtype)  # fmt: skip
+            self.dt_bias = torch.nn.Parameter(torch.ones(spec.num_value_heads, dtype=dtype, device=device))
+            a = torch.empty(spec.num_value_heads, dtype=torch.float32).uniform_(1, 16)
+            self.A_log = torch.nn.Parameter(torch.log(a).to(device=device, dtype=dtype))
+            self.norm = GatedRMSNorm(spec.value_head_dim, spec.norm_eps, dtype, device)
+            self.out_proj = linear(spec.value_dim, h)
+            if config.perform_initialization:
+                with torch.no_grad():
+                    for weight in (self.in_proj_qkvz.weight, self.in_proj_ba.weight):
+                        config.init_method(weight)
+                    config.output_layer_init_method(self.out_proj.weight)
+            for param in self.parameters():
+                set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+
+        def forward(self, hidden_states: torch.Tensor, attention_mask: Any = None, *, inference_context: Any = None,
+                    packed_seq_params: Any = None, inference_params: Any = None, **_: Any) -> tuple:  # fmt: skip
+            if inference_context is not None or inference_params is not None:
+                raise ZooError("the gated DeltaNet layer has no inference cache: run it without an inference context")
+            x = hidden_states.transpose(0, 1).contiguous()  # [b, s, h], HF's layout
+            out = self._mix(x) if packed_seq_params is None else self._mix_packed(x, packed_seq_params)
+            return out.transpose(0, 1).contiguous(), None
+
+        def _mix_packed(self, x: torch.Tensor, params: Any) -> torch.Tensor:
+            """One THD pack (``[1, t, h]``): every sequence alone, from a zero state and window."""
+            if x.shape[0] != 1:
+                raise ZooError(f"a THD pack has batch 1, got {x.shape[0]}")
+            bounds = params.cu_seqlens_q.tolist()
+            padded = getattr(params, "cu_seqlens_q_padded", None)
+            starts = (padded if padded is not None else params.cu_seqlens_q).tolist()
+            out = torch.zeros(x.shape[:-1] + (self.out_proj.out_features,), dtype=x.dtype, device=x.device)
+            for i in range(len(bounds) - 1):
+                start, length = starts[i], bounds[i + 1] - bounds[i]
+                if length:
+                    out[:, start:start + length] = self._mix(x[:, start:start + length])
+            return out
+
+        def _mix(self, x: torch.Tensor) -> torch.Tensor:
+            """transformers' ``Qwen3NextGatedDeltaNet.forward`` without a cache, ``[b, s, h]`` in and out."""
+            spec = self.spec
+            batch, seq_len = x.shape[:2]
+            query, key, value, z, b, a = self._split_projections(self.in_proj_qkvz(x), self.in_proj_ba(x))
+            query, key, value = (t.reshape(batch, seq_len, -1) for t in (query, key, value))
+            mixed = torch.cat((query, key, value), dim=-1).transpose(1, 2)
+            mixed = causal_conv1d(mixed, self.conv1d.weight.squeeze(1), spec.activation).transpose(1, 2)
+            query, key, value = torch.split(mixed, [spec.key_dim, spec.key_dim, spec.value_dim], dim=-1)
+            query = query.reshape(batch, seq_len, -1, spec.key_head_dim)
+            key = key.reshape(batch, seq_len, -1, spec.key_head_dim)
+            value = value.reshape(batch, seq_len, -1, spec.value_head_dim)
+            beta = b.sigmoid()
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+            core = chunk_gated_delta_rule(query, key, value, g, beta, spec.chunk_size)
+            z_shape = z.shape
+            core = self.norm(core.reshape(-1, core.shape[-1]), z.reshape(-1, z.shape[-1]))
+            core = core.reshape(z_shape).reshape(batch, seq_len, -1)
+            return self.out_proj(core)
+
+        def _split_projections(self, qkvz: torch.Tensor, ba: torch.Tensor) -> tuple:
+            """transformers' ``fix_query_key_value_ordering``: per key head ``[q, k, v, z]`` and ``[b, a]``."""
+            spec = self.spec
+            ratio = spec.num_value_heads // spec.num_key_heads
+            qkvz = qkvz.view(*qkvz.shape[:-1], spec.num_key_heads, 2 * spec.key_head_dim + 2 * ratio * spec.value_head_dim)
+            ba = ba.view(*ba.shape[:-1], spec.num_key_heads, 2 * ratio)
+            dk, dv = spec.key_head_dim, ratio * spec.value_head_dim
+            query, key, value, z = torch.split(qkvz, [dk, dk, dv, dv], dim=3)
+            b, a = torch.split(ba, [ratio, ratio], dim=3)
+            value = value.reshape(value.size(0), value.size(1), -1, spec.value_head_dim)
+            z = z.reshape(z.size(0), z.size(1), -1, spec.value_head_dim)
+            b = b.reshape(b.size(0), b.size(1), spec.num_value_heads)
+            a = a.reshape(a.size(0), a.size(1), spec.num_value_heads)
+            return query, key, value, z, b, a
+
+    return PortableGatedDeltaNet
+
+
+@functools.lru_cache(maxsize=None)
+def gated_attention_class() -> type:
+    """Megatron-Core's ``SelfAttention`` whose output gate is HF's ``out * sigmoid(gate)`` in the
+    activations' dtype (Megatron-Core's takes the sigmoid in fp32 and compiles it)."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    class GatedSelfAttention(SelfAttention):
+        """``SelfAttention`` with ``attention_output_gate`` applied in transformers' op order."""
+
+        def _apply_output_gate(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+            return x * torch.sigmoid(gate.contiguous().view(*x.shape))
+
+    return GatedSelfAttention
+
+
+def check_buildable(arch: ArchConfig, backend: str, numerics: NumericsProfile) -> None:
+    """Refuse, by name, the builds the gated DeltaNet layer does not support yet."""
+    if backend not in BACKENDS:
+        raise ZooError(f"{arch.architecture}: the gated DeltaNet layer is built on backends {BACKENDS}, not"
+                       f" {backend!r} (Transformer Engine / flash-linear-attention kernels are not wired yet)")  # fmt: skip
+    if numerics.kernels == "vllm":
+        raise ZooError(f"{arch.architecture}: numerics {numerics.name!r} (vLLM's kernels) has no gated DeltaNet layer")
+    if arch.mtp_num_layers:
+        raise ZooError(f"{arch.architecture}: multi-token prediction is not built for gated DeltaNet models yet")
+
+
+def hybrid_layer_specs(arch: ArchConfig, backend: str, numerics: NumericsProfile, *, config: Any,
+                       vp_stage: Optional[int] = None, pp_rank: Optional[int] = None) -> Any:  # fmt: skip
+    """``TransformerBlockSubmodules`` of one (virtual) pipeline stage: per global layer index the
+    gated DeltaNet or the gated attention layer (``arch.gated_deltanet.layer_types``), each with the
+    MoE block or the dense MLP (``arch.moe``); zero-centred norms where ``arch.zero_centered_norm``."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from mcore_zoo.specs.gpt import _pieces, gpt_layer_spec
+
+    check_buildable(arch, backend, numerics)
+    spec = arch.gated_deltanet
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    linear = ModuleSpec(module=gated_deltanet_class(), params={"spec": spec})
+    layers = []
+    for index in range(offset, offset + count):
+        layer = gpt_layer_spec(arch, backend, numerics, moe=arch.moe is not None and arch.moe.is_moe_layer(index))
+        if spec.is_linear_layer(index):
+            mixer = linear
+        elif arch.attention_output_gate:
+            mixer = dataclasses.replace(layer.submodules.self_attention, module=gated_attention_class())
+        else:
+            mixer = layer.submodules.self_attention
+        layers.append(dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=mixer)))
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=_pieces(arch, backend, numerics)["final_norm"])

@@ -1,0 +1,110 @@
+"""Weight rules of gated DeltaNet layers and of the gated full attention (Qwen3-Next checkpoint layout).
+
+Linear-attention layers (``layer_types`` ``linear_attention``), HF ``model.layers.{layer}.linear_attn.``
+<-> Megatron-Core ``decoder.layers.{layer}.self_attention.`` (:class:`~.spec.PortableGatedDeltaNet`
+keeps the checkpoint's layout, so every rule is one tensor unchanged; replicated, as the layer is
+not split over tensor-parallel ranks yet):
+
+=====================  =====================  =========================================
+HF                     Megatron-Core          shape
+=====================  =====================  =========================================
+``in_proj_qkvz``       ``in_proj_qkvz``       ``[2 * key_dim + 2 * value_dim, hidden]``
+``in_proj_ba``         ``in_proj_ba``         ``[2 * value heads, hidden]``
+``conv1d.weight``      ``conv1d.weight``      ``[2 * key_dim + value_dim, 1, width]``
+``A_log``, ``dt_bias`` same                   ``[value heads]``
+``norm.weight``        ``norm.weight``        ``[value_head_dim]`` (gated RMSNorm)
+``out_proj``           ``out_proj``           ``[hidden, value_dim]``
+=====================  =====================  =========================================
+
+Full-attention layers: ``q_proj`` holds per head ``[query (head_dim); gate (head_dim)]``; Megatron-Core's
+``linear_qkv`` with ``attention_output_gate`` holds per query group ``[its queries; their gates;
+key; value]`` (:data:`GATED_QKV`); ``o_proj``, ``q_norm`` / ``k_norm`` as in the dense table. The
+rules of each kind carry ``layer_kind`` ``linear_attention`` / ``full_attention``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from mcore_zoo.config.arch import ArchConfig
+from mcore_zoo.weights.dense import HF_LAYER, LAYER
+from mcore_zoo.weights.rules import QKV, Rule, Transform, TransformContext, WeightMap, replicated, row_parallel, rule
+
+LINEAR_TENSORS = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "A_log", "dt_bias", "norm.weight",
+                  "out_proj.weight")  # fmt: skip
+
+
+class FuseGatedQKV(Transform):
+    """HF ``q_proj`` (per head ``[query; gate]``), ``k_proj``, ``v_proj`` <-> Megatron-Core's gated
+    ``linear_qkv``: per query group its ``heads_per_group`` queries, their gates, its key, its value.
+    Works on a tensor-parallel chunk of whole query groups."""
+
+    name = "gated-qkv-interleave"
+
+    def fuse(self, pieces: Sequence[torch.Tensor], ctx: TransformContext) -> torch.Tensor:
+        q, k, v = pieces
+        hd, per_group = ctx.arch.head_dim, ctx.arch.heads_per_group
+        groups = k.shape[0] // hd
+        rest = q.shape[1:]
+        q = q.reshape(groups, per_group, 2, hd, *rest)
+        query = q[:, :, 0].reshape(groups, per_group * hd, *rest)
+        gate = q[:, :, 1].reshape(groups, per_group * hd, *rest)
+        return torch.cat([query, gate, k.reshape(groups, hd, *rest), v.reshape(groups, hd, *rest)], dim=1).reshape(-1, *rest)
+
+    def split(self, tensor: torch.Tensor, ctx: TransformContext) -> list[torch.Tensor]:
+        hd, per_group = ctx.arch.head_dim, ctx.arch.heads_per_group
+        rows = per_group * hd
+        rest = tensor.shape[1:]
+        t = tensor.reshape(-1, 2 * rows + 2 * hd, *rest)
+        groups = t.shape[0]
+        query = t[:, :rows].reshape(groups, per_group, 1, hd, *rest)
+        gate = t[:, rows:2 * rows].reshape(groups, per_group, 1, hd, *rest)
+        q = torch.cat([query, gate], dim=2).reshape(-1, *rest)
+        return [q, t[:, 2 * rows:2 * rows + hd].reshape(-1, *rest), t[:, 2 * rows + hd:].reshape(-1, *rest)]
+
+
+GATED_QKV = FuseGatedQKV()
+
+
+def gated_attention_rules(arch: ArchConfig) -> list[Rule]:
+    """The full-attention layers' rules: gated ``linear_qkv``, ``linear_proj``, q / k norms."""
+    a, m, kind = HF_LAYER + "self_attn.", LAYER + "self_attention.", "full_attention"
+    rules = [
+        rule(m + "linear_qkv.weight", [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"], tp_axis=0,
+             transform=GATED_QKV if arch.attention_output_gate else QKV, layer_kind=kind,
+             note="q_proj rows per head [query; gate] -> per group [queries; gates; key; value]"),  # fmt: skip
+        row_parallel(m + "linear_proj.weight", a + "o_proj.weight", layer_kind=kind),
+    ]
+    if arch.qk_norm:
+        rules.append(replicated(m + "q_layernorm.weight", a + "q_norm.weight", layer_kind=kind))
+        rules.append(replicated(m + "k_layernorm.weight", a + "k_norm.weight", layer_kind=kind))
+    return rules
+
+
+def gated_deltanet_rules(arch: ArchConfig) -> list[Rule]:
+    """The linear-attention layers' rules (module docstring), one replicated tensor each."""
+    return [replicated(LAYER + "self_attention." + name, HF_LAYER + "linear_attn." + name, layer_kind="linear_attention")
+            for name in LINEAR_TENSORS]  # fmt: skip
+
+
+def hybrid_attention_rules(arch: ArchConfig) -> list[Rule]:
+    """The token mixers' rules of a model with gated DeltaNet layers: linear and full attention."""
+    return gated_deltanet_rules(arch) + gated_attention_rules(arch)
+
+
+def gated_deltanet_weight_map(arch: ArchConfig) -> WeightMap:
+    """Qwen3-Next's table: embedding, head, per layer the norms, the token mixer of its kind
+    (:func:`hybrid_attention_rules`) and the dense MLP or the MoE block (Qwen-MoE naming, sigmoid-gated
+    shared expert); a dropped MTP layer's ``mtp.*`` tensors ignored."""
+    from mcore_zoo.families.moe.weights import routed_expert_rules, shared_expert_rules
+    from mcore_zoo.weights.dense import decoder_weight_map, gated_mlp_rules
+
+    from .config import dropped_mtp_ignored
+
+    if arch.moe is None:
+        mlp = gated_mlp_rules(arch)
+    else:
+        mlp = gated_mlp_rules(arch, layer_kind="dense") + routed_expert_rules(arch) + shared_expert_rules(arch)
+    return decoder_weight_map(arch, mlp, attention=hybrid_attention_rules(arch), ignored=dropped_mtp_ignored(arch))
