@@ -47,8 +47,10 @@ Groups:
 * gated DeltaNet (:mod:`mcore_zoo.families.gated_deltanet`) - :class:`GatedDeltaNetSpec`,
   :func:`read_gated_deltanet` (``layer_types`` and the ``linear_*`` fields),
   :func:`read_gated_deltanet_mtp` (the ``mtp_*`` fields: none, or dropped on request),
+  :func:`read_attention_output_gate` (Qwen3.5's ``attn_output_gate``),
+  :func:`refuse_vision_language_config` (``text_config`` / ``vision_config`` refused by name),
   :func:`gated_deltanet_rules`, :func:`gated_attention_rules`, :func:`gated_deltanet_weight_map`
-  (Qwen3-Next's table), :func:`hybrid_layer_specs` (the layer spec: gated DeltaNet and gated
+  (Qwen3-Next's and Qwen3.5's table), :func:`hybrid_layer_specs` (the layer spec: gated DeltaNet and gated
   attention layers as ``arch.gated_deltanet.layer_types`` says);
 * attention windows - :func:`read_sliding_window` (one ``sliding_window`` for every layer).
 """
@@ -117,10 +119,12 @@ _LAZY = {
     "deepseek_weight_map": "mcore_zoo.families.mla.weights:deepseek_weight_map",
     # multi-token prediction
     "read_mtp": "mcore_zoo.families.mtp.config:read_mtp",
-    # gated DeltaNet (Qwen3-Next)
+    # gated DeltaNet (Qwen3-Next, Qwen3.5)
     "GatedDeltaNetSpec": "mcore_zoo.config.arch:GatedDeltaNetSpec",
     "read_gated_deltanet": "mcore_zoo.families.gated_deltanet.config:read_gated_deltanet",
     "read_gated_deltanet_mtp": "mcore_zoo.families.gated_deltanet.config:read_mtp_fields",
+    "read_attention_output_gate": "mcore_zoo.families.gated_deltanet.config:read_attention_output_gate",
+    "refuse_vision_language_config": "mcore_zoo.families.gated_deltanet.config:refuse_vision_language_config",
     "gated_attention_rules": "mcore_zoo.families.gated_deltanet.weights:gated_attention_rules",
     "gated_deltanet_rules": "mcore_zoo.families.gated_deltanet.weights:gated_deltanet_rules",
     "gated_deltanet_weight_map": "mcore_zoo.families.gated_deltanet.weights:gated_deltanet_weight_map",

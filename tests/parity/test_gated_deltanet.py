@@ -1,5 +1,6 @@
 """Qwen3-Next's gated DeltaNet layers on the CPU: THD packs reset the recurrent state and the
-convolution window at every sequence start, the dense-MLP form is bitwise equal to transformers,
+convolution window at every sequence start (and so do Qwen3.5's, whose input projections are
+split), the dense-MLP form is bitwise equal to transformers,
 and the published Qwen3-Next-80B-A3B config converts with every field classified.
 
 The conformance suite (``test_builtin_conformance.py``) runs every contract on the MoE example
@@ -21,6 +22,9 @@ from ..conftest import CONFIGS, random_sequences
 ARCH = "Qwen3NextForCausalLM"
 #: every layer with the dense MLP; 70 tokens span two of the delta rule's 64-token chunks
 DENSE = {"num_experts": 0}
+#: the dense forms of the two input-projection layouts: Qwen3-Next's fused, Qwen3.5's split
+LAYOUTS = pytest.mark.parametrize("arch_name, overrides", [(ARCH, DENSE), ("Qwen3_5ForCausalLM", {})],
+                                  ids=["fused", "split"])  # fmt: skip
 LENGTHS = [70, 9, 33, 1]
 
 
@@ -52,11 +56,12 @@ def test_dense_form_matches_transformers_on_bshd_and_thd(mpu, reference_checkpoi
             assert_same(logits, hf(seq[None]).logits[0], f"THD pack, {seq.numel()}-token sequence", exact=False)
 
 
-def test_thd_pack_leaks_nothing_across_sequences(mpu, reference_checkpoint):
+@LAYOUTS
+def test_thd_pack_leaks_nothing_across_sequences(mpu, reference_checkpoint, arch_name, overrides):
     """Changing one sequence of a pack (its last tokens sit right before the next sequence: a
     convolution window or recurrent state carried over would pass them on) leaves every other
     sequence's log-probs bitwise unchanged; and a pack of one sequence equals it in the full pack."""
-    model = _build(reference_checkpoint(ARCH, DENSE))
+    model = _build(reference_checkpoint(arch_name, overrides))
     seqs = random_sequences(LENGTHS, 256, seed=4)
     before = _logprobs(model, seqs)
     for changed in (0, 1):
@@ -72,10 +77,11 @@ def test_thd_pack_leaks_nothing_across_sequences(mpu, reference_checkpoint):
         assert torch.equal(_logprobs(model, [seq])[0], before[i]), f"sequence {i}: alone != in the pack"
 
 
-def test_alignment_padding_rows_stay_out_of_the_state(mpu, reference_checkpoint):
+@LAYOUTS
+def test_alignment_padding_rows_stay_out_of_the_state(mpu, reference_checkpoint, arch_name, overrides):
     """A pack padded for alignment (``cu_seqlens_q_padded``): the padding rows after each sequence
     do not reach the next sequence's convolution window or state."""
-    model = _build(reference_checkpoint(ARCH, DENSE))
+    model = _build(reference_checkpoint(arch_name, overrides))
     seqs = random_sequences(LENGTHS, 256, seed=5)
     with torch.no_grad():
         plain = mcore_zoo.packed_forward(model, seqs, seq_format="thd", align=1).logprobs

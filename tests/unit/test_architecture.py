@@ -135,8 +135,8 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "__init__.py", "entry.py", "hookspecs.py", "registry.py", "architecture.py", "plugin_api.py",
         "plugins/__init__.py", "plugins/deepseek_v2.py", "plugins/deepseek_v3.py", "plugins/glm4_moe.py",
         "plugins/llama.py", "plugins/mistral.py", "plugins/mixtral.py", "plugins/qwen2.py", "plugins/qwen2_moe.py",
-        "plugins/qwen3.py", "plugins/qwen3_moe.py", "plugins/qwen3_next.py", "families/__init__.py",
-        "families/*/__init__.py",
+        "plugins/qwen3.py", "plugins/qwen3_moe.py", "plugins/qwen3_next.py", "plugins/qwen3_5.py",
+        "families/__init__.py", "families/*/__init__.py",
     ),
     "model": (
         "placement.py", "handle.py", "build.py", "parallel.py", "routing.py", "distributed/collectives.py",

@@ -21,7 +21,7 @@ from ..conftest import CONFIGS, case_config
 #: every built-in architecture (the zoo's own entry points)
 BUILTIN_ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                  "Qwen2MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM",
-                 "DeepseekV2ForCausalLM", "Qwen3NextForCausalLM"]
+                 "DeepseekV2ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"]
 
 
 def tconfig(source, **kw):

@@ -133,6 +133,10 @@ class MLASpec:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
+#: the input-projection layouts of the gated DeltaNet layer (:attr:`GatedDeltaNetSpec.projections`)
+PROJECTION_LAYOUTS = ("fused", "split")
+
+
 @dataclass(frozen=True)
 class GatedDeltaNetSpec:
     """Gated DeltaNet linear attention (Qwen3-Next), as the HF model computes it, and where it sits.
@@ -146,8 +150,14 @@ class GatedDeltaNetSpec:
     state from zero at every sequence start) gives ``o``; ``out_proj(rmsnorm(o) * silu(z))`` with
     the gated RMSNorm's own weight (not zero-centred) and ``norm_eps``.
 
+    Qwen3.5 computes the same from four separate projections (``projections="split"``):
+    ``in_proj_qkv`` (``[q (all heads); k; v]``, the convolution's channel order), ``in_proj_z``
+    (``z``, value heads in order), ``in_proj_b`` and ``in_proj_a`` (one row per value head).
+
     Attributes:
         layer_types: per layer (0-based), ``"linear_attention"`` or ``"full_attention"``.
+        projections: ``"fused"`` (Qwen3-Next's per-key-head ``in_proj_qkvz`` / ``in_proj_ba``) or
+            ``"split"`` (Qwen3.5's ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``).
     """
 
     layer_types: tuple
@@ -159,6 +169,12 @@ class GatedDeltaNetSpec:
     norm_eps: float
     activation: str = "silu"
     chunk_size: int = 64
+    projections: str = "fused"
+
+    def __post_init__(self) -> None:
+        if self.projections not in PROJECTION_LAYOUTS:
+            raise ValueError(f"GatedDeltaNetSpec.projections must be one of {PROJECTION_LAYOUTS},"
+                             f" got {self.projections!r}")  # fmt: skip
 
     @property
     def key_dim(self) -> int:

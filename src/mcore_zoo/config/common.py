@@ -113,18 +113,26 @@ def read_dense_decoder(
     activations: Mapping[str, str] = {"silu": "silu"},
     sliding_window: Optional[int] = None,
     sliding_window_layers: Optional[tuple] = None,
+    ffn_hidden_size: Optional[int] = None,
+    text_mrope: bool = False,
 ) -> ArchConfig:
     """Read the fields of a Llama-like decoder (RMSNorm, gated MLP, GQA, RoPE).
 
     Fields read here: sizes, ``hidden_act``, ``rms_norm_eps``, ``initializer_range``,
     ``attention_dropout``, ``tie_word_embeddings``, RoPE, ``head_dim``. Bias and window decisions
-    are the caller's (they differ per family) and are passed in.
+    are the caller's (they differ per family) and are passed in. ``ffn_hidden_size``: the width
+    for a model whose config has no ``intermediate_size`` (no dense MLP: every layer MoE; the
+    caller classifies the field where present). ``text_mrope``: see
+    :func:`~mcore_zoo.config.rope.read_rope`.
     """
     arch = reader.architecture
     classify_common_fields(reader)
     vocab_size = reader.map_checked("vocab_size", "GPTModel.vocab_size", _positive_int, reason="must be > 0")
     hidden = reader.map_checked("hidden_size", "hidden_size", _positive_int, reason="must be > 0")
-    ffn = reader.map_checked("intermediate_size", "ffn_hidden_size", _positive_int, reason="must be > 0")
+    if ffn_hidden_size is None:
+        ffn = reader.map_checked("intermediate_size", "ffn_hidden_size", _positive_int, reason="must be > 0")
+    else:
+        ffn = ffn_hidden_size
     layers = reader.map_checked("num_hidden_layers", "num_layers", _positive_int, reason="must be > 0")
     heads = reader.map_checked("num_attention_heads", "num_attention_heads", _positive_int, reason="must be > 0")
     groups = reader.map("num_key_value_heads", "num_query_groups", None)
@@ -154,7 +162,7 @@ def read_dense_decoder(
     init_std = reader.map("initializer_range", "init_method_std", 0.02)
     attn_dropout = reader.map("attention_dropout", "attention_dropout", 0.0)
     tie = reader.map("tie_word_embeddings", "share_embeddings_and_output_weights", False)
-    rope = read_rope(reader, max_position_embeddings=max_pos)
+    rope = read_rope(reader, max_position_embeddings=max_pos, text_mrope=text_mrope)
     reader.ignore(
         "pretraining_tp",
         "slices the reference's linear layers during pretraining; the math is the same",

@@ -50,8 +50,31 @@ def _valid_theta(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
-def read_rope(reader: ConfigReader, *, max_position_embeddings: int) -> RopeSpec:
-    """Read and classify the RoPE fields of an HF config (4.x or 5.x form)."""
+#: M-RoPE sub-keys (Qwen3-VL's text rotary embedding, which Qwen3.5 text models use)
+MROPE_KEYS = ("mrope_section", "mrope_interleaved")
+
+
+def _read_text_mrope(reader: ConfigReader, source: str, params: dict[str, Any]) -> Optional[list]:
+    """Pop and check the M-RoPE sub-keys of ``params``; return ``mrope_section`` (None if absent).
+
+    transformers' Qwen3.5 text model expands 1-D position ids to the same ids for all three
+    sections (temporal, height, width), so its interleaved recomposition picks every frequency
+    from identical angles: plain RoPE, bit for bit. The zoo feeds text position ids only."""
+    section = params.pop("mrope_section", None)
+    interleaved = params.pop("mrope_interleaved", None)
+    if section is not None and not (isinstance(section, (list, tuple)) and len(section) == 3
+                                    and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in section)):  # fmt: skip
+        raise reader.unsupported(f"{source}.mrope_section", section, "expected three non-negative integers")
+    if interleaved is not None and not isinstance(interleaved, bool):
+        raise reader.unsupported(f"{source}.mrope_interleaved", interleaved, "expected true or false")
+    return None if section is None else list(section)
+
+
+def read_rope(reader: ConfigReader, *, max_position_embeddings: int, text_mrope: bool = False) -> RopeSpec:
+    """Read and classify the RoPE fields of an HF config (4.x or 5.x form).
+
+    ``text_mrope``: accept the M-RoPE sub-keys (:data:`MROPE_KEYS`) of a text model whose three
+    position sections always carry the same ids (:func:`_read_text_mrope`); refused otherwise."""
     params: dict[str, Any]
     if reader.has("rope_parameters") and reader.peek("rope_parameters") is not None:
         params = dict(reader.peek("rope_parameters"))
@@ -93,6 +116,7 @@ def read_rope(reader: ConfigReader, *, max_position_embeddings: int) -> RopeSpec
             rope_type,
             f"RoPE type {rope_type!r} is not implemented; supported: {', '.join(SUPPORTED_ROPE_TYPES)}",
         )
+    section = _read_text_mrope(reader, source, params) if text_mrope else None
     theta = params.pop("rope_theta", None)
     if theta is None:
         raise reader.unsupported(f"{source}.rope_theta", None, "RoPE base is missing")
@@ -119,7 +143,8 @@ def read_rope(reader: ConfigReader, *, max_position_embeddings: int) -> RopeSpec
 
     spec = RopeSpec(theta=float(theta), rope_type=rope_type, **params)
     if source == "rope_parameters":
-        reader.map("rope_parameters", f"RoPE {describe(spec)}")
+        mrope = "" if section is None else f" (M-RoPE sections {section} over identical text position ids: plain RoPE)"
+        reader.map("rope_parameters", f"RoPE {describe(spec)}{mrope}")
     elif reader.has("rope_scaling"):
         if reader.peek("rope_scaling") is None:
             reader.ignore("rope_scaling", "null: no RoPE scaling")

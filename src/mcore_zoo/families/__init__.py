@@ -17,7 +17,8 @@ Families:
   with expert bias), shared experts, dense / MoE layer patterns, the expert weight rules;
 * :mod:`.mla` - multi-head latent attention and the DeepSeek-V2 / V3 decoder around it;
 * :mod:`.mtp` - multi-token prediction layers (DeepSeek-V3, GLM-4.5);
-* :mod:`.gated_deltanet` - gated DeltaNet linear attention among gated full attention (Qwen3-Next).
+* :mod:`.gated_deltanet` - gated DeltaNet linear attention among gated full attention (Qwen3-Next,
+  Qwen3.5).
 
 Plugins reach the families only through :mod:`mcore_zoo.plugin_api`.
 """

@@ -17,14 +17,13 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .common import (
-    MOE_PACK_EXACT,
     MOE_PACK_REL_TOL,
     PARITY_LENGTHS,
-    REL_TOL,
     TP_REL_TOL,
     assert_same,
     load_safetensors_dir,
     max_abs_diff,
+    pack_tolerance,
     random_sequences,
 )
 from .contracts import CONTRACTS, ContractError, contract, describe, fail
@@ -265,7 +264,7 @@ def check_weight_map(architecture: Any, checkpoint: Path, subject: str) -> None:
 # ---------------------------------------------------------------------------- parity
 def check_parity(architecture: Any, checkpoint: Path, subject: str, *, sensitivity: bool = True) -> None:
     """Bitwise CPU fp32 parity with transformers (THD portable + BSHD hf-exact) and a RoPE mutation
-    that must break it. MoE models: THD packs within ``MOE_PACK_REL_TOL`` (experts see other row counts)."""
+    that must break it. THD packs within :func:`~.common.pack_tolerance` (MoE models: experts see other row counts)."""
     from ..distributed.forward import packed_forward
     from ..handle import handle_of
 
@@ -278,9 +277,7 @@ def check_parity(architecture: Any, checkpoint: Path, subject: str, *, sensitivi
     seqs = random_sequences(PARITY_LENGTHS, vocab)
     ids = torch.stack(random_sequences([40, 40, 40], vocab, seed=1))
     problems = []
-    moe = handle_of(model).arch_config.moe is not None
-    packed_exact = MOE_PACK_EXACT if moe else None
-    packed_tol = MOE_PACK_REL_TOL if moe else REL_TOL
+    packed_exact, packed_tol = pack_tolerance(handle_of(model).arch_config)
     with torch.no_grad(), contract("parity", subject):
         out = packed_forward(model, seqs, seq_format="thd")
         for seq, logits, logprobs in zip(seqs, out.logits, out.logprobs):
@@ -426,13 +423,14 @@ def check_thd(architecture: Any, checkpoint: Path, subject: str) -> None:
         arch_config = handle_of(model).arch_config
         vocab = arch_config.vocab_size
         moe = arch_config.moe is not None  # experts see other row counts: MOE_PACK_REL_TOL
+        packed_exact, packed_tol = pack_tolerance(arch_config)
         seqs = random_sequences(PARITY_LENGTHS, vocab, seed=2)
         packed = packed_forward(model, seqs, seq_format="thd", align=1).logits
         for seq, got in zip(seqs, packed):
             alone = model(seq[None], torch.arange(seq.numel())[None], None)[0]
             try:
                 assert_same(got, alone, f"packed vs alone, sequence of {seq.numel()} tokens",
-                            exact=MOE_PACK_EXACT if moe else None, rel_tol=MOE_PACK_REL_TOL if moe else REL_TOL)  # fmt: skip
+                            exact=packed_exact, rel_tol=packed_tol)  # fmt: skip
             except AssertionError as exc:
                 problems.append(str(exc))
         padded = packed_forward(model, seqs, seq_format="thd", align=8).logits

@@ -1,4 +1,4 @@
-"""HF gated DeltaNet fields (Qwen3-Next) -> :class:`~mcore_zoo.config.arch.GatedDeltaNetSpec`.
+"""HF gated DeltaNet fields (Qwen3-Next, Qwen3.5) -> :class:`~mcore_zoo.config.arch.GatedDeltaNetSpec`.
 
 Which layers are linear attention: transformers' ``layer_types`` (``linear_attention`` /
 ``full_attention`` per layer). A config file without it has ``full_attention_interval`` (every
@@ -6,6 +6,11 @@ Which layers are linear attention: transformers' ``layer_types`` (``linear_atten
 config carries both, they must agree. The linear-attention block's sizes are ``linear_*``; its
 convolution activation is ``hidden_act`` (read by the dense decoder reader) and its gated RMSNorm's
 epsilon ``rms_norm_eps``.
+
+Qwen3.5's text configs: the same fields, the input projections split (``projections="split"``);
+``attn_output_gate`` (which transformers does not read: its attention always gates) must be true
+(:func:`read_attention_output_gate`); a vision-language config (``text_config`` / ``vision_config``)
+is refused by name (:func:`refuse_vision_language_config`): its vision tower is never dropped silently.
 
 Multi-token prediction (``mtp_num_hidden_layers``, ``mtp_use_dedicated_embeddings``): the MTP layer
 is not built for this family yet. A config with MTP layers is refused, naming the field, unless the
@@ -51,9 +56,10 @@ def read_layer_types(reader: Any, num_layers: int) -> tuple:
     return tuple(layer_types)
 
 
-def read_gated_deltanet(reader: Any, num_layers: int) -> GatedDeltaNetSpec:
+def read_gated_deltanet(reader: Any, num_layers: int, *, projections: str = "fused") -> GatedDeltaNetSpec:
     """The linear-attention fields -> :class:`GatedDeltaNetSpec` (``hidden_act`` and ``rms_norm_eps``
-    are peeked here and classified by the dense decoder reader)."""
+    are peeked here and classified by the dense decoder reader); ``projections``: the checkpoint's
+    input-projection layout (:attr:`GatedDeltaNetSpec.projections`), the architecture's choice."""
     layer_types = read_layer_types(reader, num_layers)
 
     def size(field: str, target: str) -> int:
@@ -73,7 +79,26 @@ def read_gated_deltanet(reader: Any, num_layers: int) -> GatedDeltaNetSpec:
         conv_kernel_dim=size("linear_conv_kernel_dim", "GatedDeltaNetSpec.conv_kernel_dim (causal convolution width)"),
         norm_eps=float(reader.peek("rms_norm_eps")),
         activation=reader.peek("hidden_act", "silu"),
+        projections=projections,
     )
+
+
+def refuse_vision_language_config(reader: Any) -> None:
+    """Refuse, by name, a vision-language config (``vision_config`` / ``text_config``): only the text
+    model's own config is read; the vision tower is not built."""
+    for name in ("vision_config", "text_config"):
+        if reader.has(name):
+            raise reader.unsupported(name, "present", f"{reader.architecture} reads a text model's own config;"
+                                     " the vision-language checkpoint (its text_config and vision tower) is not"
+                                     " supported yet")  # fmt: skip
+
+
+def read_attention_output_gate(reader: Any) -> None:
+    """``attn_output_gate`` (Qwen3.5's published configs): transformers' attention always has the
+    sigmoid output gate and does not read the field, so it must be true where present."""
+    if reader.has("attn_output_gate"):
+        reader.map_checked("attn_output_gate", "attention_output_gate (sigmoid gate; q_proj twice as wide)",
+                           lambda v: v is True, reason="transformers' model always gates its attention output")  # fmt: skip
 
 
 def read_mtp_fields(reader: Any) -> None:

@@ -1,11 +1,13 @@
-"""Gated DeltaNet layers among gated full-attention layers (Qwen3-Next), as Megatron-Core layer specs.
+"""Gated DeltaNet layers among gated full-attention layers (Qwen3-Next, Qwen3.5), as Megatron-Core layer specs.
 
 :class:`PortableGatedDeltaNet` is the linear-attention token mixer, in the ``self_attention`` slot
 of Megatron-Core's ``TransformerLayer``. It computes what transformers' ``Qwen3NextGatedDeltaNet``
 computes without a cache, with transformers' own torch fallbacks (``causal_conv1d_fn``,
 ``torch_chunk_gated_delta_rule``, ``l2norm``, ``Qwen3NextRMSNormGated``) op for op, so that CPU
 fp32 is bitwise equal to the HF model. Its parameters keep the checkpoint's layout
-(``in_proj_qkvz``, ``in_proj_ba``, ``conv1d``, ``A_log``, ``dt_bias``, ``norm``, ``out_proj``).
+(``in_proj_qkvz``, ``in_proj_ba``, ``conv1d``, ``A_log``, ``dt_bias``, ``norm``, ``out_proj``; for
+Qwen3.5's split projections ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` in place
+of the first two, computed as ``Qwen3_5GatedDeltaNet`` computes them).
 
 THD packs (``PackedSeqParams``): each sequence runs alone - the convolution window starts from
 zeros and the recurrent state from zero at every sequence start (``cu_seqlens_q``; a pack padded
@@ -145,8 +147,16 @@ def gated_deltanet_class() -> type:
             device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
             dtype, h = config.params_dtype, config.hidden_size
             linear = functools.partial(torch.nn.Linear, bias=False, device=device, dtype=dtype)
-            self.in_proj_qkvz = linear(h, 2 * spec.key_dim + 2 * spec.value_dim)
-            self.in_proj_ba = linear(h, 2 * spec.num_value_heads)
+            if spec.projections == "fused":
+                self.in_proj_qkvz = linear(h, 2 * spec.key_dim + 2 * spec.value_dim)
+                self.in_proj_ba = linear(h, 2 * spec.num_value_heads)
+                projections = (self.in_proj_qkvz, self.in_proj_ba)
+            else:
+                self.in_proj_qkv = linear(h, spec.conv_dim)
+                self.in_proj_z = linear(h, spec.value_dim)
+                self.in_proj_b = linear(h, spec.num_value_heads)
+                self.in_proj_a = linear(h, spec.num_value_heads)
+                projections = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
             self.conv1d = torch.nn.Conv1d(spec.conv_dim, spec.conv_dim, spec.conv_kernel_dim, bias=False,
                                           groups=spec.conv_dim, padding=spec.conv_kernel_dim - 1,
                                           device=device, dtype=dtype)  # fmt: skip
@@ -157,8 +167,8 @@ def gated_deltanet_class() -> type:
             self.out_proj = linear(spec.value_dim, h)
             if config.perform_initialization:
                 with torch.no_grad():
-                    for weight in (self.in_proj_qkvz.weight, self.in_proj_ba.weight):
-                        config.init_method(weight)
+                    for projection in projections:
+                        config.init_method(projection.weight)
                     config.output_layer_init_method(self.out_proj.weight)
             for param in self.parameters():
                 set_defaults_if_not_set_tensor_model_parallel_attributes(param)
@@ -186,12 +196,11 @@ def gated_deltanet_class() -> type:
             return out
 
         def _mix(self, x: torch.Tensor) -> torch.Tensor:
-            """transformers' ``Qwen3NextGatedDeltaNet.forward`` without a cache, ``[b, s, h]`` in and out."""
+            """transformers' ``Qwen3NextGatedDeltaNet.forward`` (``Qwen3_5GatedDeltaNet.forward`` for the
+            split projections) without a cache, ``[b, s, h]`` in and out."""
             spec = self.spec
             batch, seq_len = x.shape[:2]
-            query, key, value, z, b, a = self._split_projections(self.in_proj_qkvz(x), self.in_proj_ba(x))
-            query, key, value = (t.reshape(batch, seq_len, -1) for t in (query, key, value))
-            mixed = torch.cat((query, key, value), dim=-1).transpose(1, 2)
+            mixed, z, b, a = self._project(x) if spec.projections == "split" else self._project_fused(x)
             mixed = causal_conv1d(mixed, self.conv1d.weight.squeeze(1), spec.activation).transpose(1, 2)
             query, key, value = torch.split(mixed, [spec.key_dim, spec.key_dim, spec.value_dim], dim=-1)
             query = query.reshape(batch, seq_len, -1, spec.key_head_dim)
@@ -204,6 +213,21 @@ def gated_deltanet_class() -> type:
             core = self.norm(core.reshape(-1, core.shape[-1]), z.reshape(-1, z.shape[-1]))
             core = core.reshape(z_shape).reshape(batch, seq_len, -1)
             return self.out_proj(core)
+
+        def _project(self, x: torch.Tensor) -> tuple:
+            """Qwen3.5's four projections: ``[q; k; v]`` as ``[b, channels, s]`` (the convolution's
+            input), ``z`` ``[b, s, v heads, dv]``, ``b`` and ``a`` ``[b, s, v heads]``."""
+            batch, seq_len = x.shape[:2]
+            mixed = self.in_proj_qkv(x).transpose(1, 2)
+            z = self.in_proj_z(x).reshape(batch, seq_len, -1, self.spec.value_head_dim)
+            return mixed, z, self.in_proj_b(x), self.in_proj_a(x)
+
+        def _project_fused(self, x: torch.Tensor) -> tuple:
+            """Qwen3-Next's two fused projections, unpacked as :meth:`_project` returns them."""
+            batch, seq_len = x.shape[:2]
+            query, key, value, z, b, a = self._split_projections(self.in_proj_qkvz(x), self.in_proj_ba(x))
+            query, key, value = (t.reshape(batch, seq_len, -1) for t in (query, key, value))
+            return torch.cat((query, key, value), dim=-1).transpose(1, 2), z, b, a
 
         def _split_projections(self, qkvz: torch.Tensor, ba: torch.Tensor) -> tuple:
             """transformers' ``fix_query_key_value_ordering``: per key head ``[q, k, v, z]`` and ``[b, a]``."""

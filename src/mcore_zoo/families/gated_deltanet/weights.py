@@ -16,6 +16,10 @@ HF                     Megatron-Core          shape
 ``out_proj``           ``out_proj``           ``[hidden, value_dim]``
 =====================  =====================  =========================================
 
+Qwen3.5's split layout (``projections="split"``) has ``in_proj_qkv`` ``[2 * key_dim + value_dim,
+hidden]``, ``in_proj_z`` ``[value_dim, hidden]``, ``in_proj_b`` and ``in_proj_a`` ``[value heads,
+hidden]`` in place of the two fused projections; the other tensors are the same.
+
 Full-attention layers: ``q_proj`` holds per head ``[query (head_dim); gate (head_dim)]``; Megatron-Core's
 ``linear_qkv`` with ``attention_output_gate`` holds per query group ``[its queries; their gates;
 key; value]`` (:data:`GATED_QKV`); ``o_proj``, ``q_norm`` / ``k_norm`` as in the dense table. The
@@ -32,8 +36,18 @@ from mcore_zoo.config.arch import ArchConfig
 from mcore_zoo.weights.dense import HF_LAYER, LAYER
 from mcore_zoo.weights.rules import QKV, Rule, Transform, TransformContext, WeightMap, replicated, row_parallel, rule
 
-LINEAR_TENSORS = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "A_log", "dt_bias", "norm.weight",
-                  "out_proj.weight")  # fmt: skip
+#: the input projections of each layout (:attr:`~mcore_zoo.config.arch.GatedDeltaNetSpec.projections`)
+PROJECTION_TENSORS = {
+    "fused": ("in_proj_qkvz.weight", "in_proj_ba.weight"),
+    "split": ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"),
+}
+#: the tensors every layout shares
+SHARED_TENSORS = ("conv1d.weight", "A_log", "dt_bias", "norm.weight", "out_proj.weight")
+
+
+def linear_tensors(projections: str) -> tuple:
+    """The linear-attention layer's tensor names (the same on both sides) for a projection layout."""
+    return PROJECTION_TENSORS[projections] + SHARED_TENSORS
 
 
 class FuseGatedQKV(Transform):
@@ -86,7 +100,7 @@ def gated_attention_rules(arch: ArchConfig) -> list[Rule]:
 def gated_deltanet_rules(arch: ArchConfig) -> list[Rule]:
     """The linear-attention layers' rules (module docstring), one replicated tensor each."""
     return [replicated(LAYER + "self_attention." + name, HF_LAYER + "linear_attn." + name, layer_kind="linear_attention")
-            for name in LINEAR_TENSORS]  # fmt: skip
+            for name in linear_tensors(arch.gated_deltanet.projections)]  # fmt: skip
 
 
 def hybrid_attention_rules(arch: ArchConfig) -> list[Rule]:
@@ -95,7 +109,7 @@ def hybrid_attention_rules(arch: ArchConfig) -> list[Rule]:
 
 
 def gated_deltanet_weight_map(arch: ArchConfig) -> WeightMap:
-    """Qwen3-Next's table: embedding, head, per layer the norms, the token mixer of its kind
+    """Qwen3-Next's and Qwen3.5's table: embedding, head, per layer the norms, the token mixer of its kind
     (:func:`hybrid_attention_rules`) and the dense MLP or the MoE block (Qwen-MoE naming, sigmoid-gated
     shared expert); a dropped MTP layer's ``mtp.*`` tensors ignored."""
     from mcore_zoo.families.moe.weights import routed_expert_rules, shared_expert_rules

@@ -1,0 +1,138 @@
+"""Built-in plugin: ``Qwen3_5ForCausalLM`` (Qwen3.5 dense) and ``Qwen3_5MoeForCausalLM`` (Qwen3.5-MoE),
+the text models.
+
+Qwen3-Next's decoder (gated DeltaNet layers among gated full-attention layers, ``layer_types``;
+q/k RMSNorm, partial RoPE, ``1 + weight`` RMSNorm) with the DeltaNet's input projections split
+(``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``). Its RoPE is Qwen3-VL's text M-RoPE
+(``rope_parameters.mrope_section``), which text position ids reduce to plain RoPE. The dense model
+has the gated MLP on every layer; the MoE model has on every layer the softmax top-k router (top-k
+weights always renormalised) and a sigmoid-gated shared expert. transformers does not read
+``attn_output_gate`` (always gated), ``norm_topk_prob``, ``decoder_sparse_step`` or
+``mlp_only_layers`` for these models: values that would describe another model are refused by name.
+Backends ``local`` and ``portable``; no tensor, context or pipeline parallelism yet (refused by name);
+the MTP layer is refused unless dropped on request. The ``*ForConditionalGeneration`` configs
+(``text_config`` with a vision tower) are not read here.
+"""
+
+from __future__ import annotations
+
+from mcore_zoo.plugin_api import ModelEntry, hookimpl
+
+_ROPE = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
+         "mrope_interleaved": True}  # fmt: skip
+_COMMON = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "rope_parameters": _ROPE,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "hidden_act": "silu",
+}
+EXAMPLE_CONFIG = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", **_COMMON,
+                  "intermediate_size": 128}  # fmt: skip
+EXAMPLE_MOE_CONFIG = {
+    "architectures": ["Qwen3_5MoeForCausalLM"],
+    "model_type": "qwen3_5_moe_text",
+    **_COMMON,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 64,
+    "router_aux_loss_coef": 0.001,
+    "output_router_logits": False,
+}
+
+#: fields of Qwen's other configs that transformers' Qwen3.5 models never read
+UNREAD = ("use_sliding_window", "sliding_window", "max_window_layers")
+EVERY_LAYER = "transformers' Qwen3.5 models give every layer the same MLP block"
+
+
+def _read_token_mixers(reader):  # type: ignore[no-untyped-def]
+    """The fields both models share but the dense decoder reader: the gated DeltaNet (split
+    projections), attention bias and gate, MTP, the layer-pattern fields transformers drops."""
+    from mcore_zoo.plugin_api import read_attention_output_gate, read_gated_deltanet, read_gated_deltanet_mtp
+    from mcore_zoo.plugin_api import refuse_vision_language_config
+
+    refuse_vision_language_config(reader)
+    bias = reader.map("attention_bias", "add_qkv_bias and add_bias_linear (q/k/v/o biases)", False)
+    if bias:
+        raise reader.unsupported("attention_bias", bias, "Megatron-Core's add_bias_linear would also add MLP biases")
+    for name in UNREAD:
+        reader.ignore(name, "not read by transformers' Qwen3.5 models (no sliding window)")
+    if reader.has("mlp_only_layers"):
+        reader.map_checked("mlp_only_layers", "none: " + EVERY_LAYER, lambda v: not v,
+                           reason="not read by transformers: " + EVERY_LAYER)  # fmt: skip
+    if reader.has("decoder_sparse_step"):
+        reader.map_checked("decoder_sparse_step", "1: " + EVERY_LAYER, lambda v: v == 1,
+                           reason="not read by transformers: " + EVERY_LAYER)  # fmt: skip
+    read_attention_output_gate(reader)
+    linear = read_gated_deltanet(reader, reader.peek("num_hidden_layers"), projections="split")
+    read_gated_deltanet_mtp(reader)
+    return linear
+
+
+def convert(reader):  # type: ignore[no-untyped-def]
+    """``Qwen3_5ForCausalLM``: the gated MLP (``intermediate_size``) on every layer."""
+    from mcore_zoo.plugin_api import read_dense_decoder
+
+    linear = _read_token_mixers(reader)
+    arch = read_dense_decoder(reader, qk_norm=True, text_mrope=True)
+    return arch.replace(gated_deltanet=linear, attention_output_gate=True, zero_centered_norm=True)
+
+
+def convert_moe(reader):  # type: ignore[no-untyped-def]
+    """``Qwen3_5MoeForCausalLM``: the MoE block on every layer."""
+    from mcore_zoo.plugin_api import MoESpec, read_aux_loss, read_dense_decoder, read_expert_counts
+
+    linear = _read_token_mixers(reader)
+    experts, topk, ffn = read_expert_counts(reader, experts_field="num_experts")
+    shared = reader.map_checked("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size (+ moe_shared"
+                                "_expert_gate: sigmoid(shared_expert_gate(x)) scales it)", lambda v: isinstance(v, int)
+                                and v > 0, reason="the HF model always has a shared expert: must be > 0")  # fmt: skip
+    if reader.has("norm_topk_prob"):
+        reader.map_checked("norm_topk_prob", "top-k weights divided by their sum (HF order)", lambda v: v is True,
+                           reason="not read by transformers: its Qwen3.5-MoE router always renormalises")  # fmt: skip
+    reader.ignore("intermediate_size", "no dense MLP in transformers' Qwen3.5-MoE model (every layer MoE)")
+    moe = MoESpec(num_experts=experts, top_k=topk, expert_ffn_hidden_size=ffn, shared_expert_ffn_hidden_size=shared,
+                  shared_expert_gate=True, router_score_function="softmax", normalize_topk=True, probs_dtype="hidden",
+                  layer_pattern=None, aux_loss_coeff=read_aux_loss(reader))  # fmt: skip
+    arch = read_dense_decoder(reader, qk_norm=True, text_mrope=True, ffn_hidden_size=ffn)
+    return arch.replace(moe=moe, gated_deltanet=linear, attention_output_gate=True, zero_centered_norm=True)
+
+
+@hookimpl
+def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
+    common = dict(weight_rules="mcore_zoo.plugin_api:gated_deltanet_weight_map",
+                  layer_spec="mcore_zoo.plugin_api:hybrid_layer_specs", backends=("local", "portable"))  # fmt: skip
+    return [
+        ModelEntry(
+            architecture="Qwen3_5ForCausalLM",
+            model_type="qwen3_5_text",
+            converter="mcore_zoo.plugins.qwen3_5:convert",
+            example_config=EXAMPLE_CONFIG,
+            description="Qwen3.5 dense, text (gated DeltaNet with split projections among gated attention,"
+                        " text M-RoPE = partial RoPE, 1 + weight RMSNorm)",
+            **common,
+        ),
+        ModelEntry(
+            architecture="Qwen3_5MoeForCausalLM",
+            model_type="qwen3_5_moe_text",
+            converter="mcore_zoo.plugins.qwen3_5:convert_moe",
+            example_config=EXAMPLE_MOE_CONFIG,
+            description="Qwen3.5-MoE, text (Qwen3.5's token mixers; softmax top-k MoE, renormalised, with a"
+                        " sigmoid-gated shared expert on every layer)",
+            **common,
+        ),
+    ]
