@@ -59,6 +59,7 @@ def pack_tolerance(arch: Any) -> tuple[Optional[bool], float]:
         return MOE_PACK_EXACT, MOE_PACK_REL_TOL
     return None, LINEAR_ATTENTION_TOKEN_REL_TOL if arch.gated_deltanet is not None else REL_TOL
 
+
 #: Tensor parallelism sums partial products of row-parallel layers across ranks (another summation
 #: order than one GEMM): logits agree to 1e-5 relative to the largest reference logit.
 TP_REL_TOL = 1e-5
