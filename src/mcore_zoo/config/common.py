@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 from .arch import ArchConfig
-from .reader import ConfigReader
+from .reader import ConfigReader, positive_int
 from .rope import read_rope
 
 _PROVENANCE = "provenance metadata; no effect on the model"
@@ -100,9 +100,6 @@ def classify_common_fields(reader: ConfigReader) -> None:
     reader.ignore("quantization_config", "null")
 
 
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
 
 def read_dense_decoder(
     reader: ConfigReader,
@@ -127,19 +124,19 @@ def read_dense_decoder(
     """
     arch = reader.architecture
     classify_common_fields(reader)
-    vocab_size = reader.map_checked("vocab_size", "GPTModel.vocab_size", _positive_int, reason="must be > 0")
-    hidden = reader.map_checked("hidden_size", "hidden_size", _positive_int, reason="must be > 0")
+    vocab_size = reader.map_checked("vocab_size", "GPTModel.vocab_size", positive_int, reason="must be > 0")
+    hidden = reader.map_checked("hidden_size", "hidden_size", positive_int, reason="must be > 0")
     if ffn_hidden_size is None:
-        ffn = reader.map_checked("intermediate_size", "ffn_hidden_size", _positive_int, reason="must be > 0")
+        ffn = reader.map_checked("intermediate_size", "ffn_hidden_size", positive_int, reason="must be > 0")
     else:
         ffn = ffn_hidden_size
-    layers = reader.map_checked("num_hidden_layers", "num_layers", _positive_int, reason="must be > 0")
-    heads = reader.map_checked("num_attention_heads", "num_attention_heads", _positive_int, reason="must be > 0")
+    layers = reader.map_checked("num_hidden_layers", "num_layers", positive_int, reason="must be > 0")
+    heads = reader.map_checked("num_attention_heads", "num_attention_heads", positive_int, reason="must be > 0")
     groups = reader.map("num_key_value_heads", "num_query_groups", None)
     if groups is None:
         groups = heads
         reader.map("num_key_value_heads", "num_query_groups (null: = num_attention_heads)", None)
-    if not _positive_int(groups) or heads % groups:
+    if not positive_int(groups) or heads % groups:
         raise reader.unsupported(
             "num_key_value_heads", groups, f"must divide num_attention_heads={heads}"
         )

@@ -22,6 +22,11 @@ from ..errors import UnclassifiedConfigFieldsError, UnsupportedConfigError, ZooE
 _MISSING = object()
 
 
+def positive_int(value: Any) -> bool:
+    """Whether an HF config value is a positive integer (``True`` is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def parse_ignore_fields(items: Iterable[str]) -> dict[str, str]:
     """``["name=reason", ...]`` -> ``{name: reason}``, the ``ignore_fields`` of a build, from the
     command line's ``--ignore-field`` values (a reason is required)."""

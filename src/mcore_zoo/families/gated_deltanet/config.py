@@ -23,15 +23,13 @@ from __future__ import annotations
 from typing import Any
 
 from mcore_zoo.config.arch import GatedDeltaNetSpec
+from mcore_zoo.config.reader import positive_int
 
 LAYER_KINDS = ("linear_attention", "full_attention")
 MTP_FIELD = "mtp_num_hidden_layers"
 MTP_REASON = ("the multi-token-prediction layer of gated DeltaNet models is not built yet; drop it with"
               " ignore_fields={'mtp_num_hidden_layers': reason} (transformers' model skips it too)")  # fmt: skip
 
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def interval_layer_types(interval: int, num_layers: int) -> tuple:
@@ -49,7 +47,7 @@ def read_layer_types(reader: Any, num_layers: int) -> tuple:
     reader.map("layer_types", "per layer: the gated DeltaNet (linear_attention) or the gated attention layer")
     if reader.has("full_attention_interval"):
         interval = reader.peek("full_attention_interval")
-        if not _positive_int(interval) or interval_layer_types(interval, num_layers) != tuple(layer_types):
+        if not positive_int(interval) or interval_layer_types(interval, num_layers) != tuple(layer_types):
             raise reader.unsupported("full_attention_interval", interval, "disagrees with layer_types, which"
                                      " transformers reads")  # fmt: skip
         reader.ignore("full_attention_interval", "agrees with layer_types, which transformers reads")
@@ -63,7 +61,7 @@ def read_gated_deltanet(reader: Any, num_layers: int, *, projections: str = "fus
     layer_types = read_layer_types(reader, num_layers)
 
     def size(field: str, target: str) -> int:
-        return reader.map_checked(field, target, _positive_int, reason="must be a positive integer")
+        return reader.map_checked(field, target, positive_int, reason="must be a positive integer")
 
     key_heads = size("linear_num_key_heads", "GatedDeltaNetSpec.num_key_heads (q / k heads of the linear layer)")
     value_heads = size("linear_num_value_heads", "GatedDeltaNetSpec.num_value_heads")

@@ -19,7 +19,7 @@ from typing import Any
 from mcore_zoo.config.arch import ArchConfig, MLASpec, MoESpec, RopeSpec
 from mcore_zoo.config.common import read_dense_decoder
 from mcore_zoo.config.quantization import read_quantization
-from mcore_zoo.config.reader import ConfigReader
+from mcore_zoo.config.reader import ConfigReader, positive_int
 from mcore_zoo.config.rope import yarn_mscale
 from mcore_zoo.families.moe.config import read_expert_counts, read_expert_groups, read_grouped_sigmoid_router, read_shared_experts, read_sparse_layers
 from mcore_zoo.families.mtp.config import read_mtp
@@ -33,17 +33,13 @@ def read_mla(reader: ConfigReader, *, heads: int, rope_scaled: bool, rope: RopeS
     ``qk_head_dim`` / ``head_dim`` and ``num_key_value_heads`` checked) -> :class:`MLASpec` with HF's
     softmax scale. ``interleave_field``: DeepSeek-V3's ``rope_interleave`` is read; without it
     (DeepSeek-V2) the rope pairs are interleaved and rotated as complex numbers."""
-
-    def positive(v: Any) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and v > 0
-
     q_lora = reader.map_checked("q_lora_rank", "MLATransformerConfig.q_lora_rank (null: one q_proj)",
-                                lambda v: v is None or positive(v), reason="must be null or > 0", default=None)  # fmt: skip
-    kv_lora = reader.map_checked("kv_lora_rank", "MLATransformerConfig.kv_lora_rank", positive, reason="must be > 0")
-    nope = reader.map_checked("qk_nope_head_dim", "MLATransformerConfig.qk_head_dim", positive, reason="must be > 0")
+                                lambda v: v is None or positive_int(v), reason="must be null or > 0", default=None)  # fmt: skip
+    kv_lora = reader.map_checked("kv_lora_rank", "MLATransformerConfig.kv_lora_rank", positive_int, reason="must be > 0")
+    nope = reader.map_checked("qk_nope_head_dim", "MLATransformerConfig.qk_head_dim", positive_int, reason="must be > 0")
     rope_dim = reader.map_checked("qk_rope_head_dim", "MLATransformerConfig.qk_pos_emb_head_dim (RoPE dims)",
-                                  lambda v: positive(v) and v % 2 == 0, reason="must be even and > 0")  # fmt: skip
-    v_dim = reader.map_checked("v_head_dim", "MLATransformerConfig.v_head_dim", positive, reason="must be > 0")
+                                  lambda v: positive_int(v) and v % 2 == 0, reason="must be even and > 0")  # fmt: skip
+    v_dim = reader.map_checked("v_head_dim", "MLATransformerConfig.v_head_dim", positive_int, reason="must be > 0")
     interleave = True  # V2: always interleaved pairs (complex rotation), no field
     if interleave_field:
         interleave = reader.map_checked("rope_interleave", "RoPE on interleaved pairs of the rope dims (MLA RoPE)",

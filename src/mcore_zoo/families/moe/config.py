@@ -34,20 +34,17 @@ from typing import Any, Optional
 
 from mcore_zoo.errors import ZooError
 from mcore_zoo.config.arch import ArchConfig, MoESpec
-from mcore_zoo.config.reader import ConfigReader
+from mcore_zoo.config.reader import ConfigReader, positive_int
 
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def read_expert_counts(reader: ConfigReader, *, experts_field: str, topk_field: str = "num_experts_per_tok",
                        ffn_field: str = "moe_intermediate_size") -> tuple[int, int, int]:  # fmt: skip
     """``(num_experts, top_k, expert_ffn_hidden_size)`` (all required, positive)."""
-    experts = reader.map_checked(experts_field, "num_moe_experts", _positive_int, reason="must be > 0")
-    topk = reader.map_checked(topk_field, "moe_router_topk", lambda v: _positive_int(v) and v <= experts,
+    experts = reader.map_checked(experts_field, "num_moe_experts", positive_int, reason="must be > 0")
+    topk = reader.map_checked(topk_field, "moe_router_topk", lambda v: positive_int(v) and v <= experts,
                               reason=f"must be in [1, {experts_field}={experts}]")  # fmt: skip
-    ffn = reader.map_checked(ffn_field, "moe_ffn_hidden_size (per expert)", _positive_int, reason="must be > 0")
+    ffn = reader.map_checked(ffn_field, "moe_ffn_hidden_size (per expert)", positive_int, reason="must be > 0")
     return experts, topk, ffn
 
 
@@ -88,7 +85,7 @@ def read_sparse_layers(reader: ConfigReader, num_layers: int, *, step_field: Opt
     flags = [True] * num_layers
     if step_field is not None:
         step = reader.map_checked(step_field, "moe_layer_freq (layer i is MoE iff (i + 1) % step == 0)",
-                                  _positive_int, reason="must be > 0", default=1)  # fmt: skip
+                                  positive_int, reason="must be > 0", default=1)  # fmt: skip
         flags = [f and (i + 1) % step == 0 for i, f in enumerate(flags)]
     if dense_field is not None:
         dense = reader.map(dense_field, "moe_layer_freq (these layers use a dense MLP)", None) or []
