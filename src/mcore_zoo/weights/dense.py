@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 from ..config.arch import ArchConfig
 from .rules import (
-    IDENTITY, Rule, Transform, WeightMap, fused_gate_up, fused_qkv, replicated, row_parallel, rule,
+    IDENTITY, QKV, Rule, Transform, WeightMap, fused_gate_up, fused_qkv, replicated, row_parallel, rule,
 )  # fmt: skip
 
 LAYER = "decoder.layers.{layer}."
@@ -28,21 +28,26 @@ def tied_lm_head_ignored(arch: ArchConfig) -> list[tuple[str, str]]:
     return [("lm_head.weight", "tie_word_embeddings: the output layer is model.embed_tokens.weight")]
 
 
-def attention_rules(arch: ArchConfig, *, hf_attn: str = "self_attn.") -> list[Rule]:
-    """QKV (+bias), output projection (+bias), q/k norms."""
-    a = HF_LAYER + hf_attn
+def attention_rules(arch: ArchConfig, *, hf_attn: str = "self_attn.", layer_kind: str = "all",
+                    qkv_transform: Transform = QKV, qkv_note: str = "") -> list[Rule]:  # fmt: skip
+    """QKV (+bias), output projection (+bias), q/k norms. ``layer_kind``: only in layers of that
+    kind (a hybrid model's full-attention layers); ``qkv_transform``: how q / k / v rows are
+    interleaved into ``linear_qkv`` (:data:`~mcore_zoo.weights.rules.QKV`, or a gated attention's)."""
+    a, k = HF_LAYER + hf_attn, layer_kind
     qkv = LAYER + "self_attention.linear_qkv."
-    rules = [
-        fused_qkv(qkv + "weight", q=a + "q_proj.weight", k=a + "k_proj.weight", v=a + "v_proj.weight"),
-        row_parallel(LAYER + "self_attention.linear_proj.weight", a + "o_proj.weight"),
-    ]
+
+    def fused(part: str, note: str = "") -> Rule:
+        return fused_qkv(qkv + part, q=a + f"q_proj.{part}", k=a + f"k_proj.{part}", v=a + f"v_proj.{part}",
+                         layer_kind=k, transform=qkv_transform, note=note)  # fmt: skip
+
+    rules = [fused("weight", qkv_note), row_parallel(LAYER + "self_attention.linear_proj.weight", a + "o_proj.weight", layer_kind=k)]
     if arch.qkv_bias:
-        rules.append(fused_qkv(qkv + "bias", q=a + "q_proj.bias", k=a + "k_proj.bias", v=a + "v_proj.bias"))
+        rules.append(fused("bias"))
     if arch.attn_output_bias:
-        rules.append(replicated(LAYER + "self_attention.linear_proj.bias", a + "o_proj.bias"))
+        rules.append(replicated(LAYER + "self_attention.linear_proj.bias", a + "o_proj.bias", layer_kind=k))
     if arch.qk_norm:
-        rules.append(replicated(LAYER + "self_attention.q_layernorm.weight", a + "q_norm.weight"))
-        rules.append(replicated(LAYER + "self_attention.k_layernorm.weight", a + "k_norm.weight"))
+        rules.append(replicated(LAYER + "self_attention.q_layernorm.weight", a + "q_norm.weight", layer_kind=k))
+        rules.append(replicated(LAYER + "self_attention.k_layernorm.weight", a + "k_norm.weight", layer_kind=k))
     return rules
 
 

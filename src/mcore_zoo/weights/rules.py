@@ -365,10 +365,11 @@ def row_parallel(mcore: str, hf: str, *, note: str = "", layer_kind: str = "all"
     return rule(mcore, hf, tp_axis=1, note=note, layer_kind=layer_kind)
 
 
-def fused_qkv(mcore: str, *, q: str, k: str, v: str, note: str = "", layer_kind: str = "all") -> Rule:
+def fused_qkv(mcore: str, *, q: str, k: str, v: str, note: str = "", layer_kind: str = "all",
+              transform: Transform = QKV) -> Rule:  # fmt: skip
     """mcore ``linear_qkv`` (weight or bias) from separate q / k / v projections, interleaved per
-    query group, column-parallel."""
-    return rule(mcore, [q, k, v], tp_axis=0, transform=QKV, note=note, layer_kind=layer_kind)
+    query group (``transform``; a gated attention's q rows carry its gates too), column-parallel."""
+    return rule(mcore, [q, k, v], tp_axis=0, transform=transform, note=note, layer_kind=layer_kind)
 
 
 def fused_gate_up(mcore: str, *, gate: str, up: str, note: str = "", layer_kind: str = "all") -> Rule:

@@ -33,8 +33,8 @@ from typing import Sequence
 import torch
 
 from mcore_zoo.config.arch import ArchConfig
-from mcore_zoo.weights.dense import HF_LAYER, LAYER
-from mcore_zoo.weights.rules import QKV, Rule, Transform, TransformContext, WeightMap, replicated, row_parallel, rule
+from mcore_zoo.weights.dense import HF_LAYER, LAYER, attention_rules
+from mcore_zoo.weights.rules import Rule, Transform, TransformContext, WeightMap, replicated
 
 #: the input projections of each layout (:attr:`~mcore_zoo.config.arch.GatedDeltaNetSpec.projections`)
 PROJECTION_TENSORS = {
@@ -83,18 +83,12 @@ GATED_QKV = FuseGatedQKV()
 
 
 def gated_attention_rules(arch: ArchConfig) -> list[Rule]:
-    """The full-attention layers' rules: gated ``linear_qkv``, ``linear_proj``, q / k norms."""
-    a, m, kind = HF_LAYER + "self_attn.", LAYER + "self_attention.", "full_attention"
-    rules = [
-        rule(m + "linear_qkv.weight", [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"], tp_axis=0,
-             transform=GATED_QKV if arch.attention_output_gate else QKV, layer_kind=kind,
-             note="q_proj rows per head [query; gate] -> per group [queries; gates; key; value]"),  # fmt: skip
-        row_parallel(m + "linear_proj.weight", a + "o_proj.weight", layer_kind=kind),
-    ]
-    if arch.qk_norm:
-        rules.append(replicated(m + "q_layernorm.weight", a + "q_norm.weight", layer_kind=kind))
-        rules.append(replicated(m + "k_layernorm.weight", a + "k_norm.weight", layer_kind=kind))
-    return rules
+    """The full-attention layers' rules: the dense table's attention rules in those layers only, the
+    q rows laid out by :data:`GATED_QKV` when the attention gates its output."""
+    if not arch.attention_output_gate:
+        return attention_rules(arch, layer_kind="full_attention")
+    return attention_rules(arch, layer_kind="full_attention", qkv_transform=GATED_QKV,
+                           qkv_note="q_proj rows per head [query; gate] -> per group [queries; gates; key; value]")  # fmt: skip
 
 
 def gated_deltanet_rules(arch: ArchConfig) -> list[Rule]:
