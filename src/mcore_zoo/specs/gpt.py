@@ -205,6 +205,15 @@ def _fused_norm_keys(pieces: dict[str, Any]) -> dict[str, str]:
     return {"input_layernorm.": "self_attention.linear_qkv.layer_norm_", "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 
 
+def stage_layer_indices(config: Any, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None) -> range:
+    """The global indices of the layers one (virtual) pipeline stage builds under ``config``."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank))
+
+
 def gpt_layer_specs(
     arch: ArchConfig,
     backend: str,
@@ -218,10 +227,7 @@ def gpt_layer_specs(
 
     ``config`` is the ``TransformerConfig`` (it decides how many layers this stage builds).
     """
-    from megatron.core.transformer.transformer_block import (
-        TransformerBlockSubmodules,
-        get_num_layers_to_build,
-    )
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     if backend in ("local", "portable") and numerics.norm != "hf" and getattr(config, "sequence_parallel", False):
         raise ZooError(
@@ -233,14 +239,11 @@ def gpt_layer_specs(
         raise ZooError(f"{arch.architecture} has gated DeltaNet layers: build it with layer_spec="
                        "'mcore_zoo.plugin_api:hybrid_layer_specs' (mcore_zoo.families.gated_deltanet.spec)")  # fmt: skip
     layer = gpt_layer_spec(arch, backend, numerics)
-    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    layers = [layer] * count
+    indices = stage_layer_indices(config, vp_stage, pp_rank)
+    layers = [layer] * len(indices)
     if numerics.kernels == "vllm":
         layers = _vllm_first_layer(arch, layer, config, vp_stage, pp_rank, layers, numerics)
     if arch.moe is not None:  # MoE: per global layer index, the MoE or the dense MLP layer
-        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
         moe_layer = gpt_layer_spec(arch, backend, numerics, moe=True)
-        offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
-        layers = [moe_layer if arch.moe.is_moe_layer(offset + i) else layer for i in range(count)]
+        layers = [moe_layer if arch.moe.is_moe_layer(i) else layer for i in indices]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=_pieces(arch, backend, numerics)["final_norm"])

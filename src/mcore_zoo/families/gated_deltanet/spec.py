@@ -279,19 +279,18 @@ def hybrid_layer_specs(arch: ArchConfig, backend: str, numerics: NumericsProfile
     gated DeltaNet or the gated attention layer (``arch.gated_deltanet.layer_types``), each with the
     MoE block or the dense MLP (``arch.moe``); zero-centred norms where ``arch.zero_centered_norm``."""
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from mcore_zoo.specs.gpt import _pieces, gpt_layer_spec
+    from mcore_zoo.specs.gpt import _pieces, gpt_layer_spec, stage_layer_indices
 
     check_buildable(arch, backend, numerics)
     spec = arch.gated_deltanet
-    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     linear = ModuleSpec(module=gated_deltanet_class(), params={"spec": spec})
+    dense = gpt_layer_spec(arch, backend, numerics)
+    moe = gpt_layer_spec(arch, backend, numerics, moe=True) if arch.moe is not None else None
     layers = []
-    for index in range(offset, offset + count):
-        layer = gpt_layer_spec(arch, backend, numerics, moe=arch.moe is not None and arch.moe.is_moe_layer(index))
+    for index in stage_layer_indices(config, vp_stage, pp_rank):
+        layer = moe if moe is not None and arch.moe.is_moe_layer(index) else dense
         if spec.is_linear_layer(index):
             mixer = linear
         elif arch.attention_output_gate:
