@@ -133,11 +133,18 @@ class Registry:
                 metadata.entry_points(group=ENTRY_POINT_GROUP),
                 key=lambda ep: (self._dist_name(ep) != DISTRIBUTION, ep.name),
             )
+            # a source tree's own pyproject.toml is the built-in list of the code being imported; an
+            # installed distribution's metadata may be another tree's (PYTHONPATH=src over an install)
+            # or stale (an editable install made before an entry point was added). Built-ins register
+            # first, so that a third-party plugin cannot take a built-in's name.
+            declared = source_tree_entry_points() if self.builtins else None
+            if declared is not None:
+                self._load_source_tree_builtins(declared)
             seen_builtin = set()
             for ep in eps:
                 dist = self._dist_name(ep)
                 builtin = dist == DISTRIBUTION
-                if builtin and not self.builtins:
+                if builtin and (not self.builtins or declared is not None):
                     continue
                 record = PluginRecord(
                     name=ep.name,
@@ -153,25 +160,21 @@ class Registry:
                     self._remember(record)
                     continue
                 self._load_one(record, ep.load)
-            if self.builtins and not seen_builtin:
-                self._load_source_tree_builtins()
+            if self.builtins and declared is None and not seen_builtin:
+                record = PluginRecord(name="builtins", module="mcore_zoo.plugins", distribution=DISTRIBUTION,
+                                      version=f"{__version__} (not installed)", builtin=True, status="failed")  # fmt: skip
+                record.error = (
+                    "the built-in architectures are registered through mcore-zoo's entry points, and neither an"
+                    " installed mcore-zoo distribution nor the source tree's pyproject.toml provides them:"
+                    " install the package (pip install -e .)"
+                )
+                self._remember(record)
             return self
 
-    def _load_source_tree_builtins(self) -> None:
-        """No installed mcore-zoo distribution (a source tree on ``PYTHONPATH``): register the
-        built-ins from the entry points that the tree's own ``pyproject.toml`` declares - the same
-        single list an install would publish. Without that file, a recorded failure says what to do."""
-        declared = source_tree_entry_points()
-        if declared is None:
-            record = PluginRecord(name="builtins", module="mcore_zoo.plugins", distribution=DISTRIBUTION,
-                                  version=f"{__version__} (not installed)", builtin=True, status="failed")  # fmt: skip
-            record.error = (
-                "the built-in architectures are registered through mcore-zoo's entry points, and neither an"
-                " installed mcore-zoo distribution nor the source tree's pyproject.toml provides them:"
-                " install the package (pip install -e .)"
-            )
-            self._remember(record)
-            return
+    def _load_source_tree_builtins(self, declared: dict[str, str]) -> None:
+        """The imported package sits in a source tree (``PYTHONPATH=src``, an editable install):
+        register the built-ins from the entry points that the tree's own ``pyproject.toml`` declares -
+        the same single list an install would publish (``declared``: entry-point name -> module)."""
         for name, value in sorted(declared.items()):
             ep = metadata.EntryPoint(name=name, value=value, group=ENTRY_POINT_GROUP)
             record = PluginRecord(name=name, module=value, distribution=DISTRIBUTION,

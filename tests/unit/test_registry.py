@@ -208,3 +208,19 @@ def test_a_source_tree_without_an_installed_distribution_registers_the_declared_
     assert set(builtins) == set(declared)
     assert all(r.status == "loaded" and r.version.endswith("(source tree)") for r in builtins.values())
     assert "LlamaForCausalLM" in reg.architectures()
+
+
+def test_the_source_tree_list_wins_over_an_installed_distributions_metadata(monkeypatch):
+    """An installed mcore-zoo's entry points may be another tree's or stale (an editable install made
+    before a plugin was added): when the imported package sits in a source tree, that tree's
+    pyproject.toml decides which built-ins exist - nothing more, nothing less."""
+    import mcore_zoo.registry as registry
+
+    declared = registry.source_tree_entry_points()
+    assert declared, "the test suite runs from a source tree"
+    subset = {name: declared[name] for name in ("llama", "qwen3")}
+    monkeypatch.setattr(registry, "source_tree_entry_points", lambda: dict(subset))
+    reg = Registry().load()
+    builtins = {r.name for r in reg.plugins.values() if r.builtin}
+    assert builtins == set(subset)
+    assert "MixtralForCausalLM" not in reg.architectures()
