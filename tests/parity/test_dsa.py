@@ -1,13 +1,14 @@
-"""DeepSeek sparse attention (DeepSeek-V3.2) against the real transformers model, CPU fp32: the
+"""DeepSeek sparse attention (DeepSeek-V3.2, GLM-5) against the real transformers models, CPU fp32: the
 example's sequences are longer than ``index_topk``, so selection happens (transformers' logits
 change when every key is selected instead); a THD pack's indexer scores each sequence on its own
 keys only (the selection of a sequence in a pack equals its selection alone, and differs from a
 selection over the whole pack); the ``default`` profile (SDPA with the same selection) within a
 measured gap of transformers' eager attention, which ``hf-exact`` reproduces bitwise (the
-conformance suite's ``parity`` contract)."""
+conformance suite's ``parity`` contract); GLM-5.2's shared indexer layers refused by name."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import mcore_zoo
@@ -15,6 +16,8 @@ import mcore_zoo
 from ..conftest import random_sequences
 
 ARCH = "DeepseekV32ForCausalLM"
+#: DeepSeek-V3.2 (rotate-half indexer RoPE) and GLM-5 (interleaved indexer RoPE)
+ARCHS = [ARCH, "GlmMoeDsaForCausalLM"]
 #: ``default`` (SDPA over the selected keys) vs transformers' eager attention, relative to the
 #: largest logit: measured 1.3e-6 and 1.6e-6 on the example config (50 and 37 tokens; the fp32 softmax
 #: and products in SDPA's op order)
@@ -27,11 +30,12 @@ def _indexers(model):
     return [m for c in getattr(model, "chunks", [model]) for m in c.modules() if isinstance(m, LightningIndexer)]
 
 
-def test_selection_happens(mpu, reference_checkpoint, hf_reference):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_selection_happens(mpu, reference_checkpoint, hf_reference, arch):
     """The example's 50-token sequence is longer than index_topk (8): transformers' logits move when
     the indexer may keep every key - the parity contract compares a real selection."""
-    ckpt = reference_checkpoint(ARCH)
-    hf = hf_reference(ARCH, ckpt, "eager")
+    ckpt = reference_checkpoint(arch)
+    hf = hf_reference(arch, ckpt, "eager")
     seq = random_sequences([50], hf.config.vocab_size)[0]
     with torch.no_grad():
         sparse = hf(seq[None]).logits
@@ -68,13 +72,14 @@ def test_thd_indexer_selects_within_each_sequence(mpu, reference_checkpoint):
     assert crossing, "a whole-pack selection reaches back into the first sequence: the test would catch it"
 
 
-def test_thd_pack_equals_each_sequence_alone(mpu, reference_checkpoint, hf_reference):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_thd_pack_equals_each_sequence_alone(mpu, reference_checkpoint, hf_reference, arch):
     """A pack of sequences longer than index_topk, each against transformers on it alone (MoE packs
     within the MoE pack tolerance; a key taken from the other sequence would move them by O(0.1))."""
     from mcore_zoo.testing.common import MOE_PACK_REL_TOL, assert_same
 
-    ckpt = reference_checkpoint(ARCH)
-    hf = hf_reference(ARCH, ckpt, "eager")
+    ckpt = reference_checkpoint(arch)
+    hf = hf_reference(arch, ckpt, "eager")
     model = mcore_zoo.build_model(ckpt, backend="portable", numerics="hf-exact", load=ckpt).eval()
     seqs = random_sequences([44, 31, 17], hf.config.vocab_size, seed=3)
     with torch.no_grad():
@@ -98,3 +103,17 @@ def test_default_profile_gap(mpu, reference_checkpoint, hf_reference):
             gaps.append(((logits - ref).abs().max() / ref.abs().max()).item())
     print("default vs transformers eager, relative max |dlogit|:", gaps)
     assert max(gaps) <= DEFAULT_REL_GAP
+
+
+def test_glm_shared_indexer_layers_are_refused():
+    """GLM-5.2's cross-layer index sharing (``index_topk_freq``: ``shared`` layers reuse the previous
+    full layer's selection) is refused by name; GLM-5's all-``full`` schedule converts."""
+    from mcore_zoo.errors import ConfigError
+    from mcore_zoo.plugins.glm_moe_dsa import EXAMPLE_CONFIG
+    from mcore_zoo.registry import lookup
+
+    arch = lookup(EXAMPLE_CONFIG)
+    assert arch.config_from_hf(dict(EXAMPLE_CONFIG)).mla.indexer.rope_interleave
+    shared = dict(EXAMPLE_CONFIG, index_topk_freq=2, index_skip_topk_offset=1)
+    with pytest.raises(ConfigError, match="indexer_types"):
+        arch.config_from_hf(shared)

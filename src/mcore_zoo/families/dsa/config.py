@@ -57,3 +57,23 @@ def read_deepseek_dsa(reader: ConfigReader, *, indexer_rope_interleave: bool) ->
                                  " through the q latent (its indexer reads it)")  # fmt: skip
     dsa = read_dsa(reader, rope_dim=arch.mla.qk_rope_head_dim, num_layers=layers, rope_interleave=indexer_rope_interleave)
     return arch.replace(mla=dataclasses.replace(arch.mla, indexer=dsa))
+
+
+def read_glm_indexer_fields(reader: ConfigReader, num_layers: int) -> None:
+    """GLM-5's indexer fields: ``indexer_types`` must run the indexer in every layer (``shared`` layers,
+    which reuse the previous full layer's selection - GLM-5.2's ``index_topk_freq`` - are refused by
+    name), the schedule fields it is derived from are recorded as read through it, and
+    ``indexer_rope_interleave`` must say what transformers' GLM indexer computes (interleaved pairs)."""
+    types = reader.peek("indexer_types")
+    if types is not None and list(types) != ["full"] * num_layers:
+        raise reader.unsupported("indexer_types", types, "layers that reuse the previous full layer's top-k selection"
+                                 " ('shared': cross-layer index sharing) are not built; every layer must be 'full'")  # fmt: skip
+    reader.map("indexer_types", "every layer runs its own lightning indexer ('full')", None)
+    for name in ("index_topk_freq", "index_skip_topk_offset", "index_topk_pattern"):
+        reader.ignore(name, "read by transformers only to derive indexer_types, which is checked")
+    reader.expect("indexer_rope_interleave", lambda v: v is None or bool(v), default=None,
+                  reason="transformers' GLM-5 indexer always rotates interleaved pairs",
+                  detail="true: the indexer rotates interleaved pairs (what transformers' GLM-5 computes)")  # fmt: skip
+    reader.expect("index_share_for_mtp_iteration", lambda v: not v, default=None,
+                  reason="MTP depths that reuse the main model's selection are not built (each MTP layer runs its"
+                  " own indexer)", detail="absent / false: each MTP layer runs its own indexer")  # fmt: skip
