@@ -42,6 +42,10 @@ Groups:
   :class:`MLASpec`, :func:`read_mla`, :func:`read_deepseek` (a whole DeepSeek-V2 / V3 converter),
   :func:`read_remote_code_names`, :func:`mla_attention_rules`, :func:`deepseek_weight_map`; the MLA
   layer spec follows ``arch.mla``;
+* DeepSeek sparse attention (:mod:`mcore_zoo.families.dsa`) - :class:`DSASpec`, :func:`read_dsa`,
+  :func:`read_deepseek_dsa` (a whole DeepSeek-V3.2 / GLM-5 converter), :func:`read_glm_indexer_fields`
+  (GLM-5's ``indexer_types`` and indexer RoPE fields), :func:`indexer_rules`,
+  :func:`dsa_weight_map`; the DSA layer spec follows ``arch.mla.indexer``;
 * multi-token prediction (:mod:`mcore_zoo.families.mtp`) - :func:`read_mtp`; the MTP block and its
   rules follow ``arch.mtp_num_layers`` (:func:`decoder_weight_map` adds them);
 * gated DeltaNet (:mod:`mcore_zoo.families.gated_deltanet`) - :class:`GatedDeltaNetSpec`,
@@ -117,6 +121,13 @@ _LAZY = {
     "read_remote_code_names": "mcore_zoo.families.mla.config:read_remote_code_names",
     "mla_attention_rules": "mcore_zoo.families.mla.weights:mla_attention_rules",
     "deepseek_weight_map": "mcore_zoo.families.mla.weights:deepseek_weight_map",
+    # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5)
+    "DSASpec": "mcore_zoo.config.arch:DSASpec",
+    "read_dsa": "mcore_zoo.families.dsa.config:read_dsa",
+    "read_deepseek_dsa": "mcore_zoo.families.dsa.config:read_deepseek_dsa",
+    "read_glm_indexer_fields": "mcore_zoo.families.dsa.config:read_glm_indexer_fields",
+    "indexer_rules": "mcore_zoo.families.dsa.weights:indexer_rules",
+    "dsa_weight_map": "mcore_zoo.families.dsa.weights:dsa_weight_map",
     # multi-token prediction
     "read_mtp": "mcore_zoo.families.mtp.config:read_mtp",
     # gated DeltaNet (Qwen3-Next, Qwen3.5)

@@ -26,6 +26,8 @@ TOL = 1e-5  # the fp8 check (relative to its logits' scale)
 #: PP2: two layers per stage, the first dense; V3 with q_lora_rank, V2 without (its example)
 CASES = {
     "DeepseekV3ForCausalLM": {"num_hidden_layers": 4},
+    "DeepseekV32ForCausalLM": {"num_hidden_layers": 4},  # DSA: 23 and 40 tokens > index_topk 8
+    "GlmMoeDsaForCausalLM": {"num_hidden_layers": 4},
     "DeepseekV2ForCausalLM": {"num_hidden_layers": 4, "topk_method": "group_limited_greedy", "n_group": 4,
                               "topk_group": 2},  # fmt: skip
 }

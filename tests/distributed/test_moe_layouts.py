@@ -248,6 +248,8 @@ EP_CASES = {
     "Qwen2MoeForCausalLM": OVERRIDES,  # + the sigmoid-gated shared expert (dense TP)
     "MixtralForCausalLM": {"num_hidden_layers": 4},
     "Glm4MoeForCausalLM": {"num_hidden_layers": 4},  # + expert bias buffer, shared experts
+    "DeepseekV32ForCausalLM": {"num_hidden_layers": 4},  # + MLA with the DSA indexer (replicated)
+    "GlmMoeDsaForCausalLM": {"num_hidden_layers": 4},  # + the interleaved-RoPE indexer
 }
 
 

@@ -133,7 +133,8 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
     ),
     "registration": (
         "__init__.py", "entry.py", "hookspecs.py", "registry.py", "architecture.py", "plugin_api.py",
-        "plugins/__init__.py", "plugins/deepseek_v2.py", "plugins/deepseek_v3.py", "plugins/glm4_moe.py",
+        "plugins/__init__.py", "plugins/deepseek_v2.py", "plugins/deepseek_v3.py", "plugins/deepseek_v32.py",
+        "plugins/glm4_moe.py", "plugins/glm_moe_dsa.py",
         "plugins/llama.py", "plugins/mistral.py", "plugins/mixtral.py", "plugins/qwen2.py", "plugins/qwen2_moe.py",
         "plugins/qwen3.py", "plugins/qwen3_moe.py", "plugins/qwen3_next.py", "plugins/qwen3_5.py",
         "families/__init__.py", "families/*/__init__.py",

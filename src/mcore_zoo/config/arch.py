@@ -105,6 +105,27 @@ class MoESpec:
 
 
 @dataclass(frozen=True)
+class DSASpec:
+    """DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): a lightning indexer in each MLA layer picks
+    the keys every query attends to, as transformers' ``DeepseekV32Indexer`` computes it.
+
+    Per token: ``q = wq_b(q_resid)`` (``index_n_heads`` heads of ``index_head_dim``, ``q_resid``
+    the MLA's normalised q latent), ``k = LayerNorm(wk(x))`` (one key of ``index_head_dim``, norm
+    epsilon ``k_norm_eps``), RoPE on the first ``qk_rope_head_dim`` dims of both (rotate-half pairs,
+    or interleaved pairs when ``rope_interleave``), then ``score[s, t] = sum_h w[s, h] *
+    relu(q[s, h] . k[t] * index_head_dim ** -0.5)`` in fp32 with ``w = weights_proj(x) *
+    index_n_heads ** -0.5``; each query keeps the ``index_topk`` best causal keys of its own
+    sequence (all of them when it has fewer).
+    """
+
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    rope_interleave: bool = False
+    k_norm_eps: float = 1e-6
+
+
+@dataclass(frozen=True)
 class MLASpec:
     """Multi-head latent attention (DeepSeek-V2 / V3), as the HF model computes it.
 
@@ -127,6 +148,8 @@ class MLASpec:
     latent_norm_eps: float = 1e-6
     #: DeepSeek-V2: the rope pairs are rotated as complex numbers and stay interleaved
     rope_complex: bool = False
+    #: DeepSeek sparse attention's lightning indexer (DeepSeek-V3.2, GLM-5); ``None``: dense MLA
+    indexer: Optional[DSASpec] = None
 
     @property
     def q_head_dim(self) -> int:

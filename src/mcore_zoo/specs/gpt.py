@@ -150,6 +150,10 @@ def gpt_layer_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile, *,
         from ..families.mla.spec import mla_attention_spec
 
         attention = mla_attention_spec(arch, backend, numerics, attention_pieces)
+        if arch.mla.indexer is not None:  # DeepSeek sparse attention (mcore_zoo.families.dsa.spec)
+            from ..families.dsa.spec import dsa_attention_spec
+
+            attention = dsa_attention_spec(arch, backend, numerics, attention)
     else:
         attention = ModuleSpec(
             module=SelfAttention,

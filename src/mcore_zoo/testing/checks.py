@@ -162,6 +162,10 @@ import mcore_zoo
 name, dist = sys.argv[1], sys.argv[2]
 eps = [ep for ep in metadata.entry_points(group="mcore_zoo") if ep.name == name
        and (ep.dist is None or ep.dist.metadata["Name"] == dist)]
+if not eps:  # a built-in the source tree's pyproject.toml declares, as the registry reads it
+    from mcore_zoo.registry import ENTRY_POINT_GROUP, source_tree_entry_points
+    value = (source_tree_entry_points() or {}).get(name)
+    eps = [metadata.EntryPoint(name, value, ENTRY_POINT_GROUP)] if value else []
 before = set(sys.modules)
 plugin = eps[0].load()
 plugin.mcore_zoo_architectures()

@@ -85,9 +85,11 @@ def stage_hf_weights(
 
 def _local_tensor(step: RuleStep, *, meta: bool, grads: bool) -> Optional[torch.Tensor]:
     """What a step exports on this rank: its tensor (or gradient), detached, or a meta tensor of
-    its shape; ``None`` for a buffer in a gradient export."""
+    its shape; ``None`` for a buffer or a frozen parameter in a gradient export."""
     param = step.tensor()
     if grads and not isinstance(param, torch.nn.Parameter):  # a buffer (MoE expert_bias): no gradient
+        return None
+    if grads and not param.requires_grad:  # frozen (the DSA indexer, as transformers' no_grad): no gradient
         return None
     if meta:
         return torch.empty(param.shape, dtype=param.dtype, device="meta")

@@ -163,7 +163,8 @@ def _kv_down_class() -> Any:
 
 
 @functools.lru_cache(maxsize=None)
-def _attention_class() -> Any:
+def mla_attention_class() -> Any:
+    """The zoo's ``MLASelfAttention`` subclass (built once; DeepSeek sparse attention extends it)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear
     from megatron.core.transformer import multi_latent_attention as mla_module
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -298,7 +299,7 @@ def mla_attention_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile
     column, row = pieces["linear_qkv"], pieces["linear_proj"]
     down = ColumnParallelLinear  # MLA accepts only mcore's own classes for the down projections (no biases)
     return ModuleSpec(
-        module=_attention_class(),
+        module=mla_attention_class(),
         params={"attn_mask_type": AttnMaskType.causal, "arch": arch},
         submodules=MLASelfAttentionSubmodules(
             linear_q_proj=column,
