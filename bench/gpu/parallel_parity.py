@@ -98,7 +98,8 @@ def model_config(args: argparse.Namespace) -> dict[str, Any]:
         config.update(num_hidden_layers=args.layers)
         if "first_k_dense_replace" in config:  # keep at least one MoE layer
             config["first_k_dense_replace"] = min(config["first_k_dense_replace"], args.layers - 1)
-        config.update(RANDOM_WEIGHTS_CANNOT_CARRY)  # random weights: no FP8 blocks, no MTP layer
+        # random weights: no FP8 blocks, no MTP layer (fields only the configs that have them set)
+        config.update({k: v for k, v in RANDOM_WEIGHTS_CANNOT_CARRY.items() if config.get(k)})
         config.update(parse_set(args.set))
         args.arch = config["architectures"][0]
         return config
@@ -189,8 +190,8 @@ def _nbytes(ckpt: Any, name: str) -> int:
 def export_check(model: Any, ckpt: Any) -> dict[str, Any]:
     """Every rank takes part; rank 0 compares the export gathered to it with the checkpoint, tensor
     by tensor, bitwise (dtype and bytes). Returns ``{"export_bitwise": bool, "export_mismatches":
-    [...]}`` on rank 0 (names missing on either side, then differing tensors; at most 8), ``{}``
-    elsewhere."""
+    [...]}`` on rank 0 (names missing on either side, then differing tensors, "equal values" where
+    only the dtype differs; at most 8), ``{}`` elsewhere."""
     import mcore_zoo
 
     rank0 = dist.get_rank() == 0
@@ -204,8 +205,11 @@ def export_check(model: Any, ckpt: Any) -> dict[str, Any]:
             continue
         source = ckpt.read(name)
         got = tensor.cpu()
-        if got.dtype != source.dtype or got.shape != source.shape or not torch.equal(got, source):
-            differ.append(f"{name} ({got.dtype} {tuple(got.shape)} vs {source.dtype} {tuple(source.shape)})")
+        if got.dtype == source.dtype and got.shape == source.shape and torch.equal(got, source):
+            continue
+        same_values = got.shape == source.shape and torch.equal(got.to(source.dtype), source)
+        differ.append(f"{name} ({got.dtype} {tuple(got.shape)} vs {source.dtype} {tuple(source.shape)}"
+                      + (", equal values" if same_values else "") + ")")  # fmt: skip
     if not rank0:
         return {}
     names = ckpt.keys()
