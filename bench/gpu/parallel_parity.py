@@ -13,6 +13,12 @@ forward (``mcore_zoo.packed_forward``; pipeline / context parallel go through
 reference. The model is a random Llama (hidden 1024, 8 layers, GQA 16/4, sharp attention) written
 by rank 0 with ``mcore_zoo.parity.reference.write_reference_checkpoint``. Failures are recorded per
 layout (a failure on some ranks only can stall the job until the 10-minute process-group timeout).
+
+Per layout, besides the numbers: the export (``mcore_zoo.iter_hf_weights`` gathered to rank 0)
+against the checkpoint, bitwise; and what every rank read - bytes read (and, with data-parallel
+replicas, received by broadcast), and for an MoE model the routed-expert tensors it read: their
+share of all expert bytes (1 / (EP x expert-TP x PP) when a rank reads only its own experts) and
+any expert outside its own EP range.
 Writes ``parallel_parity.json`` and ``parallel_parity.md`` to ``--out``; exits 1 if any layout
 failed.
 
@@ -25,7 +31,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -90,7 +98,8 @@ def model_config(args: argparse.Namespace) -> dict[str, Any]:
         config.update(num_hidden_layers=args.layers)
         if "first_k_dense_replace" in config:  # keep at least one MoE layer
             config["first_k_dense_replace"] = min(config["first_k_dense_replace"], args.layers - 1)
-        config.update(RANDOM_WEIGHTS_CANNOT_CARRY)  # random weights: no FP8 blocks, no MTP layer
+        # random weights: no FP8 blocks, no MTP layer (fields only the configs that have them set)
+        config.update({k: v for k, v in RANDOM_WEIGHTS_CANNOT_CARRY.items() if config.get(k)})
         config.update(parse_set(args.set))
         args.arch = config["architectures"][0]
         return config
@@ -124,31 +133,133 @@ def write_checkpoint(args: argparse.Namespace, dtype: torch.dtype) -> str:
     return path[0]
 
 
-def run_layout(args: argparse.Namespace, ckpt: str, parallel: Any, dtype: torch.dtype, seqs: list[torch.Tensor]) -> dict[str, Any]:
-    """Build, load and run one layout on every rank; returns logits/logprobs (CPU, fp32) and timings."""
+#: a routed expert's tensor in an HF checkpoint (Qwen-MoE and DeepSeek ``mlp.experts.E.``, Mixtral
+#: ``block_sparse_moe.experts.E.``); group 1 is the expert index
+EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.")
+
+
+def counting_checkpoint(path: str) -> Any:
+    """The checkpoint at ``path`` as an ``HFCheckpoint`` that records, per tensor name, the bytes
+    each read returned (``.read_bytes``); ``load_hf_weights`` takes it in place of the path."""
+    from mcore_zoo.weights.io import HFCheckpoint
+
+    class CountingCheckpoint(HFCheckpoint):
+        def __init__(self, *a: Any, **k: Any) -> None:
+            super().__init__(*a, **k)
+            self.read_bytes: dict[str, int] = {}
+
+        def read(self, name: str, **kw: Any) -> torch.Tensor:
+            tensor = super().read(name, **kw)
+            self.read_bytes[name] = self.read_bytes.get(name, 0) + tensor.numel() * tensor.element_size()
+            return tensor
+
+        def read_into(self, name: str, out: torch.Tensor, **kw: Any) -> int:
+            n = super().read_into(name, out, **kw)
+            self.read_bytes[name] = self.read_bytes.get(name, 0) + n
+            return n
+
+    return CountingCheckpoint(path)
+
+
+def expert_reads(read_bytes: dict[str, int], ckpt: Any, num_experts: int) -> dict[str, Any]:
+    """This rank's routed-expert reads: bytes, their share of all expert bytes in the checkpoint,
+    and the expert indices read outside this rank's own EP range (experts ``[r * n / ep, (r + 1) * n
+    / ep)`` on EP rank ``r``, Megatron-Core's assignment). Empty for a model without experts."""
+    from megatron.core import parallel_state as ps
+
+    total = sum(_nbytes(ckpt, name) for name in ckpt.keys() if EXPERT_TENSOR.search(name))
+    if not total or not num_experts:
+        return {}
+    ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+    own = range(ep_rank * num_experts // ep, (ep_rank + 1) * num_experts // ep)
+    read = {name: n for name, n in read_bytes.items() if EXPERT_TENSOR.search(name)}
+    experts = {int(EXPERT_TENSOR.search(name).group(1)) for name in read}  # type: ignore[union-attr]
+    return {
+        "ep_rank": ep_rank,
+        "expert_bytes_read": sum(read.values()),
+        "expert_share": sum(read.values()) / total,
+        "experts_read": len(experts),
+        "foreign_experts": sorted(e for e in experts if e not in own),
+    }
+
+
+def _nbytes(ckpt: Any, name: str) -> int:
+    return math.prod(ckpt.shape(name)) * ckpt.dtype(name).itemsize
+
+
+def export_check(model: Any, ckpt: Any) -> dict[str, Any]:
+    """Every rank takes part; rank 0 compares the export gathered to it with the checkpoint, tensor
+    by tensor, bitwise (dtype and bytes). Returns ``{"export_bitwise": bool, "export_mismatches":
+    [...]}`` on rank 0 (names missing on either side, then differing tensors, "equal values" where
+    only the dtype differs; at most 8), ``{}`` elsewhere."""
+    import mcore_zoo
+
+    rank0 = dist.get_rank() == 0
+    seen: set[str] = set()
+    differ: list[str] = []
+    for name, tensor in mcore_zoo.iter_hf_weights(model, ranks=[0]):
+        if not rank0:
+            continue
+        seen.add(name)
+        if name not in ckpt:
+            continue
+        source = ckpt.read(name)
+        got = tensor.cpu()
+        if got.dtype == source.dtype and got.shape == source.shape and torch.equal(got, source):
+            continue
+        same_values = got.shape == source.shape and torch.equal(got.to(source.dtype), source)
+        differ.append(f"{name} ({got.dtype} {tuple(got.shape)} vs {source.dtype} {tuple(source.shape)}"
+                      + (", equal values" if same_values else "") + ")")  # fmt: skip
+    if not rank0:
+        return {}
+    names = ckpt.keys()
+    missing = [f"{n} (not exported)" for n in sorted(names - seen)] + [f"{n} (not in the checkpoint)" for n in sorted(seen - names)]
+    mismatches = missing + differ
+    return {"export_bitwise": not mismatches, "export_mismatches": mismatches[:8], "export_mismatch_count": len(mismatches)}
+
+
+def run_layout(args: argparse.Namespace, ckpt: str, parallel: Any, dtype: torch.dtype, seqs: list[torch.Tensor],
+               *, checks: bool = False) -> dict[str, Any]:  # fmt: skip
+    """Build, load and run one layout on every rank; returns logits/logprobs (CPU, fp32), timings and
+    this rank's reads. ``checks``: also the export against the checkpoint (:func:`export_check`)
+    and the expert reads (:func:`expert_reads`)."""
     import mcore_zoo
     from mcore_zoo.parallel import ensure_model_parallel
 
     ensure_model_parallel(parallel)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    t0 = time.perf_counter()
-    model = mcore_zoo.build_model(ckpt, backend=args.backend, numerics=args.numerics, params_dtype=dtype, parallel=parallel)
-    report = mcore_zoo.load_hf_weights(model, ckpt)
-    sync()
-    t1 = time.perf_counter()
-    for chunk in model if isinstance(model, list) else [model]:
-        chunk.eval()
-    with torch.no_grad():
-        out = mcore_zoo.packed_forward(model, [s.to(args.device) for s in seqs])
-    sync()
-    t2 = time.perf_counter()
-    return {
-        "logits": [l.float().cpu() for l in out.logits],
-        "logprobs": [l.float().cpu() for l in out.logprobs],
-        "load_s": t1 - t0,
-        "forward_s": t2 - t1,
-        "bytes_read": report.bytes_read,
-    }
+    source = counting_checkpoint(ckpt)
+    try:
+        t0 = time.perf_counter()
+        model = mcore_zoo.build_model(ckpt, backend=args.backend, numerics=args.numerics, params_dtype=dtype, parallel=parallel)
+        report = mcore_zoo.load_hf_weights(model, source)
+        sync()
+        t1 = time.perf_counter()
+        for chunk in model if isinstance(model, list) else [model]:
+            chunk.eval()
+        with torch.no_grad():
+            out = mcore_zoo.packed_forward(model, [s.to(args.device) for s in seqs])
+        sync()
+        t2 = time.perf_counter()
+        result = {
+            "logits": [l.float().cpu() for l in out.logits],
+            "logprobs": [l.float().cpu() for l in out.logprobs],
+            "load_s": t1 - t0,
+            "forward_s": t2 - t1,
+            "reads": {"bytes_read": report.bytes_read, "bytes_received": report.bytes_received},
+        }
+        if checks:
+            result["reads"].update(expert_reads(source.read_bytes, source, _num_experts(args)))
+            del out
+            result.update(export_check(model, source))
+        return result
+    finally:
+        source.close()
+
+
+def _num_experts(args: argparse.Namespace) -> int:
+    m = model_config(args)
+    return int(m.get("num_experts") or m.get("num_local_experts") or m.get("n_routed_experts") or 0)
 
 
 def compare(got: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
@@ -212,8 +323,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             entry["error"] = f"world size {world} does not fit"
         else:
             try:
-                got = run_layout(args, ckpt, Parallelism(tp=tp, pp=pp, vpp=vpp, cp=cp, sequence_parallel=sp, ep=ep), dtype, seqs)
-                entry.update(compare(got, reference), load_s=got["load_s"], forward_s=got["forward_s"], bytes_read_rank=got["bytes_read"])
+                got = run_layout(args, ckpt, Parallelism(tp=tp, pp=pp, vpp=vpp, cp=cp, sequence_parallel=sp, ep=ep), dtype, seqs,
+                                 checks=True)  # fmt: skip
+                entry.update(compare(got, reference), load_s=got["load_s"], forward_s=got["forward_s"], reads=got["reads"])
+                entry.update({k: v for k, v in got.items() if k.startswith("export_")})
             except Exception as exc:
                 entry["error"] = f"{type(exc).__name__}: {exc}"
                 entry["traceback"] = traceback.format_exc()
@@ -249,6 +362,9 @@ def _release_memory(args: argparse.Namespace) -> None:
 def _merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """One entry per layout: rank 0's numbers, the worst over ranks, every rank's error."""
     merged = dict(per_rank[0])
+    merged.pop("reads", None)
+    if all("reads" in e for e in per_rank):
+        merged["reads_per_rank"] = [e["reads"] for e in per_rank]
     for key in ("max_abs_dlogit", "max_abs_dlogp", "mean_abs_dlogp"):
         values = [e[key] for e in per_rank if key in e]
         if values:
@@ -299,7 +415,30 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {name} | {e['max_abs_dlogit']:.3g} | {e['mean_abs_dlogp']:.3g} | {e['max_abs_dlogp']:.3g}"
             f" | {100 * e['top1_agreement']:.2f}% | {e['load_s']:.2f} | {e['forward_s']:.3f} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + reads_table(results)) + "\n"
+
+
+def reads_table(results: dict[str, Any]) -> list[str]:
+    """The export check and every rank's reads, one row per layout that ran."""
+    ran = {n: e for n, e in results["layouts"].items() if "reads_per_rank" in e}
+    if not ran:
+        return []
+    moe = any("expert_share" in r for e in ran.values() for r in e["reads_per_rank"])
+    lines = ["", "Export gathered to rank 0 vs the checkpoint (bitwise), and each rank's reads"
+             + (" (routed experts: share of all expert bytes, experts outside the rank's EP range)" if moe else "")
+             + ":", "",
+             "| layout | export | GB read per rank | GB received per rank |" + (" expert share per rank | foreign experts |" if moe else ""),
+             "| --- | --- | --- | --- |" + (" --- | --- |" if moe else "")]  # fmt: skip
+    for name, e in ran.items():
+        reads = e["reads_per_rank"]
+        export = "bitwise" if e.get("export_bitwise") else f"{e.get('export_mismatch_count', '?')} differ: `{'; '.join(e.get('export_mismatches', []))[:160]}`"
+        per_rank = lambda key, fmt: " / ".join(format(r.get(key, 0) / (1e9 if "bytes" in key else 1), fmt) for r in reads)  # noqa: E731
+        row = f"| {name} | {export} | {per_rank('bytes_read', '.3g')} | {per_rank('bytes_received', '.3g')} |"
+        if moe:
+            foreign = sum(len(r.get("foreign_experts", [])) for r in reads)
+            row += f" {per_rank('expert_share', '.3f')} | {foreign or 'none'} |"
+        lines.append(row)
+    return lines
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@
 # profile at more seeds), moe-exact (hf-exact MoE vs transformers), grouped (TE grouped-GEMM experts)
 # mla (DeepSeek-V3, te), profile-sdpa (hf-exact-sdpa on te: distance and speed) and two-gpu (refit
 # at TP2, DeepSeek-V3 EP2 / TP2; 2 GPUs), vllm-exact-tp2 (vllm-exact at TP2 against a TP2 engine;
-# 2 GPUs). RUN_GPU picks the GPU of the single-GPU on-request phases.
+# 2 GPUs), four-gpu (four-gpu-moe: Qwen3-30B-A3B and Mixtral-8x7B at EP2 / EP4 / TP2 x EP2 /
+# PP2 x EP2; four-gpu-mla: DeepSeek-V3 at EP4 / TP2 x EP2; four-gpu-tp4: a Llama-3.1-8B-shaped
+# model at TP4, te and local hf-exact; 4 GPUs). RUN_GPU picks the GPU of the single-GPU on-request phases.
 # Each job logs to OUT/logs/; a failing (or, past its time limit, killed) job is recorded and the
 # others go on. Limits: JOB_TIMEOUT (single-GPU jobs, default 420 s), MULTI_TIMEOUT (torchrun jobs,
 # default 240 s: a layout failing on some ranks only would otherwise wait for NCCL's timeout).
@@ -18,6 +20,8 @@ set -uo pipefail
 out=${1:?usage: run_all.sh OUT [single|speed|multi]...}
 shift
 phases=${*:-reports checks speed multi}
+phases=$(for p in $phases; do [[ $p == four-gpu ]] && echo four-gpu-moe four-gpu-mla four-gpu-tp4 || echo "$p"; done)
+phases=$(echo $phases)  # one line, single spaces: the phase tests below match " name "
 mkdir -p "$out/logs"
 py=${PYTHON:-python3}
 ngpu=$($py -c 'import torch; print(torch.cuda.device_count())')
@@ -188,6 +192,34 @@ if [[ " $phases " == *" vllm-exact-tp2 "* ]] && (( ngpu >= 2 )); then
     tr 2 bench/gpu/vllm_exact_tp.py --arch "$arch" --grads "$grads" --out "$out/vllm-exact-tp2/$arch.json" > "$out/logs/vllm-exact-tp2-$arch.log" 2>&1
     echo "vllm-exact-tp2-$arch exit $?" >> "$out/logs/status"
   done
+fi
+
+if (( ngpu >= 4 )); then
+  tr() { local n=$1; shift; timeout "${MULTI_TIMEOUT:-240}" $py -m torch.distributed.run --standalone --nproc_per_node "$n" "$@"; }
+  # published configs at full width, 2 layers, te bf16, each layout vs the same model on one GPU,
+  # with the export (bitwise) and every rank's reads (an EP rank reads only its own experts)
+  if [[ " $phases " == *" four-gpu-moe "* ]]; then
+    for cfg in ${FOUR_GPU_MOE_CONFIGS:-qwen3-30b-a3b mixtral-8x7b-v0.1}; do
+      MULTI_TIMEOUT=${MOE_TIMEOUT:-300} tr 4 bench/gpu/parallel_parity.py --config ".gpu/cfg/$cfg.json" --layers 2 \
+          --layouts ep2,ep4,tp2-sp-ep2,pp2-ep2 --out "$out/four-gpu-$cfg" > "$out/logs/four-gpu-$cfg.log" 2>&1
+      echo "four-gpu-$cfg exit $?" >> "$out/logs/status"
+    done
+  fi
+  if [[ " $phases " == *" four-gpu-mla "* ]]; then
+    # DeepSeek-V3 (MLA): one dense and one MoE layer, 64 of its 256 routed experts
+    MULTI_TIMEOUT=${MLA_TIMEOUT:-420} tr 4 bench/gpu/parallel_parity.py --config "${MLA_CONFIG:-.gpu/cfg/deepseek-v3.json}" \
+        --layers 2 --set n_routed_experts=64 --layouts ep4,tp2-sp-ep2 --out "$out/four-gpu-mla" > "$out/logs/four-gpu-mla.log" 2>&1
+    echo "four-gpu-mla exit $?" >> "$out/logs/status"
+  fi
+  if [[ " $phases " == *" four-gpu-tp4 "* ]]; then
+    # Llama-3.1-8B's width (hidden 4096, 32/8 heads, vocab 128256), TP4_LAYERS of its 32 layers
+    llama=(--config "${TP4_CONFIG:-.gpu/cfg/llama-3.1-8b.json}" --layers "${TP4_LAYERS:-8}" --layouts tp4)
+    tr 4 bench/gpu/parallel_parity.py "${llama[@]}" --out "$out/four-gpu-tp4-te" > "$out/logs/four-gpu-tp4-te.log" 2>&1
+    echo "four-gpu-tp4-te exit $?" >> "$out/logs/status"
+    tr 4 bench/gpu/parallel_parity.py "${llama[@]}" --backend local --numerics hf-exact \
+        --out "$out/four-gpu-tp4-hf-exact" > "$out/logs/four-gpu-tp4-hf-exact.log" 2>&1
+    echo "four-gpu-tp4-hf-exact exit $?" >> "$out/logs/status"
+  fi
 fi
 
 if [[ " $phases " == *" seeds "* ]]; then

@@ -1,5 +1,7 @@
 """``bench/gpu/parallel_parity.py`` (the multi-GPU parity job) runs under torchrun on CPU (gloo,
-portable backend, fp32) and reports every layout; a layout that cannot run is recorded, not fatal."""
+portable backend, fp32) and reports every layout; a layout that cannot run is recorded, not fatal.
+Each layout's export is checked against the checkpoint (bitwise) and each rank's reads are recorded:
+an EP rank reads only its own experts."""
 
 from __future__ import annotations
 
@@ -33,6 +35,36 @@ def test_parallel_parity_script_under_torchrun_on_cpu(tmp_path):
         # scale (measured 1.1e-5 absolute at a largest logit of 5.1 on one CPU, 2.2e-6 relative)
         assert entry["max_abs_dlogit"] <= 1e-5 * max(1.0, entry["max_abs_logit"]), (name, entry)
         assert entry["top1_agreement"] == 1.0, (name, entry)
+        assert entry["export_bitwise"], (name, entry["export_mismatches"])
+        assert len(entry["reads_per_rank"]) == 2 and entry["reads_per_rank"][0]["bytes_read"] > 0, (name, entry)
     assert "does not fit" in str(report["layouts"]["tp4"]["error"])
     table = (tmp_path / "parallel_parity.md").read_text()
     assert "| cp2 |" in table and "| tp4 | failed" in table
+    assert "| pp2 | bitwise |" in table
+
+
+def _torchrun(nproc: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            "bench/gpu/parallel_parity.py", *args]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_parallel_parity_script_expert_layouts_on_four_cpu_ranks(tmp_path):
+    """EP4 and TP2 x EP2 on 4 gloo ranks: within fp32 rounding of one process, the export bitwise,
+    and every rank reads a quarter of the expert bytes (EP4: its 1/4 of the experts; TP2 x EP2: its
+    TP half of its EP half), none outside its EP range."""
+    cmd = _torchrun(4, "--device", "cpu", "--tiny", "--arch", "Qwen3MoeForCausalLM", "--layouts", "ep4,tp2-sp-ep2",
+                    "--lengths", "37,64,20", "--out", str(tmp_path))  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads((tmp_path / "parallel_parity.json").read_text())
+    for name in ("ep4", "tp2-sp-ep2"):
+        entry = report["layouts"][name]
+        assert entry["max_abs_dlogit"] <= 1e-5 * max(1.0, entry["max_abs_logit"]), (name, entry)
+        assert entry["export_bitwise"], (name, entry["export_mismatches"])
+        reads = entry["reads_per_rank"]
+        assert [r["expert_share"] for r in reads] == [0.25] * 4, (name, reads)
+        assert all(r["foreign_experts"] == [] for r in reads), (name, reads)
+    assert sorted(r["ep_rank"] for r in report["layouts"]["ep4"]["reads_per_rank"]) == [0, 1, 2, 3]
+    assert "| ep4 | bitwise |" in (tmp_path / "parallel_parity.md").read_text()
