@@ -171,6 +171,8 @@ def transformer_config_kwargs(arch: ArchConfig, options: BuildOptions) -> dict[s
         kwargs.update(moe.moe_config_kwargs(arch, cuda=not options.cpu, grouped_experts=grouped))
     if arch.mtp_num_layers:  # multi-token prediction (mcore_zoo.families.mtp.spec): the block on the last stage
         kwargs["mtp_num_layers"] = arch.mtp_num_layers
+    if arch.attention_sinks:  # gpt-oss: a learned sink logit per head (core_attention.softmax_offset)
+        kwargs["softmax_type"] = "learnable"
     if arch.attention_output_gate:  # Qwen3-Next: the query projection carries a sigmoid output gate
         kwargs["attention_output_gate"] = True
     kwargs.update(arch.extra_transformer_config)
