@@ -67,6 +67,8 @@ def load_hf_weights(
         ckpt = open_hf_checkpoint(checkpoint, handle.arch_config, allow_torch_load=allow_torch_load)
     else:
         ckpt = dequantizing_view(checkpoint, handle.arch_config)
+    if quantization is not None and quantization.get("quant_method") == "mxfp4":
+        handle.mxfp4_source = ckpt  # which tensors were MXFP4 blocks (export)
     if quantization is not None and quantization.get("quant_method") == "fp8":
         handle.fp8_source = ckpt  # which tensors were quantized, and their scales (export)
     try:

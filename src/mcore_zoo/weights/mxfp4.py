@@ -17,7 +17,7 @@ written back byte for byte, and the tests' way of building an MXFP4 checkpoint).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -138,3 +138,36 @@ class Mxfp4Checkpoint:
 
     def close(self) -> None:
         self.inner.close()
+
+
+def mxfp4_export(source: Any) -> Callable[[Iterable[tuple[str, torch.Tensor]]], Iterator[tuple[str, torch.Tensor]]]:
+    """The re-quantization of export items into the MXFP4 checkpoint ``source`` (the
+    :class:`Mxfp4Checkpoint` view a model was loaded through): each tensor that was stored as
+    blocks becomes ``X_blocks`` / ``X_scales`` again (:func:`quantize_mxfp4`), the rest pass as they
+    are. Raises before anything is exported for a model not loaded from an MXFP4 checkpoint."""
+    if source is None:
+        raise ZooError("save_hf_checkpoint(mxfp4=True) writes the MXFP4 format of the checkpoint the model was loaded"
+                       " from; this model was not loaded from an MXFP4 checkpoint")  # fmt: skip
+    quantized = set(source.quantized)
+
+    def quantize(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in items:
+            if name not in quantized:
+                yield name, tensor
+                continue
+            try:
+                blocks, scales = quantize_mxfp4(tensor)
+            except ZooError as exc:
+                raise ZooError(f"save_hf_checkpoint(mxfp4=True): {name!r}: {exc}") from exc
+            yield name + BLOCKS_SUFFIX, blocks
+            yield name + SCALES_SUFFIX, scales
+
+    return quantize
+
+
+def mxfp4_names(names: set[str], source: Any) -> set[str]:
+    """The HF tensor names an MXFP4 export of ``source``'s format writes, from the unquantized ones."""
+    if source is None:
+        return set(names)
+    quantized = set(source.quantized) & names
+    return (names - quantized) | {n + s for n in quantized for s in (BLOCKS_SUFFIX, SCALES_SUFFIX)}

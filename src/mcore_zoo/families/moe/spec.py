@@ -564,6 +564,22 @@ def hf_shared_experts_class() -> type:
 
 
 
+def mark_expert_data_parallel(model: torch.nn.Module, config: Any) -> None:
+    """Mark the routed experts' parameters as Megatron-Core marks expert-parallel ones
+    (``allreduce=False``) when they are split over fewer tensor-parallel ranks than the dense layers
+    (``expert_tensor_parallel_size < tensor_model_parallel_size``, e.g. gpt-oss's experts with
+    biases at expert-TP 1) without expert parallelism, where Megatron-Core leaves them marked as
+    dense. Under sequence parallelism each TP rank's experts see only that rank's tokens, so their
+    gradients are summed over the expert data-parallel group (which holds those TP peers) - what a
+    DDP wrapper and the zoo's own gradient reduction do for parameters so marked."""
+    etp = config.expert_tensor_parallel_size or config.tensor_model_parallel_size
+    if config.num_moe_experts is None or config.expert_model_parallel_size > 1 or etp >= config.tensor_model_parallel_size:
+        return
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in f".{name}":
+            param.allreduce = False
+
+
 def moe_mlp_submodule(arch: ArchConfig, pieces: dict[str, Any], router: str,
                       experts: str = "grouped_mm", grouped: bool = False) -> Any:  # fmt: skip
     """The ``TransformerLayerSubmodules.mlp`` value of an MoE layer (this Megatron-Core version's
