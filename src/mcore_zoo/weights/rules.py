@@ -309,6 +309,13 @@ class StackedExpert(Transform):
         return (1 - (hf_axis - 1)) if self.transpose else hf_axis - 1
 
 
+def interleave_halves(tensor: torch.Tensor) -> torch.Tensor:
+    """``[a; b]`` rows (``[2n, ...]``) -> alternating ``a_0, b_0, a_1, b_1, ...`` rows (a copy):
+    Megatron-Core's ``[gate; up]`` in transformers' gpt-oss order."""
+    half = tensor.shape[0] // 2
+    return tensor.reshape(2, half, *tensor.shape[1:]).transpose(0, 1).reshape(tensor.shape)
+
+
 class StackedGateUpColumns(Transform):
     """One expert's slice of transformers' stacked ``gate_up_proj [E, H, 2I]`` (gate and up in
     alternating columns: ``x @ w`` gives ``gate_0, up_0, gate_1, ...``) or ``gate_up_proj_bias
@@ -324,8 +331,7 @@ class StackedGateUpColumns(Transform):
         return torch.cat([rows[0::2], rows[1::2]], dim=0)
 
     def split(self, tensor: torch.Tensor, ctx: TransformContext) -> list[torch.Tensor]:
-        half = tensor.shape[0] // 2
-        rows = tensor.reshape(2, half, *tensor.shape[1:]).transpose(0, 1).reshape(tensor.shape)
+        rows = interleave_halves(tensor)
         piece = rows.t() if rows.dim() == 2 else rows
         return [piece.contiguous().unsqueeze(0)]
 

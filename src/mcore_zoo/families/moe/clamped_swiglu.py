@@ -22,13 +22,7 @@ import torch
 
 from mcore_zoo.config.arch import ClampedSwiGLU
 from mcore_zoo.placement import group_size
-
-
-def interleave_gate_up(tensor: torch.Tensor) -> torch.Tensor:
-    """Megatron-Core's ``[gate; up]`` rows (``[2I, ...]``) -> transformers' alternating ``gate_0,
-    up_0, gate_1, ...`` rows (a copy)."""
-    half = tensor.shape[0] // 2
-    return tensor.reshape(2, half, *tensor.shape[1:]).transpose(0, 1).reshape(tensor.shape)
+from mcore_zoo.weights.rules import interleave_halves
 
 
 def clamped_swiglu(gate_up: torch.Tensor, swiglu: ClampedSwiGLU) -> torch.Tensor:
@@ -48,7 +42,7 @@ def clamped_swiglu_expert(expert: Any, rows: torch.Tensor, swiglu: ClampedSwiGLU
     if (group is not None and group_size(group) != 1) or fc1.bias is None or fc2.bias is None:
         output, bias = expert(rows)
         return output if bias is None else output + bias
-    up_weight = interleave_gate_up(fc1.weight).t().contiguous()  # [H, 2I], transformers' gate_up_proj
-    gate_up = rows @ up_weight + interleave_gate_up(fc1.bias)
+    up_weight = interleave_halves(fc1.weight).t().contiguous()  # [H, 2I], transformers' gate_up_proj
+    gate_up = rows @ up_weight + interleave_halves(fc1.bias)
     down_weight = fc2.weight.t().contiguous()  # [I, H], transformers' down_proj
     return clamped_swiglu(gate_up, swiglu) @ down_weight + fc2.bias

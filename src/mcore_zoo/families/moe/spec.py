@@ -90,10 +90,17 @@ def hf_topk_routing(logits: torch.Tensor, moe: MoESpec,
         weights = weights / denominator
     if moe.topk_scaling_factor is not None:
         weights = weights * moe.topk_scaling_factor
-    _LOCAL.topk_indices = top_indices  # the combine's slot order (grouped_mm: HF's top-k order)
+    return _routing_tensors(weights, top_indices, num_experts, moe)
+
+
+def _routing_tensors(weights: torch.Tensor, top_indices: torch.Tensor, num_experts: int,
+                     moe: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(routing_probs [T, E], routing_map [T, E])`` from the chosen experts' weights ``[T, k]``
+    (cast to the probs dtype); records the top-k indices (the combine's slot order: HF's)."""
+    _LOCAL.topk_indices = top_indices
     probs_dtype = torch.float32 if moe.probs_dtype == "fp32" else _LOCAL.hidden_dtype
     weights = weights.to(probs_dtype)
-    zeros = torch.zeros(num_tokens, num_experts, dtype=probs_dtype, device=logits.device)
+    zeros = torch.zeros(weights.shape[0], num_experts, dtype=probs_dtype, device=weights.device)
     routing_probs = zeros.scatter(1, top_indices, weights)
     routing_map = torch.zeros_like(zeros, dtype=torch.int32).scatter(1, top_indices, 1).bool()
     return routing_probs, routing_map
@@ -102,7 +109,7 @@ def hf_topk_routing(logits: torch.Tensor, moe: MoESpec,
 def _softmax_over_topk(logits: torch.Tensor, moe: MoESpec, router_replay: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`hf_topk_routing` of a gpt-oss router: ``top, idx = topk(logits, k)``,
     ``weights = softmax(top, dtype=logits.dtype)``, cast to the probs dtype."""
-    num_tokens, num_experts = logits.shape
+    num_experts = logits.shape[1]
 
     def select(values: torch.Tensor, topk: int, num_groups: Optional[int] = None,
                group_topk: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -113,13 +120,7 @@ def _softmax_over_topk(logits: torch.Tensor, moe: MoESpec, router_replay: Any = 
     else:
         _, top_indices = router_replay.get_replay_topk(logits, moe.top_k, None, None, select)
     weights = torch.softmax(logits.gather(1, top_indices), dim=1, dtype=logits.dtype)
-    _LOCAL.topk_indices = top_indices
-    probs_dtype = torch.float32 if moe.probs_dtype == "fp32" else _LOCAL.hidden_dtype
-    weights = weights.to(probs_dtype)
-    zeros = torch.zeros(num_tokens, num_experts, dtype=probs_dtype, device=logits.device)
-    routing_probs = zeros.scatter(1, top_indices, weights)
-    routing_map = torch.zeros_like(zeros, dtype=torch.int32).scatter(1, top_indices, 1).bool()
-    return routing_probs, routing_map
+    return _routing_tensors(weights, top_indices, num_experts, moe)
 
 
 def _install() -> None:
