@@ -24,7 +24,7 @@ from .architecture import Architecture
 from .config.arch import ArchConfig
 from .config.rope import inv_freq
 from .config.transformer import (
-    BuildOptions, gpt_model_kwargs, transformer_config_class, transformer_config_kwargs, validate_layout,
+    BuildOptions, default_expert_tp, gpt_model_kwargs, transformer_config_class, transformer_config_kwargs, validate_layout,
 )  # fmt: skip
 from .errors import ZooError
 from .handle import ModelHandle
@@ -151,6 +151,10 @@ class BuildPlan:
 
             model.output_layer = ValueHead(self.transformer_config, options.value_head_init)
         _cast_parameters(model, options.params_dtype)
+        if arch.moe is not None:
+            from .families.moe.spec import mark_expert_data_parallel
+
+            mark_expert_data_parallel(model, self.transformer_config)
         install_rope(model, arch, options.numerics)
         if options.numerics.kernels == "vllm":  # the output layer and RoPE on vLLM's kernels
             from .specs.vllm_exact import install
@@ -184,7 +188,7 @@ def prepare(source: Any, request: Optional[BuildRequest] = None, /, **options: A
         raise ZooError(f"{arch.architecture}: a value head has no multi-token prediction; drop the MTP layers"
                        " with ignore_fields={'num_nextn_predict_layers': reason}")  # fmt: skip
     cuda = torch.cuda.is_available()
-    parallel = req.parallel if req.parallel is not None else Placement.current().parallel
+    parallel = default_expert_tp(arch, req.parallel) if req.parallel is not None else Placement.current().parallel
     if req.make_vocab_size_divisible_by is not None:  # Megatron's padded vocabulary (mcore_zoo.vocab)
         arch = arch.replace(padded_vocab_size=padded_vocab_size(arch.vocab_size, req.make_vocab_size_divisible_by, parallel.tp))
     validate_layout(arch, parallel)

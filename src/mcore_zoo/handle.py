@@ -56,6 +56,7 @@ class ModelHandle:
     placement: Placement
     hf_source: Optional[str] = None  # the HF checkpoint directory the weights were loaded from
     fp8_source: Any = None  # the Fp8Checkpoint view an FP8 checkpoint was loaded through (plan, scales)
+    mxfp4_source: Any = None  # the Mxfp4Checkpoint view an MXFP4 checkpoint was loaded through (its names)
     _chunks: dict[int, torch.nn.Module] = field(default_factory=dict, repr=False)
     _weight_map: Optional[WeightMap] = field(default=None, repr=False)
     _bound: dict[int, list[BoundRule]] = field(default_factory=dict, repr=False)

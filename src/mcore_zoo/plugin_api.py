@@ -35,9 +35,12 @@ Groups:
 * mixture of experts (:mod:`mcore_zoo.families.moe`) - the readers :func:`read_expert_counts`,
   :func:`read_sparse_layers`, :func:`read_aux_loss`, :func:`read_no_jitter`,
   :func:`read_shared_experts`, :func:`read_expert_groups`, :func:`read_grouped_sigmoid_router`
-  (GLM-4.5 / DeepSeek-V3's router, a whole :class:`MoESpec`); the rules :func:`routed_expert_rules`,
-  :func:`shared_expert_rules`, :func:`router_expert_bias_rule`, :func:`deepseek_moe_rules` and the
-  table :func:`moe_decoder_weight_map` (Qwen-MoE naming); the MoE layer spec follows ``arch.moe``;
+  (GLM-4.5 / DeepSeek-V3's router, a whole :class:`MoESpec`), :func:`read_clamped_swiglu` and
+  :func:`read_mxfp4_experts` (gpt-oss's experts and MXFP4 checkpoints); the rules
+  :func:`routed_expert_rules`, :func:`shared_expert_rules`, :func:`router_expert_bias_rule`,
+  :func:`deepseek_moe_rules`, :func:`stacked_expert_rules` (experts stacked in one HF tensor per
+  projection), :func:`sink_rule` (attention sinks) and the tables :func:`moe_decoder_weight_map`
+  (Qwen-MoE naming) and :func:`gpt_oss_weight_map`; the MoE layer spec follows ``arch.moe``;
 * multi-head latent attention and the DeepSeek decoder (:mod:`mcore_zoo.families.mla`) -
   :class:`MLASpec`, :func:`read_mla`, :func:`read_deepseek` (a whole DeepSeek-V2 / V3 converter),
   :func:`read_remote_code_names`, :func:`mla_attention_rules`, :func:`deepseek_weight_map`; the MLA
@@ -109,6 +112,11 @@ _LAZY = {
     "read_shared_experts": "mcore_zoo.families.moe.config:read_shared_experts",
     "read_expert_groups": "mcore_zoo.families.moe.config:read_expert_groups",
     "read_grouped_sigmoid_router": "mcore_zoo.families.moe.config:read_grouped_sigmoid_router",
+    "read_clamped_swiglu": "mcore_zoo.families.moe.config:read_clamped_swiglu",
+    "read_mxfp4_experts": "mcore_zoo.families.moe.config:read_mxfp4_experts",
+    "stacked_expert_rules": "mcore_zoo.families.moe.weights:stacked_expert_rules",
+    "sink_rule": "mcore_zoo.families.moe.weights:sink_rule",
+    "gpt_oss_weight_map": "mcore_zoo.families.moe.weights:gpt_oss_weight_map",
     "routed_expert_rules": "mcore_zoo.families.moe.weights:routed_expert_rules",
     "shared_expert_rules": "mcore_zoo.families.moe.weights:shared_expert_rules",
     "router_expert_bias_rule": "mcore_zoo.families.moe.weights:router_expert_bias_rule",

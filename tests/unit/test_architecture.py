@@ -128,6 +128,7 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
     ),
     "single rank": (
         "weights/io.py", "weights/pread.py", "weights/load.py", "weights/export.py", "weights/tied.py", "weights/fp8.py",
+        "weights/mxfp4.py",
         "packing.py", "numerics/gemm.py", "kernels/__init__.py", "kernels/copy_runs.py", "kernels/logprob_rows.py",
         "kernels/vllm_ops.py",
     ),
@@ -137,13 +138,14 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "plugins/glm4_moe.py", "plugins/glm_moe_dsa.py",
         "plugins/llama.py", "plugins/mistral.py", "plugins/mixtral.py", "plugins/qwen2.py", "plugins/qwen2_moe.py",
         "plugins/qwen3.py", "plugins/qwen3_moe.py", "plugins/qwen3_next.py", "plugins/qwen3_5.py",
+        "plugins/gpt_oss.py",
         "families/__init__.py", "families/*/__init__.py",
     ),
     "model": (
         "placement.py", "handle.py", "build.py", "parallel.py", "routing.py", "distributed/collectives.py",
         "specs/__init__.py", "specs/gpt.py", "specs/heads.py", "specs/linears.py", "specs/norms.py",
         "specs/patching.py", "specs/portable.py", "specs/vllm_exact.py",
-        "families/*/spec.py",
+        "families/*/spec.py", "families/moe/clamped_swiglu.py",
     ),
     "job-wide": (
         "distributed/__init__.py", "distributed/build.py", "distributed/experts.py", "distributed/export.py",

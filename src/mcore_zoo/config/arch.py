@@ -43,6 +43,16 @@ class RopeSpec:
 
 
 @dataclass(frozen=True)
+class ClampedSwiGLU:
+    """The experts' activation of gpt-oss, as transformers computes it on ``h = x @ gate_up + bias``
+    (gate and up in alternating columns): ``gate = h[..., ::2].clamp(max=limit)``,
+    ``up = h[..., 1::2].clamp(-limit, limit)``, ``(up + 1) * (gate * sigmoid(gate * alpha))``."""
+
+    alpha: float
+    limit: float
+
+
+@dataclass(frozen=True)
 class MoESpec:
     """Mixture-of-experts block (``None`` for dense models), as the HF model computes it.
 
@@ -54,12 +64,17 @@ class MoESpec:
     its best ``group_score_topk`` scores); the weights are the chosen ``scores``, divided by their
     sum (+ ``normalize_eps``) when ``normalize_topk``, times ``topk_scaling_factor``; they are cast
     to the hidden dtype or kept in fp32 (``probs_dtype``) and multiply each expert's *output*.
+    ``softmax_over_topk`` (gpt-oss): the experts are the top k of the logits themselves (the router
+    has a bias), the weights a softmax over those k logits in the logits' dtype.
 
     Attributes:
         layer_pattern: per layer (0-based), True = MoE block, False = dense MLP; ``None``: all MoE.
         shared_expert_ffn_hidden_size: width of the always-on shared expert(s) (summed), or None.
         shared_expert_gate: the shared expert's output is scaled by ``sigmoid(x @ gate.T)``.
         aux_loss_coeff: load-balancing loss coefficient (0: off).
+        softmax_over_topk: route by the top-k logits, weights ``softmax`` over them (see above).
+        clamped_swiglu: the experts' clamped SwiGLU (gpt-oss; their linears carry biases), or
+            ``None`` for the plain gated activation.
         router_weight_dtype: ``"fp32"`` when the installed transformers model keeps the router's
             gate weight in fp32 whatever the load dtype (``_keep_in_fp32_modules_strict`` names
             ``gate.weight`` from transformers 5.2x on for GLM-4.5 and DeepSeek-V2 / V3); the zoo's
@@ -84,6 +99,8 @@ class MoESpec:
     aux_loss_coeff: float = 0.0
     layer_pattern: Optional[tuple] = None
     router_weight_dtype: str = "params"  # "params" | "fp32" (the reference keeps the gate weight in fp32)
+    softmax_over_topk: bool = False
+    clamped_swiglu: Optional[ClampedSwiGLU] = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def is_moe_layer(self, layer_index: int) -> bool:
@@ -280,6 +297,9 @@ class ArchConfig:
     #: the attention output is multiplied by ``sigmoid(gate)``, the gate a second half of each query
     #: head's projection (Qwen3-Next's full attention; Megatron-Core's ``attention_output_gate``)
     attention_output_gate: bool = False
+    #: every attention head has a learned sink logit in its softmax (gpt-oss ``self_attn.sinks``;
+    #: Megatron-Core's ``softmax_type="learnable"``, parameter ``core_attention.softmax_offset``)
+    attention_sinks: bool = False
     #: RMSNorms scale by ``1 + weight`` (weights stored zero-centred, Qwen3-Next), in HF's op order
     zero_centered_norm: bool = False
     #: the HF ``quantization_config`` of an FP8 block-quantized checkpoint (validated by

@@ -7,6 +7,8 @@ or read.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -57,6 +59,9 @@ def validate_layout(arch: ArchConfig, parallel: Parallelism) -> None:
         problems.append("multi-token prediction (num_nextn_predict_layers) is not tested with vpp > 1")
     if arch.moe is not None:  # MoE: experts over ep, expert FFN over etp (a dense model ignores them)
         problems += arch.moe.layout_problems(parallel.ep, parallel.etp, tp)
+    if arch.moe is not None and arch.mlp_bias and (parallel.etp or tp) > 1:
+        problems.append(f"etp={parallel.etp or tp}: the experts carry biases, which Megatron-Core builds at expert"
+                        " tensor-parallel size 1 only (etp=1; the default for such a model)")  # fmt: skip
     where = f"{arch.architecture}: layout tp={tp} pp={pp} vpp={parallel.vpp} cp={cp} ep={parallel.ep}"
     if problems:
         raise LayoutError(f"{where} does not fit the model:\n" + "\n".join(f"  - {p}" for p in problems))
@@ -64,6 +69,15 @@ def validate_layout(arch: ArchConfig, parallel: Parallelism) -> None:
     if unsupported:
         raise UnsupportedLayoutError(f"{where} is not supported by the model's layers yet:\n"
                                      + "\n".join(f"  - {p}" for p in unsupported))  # fmt: skip
+
+
+def default_expert_tp(arch: ArchConfig, parallel: Parallelism) -> Parallelism:
+    """``parallel`` with the expert tensor-parallel size the model takes when none is asked: that of
+    ``tp``, except 1 for experts with biases (gpt-oss; Megatron-Core builds expert biases at expert
+    TP 1 only)."""
+    if arch.moe is not None and arch.mlp_bias and parallel.etp is None and parallel.tp > 1:
+        return dataclasses.replace(parallel, etp=1)
+    return parallel
 
 
 @dataclass(frozen=True)
@@ -171,6 +185,8 @@ def transformer_config_kwargs(arch: ArchConfig, options: BuildOptions) -> dict[s
         kwargs.update(moe.moe_config_kwargs(arch, cuda=not options.cpu, grouped_experts=grouped))
     if arch.mtp_num_layers:  # multi-token prediction (mcore_zoo.families.mtp.spec): the block on the last stage
         kwargs["mtp_num_layers"] = arch.mtp_num_layers
+    if arch.attention_sinks:  # gpt-oss: a learned sink logit per head (core_attention.softmax_offset)
+        kwargs["softmax_type"] = "learnable"
     if arch.attention_output_gate:  # Qwen3-Next: the query projection carries a sigmoid output gate
         kwargs["attention_output_gate"] = True
     kwargs.update(arch.extra_transformer_config)

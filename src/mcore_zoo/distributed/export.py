@@ -58,6 +58,7 @@ from ..weights.export import (
     write_hf_checkpoint,
 )
 from ..weights.fp8 import fp8_export, fp8_scale_names
+from ..weights.mxfp4 import mxfp4_export, mxfp4_names
 from ..weights.io import check_output_dir, parse_size
 from ..weights.rules import BoundRule, RuleStep, WeightMap
 
@@ -298,6 +299,7 @@ def save_hf_checkpoint(
     writer_rank: int = 0,
     fp8: bool = False,
     fp8_scales: str = "fresh",
+    mxfp4: bool = False,
 ) -> list[str]:
     """Write a complete HF checkpoint (safetensors + config.json) that transformers loads, with the
     tokenizer files and ``generation_config.json`` of the checkpoint the model was loaded from.
@@ -310,6 +312,12 @@ def save_hf_checkpoint(
     bytes) or ``"source"`` (the loaded ``weight_scale_inv``: identical bytes from any dtype; values
     beyond ``448 * scale`` saturate). See docs/fp8.md.
 
+    ``mxfp4``: write the routed experts of a model loaded from an MXFP4 checkpoint (gpt-oss as
+    published) back as ``X_blocks`` / ``X_scales`` (:func:`~mcore_zoo.weights.mxfp4.mxfp4_export`;
+    ``quantization_config`` kept): the loaded bytes again while every block is still on its FP4
+    grid (an untrained model, any dtype); a tensor off the grid (trained weights) is refused by
+    name, as MXFP4 quantization of arbitrary values is not what transformers writes.
+
     Any layout: in a multi-process job every rank calls it; global rank ``writer_rank`` gathers
     the tensors (bucket by bucket) and writes, the others take part in the gathers. Every rank
     returns the weight file names, or raises if the writer failed. Nothing is left at ``out_dir``
@@ -319,9 +327,14 @@ def save_hf_checkpoint(
     handle.check_current()
     steps = handle.export_steps()
     placement, weight_map = handle.placement, handle.weight_map
+    if fp8 and mxfp4:
+        raise ValueError("save_hf_checkpoint: fp8 and mxfp4 are two formats; ask for one")
     quantize = fp8_export(handle.fp8_source, fp8_scales) if fp8 else None
     needed = weight_map.export_names() | (fp8_scale_names(handle.fp8_source) if fp8 else set())
-    config = hf_config_for_export(handle.arch_config, dtype, fp8=fp8, head=handle.head)
+    if mxfp4:
+        quantize = mxfp4_export(handle.mxfp4_source)
+        needed = mxfp4_names(needed, handle.mxfp4_source)
+    config = hf_config_for_export(handle.arch_config, dtype, fp8=fp8 or mxfp4, head=handle.head)
     distributed = placement.distributed
     writer = not distributed or placement.rank == writer_rank
     if distributed:  # a refusal known up front must not leave the other ranks inside the gathers

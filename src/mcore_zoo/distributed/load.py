@@ -29,7 +29,9 @@ from ..handle import ModelHandle, handle_of
 from ..placement import Placement
 from ..progress import progress
 from ..weights.io import HFCheckpoint
-from ..weights.load import DictCheckpoint, LoadReport, absent_tensors, open_hf_checkpoint, plan_load, read_rule_into
+from ..weights.load import (
+    DictCheckpoint, LoadReport, absent_tensors, dequantizing_view, open_hf_checkpoint, plan_load, read_rule_into,
+)  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -63,13 +65,11 @@ def load_hf_weights(
     quantization = handle.arch_config.checkpoint_quantization
     if own:  # FP8 blocks: dequantized as they are read (mcore_zoo.weights.fp8)
         ckpt = open_hf_checkpoint(checkpoint, handle.arch_config, allow_torch_load=allow_torch_load)
-    elif quantization is not None:
-        from ..weights.fp8 import Fp8BlockFormat, Fp8Checkpoint
-
-        ckpt = Fp8Checkpoint(checkpoint, Fp8BlockFormat.from_hf(quantization, architecture=handle.arch_config.architecture))
     else:
-        ckpt = checkpoint
-    if quantization is not None:
+        ckpt = dequantizing_view(checkpoint, handle.arch_config)
+    if quantization is not None and quantization.get("quant_method") == "mxfp4":
+        handle.mxfp4_source = ckpt  # which tensors were MXFP4 blocks (export)
+    if quantization is not None and quantization.get("quant_method") == "fp8":
         handle.fp8_source = ckpt  # which tensors were quantized, and their scales (export)
     try:
         chunks = [(chunk, handle.rule_steps(chunk)) for chunk in handle.chunks]

@@ -322,14 +322,19 @@ def _finalize_experts(grads: list[torch.Tensor], layout: Any) -> None:
     expert data-parallel group (the other ranks holding the same experts), then divided by the size
     of the data x context-parallel group (every contribution carries the schedule's factor ``cp``;
     ``dp`` replicas are averaged). With the same batch on every replica this equals the
-    single-process gradient."""
+    single-process gradient. Experts split over fewer tensor-parallel ranks than the dense layers
+    (``etp < tp``: gpt-oss's experts with biases at ``etp=1``) see only their TP rank's share of
+    the tokens (sequence parallelism): the expert data-parallel group holds those TP peers, and the
+    sum over it adds the shares even with one replica."""
+    if not grads:
+        return
     dp_cp = layout.groups.dp_cp
     replicas = group_size(dp_cp) if dp_cp is not None else 1
-    if not grads or replicas == 1:
-        return
     expert_dp = layout.groups.expert_dp
     if expert_dp is not None and group_size(expert_dp) > 1:
         _all_reduce_flat(grads, expert_dp)
+    if replicas == 1:
+        return
     scale = 1.0 / replicas  # 1 / (dp * cp)
     for g in grads:
         g.mul_(scale)

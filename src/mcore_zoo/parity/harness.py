@@ -50,6 +50,7 @@ from ..numerics.metrics import (
     layer_metrics,
     logprob_metrics,
 )
+from .reference import supports_attention
 from .runners import McoreSpec, RunResult, run_hf, run_mcore, run_vllm
 
 SCHEMA_VERSION = 1
@@ -275,8 +276,9 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
                      attn_implementation=opts.reference, device=device, capture=opts.layers,
                      experts_implementation=experts)  # fmt: skip
         runs[ref.label] = ref
-    if opts.baseline:  # first: its gap may relax the tolerances of every other comparison
-        other = "sdpa" if opts.reference == "eager" else "eager"
+    other = "sdpa" if opts.reference == "eager" else "eager"
+    if opts.baseline and supports_attention(source.architecture, other):
+        # first: its gap may relax the tolerances of every other comparison
         with progress.stage(f"transformers ({other}) baseline"):
             base = run_hf(source.architecture, source.checkpoint, sequences, dtype=dtype,
                           attn_implementation=other, device=device, capture=opts.layers,
@@ -436,6 +438,10 @@ def _notes(opts: ParityOptions, r: dict[str, Any], source: Any, token_info: dict
         notes[at:at] = amendment_notes(amended)
     for name, reason in sorted(opts.ignore_fields.items()):
         notes.append(f"HF config field {name!r} ignored on request (--ignore-field): {reason}")
+    other = "sdpa" if opts.reference == "eager" else "eager"
+    if opts.baseline and not supports_attention(source.architecture, other):
+        notes.append(f"no HF {other}-vs-{opts.reference} baseline: transformers' {source.architecture.name} has no"
+                     f" {other} attention; tolerances are the defaults")  # fmt: skip
     if opts.bitwise and device == "cuda" and os.environ.get("CUBLAS_WORKSPACE_CONFIG") != ":0:0":
         notes.append("cuBLAS split-K is allowed (CUBLAS_WORKSPACE_CONFIG is not ':0:0'): a THD pack multiplies"
                      " more rows than each sequence alone and some shapes then sum in another order; start"

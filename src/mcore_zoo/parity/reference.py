@@ -115,6 +115,14 @@ def write_reference_checkpoint(
     return str(out_dir)
 
 
+def supports_attention(architecture: Any, attn_implementation: str) -> bool:
+    """Whether the transformers reference class of ``architecture`` offers ``attn_implementation``
+    (gpt-oss has no ``sdpa``: its attention sinks need the eager softmax)."""
+    if attn_implementation != "sdpa":
+        return True
+    return bool(getattr(architecture.reference_model_class(), "_supports_sdpa", True))
+
+
 def load_reference(
     architecture: Any,
     checkpoint: Union[str, os.PathLike],

@@ -58,6 +58,12 @@ def _pieces(arch: ArchConfig, backend: str, numerics: NumericsProfile) -> dict[s
         if arch.zero_centered_norm:  # 1 + weight: HF's op order under every profile
             from .norms import ZeroCenteredRMSNorm as norm
         core = _core_attention(backend, numerics, DotProductAttention)
+        if arch.attention_sinks and core is DotProductAttention:
+            # Megatron-Core's local attention creates its sink logits on CUDA only; the zoo's eager
+            # attention computes the same softmax with the sink column on every device
+            from .portable import PortableAttention
+
+            core = functools.partial(PortableAttention, kernel="eager")
         column, row = ColumnParallelLinear, RowParallelLinear
         if numerics.linear_bias == "fused":
             from .linears import FusedBiasColumnParallelLinear, FusedBiasRowParallelLinear

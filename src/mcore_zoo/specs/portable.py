@@ -28,6 +28,12 @@ Shapes (``np``/``ng`` = attention heads / query groups of this tensor-parallel r
 BSHD/SBHD in ``[s, b, np|ng, hn]`` -> out ``[s, b, np*hn]``; THD in ``[t, np|ng, hn]`` -> out
 ``[t, np*hn]``. Sliding windows follow HF (a query sees the last ``W`` keys, itself included),
 per layer as ``config.window_attn_skip_freq`` says.
+
+Attention sinks (``config.softmax_type == "learnable"``, gpt-oss): a learned logit per head,
+``softmax_offset [np]`` (Megatron-Core's name and split), joins every query's softmax as one more
+column and is dropped after it, in transformers' op order (scores, mask, the sink column
+concatenated, its row maximum subtracted, a softmax in the scores' dtype, the sink column
+dropped). Only the ``eager`` math expresses it: every kernel runs ``eager`` then.
 """
 
 from __future__ import annotations
@@ -61,6 +67,31 @@ def _allowed_mask(sq: int, sk: int, window: Optional[int], device: torch.device)
     if window is not None:
         allowed = allowed & (k_idx > q_idx - window)
     return allowed
+
+
+def _sink_parameter(config: Any, heads: int) -> torch.nn.Parameter:
+    """This rank's ``[heads]`` sink logits, split over tensor parallelism like the heads, initialised
+    as Megatron-Core initialises its ``softmax_offset``."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    device = torch.device("cpu") if config.use_cpu_initialization or not torch.cuda.is_available() else torch.device(
+        "cuda", torch.cuda.current_device())  # fmt: skip
+    param = torch.nn.Parameter(torch.zeros(heads, dtype=config.params_dtype, device=device))
+    if config.perform_initialization:
+        config.init_method(param)
+    set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)
+    return param
+
+
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """transformers' gpt-oss attention probabilities: ``scores [b, h, sq, sk]`` (scaled, masked)
+    with each head's sink logit as one more column, the row maximum subtracted, a softmax in the
+    scores' dtype, the sink column dropped."""
+    sink_column = sinks.reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[-2], -1)
+    combined = torch.cat([scores, sink_column.to(scores.dtype)], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = F.softmax(combined, dim=-1, dtype=combined.dtype)
+    return probs[..., :-1]
 
 
 def _varlen_available() -> bool:
@@ -139,6 +170,12 @@ class PortableAttention(torch.nn.Module):
                 raise ValueError(f"PortableAttention supports causal windows only, got {config.window_size}")
             self.window = None if left < 0 else left + 1
         self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+        self.softmax_offset: Optional[torch.nn.Parameter] = None
+        softmax_type = getattr(config, "softmax_type", "vanilla")
+        if softmax_type == "learnable":
+            self.softmax_offset = _sink_parameter(config, self.heads)
+        elif softmax_type != "vanilla":
+            raise ValueError(f"PortableAttention: softmax_type {softmax_type!r} is not supported ('vanilla', 'learnable')")
 
     # ------------------------------------------------------------------ entry point
     def forward(
@@ -153,7 +190,7 @@ class PortableAttention(torch.nn.Module):
     ) -> torch.Tensor:
         if attention_bias is not None:
             raise NotImplementedError("PortableAttention does not take an attention bias")
-        kernel = resolve_kernel(self.kernel, query.device)
+        kernel = "eager" if self.softmax_offset is not None else resolve_kernel(self.kernel, query.device)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return self._thd(query, key, value, packed_seq_params, kernel)
         # [s, b, h, d] -> [b, h, s, d]
@@ -313,7 +350,10 @@ class PortableAttention(torch.nn.Module):
             mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
             mask = mask.masked_fill(~allowed, torch.finfo(q.dtype).min)
             attn_weights = attn_weights + mask
-        attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(q.dtype)
+        if self.softmax_offset is not None:
+            attn_weights = _softmax_with_sinks(attn_weights, self.softmax_offset).to(value_states.dtype)
+        else:
+            attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(q.dtype)
         if dropout:
             attn_weights = self._dropout(attn_weights, dropout)
         attn_output = torch.matmul(attn_weights, value_states)

@@ -474,6 +474,7 @@ def tensor_parallel_rank(cases: Sequence[tuple[str, str, str]], tp: int, ep: int
     ensure_model_parallel(Parallelism(tp=tp, ep=ep))
 
     def run(architecture: Any, checkpoint: str) -> dict:
+        use_layout(case_layout(architecture, checkpoint, Parallelism(tp=tp, ep=ep)))
         model = build(architecture, checkpoint, load=checkpoint)
         seqs = random_sequences(TP_LENGTHS, handle_of(model).arch_config.vocab_size, seed=5)
         with torch.no_grad():
@@ -481,6 +482,31 @@ def tensor_parallel_rank(cases: Sequence[tuple[str, str, str]], tp: int, ep: int
         return {"seqs": seqs, "logits": out.logits, "exported": dict(iter_hf_weights(model))}
 
     return _per_case(cases, run)
+
+
+def case_layout(architecture: Any, checkpoint: str, parallel: Any) -> Any:
+    """``parallel`` as a build of this architecture takes it (the expert tensor-parallel size it
+    defaults to: 1 for experts with biases, :func:`~mcore_zoo.config.transformer.default_expert_tp`)."""
+    from ..config.transformer import default_expert_tp
+
+    return default_expert_tp(architecture.config_from_hf(checkpoint), parallel)
+
+
+def use_layout(parallel: Any) -> None:
+    """Megatron-Core's parallel state for ``parallel``: the one in place when its sizes agree
+    (expert tensor parallelism included), else made anew (the launch's cases share one process
+    group; a case whose experts need another expert-TP size gets its own groups)."""
+    from megatron.core import parallel_state
+
+    from ..parallel import ensure_model_parallel
+    from ..placement import Placement
+
+    if parallel_state.model_parallel_is_initialized():
+        current = Placement.current().parallel
+        if (current.etp or current.tp) == (parallel.etp or parallel.tp):
+            return
+        parallel_state.destroy_model_parallel()
+    ensure_model_parallel(parallel)
 
 
 def _per_case(cases: Sequence[tuple[str, str, str]], run: Callable[[Any, str], dict]) -> dict[str, dict]:
@@ -544,9 +570,10 @@ def gradient_rank(cases: Sequence[tuple[str, str, str]], tp: int, ep: int = 1) -
 
     def run(architecture: Any, checkpoint: str) -> dict:
         moe = architecture.config_from_hf(checkpoint).moe is not None
+        parallel = case_layout(architecture, checkpoint, Parallelism(tp=tp, ep=ep, sequence_parallel=moe and tp > 1))
+        use_layout(parallel)
         model = build_model(checkpoint, architecture=architecture, backend="portable", numerics=GRADIENT_NUMERICS,
-                            load=checkpoint, params_dtype=torch.float32,
-                            parallel=Parallelism(tp=tp, ep=ep, sequence_parallel=moe and tp > 1))  # fmt: skip
+                            load=checkpoint, params_dtype=torch.float32, parallel=parallel)  # fmt: skip
         return {"grads": gradient_step(model)}
 
     return _per_case(cases, run)

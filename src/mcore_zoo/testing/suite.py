@@ -331,11 +331,11 @@ def _refused(request: pytest.FixtureRequest, case: Case, arch: Any, parallel: An
     """Whether the model of ``case`` refuses ``parallel`` by name (``UnsupportedLayoutError``: a
     layer not built for it yet). The case is then left out of the launch, the reason kept on the
     test's report (the conformance summary lists it). Any other layout problem raises."""
-    from ..config.transformer import validate_layout
+    from ..config.transformer import default_expert_tp, validate_layout
     from ..errors import UnsupportedLayoutError
 
     try:
-        validate_layout(arch, parallel)
+        validate_layout(arch, default_expert_tp(arch, parallel))
     except UnsupportedLayoutError as exc:
         reason = " ".join(str(exc).split())  # one line for the summary
         request.node.user_properties.append(("mcore_zoo_refused", f"{case.subject}: {reason}"))

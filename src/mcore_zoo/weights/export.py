@@ -62,6 +62,7 @@ def stage_hf_weights(
     checkpoint-state buffers such as an MoE router's ``expert_bias`` are left out).
     """
     copies_of = copies or {}
+    stacks = ExpertStacks()
     for step in steps:
         b = step.bound
         local = _local_tensor(step, meta=meta, grads=grads)
@@ -76,11 +77,45 @@ def stage_hf_weights(
             parts = [local.new_empty(local.shape) for _ in step.ep_rules] if meta else expert_gather(local)
             pairs = zip(step.ep_rules, parts)
         for rb, tensor in pairs:
-            for name, piece in export_rule(rb, tensor, ctx, gather):
+            for name, piece in stacks.add(rb, ctx, export_rule(rb, tensor, ctx, gather)):
                 piece = piece.to(dtype) if dtype is not None else piece
                 yield name, piece
                 for copy in copies_of.get(name, ()):  # e.g. an MTP layer's embed_tokens / shared_head.head
                     yield copy, piece
+    stacks.check_done()
+
+
+class ExpertStacks:
+    """Collects the experts' slices of stacked-experts HF tensors (``Source.expert_axis``) as
+    export produces them, and hands each tensor on once every expert's slice is in: the rules of a
+    layer's experts come one after another, so at most one layer's stacked tensors wait here."""
+
+    def __init__(self) -> None:
+        self._parts: dict[str, dict[int, torch.Tensor]] = {}
+
+    def add(self, b: BoundRule, ctx: TransformContext,
+            items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+        """``items`` (the HF tensors of rule ``b``), the stacked ones held back until complete."""
+        stacked = {name: select for name, select, flag in zip(b.hf, b.selects, b.stacked) if flag and select}
+        for name, piece in items:
+            if name not in stacked:
+                yield name, piece
+                continue
+            axis, start, _ = stacked[name]
+            parts = self._parts.setdefault(name, {})
+            parts[start] = piece
+            total = ctx.arch.moe.num_experts if ctx.arch.moe is not None else 0
+            if len(parts) == total:
+                del self._parts[name]
+                yield name, torch.cat([parts[e] for e in range(total)], dim=axis)
+
+    def check_done(self) -> None:
+        """Raise :class:`ZooError` naming a stacked tensor some of whose experts never came."""
+        if self._parts:
+            name, parts = next(iter(self._parts.items()))
+            raise ZooError(f"export: {name!r} stacks every expert, but only experts {sorted(parts)} were exported"
+                           " (export experts gathered over expert parallelism)")  # fmt: skip
+
 
 
 def _local_tensor(step: RuleStep, *, meta: bool, grads: bool) -> Optional[torch.Tensor]:

@@ -69,7 +69,7 @@ def _region_shape(full: Sequence[int], select: Optional[tuple[int, int, int]]) -
 def _check_bound_shapes(bound: BoundRule, param_shape: Sequence[int], ctx: TransformContext, shape_of: Any) -> None:
     expected = expected_hf_shapes(bound, param_shape, ctx)
     extent: dict[str, int] = {}
-    for name, want, select in zip(bound.hf, expected, bound.selects):
+    for name, want, select, stacked in zip(bound.hf, expected, bound.selects, bound.stacked):
         got = tuple(shape_of(name))
         region = _region_shape(got, select)
         if region != tuple(want):
@@ -77,7 +77,12 @@ def _check_bound_shapes(bound: BoundRule, param_shape: Sequence[int], ctx: Trans
             raise ShapeMismatchError(
                 what, want, region, context=f"feeds mcore {bound.mcore!r} {tuple(param_shape)} via {bound.transform}"
             )
-        if select is not None:
+        if stacked:  # one expert's slice: the tensor stacks all of them
+            experts = ctx.arch.moe.num_experts if ctx.arch.moe is not None else 0
+            if got[select[0]] != experts:
+                raise ShapeMismatchError(name, (experts,), (got[select[0]],),
+                                         context=f"dim {select[0]} stacks the model's {experts} experts")  # fmt: skip
+        elif select is not None:
             extent[name] = max(extent.get(name, 0), select[2])
     for name, stop in extent.items():
         axis = next(s[0] for n, s in zip(bound.hf, bound.selects) if n == name)
@@ -197,21 +202,34 @@ class DictCheckpoint(HFCheckpoint):
 
 def open_hf_checkpoint(checkpoint: Any, arch_config: Any, *, allow_torch_load: bool = False) -> Any:
     """The HF checkpoint ``checkpoint`` (a path) opened for ``arch_config``: an
-    :class:`~mcore_zoo.weights.io.HFCheckpoint`, behind a dequantizing
-    :class:`~mcore_zoo.weights.fp8.Fp8Checkpoint` when the config declares FP8 block quantization
-    (``checkpoint_quantization``: DeepSeek-V3 / Kimi-K2 as published). Every reader of an HF
-    checkpoint for a model (``load_hf_weights``, ``convert --hf``) opens it here, so they accept
-    the same checkpoints."""
+    :class:`~mcore_zoo.weights.io.HFCheckpoint`, behind a dequantizing view when the config
+    declares a quantized checkpoint (:func:`dequantizing_view`). Every reader of an HF checkpoint
+    for a model (``load_hf_weights``, ``convert --hf``) opens it here, so they accept the same
+    checkpoints."""
     from .io import HFCheckpoint
 
     quantization = getattr(arch_config, "checkpoint_quantization", None)
-    ckpt = HFCheckpoint(checkpoint, allow_torch_load=allow_torch_load, allow_fp8=quantization is not None)
-    if quantization is None:
-        return ckpt
-    from .fp8 import Fp8BlockFormat, Fp8Checkpoint
-
+    fp8 = quantization is not None and quantization.get("quant_method") == "fp8"
+    ckpt = HFCheckpoint(checkpoint, allow_torch_load=allow_torch_load, allow_fp8=fp8)
     try:
-        return Fp8Checkpoint(ckpt, Fp8BlockFormat.from_hf(quantization, architecture=arch_config.architecture))
+        return dequantizing_view(ckpt, arch_config)
     except BaseException:
         ckpt.close()
         raise
+
+
+def dequantizing_view(ckpt: Any, arch_config: Any) -> Any:
+    """``ckpt`` (an opened checkpoint) read as ``arch_config``'s ``checkpoint_quantization`` says:
+    FP8 blocks (DeepSeek-V3 / Kimi-K2 as published, :class:`~mcore_zoo.weights.fp8.Fp8Checkpoint`),
+    MXFP4 experts (gpt-oss as published, :class:`~mcore_zoo.weights.mxfp4.Mxfp4Checkpoint`), both
+    dequantized as read; ``ckpt`` itself when unquantized."""
+    quantization = getattr(arch_config, "checkpoint_quantization", None)
+    if quantization is None:
+        return ckpt
+    if quantization.get("quant_method") == "mxfp4":
+        from .mxfp4 import Mxfp4Checkpoint
+
+        return Mxfp4Checkpoint(ckpt)
+    from .fp8 import Fp8BlockFormat, Fp8Checkpoint
+
+    return Fp8Checkpoint(ckpt, Fp8BlockFormat.from_hf(quantization, architecture=arch_config.architecture))

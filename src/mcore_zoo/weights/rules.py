@@ -186,6 +186,11 @@ class Transform:
     def split(self, tensor: torch.Tensor, ctx: TransformContext) -> list[torch.Tensor]:
         raise NotImplementedError
 
+    def mcore_axis(self, source: int, hf_axis: Optional[int]) -> Optional[int]:
+        """The axis of the mcore tensor that source ``source``'s tensor-parallel axis ``hf_axis``
+        becomes (the same axis unless the transform transposes)."""
+        return hf_axis
+
     def views(self, out: torch.Tensor, ctx: TransformContext) -> Optional[list[torch.Tensor]]:
         """Optional: views of ``out`` such that filling view ``i`` with piece ``i`` (same number of
         elements, row-major order) gives ``fuse(pieces)``. Lets loading read every piece straight
@@ -279,9 +284,67 @@ def direct_views(transform: Transform, out: torch.Tensor, ctx: TransformContext)
     return transform.views(out, ctx)
 
 
+class StackedExpert(Transform):
+    """One expert's slice ``[1, ...]`` of an HF tensor that stacks every expert (``Source.expert_axis
+    = 0``) <-> its mcore tensor: the slice itself (``transpose=False``: biases ``[1, n]`` -> ``[n]``)
+    or, for a weight stored ``[in, out]`` as ``x @ w`` reads it, its transpose (``[1, I, H]`` ->
+    ``linear_fc2.weight [H, I]``)."""
+
+    def __init__(self, transpose: bool = False) -> None:
+        self.transpose = transpose
+        self.name = "expert-slice" + ("-transposed" if transpose else "")
+
+    def fuse(self, pieces: Sequence[torch.Tensor], ctx: TransformContext) -> torch.Tensor:
+        (piece,) = pieces
+        piece = piece[0]
+        return piece.t() if self.transpose and piece.dim() == 2 else piece
+
+    def split(self, tensor: torch.Tensor, ctx: TransformContext) -> list[torch.Tensor]:
+        piece = tensor.t() if self.transpose and tensor.dim() == 2 else tensor
+        return [piece.contiguous().unsqueeze(0)]
+
+    def mcore_axis(self, source: int, hf_axis: Optional[int]) -> Optional[int]:
+        if hf_axis is None:
+            return None
+        return (1 - (hf_axis - 1)) if self.transpose else hf_axis - 1
+
+
+def interleave_halves(tensor: torch.Tensor) -> torch.Tensor:
+    """``[a; b]`` rows (``[2n, ...]``) -> alternating ``a_0, b_0, a_1, b_1, ...`` rows (a copy):
+    Megatron-Core's ``[gate; up]`` in transformers' gpt-oss order."""
+    half = tensor.shape[0] // 2
+    return tensor.reshape(2, half, *tensor.shape[1:]).transpose(0, 1).reshape(tensor.shape)
+
+
+class StackedGateUpColumns(Transform):
+    """One expert's slice of transformers' stacked ``gate_up_proj [E, H, 2I]`` (gate and up in
+    alternating columns: ``x @ w`` gives ``gate_0, up_0, gate_1, ...``) or ``gate_up_proj_bias
+    [E, 2I]`` <-> Megatron-Core's ``linear_fc1.weight [2I, H]`` / ``.bias [2I]`` (gate rows, then
+    up rows). A tensor-parallel rank's chunk of the columns is contiguous (its gate and up columns
+    alternate within it) and de-interleaves into its ``[gate_r; up_r]``."""
+
+    name = "stacked-gate-up-columns"
+
+    def fuse(self, pieces: Sequence[torch.Tensor], ctx: TransformContext) -> torch.Tensor:
+        (piece,) = pieces
+        rows = piece[0].t() if piece.dim() == 3 else piece[0]  # [2I, H] / [2I], alternating rows
+        return torch.cat([rows[0::2], rows[1::2]], dim=0)
+
+    def split(self, tensor: torch.Tensor, ctx: TransformContext) -> list[torch.Tensor]:
+        rows = interleave_halves(tensor)
+        piece = rows.t() if rows.dim() == 2 else rows
+        return [piece.contiguous().unsqueeze(0)]
+
+    def mcore_axis(self, source: int, hf_axis: Optional[int]) -> Optional[int]:
+        return None if hf_axis is None else 0
+
+
 IDENTITY = Identity()
 QKV = FuseQKV()
 GATE_UP = Concat(2)
+STACKED_GATE_UP = StackedGateUpColumns()
+STACKED_EXPERT = StackedExpert()
+STACKED_EXPERT_T = StackedExpert(transpose=True)
 
 
 @dataclass(frozen=True)
@@ -295,11 +358,16 @@ class Source:
             Phi-3's ``qkv_proj``: q, k and v are three sources selecting three row ranges). TP
             chunks are taken within the range. All parts of one HF tensor must belong to one rule,
             and together they must cover it.
+        expert_axis: the HF tensor stacks every routed expert along this axis (transformers'
+            ``experts.gate_up_proj [E, ...]``); the source is the bound expert's slice
+            ``(expert_axis, e, e + 1)`` (:attr:`BoundRule.selects`). Loading reads only that
+            slice; export stacks the experts' slices back into the whole tensor.
     """
 
     hf: str
     tp_axis: Optional[int] = None
     select: Optional[tuple[int, int, int]] = None
+    expert_axis: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -426,12 +494,22 @@ class BoundRule:
 
     @property
     def selects(self) -> tuple[Optional[tuple[int, int, int]], ...]:
-        return tuple(s.select for s in self.rule.sources)
+        """Per source, its range of the HF tensor: ``Source.select``, or the bound expert's slice
+        of a stacked-experts tensor (``Source.expert_axis``)."""
+        return tuple(
+            (s.expert_axis, self.expert, self.expert + 1) if s.expert_axis is not None and self.expert is not None
+            else s.select
+            for s in self.rule.sources
+        )  # fmt: skip
+
+    @property
+    def stacked(self) -> tuple[bool, ...]:
+        """Per source, whether it is one expert's slice of a stacked-experts HF tensor."""
+        return tuple(s.expert_axis is not None for s in self.rule.sources)
 
     def tp_slice(self, source: int, rank: int = 0, size: int = 1) -> TPSlice:
         """Rank ``rank`` of ``size``'s slice of source ``source`` (its TP axis and select range)."""
-        s = self.rule.sources[source]
-        return TPSlice(s.tp_axis, rank, size, s.select)
+        return TPSlice(self.rule.sources[source].tp_axis, rank, size, self.selects[source])
 
     def tp_slices(self, ctx: TransformContext) -> list[TPSlice]:
         """The slice of every source that the TP rank of ``ctx`` holds, in source order."""
@@ -619,7 +697,7 @@ def check_partition_dim(b: BoundRule, param: torch.Tensor) -> None:
     want = getattr(param, "partition_dim", None) if split else None
     if split and want is None:
         return
-    bad = [axis for axis in b.tp_axes if axis != want]
+    bad = [axis for k, axis in enumerate(b.tp_axes) if b.transform.mcore_axis(k, axis) != want]
     if bad:
         raise WeightMapError(
             f"rule for {b.mcore!r} declares tensor-parallel axes {list(b.tp_axes)}, but Megatron-Core"

@@ -12,7 +12,9 @@ the :class:`~mcore_zoo.config.reader.ConfigReader`, like every other field; plug
 * sigmoid scores with an expert-bias choice within the best groups, renormalised and scaled, plus
   shared experts (GLM-4.5, DeepSeek-V3): :func:`read_grouped_sigmoid_router`;
 * the pieces the DeepSeek-V2 softmax router shares with it: :func:`read_shared_experts`,
-  :func:`read_expert_groups`.
+  :func:`read_expert_groups`;
+* top-k of biased logits, softmax over the k, experts with biases and a clamped SwiGLU (gpt-oss):
+  :func:`read_clamped_swiglu` and ``MoESpec(softmax_over_topk=True)``.
 
 :func:`moe_config_kwargs` is what the zoo's config builder adds for an architecture with ``arch.moe``:
 
@@ -33,7 +35,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from mcore_zoo.errors import ZooError
-from mcore_zoo.config.arch import ArchConfig, MoESpec
+from mcore_zoo.config.arch import ArchConfig, ClampedSwiGLU, MoESpec
 from mcore_zoo.config.reader import ConfigReader, positive_int
 
 
@@ -46,6 +48,45 @@ def read_expert_counts(reader: ConfigReader, *, experts_field: str, topk_field: 
                               reason=f"must be in [1, {experts_field}={experts}]")  # fmt: skip
     ffn = reader.map_checked(ffn_field, "moe_ffn_hidden_size (per expert)", positive_int, reason="must be > 0")
     return experts, topk, ffn
+
+
+#: Megatron-Core's ``quick_gelu`` gain: ``x * sigmoid(1.702 * x)``
+QUICK_GELU_ALPHA = 1.702
+
+
+def read_clamped_swiglu(reader: ConfigReader, *, alpha_field: str = "swiglu_alpha",
+                        limit_field: str = "swiglu_limit") -> ClampedSwiGLU:  # fmt: skip
+    """The experts' clamped SwiGLU (gpt-oss: ``swiglu_alpha``, ``swiglu_limit``). Megatron-Core
+    computes it as ``quick_gelu(gate) * (up + glu_linear_offset)`` with ``activation_func_clamp_value``,
+    whose gain is fixed at 1.702: another ``alpha`` is refused."""
+    alpha = reader.map_checked(alpha_field, "ClampedSwiGLU.alpha (Megatron-Core quick_gelu's 1.702)",
+                               lambda v: float(v) == QUICK_GELU_ALPHA, default=QUICK_GELU_ALPHA,
+                               reason="Megatron-Core's quick_gelu computes x * sigmoid(1.702 * x); another gain has"
+                               " no Megatron-Core activation")  # fmt: skip
+    limit = reader.map_checked(limit_field, "ClampedSwiGLU.limit (activation_func_clamp_value)",
+                               lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+                               default=7.0, reason="must be a positive number")  # fmt: skip
+    return ClampedSwiGLU(alpha=float(alpha), limit=float(limit))
+
+
+def read_mxfp4_experts(reader: ConfigReader) -> Optional[dict[str, Any]]:
+    """``quantization_config`` of a checkpoint whose routed experts are MXFP4 (gpt-oss as published:
+    ``quant_method`` ``"mxfp4"``, the other modules listed in ``modules_to_not_convert``): loading
+    dequantizes the experts as transformers does (:mod:`mcore_zoo.weights.mxfp4`). ``None``:
+    unquantized. Any other method is refused (the generic reading, by name)."""
+    config = reader.peek("quantization_config")
+    if not config:
+        return None
+    if not isinstance(config, dict) or config.get("quant_method") != "mxfp4":
+        raise reader.unsupported("quantization_config", config, "only MXFP4 experts (quant_method 'mxfp4') are read"
+                                 " for this architecture; load a dequantized checkpoint")  # fmt: skip
+    unknown = sorted(set(config) - {"quant_method", "modules_to_not_convert"})
+    if unknown:
+        raise reader.unsupported(f"quantization_config.{unknown[0]}", config[unknown[0]],
+                                 "not a field of the published MXFP4 format")  # fmt: skip
+    reader.map("quantization_config", "checkpoint_quantization: MXFP4 expert blocks dequantized as read"
+               " (modules_to_not_convert: the tensors stored unquantized)")  # fmt: skip
+    return dict(config)
 
 
 def read_no_jitter(reader: ConfigReader, field: str = "router_jitter_noise") -> None:
@@ -184,7 +225,9 @@ def moe_config_kwargs(arch: ArchConfig, *, cuda: bool, grouped_experts: bool = F
         # HF scores every expert, then picks the top k. With softmax that is mcore's pre-softmax
         # mode; HF's renormalised top-k equals mcore's softmax over the top-k logits in exact
         # arithmetic (the zoo's router reproduces HF's rounding).
-        moe_router_pre_softmax=moe.router_score_function == "softmax" and not moe.normalize_topk,
+        # gpt-oss (softmax_over_topk): the top k logits, then a softmax over them - mcore's default order
+        moe_router_pre_softmax=moe.router_score_function == "softmax" and not moe.normalize_topk
+        and not moe.softmax_over_topk,
         moe_router_topk_scaling_factor=moe.topk_scaling_factor,
         moe_router_enable_expert_bias=moe.router_expert_bias,
         moe_router_num_groups=moe.num_groups if (moe.num_groups or 1) > 1 else None,
@@ -208,6 +251,11 @@ def moe_config_kwargs(arch: ArchConfig, *, cuda: bool, grouped_experts: bool = F
         # aux-loss-free balancing updates the bias from token counts during training; the zoo
         # loads the checkpoint's bias and leaves updating it to the trainer (rate 0 = frozen)
         kwargs["moe_router_bias_update_rate"] = 0.0
+    if moe.clamped_swiglu is not None:  # gpt-oss experts: mcore's quick_gelu GLU, clamped, up + 1
+        from megatron.core.activations import quick_gelu
+
+        kwargs.update(activation_func=quick_gelu, glu_linear_offset=1.0,
+                      activation_func_clamp_value=moe.clamped_swiglu.limit, bias_activation_fusion=False)  # fmt: skip
     if moe.top_k == 1 and moe.router_score_function == "softmax":
         kwargs["moe_router_pre_softmax"] = True  # mcore refuses top-1 without it (both give 1.0)
     return kwargs

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from mcore_zoo.config.arch import ArchConfig, MoESpec
+from mcore_zoo.config.arch import ArchConfig, ClampedSwiGLU, MoESpec
 from mcore_zoo.errors import ZooError
 from mcore_zoo.specs.patching import wrap_once
 
@@ -47,6 +47,8 @@ def hf_topk_routing(logits: torch.Tensor, moe: MoESpec,
     (see :class:`~mcore_zoo.config.arch.MoESpec`). ``router_replay``: Megatron-Core's per-layer
     ``RouterReplay`` (record / replay the chosen experts)."""
     num_tokens, num_experts = logits.shape
+    if moe.softmax_over_topk:  # gpt-oss: the top k logits, a softmax over them in the logits' dtype
+        return _softmax_over_topk(logits, moe, router_replay)
     if moe.router_score_function == "softmax":
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
     elif moe.router_score_function == "sigmoid":
@@ -88,13 +90,37 @@ def hf_topk_routing(logits: torch.Tensor, moe: MoESpec,
         weights = weights / denominator
     if moe.topk_scaling_factor is not None:
         weights = weights * moe.topk_scaling_factor
-    _LOCAL.topk_indices = top_indices  # the combine's slot order (grouped_mm: HF's top-k order)
+    return _routing_tensors(weights, top_indices, num_experts, moe)
+
+
+def _routing_tensors(weights: torch.Tensor, top_indices: torch.Tensor, num_experts: int,
+                     moe: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(routing_probs [T, E], routing_map [T, E])`` from the chosen experts' weights ``[T, k]``
+    (cast to the probs dtype); records the top-k indices (the combine's slot order: HF's)."""
+    _LOCAL.topk_indices = top_indices
     probs_dtype = torch.float32 if moe.probs_dtype == "fp32" else _LOCAL.hidden_dtype
     weights = weights.to(probs_dtype)
-    zeros = torch.zeros(num_tokens, num_experts, dtype=probs_dtype, device=logits.device)
+    zeros = torch.zeros(weights.shape[0], num_experts, dtype=probs_dtype, device=weights.device)
     routing_probs = zeros.scatter(1, top_indices, weights)
     routing_map = torch.zeros_like(zeros, dtype=torch.int32).scatter(1, top_indices, 1).bool()
     return routing_probs, routing_map
+
+
+def _softmax_over_topk(logits: torch.Tensor, moe: MoESpec, router_replay: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`hf_topk_routing` of a gpt-oss router: ``top, idx = topk(logits, k)``,
+    ``weights = softmax(top, dtype=logits.dtype)``, cast to the probs dtype."""
+    num_experts = logits.shape[1]
+
+    def select(values: torch.Tensor, topk: int, num_groups: Optional[int] = None,
+               group_topk: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        return torch.topk(values, topk, dim=-1)
+
+    if router_replay is None:
+        _, top_indices = select(logits, moe.top_k)
+    else:
+        _, top_indices = router_replay.get_replay_topk(logits, moe.top_k, None, None, select)
+    weights = torch.softmax(logits.gather(1, top_indices), dim=1, dtype=logits.dtype)
+    return _routing_tensors(weights, top_indices, num_experts, moe)
 
 
 def _install() -> None:
@@ -444,8 +470,12 @@ def microbatch_router_replay_class() -> type:
 
 
 @functools.lru_cache(maxsize=None)
-def hf_experts_class(experts: str = "grouped_mm") -> type:
+def hf_experts_class(experts: str = "grouped_mm", swiglu: Optional[ClampedSwiGLU] = None) -> type:
+    """:class:`HFOrderSequentialMLP`; ``swiglu``: each expert is a gpt-oss clamped-SwiGLU expert in
+    transformers' layout (:func:`~mcore_zoo.families.moe.clamped_swiglu.clamped_swiglu_expert`)."""
     from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from mcore_zoo.families.moe.clamped_swiglu import clamped_swiglu_expert
 
     class HFOrderSequentialMLP(SequentialMLP):
         """``SequentialMLP`` that scales each expert's output by its routing weight after
@@ -464,6 +494,9 @@ def hf_experts_class(experts: str = "grouped_mm") -> type:
             def run(rows: torch.Tensor) -> torch.Tensor:
                 outputs = []
                 for expert, tokens in zip(self.local_experts, torch.split(rows, counts)):
+                    if swiglu is not None:
+                        outputs.append(clamped_swiglu_expert(expert, tokens, swiglu))
+                        continue
                     output, bias = expert(tokens)
                     outputs.append(output if bias is None else output + bias)
                 return torch.cat(outputs, dim=0)
@@ -532,6 +565,22 @@ def hf_shared_experts_class() -> type:
 
 
 
+def mark_expert_data_parallel(model: torch.nn.Module, config: Any) -> None:
+    """Mark the routed experts' parameters as Megatron-Core marks expert-parallel ones
+    (``allreduce=False``) when they are split over fewer tensor-parallel ranks than the dense layers
+    (``expert_tensor_parallel_size < tensor_model_parallel_size``, e.g. gpt-oss's experts with
+    biases at expert-TP 1) without expert parallelism, where Megatron-Core leaves them marked as
+    dense. Under sequence parallelism each TP rank's experts see only that rank's tokens, so their
+    gradients are summed over the expert data-parallel group (which holds those TP peers) - what a
+    DDP wrapper and the zoo's own gradient reduction do for parameters so marked."""
+    etp = config.expert_tensor_parallel_size or config.tensor_model_parallel_size
+    if config.num_moe_experts is None or config.expert_model_parallel_size > 1 or etp >= config.tensor_model_parallel_size:
+        return
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in f".{name}":
+            param.allreduce = False
+
+
 def moe_mlp_submodule(arch: ArchConfig, pieces: dict[str, Any], router: str,
                       experts: str = "grouped_mm", grouped: bool = False) -> Any:  # fmt: skip
     """The ``TransformerLayerSubmodules.mlp`` value of an MoE layer (this Megatron-Core version's
@@ -562,7 +611,7 @@ def moe_mlp_submodule(arch: ArchConfig, pieces: dict[str, Any], router: str,
 
         experts_spec = te_grouped_experts(hf_grouped_experts_class(experts) if router == "hf" else None)
     else:
-        experts_cls = hf_experts_class(experts) if router == "hf" else SequentialMLP
+        experts_cls = hf_experts_class(experts, moe.clamped_swiglu) if router == "hf" else SequentialMLP
         experts_spec = ModuleSpec(module=experts_cls, submodules=linears)
     router_builder: Callable[..., Any] = (
         functools.partial(hf_router_class(), moe=moe) if router == "hf" else TopKRouter

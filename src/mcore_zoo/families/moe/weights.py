@@ -29,14 +29,20 @@ too) is :func:`deepseek_moe_rules`.
 
 HF checkpoints store experts per expert (``experts.{e}.gate_proj.weight``: what published
 checkpoints and transformers 5's ``save_pretrained`` write; transformers 5 fuses them into 3-D
-``gate_up_proj`` / ``down_proj`` parameters only in memory).
+``gate_up_proj`` / ``down_proj`` parameters only in memory) - except gpt-oss, whose checkpoints hold
+every expert of a layer in one stacked tensor (``mlp.experts.gate_up_proj [E, H, 2I]``, gate and up
+in alternating columns; ``down_proj [E, I, H]``; their biases ``[E, 2I]`` / ``[E, H]``):
+:func:`stacked_expert_rules` reads expert ``e``'s slice of each (``Source.expert_axis``), so an EP
+rank still reads only its own experts, and export stacks the slices back.
 """
 
 from __future__ import annotations
 
 from mcore_zoo.config.arch import ArchConfig
 from mcore_zoo.weights.dense import HF_LAYER, LAYER, decoder_weight_map, gated_mlp_rules
-from mcore_zoo.weights.rules import GATE_UP, Rule, WeightMap, rule
+from mcore_zoo.weights.rules import (
+    GATE_UP, STACKED_EXPERT, STACKED_EXPERT_T, STACKED_GATE_UP, Rule, Source, WeightMap, replicated, rule,
+)  # fmt: skip
 
 EXPERT = LAYER + "mlp.experts.local_experts.{expert}."
 
@@ -96,3 +102,35 @@ def deepseek_moe_rules(arch: ArchConfig) -> list[Rule]:
     if arch.moe.router_expert_bias:
         rules.append(router_expert_bias_rule())
     return rules + shared_expert_rules(arch, hf_shared="mlp.shared_experts.")
+
+
+def stacked_expert_rules(arch: ArchConfig, *, hf_moe: str = "mlp.", router: str = "router") -> list[Rule]:
+    """Router (weight and bias) and experts whose HF tensors stack every expert of a layer, gate and
+    up in alternating columns of ``x @ w`` weights, with biases (gpt-oss): ``{hf_moe}experts.gate_up_proj
+    [E, H, 2I]`` / ``gate_up_proj_bias [E, 2I]`` -> ``linear_fc1.weight`` / ``.bias`` (expert-TP
+    splits the columns), ``down_proj [E, I, H]`` -> ``linear_fc2.weight`` (split by its rows),
+    ``down_proj_bias [E, H]`` -> ``linear_fc2.bias`` (replicated), ``{router}.weight`` / ``.bias``."""
+    m = HF_LAYER + hf_moe
+    x = m + "experts."
+    return [
+        replicated(LAYER + "mlp.router.weight", m + router + ".weight", layer_kind="moe"),
+        replicated(LAYER + "mlp.router.bias", m + router + ".bias", layer_kind="moe"),
+        Rule(EXPERT + "linear_fc1.weight", (Source(x + "gate_up_proj", 2, expert_axis=0),), STACKED_GATE_UP),
+        Rule(EXPERT + "linear_fc1.bias", (Source(x + "gate_up_proj_bias", 1, expert_axis=0),), STACKED_GATE_UP),
+        Rule(EXPERT + "linear_fc2.weight", (Source(x + "down_proj", 1, expert_axis=0),), STACKED_EXPERT_T),
+        Rule(EXPERT + "linear_fc2.bias", (Source(x + "down_proj_bias", None, expert_axis=0),), STACKED_EXPERT),
+    ]
+
+
+def sink_rule(*, hf_attn: str = "self_attn.") -> Rule:
+    """Attention sinks (a learned logit per head, gpt-oss ``self_attn.sinks [heads]``) ->
+    ``core_attention.softmax_offset`` (split over tensor parallelism with the heads)."""
+    return rule(LAYER + "self_attention.core_attention.softmax_offset", HF_LAYER + hf_attn + "sinks", tp_axis=0)
+
+
+def gpt_oss_weight_map(arch: ArchConfig) -> WeightMap:
+    """gpt-oss: attention with q/k/v/o biases and sinks, every layer's MLP the stacked-experts MoE
+    with router bias (:func:`stacked_expert_rules`)."""
+    from mcore_zoo.weights.dense import attention_rules
+
+    return decoder_weight_map(arch, stacked_expert_rules(arch), attention=[*attention_rules(arch), sink_rule()])
