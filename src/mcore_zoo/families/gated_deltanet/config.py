@@ -87,8 +87,8 @@ def refuse_vision_language_config(reader: Any) -> None:
     for name in ("vision_config", "text_config"):
         if reader.has(name):
             raise reader.unsupported(name, "present", f"{reader.architecture} reads a text model's own config;"
-                                     " the vision-language checkpoint (its text_config and vision tower) is not"
-                                     " supported yet")  # fmt: skip
+                                     " a vision-language checkpoint's language model is read by its"
+                                     " *ForConditionalGeneration architecture")  # fmt: skip
 
 
 def read_attention_output_gate(reader: Any) -> None:
@@ -113,6 +113,8 @@ def read_mtp_fields(reader: Any) -> None:
 def dropped_mtp_ignored(arch: Any) -> list[tuple[str, str]]:
     """The checkpoint's ``mtp.*`` tensors, ignored when the config names MTP layers the model does
     not build (dropped on request); empty otherwise."""
-    if not arch.hf_config.get(MTP_FIELD):
+    from mcore_zoo.config.language_model import text_hf_config
+
+    if not text_hf_config(arch.hf_config).get(MTP_FIELD):
         return []
     return [(r"mtp\..*", "multi-token-prediction layer, not built (mtp_num_hidden_layers dropped on request)")]

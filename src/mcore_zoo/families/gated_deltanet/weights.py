@@ -116,3 +116,12 @@ def gated_deltanet_weight_map(arch: ArchConfig) -> WeightMap:
     else:
         mlp = gated_mlp_rules(arch, layer_kind="dense") + routed_expert_rules(arch) + shared_expert_rules(arch)
     return decoder_weight_map(arch, mlp, attention=hybrid_attention_rules(arch), ignored=dropped_mtp_ignored(arch))
+
+
+def language_model_weight_map(arch: ArchConfig) -> WeightMap:
+    """Qwen3.5's vision-language checkpoints (``*ForConditionalGeneration``): the table of
+    :func:`gated_deltanet_weight_map` under ``model.language_model.``, the vision tower's tensors
+    ignored by name (:func:`mcore_zoo.weights.language_model.language_model_weight_map`)."""
+    from mcore_zoo.weights.language_model import language_model_weight_map as under_language_model
+
+    return under_language_model(gated_deltanet_weight_map(arch))
