@@ -80,3 +80,34 @@ def test_language_model_loads_reports_the_vision_tower_and_matches_transformers(
     exported = dict(mcore_zoo.iter_hf_weights(model))
     assert set(exported) == set(source) - vision
     assert all(torch.equal(exported[name], source[name]) for name in exported)
+
+
+@pytest.mark.parametrize("config, arch_name", [("qwen3.5-9b.json", DENSE), ("qwen3.5-35b-a3b.json", MOE)])
+def test_published_configs_convert_with_every_field_classified(config, arch_name):
+    """The published Qwen3.5-9B and Qwen3.5-35B-A3B ``config.json`` (``tests/fixtures/configs/``): every
+    top-level, ``text_config`` and ``vision_config`` field is classified; the MTP layer they declare
+    is refused by name unless dropped on request."""
+    import json
+
+    from ..conftest import CONFIGS
+
+    path = CONFIGS / config
+    published = json.loads(path.read_text())
+    arch = mcore_zoo.lookup(path)
+    assert arch.name == arch_name
+    with pytest.raises(mcore_zoo.UnsupportedConfigError, match="text_config.mtp_num_hidden_layers"):
+        arch.config_from_hf(str(path))
+    converted = arch.config_from_hf(str(path), ignore_fields={"mtp_num_hidden_layers": "MTP layer not trained here"})
+    kinds = {r.field: r.kind for r in converted.fields.records}
+    assert set(kinds.values()) <= {"mapped", "ignored"}
+    assert set(published) <= set(kinds)
+    renamed = {"full_attention_interval", "partial_rotary_factor"}  # transformers turns them into layer_types, rope_parameters
+    assert {f"text_config.{k}" for k in published["text_config"]} - {f"text_config.{k}" for k in renamed} <= set(kinds)
+    assert {f"vision_config.{k}" for k in published["vision_config"]} <= set(kinds)
+    text = published["text_config"]
+    assert (converted.num_layers, converted.hidden_size, converted.vocab_size) == (
+        text["num_hidden_layers"], text["hidden_size"], text["vocab_size"])
+    assert converted.gated_deltanet.layer_types == tuple(text["layer_types"])
+    assert converted.rope.theta == 1e7 and converted.rope.partial_rotary_factor == 0.25
+    if arch_name == MOE:
+        assert (converted.moe.num_experts, converted.moe.top_k) == (256, 8)
