@@ -559,21 +559,24 @@ def run_gradients(cases: Sequence[tuple[str, str, str]], tp: int = 2, ep: int = 
 def check_gradients(architecture: Any, checkpoint: Path, subject: str, ranks: Sequence[Mapping[str, dict]], where: str) -> None:
     """Every rank's gathered gradients for ``subject`` against one process's step, tensor by
     tensor within :func:`~mcore_zoo.testing.common.layout_bound`."""
-    from .common import layout_bound
+    from ..handle import handle_of
+    from .common import layout_bound, layout_ulps
 
     rank_error("gradients", f"{subject}, {where}", subject, ranks)
     with contract("gradients", f"{subject}, one process"):
-        want = gradient_step(build(architecture, checkpoint, numerics=GRADIENT_NUMERICS, load=checkpoint, subject=subject))
+        model = build(architecture, checkpoint, numerics=GRADIENT_NUMERICS, load=checkpoint, subject=subject)
+        ulps = layout_ulps(handle_of(model).arch_config)
+        want = gradient_step(model)
     problems = []
     for rank, results in enumerate(ranks):
         got = results[subject]["grads"]
         if set(got) != set(want):
             problems.append(f"rank {rank}: gradients of {sorted(set(got) ^ set(want))[:6]} on one side only")
             continue
-        off = {n: max_abs_diff(got[n], want[n]) for n in want if max_abs_diff(got[n], want[n]) > layout_bound(want[n])}
+        off = {n: max_abs_diff(got[n], want[n]) for n in want if max_abs_diff(got[n], want[n]) > layout_bound(want[n], ulps)}
         for name in sorted(off, key=off.get, reverse=True)[:6]:
             problems.append(f"rank {rank}: {name}: max |dgrad| {off[name]:.3e} (largest entry {want[name].abs().max().item():.3g},"
-                            f" bound {layout_bound(want[name]):.2e})")  # fmt: skip
+                            f" bound {layout_bound(want[name], ulps):.2e})")  # fmt: skip
     if problems:
         fail("gradients", f"{subject}, {where}", "\n".join(problems))
 
