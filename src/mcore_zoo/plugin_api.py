@@ -59,7 +59,11 @@ Groups:
   :func:`gated_deltanet_rules`, :func:`gated_attention_rules`, :func:`gated_deltanet_weight_map`
   (Qwen3-Next's and Qwen3.5's table), :func:`hybrid_layer_specs` (the layer spec: gated DeltaNet and gated
   attention layers as ``arch.gated_deltanet.layer_types`` says);
-* attention windows - :func:`read_sliding_window` (one ``sliding_window`` for every layer).
+* attention windows - :func:`read_sliding_window` (one ``sliding_window`` for every layer);
+* the language model of a vision-language checkpoint - :func:`read_language_model` (``text_config``
+  read by the text model's converter, ``vision_config`` recorded as the vision tower's),
+  :func:`language_model_weight_map` (a text table under ``model.language_model.``, the vision
+  tower's tensors ignored by name), :func:`gated_deltanet_language_model_weight_map` (Qwen3.5's).
 """
 
 from __future__ import annotations
@@ -147,7 +151,11 @@ _LAZY = {
     "gated_attention_rules": "mcore_zoo.families.gated_deltanet.weights:gated_attention_rules",
     "gated_deltanet_rules": "mcore_zoo.families.gated_deltanet.weights:gated_deltanet_rules",
     "gated_deltanet_weight_map": "mcore_zoo.families.gated_deltanet.weights:gated_deltanet_weight_map",
+    "gated_deltanet_language_model_weight_map": "mcore_zoo.families.gated_deltanet.weights:language_model_weight_map",
     "hybrid_layer_specs": "mcore_zoo.families.gated_deltanet.spec:hybrid_layer_specs",
+    # the language model of a vision-language checkpoint
+    "read_language_model": "mcore_zoo.config.language_model:read_language_model",
+    "language_model_weight_map": "mcore_zoo.weights.language_model:language_model_weight_map",
     # layer spec and forward
     "gpt_layer_specs": "mcore_zoo.specs.gpt:gpt_layer_specs",
     "generic_forward": "mcore_zoo.distributed.forward:generic_forward",

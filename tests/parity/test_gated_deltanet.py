@@ -91,48 +91,94 @@ def test_alignment_padding_rows_stay_out_of_the_state(mpu, reference_checkpoint,
 
 
 def test_published_80b_a3b_config_converts_with_every_field_classified():
-    """``tests/fixtures/configs/qwen3-next-80b-a3b.json`` is Qwen3-Next-80B-A3B's ``config.json`` in
-    its published form (``full_attention_interval`` rather than ``layer_types``, top-level
-    ``rope_theta`` / ``partial_rotary_factor``, the ``mtp_*`` fields), written without network
-    access: the sizes are transformers' ``Qwen3NextConfig`` defaults, which are that model's.
-    Every field is classified; the MTP layer, not built for this family yet, is refused by name
-    unless dropped on request."""
-    path = str(CONFIGS / "qwen3-next-80b-a3b.json")
+    """``tests/fixtures/configs/qwen3-next-80b-a3b.json`` is Qwen3-Next-80B-A3B-Instruct's published
+    ``config.json`` (``full_attention_interval`` rather than ``layer_types``, top-level ``rope_theta`` /
+    ``partial_rotary_factor``, no MTP field although the checkpoint ships ``mtp.*`` tensors; sources
+    in ``tests/fixtures/configs/README.md``). Every field is classified and the ``mtp.*`` tensors are
+    ignored by name, as transformers' model skips them; a config that declares the MTP layer (as
+    Qwen3.5's do) is refused by name unless the layer is dropped on request."""
+    path = CONFIGS / "qwen3-next-80b-a3b.json"
     arch = mcore_zoo.lookup(ARCH)
-    with pytest.raises(mcore_zoo.UnsupportedConfigError, match="mtp_num_hidden_layers"):
-        arch.config_from_hf(path)
-    config = arch.config_from_hf(path, ignore_fields={"mtp_num_hidden_layers": "MTP layer not trained here"})
+    config = arch.config_from_hf(str(path))
     linear = config.gated_deltanet
     assert linear.layer_types == tuple(("linear_attention",) * 3 + ("full_attention",)) * 12
     assert (linear.num_key_heads, linear.num_value_heads, linear.key_head_dim, linear.value_head_dim) == (16, 32, 128, 128)
     assert (linear.conv_kernel_dim, linear.conv_dim) == (4, 2 * 16 * 128 + 32 * 128)
     assert (config.num_layers, config.hidden_size, config.num_attention_heads, config.num_query_groups) == (48, 2048, 16, 2)
-    assert config.head_dim == 256 and config.rope.partial_rotary_factor == 0.25
+    assert config.head_dim == 256 and config.rope.partial_rotary_factor == 0.25 and config.rope.theta == 1e7
+    assert config.ffn_hidden_size == 5120 and config.max_position_embeddings == 262144
     assert config.attention_output_gate and config.zero_centered_norm and config.qk_norm
     moe = config.moe
     assert (moe.num_experts, moe.top_k, moe.expert_ffn_hidden_size, moe.shared_expert_ffn_hidden_size) == (512, 10, 512, 512)
     assert moe.shared_expert_gate and moe.normalize_topk and moe.layer_pattern is None
-    published = set(json.loads((CONFIGS / "qwen3-next-80b-a3b.json").read_text()))
+    published = json.loads(path.read_text())
     kinds = {r.field: r.kind for r in config.fields.records}
     # transformers' config class turns these into rope_parameters, dtype and layer_types
     renamed = {"rope_theta", "partial_rotary_factor", "rope_scaling", "torch_dtype", "full_attention_interval"}
-    assert published - renamed <= set(kinds)
-    assert kinds["layer_types"] == "mapped" and kinds["mtp_num_hidden_layers"] == "ignored"
-    assert set(kinds.values()) <= {"mapped", "ignored"}
+    assert set(published) - renamed <= set(kinds)
+    assert kinds["layer_types"] == "mapped" and set(kinds.values()) <= {"mapped", "ignored"}
     wmap = arch.weight_map(config)
     assert wmap.is_ignored("mtp.layers.0.mlp.experts.0.up_proj.weight")
     names = wmap.hf_names()
     assert "model.layers.0.linear_attn.in_proj_qkvz.weight" in names and "model.layers.0.self_attn.q_proj.weight" not in names
     assert "model.layers.3.self_attn.q_proj.weight" in names and "model.layers.3.linear_attn.A_log" not in names
 
+    declared = {**published, "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False}
+    with pytest.raises(mcore_zoo.UnsupportedConfigError, match="mtp_num_hidden_layers"):
+        arch.config_from_hf(declared)
+    dropped = arch.config_from_hf(declared, ignore_fields={"mtp_num_hidden_layers": "MTP layer not trained here"})
+    assert {r.field: r.kind for r in dropped.fields.records}["mtp_num_hidden_layers"] == "ignored"
+    assert "dropped on request" in arch.weight_map(dropped).is_ignored("mtp.layers.0.mlp.experts.0.up_proj.weight")
 
-@pytest.mark.parametrize("layout", [{"tp": 2}, {"cp": 2}, {"pp": 2}])
-def test_layouts_the_layer_does_not_split_are_refused_by_name(layout):
+
+@pytest.mark.parametrize("layout, overrides", [
+    ({"cp": 2}, {}),
+    ({"tp": 2}, {**DENSE, "linear_num_key_heads": 1}),
+    ({"tp": 2}, {}),  # the MoE example: not trained under TP yet
+])  # fmt: skip
+def test_layouts_the_layer_does_not_split_are_refused_by_name(layout, overrides):
+    """Context parallelism, a tensor-parallel size that does not divide the key heads (each rank
+    computes whole key-head groups) and tensor parallelism of the MoE models are refused by name;
+    TP2 and PP2 of the dense form and PP2 / EP2 of the MoE example are accepted (and computed:
+    ``tests/distributed/test_gated_deltanet_layouts.py``, ``test_moe_layouts.py``)."""
     from mcore_zoo.config.transformer import validate_layout
     from mcore_zoo.placement import Parallelism
 
     arch = mcore_zoo.lookup(ARCH)
-    config = arch.config_from_hf(arch.example_config())
+    config = arch.config_from_hf({**arch.example_config(), **overrides})
     (field, size), = layout.items()
     with pytest.raises(mcore_zoo.UnsupportedLayoutError, match=f"{field}={size}: the gated DeltaNet layer"):
         validate_layout(config, Parallelism(**layout))
+    dense = arch.config_from_hf({**arch.example_config(), **DENSE})
+    for accepted in (Parallelism(tp=2), Parallelism(pp=2), Parallelism(tp=2, pp=2, sequence_parallel=True)):
+        validate_layout(dense, accepted)
+    example = arch.config_from_hf(arch.example_config())
+    for accepted in (Parallelism(pp=2), Parallelism(ep=2), Parallelism(pp=2, ep=2)):
+        validate_layout(example, accepted)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, arch_name", [
+    ("qwen3-next-80b-a3b.json", ARCH),
+    ("qwen3.5-9b.json", "Qwen3_5ForConditionalGeneration"),
+    ("qwen3.5-35b-a3b.json", "Qwen3_5MoeForConditionalGeneration"),
+])  # fmt: skip
+def test_published_config_parity_report_passes_at_tiny_scale(tmp_path, config, arch_name):
+    """``parity-report --config <published> --random-weights --scale tiny`` passes on the CPU for the
+    published Qwen3-Next-80B-A3B, Qwen3.5-9B and Qwen3.5-35B-A3B configs (the Qwen3.5 ones are
+    vision-language configs: their ``text_config`` is scaled, their vision tower shrunk). The tiny
+    scale keeps one layer of each kind and caps the routed experts; the report records both, and
+    the MTP layer the random weights do not carry."""
+    from mcore_zoo.cli import main
+
+    code = main(["parity-report", "--config", str(CONFIGS / config), "--random-weights", "--scale", "tiny",
+                 "--lengths", "40,9", "--out", str(tmp_path), "-q", "--format", "json"])  # fmt: skip
+    assert code == 0
+    report = json.loads((tmp_path / f"{arch_name}.json").read_text())
+    changes = report["model"]["changes"]
+    prefix = "" if arch_name == ARCH else "text_config."
+    assert changes[prefix + "full_attention_interval"] == [4, 2] and changes[prefix + "num_hidden_layers"][1] == 2
+    if arch_name == ARCH:
+        assert changes["num_experts"] == [512, 64]
+    else:
+        assert changes["text_config.mtp_num_hidden_layers"] == [1, 0] and changes["vision_config.depth"][1] == 1

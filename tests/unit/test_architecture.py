@@ -122,8 +122,10 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
     "description": (
         "config/__init__.py", "config/arch.py", "config/common.py", "config/normalize.py", "config/parallelism.py",
         "config/quantization.py", "config/reader.py", "config/rope.py", "config/transformer.py",
+        "config/language_model.py",
         "numerics/__init__.py", "numerics/profiles.py",
         "weights/__init__.py", "weights/rules.py", "weights/dense.py", "weights/heads.py", "weights/vocab.py",
+        "weights/language_model.py",
         "families/*/config.py", "families/*/weights.py",
     ),
     "single rank": (

@@ -78,6 +78,8 @@ class ConfigReader:
         ignore_fields: user-supplied ``{field: reason}`` for fields to ignore on purpose.
         defaulted: fields whose value is transformers' default, absent from the user's config
             (recorded with ``present=False``).
+        prefix: how the records and errors name this reader's fields (``"text_config."`` for the
+            reader :meth:`nested` makes); lookups take the bare names.
     """
 
     def __init__(
@@ -86,14 +88,42 @@ class ConfigReader:
         architecture: str,
         ignore_fields: Optional[Mapping[str, str]] = None,
         defaulted: Collection[str] = (),
+        prefix: str = "",
     ) -> None:
         self.config = dict(config)
         self.defaulted = frozenset(defaulted)  # fields only transformers' defaults filled in
         self.architecture = architecture
+        self.prefix = prefix
+        self.ignore_fields = dict(ignore_fields or {})
         self.records: dict[str, FieldRecord] = {}
-        for name, reason in (ignore_fields or {}).items():
+        for name, reason in self.ignore_fields.items():
             if name in self.config:
                 self._record(name, self.config[name], "ignored", f"by the user: {reason}")
+
+    # ------------------------------------------------------------------ nested configs
+    def nested(self, name: str) -> "ConfigReader":
+        """A reader of the dict field ``name`` (a vision-language config's ``text_config``): its
+        records and errors name the fields ``name.field``. The user's ``ignore_fields`` apply to it
+        as ``name.field``, or by the bare field name where the outer config has no such field.
+        :meth:`adopt` takes its records back."""
+        inner = self.config[name]
+        if not isinstance(inner, Mapping):
+            raise self.unsupported(name, inner, "expected a nested config (a JSON object)")
+        dotted = name + "."
+        ignore = {k: v for k, v in self.ignore_fields.items() if "." not in k and k not in self.config}
+        ignore.update({k[len(dotted):]: v for k, v in self.ignore_fields.items() if k.startswith(dotted)})
+        return ConfigReader(inner, self.architecture, ignore, prefix=self.prefix + dotted)
+
+    def adopt(self, name: str, inner: "ConfigReader", to: str) -> None:
+        """Classify the dict field ``name`` as mapped to ``to`` once ``inner`` (its :meth:`nested`
+        reader) has classified every field of it (else :class:`UnclassifiedConfigFieldsError`
+        naming them); its records join this reader's under their dotted names, and the values it
+        stated join :attr:`config`."""
+        inner.finish()
+        self.config[name] = inner.config
+        self._record(name, inner.config, "mapped", to)
+        for record in inner.records.values():
+            self.records[record.field] = record
 
     # ------------------------------------------------------------------ primitives
     def has(self, name: str) -> bool:
@@ -105,17 +135,17 @@ class ConfigReader:
 
     def _record(self, name: str, value: Any, kind: str, detail: str, present: bool = True) -> None:
         present = present and name not in self.defaulted
-        self.records[name] = FieldRecord(name, value, kind, detail, present)
+        self.records[name] = FieldRecord(self.prefix + name, value, kind, detail, present)
 
     def _value(self, name: str, default: Any) -> tuple[Any, bool]:
         if name in self.config:
             return self.config[name], name not in self.defaulted
         if default is _MISSING:
-            raise UnsupportedConfigError(self.architecture, name, None, "required field is absent")
+            raise UnsupportedConfigError(self.architecture, self.prefix + name, None, "required field is absent")
         return default, False
 
     def unsupported(self, name: str, value: Any, reason: str) -> UnsupportedConfigError:
-        return UnsupportedConfigError(self.architecture, name, value, reason)
+        return UnsupportedConfigError(self.architecture, self.prefix + name, value, reason)
 
     # ------------------------------------------------------------------ classification
     def map(self, name: str, to: str, default: Any = _MISSING, *, convert: Optional[Callable] = None) -> Any:
@@ -180,7 +210,7 @@ class ConfigReader:
 
     # ------------------------------------------------------------------ result
     def unclassified(self) -> dict[str, Any]:
-        return {k: v for k, v in self.config.items() if k not in self.records}
+        return {self.prefix + k: v for k, v in self.config.items() if k not in self.records}
 
     def finish(self) -> "FieldReport":
         """Raise for unclassified fields; return the report of all classifications."""

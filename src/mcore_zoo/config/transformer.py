@@ -65,7 +65,9 @@ def validate_layout(arch: ArchConfig, parallel: Parallelism) -> None:
     where = f"{arch.architecture}: layout tp={tp} pp={pp} vpp={parallel.vpp} cp={cp} ep={parallel.ep}"
     if problems:
         raise LayoutError(f"{where} does not fit the model:\n" + "\n".join(f"  - {p}" for p in problems))
-    unsupported = arch.gated_deltanet.layout_problems(parallel) if arch.gated_deltanet is not None else []
+    unsupported = []
+    if arch.gated_deltanet is not None:
+        unsupported = arch.gated_deltanet.layout_problems(parallel, moe=arch.moe is not None)
     if unsupported:
         raise UnsupportedLayoutError(f"{where} is not supported by the model's layers yet:\n"
                                      + "\n".join(f"  - {p}" for p in unsupported))  # fmt: skip

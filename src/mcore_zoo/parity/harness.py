@@ -248,7 +248,7 @@ def run_parity(opts: ParityOptions, progress: Optional[Progress] = None) -> dict
 
 
 def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress, started: Any) -> dict[str, Any]:
-    from .inputs import make_sequences, prepare_model
+    from .inputs import language_model_fields, make_sequences, prepare_model
 
     device, dtype, tol = r["device"], r["dtype"], r["tolerance"]
     with progress.stage("model"):
@@ -256,7 +256,7 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
                                random_weights=opts.random_weights or bool(opts.arch), scale=opts.scale,
                                settings=opts.settings, dtype=dtype, work_dir=work, seed=opts.seed)  # fmt: skip
         progress.note(f"model: {source.architecture.name} from {source.origin}")
-    vocab = int(source.config["vocab_size"])
+    vocab = int(language_model_fields(source.config)["vocab_size"])
     sequences, token_info = make_sequences(list(opts.lengths), vocab, tokenizer=source.tokenizer, mode=opts.tokens,
                                            seed=opts.seed, trust_remote_code=opts.trust_remote_code)  # fmt: skip
     decoder = token_info.pop("_decode", None)

@@ -7,8 +7,11 @@ loaded with ``from_pretrained(dtype=...)`` exactly like a real checkpoint (DESIG
 
 :func:`scale_config` shrinks a published config (``--scale tiny|small``) while keeping what
 decides the numerics: the GQA ratio, ``head_dim``, RoPE (type, base, scaling), biases, norms, tied
-embeddings, sliding windows. Only depth, the number of heads (hence the width), the MLP width and,
-for ``tiny``, the vocabulary change; every change is recorded in the report.
+embeddings, sliding windows. Only depth, the number of heads (hence the width), the MLP width,
+the number of routed experts where one layer's would exceed :data:`MAX_EXPERT_PARAMS` and, for
+``tiny``, the vocabulary change (a vision-language config: those of its ``text_config``, and its
+vision tower, which the zoo does not build, shrinks to one small block); every change is recorded
+in the report.
 """
 
 from __future__ import annotations
@@ -36,7 +39,20 @@ SCALES: dict[str, tuple[int, int, Optional[int]]] = {
 #: so the checkpoint they write has none for the zoo's MTP block to load, nor a reference to compare
 #: its logits with (the MTP block is tested against a reference of DeepSeek-V3's definition, and
 #: it leaves the main logits bitwise unchanged: ``tests/parity/test_mtp_parity.py``).
-RANDOM_WEIGHTS_CANNOT_CARRY: dict[str, Any] = {"quantization_config": None, "num_nextn_predict_layers": 0}
+RANDOM_WEIGHTS_CANNOT_CARRY: dict[str, Any] = {"quantization_config": None, "num_nextn_predict_layers": 0,
+                                               "mtp_num_hidden_layers": 0}
+#: where a vision-language config nests its language model's fields
+TEXT_CONFIG = "text_config"
+#: a vision tower shrunk to one small block for ``--scale``: the zoo builds no vision tower (it loads
+#: the language model of a vision-language checkpoint), so only its output width must agree
+TINY_VISION = {"depth": 1, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2}
+
+
+def language_model_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """The dict holding the language model's fields: a vision-language config's ``text_config``,
+    else the config itself."""
+    text = config.get(TEXT_CONFIG)
+    return text if isinstance(text, dict) else config
 
 #: Published configs of one real model per built-in architecture (``--arch X --scale ...``).
 PUBLISHED = Path(__file__).parent / "configs"
@@ -83,7 +99,7 @@ class ModelSource:
     config: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> dict[str, Any]:
-        c = self.config
+        c = language_model_fields(self.config)
         heads = c.get("num_attention_heads")
         return {
             "architecture": self.architecture.name,
@@ -167,15 +183,68 @@ def _scale_mla(c: dict[str, Any], max_hidden: int, changes: dict[str, list[Any]]
     _scale_width(c, factor, changes)
 
 
+#: the routed experts' weights of one layer a scaled config may keep (parameters); beyond it the
+#: number of experts halves (512 experts of a 1024-wide model would need gigabytes on the CPU)
+MAX_EXPERT_PARAMS = 100_000_000
+EXPERT_FIELDS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def _cap_experts(c: dict[str, Any], changes: dict[str, list[Any]]) -> None:
+    """Halve the number of routed experts until one layer's experts fit :data:`MAX_EXPERT_PARAMS`
+    (the top-k is kept: it stays below the number of experts)."""
+    name = next((f for f in EXPERT_FIELDS if isinstance(c.get(f), int) and c[f] > 0), None)
+    width = c.get("moe_intermediate_size") or c.get("intermediate_size")
+    if name is None or not isinstance(width, int):
+        return
+    experts, top_k = c[name], int(c.get("num_experts_per_tok") or 1)
+    while experts * 3 * width * int(c["hidden_size"]) > MAX_EXPERT_PARAMS and experts % 2 == 0 and experts // 2 > top_k:
+        experts //= 2
+    _set_path(c, name, experts, changes)
+
+
+def _scale_hybrid_layers(c: dict[str, Any], new_layers: int, changes: dict[str, list[Any]]) -> None:
+    """Gated DeltaNet models (``full_attention_interval``): the interval shrinks to the kept depth,
+    so the last kept layer is a full-attention one and the others gated DeltaNet layers (transformers
+    derives ``layer_types`` from it where the config has none)."""
+    interval = c.get("full_attention_interval")
+    if isinstance(interval, int) and interval > new_layers:
+        _set_path(c, "full_attention_interval", new_layers, changes)
+        if isinstance(c.get("layer_types"), list):
+            kinds = ["linear_attention"] * (new_layers - 1) + ["full_attention"]
+            _set_path(c, "layer_types", kinds, changes)
+
+
+def _scale_vision_language(config: dict[str, Any], preset: str) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+    """A vision-language config: its ``text_config`` scaled as a text model's config, its vision
+    tower shrunk to :data:`TINY_VISION` with the output width of the scaled language model; the
+    changes are named ``text_config.<field>`` / ``vision_config.<field>``."""
+    c = dict(config)
+    text, text_changes = scale_config(c[TEXT_CONFIG], preset)
+    changes = {f"{TEXT_CONFIG}.{k}": v for k, v in text_changes.items()}
+    c[TEXT_CONFIG] = text
+    if isinstance(c.get("vision_config"), dict):
+        vision = dict(c["vision_config"])
+        vision_changes: dict[str, list[Any]] = {}
+        for key, value in {**TINY_VISION, "out_hidden_size": text["hidden_size"]}.items():
+            _set_path(vision, key, value, vision_changes)
+        c["vision_config"] = vision
+        changes.update({f"vision_config.{k}": v for k, v in vision_changes.items()})
+    return c, changes
+
+
 def scale_config(config: dict[str, Any], preset: str) -> tuple[dict[str, Any], dict[str, list[Any]]]:
     """Shrink ``config`` with preset ``tiny`` or ``small`` (see module docstring).
 
     Heads: the largest number of key/value heads (at most the original, at least 1, preferring 2+
     so that TP=2 stays possible) whose ``heads * head_dim`` fits the preset's width; query heads
-    keep the GQA ratio. Hidden and MLP widths shrink by the same factor as the heads.
+    keep the GQA ratio. Hidden and MLP widths shrink by the same factor as the heads. A gated
+    DeltaNet model keeps one layer of each kind; a vision-language config is scaled in its
+    ``text_config`` (:func:`_scale_vision_language`).
     """
     if preset not in SCALES:
         raise ZooError(f"unknown --scale {preset!r}; known: {sorted(SCALES)}")
+    if isinstance(config.get(TEXT_CONFIG), dict):
+        return _scale_vision_language(config, preset)
     layers, max_hidden, max_vocab = SCALES[preset]
     c = dict(config)
     changes: dict[str, list[Any]] = {}
@@ -191,6 +260,8 @@ def scale_config(config: dict[str, Any], preset: str) -> tuple[dict[str, Any], d
         _set_path(c, "first_k_dense_replace", min(first_dense, new_layers - 1), changes)
     if isinstance(c.get("layer_types"), list):
         _set_path(c, "layer_types", list(c["layer_types"][:new_layers]), changes)
+    _scale_hybrid_layers(c, new_layers, changes)
+    _cap_experts(c, changes)
     if isinstance(c.get("max_window_layers"), int) and c["max_window_layers"] >= old_layers:
         _set_path(c, "max_window_layers", new_layers, changes)
     elif isinstance(c.get("max_window_layers"), int):
@@ -218,6 +289,23 @@ def parse_set(items: list[str]) -> dict[str, Any]:
         except json.JSONDecodeError:
             out[key.strip()] = raw
     return out
+
+
+def _drop_what_random_weights_cannot_carry(raw: dict[str, Any], settings: dict[str, Any],
+                                           changes: dict[str, list[Any]]) -> None:  # fmt: skip
+    """:data:`RANDOM_WEIGHTS_CANNOT_CARRY` applied to the config and to a vision-language config's
+    ``text_config`` (changes named ``text_config.<field>``); fields set with ``--set`` are kept."""
+    for key, value in RANDOM_WEIGHTS_CANNOT_CARRY.items():
+        if raw.get(key) and key not in settings:
+            _set_path(raw, key, value, changes)
+    if language_model_fields(raw) is raw:
+        return
+    text, text_changes = dict(raw[TEXT_CONFIG]), {}
+    for key, value in RANDOM_WEIGHTS_CANNOT_CARRY.items():
+        if text.get(key) and f"{TEXT_CONFIG}.{key}" not in settings:
+            _set_path(text, key, value, text_changes)
+    raw[TEXT_CONFIG] = text
+    changes.update({f"{TEXT_CONFIG}.{k}": v for k, v in text_changes.items()})
 
 
 def _has_tokenizer(path: Path) -> bool:
@@ -297,9 +385,7 @@ def prepare_model(
         raw, changes = scale_config(raw, scale)
     for key, value in settings.items():
         _set_path(raw, key, value, changes)
-    for key, value in RANDOM_WEIGHTS_CANNOT_CARRY.items():
-        if raw.get(key) and key not in settings:
-            _set_path(raw, key, value, changes)
+    _drop_what_random_weights_cannot_carry(raw, settings, changes)
     out = Path(work_dir) / "reference"
     write_reference_checkpoint(architecture, raw, out, seed=seed, dtype=dtype)
     saved = read_json_config(out)

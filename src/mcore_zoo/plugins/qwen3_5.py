@@ -9,9 +9,13 @@ has the gated MLP on every layer; the MoE model has on every layer the softmax t
 weights always renormalised) and a sigmoid-gated shared expert. transformers does not read
 ``attn_output_gate`` (always gated), ``norm_topk_prob``, ``decoder_sparse_step`` or
 ``mlp_only_layers`` for these models: values that would describe another model are refused by name.
-Backends ``local`` and ``portable``; no tensor, context or pipeline parallelism yet (refused by name);
-the MTP layer is refused unless dropped on request. The ``*ForConditionalGeneration`` configs
-(``text_config`` with a vision tower) are not read here.
+Backends ``local`` and ``portable``; tensor (the dense model), pipeline and expert parallelism; context
+parallelism and TP of the MoE model are refused by name; the MTP layer is refused unless dropped on request.
+
+``Qwen3_5ForConditionalGeneration`` and ``Qwen3_5MoeForConditionalGeneration`` (the published
+vision-language checkpoints): their language model, ``text_config`` read as the text model's own
+config, the ``model.language_model.*`` tensors loaded; every ``vision_config`` field is recorded
+as the vision tower's and its ``model.visual.*`` tensors are reported as not loaded, by name.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ _COMMON = {
 }
 EXAMPLE_CONFIG = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", **_COMMON,
                   "intermediate_size": 128}  # fmt: skip
+_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+           "patch_size": 4, "num_position_embeddings": 16}  # fmt: skip
 EXAMPLE_MOE_CONFIG = {
     "architectures": ["Qwen3_5MoeForCausalLM"],
     "model_type": "qwen3_5_moe_text",
@@ -53,6 +59,18 @@ EXAMPLE_MOE_CONFIG = {
     "router_aux_loss_coef": 0.001,
     "output_router_logits": False,
 }
+
+
+
+def _vision_language(architecture: str, model_type: str, text: dict) -> dict:
+    """A vision-language example: ``text`` as its ``text_config``, a tiny vision tower."""
+    text_config = {k: v for k, v in text.items() if k not in ("architectures", "tie_word_embeddings")}
+    return {"architectures": [architecture], "model_type": model_type, "text_config": text_config,
+            "vision_config": dict(_VISION), "tie_word_embeddings": False}  # fmt: skip
+
+
+EXAMPLE_VL_CONFIG = _vision_language("Qwen3_5ForConditionalGeneration", "qwen3_5", EXAMPLE_CONFIG)
+EXAMPLE_MOE_VL_CONFIG = _vision_language("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", EXAMPLE_MOE_CONFIG)
 
 #: fields of Qwen's other configs that transformers' Qwen3.5 models never read
 UNREAD = ("use_sliding_window", "sliding_window", "max_window_layers")
@@ -112,10 +130,25 @@ def convert_moe(reader):  # type: ignore[no-untyped-def]
     return arch.replace(moe=moe, gated_deltanet=linear, attention_output_gate=True, zero_centered_norm=True)
 
 
+def convert_vl(reader):  # type: ignore[no-untyped-def]
+    """``Qwen3_5ForConditionalGeneration``: the language model (:func:`convert` on ``text_config``)."""
+    from mcore_zoo.plugin_api import read_language_model
+
+    return read_language_model(reader, convert)
+
+
+def convert_moe_vl(reader):  # type: ignore[no-untyped-def]
+    """``Qwen3_5MoeForConditionalGeneration``: the language model (:func:`convert_moe` on ``text_config``)."""
+    from mcore_zoo.plugin_api import read_language_model
+
+    return read_language_model(reader, convert_moe)
+
+
 @hookimpl
 def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
     common = dict(weight_rules="mcore_zoo.plugin_api:gated_deltanet_weight_map",
                   layer_spec="mcore_zoo.plugin_api:hybrid_layer_specs", backends=("local", "portable"))  # fmt: skip
+    vision_language = dict(common, weight_rules="mcore_zoo.plugin_api:gated_deltanet_language_model_weight_map")
     return [
         ModelEntry(
             architecture="Qwen3_5ForCausalLM",
@@ -134,5 +167,23 @@ def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
             description="Qwen3.5-MoE, text (Qwen3.5's token mixers; softmax top-k MoE, renormalised, with a"
                         " sigmoid-gated shared expert on every layer)",
             **common,
+        ),
+        ModelEntry(
+            architecture="Qwen3_5ForConditionalGeneration",
+            model_type="qwen3_5",
+            converter="mcore_zoo.plugins.qwen3_5:convert_vl",
+            example_config=EXAMPLE_VL_CONFIG,
+            description="Qwen3.5 dense, the language model of the vision-language checkpoint (vision tower"
+                        " not built: its tensors reported as not loaded)",
+            **vision_language,
+        ),
+        ModelEntry(
+            architecture="Qwen3_5MoeForConditionalGeneration",
+            model_type="qwen3_5_moe",
+            converter="mcore_zoo.plugins.qwen3_5:convert_moe_vl",
+            example_config=EXAMPLE_MOE_VL_CONFIG,
+            description="Qwen3.5-MoE, the language model of the vision-language checkpoint (vision tower"
+                        " not built: its tensors reported as not loaded)",
+            **vision_language,
         ),
     ]

@@ -33,6 +33,8 @@ _LAZY = {
     "TP_REL_TOL": "mcore_zoo.testing.common:TP_REL_TOL",
     "LAYOUT_ULPS": "mcore_zoo.testing.common:LAYOUT_ULPS",
     "layout_bound": "mcore_zoo.testing.common:layout_bound",
+    "layout_ulps": "mcore_zoo.testing.common:layout_ulps",
+    "LINEAR_ATTENTION_LAYOUT_ULPS": "mcore_zoo.testing.common:LINEAR_ATTENTION_LAYOUT_ULPS",
     "PARITY_LENGTHS": "mcore_zoo.testing.common:PARITY_LENGTHS",
     "assert_same": "mcore_zoo.testing.common:assert_same",
     "random_sequences": "mcore_zoo.testing.common:random_sequences",

@@ -277,7 +277,7 @@ def check_parity(architecture: Any, checkpoint: Path, subject: str, *, sensitivi
         hf = reference(architecture, checkpoint)
         model = build(architecture, checkpoint, load=checkpoint, subject=subject)
         local = build(architecture, checkpoint, backend="local", numerics="hf-exact", load=checkpoint, subject=subject)
-    vocab = hf.config.vocab_size
+    vocab = handle_of(local).arch_config.vocab_size
     seqs = random_sequences(PARITY_LENGTHS, vocab)
     ids = torch.stack(random_sequences([40, 40, 40], vocab, seed=1))
     problems = []
@@ -314,11 +314,12 @@ def check_rope_sensitivity(architecture: Any, checkpoint: Path, hf: Any, seqs: S
 
     torch = _torch()
     config = dict(architecture.config_from_hf(str(checkpoint)).hf_config)
-    params = config.get("rope_parameters")
+    text = language_model_fields(config)
+    params = text.get("rope_parameters")
     if isinstance(params, dict) and params.get("rope_theta") is not None:
-        config["rope_parameters"] = dict(params, rope_theta=params["rope_theta"] * 2)
-    elif config.get("rope_theta") is not None:
-        config["rope_theta"] = config["rope_theta"] * 2
+        config.update(language_model_change(config, {"rope_parameters": dict(params, rope_theta=params["rope_theta"] * 2)}))
+    elif text.get("rope_theta") is not None:
+        config.update(language_model_change(config, {"rope_theta": text["rope_theta"] * 2}))
     else:
         return  # no RoPE base in the config: nothing to mutate
     with torch.no_grad(), contract("parity", subject):
@@ -589,21 +590,24 @@ def run_gradients(cases: Sequence[tuple[str, str, str]], tp: int = 2, ep: int = 
 def check_gradients(architecture: Any, checkpoint: Path, subject: str, ranks: Sequence[Mapping[str, dict]], where: str) -> None:
     """Every rank's gathered gradients for ``subject`` against one process's step, tensor by
     tensor within :func:`~mcore_zoo.testing.common.layout_bound`."""
-    from .common import layout_bound
+    from ..handle import handle_of
+    from .common import layout_bound, layout_ulps
 
     rank_error("gradients", f"{subject}, {where}", subject, ranks)
     with contract("gradients", f"{subject}, one process"):
-        want = gradient_step(build(architecture, checkpoint, numerics=GRADIENT_NUMERICS, load=checkpoint, subject=subject))
+        model = build(architecture, checkpoint, numerics=GRADIENT_NUMERICS, load=checkpoint, subject=subject)
+        ulps = layout_ulps(handle_of(model).arch_config)
+        want = gradient_step(model)
     problems = []
     for rank, results in enumerate(ranks):
         got = results[subject]["grads"]
         if set(got) != set(want):
             problems.append(f"rank {rank}: gradients of {sorted(set(got) ^ set(want))[:6]} on one side only")
             continue
-        off = {n: max_abs_diff(got[n], want[n]) for n in want if max_abs_diff(got[n], want[n]) > layout_bound(want[n])}
+        off = {n: max_abs_diff(got[n], want[n]) for n in want if max_abs_diff(got[n], want[n]) > layout_bound(want[n], ulps)}
         for name in sorted(off, key=off.get, reverse=True)[:6]:
             problems.append(f"rank {rank}: {name}: max |dgrad| {off[name]:.3e} (largest entry {want[name].abs().max().item():.3g},"
-                            f" bound {layout_bound(want[name]):.2e})")  # fmt: skip
+                            f" bound {layout_bound(want[name], ulps):.2e})")  # fmt: skip
     if problems:
         fail("gradients", f"{subject}, {where}", "\n".join(problems))
 
@@ -661,10 +665,28 @@ def expected_export(wmap: Any, source: Mapping[str, Any]) -> set[str]:
 def default_rejected(config: Mapping[str, Any]) -> dict[str, dict]:
     """The unsupported values every architecture must refuse: dynamic-NTK RoPE scaling (the zoo
     implements default, linear, llama3 and yarn only)."""
-    params = config.get("rope_parameters")
+    params = language_model_fields(config).get("rope_parameters")
     if isinstance(params, dict):
-        return {"rope-dynamic": {"rope_parameters": dict(params, rope_type="dynamic", factor=2.0)}}
-    return {"rope-dynamic": {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}}
+        change = {"rope_parameters": dict(params, rope_type="dynamic", factor=2.0)}
+    else:
+        change = {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
+    return {"rope-dynamic": language_model_change(config, change)}
+
+
+def language_model_fields(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language model's fields: a vision-language config's ``text_config``, else the config."""
+    from ..config.language_model import text_hf_config
+
+    return text_hf_config(config)
+
+
+def language_model_change(config: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+    """The top-level overrides that make ``changes`` to the language model's fields: inside
+    ``text_config`` for a vision-language config, else ``changes`` themselves."""
+    from ..config.language_model import TEXT
+
+    text = language_model_fields(config)
+    return {TEXT: {**text, **changes}} if text is not config else dict(changes)
 
 
 def check_bad_input(architecture: Any, config: Mapping[str, Any], checkpoint: Path, subject: str,

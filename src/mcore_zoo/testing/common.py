@@ -72,6 +72,20 @@ TP_REL_TOL = 1e-5
 #: their largest magnitude (at least 1): 1.5e-5 for fp32 values of size <= 1, 7.6e-5 for fp32
 #: logits of size 5. A wrong shard, a missing reduction or a changed expert moves them by O(0.1).
 LAYOUT_ULPS = 128
+#: Gated DeltaNet models under a layout: the delta rule's recurrence (decays cumulated over a whole
+#: chunk, a triangular solve per chunk, the state carried from chunk to chunk) carries a reordered
+#: reduction further than attention does - one ulp of a layer's output moves the example models'
+#: logits by ~1e-5 relative. Measured at TP2 on the examples (the gradients contract): up to 1.13x
+#: ``LAYOUT_ULPS`` (Qwen3-Next's ``A_log``; Qwen3.5's attention ``k_proj`` 1.09x). The MoE forms with
+#: sequence parallelism went beyond twice that in one of two runs and are refused under TP. A wrong
+#: shard or a missing reduction still moves the gradients by O(0.1).
+LINEAR_ATTENTION_LAYOUT_ULPS = 2 * LAYOUT_ULPS
+
+
+def layout_ulps(arch: Any) -> int:
+    """The ulps of :func:`layout_bound` for a model of ``arch`` (an ``ArchConfig``):
+    :data:`LINEAR_ATTENTION_LAYOUT_ULPS` for gated DeltaNet models, else :data:`LAYOUT_ULPS`."""
+    return LINEAR_ATTENTION_LAYOUT_ULPS if getattr(arch, "gated_deltanet", None) is not None else LAYOUT_ULPS
 
 
 def layout_bound(ref: Any, ulps: int = LAYOUT_ULPS) -> float:

@@ -119,7 +119,8 @@ CONTRACTS: dict[str, Contract] = {
             "two gloo ranks build every example config (TP=2 with sequence parallelism for MoE models;"
             " then EP=2 for MoE models), run one train_step of a next-token loss over a pack and gather"
             " every gradient under its HF name; each equals the single-process step's within"
-            " layout_bound (128 ulps of its largest entry, at least 1)",
+            " layout_bound (128 ulps of its largest entry, at least 1; 256 for gated DeltaNet models,"
+            " whose recurrence carries rounding further)",
             "a parameter the layer keeps whole on every TP rank but uses on sharded activations (a q/k"
             " norm over the full width, a custom gate) needs its gradient summed over the TP group: use"
             " a TP-aware module (Megatron-Core's norms take the full width only before the split), or"

@@ -15,7 +15,8 @@ is refused by name (:func:`refuse_vision_language_config`): its vision tower is 
 Multi-token prediction (``mtp_num_hidden_layers``, ``mtp_use_dedicated_embeddings``): the MTP layer
 is not built for this family yet. A config with MTP layers is refused, naming the field, unless the
 user drops them (``ignore_fields={"mtp_num_hidden_layers": reason}``); the checkpoint's ``mtp.*``
-tensors are then ignored by name (:func:`dropped_mtp_ignored`) - as transformers' model does.
+tensors are then ignored by name (:func:`dropped_mtp_ignored`) - as transformers' model does. So
+are they when the config names no MTP layer (Qwen3-Next's published config, whose checkpoint ships one).
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ def read_gated_deltanet(reader: Any, num_layers: int, *, projections: str = "fus
     def size(field: str, target: str) -> int:
         return reader.map_checked(field, target, positive_int, reason="must be a positive integer")
 
+    if reader.has("mamba_ssm_dtype"):
+        reader.ignore("mamba_ssm_dtype", "dtype of an inference engine's recurrent-state cache; transformers does"
+                      " not read it, and the forward keeps the delta rule's state in fp32")  # fmt: skip
     key_heads = size("linear_num_key_heads", "GatedDeltaNetSpec.num_key_heads (q / k heads of the linear layer)")
     value_heads = size("linear_num_value_heads", "GatedDeltaNetSpec.num_value_heads")
     if value_heads % key_heads:
@@ -87,8 +91,8 @@ def refuse_vision_language_config(reader: Any) -> None:
     for name in ("vision_config", "text_config"):
         if reader.has(name):
             raise reader.unsupported(name, "present", f"{reader.architecture} reads a text model's own config;"
-                                     " the vision-language checkpoint (its text_config and vision tower) is not"
-                                     " supported yet")  # fmt: skip
+                                     " a vision-language checkpoint's language model is read by its"
+                                     " *ForConditionalGeneration architecture")  # fmt: skip
 
 
 def read_attention_output_gate(reader: Any) -> None:
@@ -111,8 +115,13 @@ def read_mtp_fields(reader: Any) -> None:
 
 
 def dropped_mtp_ignored(arch: Any) -> list[tuple[str, str]]:
-    """The checkpoint's ``mtp.*`` tensors, ignored when the config names MTP layers the model does
-    not build (dropped on request); empty otherwise."""
-    if not arch.hf_config.get(MTP_FIELD):
-        return []
+    """The checkpoint's ``mtp.*`` tensors, ignored by name (a load reports each): the config names
+    MTP layers the model does not build (dropped on request), or names none at all - Qwen3-Next's
+    published config does not declare the MTP layer its checkpoint ships, which transformers'
+    model skips too."""
+    from mcore_zoo.config.language_model import text_hf_config
+
+    if not text_hf_config(arch.hf_config).get(MTP_FIELD):
+        return [(r"mtp\..*", "multi-token-prediction layer the config does not declare (mtp_num_hidden_layers"
+                 " absent or 0): not built, as transformers' model skips it")]  # fmt: skip
     return [(r"mtp\..*", "multi-token-prediction layer, not built (mtp_num_hidden_layers dropped on request)")]

@@ -14,10 +14,12 @@ zeros and the recurrent state from zero at every sequence start (``cu_seqlens_q`
 for alignment lays its sequences out by ``cu_seqlens_q_padded``, the padding rows give zeros) - so
 a packed sequence computes exactly what it computes run alone.
 
-Megatron-Core 0.16's own ``GatedDeltaNet`` (``megatron.core.ssm.gated_delta_net``) needs
-flash-linear-attention's kernels and refuses THD packs; it is not used here. The layer is built on
-backends ``local`` and ``portable``; tensor, context and pipeline parallelism are refused by
-:meth:`~mcore_zoo.config.arch.GatedDeltaNetSpec.layout_problems`.
+Tensor parallelism splits the layer by head as it computes them (each rank a whole group of key
+heads with their value heads; ``out_proj`` row-parallel); pipeline stages take their layers of the
+hybrid pattern (:func:`hybrid_layer_specs`). Megatron-Core 0.16's own ``GatedDeltaNet``
+(``megatron.core.ssm.gated_delta_net``) needs flash-linear-attention's kernels and refuses THD
+packs; it is not used here. The layer is built on backends ``local`` and ``portable``; context
+parallelism is refused by :meth:`~mcore_zoo.config.arch.GatedDeltaNetSpec.layout_problems`.
 
 Full-attention layers are Megatron-Core's ``SelfAttention`` with ``attention_output_gate``
 (the query projection twice as wide, :mod:`.weights` lays it out), whose gate is applied in HF's
@@ -113,36 +115,63 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
 class GatedRMSNorm(torch.nn.Module):
     """transformers' ``Qwen3NextRMSNormGated``: ``weight * rmsnorm(x)`` (cast back to the input
     dtype first) times ``silu(gate)`` in fp32, cast to the input dtype. The weight is not
-    zero-centred."""
+    zero-centred. One weight for every head: under tensor parallelism each rank normalises its own
+    heads, so the weight's gradient is summed over the group (``shared_weight``)."""
 
-    def __init__(self, width: int, eps: float, dtype: torch.dtype, device: Any) -> None:
+    def __init__(self, width: int, eps: float, dtype: torch.dtype, device: Any, shared_weight: Any = None) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(width, dtype=dtype, device=device))
         self.variance_epsilon = eps
+        self.shared_weight = shared_weight
 
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype
+        weight = self.weight if self.shared_weight is None else self.shared_weight(self.weight)
         hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        hidden_states = self.weight * hidden_states.to(input_dtype)
+        hidden_states = weight * hidden_states.to(input_dtype)
         hidden_states = hidden_states * F.silu(gate.to(torch.float32))
         return hidden_states.to(input_dtype)
+
+
+def rank_heads(spec: GatedDeltaNetSpec, tp: int) -> GatedDeltaNetSpec:
+    """The heads one of ``tp`` tensor-parallel ranks computes: ``1 / tp`` of the key heads with
+    their value heads (whole key-head groups, as the head-interleaved projections lay them out)."""
+    if tp == 1:
+        return spec
+    return dataclasses.replace(spec, num_key_heads=spec.num_key_heads // tp, num_value_heads=spec.num_value_heads // tp)
 
 
 @functools.lru_cache(maxsize=None)
 def gated_deltanet_class() -> type:
     """:class:`PortableGatedDeltaNet` (a ``MegatronModule``; built lazily so importing this module
     stays free of Megatron-Core)."""
-    from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
+    from megatron.core.tensor_parallel import (
+        set_defaults_if_not_set_tensor_model_parallel_attributes, set_tensor_model_parallel_attributes,
+    )  # fmt: skip
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+        reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region,
+    )  # fmt: skip
     from megatron.core.transformer.module import MegatronModule
 
     class PortableGatedDeltaNet(MegatronModule):
-        """The gated DeltaNet token mixer (module docstring): ``[s, b, h]`` in, ``([s, b, h], None)`` out."""
+        """The gated DeltaNet token mixer (module docstring): ``[s, b, h]`` in, ``([s, b, h], None)`` out.
+
+        Under tensor parallelism (``tp`` ranks) it holds and computes its rank's heads
+        (:func:`rank_heads`): the input projections, the convolution's channels, ``A_log`` and
+        ``dt_bias`` split by head, ``out_proj`` split by its input columns (row-parallel, its
+        output summed over the group; reduce-scattered over the sequence under sequence
+        parallelism, whose input is gathered first), the gated norm's weight whole (its gradient
+        summed over the group)."""
 
         def __init__(self, config: Any, submodules: Any = None, layer_number: Optional[int] = None, *,
                      spec: GatedDeltaNetSpec, **_: Any) -> None:  # fmt: skip
             super().__init__(config)
+            self.tp = config.tensor_model_parallel_size
+            self.sequence_parallel = bool(config.sequence_parallel) and self.tp > 1
+            spec = rank_heads(spec, self.tp)
             self.spec, self.layer_number = spec, layer_number
             device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
             dtype, h = config.params_dtype, config.hidden_size
@@ -161,15 +190,19 @@ def gated_deltanet_class() -> type:
                                           groups=spec.conv_dim, padding=spec.conv_kernel_dim - 1,
                                           device=device, dtype=dtype)  # fmt: skip
             self.dt_bias = torch.nn.Parameter(torch.ones(spec.num_value_heads, dtype=dtype, device=device))
-            a = torch.empty(spec.num_value_heads, dtype=torch.float32).uniform_(1, 16)
-            self.A_log = torch.nn.Parameter(torch.log(a).to(device=device, dtype=dtype))
-            self.norm = GatedRMSNorm(spec.value_head_dim, spec.norm_eps, dtype, device)
+            a = torch.empty(spec.num_value_heads, dtype=torch.float32, device=device).uniform_(1, 16)
+            self.A_log = torch.nn.Parameter(torch.log(a).to(dtype))  # on the layer's device, as the others
+            shared = copy_to_tensor_model_parallel_region if self.tp > 1 else None
+            self.norm = GatedRMSNorm(spec.value_head_dim, spec.norm_eps, dtype, device, shared_weight=shared)
             self.out_proj = linear(spec.value_dim, h)
             if config.perform_initialization:
                 with torch.no_grad():
                     for projection in projections:
                         config.init_method(projection.weight)
                     config.output_layer_init_method(self.out_proj.weight)
+            for param in (*(p.weight for p in projections), self.conv1d.weight, self.A_log, self.dt_bias):
+                set_tensor_model_parallel_attributes(param, True, 0, 1)  # split by head (one rank: all)
+            set_tensor_model_parallel_attributes(self.out_proj.weight, True, 1, 1)
             for param in self.parameters():
                 set_defaults_if_not_set_tensor_model_parallel_attributes(param)
 
@@ -177,9 +210,28 @@ def gated_deltanet_class() -> type:
                     packed_seq_params: Any = None, inference_params: Any = None, **_: Any) -> tuple:  # fmt: skip
             if inference_context is not None or inference_params is not None:
                 raise ZooError("the gated DeltaNet layer has no inference cache: run it without an inference context")
+            if self.sequence_parallel:
+                hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=True)
+            elif self.tp > 1:
+                hidden_states = copy_to_tensor_model_parallel_region(hidden_states)
             x = hidden_states.transpose(0, 1).contiguous()  # [b, s, h], HF's layout
             out = self._mix(x) if packed_seq_params is None else self._mix_packed(x, packed_seq_params)
-            return out.transpose(0, 1).contiguous(), None
+            out = out.transpose(0, 1).contiguous()
+            if self.sequence_parallel:
+                out = reduce_scatter_to_sequence_parallel_region(out)
+            elif self.tp > 1:
+                out = reduce_from_tensor_model_parallel_region(out)
+            return out, None
+
+        def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None) -> Any:
+            """Megatron-Core's default (every tensor whole) at one tensor-parallel rank; under tensor
+            parallelism refused by name: the ``[q; k; v]`` channels of ``conv1d`` / ``in_proj_qkv``
+            split part by part are no contiguous shard of the checkpoint's tensor."""
+            if self.tp > 1:
+                raise ZooError(f"distributed checkpoints (torch_dist) of the gated DeltaNet layer at tp={self.tp} are"
+                               " not written or read yet (its [q; k; v] channels are split part by part); save"
+                               " or load them at tp=1, or use the HF export (save_hf_checkpoint)")  # fmt: skip
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
 
         def _mix_packed(self, x: torch.Tensor, params: Any) -> torch.Tensor:
             """One THD pack (``[1, t, h]``): every sequence alone, from a zero state and window."""

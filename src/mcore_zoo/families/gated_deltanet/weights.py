@@ -2,8 +2,13 @@
 
 Linear-attention layers (``layer_types`` ``linear_attention``), HF ``model.layers.{layer}.linear_attn.``
 <-> Megatron-Core ``decoder.layers.{layer}.self_attention.`` (:class:`~.spec.PortableGatedDeltaNet`
-keeps the checkpoint's layout, so every rule is one tensor unchanged; replicated, as the layer is
-not split over tensor-parallel ranks yet):
+keeps the checkpoint's layout, so at one rank every rule is one tensor unchanged). Under tensor
+parallelism each rank holds its heads as the layer computes them: the head-interleaved fused
+projections (``in_proj_qkvz``, ``in_proj_ba``: per key head its rows) and the per-head
+``in_proj_z`` / ``in_proj_b`` / ``in_proj_a`` / ``A_log`` / ``dt_bias`` split into contiguous row
+chunks; the ``[q; k; v]`` channels of ``conv1d`` and ``in_proj_qkv`` split part by part
+(:data:`QKV_CHANNELS`: each rank its q, its k, its v); ``out_proj`` by its input columns; the gated
+norm's weight whole:
 
 =====================  =====================  =========================================
 HF                     Megatron-Core          shape
@@ -34,7 +39,9 @@ import torch
 
 from mcore_zoo.config.arch import ArchConfig
 from mcore_zoo.weights.dense import HF_LAYER, LAYER, attention_rules
-from mcore_zoo.weights.rules import Rule, Transform, TransformContext, WeightMap, replicated
+from mcore_zoo.weights.rules import (
+    Rule, Transform, TransformContext, WeightMap, column_parallel, replicated, row_parallel, split_rows,
+)  # fmt: skip
 
 #: the input projections of each layout (:attr:`~mcore_zoo.config.arch.GatedDeltaNetSpec.projections`)
 PROJECTION_TENSORS = {
@@ -91,10 +98,48 @@ def gated_attention_rules(arch: ArchConfig) -> list[Rule]:
                            qkv_note="q_proj rows per head [query; gate] -> per group [queries; gates; key; value]")  # fmt: skip
 
 
+class QKVChannels(Transform):
+    """The ``[q; k; v]`` channels of the convolution (and of Qwen3.5's ``in_proj_qkv``) from their
+    three parts; on a tensor-parallel chunk, this rank's q, k and v heads in that order. The part
+    sizes follow the tensor's rows (``key_dim : key_dim : value_dim``), whole or a chunk."""
+
+    name = "qkv-channels"
+
+    def fuse(self, pieces: Sequence[torch.Tensor], ctx: TransformContext) -> torch.Tensor:
+        return torch.cat(list(pieces), dim=0)
+
+    def split(self, tensor: torch.Tensor, ctx: TransformContext) -> list[torch.Tensor]:
+        spec = ctx.arch.gated_deltanet
+        key = tensor.shape[0] * spec.key_dim // spec.conv_dim
+        return list(torch.split(tensor, [key, key, tensor.shape[0] - 2 * key], dim=0))
+
+    def views(self, out: torch.Tensor, ctx: TransformContext) -> list[torch.Tensor]:
+        return self.split(out, ctx)
+
+
+QKV_CHANNELS = QKVChannels()
+#: tensors split into contiguous row chunks (whole heads per rank), and the row-parallel one
+ROW_CHUNKED = ("in_proj_qkvz.weight", "in_proj_ba.weight", "in_proj_z.weight", "in_proj_b.weight",
+               "in_proj_a.weight", "A_log", "dt_bias")  # fmt: skip
+QKV_CHANNEL_TENSORS = ("conv1d.weight", "in_proj_qkv.weight")
+
+
 def gated_deltanet_rules(arch: ArchConfig) -> list[Rule]:
-    """The linear-attention layers' rules (module docstring), one replicated tensor each."""
-    return [replicated(LAYER + "self_attention." + name, HF_LAYER + "linear_attn." + name, layer_kind="linear_attention")
-            for name in linear_tensors(arch.gated_deltanet.projections)]  # fmt: skip
+    """The linear-attention layers' rules (module docstring), split by head over tensor-parallel ranks."""
+    spec, kind = arch.gated_deltanet, "linear_attention"
+    rules = []
+    for name in linear_tensors(spec.projections):
+        mcore, hf = LAYER + "self_attention." + name, HF_LAYER + "linear_attn." + name
+        if name in QKV_CHANNEL_TENSORS:
+            parts = split_rows(hf, [spec.key_dim, spec.key_dim, spec.value_dim], tp_axis=0)
+            rules.append(Rule(mcore, parts, QKV_CHANNELS, layer_kind=kind, note="[q; k; v] channels, split part by part"))
+        elif name in ROW_CHUNKED:
+            rules.append(column_parallel(mcore, hf, layer_kind=kind))
+        elif name == "out_proj.weight":
+            rules.append(row_parallel(mcore, hf, layer_kind=kind))
+        else:
+            rules.append(replicated(mcore, hf, layer_kind=kind))
+    return rules
 
 
 def hybrid_attention_rules(arch: ArchConfig) -> list[Rule]:
@@ -116,3 +161,12 @@ def gated_deltanet_weight_map(arch: ArchConfig) -> WeightMap:
     else:
         mlp = gated_mlp_rules(arch, layer_kind="dense") + routed_expert_rules(arch) + shared_expert_rules(arch)
     return decoder_weight_map(arch, mlp, attention=hybrid_attention_rules(arch), ignored=dropped_mtp_ignored(arch))
+
+
+def language_model_weight_map(arch: ArchConfig) -> WeightMap:
+    """Qwen3.5's vision-language checkpoints (``*ForConditionalGeneration``): the table of
+    :func:`gated_deltanet_weight_map` under ``model.language_model.``, the vision tower's tensors
+    ignored by name (:func:`mcore_zoo.weights.language_model.language_model_weight_map`)."""
+    from mcore_zoo.weights.language_model import language_model_weight_map as under_language_model
+
+    return under_language_model(gated_deltanet_weight_map(arch))

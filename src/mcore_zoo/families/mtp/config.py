@@ -40,7 +40,9 @@ def read_mtp(reader: Any) -> int:
 def dropped_mtp_ignored(arch: Any) -> list[tuple[str, str]]:
     """Ignore patterns for the checkpoint's MTP layers when the user dropped them (the config
     still names ``N`` layers, the model builds none); empty otherwise."""
-    count = int(arch.hf_config.get(MTP_FIELD) or 0)
+    from mcore_zoo.config.language_model import text_hf_config
+
+    count = int(text_hf_config(arch.hf_config).get(MTP_FIELD) or 0)
     if not count or arch.mtp_num_layers:
         return []
     layers = "|".join(str(arch.num_layers + i) for i in range(count))
