@@ -175,6 +175,35 @@ def test_positional_read_of_a_file_truncated_after_opening(tmp_path):
             ckpt.read("w")
 
 
+def test_queued_reads_land_when_the_block_exits_and_their_errors_name_the_tensor(tmp_path, monkeypatch):
+    """Inside ``queued_reads`` a read into a destination is cut into pieces for the read threads
+    (here pieces of 4 KiB, several per tensor) and the bytes are all there when the block exits;
+    ``read`` still returns its tensor complete. A read that fails (the file truncated after it was
+    opened) raises when the block exits, naming the tensor: no parameter is left unwritten silently."""
+    from mcore_zoo.errors import CheckpointFormatError
+    from mcore_zoo.weights import pread
+    from mcore_zoo.weights.io import HFCheckpoint
+
+    monkeypatch.setattr(pread, "PIECE", 4096)
+    gen = torch.Generator().manual_seed(0)
+    state = {"a": torch.randn(64, 1024, generator=gen), "b": torch.randn(32, 512, generator=gen).bfloat16()}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with HFCheckpoint(tmp_path) as ckpt:
+        a, b_rows = torch.empty(64, 1024), torch.zeros(64, 512, dtype=torch.bfloat16)
+        with ckpt.queued_reads():
+            ckpt.read_into("a", a)
+            ckpt.read_into("b", b_rows[1::2])  # strided destination
+            assert torch.equal(ckpt.read("b", axis=0, rank=1, size=2), state["b"][16:])
+            ckpt.finish_reads()
+            assert torch.equal(a, state["a"])
+        assert torch.equal(b_rows[1::2], state["b"]) and not b_rows[0::2].any()
+        with open(tmp_path / "model.safetensors", "r+b") as f:
+            f.truncate(4096)
+        with pytest.raises(CheckpointFormatError, match="'a'.*end of file"):
+            with ckpt.queued_reads():
+                ckpt.read_into("a", torch.empty(64, 1024))  # queued: no error yet
+
+
 def test_transform_views_place_pieces_like_fuse(mpu, reference_checkpoint):
     from mcore_zoo.handle import handle_of
     from mcore_zoo.weights.rules import GATE_UP, QKV, FuseQKV, TransformContext, direct_views

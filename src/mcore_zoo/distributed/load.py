@@ -30,7 +30,8 @@ from ..placement import Placement
 from ..progress import progress
 from ..weights.io import HFCheckpoint
 from ..weights.load import (
-    DictCheckpoint, LoadReport, absent_tensors, dequantizing_view, open_hf_checkpoint, plan_load, read_rule_into,
+    DictCheckpoint, LoadReport, absent_tensors, dequantizing_view, finish_reads, open_hf_checkpoint, plan_load,
+    queued_reads, read_rule_into,
 )  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -76,19 +77,21 @@ def load_hf_weights(
         plan, ignored = plan_load(handle.weight_map, ckpt, chunks)
         rank = handle.placement.rank
         report = LoadReport(ignored=ignored, absent=absent_tensors(handle.weight_map, ckpt.keys()))
-        for steps in plan:
-            for step in progress(steps, total=len(steps), desc="loading HF weights", unit="param", rank=rank):
-                param = step.tensor()
-                group = _replica_group(param, handle.placement) if replicas == "broadcast" else None
-                source = None if group is None else dist.get_process_group_ranks(group)[0]
-                if group is None or rank == source:
-                    report.bytes_read += read_rule_into(ckpt, step.bound, param, step.ctx)
-                    report.tensors_read += len(step.bound.hf)
-                if group is not None:
-                    dist.broadcast(param.data, src=source, group=group)
-                    if rank != source:
-                        report.bytes_received += param.numel() * param.element_size()
-                report.parameters += 1
+        with queued_reads(ckpt):  # the next parameter is planned while this one's bytes are copied
+            for steps in plan:
+                for step in progress(steps, total=len(steps), desc="loading HF weights", unit="param", rank=rank):
+                    param = step.tensor()
+                    group = _replica_group(param, handle.placement) if replicas == "broadcast" else None
+                    source = None if group is None else dist.get_process_group_ranks(group)[0]
+                    if group is None or rank == source:
+                        report.bytes_read += read_rule_into(ckpt, step.bound, param, step.ctx)
+                        report.tensors_read += len(step.bound.hf)
+                    if group is not None:
+                        finish_reads(ckpt)  # the parameter is complete before it is sent
+                        dist.broadcast(param.data, src=source, group=group)
+                        if rank != source:
+                            report.bytes_received += param.numel() * param.element_size()
+                    report.parameters += 1
         if own and os.path.isdir(ckpt.path):
             handle.hf_source = os.path.realpath(ckpt.path)  # save_hf_checkpoint copies its tokenizer files
         logger.info("loaded %d parameters from %s (%.1f MB read)", report.parameters, ckpt.path, report.bytes_read / 1e6)

@@ -511,6 +511,14 @@ class Fp8Checkpoint:
             out.copy_(tensor.reshape(out.shape))
         return tensor.numel() + self.scales[name].numel() * 4  # fp8 bytes + fp32 scales
 
+    def queued_reads(self) -> Any:
+        """The inner checkpoint's (:meth:`~mcore_zoo.weights.io.HFCheckpoint.queued_reads`): the
+        tensors that are not quantized are read into their destinations as they are."""
+        return self.inner.queued_reads()
+
+    def finish_reads(self) -> None:
+        self.inner.finish_reads()
+
     def close(self) -> None:
         self.inner.close()
 

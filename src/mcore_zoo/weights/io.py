@@ -386,10 +386,26 @@ class HFCheckpoint:
             with torch.no_grad():
                 out.copy_(tensor.reshape(out.shape))
             return tensor.numel() * tensor.element_size()
-        return self._read_box(name, box, out)
+        return self._read_box(name, box, out, wait=False)
 
-    def _read_box(self, name: str, box: Sequence[tuple[int, int]], out: torch.Tensor) -> int:
-        """Copy the ``box`` of tensor ``name`` into ``out`` through a mapping of just its bytes."""
+    @contextlib.contextmanager
+    def queued_reads(self) -> Iterator[None]:
+        """Inside the block, :meth:`read_into` may return before ``out`` holds the bytes: its
+        positional reads are queued on the read threads, so they overlap whatever the caller does
+        next (:mod:`~mcore_zoo.weights.pread`). Every queued read is finished when the block exits,
+        and its error raised then (:class:`~mcore_zoo.errors.CheckpointFormatError`, naming the
+        tensor); :meth:`finish_reads` waits for them inside the block. :meth:`read` still returns
+        its tensor complete."""
+        with self._reader.queued():
+            yield
+
+    def finish_reads(self) -> None:
+        """Return once every read queued by :meth:`queued_reads` has written its destination."""
+        self._reader.wait()
+
+    def _read_box(self, name: str, box: Sequence[tuple[int, int]], out: torch.Tensor, wait: bool = True) -> int:
+        """Copy the ``box`` of tensor ``name`` into ``out``: positional reads (queued unless
+        ``wait``, see :meth:`queued_reads`), else through a mapping of just its bytes."""
         entry = self._entries[name]
         shape = tuple(hi - lo for lo, hi in box)
         if math.prod(shape) == 0:
@@ -401,19 +417,19 @@ class HFCheckpoint:
         start, stop = entry.offset + first * itemsize, entry.offset + (last + 1) * itemsize
         nbytes = math.prod(shape) * itemsize
         segments = pread.plan_segments(out, entry.dtype, shape, strides, start)
+        full = str(self._full(entry.file))
         if segments is not None:  # positional reads straight into ``out``
-            try:
-                self._reader.read(self._fds[entry.file], segments)
-            except OSError as exc:
-                raise CheckpointFormatError(str(self._full(entry.file)), f"reading {name!r}: {exc}") from exc
+            describe = lambda exc: CheckpointFormatError(full, f"reading {name!r}: {exc}")  # noqa: E731
+            self._reader.read(self._fds[entry.file], segments, wait=wait, describe=describe)
             torch.autograd.graph.increment_version(out)
             self.bytes_read += nbytes
             return nbytes
         base = start - start % mmap.ALLOCATIONGRANULARITY
+        self._reader.populate(out)  # the destination's pages in one call, not one fault each inside the copy
         try:
             mapping = mmap.mmap(self._fds[entry.file], stop - base, offset=base, access=mmap.ACCESS_READ)
         except (OSError, ValueError) as exc:
-            raise CheckpointFormatError(str(self._full(entry.file)), f"reading {name!r}: {exc}") from exc
+            raise CheckpointFormatError(full, f"reading {name!r}: {exc}") from exc
         raw = source = None
         try:
             with warnings.catch_warnings():  # read-only buffer: torch warns that it is not writable

@@ -18,8 +18,9 @@ copied. The job-wide load (which rank reads, broadcasts to data-parallel replica
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -144,7 +145,8 @@ def plan_load(weight_map: WeightMap, checkpoint: HFCheckpoint,
 
 def read_rule_into(ckpt: HFCheckpoint, b: BoundRule, param: torch.Tensor, ctx: TransformContext) -> int:
     """Fill ``param`` (a parameter or any tensor of its shape) from the rule's HF sources - this
-    TP rank's chunks - and return the bytes read."""
+    TP rank's chunks - and return the bytes read. Inside :func:`queued_reads` the bytes may land
+    after it returns (when the block exits, or at :func:`finish_reads`)."""
     tp_rank, tp_size = ctx.tp_rank, ctx.tp_size
     if getattr(b.transform, "reads_whole", False):  # the transform takes this rank's part itself
         tp_rank, tp_size = 0, 1
@@ -161,6 +163,22 @@ def read_rule_into(ckpt: HFCheckpoint, b: BoundRule, param: torch.Tensor, ctx: T
     with torch.no_grad():
         param.copy_(tensor)
     return sum(p.numel() * p.element_size() for p in pieces)
+
+
+def queued_reads(ckpt: Any) -> Any:
+    """A block in which :func:`read_rule_into` may return before its parameter holds the bytes
+    (:meth:`~mcore_zoo.weights.io.HFCheckpoint.queued_reads`): all are written, or the first
+    read's error raised, when the block exits. A checkpoint object without queued reads reads as
+    it is called."""
+    queued = getattr(ckpt, "queued_reads", None)
+    return queued() if queued is not None else contextlib.nullcontext()
+
+
+def finish_reads(ckpt: Any) -> None:
+    """Inside :func:`queued_reads`: return once every parameter read so far holds its bytes."""
+    finish = getattr(ckpt, "finish_reads", None)
+    if finish is not None:
+        finish()
 
 
 class DictCheckpoint(HFCheckpoint):
@@ -195,6 +213,13 @@ class DictCheckpoint(HFCheckpoint):
         with torch.no_grad():
             out.copy_(tensor.reshape(out.shape))
         return tensor.numel() * tensor.element_size()
+
+    @contextlib.contextmanager
+    def queued_reads(self) -> Iterator[None]:
+        yield  # copies from memory: nothing to queue
+
+    def finish_reads(self) -> None:
+        pass
 
     def close(self) -> None:
         pass

@@ -13,18 +13,25 @@ dtype, both sides made of contiguous runs of at least :data:`MIN_RUN` bytes on a
 returns the ``(file offset, address, length)`` copies; :class:`ReadPool` runs them. Everything else
 (other devices, casts, column chunks of narrow rows) keeps the mapping path of
 :class:`~mcore_zoo.weights.io.HFCheckpoint`.
+
+A load reads with the pool *queued* (:meth:`ReadPool.queued`): each read is cut into pieces of
+:data:`PIECE` bytes that the read threads take in turn while the caller plans the next parameter,
+so the threads copy without a pause between tensors and without one tensor's split waiting for
+its slower half; :meth:`ReadPool.wait` returns when every queued byte is written (or raises the
+first read's error).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import itertools
 import math
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
-from typing import Optional, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -33,6 +40,7 @@ MAX_SEGMENTS = 4096
 SPLIT_MIN = 8 << 20  # a chunk at least this large is split over the read threads
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 SPLIT_ALIGN = _PAGE  # the threads' shares are multiples of this many bytes
+PIECE = 8 << 20  # bytes of one queued read job (a queued read of more is cut into pieces)
 _IOV_MAX = 1024
 _MADV_POPULATE_WRITE = 23
 
@@ -127,28 +135,46 @@ def _split(segments: list[Segment], parts: int) -> list[list[Segment]]:
 
 class ReadPool:
     """Runs :func:`plan_segments`' copies on ``torch.get_num_threads()`` threads (the caller's
-    and a pool's, created at the first large read); :meth:`close` stops the pool."""
+    and a pool's, created at the first large read); :meth:`close` stops the pool.
+
+    Inside :meth:`queued`, :meth:`read` (unless told ``wait=True``) hands its copies to the
+    pool's threads in pieces and returns at once; the destination holds the bytes once
+    :meth:`wait` has returned."""
 
     def __init__(self) -> None:
         self._pool: Optional[ThreadPoolExecutor] = None
         self._workers = 0
         self._populate = sys.platform.startswith("linux")
         self._madvise = None
+        self._queue = False
+        self._pending: list[tuple[Future, Optional[Callable[[OSError], BaseException]]]] = []
 
-    def read(self, fd: int, segments: list[Segment]) -> None:
-        """Copy every segment from ``fd``; raises ``OSError`` (``EIO`` at an unexpected end of file)."""
+    def read(self, fd: int, segments: list[Segment], *, wait: bool = True,
+             describe: Optional[Callable[[OSError], BaseException]] = None) -> None:  # fmt: skip
+        """Copy every segment from ``fd``; raises ``OSError`` (``EIO`` at an unexpected end of
+        file), or ``describe(error)`` when given. Queued (inside :meth:`queued`, ``wait=False``):
+        the error is raised by :meth:`wait`."""
         total = sum(n for _, _, n in segments)
+        if self._queue and not wait:
+            pieces = _split(segments, max(1, -(-total // PIECE)))
+            pool = self._executor(torch.get_num_threads())
+            self._pending += [(pool.submit(self._run, fd, piece), describe) for piece in pieces]
+            return
+        try:
+            self._read_now(fd, segments, total)
+        except OSError as exc:
+            if describe is None:
+                raise
+            raise describe(exc) from exc
+
+    def _read_now(self, fd: int, segments: list[Segment], total: int) -> None:
         parts = min(torch.get_num_threads(), max(1, total // (SPLIT_MIN // 2))) if total >= SPLIT_MIN else 1
         if parts == 1:
             self._run(fd, segments)
             return
         groups = _split(segments, parts)
-        if self._pool is None or self._workers < len(groups) - 1:
-            if self._pool is not None:
-                self._pool.shutdown()
-            self._workers = len(groups) - 1
-            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="mcore-zoo-read")
-        futures = [self._pool.submit(self._run, fd, group) for group in groups[1:]]
+        pool = self._executor(len(groups) - 1)
+        futures = [pool.submit(self._run, fd, group) for group in groups[1:]]
         try:
             self._run(fd, groups[0])
         finally:
@@ -156,6 +182,49 @@ class ReadPool:
         for error in errors:
             if error is not None:
                 raise error
+
+    def _executor(self, workers: int) -> ThreadPoolExecutor:
+        """The pool, with at least ``workers`` threads (a smaller one is replaced once its queued
+        reads are done)."""
+        if self._pool is None or self._workers < workers:
+            if self._pool is not None:
+                self._pool.shutdown()
+            self._workers = workers
+            self._pool = ThreadPoolExecutor(workers, thread_name_prefix="mcore-zoo-read")
+        return self._pool
+
+    @contextlib.contextmanager
+    def queued(self) -> Iterator[None]:
+        """Queue reads inside the block; every queued read is finished when the block exits
+        (:meth:`wait`, which raises the first read's error - after the block's own, if it raised)."""
+        outer, self._queue = self._queue, True
+        try:
+            yield
+        finally:
+            self._queue = outer
+            if not outer:
+                self.wait()
+
+    def wait(self) -> None:
+        """Return once every queued read has finished; raise the first one's error (every read is
+        waited for first, so no thread writes into a destination after this returns)."""
+        pending, self._pending = self._pending, []
+        errors = [(future.exception(), describe) for future, describe in pending]
+        for error, describe in errors:
+            if error is None:
+                continue
+            if describe is not None and isinstance(error, OSError):
+                raise describe(error) from error
+            raise error
+
+    def populate(self, out: torch.Tensor) -> None:
+        """Populate the pages that ``out`` (a CPU tensor about to be written whole) spans, in one
+        call: what :meth:`read` does for its destinations, for a copy made elsewhere. The
+        contents do not change (pages between a view's elements are populated as they are)."""
+        if out.device.type != "cpu" or out.layout != torch.strided or out.numel() == 0:
+            return
+        span = sum((n - 1) * abs(st) for n, st in zip(out.shape, out.stride())) + 1
+        self._prefault(out.data_ptr(), span * out.element_size())
 
     def _prefault(self, address: int, n: int) -> None:
         """Populate the whole pages of ``[address, address + n)`` writable, in one call."""
@@ -194,6 +263,10 @@ class ReadPool:
                 done += got
 
     def close(self) -> None:
+        """Finish the queued reads (their errors are dropped: the caller is closing) and stop the pool."""
+        for future, _ in self._pending:
+            future.exception()
+        self._pending = []
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
