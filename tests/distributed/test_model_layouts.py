@@ -1,0 +1,142 @@
+"""Several models at several parallel layouts in one job, as an RL trainer holds them: on a
+4-rank gloo job, the actor at TP2 x PP2 (the job's parallel state), the reference at TP1 x DP4
+and the critic (value head) at PP2 x DP2, each on process groups of its own
+(:mod:`mcore_zoo.model_groups`). Each model's log-probs / values equal the same model's in one
+process within 1e-5, each model's gradients after ``train_step`` within 3e-6 (the example RL
+update of ``examples/rl_step.py``), the reference's export is its checkpoint bit for bit, and the
+actor's log-probs are the same bits before and after the other two models were built and run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import mcore_zoo
+from mcore_zoo.distributed import launch
+from mcore_zoo.errors import UnsupportedLayoutError
+from mcore_zoo.placement import Parallelism
+from mcore_zoo.testing.common import load_safetensors_dir
+
+from .test_training import _batch, _update, _value_checkpoint
+
+NUMERICS = "hf-exact"
+FORWARD_TOL = 1e-5
+GRAD_TOL = 3e-6
+
+#: (name, layout, value head): the actor first (its layout becomes the job's parallel state)
+MODELS = [
+    ("actor", Parallelism(tp=2, pp=2), False),
+    ("reference", Parallelism(), False),
+    ("critic", Parallelism(pp=2), True),
+]
+
+
+def _build(ckpt: str, parallel: Parallelism, critic: bool):
+    kw = {"head": "value"} if critic else {}
+    return mcore_zoo.build_model(ckpt, backend="portable", numerics=NUMERICS, parallel=parallel, load=ckpt, **kw)
+
+
+def _forward(model, batch: dict, critic: bool) -> list[torch.Tensor]:
+    with torch.no_grad():
+        out = mcore_zoo.packed_forward(model, batch["seqs"], return_logits=False)
+    return [t.clone() for t in (out.values if critic else out.logprobs)]
+
+
+def _run_models(ckpt: str, value_ckpt: str) -> dict:
+    """Every model built, run and trained in this process (the job's ranks, or one process)."""
+    vocab = json.loads((Path(ckpt) / "config.json").read_text())["vocab_size"]
+    batch = _batch(vocab)
+    models, found = {}, {}
+    for name, parallel, critic in MODELS:
+        models[name] = _build(value_ckpt if critic else ckpt, parallel, critic)
+        found[name] = {"forward": _forward(models[name], batch, critic)}
+    for name, parallel, critic in MODELS:
+        found[name]["own_groups"] = mcore_zoo.handle_of(models[name]).placement.own_groups
+        found[name]["grads"], found[name]["loss"] = _update(models[name], batch, critic)
+    found["actor"]["forward_after"] = _forward(models["actor"], batch, False)
+    found["reference"]["export"] = {k: v.clone() for k, v in mcore_zoo.iter_hf_weights(models["reference"])}
+    return found
+
+
+def _single_process(ckpt: Path, value_ckpt: Path) -> dict:
+    vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    batch = _batch(vocab)
+    found = {}
+    for name, _, critic in MODELS:
+        model = _build(str(value_ckpt if critic else ckpt), Parallelism(), critic)
+        found[name] = {"forward": _forward(model, batch, critic)}
+        found[name]["grads"], found[name]["loss"] = _update(model, batch, critic)
+    return found
+
+
+def _largest(got: list, want: list) -> float:
+    return max((a - b).abs().max().item() for a, b in zip(got, want))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(reference_checkpoint, tmp_path_factory):
+    ckpt = reference_checkpoint("LlamaForCausalLM", {"num_hidden_layers": 4})
+    return ckpt, _value_checkpoint(ckpt, tmp_path_factory.mktemp("critic") / "untied")
+
+
+@pytest.mark.slow
+def test_actor_reference_critic_at_three_layouts_in_one_job(checkpoints, mpu):
+    ckpt, value_ckpt = checkpoints
+    ref = _single_process(ckpt, value_ckpt)
+    found = launch(_run_models, 4, str(ckpt), str(value_ckpt))
+    source = load_safetensors_dir(ckpt)
+    worst: dict[str, tuple[float, float]] = {}
+    for rank, per_rank in enumerate(found):
+        for name, _, _ in MODELS:
+            r, want = per_rank[name], ref[name]
+            where = f"{name} rank {rank}"
+            assert r["own_groups"] == (name != "actor"), f"{where}: own groups {r['own_groups']}"
+            forward = _largest(r["forward"], want["forward"])
+            assert forward <= FORWARD_TOL, f"{where}: forward differs by {forward}"
+            assert set(r["grads"]) == set(want["grads"]), where
+            grads = max((r["grads"][k] - want["grads"][k]).abs().max().item() for k in want["grads"])
+            assert grads <= GRAD_TOL, f"{where}: gradients differ by {grads}"
+            assert abs(r["loss"] - want["loss"]) <= FORWARD_TOL, f"{where}: loss {r['loss']} != {want['loss']}"
+            worst[name] = tuple(max(a, b) for a, b in zip(worst.get(name, (0.0, 0.0)), (forward, grads)))
+        actor = per_rank["actor"]
+        assert all(torch.equal(a, b) for a, b in zip(actor["forward_after"], actor["forward"])), \
+            f"rank {rank}: the actor's log-probs changed after the other models were built"
+        exported = per_rank["reference"]["export"]
+        assert set(exported) == set(source) and all(torch.equal(exported[k], source[k]) for k in source), \
+            f"rank {rank}: the reference's export is not its checkpoint"
+    print("largest |difference| (forward, gradients) vs one process:", worst)
+
+
+def test_what_own_groups_cannot_carry_is_refused_by_name():
+    """MoE layers, multi-token prediction and expert parallelism read Megatron-Core's process-wide
+    parallel state: a model that needs them at another layout than the job's is refused, naming
+    the module."""
+    from mcore_zoo.model_groups import check_own_groups
+
+    dense = SimpleNamespace(architecture="LlamaForCausalLM", moe=None, mtp_num_layers=0)
+    check_own_groups(dense, Parallelism(tp=2))
+    moe = SimpleNamespace(architecture="MixtralForCausalLM", moe=object(), mtp_num_layers=0)
+    with pytest.raises(UnsupportedLayoutError, match=r"MixtralForCausalLM at TP2 .*moe_utils"):
+        check_own_groups(moe, Parallelism(tp=2))
+    mtp = SimpleNamespace(architecture="DeepseekV3ForCausalLM", moe=None, mtp_num_layers=1)
+    with pytest.raises(UnsupportedLayoutError, match="multi_token_prediction"):
+        check_own_groups(mtp, Parallelism(pp=2))
+    with pytest.raises(UnsupportedLayoutError, match="expert parallelism"):
+        check_own_groups(dense, Parallelism(ep=2))
+
+
+def test_a_distributed_checkpoint_load_on_own_groups_is_refused_by_name():
+    from mcore_zoo.model_groups import refuse_own_groups
+    from mcore_zoo.placement import Placement, ProcessGroups
+
+    refuse_own_groups(Placement.single(), "load_mcore_checkpoint", "dist_checkpoint")  # the job's state: fine
+    own = Placement(Parallelism(tp=2), groups=ProcessGroups(collection=object()))
+    assert own.own_groups and own.pg_collection is not None
+    with pytest.raises(UnsupportedLayoutError, match="load_mcore_checkpoint: .*sharded_state_dict"):
+        refuse_own_groups(own, "load_mcore_checkpoint", "dist_checkpoint")
+
