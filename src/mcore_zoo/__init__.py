@@ -89,6 +89,8 @@ _LAZY = {
     "pack_sequences": "mcore_zoo.packing:pack_sequences",
     "packed_forward": "mcore_zoo.distributed.forward:packed_forward",
     "train_step": "mcore_zoo.distributed.train:train_step",
+    "wrap_for_training": "mcore_zoo.distributed.optimizer:wrap_for_training",
+    "TrainingSetup": "mcore_zoo.distributed.optimizer:TrainingSetup",
     "TokenOutputs": "mcore_zoo.distributed.train:TokenOutputs",
     "StepResult": "mcore_zoo.distributed.train:StepResult",
     "token_logprobs_and_entropy": "mcore_zoo.distributed.vocab_parallel:token_logprobs_and_entropy",

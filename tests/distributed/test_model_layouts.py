@@ -5,6 +5,9 @@ and the critic (value head) at PP2 x DP2, each on process groups of its own
 process within 1e-5, each model's gradients after ``train_step`` within 3e-6 (the example RL
 update of ``examples/rl_step.py``), the reference's export is its checkpoint bit for bit, and the
 actor's log-probs are the same bits before and after the other two models were built and run.
+With Megatron-Core's DDP wrapper and distributed optimizer on each model's groups
+(:func:`mcore_zoo.distributed.optimizer.wrap_for_training`), the clipped gradient norm and the
+updated weights equal one process's.
 """
 
 from __future__ import annotations
@@ -140,3 +143,65 @@ def test_a_distributed_checkpoint_load_on_own_groups_is_refused_by_name():
     with pytest.raises(UnsupportedLayoutError, match="load_mcore_checkpoint: .*sharded_state_dict"):
         refuse_own_groups(own, "load_mcore_checkpoint", "dist_checkpoint")
 
+
+# ---------------------------------------------------------------------------- the optimizer path
+LR, CLIP, EPS = 0.1, 1.0, 1.0
+
+
+def _optimizer_config():
+    from megatron.core.optimizer import OptimizerConfig
+
+    # Adam (the distributed optimizer's), first step: lr * g / (|g| + eps) of the clipped gradient g;
+    # eps = 1 keeps that a smooth function of g, comparable entry by entry
+    return OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.0, adam_eps=EPS, clip_grad=CLIP,
+                           use_distributed_optimizer=True, bf16=False, fp16=False, params_dtype=torch.float32)  # fmt: skip
+
+
+def _run_optimizer(ckpt: str, value_ckpt: str) -> dict:
+    """Each model wrapped in Megatron-Core's DDP with the distributed optimizer on its own groups
+    (``wrap_for_training``), one ``train_step`` and one ``optimizer.step()``."""
+    from mcore_zoo.distributed.optimizer import wrap_for_training
+
+    vocab = json.loads((Path(ckpt) / "config.json").read_text())["vocab_size"]
+    batch = _batch(vocab)
+    setups, found = {}, {}
+    for name, parallel, critic in MODELS:
+        model = _build(value_ckpt if critic else ckpt, parallel, critic)
+        setups[name] = wrap_for_training(model, _optimizer_config())
+    for name, parallel, critic in MODELS:
+        setup = setups[name]
+        setup.zero_grad()
+        _update(setup.model, batch, critic)  # the distributed optimizer: each replica holds its shard of the reduced gradients
+        success, norm, _ = setup.optimizer.step()
+        found[name] = {"success": success, "norm": norm,
+                       "weights": {k: v.clone() for k, v in mcore_zoo.iter_hf_weights(setup.model)}}  # fmt: skip
+    return found
+
+
+@pytest.mark.slow
+def test_megatron_optimizer_on_each_models_groups(checkpoints, mpu):
+    """Megatron-Core's DDP wrapper, ``get_megatron_optimizer`` (distributed optimizer),
+    ``finalize_model_grads`` and gradient clipping, each model on its own groups: the clipped
+    gradient norm ``optimizer.step()`` reports and the updated weights equal one process's update
+    (Adam's first step on the single-process gradients, clipped by their norm)."""
+    ckpt, value_ckpt = checkpoints
+    ref = _single_process(ckpt, value_ckpt)
+    sources = {False: load_safetensors_dir(ckpt), True: load_safetensors_dir(value_ckpt)}
+    found = launch(_run_optimizer, 4, str(ckpt), str(value_ckpt))
+    worst: dict[str, float] = {}
+    for name, _, critic in MODELS:
+        grads = ref[name]["grads"]
+        norm = sum(g.double().pow(2).sum() for g in grads.values()).sqrt().item()
+        scale = min(1.0, CLIP / (norm + 1e-6))
+        assert scale < 1.0, f"{name}: the gradient norm {norm} is not clipped at {CLIP}"
+        want = {k: sources[critic][k] - LR * (scale * g) / ((scale * g).abs() + EPS) for k, g in grads.items()}
+        for rank, per_rank in enumerate(found):
+            r, where = per_rank[name], f"{name} rank {rank}"
+            assert r["success"], where
+            assert abs(r["norm"] - norm) <= 1e-5 * norm, f"{where}: gradient norm {r['norm']} != one process's {norm}"
+            moved = max((r["weights"][k] - want[k]).abs().max().item() for k in want)
+            # the gradients' difference times lr, plus a few float32 ulps of weights of size up to 1
+            assert moved <= LR * GRAD_TOL + 3e-7, f"{where}: updated weights differ by {moved}"
+            worst[name] = max(worst.get(name, 0.0), moved, abs(r["norm"] - norm) / norm)
+        print(f"{name}: gradient norm {norm:.6g}, clipped by {scale:.4g}")
+    print("largest |weight difference| or relative norm difference vs one process:", worst)

@@ -148,7 +148,8 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
     "job-wide": (
         "distributed/__init__.py", "distributed/build.py", "distributed/experts.py", "distributed/export.py",
         "distributed/forward.py", "distributed/io.py", "distributed/launch.py", "distributed/load.py",
-        "distributed/microbatches.py", "distributed/train.py", "distributed/vocab_parallel.py",
+        "distributed/microbatches.py", "distributed/optimizer.py", "distributed/train.py",
+        "distributed/vocab_parallel.py",
     ),
     "rollout": (
         "rollout/__init__.py", "rollout/adapter.py", "rollout/engine_format.py", "rollout/plan.py",
