@@ -91,6 +91,8 @@ _LAZY = {
     "train_step": "mcore_zoo.distributed.train:train_step",
     "wrap_for_training": "mcore_zoo.distributed.optimizer:wrap_for_training",
     "TrainingSetup": "mcore_zoo.distributed.optimizer:TrainingSetup",
+    "offload": "mcore_zoo.offload:offload",
+    "Offloaded": "mcore_zoo.offload:Offloaded",
     "TokenOutputs": "mcore_zoo.distributed.train:TokenOutputs",
     "StepResult": "mcore_zoo.distributed.train:StepResult",
     "token_logprobs_and_entropy": "mcore_zoo.distributed.vocab_parallel:token_logprobs_and_entropy",

@@ -139,7 +139,7 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "families/__init__.py", "families/*/__init__.py",
     ),
     "model": (
-        "placement.py", "model_groups.py", "handle.py", "build.py", "parallel.py", "routing.py",
+        "placement.py", "model_groups.py", "handle.py", "offload.py", "build.py", "parallel.py", "routing.py",
         "distributed/collectives.py",
         "specs/__init__.py", "specs/gpt.py", "specs/heads.py", "specs/linears.py", "specs/norms.py",
         "specs/patching.py", "specs/portable.py", "specs/vllm_exact.py",
