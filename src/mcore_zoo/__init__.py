@@ -91,6 +91,7 @@ _LAZY = {
     "train_step": "mcore_zoo.distributed.train:train_step",
     "wrap_for_training": "mcore_zoo.distributed.optimizer:wrap_for_training",
     "TrainingSetup": "mcore_zoo.distributed.optimizer:TrainingSetup",
+    "copy_weights": "mcore_zoo.distributed.copy:copy_weights",
     "offload": "mcore_zoo.offload:offload",
     "Offloaded": "mcore_zoo.offload:Offloaded",
     "TokenOutputs": "mcore_zoo.distributed.train:TokenOutputs",

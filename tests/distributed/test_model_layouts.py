@@ -4,8 +4,9 @@ and the critic (value head) at PP2 x DP2, each on process groups of its own
 (:mod:`mcore_zoo.model_groups`). Each model's log-probs / values equal the same model's in one
 process within 1e-5, each model's gradients after ``train_step`` within 3e-6 (the example RL
 update of ``examples/rl_step.py``), the reference's export is its checkpoint bit for bit, and the
-actor's log-probs are the same bits before and after the other two models were built and run.
-With Megatron-Core's DDP wrapper and distributed optimizer on each model's groups
+actor's log-probs are the same bits before and after the other two models were built and run,
+and the actor's weights copied into the reference (``copy_weights``, small buckets) arrive bit for
+bit. With Megatron-Core's DDP wrapper and distributed optimizer on each model's groups
 (:func:`mcore_zoo.distributed.optimizer.wrap_for_training`), the clipped gradient norm and the
 updated weights equal one process's.
 """
@@ -63,7 +64,24 @@ def _run_models(ckpt: str, value_ckpt: str) -> dict:
         found[name]["grads"], found[name]["loss"] = _update(models[name], batch, critic)
     found["actor"]["forward_after"] = _forward(models["actor"], batch, False)
     found["reference"]["export"] = {k: v.clone() for k, v in mcore_zoo.iter_hf_weights(models["reference"])}
+    found["copy"] = _copy_actor_into_reference(models["actor"], models["reference"])
     return found
+
+
+def _copy_actor_into_reference(actor, reference) -> dict:
+    """The actor moved off its checkpoint (a step along its gradients), then copied into the
+    reference at its other layout in small buckets: the reference exports the actor's bits."""
+    from mcore_zoo.distributed.copy import copy_weights
+
+    with torch.no_grad():
+        for p in actor.parameters():
+            p.sub_(0.5 * p.grad)
+    report = copy_weights(actor, reference, bucket_size="64KB")
+    want = dict(mcore_zoo.iter_hf_weights(actor))
+    got = dict(mcore_zoo.iter_hf_weights(reference))
+    same = set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    moved = any(not torch.equal(got[k], v) for k, v in load_safetensors_dir(mcore_zoo.handle_of(actor).hf_source).items())
+    return {"bitwise": same, "moved": moved, "buckets": report.buckets, "parameters": report.parameters}
 
 
 def _single_process(ckpt: Path, value_ckpt: Path) -> dict:
@@ -109,6 +127,9 @@ def test_actor_reference_critic_at_three_layouts_in_one_job(checkpoints, mpu):
         actor = per_rank["actor"]
         assert all(torch.equal(a, b) for a, b in zip(actor["forward_after"], actor["forward"])), \
             f"rank {rank}: the actor's log-probs changed after the other models were built"
+        copy = per_rank["copy"]
+        assert copy["bitwise"] and copy["moved"], f"rank {rank}: actor -> reference copy {copy}"
+        assert copy["buckets"] > 1 and copy["parameters"] > 0, f"rank {rank}: {copy}"
         exported = per_rank["reference"]["export"]
         assert set(exported) == set(source) and all(torch.equal(exported[k], source[k]) for k in source), \
             f"rank {rank}: the reference's export is not its checkpoint"

@@ -146,7 +146,7 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "families/*/spec.py",
     ),
     "job-wide": (
-        "distributed/__init__.py", "distributed/build.py", "distributed/experts.py", "distributed/export.py",
+        "distributed/__init__.py", "distributed/build.py", "distributed/copy.py", "distributed/experts.py", "distributed/export.py",
         "distributed/forward.py", "distributed/io.py", "distributed/launch.py", "distributed/load.py",
         "distributed/microbatches.py", "distributed/optimizer.py", "distributed/train.py",
         "distributed/vocab_parallel.py",
