@@ -117,8 +117,15 @@ def _gradients(given: Iterable[torch.nn.Module]) -> list[torch.Tensor]:
 
 
 def _ddp_buffers(given: Iterable[torch.nn.Module]) -> list[Any]:
-    """Megatron-Core DDP's contiguous parameter-and-gradient buffers (dense and expert)."""
-    return [b for chunk in given for name in ("buffers", "expert_parallel_buffers") for b in getattr(chunk, name, None) or []]
+    """Megatron-Core DDP's contiguous parameter-and-gradient buffers (dense and expert); none for an
+    unwrapped chunk (whose ``buffers`` is ``nn.Module.buffers``)."""
+    found = []
+    for chunk in given:
+        for name in ("buffers", "expert_parallel_buffers"):
+            value = getattr(chunk, name, None)
+            if isinstance(value, (list, tuple)):
+                found += value
+    return found
 
 
 def _optimizer_tensors(optimizer: Any) -> Iterator[torch.Tensor]:

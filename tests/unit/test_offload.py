@@ -1,7 +1,8 @@
 """Offload to host memory and back (``mcore_zoo.offload``): a model wrapped in Megatron-Core's DDP
 with its distributed optimizer, after one training step, has every parameter, gradient buffer and
 optimizer-state storage emptied by ``offload`` and the same bits in all of them after
-``restore``; the next forward gives the same log-probs bit for bit."""
+``restore``; the next forward gives the same log-probs bit for bit. An unwrapped model without
+an optimizer (a frozen reference) moves its parameters alone."""
 
 from __future__ import annotations
 
@@ -59,3 +60,15 @@ def test_offload_round_trip_is_bitwise(mpu, reference_checkpoint):
         again = mcore_zoo.packed_forward(setup.model, seqs, return_logits=False).logprobs
     assert all(torch.equal(a, b) for a, b in zip(again, logprobs))
     print(f"offload {moved.nbytes / 1e6:.1f} MB; restored in {moved.seconds * 1e3:.1f} ms")
+
+
+def test_offload_of_an_unwrapped_model_without_optimizer(mpu, reference_checkpoint):
+    """A frozen reference as ``build_model`` returns it: its parameters go and come back."""
+    ckpt = reference_checkpoint("LlamaForCausalLM", {"num_hidden_layers": 2})
+    model = mcore_zoo.build_model(ckpt, backend="portable", numerics="hf-exact", load=ckpt)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moved = offload(model)
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    assert moved.nbytes == sum(p.numel() * p.element_size() for p in before.values())
+    moved.restore()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
