@@ -102,22 +102,29 @@ class BuildPlan:
     options: BuildOptions
     transformer_config: Any
 
-    def new_handle(self) -> ModelHandle:
-        """A handle for a model built from this plan under the running parallel state."""
-        placement = Placement.current().with_model_options(self.options.parallel)
+    def new_handle(self, placement: Optional[Placement] = None) -> ModelHandle:
+        """A handle for a model built from this plan at ``placement`` (default: under the running
+        parallel state)."""
+        placement = placement or Placement.current().with_model_options(self.options.parallel)
         return ModelHandle(self.architecture, self.arch_config, self.options, self.transformer_config, placement)
 
-    def build_chunk(self, *, pre_process: bool = True, post_process: bool = True,
-                    vp_stage: Optional[int] = None, pg_collection: Any = None) -> torch.nn.Module:
+    def build_chunk(self, *, pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
+                    pg_collection: Any = None, placement: Optional[Placement] = None) -> torch.nn.Module:
         """One ``GPTModel``: a whole model, a pipeline stage or a virtual-pipeline chunk (no handle
-        attached)."""  # fmt: skip
+        attached). ``placement``: where it sits (default: the running parallel state); on a
+        placement with its own groups the chunk is built on them (``pg_collection``)."""  # fmt: skip
         from megatron.core.models.gpt import GPTModel
 
         cpu_shim.activate()
         compat.silence_gpt_model_deprecation()
         arch, options = self.arch_config, self.options
+        placement = placement or Placement.current()
+        stage: dict[str, Any] = {}
+        if placement.own_groups:  # Megatron-Core would read the stage from parallel_state
+            stage["pp_rank"] = placement.pp_rank
+            pg_collection = pg_collection or placement.pg_collection
         specs = self.architecture.layer_specs(arch, options.backend, options.numerics,
-                                              config=self.transformer_config, vp_stage=vp_stage)  # fmt: skip
+                                              config=self.transformer_config, vp_stage=vp_stage, **stage)  # fmt: skip
         extra: dict[str, Any] = {}
         if vp_stage is not None:
             extra["vp_stage"] = vp_stage
@@ -149,7 +156,7 @@ class BuildPlan:
         if options.head == "value" and post_process:
             from .specs.heads import ValueHead
 
-            model.output_layer = ValueHead(self.transformer_config, options.value_head_init)
+            model.output_layer = ValueHead(self.transformer_config, options.value_head_init, tp_group=placement.groups.tp)
         _cast_parameters(model, options.params_dtype)
         if arch.moe is not None:
             from .families.moe.spec import mark_expert_data_parallel
@@ -161,7 +168,7 @@ class BuildPlan:
 
             install(model, arch, self.transformer_config, options.params_dtype)
         if options.head != "value":  # a value head has no vocabulary to mask
-            install_logit_mask(model, arch, Placement.current().tp_rank)  # built for the running state
+            install_logit_mask(model, arch, placement.tp_rank)
         return model
 
 
@@ -304,45 +311,38 @@ def build_chunks(
     (``perform_initialization=False`` when the weights are loaded next); ``device`` as in
     :func:`mcore_zoo.build_model`. Creates the parallel state if there is none. Loading is the
     caller's (:func:`mcore_zoo.build_model` with ``load=``, in :mod:`mcore_zoo.distributed.build`)."""
-    from .parallel import ensure_model_parallel
+    from .parallel import placement_for
 
     # convert and validate the layout first: a layout that does not divide the model is an error
     # before any process group is created or any weight is read
     plan = prepare(source, request, **options)
-    ensure_model_parallel(plan.options.parallel)
-    provide = _provider(plan)
+    placement = placement_for(plan.options.parallel, plan.arch_config)
+    provide = _provider(plan, placement)
     target = torch.device(device) if device is not None else (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     )
-    return [c.to(target) for c in _build_stage_chunks(provide, plan.options.parallel)]
+    return [c.to(target) for c in _build_stage_chunks(provide, placement)]
 
 
-def _build_stage_chunks(provider: Callable[..., torch.nn.Module], parallel: Parallelism) -> list[torch.nn.Module]:
-    from megatron.core import parallel_state as ps
-
-    if not parallel.vpp:
-        return [provider(pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())]
-    chunks = []
-    for vp in range(parallel.vpp):
-        chunks.append(
-            provider(
-                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-                vp_stage=vp,
-            )
-        )
-    return chunks
+def _build_stage_chunks(provider: Callable[..., torch.nn.Module], placement: Placement) -> list[torch.nn.Module]:
+    """This rank's chunks: the first (virtual) stage embeds, the last one holds the output layer."""
+    if not placement.parallel.vpp:
+        return [provider(pre_process=placement.first_stage, post_process=placement.last_stage)]
+    last = placement.vpp - 1
+    return [provider(pre_process=placement.first_stage and vp == 0, post_process=placement.last_stage and vp == last,
+                     vp_stage=vp) for vp in range(placement.vpp)]  # fmt: skip
 
 
-def _provider(plan: BuildPlan) -> Callable[..., torch.nn.Module]:
+def _provider(plan: BuildPlan, placement: Optional[Placement] = None) -> Callable[..., torch.nn.Module]:
     """The provider callable; every chunk it builds joins one handle (created at the first call,
-    when the parallel state exists)."""
+    at ``placement``, default: the parallel state in effect then)."""
     handles: list[ModelHandle] = []
 
     def provide(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None, **kwargs: Any) -> torch.nn.Module:
         if not handles:
-            handles.append(plan.new_handle())
-        chunk = plan.build_chunk(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage, **kwargs)
+            handles.append(plan.new_handle(placement))
+        chunk = plan.build_chunk(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+                                 placement=handles[0].placement, **kwargs)  # fmt: skip
         return handles[0].attach(chunk, vp_stage)
 
     provide.transformer_config = plan.transformer_config  # type: ignore[attr-defined]

@@ -49,6 +49,14 @@ PATCHES = (
      "the tied-embedding all-reduce of the first and last stage keeps the weight on the CPU"),
     ("megatron.core.distributed.param_and_grad_buffer", "torch",
      "DDP's gradient reduction (0.19) waits on a CUDA stream that has nothing to wait for"),
+    ("megatron.core.utils", "torch", "tensors it creates with device='cuda' (the local multi-tensor L2 norm) are made on the CPU"),
+    ("megatron.core.optimizer.clip_grads", "torch", "tensors the gradient norm and clipping create with device='cuda' are made on the CPU"),
+    ("megatron.core.optimizer.optimizer", "torch", "tensors the optimizers create with device='cuda' (loss scale, found-inf flag) are made on the CPU"),
+    ("megatron.core.optimizer.distrib_optimizer", "torch", "tensors the distributed optimizer creates with device='cuda' are made on the CPU"),
+    ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32",
+     "sees CUDA type names from Tensor.type() while it runs (it asserts fp32 gradients by that name)"),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups",
+     "sees CUDA type names from Tensor.type() while it runs (it sorts parameters by dtype by that name)"),
 )  # fmt: skip
 
 
@@ -75,6 +83,7 @@ def activate() -> bool:
         _patch_schedules()
         _patch_tied_embedding_setup()
         _patch_grad_sync_stream()
+        _patch_optimizer()
         _ACTIVE = True
         return True
 
@@ -187,18 +196,69 @@ def _patch_schedules() -> None:
     except Exception:  # pragma: no cover - schedules import optional pieces
         return
 
-    def on_cpu(factory: Any) -> Any:
-        @functools.wraps(factory)
-        def make(*args: Any, **kwargs: Any) -> torch.Tensor:
-            device = kwargs.get("device")
-            if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda"):
-                kwargs["device"] = "cpu"
-            return factory(*args, **kwargs)
+    schedules.torch = _torch_on_cpu()  # type: ignore[attr-defined]
 
-        return make
 
-    # schedules.torch whose tensor factories put CUDA-requested tensors on the CPU
-    schedules.torch = _ModuleProxy(torch, {name: on_cpu(getattr(torch, name)) for name in _FACTORIES})  # type: ignore[attr-defined]
+def _on_cpu(factory: Any) -> Any:
+    """``factory`` (``torch.zeros``, ...) making on the CPU what is asked for on ``"cuda"``."""
+
+    @functools.wraps(factory)
+    def make(*args: Any, **kwargs: Any) -> torch.Tensor:
+        device = kwargs.get("device")
+        if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda"):
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    return make
+
+
+def _torch_on_cpu() -> "_ModuleProxy":
+    """``torch`` as a Megatron-Core module sees it here: tensor factories put CUDA-requested
+    tensors on the CPU (calls that would fail without CUDA; every other call is unchanged)."""
+    return _ModuleProxy(torch, {name: _on_cpu(getattr(torch, name)) for name in _FACTORIES})
+
+
+def _cuda_type_names(function: Any) -> Any:
+    """``function`` seeing CUDA type names from ``Tensor.type()`` (``"torch.cuda.FloatTensor"`` for a
+    CPU fp32 tensor) while it runs: Megatron-Core's optimizer sorts parameters by those names."""
+    if getattr(function, "_mcore_zoo_cpu", False):
+        return function
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        original = torch.Tensor.type
+
+        def named(tensor: torch.Tensor, *a: Any, **k: Any) -> Any:
+            result = original(tensor, *a, **k)
+            if not a and not k and isinstance(result, str) and not result.startswith("torch.cuda."):
+                return result.replace("torch.", "torch.cuda.", 1)
+            return result
+
+        torch.Tensor.type = named  # type: ignore[assignment]
+        try:
+            return function(*args, **kwargs)
+        finally:
+            torch.Tensor.type = original  # type: ignore[assignment]
+
+    call._mcore_zoo_cpu = True  # type: ignore[attr-defined]
+    return call
+
+
+def _patch_optimizer() -> None:
+    """Megatron-Core's optimizer path (``get_megatron_optimizer``, the distributed optimizer, the
+    gradient norm and clipping) on the CPU: the modules that create tensors with
+    ``device="cuda"`` make them on the CPU, and the two functions that sort parameters by their
+    CUDA type names see those names."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    for module in (utils, clip_grads, optimizer, distrib_optimizer):
+        module.torch = _torch_on_cpu()  # type: ignore[attr-defined]
+    clip = _cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = clip  # type: ignore[attr-defined]
+    groups = distrib_optimizer.DistributedOptimizer.__dict__["_build_model_and_main_param_groups"]
+    distrib_optimizer.DistributedOptimizer._build_model_and_main_param_groups = classmethod(  # type: ignore[method-assign]
+        _cuda_type_names(groups.__func__))
 
 
 class _ModuleProxy:

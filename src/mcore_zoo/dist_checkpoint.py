@@ -298,8 +298,11 @@ def load_mcore_checkpoint(model: Any, mcore_dir: Union[str, os.PathLike], *, tru
 
     from .handle import handle_of
 
+    from .model_groups import refuse_own_groups
+
     handle = handle_of(model)
     handle.check_current()  # before any IO
+    refuse_own_groups(handle.placement, "load_mcore_checkpoint", "dist_checkpoint")
     chunks = handle.chunks
     request = {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
     with dcp_metadata_reads(trust_pickle):

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from . import compat, cpu_shim
-from .errors import ZooError
+from .errors import LayoutError, ZooError
 from .placement import Parallelism, Placement, process_count
 
 
@@ -69,8 +69,6 @@ def ensure_model_parallel(parallel: Optional[Parallelism] = None, *, seed: int =
     ensure_process_group()
     world = process_count()
     if world % parallel.world_size_needed():
-        from .errors import LayoutError
-
         raise LayoutError(
             f"world size {world} is not divisible by tp*pp*cp = {parallel.tp}*{parallel.pp}*{parallel.cp}"
         )
@@ -86,3 +84,26 @@ def ensure_model_parallel(parallel: Optional[Parallelism] = None, *, seed: int =
 
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return parallel
+
+
+def placement_for(parallel: Parallelism, arch: object = None) -> Placement:
+    """Where a model at ``parallel`` is built: on Megatron-Core's parallel state when the job has
+    none yet (it is created for ``parallel``, as :func:`ensure_model_parallel` does) or when it has
+    the same sizes; else on process groups of the model's own
+    (:func:`mcore_zoo.model_groups.own_placement`), leaving the parallel state - and every model
+    built on it - as it is. ``arch`` (the model's :class:`~mcore_zoo.config.arch.ArchConfig`) is
+    checked for what own groups cannot carry (:func:`mcore_zoo.model_groups.check_own_groups`)."""
+    from megatron.core import parallel_state
+
+    from .model_groups import check_own_groups, own_placement
+
+    cpu_shim.activate()
+    if parallel_state.model_parallel_is_initialized():
+        current = Placement.current()
+        try:
+            return current.with_model_options(parallel)
+        except LayoutError:  # another layout than the job's parallel state
+            check_own_groups(arch, parallel)
+            return own_placement(parallel)
+    ensure_model_parallel(parallel)
+    return Placement.current().with_model_options(parallel)

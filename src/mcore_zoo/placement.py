@@ -8,7 +8,9 @@ Two values, computed once:
   of what a build asks for; importable from here).
 * :class:`Placement` - the layout in effect for this process: the sizes, this rank's coordinate in
   every group and the process groups themselves. :meth:`Placement.current` reads Megatron-Core's
-  ``parallel_state`` once (or describes a single process when it is not initialised); a built model
+  ``parallel_state`` once (or describes a single process when it is not initialised); a model at
+  another layout than that state gets a placement on groups of its own
+  (:func:`mcore_zoo.model_groups.own_placement`, :attr:`Placement.pg_collection`); a built model
   carries its placement in its handle (:mod:`mcore_zoo.handle`), and every operation (load, export,
   forward, checkpoints) reads ranks and groups from there.
 
@@ -42,6 +44,9 @@ class ProcessGroups:
     expert_dp: Any = None  # ranks holding identical expert weights
     model_parallel: Any = None  # TP x PP (x CP): one model replica
     embedding: Any = None  # first and last pipeline stage: tied embedding copies (PP > 1)
+    # Megatron-Core's ProcessGroupCollection of a model built on its own groups
+    # (mcore_zoo.model_groups); None: the model uses parallel_state's groups
+    collection: Any = None
 
 
 @dataclass(frozen=True)
@@ -137,8 +142,23 @@ class Placement:
 
     def check_still_current(self) -> None:
         """Raise :class:`LayoutError` when the running parallel state is not the one this placement
-        was taken from (a model built for TP 1 used under a TP 2 state, say)."""
-        Placement.current().check_sizes(self.parallel)
+        was taken from (a model built for TP 1 used under a TP 2 state, say). A placement on its own
+        groups (:attr:`own_groups`) depends on no parallel state: nothing to check."""
+        if not self.own_groups:
+            Placement.current().check_sizes(self.parallel)
+
+    # ------------------------------------------------------------------ own groups
+    @property
+    def own_groups(self) -> bool:
+        """Whether the model has process groups of its own (:mod:`mcore_zoo.model_groups`) rather
+        than Megatron-Core's ``parallel_state``."""
+        return self.groups.collection is not None
+
+    @property
+    def pg_collection(self) -> Any:
+        """The ``ProcessGroupCollection`` to hand Megatron-Core (``pg_collection=``) for a model on
+        its own groups; ``None`` for a model on ``parallel_state`` (Megatron-Core's default)."""
+        return self.groups.collection
 
     # ------------------------------------------------------------------ shortcuts
     @property

@@ -144,15 +144,17 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "families/__init__.py", "families/*/__init__.py",
     ),
     "model": (
-        "placement.py", "handle.py", "build.py", "parallel.py", "routing.py", "distributed/collectives.py",
+        "placement.py", "model_groups.py", "handle.py", "offload.py", "build.py", "parallel.py", "routing.py",
+        "distributed/collectives.py",
         "specs/__init__.py", "specs/gpt.py", "specs/heads.py", "specs/linears.py", "specs/norms.py",
         "specs/patching.py", "specs/portable.py", "specs/vllm_exact.py",
         "families/*/spec.py", "families/moe/clamped_swiglu.py",
     ),
     "job-wide": (
-        "distributed/__init__.py", "distributed/build.py", "distributed/experts.py", "distributed/export.py",
+        "distributed/__init__.py", "distributed/build.py", "distributed/copy.py", "distributed/experts.py", "distributed/export.py",
         "distributed/forward.py", "distributed/io.py", "distributed/launch.py", "distributed/load.py",
-        "distributed/microbatches.py", "distributed/train.py", "distributed/vocab_parallel.py",
+        "distributed/microbatches.py", "distributed/optimizer.py", "distributed/train.py",
+        "distributed/vocab_parallel.py",
     ),
     "rollout": (
         "rollout/__init__.py", "rollout/adapter.py", "rollout/engine_format.py", "rollout/plan.py",

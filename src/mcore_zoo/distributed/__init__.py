@@ -7,6 +7,10 @@
 * :func:`iter_hf_weights`, :func:`iter_hf_buckets`, :func:`iter_hf_shards`,
   :func:`save_hf_checkpoint` - export from any layout, in bounded buckets, optionally re-split for
   an inference TP size (:mod:`.export`).
+* :func:`copy_weights` - one model's weights into another at another layout, streamed in buckets
+  (:mod:`.copy`).
+* :func:`wrap_for_training` - Megatron-Core's DDP wrapper and optimizer on the model's process
+  groups (:mod:`.optimizer`).
 * :func:`token_logprobs_and_entropy` - per-token log-probs and entropy from vocab-parallel logits,
   chunked, with a hand-written backward (:mod:`.vocab_parallel`).
 
@@ -14,10 +18,12 @@ Every function takes a model (or its handle) and reads this rank's place from th
 :class:`~mcore_zoo.placement.Placement`.
 """
 
+from .copy import CopyReport, copy_weights
 from .export import ExportEntry, export_plan, iter_hf_buckets, iter_hf_shards, iter_hf_weights, save_hf_checkpoint
 from .forward import generic_forward, packed_forward
 from .launch import launch
 from .load import load_hf_state_dict, load_hf_weights
+from .optimizer import TrainingSetup, wrap_for_training
 from .vocab_parallel import token_logprobs_and_entropy
 
 __all__ = [
@@ -33,4 +39,8 @@ __all__ = [
     "export_plan",
     "ExportEntry",
     "token_logprobs_and_entropy",
+    "wrap_for_training",
+    "TrainingSetup",
+    "copy_weights",
+    "CopyReport",
 ]

@@ -327,7 +327,7 @@ def run_schedule(given: Sequence[Any], micro: list[Microbatch], layout: Placemen
     length where :func:`two_way_pipeline`)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    fb = get_forward_backward_func()
+    fb = get_forward_backward_func(pp_size=layout.pp, vp_size=layout.parallel.vpp)
     iterators = [iter(micro) for _ in given]
     longest = max(mb.batch.total for mb in micro)
     settings: dict[str, Any] = {"variable_seq_lengths": True}
@@ -336,7 +336,8 @@ def run_schedule(given: Sequence[Any], micro: list[Microbatch], layout: Placemen
             raise ZooError("an interleaved two-stage training schedule needs micro-batches of one packed length")
         settings = {"variable_seq_lengths": False, "batch_p2p_comm": False}
     _clear_aux_loss_scales()
-    with _p2p_settings([unwrap(c).config for c in given], **settings):
+    configs = [unwrap(c).config for c in given]
+    with _p2p_settings(configs, **settings):
         return fb(
             forward_step_func=step,
             data_iterator=iterators if layout.vpp > 1 else iterators[0],
@@ -346,7 +347,21 @@ def run_schedule(given: Sequence[Any], micro: list[Microbatch], layout: Placemen
             micro_batch_size=1,
             forward_only=forward_only,
             collect_non_loss_data=forward_only,
+            **schedule_groups(layout, configs[0]),
         )
+
+
+def schedule_groups(layout: Placement, config: Any) -> dict[str, Any]:
+    """The process-group arguments of Megatron-Core's schedule for a model on its own groups
+    (``pg_collection`` and, pipelined, a ``P2PCommunicator`` over the model's pipeline group);
+    none for a model on ``parallel_state`` (the schedule's default)."""
+    if not layout.own_groups:
+        return {}
+    if layout.pp == 1:
+        return {"pg_collection": layout.pg_collection}
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    return {"pg_collection": layout.pg_collection, "p2p_communicator": P2PCommunicator(pp_group=layout.groups.pp, config=config)}
 
 
 def _run_pipeline(given: list[Any], micro: list[Microbatch], layout: Placement, step: Any) -> list[dict]:
@@ -668,6 +683,7 @@ __all__ = [
     "build_microbatches",
     "pack_labels",
     "run_schedule",
+    "schedule_groups",
     "two_way_pipeline",
     "vocab_parallel_logprobs",
     "uses_vllm_logprob_head",

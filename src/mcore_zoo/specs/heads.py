@@ -32,10 +32,11 @@ VALUE_HEAD_INITS = ("zeros", "normal")
 class ValueHead(torch.nn.Module):
     """A replicated ``hidden -> 1`` linear layer standing in for ``GPTModel.output_layer``."""
 
-    def __init__(self, config: Any, init: Optional[str] = None) -> None:
+    def __init__(self, config: Any, init: Optional[str] = None, tp_group: Any = None) -> None:
         super().__init__()
         dtype = config.params_dtype
         self.sequence_parallel = bool(config.sequence_parallel)
+        self.tp_group = tp_group  # the model's tensor-parallel group (None: parallel_state's)
         self.weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=dtype))
         self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
         for p in (self.weight, self.bias):
@@ -54,7 +55,8 @@ class ValueHead(torch.nn.Module):
         if self.sequence_parallel:
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False,
+                                                                 group=self.tp_group)  # fmt: skip
         return F.linear(hidden_states, self.weight, self.bias), None
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None) -> Any:

@@ -1,0 +1,161 @@
+"""A model's own process groups: several models at several parallel layouts in one job.
+
+Megatron-Core keeps one set of parallel groups per process (``parallel_state``). A model whose
+layout differs from that set - the reference at TP1 x DP4 beside an actor at TP2 x PP2 - is built
+on groups of its own instead, handed to Megatron-Core as a ``ProcessGroupCollection``
+(``pg_collection=``, which ``GPTModel``, its layers, the pipeline schedules, the DDP wrapper,
+``finalize_model_grads`` and ``get_megatron_optimizer`` take). Nothing in ``parallel_state`` is
+created or changed for it, so the models built on it keep working as they were.
+
+:func:`own_placement` lays a layout out over the job's ranks in Megatron-Core's default order
+(tensor, context, data, pipeline: consecutive ranks share a tensor-parallel group) and creates the
+groups once per layout; models at the same layout share them. Every rank of the job calls it, in
+the same order (``torch.distributed.new_group`` is collective over the whole job), which building
+models in the same order on every rank gives.
+
+What Megatron-Core 0.16 still reads from ``parallel_state`` inside a model, and which the zoo
+therefore refuses on own groups (:func:`check_own_groups`, :data:`GLOBAL_READERS`): MoE layers,
+multi-token prediction, expert parallelism, and distributed checkpoints.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any
+
+from .config.parallelism import Parallelism
+from .errors import LayoutError, UnsupportedLayoutError
+from .placement import Placement, ProcessGroups, process_count, process_rank
+
+#: What a model on its own groups cannot have, with the Megatron-Core module that reads the
+#: process-wide parallel state instead of the model's groups.
+GLOBAL_READERS: dict[str, str] = {
+    "moe": "megatron.core.transformer.moe.moe_utils (the expert-bias token counts and the aux-loss"
+           " tracking reduce over parallel_state's tensor-and-data-parallel, pipeline and data groups)",
+    "mtp": "megatron.core.transformer.multi_token_prediction (reads parallel_state's pipeline rank and"
+           " stage to place the MTP block)",
+    "ep": "expert parallelism (the zoo lays out dense groups only; expert groups follow the dense ones)",
+    "dist_checkpoint": "megatron.core.transformer.utils.make_sharded_tensors_for_checkpoint and"
+                       " LanguageModule.sharded_state_dict (replica ids from parallel_state's ranks)",
+}  # fmt: skip
+
+_LOCK = threading.Lock()
+#: the groups made so far, by (tp, pp, cp, world size, default group): process-wide, shared by every
+#: model at one layout
+_MADE: dict[tuple[int, ...], tuple[ProcessGroups, dict[str, int]]] = {}
+
+
+def check_own_groups(arch: Any, parallel: Parallelism) -> None:
+    """Raise :class:`~mcore_zoo.errors.UnsupportedLayoutError` when a model of ``arch`` at
+    ``parallel`` needs something Megatron-Core reads from ``parallel_state`` (:data:`GLOBAL_READERS`)."""
+    name = getattr(arch, "architecture", "this model")
+    wanted = [("moe", getattr(arch, "moe", None) is not None), ("mtp", bool(getattr(arch, "mtp_num_layers", 0))),
+              ("ep", parallel.ep > 1 or (parallel.etp or parallel.tp) != parallel.tp)]  # fmt: skip
+    for key, needed in wanted:
+        if needed:
+            raise UnsupportedLayoutError(
+                f"{name} at {_describe(parallel)} differs from the job's parallel state, so it would be built on its"
+                f" own process groups; that needs {GLOBAL_READERS[key]} to take the model's groups. Build it at the"
+                " parallel state's layout, or in a job of its own"
+            )
+
+
+def refuse_own_groups(placement: Placement, operation: str, key: str) -> None:
+    """Raise :class:`~mcore_zoo.errors.UnsupportedLayoutError` when ``placement`` is a model's own
+    groups and ``operation`` runs through a Megatron-Core module that reads ``parallel_state``."""
+    if placement.own_groups:
+        raise UnsupportedLayoutError(f"{operation}: the model is built on its own process groups"
+                                     f" ({_describe(placement.parallel)}); {GLOBAL_READERS[key]} read the job's"
+                                     " parallel state instead")  # fmt: skip
+
+
+def _describe(parallel: Parallelism) -> str:
+    return " x ".join(f"{k.upper()}{getattr(parallel, k)}" for k in ("tp", "pp", "cp") if getattr(parallel, k) > 1) or "TP1"
+
+
+def own_placement(parallel: Parallelism) -> Placement:
+    """This rank's :class:`Placement` for a model at ``parallel`` on the model's own process groups
+    (made on the first call for the layout; every rank of the job calls it). The data-parallel size
+    is what the job's ranks leave: ``world / (tp * pp * cp)``."""
+    world = process_count()
+    model_parallel = parallel.tp * parallel.pp * parallel.cp
+    if world % model_parallel:
+        raise LayoutError(f"world size {world} is not divisible by tp*pp*cp = {parallel.tp}*{parallel.pp}*{parallel.cp}")
+    import torch.distributed as dist
+
+    key = (parallel.tp, parallel.pp, parallel.cp, world, id(dist.group.WORLD))  # a re-initialised job: new groups
+    with _LOCK:
+        if key not in _MADE:
+            _MADE[key] = _make_groups(parallel.tp, parallel.pp, parallel.cp, world)
+    groups, coords = _MADE[key]
+    return Placement(parallel=parallel, rank=process_rank(), world_size=world, groups=groups, **coords)
+
+
+def _make_groups(tp: int, pp: int, cp: int, world: int) -> tuple[ProcessGroups, dict[str, int]]:
+    """Every group of the layout (each rank creates all of them, in one order) and this rank's
+    coordinates. Rank ``r`` sits at ``r = t + tp * (c + cp * (d + dp * p))``. One distributed-optimizer
+    instance spans the model's ranks (``intra_dist_opt``: the gradient norm is reduced over it)."""
+    import torch.distributed as dist
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    dp = world // (tp * pp * cp)
+    sizes = {"t": tp, "c": cp, "d": dp, "p": pp}
+
+    def rank_of(t: int, c: int, d: int, p: int) -> int:
+        return t + tp * (c + cp * (d + dp * p))
+
+    me = process_rank()
+    mine = {"t": me % tp, "c": me // tp % cp, "d": me // (tp * cp) % dp, "p": me // (tp * cp * dp)}
+
+    def group(varying: str, ranks_of: Any = None) -> Any:
+        """The group of the ranks that differ from this one only in the ``varying`` axes; every
+        such group of the job is created (``new_group`` is collective), this rank's returned."""
+        fixed = [a for a in "tcdp" if a not in varying]
+        found = None
+        for values in itertools.product(*(range(sizes[a]) for a in fixed)):
+            base = dict(zip(fixed, values))
+            ranks = sorted(rank_of(**base, **dict(zip(varying, v)))
+                           for v in itertools.product(*(range(sizes[a]) for a in varying)))  # fmt: skip
+            if ranks_of is not None:
+                ranks = ranks_of(ranks)
+            made = dist.new_group(ranks)
+            if me in ranks:
+                found = made
+        return found
+
+    def stage_ends(ranks: list[int]) -> list[int]:
+        return ranks if len(ranks) == 1 else [ranks[0], ranks[-1]]
+
+    tp_g, cp_g, dp_g, pp_g = group("t"), group("c"), group("d"), group("p")
+    dp_cp, tp_cp, mp, every = group("cd"), group("tc"), group("tp"), group("tcdp")
+    embedding, position = group("p", stage_ends), group("p", lambda ranks: ranks[:1])
+    single = _singletons(world, me)
+    collection = ProcessGroupCollection(
+        tp=tp_g, pp=pp_g, mp=mp, embd=embedding, pos_embd=position, cp=cp_g, tp_cp=tp_cp, hcp=None,
+        ep=single, expt_tp=tp_g, tp_ep=tp_g, tp_ep_pp=mp, tp_dp_cp=None, dp=dp_g, dp_cp=dp_cp,
+        expt_dp=dp_cp, intra_dp_cp=dp_cp, intra_expt_dp=dp_cp, inter_dist_opt=None, intra_dist_opt=every,
+    )  # fmt: skip
+    first_or_last = mine["p"] in (0, pp - 1)
+    groups = ProcessGroups(tp=tp_g, pp=pp_g, cp=cp_g, dp_cp=dp_cp, ep=single, etp=tp_g, expert_dp=dp_cp,
+                           model_parallel=mp, embedding=embedding if first_or_last else None,
+                           collection=collection)  # fmt: skip
+    coords = {"tp_rank": mine["t"], "pp_rank": mine["p"], "cp_rank": mine["c"], "ep_rank": 0, "etp_rank": mine["t"],
+              "dp_rank": mine["c"] + cp * mine["d"]}  # fmt: skip
+    return groups, coords
+
+
+def _singletons(world: int, me: int) -> Any:
+    """One group per rank (the expert-parallel group of a layout without expert parallelism);
+    this rank's."""
+    import torch.distributed as dist
+
+    found = None
+    for r in range(world):
+        made = dist.new_group([r])
+        if r == me:
+            found = made
+    return found
+
+
+__all__ = ["GLOBAL_READERS", "check_own_groups", "own_placement", "refuse_own_groups"]
