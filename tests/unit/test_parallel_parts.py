@@ -179,7 +179,8 @@ def test_queued_reads_land_when_the_block_exits_and_their_errors_name_the_tensor
     """Inside ``queued_reads`` a read into a destination is cut into pieces for the read threads
     (here pieces of 4 KiB, several per tensor) and the bytes are all there when the block exits;
     ``read`` still returns its tensor complete. A read that fails (the file truncated after it was
-    opened) raises when the block exits, naming the tensor: no parameter is left unwritten silently."""
+    opened) raises when the block exits, naming the tensor: no parameter is left unwritten silently.
+    A destination the caller drops at once is kept alive until its reads are done."""
     from mcore_zoo.errors import CheckpointFormatError
     from mcore_zoo.weights import pread
     from mcore_zoo.weights.io import HFCheckpoint
@@ -201,7 +202,7 @@ def test_queued_reads_land_when_the_block_exits_and_their_errors_name_the_tensor
             f.truncate(4096)
         with pytest.raises(CheckpointFormatError, match="'a'.*end of file"):
             with ckpt.queued_reads():
-                ckpt.read_into("a", torch.empty(64, 1024))  # queued: no error yet
+                ckpt.read_into("a", torch.empty(64, 1024))  # queued: no error yet; the destination dropped at once
 
 
 def test_transform_views_place_pieces_like_fuse(mpu, reference_checkpoint):

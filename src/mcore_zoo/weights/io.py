@@ -420,7 +420,7 @@ class HFCheckpoint:
         full = str(self._full(entry.file))
         if segments is not None:  # positional reads straight into ``out``
             describe = lambda exc: CheckpointFormatError(full, f"reading {name!r}: {exc}")  # noqa: E731
-            self._reader.read(self._fds[entry.file], segments, wait=wait, describe=describe)
+            self._reader.read(self._fds[entry.file], segments, wait=wait, out=out, describe=describe)
             torch.autograd.graph.increment_version(out)
             self.bytes_read += nbytes
             return nbytes

@@ -147,18 +147,20 @@ class ReadPool:
         self._populate = sys.platform.startswith("linux")
         self._madvise = None
         self._queue = False
-        self._pending: list[tuple[Future, Optional[Callable[[OSError], BaseException]]]] = []
+        # (a queued piece, how to describe its error, its destination: kept alive until waited for)
+        self._pending: list[tuple[Future, Optional[Callable[[OSError], BaseException]], Optional[torch.Tensor]]] = []
 
-    def read(self, fd: int, segments: list[Segment], *, wait: bool = True,
+    def read(self, fd: int, segments: list[Segment], *, wait: bool = True, out: Optional[torch.Tensor] = None,
              describe: Optional[Callable[[OSError], BaseException]] = None) -> None:  # fmt: skip
         """Copy every segment from ``fd``; raises ``OSError`` (``EIO`` at an unexpected end of
         file), or ``describe(error)`` when given. Queued (inside :meth:`queued`, ``wait=False``):
-        the error is raised by :meth:`wait`."""
+        the error is raised by :meth:`wait`, and ``out`` (the tensor the segments write into) is
+        kept alive until then, so that no thread writes into freed memory."""
         total = sum(n for _, _, n in segments)
         if self._queue and not wait:
             pieces = _split(segments, max(1, -(-total // PIECE)))
             pool = self._executor(torch.get_num_threads())
-            self._pending += [(pool.submit(self._run, fd, piece), describe) for piece in pieces]
+            self._pending += [(pool.submit(self._run, fd, piece), describe, out) for piece in pieces]
             return
         try:
             self._read_now(fd, segments, total)
@@ -209,7 +211,7 @@ class ReadPool:
         """Return once every queued read has finished; raise the first one's error (every read is
         waited for first, so no thread writes into a destination after this returns)."""
         pending, self._pending = self._pending, []
-        errors = [(future.exception(), describe) for future, describe in pending]
+        errors = [(future.exception(), describe) for future, describe, _ in pending]
         for error, describe in errors:
             if error is None:
                 continue
@@ -264,7 +266,7 @@ class ReadPool:
 
     def close(self) -> None:
         """Finish the queued reads (their errors are dropped: the caller is closing) and stop the pool."""
-        for future, _ in self._pending:
+        for future, _, _ in self._pending:
             future.exception()
         self._pending = []
         if self._pool is not None:
