@@ -12,8 +12,8 @@ script starts four CPU processes on gloo itself and runs in about a minute):
   the reference offloaded to host memory during the update (``mcore_zoo.offload``);
 * one PPO update of the actor and of the critic (``train_step`` + ``optimizer.step()``, clipped);
 * the actor's new weights copied into the reference at its other layout (``mcore_zoo.copy_weights``,
-  as for an old-policy copy) and pushed to a rollout engine (``mcore_zoo.refit`` into the
-  reference in-memory adapter, standing in for vLLM / SGLang) at engine TP 2.
+  as for an old-policy copy) and sent to rank 0 for a rollout engine at TP 2, pre-split per engine
+  rank (``mcore_zoo.iter_hf_shards``; ``mcore_zoo.refit`` does the same into a vLLM / SGLang adapter).
 
 The losses are ``examples/rl_step.py``'s (a sum over the tokens, divided by ``loss_normalizer``).
 """
@@ -29,12 +29,11 @@ from typing import Any
 import torch
 
 import mcore_zoo
-from mcore_zoo import Parallelism
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rl_step import ppo_actor_loss, rollout_batch, value_loss, write_tiny_llama  # noqa: E402
 
-ACTOR, REFERENCE, CRITIC = Parallelism(tp=2, pp=2), Parallelism(), Parallelism(pp=2)
+ACTOR, REFERENCE, CRITIC = mcore_zoo.Parallelism(tp=2, pp=2), mcore_zoo.Parallelism(), mcore_zoo.Parallelism(pp=2)
 
 
 def optimizer_config() -> Any:
@@ -85,10 +84,8 @@ def ppo_step(ckpt: str) -> dict[str, Any]:
     with torch.no_grad():
         new_logprobs = mcore_zoo.packed_forward(actor_train.model, seqs, return_logits=False).logprobs
         copy_logprobs = mcore_zoo.packed_forward(reference, seqs, return_logits=False).logprobs
-    from mcore_zoo.rollout import DictAdapter
-
-    engine = DictAdapter(tp_size=2) if mcore_zoo.handle_of(actor).placement.rank == 0 else None
-    refitted = mcore_zoo.refit(actor_train.model, engine, receiver=0)
+    # the rollout engine's side (vLLM / SGLang at TP 2 on rank 0): each tensor pre-split for its two ranks
+    engine = dict(mcore_zoo.iter_hf_shards(actor_train.model, target_tp=2, ranks=[0], bucket_size="1MB"))
     return {
         "actor_loss": actor_step.loss.item(),
         "actor_grad_norm": actor_norm,
@@ -99,7 +96,7 @@ def ppo_step(ckpt: str) -> dict[str, Any]:
         "copied_mb": copied.bytes_received / 1e6,
         "copy_seconds": copied.seconds,
         "offloaded_mb": parked.nbytes / 1e6,
-        "refit_tensors": refitted.tensors,
+        "synced_tensors": len(engine) if mcore_zoo.handle_of(actor).placement.rank == 0 else 0,
     }
 
 
@@ -109,10 +106,7 @@ def _run(ckpt: str) -> dict[str, Any]:
 
 
 def main() -> dict[str, Any]:
-    if "RANK" in os.environ:  # under torchrun: this process is one rank
-        from mcore_zoo.parallel import ensure_process_group
-
-        ensure_process_group()
+    if "RANK" in os.environ:  # under torchrun: this process is one rank (the first build joins the job)
         ckpt = os.environ.get("CHECKPOINT") or sys.exit("set CHECKPOINT to an HF checkpoint directory")
         summary = ppo_step(ckpt)
         rank = int(os.environ["RANK"])
