@@ -266,16 +266,24 @@ def test_two_ranks_ep2(reference_checkpoint, hf_reference, mpu, tmp_path, arch):
     print("max |dlogit| vs the single-process model:", worst)
 
 
+#: the four-rank layouts: Qwen3-MoE, and MLA with the replicated DSA indexer
+FOUR_RANK_CASES = {
+    ARCH: OVERRIDES,
+    "DeepseekV32ForCausalLM": EP_CASES["DeepseekV32ForCausalLM"],
+}
+
+
 @pytest.mark.slow
-def test_four_ranks_tp2ep2_pp2ep2_ep4(reference_checkpoint, hf_reference, mpu, tmp_path):
+@pytest.mark.parametrize("arch", list(FOUR_RANK_CASES))
+def test_four_ranks_tp2ep2_pp2ep2_ep4(reference_checkpoint, hf_reference, mpu, tmp_path, arch):
     from mcore_zoo.dist_checkpoint import hf_to_mcore
 
-    ckpt = reference_checkpoint(ARCH, OVERRIDES)
+    ckpt = reference_checkpoint(arch, FOUR_RANK_CASES[arch])
     hf_to_mcore(ckpt, tmp_path / "mcore")
     layouts = [("tp2ep2", Parallelism(tp=2, ep=2)), ("pp2ep2", Parallelism(pp=2, ep=2)),
                ("pp2vpp2ep2", Parallelism(pp=2, vpp=2, ep=2)), ("ep4", Parallelism(ep=4))]
     found = launch(_run, 4, str(ckpt), str(tmp_path), layouts, str(tmp_path / "mcore"))
-    worst = _check(found, ckpt, hf_reference(ARCH, ckpt), tmp_path, 4, 8)
+    worst = _check(found, ckpt, hf_reference(arch, ckpt), tmp_path, 4, 8)
     print("max |dlogit| vs the single-process model:", worst)
 
 
