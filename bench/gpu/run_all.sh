@@ -12,7 +12,8 @@
 # at TP2, DeepSeek-V3 EP2 / TP2; 2 GPUs), vllm-exact-tp2 (vllm-exact at TP2 against a TP2 engine;
 # 2 GPUs), four-gpu (four-gpu-moe: Qwen3-30B-A3B and Mixtral-8x7B at EP2 / EP4 / TP2 x EP2 /
 # PP2 x EP2; four-gpu-mla: DeepSeek-V3 at EP4 / TP2 x EP2; four-gpu-tp4: a Llama-3.1-8B-shaped
-# model at TP4, te and local hf-exact; 4 GPUs). RUN_GPU picks the GPU of the single-GPU on-request phases.
+# model at TP4, te and local hf-exact; 4 GPUs), four-gpu-vllm (refit from TP4 into a TP4 vLLM engine,
+# vllm-exact at TP4; 4 GPUs, vllm-setup.sh). RUN_GPU picks the GPU of the single-GPU on-request phases.
 # Each job logs to OUT/logs/; a failing (or, past its time limit, killed) job is recorded and the
 # others go on. Limits: JOB_TIMEOUT (single-GPU jobs, default 420 s), MULTI_TIMEOUT (torchrun jobs,
 # default 240 s: a layout failing on some ranks only would otherwise wait for NCCL's timeout).
@@ -220,6 +221,27 @@ if (( ngpu >= 4 )); then
         --out "$out/four-gpu-tp4-hf-exact" > "$out/logs/four-gpu-tp4-hf-exact.log" 2>&1
     echo "four-gpu-tp4-hf-exact exit $?" >> "$out/logs/status"
   fi
+fi
+
+if [[ " $phases " == *" four-gpu-vllm "* ]] && (( ngpu >= 4 )); then
+  # needs vllm-setup.sh: refit of the 8B shape (Llama-3-8B widths, 32 layers) from a TP4 trainer into a
+  # TP4 engine (one engine rank per trainer rank), then vllm-exact at TP4 against a TP4 engine in
+  # batch-invariant mode (four key-value heads; the one-GPU run of the same model first: its gradients
+  # are the TP4 run's reference)
+  tr() { local n=$1; shift; timeout "${MULTI_TIMEOUT:-240}" $py -m torch.distributed.run --standalone --nproc_per_node "$n" "$@"; }
+  MULTI_TIMEOUT=${REFIT_TIMEOUT:-300} tr 4 bench/gpu/refit_bench.py --tp 4 --backend te --layers 32 \
+      --out "$out/rollout/refit-tp4.json" > "$out/logs/refit-tp4.log" 2>&1
+  echo "refit-tp4 exit $?" >> "$out/logs/status"
+  mkdir -p "$out/vllm-exact-tp4"
+  for arch in ${TP4_ARCHS:-LlamaForCausalLM Qwen3ForCausalLM}; do
+    grads="$out/vllm-exact-tp4/tp1-$arch-grads.safetensors"; rm -f "$grads"
+    timeout "${JOB_TIMEOUT:-420}" $py bench/gpu/vllm_exact_tp.py --tp 1 --kv-heads 4 --arch "$arch" --grads "$grads" \
+        --out "$out/vllm-exact-tp4/tp1-$arch.json" > "$out/logs/vllm-exact-tp4-ref-$arch.log" 2>&1
+    echo "vllm-exact-tp4-ref-$arch exit $?" >> "$out/logs/status"
+    tr 4 bench/gpu/vllm_exact_tp.py --tp 4 --kv-heads 4 --arch "$arch" --grads "$grads" \
+        --out "$out/vllm-exact-tp4/$arch.json" > "$out/logs/vllm-exact-tp4-$arch.log" 2>&1
+    echo "vllm-exact-tp4-$arch exit $?" >> "$out/logs/status"
+  done
 fi
 
 if [[ " $phases " == *" seeds "* ]]; then

@@ -1,4 +1,4 @@
-"""``vllm-exact`` at tensor parallel size 2: the trainer (TP2) against a TP2 vLLM engine in
+"""``vllm-exact`` at tensor parallel size 2 (or 4): the trainer (TP2) against a TP2 vLLM engine in
 batch-invariant mode, on two GPUs::
 
     source bench/gpu/vllm-env.sh
@@ -10,7 +10,8 @@ prompts, 48 sampled tokens each), with both sides split over two GPUs: the zoo m
 ``external_launcher`` (engine rank = trainer rank, one process per GPU). The zoo then runs one
 THD pack of prompt + continuation; its log-probs of the sampled and the prompt tokens are compared
 bit for bit with the engine's (every rank computes them; rank 0 writes the JSON). ``--tp 1``
-runs the same comparison in one process (the single-GPU reference of this script).
+runs the same comparison in one process (the single-GPU reference of this script). ``--tp 4
+--kv-heads 4`` on four GPUs: the same with four key-value heads (one per rank).
 
 Gradients: one ``train_step`` of ``-sum(log-probs)`` on the same pack, gathered over TP under HF
 names (``iter_hf_weights(grads=True)``), against an ``hf-exact`` model of the same layout
@@ -39,6 +40,8 @@ def main() -> None:
     ap.add_argument("--arch", default="LlamaForCausalLM", help="one of the GPU test's dense built-ins (one engine per process)")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--out")
+    ap.add_argument("--kv-heads", type=int, help="num_key_value_heads (the test's 2 by default; at TP4 give 4 to both "
+                    "the --tp 1 reference and the TP4 run: Megatron-Core splits whole key-value heads)")
     ap.add_argument("--grads", help="safetensors file: written if absent, else the reference the gradients are compared with")
     args = ap.parse_args()
 
@@ -54,12 +57,13 @@ def main() -> None:
     from mcore_zoo.testing.common import case_config, random_sequences
 
     rank = int(os.environ.get("RANK", "0"))
+    kv_heads = {"num_key_value_heads": args.kv_heads} if args.kv_heads else {}
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     results = []
     for arch in [args.arch]:
         tmp = os.path.join(tempfile.gettempdir(), f"vllm-exact-tp{args.tp}-{arch}")
         ckpt = os.path.join(tmp, f"ckpt-rank{rank}")  # the same seed on every rank: the same bytes
-        write_reference_checkpoint(mcore_zoo.lookup(arch), case_config(arch, {**SIZES, **dict(ARCHS)[arch]}), ckpt,
+        write_reference_checkpoint(mcore_zoo.lookup(arch), case_config(arch, {**SIZES, **dict(ARCHS)[arch], **kv_heads}), ckpt,
                                    seed=0, dtype=torch.bfloat16)  # fmt: skip
         model = mcore_zoo.build_model(ckpt, backend="local", numerics="vllm-exact", params_dtype=torch.bfloat16, load=ckpt,
                                       parallel=Parallelism(tp=args.tp))  # fmt: skip
