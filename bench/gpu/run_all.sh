@@ -36,7 +36,10 @@ job() {  # job NAME GPU CMD...: run on one GPU in the background, log, record th
     echo "$name exit $?" >> "$out/logs/status" ) &
 }
 
-g() { echo $(( $1 % ngpu )); }
+# g I: the I-th GPU, round robin; within the GPUs CUDA_VISIBLE_DEVICES names, when set (two run_all.sh
+# invocations may share one machine: CUDA_VISIBLE_DEVICES=0,1 ... & CUDA_VISIBLE_DEVICES=2,3 ... &)
+visible=(${CUDA_VISIBLE_DEVICES//,/ })
+g() { if (( ${#visible[@]} )); then echo "${visible[$(( $1 % ngpu ))]}"; else echo $(( $1 % ngpu )); fi; }
 if [[ " $phases " == *" reports "* ]]; then
   # te (the fast path) vs HF eager for every architecture: B=4 x 512, invariance matrix, ablation
   job te-bf16 "$(g 0)" "${report[@]}" --arch all --backend te --lengths 512,512,512,512 --invariance --ablation \
