@@ -41,6 +41,7 @@ import torch.distributed as dist
 from ..config.transformer import validate_layout
 from ..errors import LayoutError, ZooError
 from ..handle import ModelHandle, handle_of
+from ..model_groups import refuse_part_of_job
 from ..placement import Parallelism, Placement
 from ..weights.export import (
     ExpertGather,
@@ -325,6 +326,7 @@ def save_hf_checkpoint(
     """
     handle = handle_of(model)
     handle.check_current()
+    refuse_part_of_job(handle.placement, "save_hf_checkpoint")
     steps = handle.export_steps()
     placement, weight_map = handle.placement, handle.weight_map
     if fp8 and mxfp4:
