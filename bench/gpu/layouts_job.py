@@ -4,7 +4,7 @@ Run from the repository root, with ``PYTHONPATH=src``::
 
     torchrun --nproc_per_node 4 bench/gpu/layouts_job.py --out out/layouts-4gpu
 
-Three parts, each recorded on its own (a part that fails writes its error and the next one runs):
+Four parts, each recorded on its own (a part that fails writes its error and the next one runs):
 
 1. **job** - the several-layouts job of ``tests/distributed/test_model_layouts.py`` in bf16 over
    NCCL: a random Llama checkpoint (hidden 1024, 8 layers; written by rank 0) built as the actor at
@@ -18,11 +18,14 @@ Three parts, each recorded on its own (a part that fails writes its error and th
    clipped gradient norm ``optimizer.step()`` reports and the weights after that step; the actor
    copied into the reference (``mcore_zoo.copy_weights``; exported weights compared bit for bit)
    and the actor's offload round trip (parameters, gradients, optimizer state; bitwise).
-2. **bandwidth** - what the copies below are measured against, in the same run: a 1 GiB
+2. **part-of-job** - beside the actor on every rank, a policy copy at TP2 on the last two ranks
+   only (``build_model(..., ranks=...)``): its log-probs against the one-GPU model, the refusal on
+   the other ranks, the actor's weights copied into it (timed; bitwise).
+3. **bandwidth** - what the copies below are measured against, in the same run: a 1 GiB
    ``Tensor.copy_`` within a GPU and from GPU 0 to GPU 1, NCCL ``broadcast`` over the job and over
    the actor's pipeline group (the copy's route between stages), NCCL ``all_gather`` over the
    actor's tensor-parallel group, and the pinned host <-> device copy (with the time to pin 1 GiB).
-3. **copy-8b** - an 8B-shaped Llama (``--copy-config``, default Llama-3.1-8B's published config,
+4. **copy-8b** - an 8B-shaped Llama (``--copy-config``, default Llama-3.1-8B's published config,
    ``--copy-layers`` of its layers, random weights built on the devices) as the actor at TP2 x PP2
    and the reference at TP1 x DP4: ``copy_weights`` actor -> reference timed (twice: the first
    includes the allocator's first use), checked bit for bit against the actor's own shards; then
@@ -30,7 +33,8 @@ Three parts, each recorded on its own (a part that fails writes its error and th
    memory, the second reuses it), and the actor's shards on every rank at once, each checked
    bitwise on return.
 
-Writes ``layouts_job.json`` and ``layouts_job.md`` to ``--out``; exits 1 if a part failed. On a
+Writes ``layouts_job.json`` and ``layouts_job.md`` to ``--out`` (after every part); exits 1 if a
+part failed. On a
 machine without GPUs, ``--device cpu --tiny`` runs the same logic on gloo in fp32 with small models
 (``tests/distributed/test_layouts_job_script.py``).
 """
@@ -67,7 +71,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--backend", default="portable")
     p.add_argument("--numerics", default="default")
     p.add_argument("--tiny", action="store_true", help="small models and buffers (CPU test runs)")
-    p.add_argument("--parts", default="job,bandwidth,copy-8b", help="comma-separated subset of the parts")
+    p.add_argument("--parts", default="job,part-of-job,bandwidth,copy-8b", help="comma-separated subset of the parts")
     p.add_argument("--copy-config", default=str(ROOT / "tests/fixtures/configs/llama-3.1-8b.json"))
     p.add_argument("--copy-layers", type=int, default=32, help="decoder layers of the 8B-shaped model")
     p.add_argument("--bucket-size", default="512MB", help="copy_weights' bucket size for the 8B copy")
@@ -141,20 +145,18 @@ def examples() -> Any:
 
 
 # ---------------------------------------------------------------------------- part 1: the job
+def small_checkpoint(args: argparse.Namespace, dtype: torch.dtype) -> str:
+    """The small random checkpoint of the job's parts, written once (removed by :func:`main`)."""
+    if getattr(args, "checkpoint", None) is None:
+        args.checkpoint = write_checkpoint(small_config(args), dtype)
+    return args.checkpoint
+
+
 def job(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, Any]:
-    ex = examples()
-    ckpt = write_checkpoint(small_config(args), dtype)
-    try:
-        return _job(args, dtype, ckpt, ex)
-    finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(ckpt, ignore_errors=True)
-
-
-def _job(args: argparse.Namespace, dtype: torch.dtype, ckpt: str, ex: Any) -> dict[str, Any]:
     import mcore_zoo
 
+    ex = examples()
+    ckpt = small_checkpoint(args, dtype)
     build = {"backend": args.backend, "numerics": args.numerics, "params_dtype": dtype}
     value = {"head": "value", "value_head_init": "normal"}
     models = {
@@ -221,7 +223,7 @@ def _job(args: argparse.Namespace, dtype: torch.dtype, ckpt: str, ex: Any) -> di
             step(setups[key].model, critic)
             success, norms[key], _ = setups[key].optimizer.step()
             out[f"{key}_step_success"] = bool(success)
-        out[f"{name}_grad_norm"], out[f"{name}_grad_norm_1gpu"] = norms[got], norms[want]
+        out[f"{name}_grad_norm"], out[f"{name}_grad_norm_1gpu"] = (None if norms[k] is None else float(norms[k]) for k in (got, want))
         weights = [{k: v.float().cpu() for k, v in mcore_zoo.iter_hf_weights(setups[key].model, ranks=[0])} for key in (got, want)]
         if weights[1]:
             out[f"{name}_weights_after_step_max_abs_diff"] = max((weights[0][k] - v).abs().max().item() for k, v in weights[1].items())
@@ -231,6 +233,50 @@ def _job(args: argparse.Namespace, dtype: torch.dtype, ckpt: str, ex: Any) -> di
                    "bitwise": exports_equal(setups["actor"].model, setups["reference"].model)}  # fmt: skip
     # the actor's parameters, gradients and optimizer state to host memory and back
     out["offload"] = offload_round_trip(args, setups["actor"].model, setups["actor"].optimizer)
+    return out
+
+
+def part_of_job(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, Any]:
+    """Beside the actor on every rank, a policy copy at TP2 on the last two ranks
+    (``build_model(..., ranks=...)``): its log-probs against the one-GPU model where it is held,
+    the refusal elsewhere, and the actor's weights copied into it (timed; bitwise)."""
+    import mcore_zoo
+
+    ex = examples()
+    ckpt = small_checkpoint(args, dtype)
+    build = {"backend": args.backend, "numerics": args.numerics, "params_dtype": dtype, "load": ckpt}
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ranks = [world - 2, world - 1]
+    actor = mcore_zoo.build_model(ckpt, parallel=mcore_zoo.Parallelism(**ACTOR), **build)
+    one_gpu = mcore_zoo.build_model(ckpt, parallel=mcore_zoo.Parallelism(), **build)
+    policy = mcore_zoo.build_model(ckpt, parallel=mcore_zoo.Parallelism(tp=2), ranks=ranks, **build)
+    batch = ex.rollout_batch(mcore_zoo.handle_of(actor).arch_config.vocab_size, prompts=4, group=4)
+    seqs = [s.to(args.device) for s in batch["sequences"]]
+    out: dict[str, Any] = {"model_ranks": ranks, "holds_model": mcore_zoo.handle_of(policy).placement.holds_model}
+    with torch.no_grad():
+        want = [t.float().cpu() for t in mcore_zoo.packed_forward(one_gpu, seqs, return_logits=False).logprobs]
+        if rank in ranks:
+            got = [t.float().cpu() for t in mcore_zoo.packed_forward(policy, seqs, return_logits=False).logprobs]
+            out["forward_max_abs_diff"] = _max_diff(got, want)
+        else:
+            try:
+                mcore_zoo.packed_forward(policy, seqs)
+                out["refused"] = None
+            except mcore_zoo.NotOnThisRankError as exc:
+                out["refused"] = str(exc)
+        for p in actor.parameters():  # the actor moves off the checkpoint: the copy must carry it
+            p.mul_(1.0 + 2.0**-4)
+    dist.barrier()
+    sync(args)
+    start = time.perf_counter()
+    report = mcore_zoo.copy_weights(actor, policy, bucket_size="4MB")
+    sync(args)
+    out["copy"] = {"seconds": time.perf_counter() - start, "parameters": report.parameters,
+                   "bytes_received": report.bytes_received}  # fmt: skip
+    source = {k: v.cpu().clone() for k, v in mcore_zoo.iter_hf_weights(actor, ranks=ranks)}
+    if rank in ranks:
+        copied = {k: v.cpu() for k, v in mcore_zoo.iter_hf_weights(policy)}
+        out["copy"]["bitwise"] = set(copied) == set(source) and all(torch.equal(copied[k], source[k]) for k in source)
     return out
 
 
@@ -422,7 +468,7 @@ def shards_equal(actor: Any, reference: Any) -> bool:
 
 
 # ---------------------------------------------------------------------------- report
-PARTS = {"job": job, "bandwidth": None, "copy-8b": copy_8b}
+PARTS = {"job": job, "part-of-job": part_of_job, "bandwidth": None, "copy-8b": copy_8b}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -458,28 +504,31 @@ def main(argv: Optional[list[str]] = None) -> int:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, entry)
         results["parts"][part] = merge(gathered)
-        if rank == 0:
+        if rank == 0:  # after every part: a later part that hangs leaves these
             print(f"{part}: {json.dumps(results['parts'][part], default=str)[:2000]}", flush=True)
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "layouts_job.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+            (out / "layouts_job.md").write_text(markdown(results))
     if rank == 0:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "layouts_job.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-        (out / "layouts_job.md").write_text(markdown(results))
         print(markdown(results))
+        if getattr(args, "checkpoint", None):
+            shutil.rmtree(args.checkpoint, ignore_errors=True)
     dist.barrier()
     dist.destroy_process_group()
     return 1 if any("error" in e for e in results["parts"].values()) else 0
 
 
 def merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    """Rank 0's entry, with every rank's error (by rank) and every rank's entry under ``ranks``."""
+    """Rank 0's entry, with every rank's error (by rank) and the other ranks' entries under
+    ``other_ranks``."""
     merged = dict(per_rank[0])
     errors = {str(r): e["error"] for r, e in enumerate(per_rank) if "error" in e}
     if errors:
         merged["error"] = errors
         merged["tracebacks"] = {str(r): e.get("traceback") for r, e in enumerate(per_rank) if "error" in e}
         merged.pop("traceback", None)
-    merged["ranks"] = [{k: v for k, v in e.items() if k not in ("traceback",)} for e in per_rank[1:]]
+    merged["other_ranks"] = [{k: v for k, v in e.items() if k not in ("traceback",)} for e in per_rank[1:]]
     return merged
 
 
@@ -530,6 +579,14 @@ def markdown(results: dict[str, Any]) -> str:
                   f" {c['seconds']:.3f} s. Actor offload round trip (parameters, gradients, optimizer state,"
                   f" {o['bytes'] / 1e9:.3g} GB on rank 0): bitwise {o['bitwise']}, {o['offload_s']:.3f} s out,"
                   f" {o['restore_s']:.3f} s back.", ""]  # fmt: skip
+    sub = parts.get("part-of-job", {})
+    if "error" not in sub and sub:
+        held = [r for r in [sub, *sub.get("other_ranks", [])] if "forward_max_abs_diff" in r]
+        lines += [f"## A policy copy at TP2 on ranks {sub['model_ranks']} beside the actor on every rank", "",
+                  f"Log-probs vs the one-GPU model: max abs diff {_fmt(max((r['forward_max_abs_diff'] for r in held), default=None))}"
+                  f" on the model's ranks; elsewhere refused: `{str(sub.get('refused'))[:160]}`. Actor -> policy copy:"
+                  f" bitwise {all(r['copy'].get('bitwise') for r in held) if held else None},"
+                  f" {sub['copy']['seconds']:.3f} s on rank 0 (which receives nothing).", ""]  # fmt: skip
     bw = parts.get("bandwidth", {})
     if "error" not in bw and bw:
         lines += ["## Reference bandwidths (GB/s, rank 0)", "", "| copy | GB/s |", "| --- | --- |"]

@@ -226,10 +226,11 @@ fi
 
 if [[ " $phases " == *" layouts-4gpu "* ]] && (( ngpu >= 4 )); then
   # several models at several layouts in one job (actor TP2 x PP2, reference TP1 x DP4, critic
-  # PP2 x DP2), bf16 over NCCL, against the same models on one GPU; then the reference bandwidths and
+  # PP2 x DP2; a policy copy on two of the ranks), bf16 over NCCL, against the same models on one
+  # GPU; then the reference bandwidths and
   # the actor -> reference copy and offload of an 8B-shaped model (LAYOUTS_COPY_LAYERS of its 32 layers)
   tr() { local n=$1; shift; timeout "${MULTI_TIMEOUT:-240}" $py -m torch.distributed.run --standalone --nproc_per_node "$n" "$@"; }
-  MULTI_TIMEOUT=${LAYOUTS_JOB_TIMEOUT:-150} tr 4 bench/gpu/layouts_job.py --parts job \
+  MULTI_TIMEOUT=${LAYOUTS_JOB_TIMEOUT:-180} tr 4 bench/gpu/layouts_job.py --parts job,part-of-job \
       --out "$out/layouts-4gpu/job" > "$out/logs/layouts-4gpu-job.log" 2>&1
   echo "layouts-4gpu-job exit $?" >> "$out/logs/status"
   MULTI_TIMEOUT=${LAYOUTS_COPY_TIMEOUT:-180} tr 4 bench/gpu/layouts_job.py --parts bandwidth,copy-8b \

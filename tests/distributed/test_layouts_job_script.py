@@ -1,7 +1,8 @@
 """``bench/gpu/layouts_job.py`` (the 4-GPU several-layouts job, bandwidths, 8B-shaped copy and
 offload) runs under torchrun on 4 CPU ranks (gloo, fp32, small models) and reports every part:
 the actor at TP2 x PP2 and the critic at PP2 x DP2 against their one-device models, the clipped
-gradient norms equal, the actor -> reference copies and the offload round trips bit for bit."""
+gradient norms equal, a policy copy on two of the ranks against its one-device model and refused
+on the others, the actor -> reference / policy copies and the offload round trips bit for bit."""
 
 from __future__ import annotations
 
@@ -34,6 +35,11 @@ def test_layouts_job_script_under_torchrun_on_four_cpu_ranks(tmp_path):
         assert job[f"{model}_grad_max_abs_diff"] <= 3e-6, job
         assert abs(job[f"{model}_grad_norm"] - job[f"{model}_grad_norm_1gpu"]) <= 1e-5 * job[f"{model}_grad_norm_1gpu"]
     assert job["copy"]["bitwise"] and job["offload"]["bitwise"], job
+    part = parts["part-of-job"]
+    assert part["model_ranks"] == [2, 3] and not part["holds_model"], part
+    assert "placed on ranks [2, 3]" in part["refused"] and part["copy"]["bytes_received"] == 0, part
+    held = [r for r in part["other_ranks"] if r["holds_model"]]
+    assert len(held) == 2 and all(r["forward_max_abs_diff"] <= 1e-5 and r["copy"]["bitwise"] for r in held), held
     copy = parts["copy-8b"]
     assert copy["bitwise"] and not copy["bitwise_before_copy"], copy
     assert copy["reference_offload_bitwise"] and copy["actor_offload_every_rank"]["bitwise"], copy
