@@ -85,7 +85,7 @@ def refuse_part_of_job(placement: Placement, operation: str) -> None:
     if placement.ranks is not None:
         raise UnsupportedLayoutError(f"{operation}: the model is placed on ranks {list(placement.ranks)} of the job, and"
                                      f" {operation} agrees over every rank of the job; copy its weights into a model"
-                                     " on every rank first (copy_weights)")  # fmt: skip
+                                     " on every rank first (copy_weights), or save it (save_hf_checkpoint)")  # fmt: skip
 
 
 def _describe(parallel: Parallelism) -> str:
@@ -177,7 +177,7 @@ def _make_groups(tp: int, pp: int, cp: int, members: tuple[int, ...]) -> tuple[P
     )  # fmt: skip
     first_or_last = mine["p"] in (0, pp - 1)
     groups = ProcessGroups(tp=tp_g, pp=pp_g, cp=cp_g, dp_cp=dp_cp, ep=single, etp=tp_g, expert_dp=dp_cp,
-                           model_parallel=mp, embedding=embedding if first_or_last else None,
+                           model_parallel=mp, embedding=embedding if first_or_last else None, every=every,
                            collection=collection)  # fmt: skip
     coords = {"tp_rank": mine["t"], "pp_rank": mine["p"], "cp_rank": mine["c"], "ep_rank": 0, "etp_rank": mine["t"],
               "dp_rank": mine["c"] + cp * mine["d"]}  # fmt: skip

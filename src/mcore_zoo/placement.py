@@ -44,6 +44,9 @@ class ProcessGroups:
     expert_dp: Any = None  # ranks holding identical expert weights
     model_parallel: Any = None  # TP x PP (x CP): one model replica
     embedding: Any = None  # first and last pipeline stage: tied embedding copies (PP > 1)
+    # every rank holding part of the model, for a model on groups of its own (None: the job's
+    # default group)
+    every: Any = None
     # Megatron-Core's ProcessGroupCollection of a model built on its own groups
     # (mcore_zoo.model_groups); None: the model uses parallel_state's groups
     collection: Any = None

@@ -296,11 +296,15 @@ def _run_on_part_of_the_job(ckpt: str, value_ckpt: str, out_dir: str) -> dict:
     if rank in policy_ranks:
         got = dict(mcore_zoo.iter_hf_weights(policy))
         copy["bitwise"] = set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+        mcore_zoo.save_hf_checkpoint(policy, Path(out_dir) / "policy")  # written by rank 2, the model's first
+        if rank == policy_ranks[0]:
+            saved = load_safetensors_dir(Path(out_dir) / "policy")
+            copy["saved_bitwise"] = set(saved) == set(want) and all(torch.equal(saved[k], want[k]) for k in want)
         try:
-            mcore_zoo.save_hf_checkpoint(policy, Path(out_dir) / f"rank{rank}")
-            copy["save"] = "ran"
+            mcore_zoo.refit(policy, None)
+            copy["refit"] = "ran"
         except mcore_zoo.UnsupportedLayoutError as exc:
-            copy["save"] = str(exc)
+            copy["refit"] = str(exc)
     try:
         copy_weights(policy, actor)
         copy["reverse"] = "ran"
@@ -317,8 +321,9 @@ def test_models_on_part_of_the_job(checkpoints, mpu, tmp_path):
     log-probs / values within 1e-5 and gradients within 3e-6 of one process where the model is
     held; elsewhere no parameters, and every operation refused naming the model's ranks. The
     actor's weights copied into the policy copy arrive bit for bit (the ranks outside it take part
-    in the actor's gathers and receive nothing); the copy the other way, and a checkpoint save of a
-    model on part of the job, are refused by name."""
+    in the actor's gathers and receive nothing), and the policy copy's ranks save them as an HF
+    checkpoint (written by its first rank); the copy the other way, and a refit of a model on part
+    of the job, are refused by name."""
     ckpt, value_ckpt = checkpoints
     ref = _single_process(ckpt, value_ckpt)
     found = launch(_run_on_part_of_the_job, 4, str(ckpt), str(value_ckpt), str(tmp_path))
@@ -345,7 +350,8 @@ def test_models_on_part_of_the_job(checkpoints, mpu, tmp_path):
         assert "the source is placed on ranks [2, 3]" in copy["reverse"], f"rank {rank}: {copy['reverse']}"
         if rank in (2, 3):
             assert copy["bitwise"] and copy["parameters"] > 0, f"rank {rank}: {copy}"
-            assert "save_hf_checkpoint: the model is placed on ranks [2, 3]" in copy["save"], copy["save"]
+            assert "refit: the model is placed on ranks [2, 3]" in copy["refit"], copy["refit"]
+            assert copy.get("saved_bitwise", rank == 3), f"rank {rank}: the saved checkpoint is not the actor's"
         else:
             assert copy["parameters"] == 0 and copy["bytes_received"] == 0, f"rank {rank}: {copy}"
     print("largest |difference| (forward, gradients) vs one process:", worst)
