@@ -13,7 +13,9 @@
 # 2 GPUs), four-gpu (four-gpu-moe: Qwen3-30B-A3B and Mixtral-8x7B at EP2 / EP4 / TP2 x EP2 /
 # PP2 x EP2; four-gpu-mla: DeepSeek-V3 at EP4 / TP2 x EP2; four-gpu-tp4: a Llama-3.1-8B-shaped
 # model at TP4, te and local hf-exact; 4 GPUs), four-gpu-vllm (refit from TP4 into a TP4 vLLM engine,
-# vllm-exact at TP4; 4 GPUs, vllm-setup.sh). RUN_GPU picks the GPU of the single-GPU on-request phases.
+# vllm-exact at TP4; 4 GPUs, vllm-setup.sh), layouts-4gpu (an actor, a reference and a critic at
+# three layouts in one job against one GPU, the actor -> reference copy and offload of an 8B-shaped
+# model against the measured copy bandwidths; 4 GPUs). RUN_GPU picks the GPU of the single-GPU on-request phases.
 # Each job logs to OUT/logs/; a failing (or, past its time limit, killed) job is recorded and the
 # others go on. Limits: JOB_TIMEOUT (single-GPU jobs, default 420 s), MULTI_TIMEOUT (torchrun jobs,
 # default 240 s: a layout failing on some ranks only would otherwise wait for NCCL's timeout).
@@ -245,6 +247,20 @@ if [[ " $phases " == *" four-gpu-vllm "* ]] && (( ngpu >= 4 )); then
         --out "$out/vllm-exact-tp4/$arch.json" > "$out/logs/vllm-exact-tp4-$arch.log" 2>&1
     echo "vllm-exact-tp4-$arch exit $?" >> "$out/logs/status"
   done
+fi
+
+if [[ " $phases " == *" layouts-4gpu "* ]] && (( ngpu >= 4 )); then
+  # several models at several layouts in one job (actor TP2 x PP2, reference TP1 x DP4, critic
+  # PP2 x DP2; a policy copy on two of the ranks), bf16 over NCCL, against the same models on one
+  # GPU; then the reference bandwidths and
+  # the actor -> reference copy and offload of an 8B-shaped model (LAYOUTS_COPY_LAYERS of its 32 layers)
+  tr() { local n=$1; shift; timeout "${MULTI_TIMEOUT:-240}" $py -m torch.distributed.run --standalone --nproc_per_node "$n" "$@"; }
+  MULTI_TIMEOUT=${LAYOUTS_JOB_TIMEOUT:-180} tr 4 bench/gpu/layouts_job.py --parts job,part-of-job \
+      --out "$out/layouts-4gpu/job" > "$out/logs/layouts-4gpu-job.log" 2>&1
+  echo "layouts-4gpu-job exit $?" >> "$out/logs/status"
+  MULTI_TIMEOUT=${LAYOUTS_COPY_TIMEOUT:-180} tr 4 bench/gpu/layouts_job.py --parts bandwidth,copy-8b \
+      --copy-layers "${LAYOUTS_COPY_LAYERS:-32}" --out "$out/layouts-4gpu/copy-8b" > "$out/logs/layouts-4gpu-copy.log" 2>&1
+  echo "layouts-4gpu-copy exit $?" >> "$out/logs/status"
 fi
 
 if [[ " $phases " == *" seeds "* ]]; then

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 
 from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -27,7 +27,7 @@ from .config.transformer import (
     BuildOptions, default_expert_tp, gpt_model_kwargs, transformer_config_class, transformer_config_kwargs, validate_layout,
 )  # fmt: skip
 from .errors import ZooError
-from .handle import ModelHandle
+from .handle import ModelHandle, ModelOnOtherRanks
 from .numerics.profiles import NumericsProfile, get_profile
 from .placement import Parallelism, Placement
 from .provenance import warn_amendments, warn_provider
@@ -64,6 +64,11 @@ class BuildRequest:
             checkpoint has none (a causal-LM checkpoint); without it such a load fails.
         make_vocab_size_divisible_by: pad the embedding and output layer to a multiple of this
             times TP, as Megatron trainers do; loading and export stay exact (:mod:`mcore_zoo.vocab`).
+        ranks: the job's global ranks to place the model on (a reward model on 2 of 8, say);
+            default: every rank. ``parallel`` is laid out over those ranks, on process groups of
+            the model's own (:mod:`mcore_zoo.model_groups`); every rank of the job still calls
+            :func:`mcore_zoo.build_model`, and a rank outside them gets a
+            :class:`~mcore_zoo.handle.ModelOnOtherRanks` (no parameters, nothing loaded).
     """
 
     architecture: Optional[Architecture] = None
@@ -78,6 +83,7 @@ class BuildRequest:
     head: str = "lm"
     value_head_init: Optional[str] = None
     make_vocab_size_divisible_by: Optional[int] = None
+    ranks: Optional[Sequence[int]] = None
 
     @classmethod
     def of(cls, request: Optional["BuildRequest"] = None, /, **options: Any) -> "BuildRequest":
@@ -316,7 +322,9 @@ def build_chunks(
     # convert and validate the layout first: a layout that does not divide the model is an error
     # before any process group is created or any weight is read
     plan = prepare(source, request, **options)
-    placement = placement_for(plan.options.parallel, plan.arch_config)
+    placement = placement_for(plan.options.parallel, plan.arch_config, BuildRequest.of(request, **options).ranks)
+    if not placement.holds_model:  # placed on other ranks of the job: nothing to build here
+        return [ModelOnOtherRanks(plan.new_handle(placement))]
     provide = _provider(plan, placement)
     target = torch.device(device) if device is not None else (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -358,7 +366,7 @@ def model_provider(source: Any, request: Optional[BuildRequest] = None, /, **opt
     (Megatron's ``get_model`` runs inside an initialised job). The callable exposes
     ``.transformer_config`` and ``.arch_config``; the chunks it builds share one model handle.
     """
-    for key in ("load", "device"):
-        if key in options:
+    for key in ("load", "device", "ranks"):
+        if key in options or (key == "ranks" and request is not None and request.ranks is not None):
             raise TypeError(f"model_provider does not take {key!r}")
     return _provider(prepare(source, request, **options))

@@ -104,6 +104,11 @@ class UnsupportedLayoutError(LayoutError):
     gated DeltaNet layer under tensor parallelism, ...): refused by name, never computed wrongly."""
 
 
+class NotOnThisRankError(LayoutError):
+    """An operation on a model that this rank holds no part of: the model is placed on a subset of
+    the job's ranks (``build_model(..., ranks=...)``) and this rank is outside it."""
+
+
 # --------------------------------------------------------------------------- weights
 
 

@@ -167,15 +167,34 @@ class ModelHandle:
     # ------------------------------------------------------------------ checks
     def check_current(self) -> None:
         """Raise :class:`~mcore_zoo.errors.LayoutError` when the running parallel state is not the
-        one this model was built for, or this rank's chunks are incomplete."""
+        one this model was built for, or this rank's chunks are incomplete;
+        :class:`~mcore_zoo.errors.NotOnThisRankError` when this rank holds no part of the model
+        (placed on other ranks of the job)."""
         from .errors import LayoutError
 
+        self.placement.check_holds_model(self.arch_config.architecture)
         self.placement.check_still_current()
         if len(self._chunks) != self.placement.vpp:
             raise LayoutError(
                 f"{self.arch_config.architecture}: {self.placement.vpp} virtual-pipeline chunk(s) per stage,"
                 f" {len(self._chunks)} built"
             )
+
+
+class ModelOnOtherRanks(torch.nn.Module):
+    """What :func:`mcore_zoo.build_model` returns on a rank outside the ranks a model is placed on
+    (``ranks=``): a module without parameters that carries the model's handle (architecture,
+    config, placement; no chunks). Operations on it raise
+    :class:`~mcore_zoo.errors.NotOnThisRankError`, except :func:`mcore_zoo.copy_weights` into it:
+    this rank takes part in the source's collectives and receives nothing."""
+
+    def __init__(self, handle: ModelHandle) -> None:
+        super().__init__()
+        setattr(self, HANDLE_ATTR, handle)  # the handle records no chunk on this rank
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        handle = getattr(self, HANDLE_ATTR)
+        handle.placement.check_holds_model(handle.arch_config.architecture)
 
 
 def unwrap(model: Any) -> torch.nn.Module:
@@ -197,4 +216,4 @@ def handle_of(model: Union[ModelHandle, torch.nn.Module, Sequence[torch.nn.Modul
     return handle
 
 
-__all__ = ["ModelHandle", "handle_of", "unwrap", "check_partition_dim", "HANDLE_ATTR"]
+__all__ = ["ModelHandle", "ModelOnOtherRanks", "handle_of", "unwrap", "check_partition_dim", "HANDLE_ATTR"]

@@ -8,7 +8,7 @@ default process group and Megatron-Core's groups when they do not exist yet.
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -86,18 +86,27 @@ def ensure_model_parallel(parallel: Optional[Parallelism] = None, *, seed: int =
     return parallel
 
 
-def placement_for(parallel: Parallelism, arch: object = None) -> Placement:
+def placement_for(parallel: Parallelism, arch: object = None, ranks: Optional[Sequence[int]] = None) -> Placement:
     """Where a model at ``parallel`` is built: on Megatron-Core's parallel state when the job has
     none yet (it is created for ``parallel``, as :func:`ensure_model_parallel` does) or when it has
     the same sizes; else on process groups of the model's own
     (:func:`mcore_zoo.model_groups.own_placement`), leaving the parallel state - and every model
     built on it - as it is. ``arch`` (the model's :class:`~mcore_zoo.config.arch.ArchConfig`) is
-    checked for what own groups cannot carry (:func:`mcore_zoo.model_groups.check_own_groups`)."""
+    checked for what own groups cannot carry (:func:`mcore_zoo.model_groups.check_own_groups`).
+    ``ranks``: the job's global ranks the model is placed on, when not all of them: the model is
+    then always on groups of its own over those ranks (the job's parallel state, created at all 1
+    if there is none, spans every rank)."""
     from megatron.core import parallel_state
 
-    from .model_groups import check_own_groups, own_placement
+    from .model_groups import check_own_groups, model_ranks, own_placement
 
     cpu_shim.activate()
+    if ranks is not None:
+        ensure_process_group()
+        if len(model_ranks(ranks, process_count())) < process_count():
+            ensure_model_parallel()  # the job's state (and the model-parallel RNG) must exist
+            check_own_groups(arch, parallel, ranks)
+            return own_placement(parallel, ranks)
     if parallel_state.model_parallel_is_initialized():
         current = Placement.current()
         try:

@@ -44,6 +44,9 @@ class ProcessGroups:
     expert_dp: Any = None  # ranks holding identical expert weights
     model_parallel: Any = None  # TP x PP (x CP): one model replica
     embedding: Any = None  # first and last pipeline stage: tied embedding copies (PP > 1)
+    # every rank holding part of the model, for a model on groups of its own (None: the job's
+    # default group)
+    every: Any = None
     # Megatron-Core's ProcessGroupCollection of a model built on its own groups
     # (mcore_zoo.model_groups); None: the model uses parallel_state's groups
     collection: Any = None
@@ -58,6 +61,10 @@ class Placement:
         rank, world_size: global rank and size (0 / 1 without ``torch.distributed``).
         tp_rank, pp_rank, cp_rank, ep_rank, etp_rank, dp_rank: coordinates in each group.
         groups: the process groups (not compared; ``None`` for a single process).
+        ranks: the job's global ranks the model is placed on, when that is a subset of the job
+            (``build_model(..., ranks=...)``); ``None``: every rank of the job. ``world_size`` is
+            then the number of those ranks, and a rank outside them holds no part of the model
+            (:attr:`holds_model`; its coordinates are 0 and it has no groups).
     """
 
     parallel: Parallelism = Parallelism()
@@ -70,6 +77,7 @@ class Placement:
     etp_rank: int = 0
     dp_rank: int = 0
     groups: ProcessGroups = field(default_factory=ProcessGroups, compare=False, repr=False)
+    ranks: Optional[tuple[int, ...]] = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -140,6 +148,16 @@ class Placement:
         if wrong:
             raise LayoutError("model and parallel state disagree:\n" + "\n".join(f"  - {w}" for w in wrong))
 
+    def check_holds_model(self, what: str = "the model") -> None:
+        """Raise :class:`~mcore_zoo.errors.NotOnThisRankError` when this rank is outside the ranks
+        the model is placed on (:attr:`holds_model`); ``what`` names the model in the message."""
+        if not self.holds_model:
+            from .errors import NotOnThisRankError
+
+            raise NotOnThisRankError(f"{what} is placed on ranks {list(self.ranks or ())} of the job; rank {self.rank}"
+                                     " holds no part of it. Run its forward, training step, load and export on"
+                                     " those ranks only (copy_weights into it runs on every rank)")  # fmt: skip
+
     def check_still_current(self) -> None:
         """Raise :class:`LayoutError` when the running parallel state is not the one this placement
         was taken from (a model built for TP 1 used under a TP 2 state, say). A placement on its own
@@ -159,6 +177,12 @@ class Placement:
         """The ``ProcessGroupCollection`` to hand Megatron-Core (``pg_collection=``) for a model on
         its own groups; ``None`` for a model on ``parallel_state`` (Megatron-Core's default)."""
         return self.groups.collection
+
+    @property
+    def holds_model(self) -> bool:
+        """Whether this rank holds part of the model (every rank does unless the model is placed
+        on a subset of the job's ranks, :attr:`ranks`)."""
+        return self.ranks is None or self.rank in self.ranks
 
     # ------------------------------------------------------------------ shortcuts
     @property

@@ -8,7 +8,9 @@ actor's log-probs are the same bits before and after the other two models were b
 and the actor's weights copied into the reference (``copy_weights``, small buckets) arrive bit for
 bit. With Megatron-Core's DDP wrapper and distributed optimizer on each model's groups
 (:func:`mcore_zoo.distributed.optimizer.wrap_for_training`), the clipped gradient norm and the
-updated weights equal one process's.
+updated weights equal one process's. Models placed on part of the job (``build_model(...,
+ranks=...)``: a policy copy at TP2 on two of the four ranks, a reward model at DP2 on the other
+two) match one process where they are held and are refused by name elsewhere.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ MODELS = [
 ]
 
 
-def _build(ckpt: str, parallel: Parallelism, critic: bool):
-    kw = {"head": "value"} if critic else {}
+def _build(ckpt: str, parallel: Parallelism, critic: bool, **kw):
+    kw = {**kw, "head": "value"} if critic else kw
     return mcore_zoo.build_model(ckpt, backend="portable", numerics=NUMERICS, parallel=parallel, load=ckpt, **kw)
 
 
@@ -152,6 +154,8 @@ def test_what_own_groups_cannot_carry_is_refused_by_name():
         check_own_groups(mtp, Parallelism(pp=2))
     with pytest.raises(UnsupportedLayoutError, match="expert parallelism"):
         check_own_groups(dense, Parallelism(ep=2))
+    with pytest.raises(UnsupportedLayoutError, match=r"MixtralForCausalLM at TP1 is placed on ranks \[6, 7\] .*moe_utils"):
+        check_own_groups(moe, Parallelism(), ranks=(6, 7))
 
 
 def test_a_distributed_checkpoint_load_on_own_groups_is_refused_by_name():
@@ -226,3 +230,148 @@ def test_megatron_optimizer_on_each_models_groups(checkpoints, mpu):
             worst[name] = max(worst.get(name, 0.0), moved, abs(r["norm"] - norm) / norm)
         print(f"{name}: gradient norm {norm:.6g}, clipped by {scale:.4g}")
     print("largest |weight difference| or relative norm difference vs one process:", worst)
+
+
+# ---------------------------------------------------------------------------- models on part of the job
+#: (name, layout, the job's ranks it is placed on, value head): beside the actor on all four ranks
+SUBSET_MODELS = [
+    ("policy", Parallelism(tp=2), (2, 3), False),  # e.g. an old-policy copy at TP2 on two ranks
+    ("reward", Parallelism(), (0, 1), True),  # a reward model (value head) at DP2 on the other two
+]
+
+
+def _refusals(model, batch: dict, critic: bool) -> dict:
+    """What each operation on a model that this rank holds no part of raised (its message), or
+    ``"ran"``."""
+    from mcore_zoo.distributed.optimizer import wrap_for_training
+
+    calls = {
+        "packed_forward": lambda: mcore_zoo.packed_forward(model, batch["seqs"]),
+        "train_step": lambda: _update(model, batch, critic),
+        "wrap_for_training": lambda: wrap_for_training(model, _optimizer_config()),
+        "iter_hf_weights": lambda: next(iter(mcore_zoo.iter_hf_weights(model))),
+        "module call": lambda: model(None),
+    }
+    found = {}
+    for what, call in calls.items():
+        try:
+            call()
+            found[what] = "ran"
+        except mcore_zoo.NotOnThisRankError as exc:
+            found[what] = str(exc)
+    return found
+
+
+def _run_on_part_of_the_job(ckpt: str, value_ckpt: str, out_dir: str) -> dict:
+    """The actor on every rank, then each of :data:`SUBSET_MODELS` on its ranks: forward and
+    gradients where it is held, the refusals where it is not; the actor (moved off its checkpoint)
+    copied into the policy copy, and the copy the other way refused."""
+    from mcore_zoo.distributed.copy import copy_weights
+
+    vocab = json.loads((Path(ckpt) / "config.json").read_text())["vocab_size"]
+    batch = _batch(vocab)
+    actor = _build(ckpt, Parallelism(tp=2, pp=2), False)
+    models = {name: _build(value_ckpt if critic else ckpt, parallel, critic, ranks=ranks)
+              for name, parallel, ranks, critic in SUBSET_MODELS}  # fmt: skip
+    rank = mcore_zoo.handle_of(actor).placement.rank
+    found: dict = {}
+    for name, _, ranks, critic in SUBSET_MODELS:
+        model, held = models[name], rank in ranks
+        placement = mcore_zoo.handle_of(model).placement
+        found[name] = {"held": held, "holds_model": placement.holds_model, "own_groups": placement.own_groups,
+                       "parameters": sum(p.numel() for p in model.parameters())}  # fmt: skip
+        if held:
+            found[name]["forward"] = _forward(model, batch, critic)
+            found[name]["grads"], found[name]["loss"] = _update(model, batch, critic)
+        else:
+            found[name]["refused"] = _refusals(model, batch, critic)
+    _update(actor, batch, False)
+    with torch.no_grad():
+        for p in actor.parameters():
+            p.sub_(0.5 * p.grad)
+    policy, policy_ranks = models["policy"], list(SUBSET_MODELS[0][2])
+    report = copy_weights(actor, policy, bucket_size="64KB")
+    want = {k: v.clone() for k, v in mcore_zoo.iter_hf_weights(actor, ranks=policy_ranks)}
+    copy = {"parameters": report.parameters, "bytes_received": report.bytes_received}
+    if rank in policy_ranks:
+        got = dict(mcore_zoo.iter_hf_weights(policy))
+        copy["bitwise"] = set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+        mcore_zoo.save_hf_checkpoint(policy, Path(out_dir) / "policy")  # written by rank 2, the model's first
+        if rank == policy_ranks[0]:
+            saved = load_safetensors_dir(Path(out_dir) / "policy")
+            copy["saved_bitwise"] = set(saved) == set(want) and all(torch.equal(saved[k], want[k]) for k in want)
+        try:
+            mcore_zoo.refit(policy, None)
+            copy["refit"] = "ran"
+        except mcore_zoo.UnsupportedLayoutError as exc:
+            copy["refit"] = str(exc)
+    try:
+        copy_weights(policy, actor)
+        copy["reverse"] = "ran"
+    except mcore_zoo.NotOnThisRankError as exc:
+        copy["reverse"] = str(exc)
+    found["copy"] = copy
+    return found
+
+
+@pytest.mark.slow
+def test_models_on_part_of_the_job(checkpoints, mpu, tmp_path):
+    """Beside the actor at TP2 x PP2 on four ranks, a policy copy at TP2 on ranks {2, 3} and a
+    reward model (value head) at DP2 on ranks {0, 1}, each built on groups over its own ranks:
+    log-probs / values within 1e-5 and gradients within 3e-6 of one process where the model is
+    held; elsewhere no parameters, and every operation refused naming the model's ranks. The
+    actor's weights copied into the policy copy arrive bit for bit (the ranks outside it take part
+    in the actor's gathers and receive nothing), and the policy copy's ranks save them as an HF
+    checkpoint (written by its first rank); the copy the other way, and a refit of a model on part
+    of the job, are refused by name."""
+    ckpt, value_ckpt = checkpoints
+    ref = _single_process(ckpt, value_ckpt)
+    found = launch(_run_on_part_of_the_job, 4, str(ckpt), str(value_ckpt), str(tmp_path))
+    one_process = {"policy": ref["actor"], "reward": ref["critic"]}
+    worst: dict[str, tuple[float, float]] = {}
+    for rank, per_rank in enumerate(found):
+        for name, _, ranks, _ in SUBSET_MODELS:
+            r, where = per_rank[name], f"{name} rank {rank}"
+            assert r["held"] == r["holds_model"] == (rank in ranks) and r["own_groups"] == (rank in ranks), (where, r)
+            if rank not in ranks:
+                assert r["parameters"] == 0, where
+                for what, message in r["refused"].items():
+                    assert f"placed on ranks {list(ranks)}" in message and f"rank {rank} holds no part" in message, \
+                        f"{where}: {what} -> {message}"
+                continue
+            want = one_process[name]
+            forward = _largest(r["forward"], want["forward"])
+            assert forward <= FORWARD_TOL, f"{where}: forward differs by {forward}"
+            assert set(r["grads"]) == set(want["grads"]), where
+            grads = max((r["grads"][k] - want["grads"][k]).abs().max().item() for k in want["grads"])
+            assert grads <= GRAD_TOL, f"{where}: gradients differ by {grads}"
+            worst[name] = tuple(max(a, b) for a, b in zip(worst.get(name, (0.0, 0.0)), (forward, grads)))
+        copy = per_rank["copy"]
+        assert "the source is placed on ranks [2, 3]" in copy["reverse"], f"rank {rank}: {copy['reverse']}"
+        if rank in (2, 3):
+            assert copy["bitwise"] and copy["parameters"] > 0, f"rank {rank}: {copy}"
+            assert "refit: the model is placed on ranks [2, 3]" in copy["refit"], copy["refit"]
+            assert copy.get("saved_bitwise", rank == 3), f"rank {rank}: the saved checkpoint is not the actor's"
+        else:
+            assert copy["parameters"] == 0 and copy["bytes_received"] == 0, f"rank {rank}: {copy}"
+    print("largest |difference| (forward, gradients) vs one process:", worst)
+
+
+def test_a_placement_on_other_ranks_holds_no_model_and_says_where_it_is():
+    from mcore_zoo.handle import ModelHandle, ModelOnOtherRanks
+    from mcore_zoo.model_groups import model_ranks
+    from mcore_zoo.placement import Placement
+
+    assert model_ranks([3, 2], 4) == (2, 3)
+    for wrong in ([], [1, 1], [4], [-1]):
+        with pytest.raises(mcore_zoo.LayoutError, match="distinct ranks of the job"):
+            model_ranks(wrong, 4)
+    assert Placement.single().holds_model and Placement(rank=2, world_size=2, ranks=(2, 3)).holds_model
+    elsewhere = Placement(Parallelism(tp=2), rank=0, world_size=2, ranks=(2, 3))
+    assert not elsewhere.holds_model
+    handle = ModelHandle(None, SimpleNamespace(architecture="LlamaForCausalLM"), None, None, elsewhere)
+    module = ModelOnOtherRanks(handle)
+    assert mcore_zoo.handle_of(module) is handle and not list(module.parameters())
+    for call in (handle.check_current, lambda: module(None)):
+        with pytest.raises(mcore_zoo.NotOnThisRankError, match=r"LlamaForCausalLM is placed on ranks \[2, 3\] .*rank 0"):
+            call()

@@ -37,12 +37,13 @@ def build_model(
     Returns:
         One ``GPTModel`` for this rank's pipeline stage, or a list of virtual-pipeline chunks when
         ``parallel.vpp`` is set. Each carries its :class:`~mcore_zoo.handle.ModelHandle`
-        (``.mcore_zoo``).
+        (``.mcore_zoo``). On a rank outside ``ranks=`` (a model placed on part of the job): a
+        :class:`~mcore_zoo.handle.ModelOnOtherRanks` carrying the handle, nothing built or loaded.
     """
     if "perform_initialization" in options:
         raise TypeError("build_model decides perform_initialization (off when it loads weights)")
     chunks = build_chunks(source, BuildRequest.of(request, **options, perform_initialization=load is None), device=device)
-    if load is not None:
+    if load is not None and handle_of(chunks[0]).placement.holds_model:
         load_hf_weights(chunks, load)
     return chunks if handle_of(chunks[0]).options.parallel.vpp else chunks[0]
 

@@ -18,8 +18,9 @@ from typing import Any, Union
 
 import torch
 
-from ..errors import ZooError
+from ..errors import NotOnThisRankError, ZooError
 from ..handle import handle_of
+from ..placement import process_count
 from ..weights.load import DictCheckpoint, read_rule_into
 from .export import iter_hf_buckets
 
@@ -39,12 +40,24 @@ def copy_weights(source: Any, target: Any, *, bucket_size: Union[int, str] = "51
     """Copy every weight of ``source`` into ``target`` (two zoo-built models of one architecture,
     each at any layout; each given as this rank's chunks, wrapped or not, or its handle). Every rank
     of the job calls it (the source's export issues collectives); a rank holding no part of the
-    target still takes part in the source's gathers."""
+    target (placed on other ranks: ``build_model(..., ranks=...)``) still takes part in the
+    source's gathers, and only the target's ranks receive the buckets. A source placed on part of
+    the job copies into a target on those ranks only (a :class:`~mcore_zoo.errors.NotOnThisRankError`
+    on every rank otherwise); the ranks holding neither return at once."""
     src, dst = handle_of(source), handle_of(target)
     if src.weight_map.hf_names() != dst.weight_map.hf_names() or src.arch_config != dst.arch_config:
         raise ZooError(f"copy_weights: {src.arch_config.architecture} into {dst.arch_config.architecture}: the two models"
                        " differ in their configuration or HF tensors; a copy needs the same architecture and config")  # fmt: skip
-    dst.check_current()
+    if src.placement.ranks is not None:
+        outside = sorted(set(dst.placement.ranks or range(process_count())) - set(src.placement.ranks))
+        if outside:
+            raise NotOnThisRankError(f"copy_weights: the source is placed on ranks {list(src.placement.ranks)}, the"
+                                     f" target also on {outside}: the source's buckets reach its own ranks only")  # fmt: skip
+        if not src.placement.holds_model:
+            return CopyReport()
+    receivers = None if dst.placement.ranks is None else list(dst.placement.ranks)
+    if dst.placement.holds_model:
+        dst.check_current()
     start = time.perf_counter()
     steps = [s for chunk in dst.chunks for s in dst.rule_steps(chunk)]
     readers: dict[str, int] = {}
@@ -54,7 +67,7 @@ def copy_weights(source: Any, target: Any, *, bucket_size: Union[int, str] = "51
     pending = list(steps)
     held: dict[str, torch.Tensor] = {}
     report = CopyReport()
-    for bucket in iter_hf_buckets(src, bucket_size=bucket_size):
+    for bucket in iter_hf_buckets(src, bucket_size=bucket_size, ranks=receivers):
         report.buckets += 1
         for name, tensor in bucket:
             report.bytes_received += tensor.numel() * tensor.element_size()

@@ -296,7 +296,7 @@ def save_hf_checkpoint(
     dtype: Optional[torch.dtype] = None,
     max_shard_size: Union[int, str] = "5GB",
     overwrite: bool = False,
-    writer_rank: int = 0,
+    writer_rank: Optional[int] = None,
     fp8: bool = False,
     fp8_scales: str = "fresh",
     mxfp4: bool = False,
@@ -318,13 +318,15 @@ def save_hf_checkpoint(
     grid (an untrained model, any dtype); a tensor off the grid (trained weights) is refused by
     name, as MXFP4 quantization of arbitrary values is not what transformers writes.
 
-    Any layout: in a multi-process job every rank calls it; global rank ``writer_rank`` gathers
-    the tensors (bucket by bucket) and writes, the others take part in the gathers. Every rank
-    returns the weight file names, or raises if the writer failed. Nothing is left at ``out_dir``
-    if any step fails.
+    Any layout: in a multi-process job every rank of the model calls it (every rank of the job, or
+    the model's ranks when it is placed on part of the job); global rank ``writer_rank`` (default:
+    the model's first rank) gathers the tensors (bucket by bucket) and writes, the others take part
+    in the gathers. Every rank returns the weight file names, or raises if the writer failed.
+    Nothing is left at ``out_dir`` if any step fails.
     """
     handle = handle_of(model)
     handle.check_current()
+    writer_rank, group = _writer(handle.placement, writer_rank)
     steps = handle.export_steps()
     placement, weight_map = handle.placement, handle.weight_map
     if fp8 and mxfp4:
@@ -344,7 +346,7 @@ def save_hf_checkpoint(
                 check_output_dir(out_dir, overwrite=overwrite)
             except FileExistsError as exc:
                 verdict[0] = str(exc)
-        dist.broadcast_object_list(verdict, src=writer_rank)
+        dist.broadcast_object_list(verdict, src=writer_rank, group=group)
         if verdict[0] is not None:
             raise FileExistsError(verdict[0])
     items = hf_items(steps, weight_map, placement, handle.device, dtype=dtype, ranks=[writer_rank] if distributed else None)
@@ -361,11 +363,23 @@ def save_hf_checkpoint(
     if not distributed:
         return outcome[0][1]
     deque(items, maxlen=0)  # the rest of the export (all of it off the writer): the other ranks' gathers need it
-    dist.broadcast_object_list(outcome, src=writer_rank)
+    dist.broadcast_object_list(outcome, src=writer_rank, group=group)
     status, value = outcome[0]
     if status != "ok":
         raise ZooError(f"save_hf_checkpoint failed on rank {writer_rank}: {value}")
     return value
+
+
+def _writer(placement: Placement, writer_rank: Optional[int]) -> tuple[int, Any]:
+    """The global rank that writes a checkpoint (default: the model's first rank) and the group
+    over which the model's ranks agree on the outcome (``None``: the job's default group)."""
+    ranks = placement.ranks
+    if writer_rank is None:
+        writer_rank = ranks[0] if ranks else 0
+    if ranks is not None and writer_rank not in ranks:
+        raise LayoutError(f"save_hf_checkpoint: writer_rank {writer_rank} holds no part of the model (placed on ranks"
+                          f" {list(ranks)})")  # fmt: skip
+    return writer_rank, placement.groups.every if ranks is not None else None
 
 
 __all__ = ["ExportEntry", "export_plan", "iter_hf_buckets", "iter_hf_shards", "iter_hf_weights", "save_hf_checkpoint",

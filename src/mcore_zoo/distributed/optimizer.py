@@ -73,6 +73,7 @@ def wrap_for_training(
 
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     handle = handle_of(chunks)
+    handle.placement.check_holds_model(handle.arch_config.architecture)  # a model placed on other ranks
     if ddp_config is None:
         ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=optimizer_config.use_distributed_optimizer,
                                                    grad_reduce_in_fp32=True)  # fmt: skip

@@ -35,6 +35,7 @@ from ..distributed.collectives import all_true, broadcast_text
 from ..distributed.export import hf_items
 from ..errors import ZooError
 from ..handle import ModelHandle, handle_of
+from ..model_groups import refuse_part_of_job
 from ..weights.export import hf_copies
 from . import program as programs
 from .adapter import EngineAdapter, RefitBucket
@@ -125,6 +126,7 @@ def refit(
     """
     handle = handle_of(model)
     handle.check_current()
+    refuse_part_of_job(handle.placement, "refit")
     steps = handle.export_steps()  # what the export and the program read, as plain values
     copies = hf_copies(handle.weight_map)
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
