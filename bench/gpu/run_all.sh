@@ -12,7 +12,8 @@
 # at TP2, DeepSeek-V3 EP2 / TP2; 2 GPUs), vllm-exact-tp2 (vllm-exact at TP2 against a TP2 engine;
 # 2 GPUs), four-gpu (four-gpu-moe: Qwen3-30B-A3B and Mixtral-8x7B at EP2 / EP4 / TP2 x EP2 /
 # PP2 x EP2; four-gpu-mla: DeepSeek-V3 at EP4 / TP2 x EP2; four-gpu-tp4: a Llama-3.1-8B-shaped
-# model at TP4, te and local hf-exact; 4 GPUs). RUN_GPU picks the GPU of the single-GPU on-request phases.
+# model at TP4, te and local hf-exact; 4 GPUs), load-gpu (an 8B-shaped checkpoint loaded onto one GPU and at
+# TP2 against the read + copy floor; 2 GPUs). RUN_GPU picks the GPU of the single-GPU on-request phases.
 # Each job logs to OUT/logs/; a failing (or, past its time limit, killed) job is recorded and the
 # others go on. Limits: JOB_TIMEOUT (single-GPU jobs, default 420 s), MULTI_TIMEOUT (torchrun jobs,
 # default 240 s: a layout failing on some ranks only would otherwise wait for NCCL's timeout).
@@ -238,5 +239,15 @@ if [[ " $phases " == *" moe-exact "* ]]; then
       "${moe[@]}" --out "$out/parity/moe-hf-exact-grouped_mm"
   run moe-exact-eager 300 "${nosplit[@]}" $py -m mcore_zoo.cli parity-report --dtype bfloat16 --device cuda -q -v \
       "${moe[@]}" --knob moe_experts=eager --out "$out/parity/moe-hf-exact-eager"
+fi
+if [[ " $phases " == *" load-gpu "* ]]; then
+  # an HF checkpoint of Llama-3.1-8B's shape (16 GB bf16, written once under LOAD_GPU_CKPT) loaded
+  # onto one GPU and at TP2 (2 GPUs) against the read + host-to-device copy floor, 3 alternated
+  # rounds, each measurement a fresh process (bench/gpu/load_gpu.py); about 3-4 minutes. The CPU dry
+  # run of the same phase: LOAD_GPU_ARGS="--device cpu --tiny"
+  gpus=0; (( ngpu >= 2 )) && gpus=0,1
+  CUDA_VISIBLE_DEVICES=$gpus timeout "${LOAD_GPU_TIMEOUT:-420}" $py bench/gpu/load_gpu.py --out "$out/load-gpu" \
+      ${LOAD_GPU_CKPT:+--ckpt "$LOAD_GPU_CKPT"} ${LOAD_GPU_ARGS:-} > "$out/logs/load-gpu.log" 2>&1
+  echo "load-gpu exit $?" >> "$out/logs/status"
 fi
 cat "$out/logs/status"
