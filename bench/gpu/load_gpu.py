@@ -197,18 +197,19 @@ def rank_runs(ckpt: str, rank: int, size: int) -> list[tuple[str, int, int]]:
     return runs
 
 
-def _batches(runs: list[tuple[str, int, int]], limit: int) -> list[list[tuple[str, int, int]]]:
-    """Runs cut and grouped into batches of at most ``limit`` bytes."""
-    batches: list[list[tuple[str, int, int]]] = [[]]
-    room = limit
-    for file, offset, n in runs:
-        while n:
-            if room == 0:
-                batches.append([])
-                room = limit
-            take = min(n, room)
-            batches[-1].append((file, offset, take))
-            offset, n, room = offset + take, n - take, room - take
+def _batches(runs: list[tuple[str, int, int]], limit: int) -> list[tuple[str, list[tuple[int, int, int]]]]:
+    """The runs as batches of at most ``limit`` bytes of one file each: ``(file, [(file offset,
+    position in the rank's bytes, bytes)])`` (``pread._split`` cuts them)."""
+    from mcore_zoo.weights import pread
+
+    batches, position = [], 0
+    for file in dict.fromkeys(f for f, _, _ in runs):
+        segments = []
+        for _, offset, n in (r for r in runs if r[0] == file):
+            segments.append((offset, position, n))
+            position += n
+        total = sum(n for _, _, n in segments)
+        batches += [(file, group) for group in pread._split(segments, -(-total // limit)) if group]
     return batches
 
 
@@ -233,11 +234,11 @@ def phase_floor(args: argparse.Namespace) -> dict[str, Any]:
     stream = torch.cuda.Stream() if cuda else None
     pool = ThreadPoolExecutor(args.threads)
 
-    def read(batch: list[tuple[str, int, int]], buffer: torch.Tensor, wait: Any = None) -> int:
+    def read(batch: tuple[str, list[tuple[int, int, int]]], buffer: torch.Tensor, wait: Any = None) -> int:
         if wait is not None:
             wait.synchronize()
-        view, at = memoryview(buffer.numpy()), 0
-        for file, offset, n in batch:
+        (file, segments), view, at = batch, memoryview(buffer.numpy()), 0
+        for offset, _, n in segments:
             done = 0
             while done < n:
                 got = os.preadv(fds[file], [view[at + done : at + n]], offset + done)
@@ -259,8 +260,8 @@ def phase_floor(args: argparse.Namespace) -> dict[str, Any]:
         if cuda:
             torch.cuda.synchronize()
 
-    sizes = [sum(n for _, _, n in b) for b in batches]
-    positions = [sum(sizes[:k]) for k in range(len(sizes))]
+    sizes = [sum(n for _, _, n in segments) for _, segments in batches]
+    positions = [segments[0][1] for _, segments in batches]
     result: dict[str, Any] = {"rank": rank, "bytes": total, "batches": len(batches), "threads": args.threads}
     # the reads alone (into the ring, overwritten)
     _barrier()
@@ -347,7 +348,10 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
     host_stats = getattr(torch.cuda, "host_memory_stats", None)
     pinned = {}
     if args.device == "cuda" and host_stats is not None:  # torch's pinned-memory cache (the ring)
-        pinned = {k: v for k, v in host_stats().items() if "bytes" in k and isinstance(v, int)}
+        try:
+            pinned = {k: v for k, v in host_stats().items() if "bytes" in k and isinstance(v, int)}
+        except RuntimeError as exc:
+            pinned = {"error": str(exc)}
     result = {
         "rank": rank, "backend": backend, "devices": devices, "build_s": build_s, "load_s": load_s,
         "bytes": report.bytes_read, "parameters_bytes": shard, "peak_rss_above_start": above,

@@ -8,9 +8,11 @@ memory of the file's dtype (what a load does: for :meth:`HFCheckpoint.read_into`
 is the parameter itself, also when it is a strided view such as a query group's rows inside a
 fused QKV weight) is a positional read of the chunk's bytes straight into it
 (:mod:`~mcore_zoo.weights.pread`: destination pages populated in one call, large chunks split over
-threads). Any other read maps only the byte range of that chunk (``mmap``), copies the chunk - a
-strided view of the mapping - into its destination with one torch copy (multi-threaded; casting
-if the dtypes differ) and unmaps it.
+threads). A read into device memory goes through a ring of pinned host buffers, the same
+positional reads into the ring and ``non_blocking`` copies from it on a side stream
+(:mod:`~mcore_zoo.weights.staging`). Any other read maps only the byte range of that chunk
+(``mmap``), copies the chunk - a strided view of the mapping - into its destination with one torch
+copy (multi-threaded; casting if the dtypes differ) and unmaps it.
 
 Why not keep ``safe_open(...).get_slice`` for the bytes: in current safetensors it returns views of
 a memory map of the whole file; every page a load touches then stays in the process's resident
