@@ -133,6 +133,11 @@ def _split(segments: list[Segment], parts: int) -> list[list[Segment]]:
     return groups
 
 
+def _parts(total: int) -> int:
+    """How many threads a read of ``total`` bytes is split over."""
+    return min(torch.get_num_threads(), max(1, total // (SPLIT_MIN // 2))) if total >= SPLIT_MIN else 1
+
+
 class ReadPool:
     """Runs :func:`plan_segments`' copies on ``torch.get_num_threads()`` threads (the caller's
     and a pool's, created at the first large read); :meth:`close` stops the pool.
@@ -170,8 +175,18 @@ class ReadPool:
                 raise
             raise describe(exc) from exc
 
+    def submit(self, fd: int, segments: list[Segment], *, populate: bool = True) -> list[Future]:
+        """Start copying the segments on the pool's threads, cut into parts as :meth:`read` cuts
+        them; returns the parts' futures (each raises its read's ``OSError``). The caller keeps
+        the destination alive until every future is done."""
+        total = sum(n for _, _, n in segments)
+        parts = _parts(total)
+        groups = _split(segments, parts) if parts > 1 else [segments]
+        pool = self._executor(torch.get_num_threads())
+        return [pool.submit(self._run, fd, group, populate) for group in groups if group]
+
     def _read_now(self, fd: int, segments: list[Segment], total: int, populate: bool = True) -> None:
-        parts = min(torch.get_num_threads(), max(1, total // (SPLIT_MIN // 2))) if total >= SPLIT_MIN else 1
+        parts = _parts(total)
         if parts == 1:
             self._run(fd, segments, populate)
             return

@@ -36,6 +36,9 @@ stages CPU destinations through an unpinned ring and copies them synchronously.
 from __future__ import annotations
 
 import math
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
@@ -90,10 +93,27 @@ def _segments(run: int, starts: list[int], itemsize: int, first: int, count: int
     return segments
 
 
+@dataclass
+class _Piece:
+    """A region of the ring being read into: the reads' futures, where its bytes go next."""
+
+    futures: list[Future]
+    destination: torch.Tensor
+    staged: torch.Tensor
+    buffer: int
+    nbytes: int
+    describe: Optional[Callable[[OSError], BaseException]]
+
+
 class StagingRing:
     """A ring of ``buffers`` host buffers of ``buffer_bytes`` each (pinned unless ``pin=False``)
     through which :meth:`read` fills device destinations (module docstring); with
-    ``cpu_destinations``, CPU destinations too (the CPU test of the pipeline)."""
+    ``cpu_destinations``, CPU destinations too (the CPU test of the pipeline).
+
+    The reads of a region run on the read threads while the caller goes on: up to about one
+    buffer's bytes are in flight besides the newest region's, and the oldest region is copied
+    (queued on the side stream) once its reads are done - so the threads read the next region
+    while the previous one is read to its end and copied."""
 
     def __init__(self, buffers: int = BUFFERS, buffer_bytes: int = BUFFER_BYTES, *, pin: bool = True,
                  cpu_destinations: bool = False) -> None:  # fmt: skip
@@ -106,6 +126,8 @@ class StagingRing:
         self._events: list[Optional[torch.cuda.Event]] = []
         self._stream: Optional[torch.cuda.Stream] = None
         self._device: Optional[torch.device] = None
+        self._pending: deque[_Piece] = deque()
+        self._in_flight = 0
         self._current = self._used = 0
         self._pinned = False
 
@@ -129,37 +151,48 @@ class StagingRing:
              strides: Sequence[int], file_offset: int,
              describe: Optional[Callable[[OSError], BaseException]] = None) -> None:  # fmt: skip
         """Fill ``out`` with the chunk of ``dtype`` elements of ``shape`` at element ``strides``
-        from byte ``file_offset`` of ``fd`` (row-major order; :meth:`accepts` said yes). The copies
-        to a device may still run when it returns: :meth:`finish` waits for them."""
+        from byte ``file_offset`` of ``fd`` (row-major order; :meth:`accepts` said yes). Its reads
+        and copies may still run when it returns: :meth:`wait` waits for them, and raises a read's
+        error (``describe(error)`` when given)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         run, starts = _source_runs(shape, strides, itemsize, file_offset)  # type: ignore[misc]
         self._start(out.device)
-        with torch.no_grad():
-            for view, first in _pieces(out, 0, self.buffer_bytes // itemsize):
-                count = view.numel()
-                slot = self._take(count * itemsize)
-                segments = _segments(run, starts, itemsize, first, count, slot.data_ptr())
-                reader.read(fd, segments, describe=describe, populate=not self._pinned)  # pinned pages are resident
-                staged = slot.view(dtype).view(view.shape)
-                if self._stream is None:
-                    view.copy_(staged)
-                else:
-                    with torch.cuda.stream(self._stream):
-                        view.copy_(staged, non_blocking=True)
-                self.bytes_staged += count * itemsize
+        for view, first in _pieces(out, 0, self.buffer_bytes // itemsize):
+            nbytes = view.numel() * itemsize
+            while self._pending and self._in_flight > self.buffer_bytes:
+                self._copy_oldest()
+            slot = self._take(nbytes)
+            segments = _segments(run, starts, itemsize, first, view.numel(), slot.data_ptr())
+            futures = reader.submit(fd, segments, populate=not self._pinned)  # pinned pages are resident
+            staged = slot.view(dtype).view(view.shape)
+            self._pending.append(_Piece(futures, view, staged, self._current, nbytes, describe))
+            self._in_flight += nbytes
+            self.bytes_staged += nbytes
 
     def wait(self) -> None:
-        """Return once every copy :meth:`read` queued is done (the ring stays allocated)."""
-        if self._stream is not None:
-            self._stream.synchronize()
-        self._events = [None] * len(self._ring)
+        """Return once every read and copy :meth:`read` started is done (the ring stays
+        allocated); raises the first failed read's error, after every read has ended."""
+        try:
+            while self._pending:
+                self._copy_oldest()
+        finally:
+            for piece in self._pending:  # after a failed read: the others end before the ring is touched
+                for future in piece.futures:
+                    future.exception()
+            self._pending.clear()
+            self._in_flight = 0
+            if self._stream is not None:
+                self._stream.synchronize()
+            self._events = [None] * len(self._ring)
 
     def finish(self) -> None:
         """:meth:`wait`, then hand the buffers back (to torch's pinned-memory cache: the next
         load's ring takes them again without a new allocation)."""
-        self.wait()
-        self._ring, self._events, self._stream, self._device = [], [], None, None
-        self._current = self._used = 0
+        try:
+            self.wait()
+        finally:
+            self._ring, self._events, self._stream, self._device = [], [], None, None
+            self._current = self._used = 0
 
     # ------------------------------------------------------------------ internals
     def _start(self, device: torch.device) -> None:
@@ -179,13 +212,32 @@ class StagingRing:
             self._stream = torch.cuda.Stream(device=device)
             self._stream.wait_stream(torch.cuda.current_stream(device))
 
+    def _copy_oldest(self) -> None:
+        """Wait for the oldest region's reads, then copy it to its destination (queued on the
+        side stream, an event marking when its buffer is free again)."""
+        piece = self._pending.popleft()
+        self._in_flight -= piece.nbytes
+        errors = [future.exception() for future in piece.futures]
+        error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            if piece.describe is not None and isinstance(error, OSError):
+                raise piece.describe(error) from error
+            raise error
+        with torch.no_grad():
+            if self._stream is None:
+                piece.destination.copy_(piece.staged)
+                return
+            with torch.cuda.stream(self._stream):
+                piece.destination.copy_(piece.staged, non_blocking=True)
+            self._events[piece.buffer] = self._stream.record_event()
+
     def _take(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` of the ring, free to be written: the rest of the current buffer, else the
-        next buffer once the copies out of it are done."""
+        next buffer once every copy out of it is done."""
         if self._used + nbytes > self.buffer_bytes:
-            if self._stream is not None:
-                self._events[self._current] = self._stream.record_event()
             self._current = (self._current + 1) % self.buffers
+            while any(piece.buffer == self._current for piece in self._pending):
+                self._copy_oldest()
             event = self._events[self._current]
             if event is not None:
                 event.synchronize()
