@@ -15,7 +15,8 @@
 # model at TP4, te and local hf-exact; 4 GPUs), four-gpu-vllm (refit from TP4 into a TP4 vLLM engine,
 # vllm-exact at TP4; 4 GPUs, vllm-setup.sh), layouts-4gpu (an actor, a reference and a critic at
 # three layouts in one job against one GPU, the actor -> reference copy and offload of an 8B-shaped
-# model against the measured copy bandwidths; 4 GPUs). RUN_GPU picks the GPU of the single-GPU on-request phases.
+# model against the measured copy bandwidths; 4 GPUs), load-gpu (an 8B-shaped checkpoint loaded onto one GPU and at
+# TP2 against the read + copy floor; 2 GPUs). RUN_GPU picks the GPU of the single-GPU on-request phases.
 # Each job logs to OUT/logs/; a failing (or, past its time limit, killed) job is recorded and the
 # others go on. Limits: JOB_TIMEOUT (single-GPU jobs, default 420 s), MULTI_TIMEOUT (torchrun jobs,
 # default 240 s: a layout failing on some ranks only would otherwise wait for NCCL's timeout).
@@ -279,5 +280,16 @@ if [[ " $phases " == *" moe-exact "* ]]; then
       "${moe[@]}" --out "$out/parity/moe-hf-exact-grouped_mm"
   run moe-exact-eager 300 "${nosplit[@]}" $py -m mcore_zoo.cli parity-report --dtype bfloat16 --device cuda -q -v \
       "${moe[@]}" --knob moe_experts=eager --out "$out/parity/moe-hf-exact-eager"
+fi
+
+if [[ " $phases " == *" load-gpu "* ]]; then
+  # an HF checkpoint of Llama-3.1-8B's shape (16 GB bf16, written once under LOAD_GPU_CKPT) loaded
+  # onto one GPU and at TP2 (2 GPUs) against the read + host-to-device copy floor, 3 alternated
+  # rounds, each measurement a fresh process (bench/gpu/load_gpu.py); about 3-4 minutes. The CPU dry
+  # run of the same phase: LOAD_GPU_ARGS="--device cpu --tiny"
+  gpus=$(g 0); (( ngpu >= 2 )) && gpus=$(g 0),$(g 1)
+  CUDA_VISIBLE_DEVICES=$gpus timeout "${LOAD_GPU_TIMEOUT:-420}" $py bench/gpu/load_gpu.py --out "$out/load-gpu" \
+      ${LOAD_GPU_CKPT:+--ckpt "$LOAD_GPU_CKPT"} ${LOAD_GPU_ARGS:-} > "$out/logs/load-gpu.log" 2>&1
+  echo "load-gpu exit $?" >> "$out/logs/status"
 fi
 cat "$out/logs/status"

@@ -129,8 +129,8 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "families/*/config.py", "families/*/weights.py",
     ),
     "single rank": (
-        "weights/io.py", "weights/pread.py", "weights/load.py", "weights/export.py", "weights/tied.py", "weights/fp8.py",
-        "weights/mxfp4.py",
+        "weights/io.py", "weights/pread.py", "weights/staging.py", "weights/load.py", "weights/export.py",
+        "weights/tied.py", "weights/fp8.py", "weights/mxfp4.py",
         "packing.py", "numerics/gemm.py", "kernels/__init__.py", "kernels/copy_runs.py", "kernels/logprob_rows.py",
         "kernels/vllm_ops.py",
     ),

@@ -8,9 +8,11 @@ memory of the file's dtype (what a load does: for :meth:`HFCheckpoint.read_into`
 is the parameter itself, also when it is a strided view such as a query group's rows inside a
 fused QKV weight) is a positional read of the chunk's bytes straight into it
 (:mod:`~mcore_zoo.weights.pread`: destination pages populated in one call, large chunks split over
-threads). Any other read maps only the byte range of that chunk (``mmap``), copies the chunk - a
-strided view of the mapping - into its destination with one torch copy (multi-threaded; casting
-if the dtypes differ) and unmaps it.
+threads). A read into device memory goes through a ring of pinned host buffers, the same
+positional reads into the ring and ``non_blocking`` copies from it on a side stream
+(:mod:`~mcore_zoo.weights.staging`). Any other read maps only the byte range of that chunk
+(``mmap``), copies the chunk - a strided view of the mapping - into its destination with one torch
+copy (multi-threaded; casting if the dtypes differ) and unmaps it.
 
 Why not keep ``safe_open(...).get_slice`` for the bytes: in current safetensors it returns views of
 a memory map of the whole file; every page a load touches then stays in the process's resident
@@ -52,6 +54,7 @@ import torch
 from ..errors import CheckpointFormatError, MissingTensorsError, OutputError, OutputExistsError, ShapeMismatchError, ZooError
 from . import pread
 from .rules import TPSlice
+from .staging import StagingRing
 
 logger = logging.getLogger(__name__)
 
@@ -191,10 +194,13 @@ class HFCheckpoint:
         allow_torch_load: permit pickle-based ``.bin`` files (``torch.load(weights_only=True)``).
         allow_fp8: read ``F8_E4M3`` / ``F8_E5M2`` tensors as float8 (an FP8 block-quantized
             checkpoint, dequantized by :mod:`mcore_zoo.weights.fp8`); refused by default.
+        staging: the ring of host buffers through which device destinations are read
+            (:class:`~mcore_zoo.weights.staging.StagingRing`; default: 4 pinned buffers of 64 MiB).
     """
 
     def __init__(
-        self, path: str | os.PathLike, *, allow_torch_load: bool = False, allow_fp8: bool = False
+        self, path: str | os.PathLike, *, allow_torch_load: bool = False, allow_fp8: bool = False,
+        staging: Optional[StagingRing] = None,
     ) -> None:
         from ..hub import resolve
 
@@ -205,6 +211,7 @@ class HFCheckpoint:
         self._bin: dict[str, dict[str, torch.Tensor]] = {}
         self.bytes_read = 0
         self._reader = pread.ReadPool()
+        self.staging = staging if staging is not None else StagingRing()
         files = self._files(allow_torch_load)
         try:
             self._open_all(files, allow_fp8)
@@ -373,8 +380,9 @@ class HFCheckpoint:
         """Read what :meth:`read` would return into ``out`` (same number of elements, filled in
         row-major order; any shape, strides, dtype or device). Returns the bytes read.
 
-        The chunk is copied straight from the file mapping into ``out`` (no intermediate tensor
-        for safetensors files, whatever ``out``'s device or dtype).
+        For safetensors files there is no intermediate tensor: a CPU destination of the file's
+        dtype is read into positionally, a device destination through the pinned staging ring
+        (:mod:`~mcore_zoo.weights.staging`), anything else copied from a mapping of the chunk.
         """
         file = self._file_of(name)
         box = TPSlice(axis, rank, size, select).box(self.shape(name), f"tensor {name!r}")
@@ -386,7 +394,11 @@ class HFCheckpoint:
             with torch.no_grad():
                 out.copy_(tensor.reshape(out.shape))
             return tensor.numel() * tensor.element_size()
-        return self._read_box(name, box, out, wait=False)
+        try:
+            return self._read_box(name, box, out, wait=False)
+        finally:
+            if not self._reader.queuing:
+                self.staging.finish()  # not queued: the destination holds the bytes on return
 
     @contextlib.contextmanager
     def queued_reads(self) -> Iterator[None]:
@@ -395,13 +407,21 @@ class HFCheckpoint:
         next (:mod:`~mcore_zoo.weights.pread`). Every queued read is finished when the block exits,
         and its error raised then (:class:`~mcore_zoo.errors.CheckpointFormatError`, naming the
         tensor); :meth:`finish_reads` waits for them inside the block. :meth:`read` still returns
-        its tensor complete."""
-        with self._reader.queued():
-            yield
+        its tensor complete. Device destinations' copies out of the staging ring are waited for
+        too (:meth:`~mcore_zoo.weights.staging.StagingRing.finish`), also when the block raises."""
+        outer = self._reader.queuing
+        try:
+            with self._reader.queued():
+                yield
+        finally:
+            if not outer:
+                self.staging.finish()
 
     def finish_reads(self) -> None:
-        """Return once every read queued by :meth:`queued_reads` has written its destination."""
+        """Return once every read queued by :meth:`queued_reads` has written its destination
+        (host and device destinations)."""
         self._reader.wait()
+        self.staging.wait()
 
     def _read_box(self, name: str, box: Sequence[tuple[int, int]], out: torch.Tensor, wait: bool = True) -> int:
         """Copy the ``box`` of tensor ``name`` into ``out``: positional reads (queued unless
@@ -416,10 +436,15 @@ class HFCheckpoint:
         last = sum((hi - 1) * st for (_, hi), st in zip(box, strides))
         start, stop = entry.offset + first * itemsize, entry.offset + (last + 1) * itemsize
         nbytes = math.prod(shape) * itemsize
-        segments = pread.plan_segments(out, entry.dtype, shape, strides, start)
         full = str(self._full(entry.file))
+        describe = lambda exc: CheckpointFormatError(full, f"reading {name!r}: {exc}")  # noqa: E731
+        if self.staging.accepts(out, shape, strides, itemsize):  # a device destination: the pinned ring
+            self.staging.read(self._reader, self._fds[entry.file], out, entry.dtype, shape, strides, start, describe)
+            torch.autograd.graph.increment_version(out)
+            self.bytes_read += nbytes
+            return nbytes
+        segments = pread.plan_segments(out, entry.dtype, shape, strides, start)
         if segments is not None:  # positional reads straight into ``out``
-            describe = lambda exc: CheckpointFormatError(full, f"reading {name!r}: {exc}")  # noqa: E731
             self._reader.read(self._fds[entry.file], segments, wait=wait, out=out, describe=describe)
             torch.autograd.graph.increment_version(out)
             self.bytes_read += nbytes
@@ -447,6 +472,7 @@ class HFCheckpoint:
         return nbytes
 
     def close(self) -> None:
+        self.staging.finish()
         self._reader.close()
         for fd in self._fds.values():
             os.close(fd)

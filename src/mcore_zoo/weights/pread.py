@@ -133,6 +133,11 @@ def _split(segments: list[Segment], parts: int) -> list[list[Segment]]:
     return groups
 
 
+def _parts(total: int) -> int:
+    """How many threads a read of ``total`` bytes is split over."""
+    return min(torch.get_num_threads(), max(1, total // (SPLIT_MIN // 2))) if total >= SPLIT_MIN else 1
+
+
 class ReadPool:
     """Runs :func:`plan_segments`' copies on ``torch.get_num_threads()`` threads (the caller's
     and a pool's, created at the first large read); :meth:`close` stops the pool.
@@ -151,34 +156,45 @@ class ReadPool:
         self._pending: list[tuple[Future, Optional[Callable[[OSError], BaseException]], Optional[torch.Tensor]]] = []
 
     def read(self, fd: int, segments: list[Segment], *, wait: bool = True, out: Optional[torch.Tensor] = None,
-             describe: Optional[Callable[[OSError], BaseException]] = None) -> None:  # fmt: skip
+             describe: Optional[Callable[[OSError], BaseException]] = None, populate: bool = True) -> None:  # fmt: skip
         """Copy every segment from ``fd``; raises ``OSError`` (``EIO`` at an unexpected end of
         file), or ``describe(error)`` when given. Queued (inside :meth:`queued`, ``wait=False``):
         the error is raised by :meth:`wait`, and ``out`` (the tensor the segments write into) is
-        kept alive until then, so that no thread writes into freed memory."""
+        kept alive until then, so that no thread writes into freed memory. ``populate=False``:
+        the destination pages are resident already (a reused or pinned buffer), none is populated."""
         total = sum(n for _, _, n in segments)
         if self._queue and not wait:
             pieces = _split(segments, max(1, -(-total // PIECE)))
             pool = self._executor(torch.get_num_threads())
-            self._pending += [(pool.submit(self._run, fd, piece), describe, out) for piece in pieces]
+            self._pending += [(pool.submit(self._run, fd, piece, populate), describe, out) for piece in pieces]
             return
         try:
-            self._read_now(fd, segments, total)
+            self._read_now(fd, segments, total, populate)
         except OSError as exc:
             if describe is None:
                 raise
             raise describe(exc) from exc
 
-    def _read_now(self, fd: int, segments: list[Segment], total: int) -> None:
-        parts = min(torch.get_num_threads(), max(1, total // (SPLIT_MIN // 2))) if total >= SPLIT_MIN else 1
+    def submit(self, fd: int, segments: list[Segment], *, populate: bool = True) -> list[Future]:
+        """Start copying the segments on the pool's threads, cut into parts as :meth:`read` cuts
+        them; returns the parts' futures (each raises its read's ``OSError``). The caller keeps
+        the destination alive until every future is done."""
+        total = sum(n for _, _, n in segments)
+        parts = _parts(total)
+        groups = _split(segments, parts) if parts > 1 else [segments]
+        pool = self._executor(torch.get_num_threads())
+        return [pool.submit(self._run, fd, group, populate) for group in groups if group]
+
+    def _read_now(self, fd: int, segments: list[Segment], total: int, populate: bool = True) -> None:
+        parts = _parts(total)
         if parts == 1:
-            self._run(fd, segments)
+            self._run(fd, segments, populate)
             return
         groups = _split(segments, parts)
         pool = self._executor(len(groups) - 1)
-        futures = [pool.submit(self._run, fd, group) for group in groups[1:]]
+        futures = [pool.submit(self._run, fd, group, populate) for group in groups[1:]]
         try:
-            self._run(fd, groups[0])
+            self._run(fd, groups[0], populate)
         finally:
             errors = [f.exception() for f in futures]
         for error in errors:
@@ -194,6 +210,11 @@ class ReadPool:
             self._workers = workers
             self._pool = ThreadPoolExecutor(workers, thread_name_prefix="mcore-zoo-read")
         return self._pool
+
+    @property
+    def queuing(self) -> bool:
+        """Whether reads are being queued (inside :meth:`queued`)."""
+        return self._queue
 
     @contextlib.contextmanager
     def queued(self) -> Iterator[None]:
@@ -242,8 +263,8 @@ class ReadPool:
         if failed and ctypes.get_errno() == errno.EINVAL:
             self._populate = False  # a kernel without it (< 5.14): the read faults the pages in
 
-    def _run(self, fd: int, segments: list[Segment]) -> None:
-        for _, address, n in segments:
+    def _run(self, fd: int, segments: list[Segment], populate: bool = True) -> None:
+        for _, address, n in segments if populate else ():
             self._prefault(address, n)
         k = 0
         while k < len(segments):  # one preadv per run of file-contiguous segments

@@ -1,0 +1,596 @@
+"""Loading an 8B-shaped HF checkpoint onto the GPU, against the read + host-to-device copy floor.
+
+    python bench/gpu/load_gpu.py --out OUT [--ckpt DIR] [--rounds 3] [--no-tp2]
+    python bench/gpu/load_gpu.py --out OUT --device cpu --tiny      # the CPU dry run (tiny shapes)
+
+The checkpoint (``--ckpt``, default ``$TMPDIR/mcore-zoo-load-gpu/llama-3.1-8b``) has
+Llama-3.1-8B's shape: hidden 4096, 32 layers, ffn 14336, vocab 128256, untied, bf16, about 16 GB in
+4 safetensors shards of random values (generated on the GPU, written once, reused when present;
+``--tiny``: a few MB). Its files are read once first (warm page cache). Then ``--rounds`` rounds,
+each measurement in a fresh process, alternating the order between rounds:
+
+* **floor** (TP1: one process; TP2: two, ``torch.distributed.run``): the bytes the rank needs (TP2:
+  its tensor-parallel slices, along the axes the weight map splits on) read with ``os.preadv`` on
+  as many threads as the load reads with (``torch.get_num_threads()``; TP2: ``OMP_NUM_THREADS`` =
+  the CPUs / 2 unless set) into a ring of pinned 64 MiB buffers and copied to the device with
+  ``non_blocking`` copies on a side stream into one device buffer: ``read_s`` (the reads alone),
+  ``copy_s`` (the host-to-device copies alone, from pinned memory) and ``floor_s`` (both,
+  overlapped: each buffer is copied as soon as it is read, and read into again once its copy is
+  done). The floor of a load is ``floor_s``.
+* **zoo**: ``mcore_zoo.model_provider(ckpt, perform_initialization=False)`` builds the model on the
+  device (``build_s``), then ``mcore_zoo.load_hf_weights(model, ckpt)`` (``load_s``: the pinned
+  staging ring of :mod:`mcore_zoo.weights.staging`). Peak host RSS above the RSS just before the
+  load (``VmHWM`` reset through ``/proc/self/clear_refs``) against the staging ring (the rank's
+  share on the host is 0: the weights go to the device). In the first round each load is checked
+  bitwise against a second load of the same checkpoint through the mapping path (the device path
+  before the staging ring).
+
+TP2 ranks time between barriers; the job time is the slower rank's. Per round, the ratio is the
+floor's time / the load's time (1.0: the load runs at the floor); medians and min - max over the
+rounds. GB/s: the bytes the rank read / its time. Results: ``OUT/load_gpu.json`` and
+``OUT/load_gpu.md``; every process's log under ``OUT/logs/``. A failing process is recorded and
+the others go on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Optional
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # bench/: load_export's peak-RSS helpers
+
+LLAMA31_8B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
+    "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "vocab_size": 128256,
+}  # fmt: skip
+TINY = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 1024, "max_position_embeddings": 2048}  # fmt: skip
+SHARDS = 4
+FLOOR_BUFFER = 64 << 20
+FLOOR_BUFFERS = 8
+
+
+# ---------------------------------------------------------------------------- the checkpoint
+def config(tiny: bool) -> dict[str, Any]:
+    return {**LLAMA31_8B, **(TINY if tiny else {})}
+
+
+def tensor_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    h, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    shapes = {"model.embed_tokens.weight": (v, h)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (h, h),
+            p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, h), p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f),
+        })  # fmt: skip
+    shapes.update({"model.norm.weight": (h,), "lm_head.weight": (v, h)})
+    return shapes
+
+
+def _complete(ckpt: Path, cfg: dict[str, Any]) -> bool:
+    index = ckpt / "model.safetensors.index.json"
+    if not index.is_file() or not (ckpt / "config.json").is_file():
+        return False
+    if json.loads((ckpt / "config.json").read_text()) != cfg:
+        return False
+    files = set(json.loads(index.read_text())["weight_map"].values())
+    return all((ckpt / f).is_file() for f in files)
+
+
+def write_checkpoint(ckpt: Path, cfg: dict[str, Any], device: str) -> dict[str, Any]:
+    """Random bf16 values (drawn on ``device``) in :data:`SHARDS` safetensors shards + index +
+    config, written into a sibling directory renamed into place; kept when already complete."""
+    import torch
+
+    from mcore_zoo.weights.io import write_safetensors
+
+    if _complete(ckpt, cfg):
+        return {"written": False}
+    t0 = time.perf_counter()
+    shapes = tensor_shapes(cfg)
+    total = sum(math.prod(s) * 2 for s in shapes.values())
+    groups: list[list[str]] = [[]]
+    used = 0
+    for name, shape in shapes.items():
+        if groups[-1] and used >= total / SHARDS * len(groups):
+            groups.append([])
+        groups[-1].append(name)
+        used += math.prod(shape) * 2
+    tmp = ckpt.with_name(ckpt.name + f".partial-{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator(device=device).manual_seed(0)
+    weight_map = {}
+    for i, names in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {}
+        for name in names:
+            value = torch.randn(shapes[name], generator=gen, device=device, dtype=torch.float32).mul_(0.02)
+            tensors[name] = value.to(torch.bfloat16).cpu()
+            weight_map[name] = fname
+        write_safetensors(tmp / fname, tensors, {"format": "pt"})
+        del tensors
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    if ckpt.exists():
+        import shutil
+
+        shutil.rmtree(ckpt)
+    os.rename(tmp, ckpt)
+    return {"written": True, "seconds": time.perf_counter() - t0, "bytes": total}
+
+
+def warm(ckpt: Path) -> float:
+    """Read every file once (the page cache holds them afterwards); returns the seconds."""
+    t0 = time.perf_counter()
+    for file in sorted(ckpt.glob("*.safetensors")):
+        with open(file, "rb", buffering=0) as f:
+            while f.read(64 << 20):
+                pass
+    return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------- one rank
+def _rank() -> tuple[int, int, int]:
+    env = os.environ
+    return int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_RANK", "0"))
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _rss() -> dict[str, Any]:
+    from load_export import peak, reset_peak
+
+    try:
+        return {"before": reset_peak(), "peak": peak, "reset": True}
+    except OSError:  # no /proc/self/clear_refs: the process's peak so far stands
+        return {"before": peak(), "peak": peak, "reset": False}
+
+
+def rank_runs(ckpt: str, rank: int, size: int) -> list[tuple[str, int, int]]:
+    """``(file, byte offset, bytes)`` of every contiguous run of the checkpoint this TP rank
+    loads: its chunk of each tensor along the axis the weight map splits it on."""
+    import mcore_zoo
+    from mcore_zoo.weights import pread
+    from mcore_zoo.weights.io import HFCheckpoint
+    from mcore_zoo.weights.rules import TPSlice
+
+    arch = mcore_zoo.lookup(ckpt)
+    axes = {n: a for b in arch.weight_map(arch.config_from_hf(ckpt)).expand_full() for n, a in zip(b.hf, b.tp_axes)}
+    runs = []
+    with HFCheckpoint(ckpt) as c:
+        for name in sorted(c.keys(), key=lambda n: (c.entry(n).file, c.entry(n).offset)):
+            entry = c.entry(name)
+            axis = axes[name] if size > 1 else None
+            box = TPSlice(axis, rank, size).box(entry.shape, name)
+            shape = [hi - lo for lo, hi in box]
+            strides = [math.prod(entry.shape[d + 1 :]) for d in range(len(entry.shape))]
+            first = entry.offset + 2 * sum(lo * st for (lo, _), st in zip(box, strides))
+            run, outer, outer_strides = pread._runs(shape, strides)
+            runs += [(entry.file, start, run * 2) for start in pread._starts(outer, outer_strides, first, 2)]
+    return runs
+
+
+def _batches(runs: list[tuple[str, int, int]], limit: int) -> list[tuple[str, list[tuple[int, int, int]]]]:
+    """The runs as batches of at most ``limit`` bytes of one file each: ``(file, [(file offset,
+    position in the rank's bytes, bytes)])`` (``pread._split`` cuts them)."""
+    from mcore_zoo.weights import pread
+
+    batches, position = [], 0
+    for file in dict.fromkeys(f for f, _, _ in runs):
+        segments = []
+        for _, offset, n in (r for r in runs if r[0] == file):
+            segments.append((offset, position, n))
+            position += n
+        total = sum(n for _, _, n in segments)
+        batches += [(file, group) for group in pread._split(segments, -(-total // limit)) if group]
+    return batches
+
+
+def phase_floor(args: argparse.Namespace) -> dict[str, Any]:
+    """Read this rank's bytes into pinned buffers and copy them to the device (module docstring)."""
+    import torch
+
+    from mcore_zoo.parallel import ensure_process_group
+
+    rank, world, local = _rank()
+    ensure_process_group("gloo")
+    args.threads = args.threads or torch.get_num_threads()
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(local)
+    runs = rank_runs(args.ckpt, rank, world)
+    total = sum(n for _, _, n in runs)
+    batches = _batches(runs, FLOOR_BUFFER)
+    fds = {f: os.open(os.path.join(args.ckpt, f), os.O_RDONLY) for f in {r[0] for r in runs}}
+    ring = [torch.empty(FLOOR_BUFFER, dtype=torch.uint8, pin_memory=cuda) for _ in range(FLOOR_BUFFERS)]
+    device_buffer = torch.empty(total, dtype=torch.uint8, device=args.device)
+    stream = torch.cuda.Stream() if cuda else None
+    pool = ThreadPoolExecutor(args.threads)
+
+    def read(batch: tuple[str, list[tuple[int, int, int]]], buffer: torch.Tensor, wait: Any = None) -> int:
+        if wait is not None:
+            wait.synchronize()
+        (file, segments), view, at = batch, memoryview(buffer.numpy()), 0
+        for offset, _, n in segments:
+            done = 0
+            while done < n:
+                got = os.preadv(fds[file], [view[at + done : at + n]], offset + done)
+                if got <= 0:
+                    raise OSError("unexpected end of file")
+                done += got
+            at += n
+        return at
+
+    def copy(k: int, size: int, position: int) -> None:
+        source = ring[k % FLOOR_BUFFERS][:size]
+        if stream is None:
+            device_buffer[position : position + size].copy_(source)
+            return
+        with torch.cuda.stream(stream):
+            device_buffer[position : position + size].copy_(source, non_blocking=True)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    sizes = [sum(n for _, _, n in segments) for _, segments in batches]
+    positions = [segments[0][1] for _, segments in batches]
+    result: dict[str, Any] = {"rank": rank, "bytes": total, "batches": len(batches), "threads": args.threads}
+    # the reads alone (into the ring, overwritten)
+    _barrier()
+    t0 = time.perf_counter()
+    list(pool.map(lambda k: read(batches[k], ring[k % FLOOR_BUFFERS]), range(len(batches))))
+    _barrier()
+    result["read_s"] = time.perf_counter() - t0
+    # the copies alone (the same bytes, from the ring)
+    sync()
+    _barrier()
+    t0 = time.perf_counter()
+    for k in range(len(batches)):
+        copy(k, sizes[k], positions[k])
+    sync()
+    _barrier()
+    result["copy_s"] = time.perf_counter() - t0
+    # both, overlapped: a buffer is read again once the copy out of it is done
+    events: list[Any] = [None] * FLOOR_BUFFERS
+    _barrier()
+    t0 = time.perf_counter()
+    futures = {k: pool.submit(read, batches[k], ring[k]) for k in range(min(FLOOR_BUFFERS, len(batches)))}
+    for k in range(len(batches)):
+        futures.pop(k).result()
+        copy(k, sizes[k], positions[k])
+        if cuda:
+            events[k % FLOOR_BUFFERS] = stream.record_event()
+        nxt = k + FLOOR_BUFFERS
+        if nxt < len(batches):
+            futures[nxt] = pool.submit(read, batches[nxt], ring[nxt % FLOOR_BUFFERS], events[k % FLOOR_BUFFERS])
+    sync()
+    _barrier()
+    result["floor_s"] = time.perf_counter() - t0
+    pool.shutdown()
+    for fd in fds.values():
+        os.close(fd)
+    return result
+
+
+def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
+    """Build on the device without init, then ``load_hf_weights`` (module docstring)."""
+    import torch
+
+    import mcore_zoo
+    import mcore_zoo.distributed  # imported by the first load otherwise
+    from mcore_zoo.parallel import ensure_model_parallel
+    from mcore_zoo.placement import Parallelism
+    from mcore_zoo.weights import staging
+    from mcore_zoo.weights.io import HFCheckpoint
+
+    rank, world, local = _rank()
+    if args.device == "cuda":
+        torch.cuda.set_device(local)
+    ensure_model_parallel(Parallelism(tp=world))
+    backend = args.backend or ("te" if args.device == "cuda" else "local")
+    _barrier()
+    t0 = time.perf_counter()
+    try:
+        provider = mcore_zoo.model_provider(args.ckpt, backend=backend, params_dtype=torch.bfloat16,
+                                            perform_initialization=False)  # fmt: skip
+        model = provider(pre_process=True, post_process=True)
+    except Exception as exc:  # Transformer Engine missing or refusing: the local backend
+        if backend == "local":
+            raise
+        print(f"backend {backend} failed ({type(exc).__name__}: {exc}); building with local", flush=True)
+        backend = "local"
+        provider = mcore_zoo.model_provider(args.ckpt, backend=backend, params_dtype=torch.bfloat16,
+                                            perform_initialization=False)  # fmt: skip
+        model = provider(pre_process=True, post_process=True)
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    _barrier()
+    build_s = time.perf_counter() - t0
+    params = list(model.parameters())
+    devices = sorted({str(p.device) for p in params})
+    shard = sum(p.numel() * p.element_size() for p in params)
+    ring_bytes = staging.BUFFERS * staging.BUFFER_BYTES
+    _barrier()
+    rss = _rss()
+    t0 = time.perf_counter()
+    report = mcore_zoo.load_hf_weights(model, args.ckpt)
+    _barrier()
+    load_s = time.perf_counter() - t0
+    above = rss["peak"]() - rss["before"]
+    host_stats = getattr(torch.cuda, "host_memory_stats", None)
+    pinned = {}
+    if args.device == "cuda" and host_stats is not None:  # torch's pinned-memory cache (the ring)
+        try:
+            pinned = {k: v for k, v in host_stats().items() if "bytes" in k and isinstance(v, int)}
+        except RuntimeError as exc:
+            pinned = {"error": str(exc)}
+    result = {
+        "rank": rank, "backend": backend, "devices": devices, "build_s": build_s, "load_s": load_s,
+        "bytes": report.bytes_read, "parameters_bytes": shard, "peak_rss_above_start": above,
+        "rss_peak_reset": rss["reset"], "rss_before": rss["before"], "staging_ring_bytes": ring_bytes,
+        "staging_buffer_bytes": staging.BUFFER_BYTES, "torch_threads": torch.get_num_threads(),
+        "pinned_host_memory": pinned,
+    }  # fmt: skip
+    if args.verify:  # bitwise against the mapping path (the staging ring refusing every destination)
+        loaded = [p.detach().clone() for p in params]
+        mapping = staging.StagingRing()
+        mapping.accepts = lambda *a, **k: False  # type: ignore[method-assign]
+        t0 = time.perf_counter()
+        with HFCheckpoint(args.ckpt, staging=mapping) as ckpt:
+            mcore_zoo.load_hf_weights(model, ckpt)
+        _barrier()
+        result["mapping_path_load_s"] = time.perf_counter() - t0
+        same = all(torch.equal(a.view(torch.uint8), p.detach().view(torch.uint8)) for a, p in zip(loaded, params))
+        result["bitwise_equal_to_mapping_path"] = same
+        del loaded
+    return result
+
+
+# ---------------------------------------------------------------------------- the rounds
+def _launch(args: argparse.Namespace, phase: str, world: int, tag: str) -> dict[str, Any]:
+    """Run ``phase`` in fresh process(es); its per-rank results, or the failure."""
+    out = Path(args.out)
+    result_file = out / "raw" / f"{tag}.json"
+    result_file.parent.mkdir(parents=True, exist_ok=True)
+    result_file.unlink(missing_ok=True)
+    worker = [str(HERE / "load_gpu.py"), "--phase", phase, "--ckpt", args.ckpt, "--device", args.device,
+              "--result", str(result_file)]  # fmt: skip
+    if args.threads:
+        worker += ["--threads", str(args.threads)]
+    if args.backend:
+        worker += ["--backend", args.backend]
+    if args.verify_now:
+        worker += ["--verify-this"]
+    env = dict(os.environ)
+    if world > 1:
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // world)))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), *worker]
+    else:
+        cmd = [sys.executable, *worker]
+    t0 = time.perf_counter()
+    with open(out / "logs" / f"{tag}.log", "w") as log:
+        try:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=args.timeout,
+                                check=False).returncode  # fmt: skip
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    wall = time.perf_counter() - t0
+    ranks = []
+    if result_file.is_file():
+        ranks = [json.loads(line) for line in result_file.read_text().splitlines() if line.strip()]
+    ok = rc == 0 and len(ranks) == world
+    print(f"{tag}: rc {rc}, {wall:.1f} s wall, {len(ranks)}/{world} rank results", flush=True)
+    return {"phase": phase, "world": world, "ok": ok, "rc": rc, "process_wall_s": wall,
+            "ranks": sorted(ranks, key=lambda r: r["rank"])}  # fmt: skip
+
+
+def _spread(values: list[float]) -> dict[str, Any]:
+    if not values:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def summarise(rounds: list[dict[str, Any]], layouts: list[tuple[str, int]]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for name, world in layouts:
+        floor_t, read_t, copy_t, load_t, build_t, ratio, gbps, floor_gbps, rss = [], [], [], [], [], [], [], [], []
+        verified = []
+        for r in rounds:
+            floor, zoo = r.get(f"floor-{name}"), r.get(f"zoo-{name}")
+            if floor and floor["ok"]:
+                floor_t.append(max(x["floor_s"] for x in floor["ranks"]))
+                read_t.append(max(x["read_s"] for x in floor["ranks"]))
+                copy_t.append(max(x["copy_s"] for x in floor["ranks"]))
+                floor_gbps.append(sum(x["bytes"] for x in floor["ranks"]) / floor_t[-1] / 1e9)
+            if zoo and zoo["ok"]:
+                load_t.append(max(x["load_s"] for x in zoo["ranks"]))
+                build_t.append(max(x["build_s"] for x in zoo["ranks"]))
+                gbps.append(sum(x["bytes"] for x in zoo["ranks"]) / load_t[-1] / 1e9)
+                rss += [x["peak_rss_above_start"] for x in zoo["ranks"]]
+                verified += [x["bitwise_equal_to_mapping_path"] for x in zoo["ranks"] if "bitwise_equal_to_mapping_path" in x]
+            if floor and floor["ok"] and zoo and zoo["ok"]:
+                ratio.append(floor_t[-1] / load_t[-1])
+        zoo_ranks = next((r[f"zoo-{name}"]["ranks"] for r in rounds if r.get(f"zoo-{name}", {}).get("ok")), [])
+        floor_ranks = next((r[f"floor-{name}"]["ranks"] for r in rounds if r.get(f"floor-{name}", {}).get("ok")), [])
+        summary[name] = {
+            "world": world, "floor_s": _spread(floor_t), "read_s": _spread(read_t), "copy_s": _spread(copy_t),
+            "load_s": _spread(load_t), "build_s": _spread(build_t), "floor_over_load": _spread(ratio),
+            "load_gbps": _spread(gbps), "floor_gbps": _spread(floor_gbps),
+            "peak_rss_above_start_mb": _spread([x / 1e6 for x in rss]),
+            "bytes_per_rank": [x["bytes"] for x in zoo_ranks], "floor_bytes_per_rank": [x["bytes"] for x in floor_ranks],
+            "parameters_bytes_per_rank": [x["parameters_bytes"] for x in zoo_ranks],
+            "staging_ring_mb": zoo_ranks[0]["staging_ring_bytes"] / 1e6 if zoo_ranks else None,
+            "staging_buffer_mb": zoo_ranks[0]["staging_buffer_bytes"] / 1e6 if zoo_ranks else None,
+            "backend": zoo_ranks[0]["backend"] if zoo_ranks else None,
+            "bitwise_equal_to_mapping_path": all(verified) if verified else None,
+        }  # fmt: skip
+    return summary
+
+
+def _fmt(spread: dict[str, Any], unit: str = "", digits: int = 2) -> str:
+    if spread["median"] is None:
+        return "-"
+    f = f"{{:.{digits}f}}"
+    return f"{f.format(spread['median'])}{unit} ({f.format(spread['min'])} - {f.format(spread['max'])})"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    lines = [
+        f"# Loading onto the GPU ({m['date']})", "",
+        f"{m['gpu']} x {m['gpus']}, {m['cpu']} ({m['logical_cpus']} logical CPUs), {m['memory_gib']} GiB; "
+        f"torch {m['torch']}, megatron-core {m['megatron_core']}. Checkpoint: {result['checkpoint']['bytes'] / 1e9:.2f} GB "
+        f"({result['checkpoint']['shape']}), {result['rounds']} alternated rounds, each measurement a fresh process.", "",
+        "Median (min - max) over the rounds. Ratio: floor time / load time per round (1.00: the load runs at the floor).", "",
+        "| layout | backend | floor: read + copy s | read alone s | copy alone s | load s | build s | load GB/s | floor GB/s | floor / load | peak host RSS above start MB (per rank) | one staging buffer MB | staging ring MB | bitwise = mapping path |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]  # fmt: skip
+    for name, s in result["summary"].items():
+        lines.append(
+            f"| {name} | {s['backend']} | {_fmt(s['floor_s'])} | {_fmt(s['read_s'])} | {_fmt(s['copy_s'])} | "
+            f"{_fmt(s['load_s'])} | {_fmt(s['build_s'])} | {_fmt(s['load_gbps'], digits=1)} | {_fmt(s['floor_gbps'], digits=1)} | "
+            f"**{_fmt(s['floor_over_load'])}** | {_fmt(s['peak_rss_above_start_mb'], digits=0)} | "
+            f"{s['staging_buffer_mb'] or 0:.0f} | {s['staging_ring_mb'] or 0:.0f} | {s['bitwise_equal_to_mapping_path']} |"
+        )  # fmt: skip
+    lines += ["", "Bytes per rank (load / floor): " + "; ".join(
+        f"{n}: {[round(b / 1e9, 3) for b in s['bytes_per_rank']]} / {[round(b / 1e9, 3) for b in s['floor_bytes_per_rank']]} GB"
+        for n, s in result["summary"].items())]  # fmt: skip
+    failed = [f"{tag} (rc {r['rc']})" for rnd in result["raw"] for tag, r in rnd.items() if not r["ok"]]
+    if failed:
+        lines += ["", "Failed: " + ", ".join(failed) + " (logs under logs/)."]
+    return "\n".join(lines) + "\n"
+
+
+def machine(device: str) -> dict[str, Any]:
+    import platform
+
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    mem = next((int(line.split()[1]) / 2**20 for line in open("/proc/meminfo") if line.startswith("MemTotal")), 0.0)
+    try:
+        from importlib.metadata import version
+
+        mcore = version("megatron-core")
+    except Exception:  # noqa: BLE001
+        mcore = "?"
+    cuda = device == "cuda" and torch.cuda.is_available()
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu, "logical_cpus": os.cpu_count(),
+            "memory_gib": round(mem, 1), "kernel": platform.release(), "torch": torch.__version__,
+            "megatron_core": mcore, "gpu": torch.cuda.get_device_name(0) if cuda else "none",
+            "gpus": torch.cuda.device_count() if cuda else 0}  # fmt: skip
+
+
+def orchestrate(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    cfg = config(args.tiny)
+    ckpt = Path(args.ckpt)
+    t0 = time.perf_counter()
+    write = [sys.executable, str(HERE / "load_gpu.py"), "--phase", "write", "--ckpt", str(ckpt), "--device", args.device]
+    with open(out / "logs" / "write.log", "w") as log:
+        written = subprocess.run(write + (["--tiny"] if args.tiny else []), stdout=log, stderr=subprocess.STDOUT,
+                                 check=False).returncode  # fmt: skip
+    if written != 0 or not _complete(ckpt, cfg):
+        print(f"writing the checkpoint failed (rc {written}); see {out / 'logs' / 'write.log'}", flush=True)
+        return 1
+    write_s = time.perf_counter() - t0
+    warm_s = warm(ckpt)
+    nbytes = sum(math.prod(s) * 2 for s in tensor_shapes(cfg).values())
+    print(f"checkpoint {ckpt}: {nbytes / 1e9:.2f} GB (write step {write_s:.1f} s, warm read {warm_s:.1f} s)", flush=True)
+    import torch
+
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 2
+    layouts = [("tp1", 1)] + ([("tp2", 2)] if args.tp2 and gpus >= 2 else [])
+    steps = [(kind, name, world) for name, world in layouts for kind in ("floor", "zoo")]
+    rounds = []
+    for r in range(args.rounds):
+        args.verify_now = args.verify and r == 0
+        order = steps if r % 2 == 0 else steps[::-1]
+        rounds.append({f"{kind}-{name}": _launch(args, kind, world, f"r{r}-{kind}-{name}") for kind, name, world in order})
+    result = {
+        "machine": machine(args.device), "rounds": args.rounds,
+        "checkpoint": {"path": str(ckpt), "bytes": nbytes, "shards": SHARDS, "tiny": args.tiny,
+                       "shape": "Llama-3.1-8B" if not args.tiny else "tiny Llama", "write_step_s": write_s, "warm_read_s": warm_s},
+        "summary": summarise(rounds, layouts), "raw": rounds,
+    }  # fmt: skip
+    (out / "load_gpu.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "load_gpu.md").write_text(markdown(result))
+    print(markdown(result), flush=True)
+    return 0 if all(r["ok"] for rnd in rounds for r in rnd.values()) else 1
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", help="results directory (orchestrator)")
+    p.add_argument("--ckpt", default=None, help="checkpoint directory (written when missing)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--tiny", action="store_true", help="a few-MB Llama-shaped checkpoint (the CPU dry run)")
+    p.add_argument("--no-tp2", dest="tp2", action="store_false", help="TP1 only")
+    p.add_argument("--backend", default=None, help="model backend (default: te on cuda, falling back to local)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="floor read threads per rank (default: torch.get_num_threads(), as the load's read threads)")
+    p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the first round's bitwise check")
+    p.add_argument("--timeout", type=float, default=150.0, help="seconds per measurement process")
+    p.add_argument("--phase", choices=("write", "floor", "zoo"), help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--verify-this", dest="verify_rank", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.ckpt is None:
+        base = Path(os.environ.get("TMPDIR", "/tmp")) / "mcore-zoo-load-gpu"
+        args.ckpt = str(base / ("llama-tiny" if args.tiny else "llama-3.1-8b"))
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.phase is None:
+        if not args.out:
+            raise SystemExit("--out is required")
+        import torch
+
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("no CUDA device (the CPU dry run: --device cpu --tiny)")
+        return orchestrate(args)
+    if args.phase == "write":
+        print(json.dumps(write_checkpoint(Path(args.ckpt), config(args.tiny), args.device)), flush=True)
+        return 0
+    args.verify = args.verify_rank
+    result = (phase_floor if args.phase == "floor" else phase_zoo)(args)
+    print(json.dumps(result), flush=True)
+    with open(args.result, "a") as f:  # one line per rank (appends of one short line do not interleave)
+        f.write(json.dumps(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""Reads into device memory through a ring of pinned host staging buffers (the load's device path).
+
+A parameter on the GPU cannot be the destination of a positional read. Copying it from a memory
+map of the file (``out.copy_(mapping view)``) is a synchronous copy from pageable memory: the
+driver stages it through its own bounce buffer, one tensor at a time, and nothing overlaps.
+:class:`StagingRing` instead reads the chunk's bytes with the read threads of
+:class:`~mcore_zoo.weights.pread.ReadPool` into a small ring of **pinned** host buffers
+(:data:`BUFFERS` of :data:`BUFFER_BYTES`, allocated at the first device read of a load and handed
+back to torch's pinned-memory cache by :meth:`StagingRing.finish`), and each filled region is
+copied to the destination with a ``non_blocking`` host-to-device copy on a side CUDA stream. An
+event recorded after the last copy out of a buffer guards its reuse, so reading the next buffer
+runs while the previous one is copied. Small tensors share a buffer; a tensor larger than a
+buffer is streamed through the ring in pieces of whole rows (of its destination's row-major
+order). Host memory grows by the ring, not by the tensors: the destination holds the bytes.
+
+Destinations: any strided CUDA tensor (a contiguous parameter, a row or column chunk of one, a
+strided view such as a query group's rows inside a fused QKV weight - ``copy_`` scatters it on the
+device), in the file's dtype or another (the cast runs on the device, exactly as on the host).
+Everything else keeps :class:`~mcore_zoo.weights.io.HFCheckpoint`'s mapping path: destinations
+whose elements share memory, and source chunks made of runs shorter than :data:`MIN_RUN_BYTES`
+(one read per run would cost more than mapping them). Transform-fused parameters (rules without
+direct views) are read into host tensors, fused, and copied by
+:func:`~mcore_zoo.weights.load.read_rule_into` as before.
+
+Ordering: the side stream first waits for the destination device's current stream (work queued
+there on the destinations is done first); :meth:`StagingRing.finish` waits for every copy (the
+host waits on the side stream), so the destinations hold the bytes when it returns.
+:class:`~mcore_zoo.weights.io.HFCheckpoint` calls it when a read outside ``queued_reads``
+returns and when the ``queued_reads`` block exits (and :meth:`StagingRing.wait` at
+``finish_reads``) - before ``load_hf_weights`` returns or broadcasts a parameter.
+
+For tests, the same pipeline runs on the CPU: ``StagingRing(pin=False, cpu_destinations=True)``
+stages CPU destinations through an unpinned ring and copies them synchronously.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+
+from . import pread
+
+BUFFERS = 4
+BUFFER_BYTES = 64 << 20
+MIN_RUN_BYTES = 512  # source runs shorter than this on average: the mapping path
+ALIGN = 512  # regions of a buffer start at multiples of this many bytes
+
+
+def _pieces(out: torch.Tensor, start: int, limit: int) -> Iterator[tuple[torch.Tensor, int]]:
+    """Views of ``out`` that cover it in row-major order, each of at most ``limit`` elements and
+    contiguous in that order (whole rows, or pieces of a row when one row is more): ``(view,
+    index of its first element)``, ``start`` being that of ``out``'s."""
+    n = out.numel()
+    if n <= limit or out.dim() == 0:
+        yield out, start
+        return
+    row = n // out.shape[0]
+    if row <= limit:
+        step = limit // row
+        for i in range(0, out.shape[0], step):
+            yield out[i : i + step], start + i * row
+        return
+    for i in range(out.shape[0]):
+        yield from _pieces(out[i], start + i * row, limit)
+
+
+def _source_runs(shape: Sequence[int], strides: Sequence[int], itemsize: int,
+                 file_offset: int) -> Optional[tuple[int, list[int]]]:  # fmt: skip
+    """The chunk as contiguous file runs in row-major order: ``(elements per run, file offset of
+    each run)``; ``None`` when its innermost dimension is not contiguous."""
+    runs = pread._runs(shape, strides)
+    if runs is None:
+        return None
+    run, outer_shape, outer_strides = runs
+    return run, pread._starts(outer_shape, outer_strides, file_offset, itemsize)
+
+
+def _segments(run: int, starts: list[int], itemsize: int, first: int, count: int, address: int) -> list[pread.Segment]:
+    """The reads of elements ``[first, first + count)`` of a chunk (``run`` elements per file run
+    starting at ``starts``) into consecutive memory at ``address``."""
+    segments: list[pread.Segment] = []
+    k, skip, done = first // run, first % run, 0
+    while done < count:
+        n = min(run - skip, count - done)
+        segments.append((starts[k] + skip * itemsize, address + done * itemsize, n * itemsize))
+        done += n
+        k, skip = k + 1, 0
+    return segments
+
+
+@dataclass
+class _Piece:
+    """A region of the ring being read into: the reads' futures, where its bytes go next."""
+
+    futures: list[Future]
+    destination: torch.Tensor
+    staged: torch.Tensor
+    buffer: int
+    nbytes: int
+    describe: Optional[Callable[[OSError], BaseException]]
+
+
+class StagingRing:
+    """A ring of ``buffers`` host buffers of ``buffer_bytes`` each (pinned unless ``pin=False``)
+    through which :meth:`read` fills device destinations (module docstring); with
+    ``cpu_destinations``, CPU destinations too (the CPU test of the pipeline).
+
+    The reads of a region run on the read threads while the caller goes on: up to about one
+    buffer's bytes are in flight besides the newest region's, and the oldest region is copied
+    (queued on the side stream) once its reads are done - so the threads read the next region
+    while the previous one is read to its end and copied."""
+
+    def __init__(self, buffers: int = BUFFERS, buffer_bytes: int = BUFFER_BYTES, *, pin: bool = True,
+                 cpu_destinations: bool = False) -> None:  # fmt: skip
+        if buffers < 2 or buffer_bytes < ALIGN:
+            raise ValueError(f"a staging ring needs >= 2 buffers of >= {ALIGN} bytes (got {buffers} x {buffer_bytes})")
+        self.buffers, self.buffer_bytes = buffers, buffer_bytes - buffer_bytes % ALIGN
+        self.pin, self.cpu_destinations = pin, cpu_destinations
+        self.bytes_staged = 0  # over the ring's life: every byte that went through it
+        self._ring: list[torch.Tensor] = []
+        self._events: list[Optional[torch.cuda.Event]] = []
+        self._stream: Optional[torch.cuda.Stream] = None
+        self._device: Optional[torch.device] = None
+        self._pending: deque[_Piece] = deque()
+        self._in_flight = 0
+        self._current = self._used = 0
+        self._pinned = False
+
+    def accepts(self, out: torch.Tensor, shape: Sequence[int], strides: Sequence[int], itemsize: int) -> bool:
+        """Whether :meth:`read` takes this chunk (``shape`` at element ``strides`` in the file)
+        into ``out``."""
+        kind = out.device.type
+        if not (kind == "cuda" or (kind == "cpu" and self.cpu_destinations)):
+            return False
+        if out.layout != torch.strided or out.numel() == 0:
+            return False
+        if any(st == 0 and n > 1 for n, st in zip(out.shape, out.stride())):
+            return False  # elements sharing memory: torch's copy refuses them on the mapping path
+        runs = pread._runs(shape, strides)
+        if runs is None:
+            return False
+        count = math.prod(runs[1])
+        return count == 1 or runs[0] * itemsize >= MIN_RUN_BYTES
+
+    def read(self, reader: pread.ReadPool, fd: int, out: torch.Tensor, dtype: torch.dtype, shape: Sequence[int],
+             strides: Sequence[int], file_offset: int,
+             describe: Optional[Callable[[OSError], BaseException]] = None) -> None:  # fmt: skip
+        """Fill ``out`` with the chunk of ``dtype`` elements of ``shape`` at element ``strides``
+        from byte ``file_offset`` of ``fd`` (row-major order; :meth:`accepts` said yes). Its reads
+        and copies may still run when it returns: :meth:`wait` waits for them, and raises a read's
+        error (``describe(error)`` when given)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        run, starts = _source_runs(shape, strides, itemsize, file_offset)  # type: ignore[misc]
+        self._start(out.device)
+        for view, first in _pieces(out, 0, self.buffer_bytes // itemsize):
+            nbytes = view.numel() * itemsize
+            while self._pending and self._in_flight > self.buffer_bytes:
+                self._copy_oldest()
+            slot = self._take(nbytes)
+            segments = _segments(run, starts, itemsize, first, view.numel(), slot.data_ptr())
+            futures = reader.submit(fd, segments, populate=not self._pinned)  # pinned pages are resident
+            staged = slot.view(dtype).view(view.shape)
+            self._pending.append(_Piece(futures, view, staged, self._current, nbytes, describe))
+            self._in_flight += nbytes
+            self.bytes_staged += nbytes
+
+    def wait(self) -> None:
+        """Return once every read and copy :meth:`read` started is done (the ring stays
+        allocated); raises the first failed read's error, after every read has ended."""
+        try:
+            while self._pending:
+                self._copy_oldest()
+        finally:
+            for piece in self._pending:  # after a failed read: the others end before the ring is touched
+                for future in piece.futures:
+                    future.exception()
+            self._pending.clear()
+            self._in_flight = 0
+            if self._stream is not None:
+                self._stream.synchronize()
+            self._events = [None] * len(self._ring)
+
+    def finish(self) -> None:
+        """:meth:`wait`, then hand the buffers back (to torch's pinned-memory cache: the next
+        load's ring takes them again without a new allocation)."""
+        try:
+            self.wait()
+        finally:
+            self._ring, self._events, self._stream, self._device = [], [], None, None
+            self._current = self._used = 0
+
+    # ------------------------------------------------------------------ internals
+    def _start(self, device: torch.device) -> None:
+        """The ring, and for a CUDA ``device`` the side stream, ordered after the device's
+        current stream (allocated at the first read after :meth:`finish`)."""
+        if self._ring and self._device == device:
+            return
+        if self._ring:  # another device: its copies first
+            self.finish()
+        cuda = device.type == "cuda"
+        self._pinned = self.pin and cuda
+        self._ring = [torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=self._pinned)
+                      for _ in range(self.buffers)]  # fmt: skip
+        self._events = [None] * self.buffers
+        self._device = device
+        if cuda:
+            self._stream = torch.cuda.Stream(device=device)
+            self._stream.wait_stream(torch.cuda.current_stream(device))
+
+    def _copy_oldest(self) -> None:
+        """Wait for the oldest region's reads, then copy it to its destination (queued on the
+        side stream, an event marking when its buffer is free again)."""
+        piece = self._pending.popleft()
+        self._in_flight -= piece.nbytes
+        errors = [future.exception() for future in piece.futures]
+        error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            if piece.describe is not None and isinstance(error, OSError):
+                raise piece.describe(error) from error
+            raise error
+        with torch.no_grad():
+            if self._stream is None:
+                piece.destination.copy_(piece.staged)
+                return
+            with torch.cuda.stream(self._stream):
+                piece.destination.copy_(piece.staged, non_blocking=True)
+            self._events[piece.buffer] = self._stream.record_event()
+
+    def _take(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of the ring, free to be written: the rest of the current buffer, else the
+        next buffer once every copy out of it is done."""
+        if self._used + nbytes > self.buffer_bytes:
+            self._current = (self._current + 1) % self.buffers
+            while any(piece.buffer == self._current for piece in self._pending):
+                self._copy_oldest()
+            event = self._events[self._current]
+            if event is not None:
+                event.synchronize()
+                self._events[self._current] = None
+            self._used = 0
+        slot = self._ring[self._current][self._used : self._used + nbytes]
+        self._used += -(-nbytes // ALIGN) * ALIGN
+        return slot

@@ -1,0 +1,45 @@
+"""CUDA: device destinations read through the pinned staging ring (``mcore_zoo.weights.staging``)
+equal the reference path's reads bitwise - every chunk, destination layout and dtype of the CPU
+test (``tests/unit/test_staging.py``), with pinned buffers, ``non_blocking`` copies on the side
+stream and events guarding buffer reuse - and a model on the GPU loads the same parameters through
+the ring as through the mapping path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_zoo.weights.staging import StagingRing
+
+from ..unit.test_staging import check_staged_reads
+
+pytestmark = pytest.mark.gpu
+
+
+def test_device_destinations_through_small_pinned_buffers(tmp_path):
+    check_staged_reads(tmp_path, "cuda", StagingRing(3, 4096))
+
+
+def test_device_destinations_through_the_default_ring(tmp_path):
+    check_staged_reads(tmp_path, "cuda", StagingRing())
+
+
+def test_a_load_onto_the_gpu_equals_the_mapping_path(mpu, reference_checkpoint):
+    import mcore_zoo
+    from mcore_zoo.weights.io import HFCheckpoint
+
+    ckpt = reference_checkpoint("LlamaForCausalLM")
+    staged = mcore_zoo.build_model(ckpt, backend="local")
+    mapped = mcore_zoo.build_model(ckpt, backend="local")
+    assert next(staged.parameters()).is_cuda
+    ring = StagingRing(3, 8192)
+    with HFCheckpoint(ckpt, staging=ring) as source:
+        mcore_zoo.load_hf_weights(staged, source)
+    refusing = StagingRing()
+    refusing.accepts = lambda *a, **k: False
+    with HFCheckpoint(ckpt, staging=refusing) as source:
+        mcore_zoo.load_hf_weights(mapped, source)
+    assert ring.bytes_staged > 0 and refusing.bytes_staged == 0
+    want = dict(mapped.named_parameters())
+    for name, param in staged.named_parameters():
+        assert torch.equal(param.detach().view(torch.uint8), want[name].detach().view(torch.uint8)), name

@@ -1,0 +1,134 @@
+"""The staging ring (``mcore_zoo.weights.staging``), run on the CPU: an unpinned ring staging CPU
+destinations goes through the same pieces, ring regions, reads and copies as the device path, and
+must give what the positional-read / mapping path gives, bit for bit. The CUDA counterpart is
+``tests/gpu/test_staging_gpu.py`` (the same cases, pinned ring, device destinations)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import mcore_zoo
+from mcore_zoo.errors import CheckpointFormatError
+from mcore_zoo.weights import staging
+from mcore_zoo.weights.io import HFCheckpoint
+from mcore_zoo.weights.staging import StagingRing
+
+
+def staged_state() -> dict[str, torch.Tensor]:
+    """Tensors of several dtypes; rows wider and narrower than the small test ring's buffers."""
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "rows": torch.randn(40, 1000, generator=gen),  # 4000-byte rows: one row per 4 KiB buffer
+        "wide": torch.randn(4, 3000, generator=gen).bfloat16(),  # a row larger than a buffer
+        "half": torch.randn(6, 512, generator=gen).half(),
+        "vector": torch.randn(5000, generator=gen).bfloat16(),
+        "small": torch.randn(2, 256, generator=gen),  # 512-byte column chunks: staged
+    }  # fmt: skip
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def check_staged_reads(directory: Path, device: str, ring: StagingRing) -> None:
+    """Every chunk (whole, row and column TP chunks, a ``select`` range) into every destination
+    layout (contiguous, rows apart, another shape with rows apart, transposed) and dtype (the
+    file's, wider, narrower), read through ``ring`` onto ``device``, equals the reference path's
+    read of the same chunk on the CPU bitwise."""
+    state = staged_state()
+    save_file(state, str(directory / "model.safetensors"))
+    with HFCheckpoint(directory) as plain, HFCheckpoint(directory, staging=ring) as staged:
+        for name, t in state.items():
+            for axis in range(t.dim()):
+                for rank in range(2):
+                    want = plain.read(name, axis=axis, rank=rank, size=2)
+                    before = ring.bytes_staged
+                    got = torch.full(want.shape, 7, dtype=t.dtype, device=device)
+                    staged.read_into(name, got, axis=axis, rank=rank, size=2)
+                    assert _same(got.cpu(), want), (name, axis, rank)
+                    assert ring.bytes_staged - before == want.numel() * want.element_size()
+                    for dtype in (torch.float64, torch.bfloat16, torch.float16):
+                        cast = torch.empty(want.shape, dtype=dtype, device=device)
+                        staged.read_into(name, cast, axis=axis, rank=rank, size=2)
+                        reference = torch.empty(want.shape, dtype=dtype)
+                        plain.read_into(name, reference, axis=axis, rank=rank, size=2)  # the mapping path's cast
+                        assert _same(cast.cpu(), reference), (name, axis, rank, dtype)
+                    holes = torch.zeros(want.shape[0] * 2, *want.shape[1:], dtype=t.dtype, device=device)
+                    grouped = torch.zeros(want.numel() // want.shape[-1], want.shape[-1] + 3, dtype=t.dtype, device=device)
+                    flipped = tuple(reversed(range(want.dim())))
+                    transposed = torch.zeros(want.shape[::-1], dtype=t.dtype, device=device).permute(*flipped)
+                    with staged.queued_reads():
+                        staged.read_into(name, holes[1::2], axis=axis, rank=rank, size=2)
+                        staged.read_into(name, grouped[:, 1:-2], axis=axis, rank=rank, size=2)
+                        staged.read_into(name, transposed, axis=axis, rank=rank, size=2)
+                    assert _same(holes[1::2].cpu(), want) and not holes[0::2].any()
+                    assert _same(grouped[:, 1:-2].reshape(want.shape).cpu(), want)
+                    assert not grouped[:, :1].any() and not grouped[:, -2:].any()
+                    assert _same(transposed.cpu(), want)
+        part = torch.empty(8, 1000, device=device)
+        staged.read_into("rows", part, axis=0, rank=1, size=2, select=(0, 4, 20))
+        assert _same(part.cpu(), state["rows"][4:20].chunk(2)[1])
+
+
+def test_staged_reads_equal_the_reference_path_bitwise(tmp_path):
+    """Small buffers: tensors span many buffers and rows span several pieces; regions of a buffer
+    are reused only once the ring has come round."""
+    check_staged_reads(tmp_path, "cpu", StagingRing(3, 4096, pin=False, cpu_destinations=True))
+
+
+def test_the_ring_packs_small_tensors_and_refuses_what_it_cannot_stage(tmp_path, monkeypatch):
+    state = {**staged_state(), "narrow": torch.randn(2, 4)}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    ring = StagingRing(2, 1 << 20, pin=False, cpu_destinations=True)
+    with HFCheckpoint(tmp_path, staging=ring) as ckpt:
+        with ckpt.queued_reads():
+            small = [torch.empty(2, 256) for _ in range(5)]
+            for out in small:
+                ckpt.read_into("small", out)
+            assert ring._current == 0 and ring._used == 5 * 2048  # one buffer, five regions
+        assert all(_same(out, state["small"]) for out in small)
+        assert ring._ring == []  # handed back when the block exits
+        before = ring.bytes_staged
+        narrow = torch.empty(2, 2)
+        ckpt.read_into("narrow", narrow, axis=1, rank=0, size=2)  # 8-byte runs: the mapping path
+        assert ring.bytes_staged == before and _same(narrow, state["narrow"][:, :2])
+        monkeypatch.setattr(staging, "MIN_RUN_BYTES", 0)
+        ckpt.read_into("narrow", narrow, axis=1, rank=1, size=2)
+        assert ring.bytes_staged == before + narrow.numel() * 4 and _same(narrow, state["narrow"][:, 2:])
+        with pytest.raises(RuntimeError, match="single memory location"):  # shared elements: torch refuses
+            ckpt.read_into("rows", torch.empty(1, 1000).expand(20, 1000), axis=0, rank=0, size=2)
+    default = StagingRing()
+    assert not default.accepts(torch.empty(4), (4,), (1,), 4)  # CPU destinations: positional reads
+    with pytest.raises(ValueError):
+        StagingRing(1, 4096)
+
+
+def test_a_staged_read_of_a_truncated_file_names_the_tensor(tmp_path):
+    save_file({"w": torch.randn(64, 1024)}, str(tmp_path / "model.safetensors"))
+    ring = StagingRing(2, 64 << 10, pin=False, cpu_destinations=True)
+    with HFCheckpoint(tmp_path, staging=ring) as ckpt:
+        with open(tmp_path / "model.safetensors", "r+b") as f:
+            f.truncate(4096)
+        with pytest.raises(CheckpointFormatError, match="'w'.*end of file"), ckpt.queued_reads():
+            ckpt.read_into("w", torch.empty(64, 1024))
+        assert ring._ring == []
+
+
+def test_a_load_through_the_ring_equals_the_default_load(mpu, reference_checkpoint: Callable[..., Path]):
+    """``load_hf_weights`` through an unpinned ring of small buffers (every parameter with direct
+    views staged; fused ones as before) gives the default load's parameters bitwise."""
+    ckpt = reference_checkpoint("LlamaForCausalLM")
+    reference = mcore_zoo.build_model(ckpt, backend="local", load=ckpt)
+    model = mcore_zoo.build_model(ckpt, backend="local")
+    ring = StagingRing(3, 8192, pin=False, cpu_destinations=True)
+    with HFCheckpoint(ckpt, staging=ring) as source:
+        report = mcore_zoo.load_hf_weights(model, source)
+    assert ring.bytes_staged > 0 and report.bytes_read >= ring.bytes_staged
+    want = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        assert _same(param.detach(), want[name].detach()), name
