@@ -13,7 +13,7 @@
 # 2 GPUs), four-gpu (four-gpu-moe: Qwen3-30B-A3B and Mixtral-8x7B at EP2 / EP4 / TP2 x EP2 /
 # PP2 x EP2; four-gpu-mla: DeepSeek-V3 at EP4 / TP2 x EP2; four-gpu-tp4: a Llama-3.1-8B-shaped
 # model at TP4, te and local hf-exact; 4 GPUs), frontier-gpu (DeepSeek-V3.2, GLM-5 and gpt-oss-20b at full width,
-# 2 layers, te bf16 vs HF eager; one GPU per report, on as many GPUs as there are). RUN_GPU picks the GPU of the
+# 2 layers, te bf16 vs HF eager; one report per GPU at a time). RUN_GPU picks the GPU of the
 # single-GPU on-request phases.
 # Each job logs to OUT/logs/; a failing (or, past its time limit, killed) job is recorded and the
 # others go on. Limits: JOB_TIMEOUT (single-GPU jobs, default 420 s), MULTI_TIMEOUT (torchrun jobs,
@@ -262,7 +262,9 @@ if [[ " $phases " == *" frontier-gpu "* ]]; then
             --out "$frdir/local" > "$out/logs/frontier-$name-local.log" 2>&1
         echo "frontier-$name-local exit $?" >> "$out/logs/status"
       fi ) &
+    (( ++started % ngpu )) || wait  # every GPU busy: the next report waits for these (one report per GPU)
   }
+  started=0
   # index_topk cut to 256 so that the indexer selects in the 512- and 300-token sequences
   mkdir -p "$frdir"
   frontier DeepseekV32ForCausalLM "$(g 0)" --config tests/fixtures/configs/deepseek-v3.2-exp.json "${dsa[@]}" \
