@@ -95,7 +95,7 @@ def placement_for(parallel: Parallelism, arch: object = None) -> Placement:
     checked for what own groups cannot carry (:func:`mcore_zoo.model_groups.check_own_groups`)."""
     from megatron.core import parallel_state
 
-    from .model_groups import check_own_groups, own_placement
+    from .model_groups import check_own_groups, own_placement, refuse_other_expert_tp
 
     cpu_shim.activate()
     if parallel_state.model_parallel_is_initialized():
@@ -103,6 +103,7 @@ def placement_for(parallel: Parallelism, arch: object = None) -> Placement:
         try:
             return current.with_model_options(parallel)
         except LayoutError:  # another layout than the job's parallel state
+            refuse_other_expert_tp(arch, parallel, current.parallel)
             check_own_groups(arch, parallel)
             return own_placement(parallel)
     ensure_model_parallel(parallel)
