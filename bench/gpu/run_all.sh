@@ -16,7 +16,10 @@
 # vllm-exact at TP4; 4 GPUs, vllm-setup.sh), layouts-4gpu (an actor, a reference and a critic at
 # three layouts in one job against one GPU, the actor -> reference copy and offload of an 8B-shaped
 # model against the measured copy bandwidths; 4 GPUs), load-gpu (an 8B-shaped checkpoint loaded onto one GPU and at
-# TP2 against the read + copy floor; 2 GPUs). RUN_GPU picks the GPU of the single-GPU on-request phases.
+# TP2 against the read + copy floor; 2 GPUs),
+# frontier-gpu (DeepSeek-V3.2, GLM-5 and gpt-oss-20b at full width,
+# 2 layers, te bf16 vs HF eager; one report per GPU at a time). RUN_GPU picks the GPU of the
+# single-GPU on-request phases.
 # Each job logs to OUT/logs/; a failing (or, past its time limit, killed) job is recorded and the
 # others go on. Limits: JOB_TIMEOUT (single-GPU jobs, default 420 s), MULTI_TIMEOUT (torchrun jobs,
 # default 240 s: a layout failing on some ranks only would otherwise wait for NCCL's timeout).
@@ -292,4 +295,46 @@ if [[ " $phases " == *" load-gpu "* ]]; then
       ${LOAD_GPU_CKPT:+--ckpt "$LOAD_GPU_CKPT"} ${LOAD_GPU_ARGS:-} > "$out/logs/load-gpu.log" 2>&1
   echo "load-gpu exit $?" >> "$out/logs/status"
 fi
+
+if [[ " $phases " == *" frontier-gpu "* ]]; then
+  # DeepSeek-V3.2 and GLM-5 (DeepSeek sparse attention) and gpt-oss-20b (attention sinks, sliding windows):
+  # published configs at full width, 2 layers (DSA: one dense, one MoE layer with 32 of the 256 routed
+  # experts; gpt-oss: one sliding and one full layer, all 32 experts), random weights, bf16; te (TE linears
+  # and norms around the zoo's sparse / sink core attention; not declared by the plugins yet, so
+  # frontier_parity.py admits it for this run) vs HF eager with HF's own sdpa-vs-eager row. A te run that
+  # writes no report (build or runtime error) is followed by the same report on local.
+  frdir="$out/parity/gpu-frontier"
+  fr=($py bench/gpu/frontier_parity.py --admit te -- --dtype bfloat16 --device cuda -q -v --random-weights)
+  dsa=(--set num_hidden_layers=2 --set first_k_dense_replace=1)
+  frontier() {  # frontier NAME GPU ARGS...: te on one GPU in the background; local when te wrote no report
+    local name=$1 gpu=$2
+    shift 2
+    ( CUDA_VISIBLE_DEVICES=$gpu timeout "${JOB_TIMEOUT:-420}" "${fr[@]}" "$@" --backend te --name "$name" \
+          --out "$frdir/te" > "$out/logs/frontier-$name-te.log" 2>&1
+      echo "frontier-$name-te exit $?" >> "$out/logs/status"
+      if [[ ! -f "$frdir/te/$name.json" ]]; then
+        CUDA_VISIBLE_DEVICES=$gpu timeout "${JOB_TIMEOUT:-420}" "${fr[@]}" "$@" --backend local --name "$name" \
+            --out "$frdir/local" > "$out/logs/frontier-$name-local.log" 2>&1
+        echo "frontier-$name-local exit $?" >> "$out/logs/status"
+      fi ) &
+    (( ++started % ngpu )) || wait  # every GPU busy: the next report waits for these (one report per GPU)
+  }
+  started=0
+  # index_topk cut to 256 so that the indexer selects in the 512- and 300-token sequences
+  mkdir -p "$frdir"
+  frontier DeepseekV32ForCausalLM "$(g 0)" --config tests/fixtures/configs/deepseek-v3.2-exp.json "${dsa[@]}" \
+      --set n_routed_experts=32 --set index_topk=256 --lengths 512,512,300,100
+  frontier GlmMoeDsaForCausalLM "$(g 1)" --config tests/fixtures/configs/glm-5.json "${dsa[@]}" \
+      --set n_routed_experts=32 --set index_topk=256 --lengths 512,512,300,100
+  frontier GptOssForCausalLM "$(g 2)" --config tests/fixtures/configs/gpt-oss-20b.json --set num_hidden_layers=2 \
+      --set 'layer_types=["sliding_attention","full_attention"]' --lengths 512,512,300,100
+  # DeepSeek-V3.2 at its published index_topk (2048), 16 routed experts: selection in the last 512 positions
+  # of a 2560-token sequence
+  frontier DeepseekV32ForCausalLM-topk2048 "$(g 3)" --config tests/fixtures/configs/deepseek-v3.2-exp.json "${dsa[@]}" \
+      --set n_routed_experts=16 --lengths 2560,300
+  wait
+  $py bench/gpu/frontier_parity.py --summarize "$frdir" > "$out/logs/frontier-summary.log" 2>&1
+  echo "frontier-summary exit $?" >> "$out/logs/status"
+fi
+
 cat "$out/logs/status"

@@ -69,6 +69,28 @@ def check_own_groups(arch: Any, parallel: Parallelism, ranks: Optional[Sequence[
             )
 
 
+def refuse_other_expert_tp(arch: Any, parallel: Parallelism, state: Parallelism) -> None:
+    """Raise :class:`~mcore_zoo.errors.UnsupportedLayoutError` when ``parallel`` and the job's
+    parallel state ``state`` differ in the expert tensor-parallel size only (gpt-oss's experts with
+    biases are built at ``etp=1``, a state made for ``Parallelism(tp=2)`` has ``etp=2``): Megatron-Core
+    builds the experts on the state's expert groups, and own groups carry no MoE layers, so the state
+    itself must have the model's expert split."""
+    same = all(getattr(parallel, k) == getattr(state, k) for k in ("tp", "pp", "cp", "ep", "chunks_per_stage"))
+    want, have = parallel.etp or parallel.tp, state.etp or state.tp
+    if not same or want == have or getattr(arch, "moe", None) is None:
+        return
+    name = getattr(arch, "architecture", "this model")
+    why = (" (its experts carry biases, which Megatron-Core builds at expert tensor-parallel size 1 only)"
+           if getattr(arch, "mlp_bias", False) and want == 1 else "")  # fmt: skip
+    raise UnsupportedLayoutError(
+        f"{name}: the model's experts are split over expert tensor-parallel size etp={want}{why}, the job's parallel"
+        f" state over etp={have}. Megatron-Core builds the experts on the parallel state's expert groups (a model's"
+        f" own groups carry no MoE layers): create the parallel state with etp={want}, e.g."
+        f" mcore_zoo.ensure_model_parallel(Parallelism(tp={parallel.tp}, pp={parallel.pp}, ep={parallel.ep},"
+        f" etp={want}))"
+    )
+
+
 def refuse_own_groups(placement: Placement, operation: str, key: str) -> None:
     """Raise :class:`~mcore_zoo.errors.UnsupportedLayoutError` when ``placement`` is a model's own
     groups and ``operation`` runs through a Megatron-Core module that reads ``parallel_state``."""

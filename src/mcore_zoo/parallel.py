@@ -98,7 +98,7 @@ def placement_for(parallel: Parallelism, arch: object = None, ranks: Optional[Se
     if there is none, spans every rank)."""
     from megatron.core import parallel_state
 
-    from .model_groups import check_own_groups, model_ranks, own_placement
+    from .model_groups import check_own_groups, model_ranks, own_placement, refuse_other_expert_tp
 
     cpu_shim.activate()
     if ranks is not None:
@@ -112,6 +112,7 @@ def placement_for(parallel: Parallelism, arch: object = None, ranks: Optional[Se
         try:
             return current.with_model_options(parallel)
         except LayoutError:  # another layout than the job's parallel state
+            refuse_other_expert_tp(arch, parallel, current.parallel)
             check_own_groups(arch, parallel)
             return own_placement(parallel)
     ensure_model_parallel(parallel)

@@ -145,6 +145,8 @@ class Placement:
         ]
         if parallel.chunks_per_stage != mine.chunks_per_stage:
             wrong.append(f"vpp: {what} {parallel.vpp}, parallel state has {mine.vpp}")
+        if (parallel.etp or parallel.tp) != (mine.etp or mine.tp):  # None: the expert split follows tp
+            wrong.append(f"etp: {what} {parallel.etp or parallel.tp}, parallel state has {mine.etp or mine.tp}")
         if wrong:
             raise LayoutError("model and parallel state disagree:\n" + "\n".join(f"  - {w}" for w in wrong))
 

@@ -1,7 +1,8 @@
 """``bench/gpu/parallel_parity.py`` (the multi-GPU parity job) runs under torchrun on CPU (gloo,
 portable backend, fp32) and reports every layout; a layout that cannot run is recorded, not fatal.
 Each layout's export is checked against the checkpoint (bitwise) and each rank's reads are recorded:
-an EP rank reads only its own experts."""
+an EP rank reads only its own experts. ``bench/gpu/frontier_parity.py`` (the frontier-gpu phase) admits
+``te`` in its own process and summarizes its reports."""
 
 from __future__ import annotations
 
@@ -68,3 +69,33 @@ def test_parallel_parity_script_expert_layouts_on_four_cpu_ranks(tmp_path):
         assert all(r["foreign_experts"] == [] for r in reads), (name, reads)
     assert sorted(r["ep_rank"] for r in report["layouts"]["ep4"]["reads_per_rank"]) == [0, 1, 2, 3]
     assert "| ep4 | bitwise |" in (tmp_path / "parallel_parity.md").read_text()
+
+
+def test_frontier_parity_script_admits_te_and_summarizes_on_cpu(tmp_path):
+    """``bench/gpu/frontier_parity.py`` (the frontier-gpu phase): with ``--admit te`` its process sees the
+    architecture offering ``te`` beside its declared backends (the plugin itself still declares
+    ``local`` and ``portable``), runs ``parity-report`` with the rest of the arguments (here on the CPU,
+    ``local``), and ``--summarize`` tabulates the reports it finds with transformers' own sdpa-vs-eager row."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    probe = ("import sys; sys.path.insert(0, 'bench/gpu'); import frontier_parity as f;"
+             " from mcore_zoo.registry import get_registry;"
+             " print(get_registry().get('GlmMoeDsaForCausalLM').entry.backends);"
+             " get_registry().register(f.admitting_plugin(['GlmMoeDsaForCausalLM'], ['te']), 'admit');"
+             " print(get_registry().get('GlmMoeDsaForCausalLM').entry.backends)")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.split("\n")[:2] == ["('local', 'portable')", "('local', 'portable', 'te')"], done.stdout
+    script = [sys.executable, "bench/gpu/frontier_parity.py"]
+    report = ["--arch", "DeepseekV32ForCausalLM", "--backend", "local", "--device", "cpu", "--dtype", "bfloat16",
+              "--lengths", "24,12", "-q", "--name", "dsa", "--out", str(tmp_path / "local")]  # fmt: skip
+    done = subprocess.run([*script, "--admit", "te", "--", *report], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode in (0, 1), done.stderr[-4000:]  # a verdict either way, not an error
+    notes = json.loads((tmp_path / "local" / "dsa.json").read_text())["notes"]
+    assert any("bench/gpu/frontier_parity.py" in n and "override=True" in n for n in notes), notes
+    done = subprocess.run([*script, "--summarize", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = json.loads((tmp_path / "summary.json").read_text())
+    assert [(r["architecture"], r["report"]) for r in rows] == [("DeepseekV32ForCausalLM", "local/dsa.md")]
+    assert rows[0]["baseline_mean_abs_dlogp"] is not None and "| DeepseekV32ForCausalLM |" in (tmp_path / "summary.md").read_text()

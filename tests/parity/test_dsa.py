@@ -117,3 +117,19 @@ def test_glm_shared_indexer_layers_are_refused():
     shared = dict(EXAMPLE_CONFIG, index_topk_freq=2, index_skip_topk_offset=1)
     with pytest.raises(ConfigError, match="indexer_types"):
         arch.config_from_hf(shared)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_layer_types_of_either_transformers_release_convert(arch):
+    """``layer_types`` as transformers 5.24 writes it (``indexed_attention``) and as 5.17 writes it
+    (``deepseek_sparse_attention``) both convert; any other layer type is refused by name."""
+    from mcore_zoo.errors import ConfigError
+    from mcore_zoo.registry import get_registry
+
+    architecture = get_registry().get(arch)
+    example = architecture.example_config()
+    layers = example["num_hidden_layers"]
+    for name in ("indexed_attention", "deepseek_sparse_attention"):
+        assert architecture.config_from_hf(dict(example, layer_types=[name] * layers)).mla.indexer is not None
+    with pytest.raises(ConfigError, match="layer_types"):
+        architecture.config_from_hf(dict(example, layer_types=["full_attention"] * layers))

@@ -9,6 +9,8 @@ Backends:
 
 * ``te`` - Transformer Engine linears and fused attention. With the ``default`` profile the input
   and pre-MLP norms are fused into ``linear_qkv`` / ``linear_fc1`` (``layer_norm_weight``).
+  Attention sinks (gpt-oss) and DeepSeek sparse attention keep the zoo's own core attention
+  between the TE linears.
 * ``local`` - Megatron-Core modules without TE (mcore ``DotProductAttention``: no THD).
 * ``portable`` - ``local`` with :class:`~mcore_zoo.specs.portable.PortableAttention` (THD on CPU
   and GPU, SDPA / varlen / flash-attn / HF-eager math).
@@ -96,12 +98,19 @@ def _pieces(arch: ArchConfig, backend: str, numerics: NumericsProfile) -> dict[s
 
         norm = HFRMSNorm if numerics.norm == "hf" else TENorm
         fused = numerics.fuse_norm_into_linear and numerics.norm == "mcore"
+        core = _core_attention(backend, numerics, TEDotProductAttention)
+        if arch.attention_sinks and core is TEDotProductAttention:
+            # the sink logits as transformers adds them (its softmax op order): the zoo's eager
+            # attention, between Transformer Engine's linears
+            from .portable import PortableAttention
+
+            core = functools.partial(PortableAttention, kernel="eager")
         return dict(
             input_layernorm=IdentityOp if fused else norm,
             pre_mlp_layernorm=IdentityOp if fused else norm,
             linear_qkv=TELayerNormColumnParallelLinear if fused else TEColumnParallelLinear,
             linear_proj=TERowParallelLinear,
-            core_attention=_core_attention(backend, numerics, TEDotProductAttention),
+            core_attention=core,
             linear_fc1=TELayerNormColumnParallelLinear if fused else TEColumnParallelLinear,
             linear_fc2=TERowParallelLinear,
             qk_norm=norm,

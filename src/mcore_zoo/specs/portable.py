@@ -170,12 +170,26 @@ class PortableAttention(torch.nn.Module):
                 raise ValueError(f"PortableAttention supports causal windows only, got {config.window_size}")
             self.window = None if left < 0 else left + 1
         self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+        self.tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
         self.softmax_offset: Optional[torch.nn.Parameter] = None
         softmax_type = getattr(config, "softmax_type", "vanilla")
         if softmax_type == "learnable":
             self.softmax_offset = _sink_parameter(config, self.heads)
         elif softmax_type != "vanilla":
             raise ValueError(f"PortableAttention: softmax_type {softmax_type!r} is not supported ('vanilla', 'learnable')")
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None) -> dict:
+        """Distributed-checkpoint entries: the sink logits (``softmax_offset``) split over tensor
+        parallelism along the heads, as Megatron-Core's own core attention declares them (a module
+        without this method would be saved as replicated, each rank's half taken for the whole)."""
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+        from megatron.core.utils import get_tensor_model_parallel_group_if_none
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, {"softmax_offset": 0}, sharded_offsets,
+            tp_group=get_tensor_model_parallel_group_if_none(self.tp_group), dp_cp_group=metadata["dp_cp_group"],
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ entry point
     def forward(

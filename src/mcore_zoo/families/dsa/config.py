@@ -15,12 +15,16 @@ from mcore_zoo.families.mla.config import read_deepseek
 
 #: transformers' indexer builds its key norm as ``nn.LayerNorm(index_head_dim, eps=1e-6)``
 INDEXER_K_NORM_EPS = 1e-6
+#: the name every ``layer_types`` entry carries: ``indexed_attention`` (transformers 5.24),
+#: ``deepseek_sparse_attention`` in the configs transformers 5.17 writes (the same layer)
+DSA_LAYER_TYPES = ("indexed_attention", "deepseek_sparse_attention")
 
 
 def read_dsa(reader: ConfigReader, *, rope_dim: int, num_layers: int, rope_interleave: bool) -> DSASpec:
     """The indexer fields -> :class:`DSASpec`. ``rope_interleave``: the indexer's RoPE layout of the
     architecture (transformers fixes it per model: rotate-half pairs for DeepSeek-V3.2, interleaved
-    pairs for GLM-5); ``layer_types`` must say ``indexed_attention`` for every layer."""
+    pairs for GLM-5); ``layer_types`` must name DeepSeek sparse attention (:data:`DSA_LAYER_TYPES`)
+    for every layer."""
     heads = reader.map_checked("index_n_heads", "DSASpec.index_n_heads (indexer query heads)", positive_int,
                                reason="must be > 0")  # fmt: skip
     head_dim = reader.map_checked("index_head_dim", "DSASpec.index_head_dim (indexer query / key width)",
@@ -28,8 +32,9 @@ def read_dsa(reader: ConfigReader, *, rope_dim: int, num_layers: int, rope_inter
                                   reason=f"must be >= qk_rope_head_dim = {rope_dim} (RoPE on its first dims)")  # fmt: skip
     topk = reader.map_checked("index_topk", "DSASpec.index_topk (keys each query attends to)", positive_int,
                               reason="must be > 0")  # fmt: skip
-    reader.expect("layer_types", lambda v: v is None or list(v) == ["indexed_attention"] * num_layers, default=None,
-                  reason=f"every layer is DeepSeek sparse attention: {num_layers} x 'indexed_attention'",
+    reader.expect("layer_types", lambda v: v is None or (len(set(v)) == 1 and len(v) == num_layers
+                                                         and v[0] in DSA_LAYER_TYPES), default=None,
+                  reason=f"every layer is DeepSeek sparse attention: {num_layers} x one of {DSA_LAYER_TYPES}",
                   detail="every layer 'indexed_attention' (the indexer in each MLA layer)")  # fmt: skip
     return DSASpec(index_n_heads=heads, index_head_dim=head_dim, index_topk=topk, rope_interleave=rope_interleave,
                    k_norm_eps=INDEXER_K_NORM_EPS)  # fmt: skip
