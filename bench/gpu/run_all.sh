@@ -9,7 +9,9 @@
 # profile against vLLM's batch-invariant mode; needs vllm-setup.sh too), seeds (the training
 # profile at more seeds), moe-exact (hf-exact MoE vs transformers), grouped (TE grouped-GEMM experts)
 # mla (DeepSeek-V3, te), profile-sdpa (hf-exact-sdpa on te: distance and speed) and two-gpu (refit
-# at TP2, DeepSeek-V3 EP2 / TP2; 2 GPUs), vllm-exact-tp2 (vllm-exact at TP2 against a TP2 engine;
+# at TP2, DeepSeek-V3 EP2 / TP2; 2 GPUs), hybrid-gpu (Qwen3-Next / Qwen3.5 / Qwen3.5-MoE at full width, 4
+# layers: parity vs HF, hf-exact, THD vs BSHD speed of a gated DeltaNet layer, vLLM parity and refit;
+# 4 GPUs in parallel, fewer serialise), vllm-exact-tp2 (vllm-exact at TP2 against a TP2 engine;
 # 2 GPUs), four-gpu (four-gpu-moe: Qwen3-30B-A3B and Mixtral-8x7B at EP2 / EP4 / TP2 x EP2 /
 # PP2 x EP2; four-gpu-mla: DeepSeek-V3 at EP4 / TP2 x EP2; four-gpu-tp4: a Llama-3.1-8B-shaped
 # model at TP4, te and local hf-exact; 4 GPUs). RUN_GPU picks the GPU of the single-GPU on-request phases.
@@ -238,5 +240,44 @@ if [[ " $phases " == *" moe-exact "* ]]; then
       "${moe[@]}" --out "$out/parity/moe-hf-exact-grouped_mm"
   run moe-exact-eager 300 "${nosplit[@]}" $py -m mcore_zoo.cli parity-report --dtype bfloat16 --device cuda -q -v \
       "${moe[@]}" --knob moe_experts=eager --out "$out/parity/moe-hf-exact-eager"
+fi
+if [[ " $phases " == *" hybrid-gpu "* ]]; then
+  # Gated DeltaNet models (Qwen3-Next-80B-A3B, Qwen3.5-9B, Qwen3.5-35B-A3B published configs) at full
+  # width, 4 layers (3 gated DeltaNet, 1 gated attention), 64 routed experts, bf16, random weights.
+  # Backend local: the gated DeltaNet layer has no Transformer Engine build. transformers runs its torch
+  # fallback of the layer (no flash-linear-attention / causal-conv1d here). Reports to $out/parity/gpu-hybrid/.
+  # The vLLM runs need bench/gpu/vllm-setup.sh and `source bench/gpu/vllm-env.sh` before run_all.sh.
+  hy="$out/parity/gpu-hybrid"; mkdir -p "$hy"
+  cfgs=tests/fixtures/configs
+  four='["linear_attention","linear_attention","linear_attention","full_attention"]'
+  next=(--config "$cfgs/qwen3-next-80b-a3b.json" --random-weights --set num_hidden_layers=4 --set num_experts=64)
+  q35=(--random-weights --set text_config.num_hidden_layers=4 --set "text_config.layer_types=$four" --set vision_config.depth=1)
+  q35dense=(--config "$cfgs/qwen3.5-9b.json" "${q35[@]}")
+  q35moe=(--config "$cfgs/qwen3.5-35b-a3b.json" "${q35[@]}" --set text_config.num_experts=64)
+  hrep=($py -m mcore_zoo.cli parity-report --dtype bfloat16 --device cuda -q -v --backend local --lengths 512,512,300,100)
+  # 1. the zoo (default profile) vs HF eager, HF sdpa-vs-eager beside it; THD vs BSHD speed of one layer
+  JOB_TIMEOUT=${HYBRID_TIMEOUT:-240} job hybrid-next "$(g 0)" "${hrep[@]}" "${next[@]}" --out "$hy/local"
+  JOB_TIMEOUT=${HYBRID_TIMEOUT:-240} job hybrid-q35 "$(g 1)" "${hrep[@]}" "${q35dense[@]}" --out "$hy/local"
+  JOB_TIMEOUT=${HYBRID_TIMEOUT:-240} job hybrid-q35moe "$(g 2)" "${hrep[@]}" "${q35moe[@]}" --out "$hy/local"
+  JOB_TIMEOUT=${HYBRID_TIMEOUT:-240} job hybrid-thd-speed "$(g 3)" $py bench/gpu/gated_deltanet_speed.py \
+      --out "$hy/gated_deltanet_thd.json"
+  wait
+  # 2. hf-exact (split-K off) bitwise vs HF eager; vLLM 0.26 on the export vs HF eager and mcore
+  JOB_TIMEOUT=${HYBRID_TIMEOUT:-240} job hybrid-next-exact "$(g 0)" "${nosplit[@]}" "${hrep[@]}" "${next[@]}" \
+      --numerics hf-exact --bitwise --no-baseline --out "$hy/local-hf-exact"
+  JOB_TIMEOUT=${HYBRID_TIMEOUT:-240} job hybrid-q35-exact "$(g 1)" "${nosplit[@]}" "${hrep[@]}" "${q35dense[@]}" \
+      --numerics hf-exact --bitwise --no-baseline --out "$hy/local-hf-exact"
+  if [ -n "${MCORE_ZOO_VLLM_PYTHON:-}" ]; then
+    JOB_TIMEOUT=${HYBRID_TIMEOUT:-240} job hybrid-next-vllm "$(g 2)" "${hrep[@]}" "${next[@]}" --no-baseline --vllm \
+        --out "$hy/local-vllm"
+    JOB_TIMEOUT=${HYBRID_TIMEOUT:-240} job hybrid-q35-vllm "$(g 3)" "${hrep[@]}" "${q35dense[@]}" --no-baseline --vllm \
+        --vllm-arg language_model_only=true --out "$hy/local-vllm"
+  else
+    echo "hybrid-vllm skipped: no MCORE_ZOO_VLLM_PYTHON (source bench/gpu/vllm-env.sh)" >> "$out/logs/status"
+  fi
+  wait
+  # 3. refit into vLLM bit for bit (Qwen3-Next, Qwen3.5), token_mult_prob_error after it
+  MCORE_ZOO_GPU_RESULTS="$hy" run hybrid-refit "${HYBRID_TIMEOUT:-240}" $py -m pytest -p mcore_zoo.testing.plugin \
+      tests/gpu/test_refit_gated_deltanet_gpu.py -q -s -p no:cacheprovider
 fi
 cat "$out/logs/status"
