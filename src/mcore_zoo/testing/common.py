@@ -76,9 +76,16 @@ LAYOUT_ULPS = 128
 #: chunk, a triangular solve per chunk, the state carried from chunk to chunk) carries a reordered
 #: reduction further than attention does - one ulp of a layer's output moves the example models'
 #: logits by ~1e-5 relative. Measured at TP2 on the examples (the gradients contract): up to 1.13x
-#: ``LAYOUT_ULPS`` (Qwen3-Next's ``A_log``; Qwen3.5's attention ``k_proj`` 1.09x). The MoE forms with
-#: sequence parallelism went beyond twice that in one of two runs and are refused under TP. A wrong
-#: shard or a missing reduction still moves the gradients by O(0.1).
+#: ``LAYOUT_ULPS`` (Qwen3-Next's ``A_log``; Qwen3.5's attention ``k_proj`` 1.09x). The MoE forms are
+#: refused under TP: with the refusal lifted, the gradients contract at TP2 with sequence parallelism
+#: (CPU fp32, the example configs) measured Qwen3-Next's MoE example at 1.13x ``LAYOUT_ULPS``
+#: (``A_log`` of the last gated DeltaNet layer, within this bound) but Qwen3.5-MoE's at 2.59x, beyond
+#: it: one routed expert's ``up_proj`` gradient (4.9e-5 at a largest entry of 1.25), with that layer's
+#: ``A_log`` / ``dt_bias`` / ``in_proj_a`` at 1.5-1.7x. No tensor is off by a wrong shard's O(0.1);
+#: the likely cause is the reordered TP reductions of the backward (row-parallel partial sums, the
+#: sequence-parallel reduce-scatter) reaching an expert whose gradient sums few tokens with
+#: cancellation, but that is not shown, so the refusal stays. A wrong shard or a missing reduction
+#: still moves the gradients by O(0.1).
 LINEAR_ATTENTION_LAYOUT_ULPS = 2 * LAYOUT_ULPS
 
 
