@@ -6,16 +6,20 @@ One layer at a published config's full width (default: Qwen3-Next-80B-A3B's gate
 16 key / 32 value heads of 128, which Qwen3.5-9B and Qwen3.5-35B-A3B share), taken from a
 one-layer model built by ``mcore_zoo.build_model`` (``local`` backend, random init). Per case:
 
-* ``thd``: the sequences packed into one ``[t, 1, h]`` tensor with ``cu_seqlens`` (each sequence
-  run alone inside the layer, from a zero state and convolution window);
+* ``thd``: the sequences packed into one ``[t, 1, h]`` tensor with ``cu_seqlens``, the layer as
+  the profiles build it (numerics knob ``linear_attention_pack="each"``: each sequence run alone
+  inside the layer, from a zero state and convolution window, one after the other);
+* ``thd_batch``: the same pack with ``linear_attention_pack="batch"`` (inside the layer the pack's
+  sequences run as one right-padded batch);
 * ``bshd_padded``: the same sequences as one ``[s_max, b, h]`` batch, right-padded to the longest
   (what a BSHD trainer runs; the padding rows cost compute);
 * ``bshd_each``: each sequence as its own batch of one (the work the pack does, without it).
 
 Times are medians of ``--iters`` runs after warm-up (CUDA events on the GPU). ``thd_vs_padded`` and
-``thd_vs_each`` are the ratios of the THD time to each BSHD time (1.05 is the issue's bound).
-``max_abs_diff_*``: the largest difference between the pack's outputs and each BSHD form's, per
-token (0.0: bitwise).
+``thd_vs_each`` are the ratios of the THD time to each BSHD time, ``thd_batch_vs_padded`` that of
+``thd_batch`` (1.05 is the issue's bound). ``max_abs_diff_*``: the largest difference between the
+pack's outputs and each BSHD form's (``max_abs_diff_batch``: ``thd_batch`` vs ``thd``), per token
+(0.0: bitwise).
 
     PYTHONPATH=src python bench/gpu/gated_deltanet_speed.py --out OUT/gated_deltanet_thd.json
     PYTHONPATH=src python bench/gpu/gated_deltanet_speed.py --device cpu --tiny --iters 1 --out x.json
@@ -112,8 +116,17 @@ def run_case(layer: torch.nn.Module, lengths: list[int], device: str, dtype: tor
         for p in layer.parameters():
             p.grad = None
 
+    def thd(pack: str) -> None:
+        layer.pack = pack
+        try:
+            zero_grads()
+            step(packed, packed_grad, params)
+        finally:
+            layer.pack = "each"
+
     forms = {
-        "thd": lambda: (zero_grads(), step(packed, packed_grad, params)),
+        "thd": lambda: thd("each"),
+        "thd_batch": lambda: thd("batch"),
         "bshd_padded": lambda: (zero_grads(), step(padded, padded_grad)),
         "bshd_each": lambda: (zero_grads(), [step(x.unsqueeze(1), g.unsqueeze(1)) for x, g in zip(seqs, grads)]),
     }
@@ -122,6 +135,7 @@ def run_case(layer: torch.nn.Module, lengths: list[int], device: str, dtype: tor
         result[f"{name}_ms"] = timed(fn, device, iters, warmup)
     result["thd_vs_padded"] = result["thd_ms"] / result["bshd_padded_ms"]
     result["thd_vs_each"] = result["thd_ms"] / result["bshd_each_ms"]
+    result["thd_batch_vs_padded"] = result["thd_batch_ms"] / result["bshd_padded_ms"]
     with torch.no_grad():
         thd = layer(packed, None, packed_seq_params=params)[0][:, 0].float()
         pad = layer(padded, None)[0].float()
@@ -129,23 +143,29 @@ def run_case(layer: torch.nn.Module, lengths: list[int], device: str, dtype: tor
         diff_pad = max(float((thd[starts[i]:starts[i + 1]] - pad[: n, i]).abs().max()) for i, n in enumerate(lengths))
         diff_each = max(float((thd[starts[i]:starts[i + 1]] - layer(x.unsqueeze(1), None)[0][:, 0].float()).abs().max())
                         for i, x in enumerate(seqs))  # fmt: skip
+        layer.pack = "batch"
+        batched = layer(packed, None, packed_seq_params=params)[0][:, 0].float()
+        layer.pack = "each"
     result["max_abs_diff_padded"], result["max_abs_diff_each"] = diff_pad, diff_each
+    result["max_abs_diff_batch"] = float((batched - thd).abs().max())
     return result
 
 
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"# THD vs BSHD: one gated DeltaNet layer, forward + backward ({report['device_name']}, {report['dtype']})",
              "", f"Layer of `{report['config']}`: {report['layer']}.", "",
-             "| case | tokens (padded) | THD ms | BSHD padded ms | BSHD one by one ms | THD / padded | THD / one by one |"
-             " max \\|d\\| vs padded | max \\|d\\| vs one by one |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+             "| case | tokens (padded) | THD ms | THD batch ms | BSHD padded ms | BSHD one by one ms | THD / padded |"
+             " THD batch / padded | THD / one by one | max \\|d\\| vs padded | max \\|d\\| vs one by one |"
+             " max \\|d\\| batch vs THD |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for name, r in report["cases"].items():
         if "error" in r:
-            lines.append(f"| {name} | failed: {r['error']} | | | | | | | |")
+            lines.append(f"| {name} | failed: {r['error']} | | | | | | | | | | |")
             continue
-        lines.append(f"| {name} | {r['tokens']} ({r['padded_tokens']}) | {r['thd_ms']:.2f} | {r['bshd_padded_ms']:.2f} |"
-                     f" {r['bshd_each_ms']:.2f} | {r['thd_vs_padded']:.3f} | {r['thd_vs_each']:.3f} |"
-                     f" {r['max_abs_diff_padded']:.3g} | {r['max_abs_diff_each']:.3g} |")  # fmt: skip
+        lines.append(f"| {name} | {r['tokens']} ({r['padded_tokens']}) | {r['thd_ms']:.2f} | {r['thd_batch_ms']:.2f} |"
+                     f" {r['bshd_padded_ms']:.2f} | {r['bshd_each_ms']:.2f} | {r['thd_vs_padded']:.3f} |"
+                     f" {r['thd_batch_vs_padded']:.3f} | {r['thd_vs_each']:.3f} | {r['max_abs_diff_padded']:.3g} |"
+                     f" {r['max_abs_diff_each']:.3g} | {r['max_abs_diff_batch']:.3g} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
