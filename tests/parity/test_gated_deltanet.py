@@ -168,12 +168,12 @@ def test_published_80b_a3b_config_converts_with_every_field_classified():
 @pytest.mark.parametrize("layout, overrides", [
     ({"cp": 2}, {}),
     ({"tp": 2}, {**DENSE, "linear_num_key_heads": 1}),
-    ({"tp": 2}, {}),  # the MoE example: not trained under TP yet
+    ({"tp": 2}, {"linear_num_key_heads": 1}),  # the MoE example splits whole key-head groups too
 ])  # fmt: skip
 def test_layouts_the_layer_does_not_split_are_refused_by_name(layout, overrides):
-    """Context parallelism, a tensor-parallel size that does not divide the key heads (each rank
-    computes whole key-head groups) and tensor parallelism of the MoE models are refused by name;
-    TP2 and PP2 of the dense form and PP2 / EP2 of the MoE example are accepted (and computed:
+    """Context parallelism and a tensor-parallel size that does not divide the key heads (each rank
+    computes whole key-head groups) are refused by name; TP2 and PP2 of the dense form and PP2 / EP2 /
+    TP2 with sequence parallelism of the MoE example are accepted (and computed:
     ``tests/distributed/test_gated_deltanet_layouts.py``, ``test_moe_layouts.py``)."""
     from mcore_zoo.config.transformer import validate_layout
     from mcore_zoo.placement import Parallelism
@@ -187,7 +187,7 @@ def test_layouts_the_layer_does_not_split_are_refused_by_name(layout, overrides)
     for accepted in (Parallelism(tp=2), Parallelism(pp=2), Parallelism(tp=2, pp=2, sequence_parallel=True)):
         validate_layout(dense, accepted)
     example = arch.config_from_hf(arch.example_config())
-    for accepted in (Parallelism(pp=2), Parallelism(ep=2), Parallelism(pp=2, ep=2)):
+    for accepted in (Parallelism(pp=2), Parallelism(ep=2), Parallelism(pp=2, ep=2), Parallelism(tp=2, sequence_parallel=True)):
         validate_layout(example, accepted)
 
 
