@@ -86,7 +86,8 @@ LINEAR_ATTENTION_LAYOUT_ULPS = 2 * LAYOUT_ULPS
 #: 1.25), that layer's ``A_log`` / ``dt_bias`` / ``in_proj_a`` at 1.5-1.7x. Rounding, not a misplaced
 #: value: the same comparison in float64 (the gated DeltaNet core still computes in fp32, as
 #: transformers' does) shrinks that expert's gap 370-fold, to 1.3e-7, where a wrong shard or a
-#: missing reduction would stay. An expert's weight gradient sums only the tokens routed to it, so its
+#: missing reduction would stay (``tests/distributed/test_gated_deltanet_layouts.py::
+#: test_moe_tp2_gradient_gap_is_rounding`` keeps it so). An expert's weight gradient sums only the tokens routed to it, so its
 #: largest entry is small next to the upstream gradient errors the reordered reductions (row-parallel
 #: partial sums, the sequence-parallel reduce-scatter) carry into it.
 LINEAR_ATTENTION_MOE_LAYOUT_ULPS = 4 * LAYOUT_ULPS
