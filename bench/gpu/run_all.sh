@@ -274,16 +274,17 @@ if [[ " $phases " == *" hybrid-gpu "* ]]; then
   # same reference checkpoint, bitwise vs HF eager or the measured gap; vLLM 0.26 on the zoo's export
   ( hyrun hybrid-next "$(g 0)" "${hrep[@]}" "${next[@]}" --work-dir "$work/next" --out "$hy/local"
     hyrun hybrid-next-exact "$(g 0)" "${nosplit[@]}" "${hrep[@]}" --model "$work/next/reference" "${exact[@]}"
-    hyvllm hybrid-q35-vllm "$(g 0)" "${hrep[@]}" "${q35dense[@]}" "${vllm[@]}" --vllm-arg language_model_only=true ) &
+    # THD vs BSHD forward + backward time of one gated DeltaNet layer (the issue's bound: THD <= 1.05 x BSHD)
+    hyrun hybrid-thd-speed "$(g 0)" $py bench/gpu/gated_deltanet_speed.py --out "$hy/gated_deltanet_thd.json" ) &
   ( hyrun hybrid-q35 "$(g 1)" "${hrep[@]}" "${q35dense[@]}" --work-dir "$work/q35" --out "$hy/local"
     hyrun hybrid-q35-exact "$(g 1)" "${nosplit[@]}" "${hrep[@]}" --model "$work/q35/reference" "${exact[@]}" ) &
   ( hyrun hybrid-q35moe "$(g 2)" "${hrep[@]}" "${q35moe[@]}" --out "$hy/local"
-    # THD vs BSHD forward + backward time of one gated DeltaNet layer (the issue's bound: THD <= 1.05 x BSHD)
-    hyrun hybrid-thd-speed "$(g 2)" $py bench/gpu/gated_deltanet_speed.py --out "$hy/gated_deltanet_thd.json"
     hyvllm hybrid-next-vllm "$(g 2)" "${hrep[@]}" "${next[@]}" "${vllm[@]}" ) &
-  # refit into an in-process vLLM engine bit for bit (Qwen3-Next, Qwen3.5), token_mult_prob_error after it
+  # refit into an in-process vLLM engine bit for bit (Qwen3-Next, Qwen3.5; token_mult_prob_error after it),
+  # then vLLM on Qwen3.5's full-width export
   ( MCORE_ZOO_GPU_RESULTS="$hy" hyvllm hybrid-refit "$(g 3)" $py -m pytest -p mcore_zoo.testing.plugin \
-        tests/gpu/test_refit_gated_deltanet_gpu.py -q -s -p no:cacheprovider ) &
+        tests/gpu/test_refit_gated_deltanet_gpu.py -q -s -p no:cacheprovider
+    hyvllm hybrid-q35-vllm "$(g 3)" "${hrep[@]}" "${q35dense[@]}" "${vllm[@]}" --vllm-arg language_model_only=true ) &
   wait
   rm -rf "$work"
 fi

@@ -1,8 +1,11 @@
 """Gated DeltaNet models (Qwen3-Next, Qwen3.5) into a real in-process ``vllm.LLM``: the zoo's export
 loads into vLLM 0.26, and a refit brings back every engine parameter and every prompt log-prob bit
 for bit - the checks of ``test_refit_gpu.py`` (its ``check`` runs here, one engine per process),
-on models at a published config's full width with 4 layers (3 gated DeltaNet, 1 gated attention),
-64 routed experts where the model has experts, no MTP layer. vLLM stacks Qwen3.5's split
+on models shaped from a published config with 4 layers (3 gated DeltaNet, 1 gated attention), no
+MTP layer, and, as the other families' refit tests, a smaller width (:data:`REFIT_SIZES`: the
+published head dimensions, fewer heads, a 32000-token vocabulary; a refit moves every tensor the
+same way at any width). The full-width export is loaded into vLLM by the ``hybrid-gpu`` phase's
+``parity-report --vllm`` runs. vLLM stacks Qwen3.5's split
 projections into ``in_proj_qkvz`` / ``in_proj_ba`` and names a vision-language checkpoint's
 language model ``language_model.model.``; the vision tower is not built (``language_model_only``)
 since the zoo exports only the language model. token_mult_prob_error of vLLM vs the mcore model is
@@ -34,16 +37,25 @@ CASES = [
     ("qwen3-next-80b-a3b.json", "Qwen3NextForCausalLM", {}),
     ("qwen3.5-9b.json", "Qwen3_5ForConditionalGeneration", {"language_model_only": True}),
 ]
+#: the text model's width for the refit (head dimensions as published: 128 for the gated DeltaNet, 256 for attention)
+REFIT_SIZES = {"hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 256,
+               "shared_expert_intermediate_size": 256, "num_attention_heads": 8, "num_key_value_heads": 2,
+               "linear_num_key_heads": 4, "linear_num_value_heads": 8, "vocab_size": 32000}  # fmt: skip
 #: a vision tower shrunk to one small block (the zoo builds none; vLLM skips it with language_model_only)
 SMALL_VISION = {"depth": 1, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2}
 
 
-def few_layers(config: dict, layers: int = 4, experts: int = 64) -> dict:
-    """A published config at full width with ``layers`` layers (the last one full attention), at
-    most ``experts`` routed experts and no MTP layer; a vision-language config changed in its
-    ``text_config``, its vision tower shrunk."""
+def few_layers(config: dict, layers: int = 4, experts: int = 64, sizes: dict = REFIT_SIZES) -> dict:
+    """A published config with ``layers`` layers (the last one full attention), at most ``experts``
+    routed experts, no MTP layer and the text fields of ``sizes`` it has; a vision-language config
+    changed in its ``text_config``, its vision tower shrunk."""
     config = json.loads(json.dumps(config))
     text = config.get("text_config", config)
+    text.update({key: value for key, value in sizes.items() if key in text})
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # inside the smaller vocabulary
+        for where in (config, text):
+            if isinstance(where.get(key), int) and where[key] >= text["vocab_size"]:
+                where[key] = text["vocab_size"] - 1
     text.update(num_hidden_layers=layers, full_attention_interval=layers)
     if isinstance(text.get("layer_types"), list):
         text["layer_types"] = ["linear_attention"] * (layers - 1) + ["full_attention"]
