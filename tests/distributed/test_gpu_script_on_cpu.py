@@ -1,7 +1,7 @@
 """``bench/gpu/parallel_parity.py`` (the multi-GPU parity job) runs under torchrun on CPU (gloo,
 portable backend, fp32) and reports every layout; a layout that cannot run is recorded, not fatal.
 Each layout's export is checked against the checkpoint (bitwise) and each rank's reads are recorded:
-an EP rank reads only its own experts."""
+an EP rank reads only its own experts. ``bench/gpu/gated_deltanet_speed.py`` runs on a tiny layer."""
 
 from __future__ import annotations
 
@@ -68,3 +68,21 @@ def test_parallel_parity_script_expert_layouts_on_four_cpu_ranks(tmp_path):
         assert all(r["foreign_experts"] == [] for r in reads), (name, reads)
     assert sorted(r["ep_rank"] for r in report["layouts"]["ep4"]["reads_per_rank"]) == [0, 1, 2, 3]
     assert "| ep4 | bitwise |" in (tmp_path / "parallel_parity.md").read_text()
+
+
+def test_gated_deltanet_speed_script_on_cpu(tmp_path):
+    """``bench/gpu/gated_deltanet_speed.py`` (the THD vs BSHD timing of the hybrid-gpu phase) on a tiny
+    layer on the CPU: every case timed in every form; the pack run one sequence after the other
+    equals the sequences run one by one bitwise, the batched pack equals them within fp32 rounding."""
+    out = tmp_path / "thd.json"
+    cmd = [sys.executable, "bench/gpu/gated_deltanet_speed.py", "--device", "cpu", "--tiny", "--iters", "1",
+           "--warmup", "0", "--out", str(out)]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert set(report["cases"]) == {"mixed", "many-short"} and report["dtype"] == "float32"
+    for name, case in report["cases"].items():
+        assert all(case[f"{form}_ms"] > 0 for form in ("thd", "thd_batch", "bshd_padded", "bshd_each")), (name, case)
+        assert case["max_abs_diff_each"] == 0.0 and case["max_abs_diff_batch"] <= 1e-5, (name, case)
+    assert "| mixed |" in out.with_suffix(".md").read_text()
