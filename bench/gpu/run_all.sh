@@ -249,7 +249,8 @@ if [[ " $phases " == *" hybrid-gpu "* ]]; then
   # (docs/parity/gpu-hybrid/README.md). Four chains, one per GPU (fewer GPUs: they share); each sub-run is
   # logged and its exit code recorded, a failure does not stop the next. The vLLM sub-runs need
   # bench/gpu/vllm-setup.sh and `source bench/gpu/vllm-env.sh` before run_all.sh; without it they are skipped.
-  hy="$out/parity/gpu-hybrid"; work=${HYBRID_WORK:-/tmp/hybrid-gpu-work}; mkdir -p "$hy"; rm -rf "$work"
+  # reference checkpoints (several GB each) in HYBRID_WORK, default a fresh temporary folder, removed at the end
+  hy="$out/parity/gpu-hybrid"; work=${HYBRID_WORK:-$(mktemp -d)}; mkdir -p "$hy"
   cfgs=tests/fixtures/configs
   four='["linear_attention","linear_attention","linear_attention","full_attention"]'
   next=(--config "$cfgs/qwen3-next-80b-a3b.json" --random-weights --set num_hidden_layers=4 --set num_experts=64)
@@ -286,6 +287,6 @@ if [[ " $phases " == *" hybrid-gpu "* ]]; then
         tests/gpu/test_refit_gated_deltanet_gpu.py -q -s -p no:cacheprovider
     hyvllm hybrid-q35-vllm "$(g 3)" "${hrep[@]}" "${q35dense[@]}" "${vllm[@]}" --vllm-arg language_model_only=true ) &
   wait
-  rm -rf "$work"
+  [ -n "${HYBRID_WORK:-}" ] || rm -rf "$work"
 fi
 cat "$out/logs/status"
