@@ -9,7 +9,9 @@
 # profile against vLLM's batch-invariant mode; needs vllm-setup.sh too), seeds (the training
 # profile at more seeds), moe-exact (hf-exact MoE vs transformers), grouped (TE grouped-GEMM experts)
 # mla (DeepSeek-V3, te), profile-sdpa (hf-exact-sdpa on te: distance and speed) and two-gpu (refit
-# at TP2, DeepSeek-V3 EP2 / TP2; 2 GPUs), vllm-exact-tp2 (vllm-exact at TP2 against a TP2 engine;
+# at TP2, DeepSeek-V3 EP2 / TP2; 2 GPUs), hybrid-gpu (Qwen3-Next / Qwen3.5 / Qwen3.5-MoE at full width, 4
+# layers: parity vs HF, hf-exact, THD vs BSHD speed of a gated DeltaNet layer, vLLM parity and refit;
+# 4 GPUs in parallel, fewer serialise), vllm-exact-tp2 (vllm-exact at TP2 against a TP2 engine;
 # 2 GPUs), four-gpu (four-gpu-moe: Qwen3-30B-A3B and Mixtral-8x7B at EP2 / EP4 / TP2 x EP2 /
 # PP2 x EP2; four-gpu-mla: DeepSeek-V3 at EP4 / TP2 x EP2; four-gpu-tp4: a Llama-3.1-8B-shaped
 # model at TP4, te and local hf-exact; 4 GPUs), four-gpu-vllm (refit from TP4 into a TP4 vLLM engine,
@@ -337,4 +339,52 @@ if [[ " $phases " == *" frontier-gpu "* ]]; then
   echo "frontier-summary exit $?" >> "$out/logs/status"
 fi
 
+if [[ " $phases " == *" hybrid-gpu "* ]]; then
+  # Gated DeltaNet models (Qwen3-Next-80B-A3B, Qwen3.5-9B, Qwen3.5-35B-A3B published configs) at full
+  # width, 4 layers (3 gated DeltaNet, 1 gated attention), 64 routed experts, bf16, random weights.
+  # Backend local: the gated DeltaNet layer has no Transformer Engine build. transformers runs its torch
+  # fallback of the layer (no flash-linear-attention / causal-conv1d here). Reports to $out/parity/gpu-hybrid/
+  # (docs/parity/gpu-hybrid/README.md). Four chains, one per GPU (fewer GPUs: they share); each sub-run is
+  # logged and its exit code recorded, a failure does not stop the next. The vLLM sub-runs need
+  # bench/gpu/vllm-setup.sh and `source bench/gpu/vllm-env.sh` before run_all.sh; without it they are skipped.
+  # reference checkpoints (several GB each) in HYBRID_WORK, default a fresh temporary folder, removed at the end
+  hy="$out/parity/gpu-hybrid"; work=${HYBRID_WORK:-$(mktemp -d)}; mkdir -p "$hy"
+  cfgs=tests/fixtures/configs
+  four='["linear_attention","linear_attention","linear_attention","full_attention"]'
+  next=(--config "$cfgs/qwen3-next-80b-a3b.json" --random-weights --set num_hidden_layers=4 --set num_experts=64)
+  q35=(--random-weights --set text_config.num_hidden_layers=4 --set "text_config.layer_types=$four" --set vision_config.depth=1)
+  q35dense=(--config "$cfgs/qwen3.5-9b.json" "${q35[@]}")
+  q35moe=(--config "$cfgs/qwen3.5-35b-a3b.json" "${q35[@]}" --set text_config.num_experts=64)
+  hrep=($py -m mcore_zoo.cli parity-report --dtype bfloat16 --device cuda -q -v --backend local --lengths 512,512,300,100)
+  # bitwise needs equal lengths on BSHD (no padding rows: the GEMMs see the reference's row counts), as moe-exact
+  exact=(--numerics hf-exact --bitwise --no-baseline --lengths 512,512,512,512 --seq-format bshd --out "$hy/local-hf-exact")
+  vllm=(--no-baseline --vllm --vllm-arg gpu_memory_utilization=0.5 --out "$hy/local-vllm")
+  hyrun() {  # hyrun NAME GPU CMD...: one sub-run of a chain on GPU, log, record the exit code
+    local name=$1 gpu=$2
+    shift 2
+    CUDA_VISIBLE_DEVICES=$gpu timeout "${HYBRID_TIMEOUT:-240}" "$@" > "$out/logs/$name.log" 2>&1
+    echo "$name exit $?" >> "$out/logs/status"
+  }
+  hyvllm() {  # hyvllm NAME GPU CMD...: hyrun when vLLM's environment is set up, else recorded as skipped
+    if [ -n "${MCORE_ZOO_VLLM_PYTHON:-}" ]; then hyrun "$@"
+    else echo "$1 skipped: no MCORE_ZOO_VLLM_PYTHON (source bench/gpu/vllm-env.sh)" >> "$out/logs/status"; fi
+  }
+  # the zoo (default profile) vs HF eager with HF's sdpa-vs-eager spread; then hf-exact (split-K off) on the
+  # same reference checkpoint, bitwise vs HF eager or the measured gap; vLLM 0.26 on the zoo's export
+  ( hyrun hybrid-next "$(g 0)" "${hrep[@]}" "${next[@]}" --work-dir "$work/next" --out "$hy/local"
+    hyrun hybrid-next-exact "$(g 0)" "${nosplit[@]}" "${hrep[@]}" --model "$work/next/reference" "${exact[@]}"
+    # THD vs BSHD forward + backward time of one gated DeltaNet layer (the issue's bound: THD <= 1.05 x BSHD)
+    hyrun hybrid-thd-speed "$(g 0)" $py bench/gpu/gated_deltanet_speed.py --out "$hy/gated_deltanet_thd.json" ) &
+  ( hyrun hybrid-q35 "$(g 1)" "${hrep[@]}" "${q35dense[@]}" --work-dir "$work/q35" --out "$hy/local"
+    hyrun hybrid-q35-exact "$(g 1)" "${nosplit[@]}" "${hrep[@]}" --model "$work/q35/reference" "${exact[@]}" ) &
+  ( hyrun hybrid-q35moe "$(g 2)" "${hrep[@]}" "${q35moe[@]}" --out "$hy/local"
+    hyvllm hybrid-next-vllm "$(g 2)" "${hrep[@]}" "${next[@]}" "${vllm[@]}" ) &
+  # refit into an in-process vLLM engine bit for bit (Qwen3-Next, Qwen3.5; token_mult_prob_error after it),
+  # then vLLM on Qwen3.5's full-width export
+  ( MCORE_ZOO_GPU_RESULTS="$hy" hyvllm hybrid-refit "$(g 3)" $py -m pytest -p mcore_zoo.testing.plugin \
+        tests/gpu/test_refit_gated_deltanet_gpu.py -q -s -p no:cacheprovider
+    hyvllm hybrid-q35-vllm "$(g 3)" "${hrep[@]}" "${q35dense[@]}" "${vllm[@]}" --vllm-arg language_model_only=true ) &
+  wait
+  [ -n "${HYBRID_WORK:-}" ] || rm -rf "$work"
+fi
 cat "$out/logs/status"

@@ -2,7 +2,7 @@
 portable backend, fp32) and reports every layout; a layout that cannot run is recorded, not fatal.
 Each layout's export is checked against the checkpoint (bitwise) and each rank's reads are recorded:
 an EP rank reads only its own experts. ``bench/gpu/frontier_parity.py`` (the frontier-gpu phase) admits
-``te`` in its own process and summarizes its reports."""
+``te`` in its own process and summarizes its reports. ``bench/gpu/gated_deltanet_speed.py`` runs on a tiny layer."""
 
 from __future__ import annotations
 
@@ -99,3 +99,21 @@ def test_frontier_parity_script_admits_te_and_summarizes_on_cpu(tmp_path):
     rows = json.loads((tmp_path / "summary.json").read_text())
     assert [(r["architecture"], r["report"]) for r in rows] == [("DeepseekV32ForCausalLM", "local/dsa.md")]
     assert rows[0]["baseline_mean_abs_dlogp"] is not None and "| DeepseekV32ForCausalLM |" in (tmp_path / "summary.md").read_text()
+
+
+def test_gated_deltanet_speed_script_on_cpu(tmp_path):
+    """``bench/gpu/gated_deltanet_speed.py`` (the THD vs BSHD timing of the hybrid-gpu phase) on a tiny
+    layer on the CPU: every case timed in every form; the pack run one sequence after the other
+    equals the sequences run one by one bitwise, the batched pack equals them within fp32 rounding."""
+    out = tmp_path / "thd.json"
+    cmd = [sys.executable, "bench/gpu/gated_deltanet_speed.py", "--device", "cpu", "--tiny", "--iters", "1",
+           "--warmup", "0", "--out", str(out)]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert set(report["cases"]) == {"mixed", "many-short"} and report["dtype"] == "float32"
+    for name, case in report["cases"].items():
+        assert all(case[f"{form}_ms"] > 0 for form in ("thd", "thd_batch", "bshd_padded", "bshd_each")), (name, case)
+        assert case["max_abs_diff_each"] == 0.0 and case["max_abs_diff_batch"] <= 1e-5, (name, case)
+    assert "| mixed |" in out.with_suffix(".md").read_text()

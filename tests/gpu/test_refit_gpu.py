@@ -87,8 +87,9 @@ def _logprobs(llm, seqs) -> list[torch.Tensor]:
     return [torch.tensor([e[int(s[j + 1])].logprob for j, e in enumerate(o.prompt_logprobs[1:])]) for s, o in zip(seqs, outs)]
 
 
-def check(ckpt: str, arch: str, out_dir: str) -> dict:
-    """One architecture, in a fresh process (one vLLM engine per process)."""
+def check(ckpt: str, arch: str, out_dir: str, llm_kwargs: str = "{}") -> dict:
+    """One architecture, in a fresh process (one vLLM engine per process); ``llm_kwargs``: JSON of
+    further ``vllm.LLM`` arguments (``{"language_model_only": true}`` for a vision-language export)."""
     import vllm
 
     from mcore_zoo.rollout import VLLM_WORKER_EXTENSION, VLLMAdapter
@@ -100,9 +101,9 @@ def check(ckpt: str, arch: str, out_dir: str) -> dict:
     mcore_zoo.save_hf_checkpoint(model, export, dtype=torch.bfloat16)
     vocab = mcore_zoo.handle_of(model).arch_config.vocab_size
     seqs = random_sequences([37, 64, 100], vocab, seed=3)
-    llm = vllm.LLM(model=export, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, seed=0,
-                   max_model_len=128, gpu_memory_utilization=0.3, enable_prefix_caching=False,
-                   worker_extension_cls=VLLM_WORKER_EXTENSION)  # fmt: skip
+    settings = dict(dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, seed=0, max_model_len=128,
+                    gpu_memory_utilization=0.3, enable_prefix_caching=False, worker_extension_cls=VLLM_WORKER_EXTENSION)  # fmt: skip
+    llm = vllm.LLM(model=export, **{**settings, **json.loads(llm_kwargs)})
     want = _params(llm)
     want_lp = _logprobs(llm, seqs)
     adapter = VLLMAdapter(llm)
@@ -169,4 +170,4 @@ def test_refit_into_vllm_is_bitwise(reference_checkpoint, arch, overrides, tmp_p
 
 
 if __name__ == "__main__":
-    print(json.dumps(check(*sys.argv[1:4])))
+    print(json.dumps(check(*sys.argv[1:5])))

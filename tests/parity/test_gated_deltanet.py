@@ -33,6 +33,11 @@ def _build(checkpoint, backend="portable", numerics="hf-exact"):
                                  params_dtype=torch.float32).eval()  # fmt: skip
 
 
+def _gap(a, b) -> float:
+    """Largest |a - b| (0 for a one-token sequence, which has no next-token log-prob)."""
+    return (a - b).abs().max().item() if a.numel() else 0.0
+
+
 def _logprobs(model, seqs):
     with torch.no_grad():
         return mcore_zoo.packed_forward(model, seqs, seq_format="thd", align=1).logprobs
@@ -75,6 +80,35 @@ def test_thd_pack_leaks_nothing_across_sequences(mpu, reference_checkpoint, arch
             assert not torch.equal(before[changed], after[changed]), "the mutation must change its own sequence"
     for i, seq in enumerate(seqs):
         assert torch.equal(_logprobs(model, [seq])[0], before[i]), f"sequence {i}: alone != in the pack"
+
+
+@LAYOUTS
+def test_batched_pack_runs_each_sequence_from_a_zero_state(mpu, reference_checkpoint, arch_name, overrides):
+    """``linear_attention_pack="batch"`` (the pack's sequences as one right-padded batch inside the
+    layer): every sequence within fp32 rounding of the pack run one sequence after the other, with
+    alignment padding too; changing one sequence leaves the others' log-probs where they were (no
+    state, window or padding row reaches another sequence); gradients flow to the layer's weights."""
+    ckpt = reference_checkpoint(arch_name, overrides)
+    batched = _build(ckpt, numerics=mcore_zoo.get_profile("hf-exact").with_knobs(linear_attention_pack="batch"))
+    each = _build(ckpt)
+    seqs = random_sequences(LENGTHS, 256, seed=7)
+    want = _logprobs(each, seqs)
+    got = _logprobs(batched, seqs)
+    with torch.no_grad():
+        aligned = mcore_zoo.packed_forward(batched, seqs, seq_format="thd", align=8).logprobs
+    for i, (a, b, c) in enumerate(zip(got, want, aligned)):
+        assert _gap(a, b) <= 1e-5, f"sequence {i}: batched pack vs one by one"
+        assert _gap(c, b) <= 1e-5, f"sequence {i}: batched pack with alignment padding"
+    mutated = [s.clone() for s in seqs]
+    mutated[0][-3:] = (mutated[0][-3:] + 1) % 256
+    after = _logprobs(batched, mutated)
+    assert _gap(after[0], got[0]) > 1e-3, "the mutation must change its own sequence"
+    for i in range(1, len(seqs)):
+        assert _gap(after[i], got[i]) <= 1e-6, f"changing sequence 0 moved sequence {i}"
+    batched.train()
+    mcore_zoo.train_step(batched, seqs, lambda tokens: (-(tokens.logprobs * tokens.mask).sum(), {}))
+    layer = batched.decoder.layers[0].self_attention
+    assert layer.pack == "batch" and all(p.grad is not None and p.grad.abs().sum() > 0 for p in layer.parameters())
 
 
 @LAYOUTS
@@ -134,12 +168,12 @@ def test_published_80b_a3b_config_converts_with_every_field_classified():
 @pytest.mark.parametrize("layout, overrides", [
     ({"cp": 2}, {}),
     ({"tp": 2}, {**DENSE, "linear_num_key_heads": 1}),
-    ({"tp": 2}, {}),  # the MoE example: not trained under TP yet
+    ({"tp": 2}, {"linear_num_key_heads": 1}),  # the MoE example splits whole key-head groups too
 ])  # fmt: skip
 def test_layouts_the_layer_does_not_split_are_refused_by_name(layout, overrides):
-    """Context parallelism, a tensor-parallel size that does not divide the key heads (each rank
-    computes whole key-head groups) and tensor parallelism of the MoE models are refused by name;
-    TP2 and PP2 of the dense form and PP2 / EP2 of the MoE example are accepted (and computed:
+    """Context parallelism and a tensor-parallel size that does not divide the key heads (each rank
+    computes whole key-head groups) are refused by name; TP2 and PP2 of the dense form and PP2 / EP2 /
+    TP2 with sequence parallelism of the MoE example are accepted (and computed:
     ``tests/distributed/test_gated_deltanet_layouts.py``, ``test_moe_layouts.py``)."""
     from mcore_zoo.config.transformer import validate_layout
     from mcore_zoo.placement import Parallelism
@@ -153,7 +187,7 @@ def test_layouts_the_layer_does_not_split_are_refused_by_name(layout, overrides)
     for accepted in (Parallelism(tp=2), Parallelism(pp=2), Parallelism(tp=2, pp=2, sequence_parallel=True)):
         validate_layout(dense, accepted)
     example = arch.config_from_hf(arch.example_config())
-    for accepted in (Parallelism(pp=2), Parallelism(ep=2), Parallelism(pp=2, ep=2)):
+    for accepted in (Parallelism(pp=2), Parallelism(ep=2), Parallelism(pp=2, ep=2), Parallelism(tp=2, sequence_parallel=True)):
         validate_layout(example, accepted)
 
 

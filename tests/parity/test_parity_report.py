@@ -152,6 +152,24 @@ def test_scaled_published_config_keeps_what_decides_numerics(tmp_path):
     assert report["model"]["changes"]["num_hidden_layers"] == [28, 2]
 
 
+def test_set_reaches_the_nested_configs_of_a_vision_language_config(tmp_path):
+    """``--set text_config.FIELD=V`` / ``vision_config.FIELD=V`` change the nested field (recorded under
+    that key); a top-level field is set as before; a nested object the config lacks is refused."""
+    from mcore_zoo.errors import ZooError
+    from mcore_zoo.parity.inputs import prepare_model
+
+    four = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+    settings = {"text_config.num_hidden_layers": 4, "text_config.layer_types": four, "vision_config.depth": 1}
+    source = prepare_model(config=str(CONFIGS / "qwen3.5-9b.json"), random_weights=True, scale="tiny",
+                           settings=settings, work_dir=tmp_path)  # fmt: skip
+    assert source.config["text_config"]["num_hidden_layers"] == 4 and source.config["text_config"]["layer_types"] == four
+    assert source.config["vision_config"]["depth"] == 1 and "text_config.num_hidden_layers" not in source.config
+    assert source.changes["text_config.num_hidden_layers"] == [32, 4]
+    with pytest.raises(ZooError, match="no nested 'audio_config'"):
+        prepare_model(config=str(CONFIGS / "qwen3.5-9b.json"), random_weights=True, scale="tiny",
+                      settings={"audio_config.depth": 1}, work_dir=tmp_path / "x")  # fmt: skip
+
+
 def test_checkpoint_with_tokenizer_uses_its_tokens(tmp_path, reference_checkpoint):
     """--model DIR: real weights as saved, token ids from the checkpoint's tokenizer; worst tokens decoded."""
     import shutil

@@ -104,8 +104,8 @@ def test_published_form_converts_with_every_field_classified(arch_name):
 @pytest.mark.parametrize("arch_name", [DENSE, MOE])
 @pytest.mark.parametrize("layout, overrides", [({"cp": 2}, {}), ({"tp": 2}, {"linear_num_key_heads": 1})])
 def test_layouts_the_layer_does_not_split_are_refused_by_name(arch_name, layout, overrides):
-    """Context parallelism, a tensor-parallel size that does not divide the key heads and tensor
-    parallelism of the MoE model are refused by name; TP2 (dense) and PP2 of the examples are accepted."""
+    """Context parallelism and a tensor-parallel size that does not divide the key heads are refused
+    by name; TP2 (the MoE model with sequence parallelism) and PP2 of the examples are accepted."""
     from mcore_zoo.config.transformer import validate_layout
     from mcore_zoo.placement import Parallelism
 
@@ -113,8 +113,4 @@ def test_layouts_the_layer_does_not_split_are_refused_by_name(arch_name, layout,
     with pytest.raises(mcore_zoo.UnsupportedLayoutError, match=f"{field}={size}: the gated DeltaNet layer"):
         validate_layout(_config(arch_name, **overrides), Parallelism(**layout))
     validate_layout(_config(arch_name), Parallelism(pp=2))
-    if arch_name == DENSE:
-        validate_layout(_config(arch_name), Parallelism(tp=2))
-    else:
-        with pytest.raises(mcore_zoo.UnsupportedLayoutError, match="tp=2: the gated DeltaNet layer with the MoE block"):
-            validate_layout(_config(arch_name), Parallelism(tp=2))
+    validate_layout(_config(arch_name), Parallelism(tp=2, sequence_parallel=arch_name == MOE))

@@ -872,3 +872,50 @@ def test_a_region_written_twice_and_one_never_fails_though_counts_add_up(mpu, re
         plan_refit(handle, VLLM, entries=entries + entries[:1])
     with pytest.raises(ZooError, match="misses"):
         plan_refit(handle, VLLM, entries=entries[1:])
+
+
+# ---------------------------------------------------------------- gated DeltaNet (Qwen3.5 / Qwen3-Next)
+def _rows(t: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    size = t.shape[0] // tp
+    return t.narrow(0, rank * size, size)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_qwen3_5_refit_lays_tensors_out_as_vllm_does(mpu, reference_checkpoint, tp):
+    """vLLM 0.26's ``qwen3_5.py``: the split projections stacked into ``in_proj_qkvz`` (output sizes
+    key, key, value, value: each rank ``[q_r; k_r; v_r; z_r]``) and ``in_proj_ba`` (``[b_r; a_r]``),
+    ``conv1d`` by ``mamba_v2_sharded_weight_loader`` (``[q_r; k_r; v_r]`` channels), and the
+    language model of the vision-language checkpoint under ``language_model.model.`` /
+    ``language_model.lm_head.`` (``qwen3_vl.py``'s ``orig_to_new_prefix``)."""
+    _, model, config, hf = _setup(reference_checkpoint, "Qwen3_5ForConditionalGeneration", {})
+    adapter = DictAdapter(tp_size=tp)
+    mcore_zoo.refit(model, adapter, bucket_size="64KB")
+    text = config["text_config"]
+    key = text["linear_num_key_heads"] * text["linear_key_head_dim"]
+    value = text["linear_num_value_heads"] * text["linear_value_head_dim"]
+    hf_layer, engine_layer = "model.language_model.layers.0.linear_attn.", "language_model.model.layers.0.linear_attn."
+    for rank, got in enumerate(adapter.tensors):
+        assert not any(name.startswith("model.") for name in got), sorted(got)[:4]
+        assert "language_model.lm_head.weight" in got and "language_model.model.embed_tokens.weight" in got
+        q, k, v = hf[hf_layer + "in_proj_qkv.weight"].split([key, key, value])
+        z, b, a = (hf[hf_layer + f"in_proj_{p}.weight"] for p in ("z", "b", "a"))
+        want_qkvz = torch.cat([_rows(t, rank, tp) for t in (q, k, v, z)])
+        assert torch.equal(got[engine_layer + "in_proj_qkvz.weight"], want_qkvz)
+        assert torch.equal(got[engine_layer + "in_proj_ba.weight"], torch.cat([_rows(b, rank, tp), _rows(a, rank, tp)]))
+        cq, ck, cv = hf[hf_layer + "conv1d.weight"].split([key, key, value])
+        assert torch.equal(got[engine_layer + "conv1d.weight"], torch.cat([_rows(t, rank, tp) for t in (cq, ck, cv)]))
+        assert torch.equal(got[engine_layer + "A_log"], _rows(hf[hf_layer + "A_log"], rank, tp))
+        assert not any(n.endswith(("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight")) for n in got)
+
+
+def test_qwen3_next_refit_keeps_its_fused_projections_and_names(mpu, reference_checkpoint):
+    """Qwen3-Next's checkpoint already holds vLLM's ``in_proj_qkvz`` / ``in_proj_ba`` (one output
+    shard each, head-interleaved): the engine receives them as they are, under their HF names."""
+    _, model, _, hf = _setup(reference_checkpoint, "Qwen3NextForCausalLM", {})
+    adapter = DictAdapter(tp_size=1)
+    mcore_zoo.refit(model, adapter, bucket_size="64KB")
+    got = adapter.tensors[0]
+    for name in ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "A_log", "out_proj.weight"):
+        full = "model.layers.0.linear_attn." + name
+        assert torch.equal(got[full], hf[full]), full
+    assert "lm_head.weight" in got and not any(n.startswith("language_model.") for n in got)

@@ -235,14 +235,11 @@ class GatedDeltaNetSpec:
 
     def layout_problems(self, parallel: Any, moe: bool = False) -> list[str]:
         """The parallel sizes the zoo's gated DeltaNet layer does not split (empty when it fits):
-        tensor parallelism splits whole key-head groups, so ``tp`` must divide ``num_key_heads``,
-        and is refused for models with the MoE block (``moe``); context parallelism is refused."""
+        tensor parallelism splits whole key-head groups, so ``tp`` must divide ``num_key_heads``
+        (models with the MoE block, ``moe``, too: they train under TP with sequence parallelism, as
+        Megatron-Core's MoE layer requires); context parallelism is refused."""
         problems = []
-        if parallel.tp > 1 and moe:
-            problems.append(f"tp={parallel.tp}: the gated DeltaNet layer with the MoE block is not trained under tensor"
-                            " parallelism yet (its train_step gradients at TP2 with sequence parallelism were"
-                            " measured beyond the layout bound); the dense models split, and EP / PP serve the MoE ones")  # fmt: skip
-        elif parallel.tp > 1 and self.num_key_heads % parallel.tp:
+        if parallel.tp > 1 and self.num_key_heads % parallel.tp:
             problems.append(f"tp={parallel.tp}: the gated DeltaNet layer splits whole key heads over tensor-parallel"
                             f" ranks; tp must divide linear_num_key_heads={self.num_key_heads}")  # fmt: skip
         if parallel.cp > 1:

@@ -80,6 +80,13 @@ class NumericsProfile:
             each weighted output is cast to the hidden dtype, then added one expert at a time
             (``index_add_``). Both agree for two experts per token with weights in the hidden
             dtype (or fp32 models); otherwise they round differently.
+        linear_attention_pack: gated DeltaNet models only: how the zoo's gated DeltaNet layer
+            computes a THD pack. ``"each"``: every sequence alone, one after the other (each
+            sequence's result is bitwise what it gives run alone). ``"batch"``: the pack's sequences
+            as one right-padded batch (what a BSHD batch of them costs: one pass of the delta rule's
+            chunk loop over the longest sequence, not one per sequence); each sequence still starts
+            from a zero state and convolution window, and the padding rows reach no sequence, but
+            the batched products may round differently from a batch of one.
         kernels: ``"backend"`` (the modules the knobs above choose) or ``"vllm"``: every op of the
             decoder on vLLM's batch-invariant kernels (the ``vllm-exact`` profile; the other knobs
             are then not consulted).
@@ -102,6 +109,7 @@ class NumericsProfile:
     router: str = "hf"
     moe_experts: str = "grouped_mm"
     grouped_experts: bool = False
+    linear_attention_pack: str = "each"
     kernels: str = "backend"
     vllm_decode: str = "exact"
     description: str = ""
@@ -114,6 +122,7 @@ class NumericsProfile:
             "linear_bias": ("separate", "fused"),
             "router": ("hf", "mcore"),
             "moe_experts": ("grouped_mm", "eager"),
+            "linear_attention_pack": ("each", "batch"),
             "kernels": ("backend", "vllm"),
             "vllm_decode": ("exact", "prefill"),
         }

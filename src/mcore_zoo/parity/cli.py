@@ -46,7 +46,8 @@ def register(sub: Any) -> None:
                    help="shrink the config: tiny = 2 layers, hidden <= 512, vocab <= 512; small = 8 layers,"
                         " hidden <= 1024 (GQA ratio, head_dim, RoPE, biases, norms, tying kept)")  # fmt: skip
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override an HF config field of a random-weight model (JSON value); repeatable")
+                   help="override an HF config field of a random-weight model (JSON value; text_config.FIELD /"
+                        " vision_config.FIELD: a vision-language config's nested field); repeatable")  # fmt: skip
     g.add_argument("--seed", type=int, default=0, help="weights and token ids (default 0)")
     g.add_argument("--trust-remote-code", action="store_true")
     g = p.add_argument_group("inputs")

@@ -131,6 +131,25 @@ def _set_path(config: dict[str, Any], key: str, value: Any, changes: dict[str, l
         config[key] = value
 
 
+def _set_setting(config: dict[str, Any], key: str, value: Any, changes: dict[str, list[Any]]) -> None:
+    """One ``--set KEY=VALUE``: ``KEY`` names a top-level field, or a field of a nested config as
+    ``text_config.<field>`` / ``vision_config.<field>`` (a vision-language config's language model
+    or vision tower); the change is recorded under ``KEY``."""
+    parent, dot, field = key.rpartition(".")
+    if not dot or key in config:
+        _set_path(config, key, value, changes)
+        return
+    nested = config.get(parent)
+    if not isinstance(nested, dict):
+        raise ZooError(f"--set {key}: the config has no nested {parent!r} object")
+    nested = config[parent] = dict(nested)
+    old = nested.get(field)
+    if old != value:
+        changes.setdefault(key, [old, value])
+        changes[key][1] = value
+        nested[field] = value
+
+
 def _scale_width(c: dict[str, Any], factor: float, changes: dict[str, list[Any]]) -> None:
     """MLP widths (dense and per expert) shrink by the factor of the heads."""
     if "intermediate_size" in c:
@@ -384,7 +403,7 @@ def prepare_model(
     if scale:
         raw, changes = scale_config(raw, scale)
     for key, value in settings.items():
-        _set_path(raw, key, value, changes)
+        _set_setting(raw, key, value, changes)
     _drop_what_random_weights_cannot_carry(raw, settings, changes)
     out = Path(work_dir) / "reference"
     write_reference_checkpoint(architecture, raw, out, seed=seed, dtype=dtype)

@@ -9,8 +9,9 @@ has the gated MLP on every layer; the MoE model has on every layer the softmax t
 weights always renormalised) and a sigmoid-gated shared expert. transformers does not read
 ``attn_output_gate`` (always gated), ``norm_topk_prob``, ``decoder_sparse_step`` or
 ``mlp_only_layers`` for these models: values that would describe another model are refused by name.
-Backends ``local`` and ``portable``; tensor (the dense model), pipeline and expert parallelism; context
-parallelism and TP of the MoE model are refused by name; the MTP layer is refused unless dropped on request.
+Backends ``local`` and ``portable``; tensor (the MoE model trains with sequence parallelism), pipeline
+and expert parallelism; context parallelism is refused by name; the MTP layer is refused unless
+dropped on request.
 
 ``Qwen3_5ForConditionalGeneration`` and ``Qwen3_5MoeForConditionalGeneration`` (the published
 vision-language checkpoints): their language model, ``text_config`` read as the text model's own

@@ -4,10 +4,10 @@ Gated DeltaNet linear-attention layers among full-attention layers (``layer_type
 attention has a sigmoid output gate (``q_proj`` twice as wide), q/k RMSNorm and partial RoPE; every
 RMSNorm but the DeltaNet's gated one scales by ``1 + weight``. The MLP is Qwen2-MoE's block (softmax
 top-k router, ``norm_topk_prob``, a sigmoid-gated shared expert) or, on ``mlp_only_layers`` / with
-``num_experts: 0``, a dense MLP. Backends ``local`` and ``portable``; tensor parallelism for the
-dense form (whole key-head groups per rank), pipeline and expert parallelism; context parallelism
-and TP of the MoE form are refused by name; the MTP layer is refused unless dropped on request (a
-checkpoint's ``mtp.*`` tensors are ignored by name).
+``num_experts: 0``, a dense MLP. Backends ``local`` and ``portable``; tensor parallelism (whole
+key-head groups per rank; the MoE form trains with sequence parallelism), pipeline and expert
+parallelism; context parallelism is refused by name; the MTP layer is refused unless dropped on
+request (a checkpoint's ``mtp.*`` tensors are ignored by name).
 """
 
 from __future__ import annotations

@@ -15,8 +15,10 @@ Two layouts ship:
 
 * :data:`VLLM` - vLLM 0.26's own parameter names and shard order (``hf_to_vllm_mapper`` /
   ``orig_to_new_stacked`` of ``llama.py``, ``qwen2.py``, ``qwen3_moe.py``, ``qwen2_moe.py``,
-  ``mixtral.py``, ``glm4_moe.py``, and ``stacked_params_mapping`` of ``deepseek_v2.py`` for MLA's
-  ``fused_qkv_a_proj``; ``RoutedExperts.build_expert_params_mapping`` and ``_load_w13`` for the
+  ``mixtral.py``, ``glm4_moe.py``, ``qwen3_next.py``, ``qwen3_5.py`` (the gated DeltaNet's split
+  projections stacked as ``in_proj_qkvz`` / ``in_proj_ba``), the ``orig_to_new_prefix`` of
+  ``qwen3_vl.py`` (a vision-language checkpoint's language model), and ``stacked_params_mapping``
+  of ``deepseek_v2.py`` for MLA's ``fused_qkv_a_proj``; ``RoutedExperts.build_expert_params_mapping`` and ``_load_w13`` for the
   experts; ``DEFAULT_VOCAB_PADDING_SIZE`` of ``vocab_parallel_embedding.py``).
 * :data:`HF_NAMES` - HF names, whole tensors, no fusion: for engines that fuse and split on their
   side (SGLang's ``update_weights_from_tensor``, vLLM's own ``load_weights``).
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Container, Optional, Union
+from typing import Container, Iterable, Optional, Union
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,12 @@ class EngineFormat:
         replicated: HF module suffixes (``".q_a_proj"``) the engine keeps whole on every
             tensor-parallel rank even where the trainer splits them (vLLM's MLA down-projections
             are ``ReplicatedLinear`` / ``disable_tp``; Megatron-Core may shard them).
+        prefixes: ``(HF prefix, engine prefix)`` pairs for checkpoints laid out with the first
+            pair's HF prefix (vLLM's ``orig_to_new_prefix`` of Qwen3-VL-style vision-language
+            models: ``model.language_model.`` -> ``language_model.model.``, ``lm_head.`` ->
+            ``language_model.lm_head.``): in such a model an engine tensor whose name starts
+            with an HF prefix is named with its engine prefix instead (the first pair that
+            matches); other models keep their names.
     """
 
     name: str
@@ -87,6 +95,20 @@ class EngineFormat:
     vocab_padding: int = 0
     presplit: bool = True
     replicated: tuple[str, ...] = ()
+    prefixes: tuple[tuple[str, str], ...] = ()
+
+    def renames(self, hf_names: Iterable[str]) -> bool:
+        """Whether :attr:`prefixes` apply to a model with these HF tensors (one of them starts with
+        the first pair's HF prefix)."""
+        return bool(self.prefixes) and any(n.startswith(self.prefixes[0][0]) for n in hf_names)
+
+    def engine_name(self, name: str, renamed: bool) -> str:
+        """The engine's name for a tensor named ``name`` after fusion: :attr:`prefixes` applied
+        where ``renamed`` (:meth:`renames` of the model's HF tensors)."""
+        for hf_prefix, engine_prefix in self.prefixes if renamed else ():
+            if name.startswith(hf_prefix):
+                return engine_prefix + name[len(hf_prefix):]
+        return name
 
     def replicates(self, hf_name: str) -> bool:
         """Whether the engine keeps this HF tensor whole on every tensor-parallel rank."""
@@ -127,6 +149,8 @@ _EXPERT = re.compile(r"(?P<prefix>.*\.)experts\.(?P<expert>\d+)\.(?P<proj>[A-Za-
 _QKV = ("q", "k", "v")
 _GATE_UP = (0, 1)
 _QKV_A = (0, 1)
+_QKV_Z = ("qkv", "z")
+_BA = (0, 1)
 
 #: vLLM 0.26 (the ``hf_to_vllm_mapper`` / ``stacked_params_mapping`` tables of its Llama / Qwen /
 #: Mixtral / GLM-4.5 / DeepSeek-V2 model files)
@@ -141,6 +165,12 @@ VLLM = EngineFormat(
         # MLA (``deepseek_v2.py``): replicated, [q_a; kv_a] when the attention has q_a_proj
         Fusion(".q_a_proj", ".fused_qkv_a_proj", 0, _QKV_A),
         Fusion(".kv_a_proj_with_mqa", ".fused_qkv_a_proj", 1, _QKV_A, requires=".q_a_proj"),
+        # gated DeltaNet with split projections (Qwen3.5, ``qwen3_5.py``): [q; k; v; z] and [b; a]
+        # on every tensor-parallel rank (Qwen3-Next's fused in_proj_qkvz / in_proj_ba stay as they are)
+        Fusion(".in_proj_qkv", ".in_proj_qkvz", "qkv", _QKV_Z),
+        Fusion(".in_proj_z", ".in_proj_qkvz", "z", _QKV_Z),
+        Fusion(".in_proj_b", ".in_proj_ba", 0, _BA),
+        Fusion(".in_proj_a", ".in_proj_ba", 1, _BA),
     ),
     experts=ExpertFusion(
         projections=(("gate", "w13_weight", "w1"), ("up", "w13_weight", "w3"), ("down", "w2_weight", "w2")),
@@ -149,6 +179,8 @@ VLLM = EngineFormat(
     experts_prefix="routed_experts.",
     vocab_padding=64,
     replicated=(".q_a_proj", ".kv_a_proj_with_mqa"),
+    # the language model of Qwen3.5's vision-language checkpoints (``qwen3_vl.py``'s mapper)
+    prefixes=(("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
 )
 
 #: HF names, whole tensors (the engine fuses and splits: SGLang, vLLM ``load_weights``)

@@ -173,6 +173,7 @@ def plan_refit(
         raise ZooError(f"refit plan: the export plan misses {sorted(needed - hf_names)[:8]} and has no rule for"
                        f" {sorted(hf_names - needed)[:8]}")  # fmt: skip
 
+    renamed = engine_format.presplit and engine_format.renames(hf_names)
     # 1. every HF piece: (engine name, expert, shard id, order) and its cuts per rank
     pieces: dict[str, list[list[tuple[str, Optional[int], Any, tuple[Any, ...], tuple[Cut, ...], tuple[int, ...], int, int]]]] = {}
     for name, shape, dt in hf:
@@ -189,6 +190,7 @@ def plan_refit(
                 if fused is not None:
                     target, f = fused
                     shard, order = f.shard, f.order
+            target = engine_format.engine_name(target, renamed)
         if not engine_format.presplit:  # whole HF tensors: the engine splits and fuses
             parts = [TPSlice()]
         elif engine_format.replicates(name):  # whole on every engine rank, however the trainer splits it

@@ -35,6 +35,7 @@ _LAZY = {
     "layout_bound": "mcore_zoo.testing.common:layout_bound",
     "layout_ulps": "mcore_zoo.testing.common:layout_ulps",
     "LINEAR_ATTENTION_LAYOUT_ULPS": "mcore_zoo.testing.common:LINEAR_ATTENTION_LAYOUT_ULPS",
+    "LINEAR_ATTENTION_MOE_LAYOUT_ULPS": "mcore_zoo.testing.common:LINEAR_ATTENTION_MOE_LAYOUT_ULPS",
     "PARITY_LENGTHS": "mcore_zoo.testing.common:PARITY_LENGTHS",
     "assert_same": "mcore_zoo.testing.common:assert_same",
     "random_sequences": "mcore_zoo.testing.common:random_sequences",

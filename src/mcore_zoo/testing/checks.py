@@ -557,11 +557,11 @@ def gradient_step(model: Any) -> dict[str, Any]:
     return {name: grad.clone() for name, grad in iter_hf_weights(model, grads=True)}
 
 
-def gradient_rank(cases: Sequence[tuple[str, str, str]], tp: int, ep: int = 1) -> dict[str, dict]:
+def gradient_rank(cases: Sequence[tuple[str, str, str]], tp: int, ep: int = 1, dtype: str = "float32") -> dict[str, dict]:
     """Runs on every rank of a :func:`mcore_zoo.distributed.launch`: for each ``(subject,
     architecture, checkpoint)`` build at TP ``tp`` x EP ``ep`` (sequence parallelism for MoE
-    models under TP, as Megatron-Core's MoE layer trains only so), load, and run
-    :func:`gradient_step`. Errors are returned per case."""
+    models under TP, as Megatron-Core's MoE layer trains only so) with ``dtype`` parameters, load,
+    and run :func:`gradient_step`. Errors are returned per case."""
     from ..distributed.build import build_model
     from ..parallel import ensure_model_parallel
     from ..placement import Parallelism
@@ -574,17 +574,17 @@ def gradient_rank(cases: Sequence[tuple[str, str, str]], tp: int, ep: int = 1) -
         parallel = case_layout(architecture, checkpoint, Parallelism(tp=tp, ep=ep, sequence_parallel=moe and tp > 1))
         use_layout(parallel)
         model = build_model(checkpoint, architecture=architecture, backend="portable", numerics=GRADIENT_NUMERICS,
-                            load=checkpoint, params_dtype=torch.float32, parallel=parallel)  # fmt: skip
+                            load=checkpoint, params_dtype=getattr(torch, dtype), parallel=parallel)  # fmt: skip
         return {"grads": gradient_step(model)}
 
     return _per_case(cases, run)
 
 
-def run_gradients(cases: Sequence[tuple[str, str, str]], tp: int = 2, ep: int = 1) -> list[dict[str, dict]]:
+def run_gradients(cases: Sequence[tuple[str, str, str]], tp: int = 2, ep: int = 1, dtype: str = "float32") -> list[dict[str, dict]]:
     """Launch :func:`gradient_rank` on ``tp * ep`` gloo ranks (one launch for all cases)."""
     from ..distributed.launch import launch
 
-    return launch(gradient_rank, tp * ep, [tuple(map(str, c)) for c in cases], tp, ep)
+    return launch(gradient_rank, tp * ep, [tuple(map(str, c)) for c in cases], tp, ep, dtype)
 
 
 def check_gradients(architecture: Any, checkpoint: Path, subject: str, ranks: Sequence[Mapping[str, dict]], where: str) -> None:

@@ -76,16 +76,30 @@ LAYOUT_ULPS = 128
 #: chunk, a triangular solve per chunk, the state carried from chunk to chunk) carries a reordered
 #: reduction further than attention does - one ulp of a layer's output moves the example models'
 #: logits by ~1e-5 relative. Measured at TP2 on the examples (the gradients contract): up to 1.13x
-#: ``LAYOUT_ULPS`` (Qwen3-Next's ``A_log``; Qwen3.5's attention ``k_proj`` 1.09x). The MoE forms with
-#: sequence parallelism went beyond twice that in one of two runs and are refused under TP. A wrong
-#: shard or a missing reduction still moves the gradients by O(0.1).
+#: ``LAYOUT_ULPS`` (Qwen3-Next's ``A_log``; Qwen3.5's attention ``k_proj`` 1.09x; the dense form with
+#: sequence parallelism 1.30x, ``input_layernorm``). A wrong shard or a missing reduction still moves
+#: the gradients by O(0.1).
 LINEAR_ATTENTION_LAYOUT_ULPS = 2 * LAYOUT_ULPS
+#: Gated DeltaNet models with the MoE block under a layout: the gradients contract at TP2 with
+#: sequence parallelism measured Qwen3-Next's MoE example at 1.13x ``LAYOUT_ULPS`` (``A_log``) and
+#: Qwen3.5-MoE's at 2.59x: one routed expert's ``up_proj`` gradient (4.9e-5 at a largest entry of
+#: 1.25), that layer's ``A_log`` / ``dt_bias`` / ``in_proj_a`` at 1.5-1.7x. Rounding, not a misplaced
+#: value: the same comparison in float64 (the gated DeltaNet core still computes in fp32, as
+#: transformers' does) shrinks that expert's gap 370-fold, to 1.3e-7, where a wrong shard or a
+#: missing reduction would stay (``tests/distributed/test_gated_deltanet_layouts.py::
+#: test_moe_tp2_gradient_gap_is_rounding`` keeps it so). An expert's weight gradient sums only the tokens routed to it, so its
+#: largest entry is small next to the upstream gradient errors the reordered reductions (row-parallel
+#: partial sums, the sequence-parallel reduce-scatter) carry into it.
+LINEAR_ATTENTION_MOE_LAYOUT_ULPS = 4 * LAYOUT_ULPS
 
 
 def layout_ulps(arch: Any) -> int:
     """The ulps of :func:`layout_bound` for a model of ``arch`` (an ``ArchConfig``):
-    :data:`LINEAR_ATTENTION_LAYOUT_ULPS` for gated DeltaNet models, else :data:`LAYOUT_ULPS`."""
-    return LINEAR_ATTENTION_LAYOUT_ULPS if getattr(arch, "gated_deltanet", None) is not None else LAYOUT_ULPS
+    :data:`LINEAR_ATTENTION_MOE_LAYOUT_ULPS` for gated DeltaNet models with the MoE block,
+    :data:`LINEAR_ATTENTION_LAYOUT_ULPS` for the other gated DeltaNet models, else :data:`LAYOUT_ULPS`."""
+    if getattr(arch, "gated_deltanet", None) is None:
+        return LAYOUT_ULPS
+    return LINEAR_ATTENTION_MOE_LAYOUT_ULPS if getattr(arch, "moe", None) is not None else LINEAR_ATTENTION_LAYOUT_ULPS
 
 
 def layout_bound(ref: Any, ulps: int = LAYOUT_ULPS) -> float:

@@ -12,7 +12,10 @@ of the first two, computed as ``Qwen3_5GatedDeltaNet`` computes them).
 THD packs (``PackedSeqParams``): each sequence runs alone - the convolution window starts from
 zeros and the recurrent state from zero at every sequence start (``cu_seqlens_q``; a pack padded
 for alignment lays its sequences out by ``cu_seqlens_q_padded``, the padding rows give zeros) - so
-a packed sequence computes exactly what it computes run alone.
+a packed sequence computes exactly what it computes run alone. With the numerics knob
+``linear_attention_pack="batch"`` the pack's sequences run as one right-padded batch instead (the
+convolution and the delta rule are causal: the padding after a sequence reaches none of its
+tokens), one pass of the chunk loop for the whole pack.
 
 Tensor parallelism splits the layer by head as it computes them (each rank a whole group of key
 heads with their value heads; ``out_proj`` row-parallel); pipeline stages take their layers of the
@@ -167,8 +170,9 @@ def gated_deltanet_class() -> type:
         summed over the group)."""
 
         def __init__(self, config: Any, submodules: Any = None, layer_number: Optional[int] = None, *,
-                     spec: GatedDeltaNetSpec, **_: Any) -> None:  # fmt: skip
+                     spec: GatedDeltaNetSpec, pack: str = "each", **_: Any) -> None:  # fmt: skip
             super().__init__(config)
+            self.pack = pack  # the numerics knob linear_attention_pack: "each" or "batch"
             self.tp = config.tensor_model_parallel_size
             self.sequence_parallel = bool(config.sequence_parallel) and self.tp > 1
             spec = rank_heads(spec, self.tp)
@@ -234,18 +238,31 @@ def gated_deltanet_class() -> type:
             return super().sharded_state_dict(prefix, sharded_offsets, metadata)
 
         def _mix_packed(self, x: torch.Tensor, params: Any) -> torch.Tensor:
-            """One THD pack (``[1, t, h]``): every sequence alone, from a zero state and window."""
+            """One THD pack (``[1, t, h]``): every sequence from a zero state and window - alone, one
+            after the other (``pack="each"``), or as one right-padded batch (``pack="batch"``)."""
             if x.shape[0] != 1:
                 raise ZooError(f"a THD pack has batch 1, got {x.shape[0]}")
             bounds = params.cu_seqlens_q.tolist()
             padded = getattr(params, "cu_seqlens_q_padded", None)
             starts = (padded if padded is not None else params.cu_seqlens_q).tolist()
+            spans = [(starts[i], bounds[i + 1] - bounds[i]) for i in range(len(bounds) - 1) if bounds[i + 1] > bounds[i]]
             out = torch.zeros(x.shape[:-1] + (self.out_proj.out_features,), dtype=x.dtype, device=x.device)
-            for i in range(len(bounds) - 1):
-                start, length = starts[i], bounds[i + 1] - bounds[i]
-                if length:
-                    out[:, start:start + length] = self._mix(x[:, start:start + length])
+            if self.pack == "batch" and len(spans) > 1:
+                return self._mix_padded_batch(x, spans, out)
+            for start, length in spans:
+                out[:, start:start + length] = self._mix(x[:, start:start + length])
             return out
+
+        def _mix_padded_batch(self, x: torch.Tensor, spans: list, out: torch.Tensor) -> torch.Tensor:
+            """The pack's ``spans`` (start row, length) as one right-padded ``[n, longest, h]`` batch
+            (rows moved by one gather and one scatter each way), mixed, and written back into ``out``."""
+            longest = max(length for _, length in spans)
+            rows = torch.cat([torch.arange(start, start + length) for start, length in spans]).to(x.device)
+            slots = torch.cat([torch.arange(i * longest, i * longest + length) for i, (_, length) in enumerate(spans)])
+            slots = slots.to(x.device)
+            batch = x.new_zeros(len(spans) * longest, x.shape[-1]).index_copy(0, slots, x[0].index_select(0, rows))
+            mixed = self._mix(batch.view(len(spans), longest, -1))
+            return out[0].index_copy(0, rows, mixed.reshape(-1, mixed.shape[-1]).index_select(0, slots)).unsqueeze(0)
 
         def _mix(self, x: torch.Tensor) -> torch.Tensor:
             """transformers' ``Qwen3NextGatedDeltaNet.forward`` (``Qwen3_5GatedDeltaNet.forward`` for the
@@ -337,7 +354,7 @@ def hybrid_layer_specs(arch: ArchConfig, backend: str, numerics: NumericsProfile
 
     check_buildable(arch, backend, numerics)
     spec = arch.gated_deltanet
-    linear = ModuleSpec(module=gated_deltanet_class(), params={"spec": spec})
+    linear = ModuleSpec(module=gated_deltanet_class(), params={"spec": spec, "pack": numerics.linear_attention_pack})
     dense = gpt_layer_spec(arch, backend, numerics)
     moe = gpt_layer_spec(arch, backend, numerics, moe=True) if arch.moe is not None else None
     layers = []

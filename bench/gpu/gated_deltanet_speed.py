@@ -1,0 +1,212 @@
+"""What THD packing costs one gated DeltaNet layer: forward + backward time of the zoo's layer on one
+THD pack of mixed-length sequences against the same sequences on BSHD (issue: packing must not cost
+more than 5%).
+
+One layer at a published config's full width (default: Qwen3-Next-80B-A3B's gated DeltaNet block,
+16 key / 32 value heads of 128, which Qwen3.5-9B and Qwen3.5-35B-A3B share), taken from a
+one-layer model built by ``mcore_zoo.build_model`` (``local`` backend, random init). Per case:
+
+* ``thd``: the sequences packed into one ``[t, 1, h]`` tensor with ``cu_seqlens``, the layer as
+  the profiles build it (numerics knob ``linear_attention_pack="each"``: each sequence run alone
+  inside the layer, from a zero state and convolution window, one after the other);
+* ``thd_batch``: the same pack with ``linear_attention_pack="batch"`` (inside the layer the pack's
+  sequences run as one right-padded batch);
+* ``bshd_padded``: the same sequences as one ``[s_max, b, h]`` batch, right-padded to the longest
+  (what a BSHD trainer runs; the padding rows cost compute);
+* ``bshd_each``: each sequence as its own batch of one (the work the pack does, without it).
+
+Times are medians of ``--iters`` runs after warm-up (CUDA events on the GPU). ``thd_vs_padded`` and
+``thd_vs_each`` are the ratios of the THD time to each BSHD time, ``thd_batch_vs_padded`` that of
+``thd_batch`` (1.05 is the issue's bound). ``max_abs_diff_*``: the largest difference between the
+pack's outputs and each BSHD form's (``max_abs_diff_batch``: ``thd_batch`` vs ``thd``), per token
+(0.0: bitwise).
+
+    PYTHONPATH=src python bench/gpu/gated_deltanet_speed.py --out OUT/gated_deltanet_thd.json
+    PYTHONPATH=src python bench/gpu/gated_deltanet_speed.py --device cpu --tiny --iters 1 --out x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_CONFIG = ROOT / "tests" / "fixtures" / "configs" / "qwen3-next-80b-a3b.json"
+#: (name, lengths): a mixed pack a trainer sees, and many short sequences (the per-sequence loop's worst case)
+CASES = [("mixed", [2048, 1024, 768, 512, 300, 100, 37]), ("many-short", [256] * 16)]
+TINY = {"hidden_size": 64, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "intermediate_size": 96}  # fmt: skip
+
+
+def layer_config(path: Path, tiny: bool) -> dict[str, Any]:
+    """The published config's language model with one (gated DeltaNet) layer, a dense MLP and a
+    small vocabulary: only the layer's token mixer is timed."""
+    raw = json.loads(path.read_text())
+    text = dict(raw.get("text_config", raw))
+    text.update(num_hidden_layers=1, vocab_size=1024, num_experts=0, mtp_num_hidden_layers=0,
+                layer_types=["linear_attention"], full_attention_interval=4)  # fmt: skip
+    text.setdefault("intermediate_size", 1024)
+    if "architectures" not in text:
+        text["architectures"] = [raw["architectures"][0].replace("ForConditionalGeneration", "ForCausalLM")]
+    if tiny:
+        text.update(TINY)
+    return text
+
+
+def build_layer(config: dict[str, Any], device: str, dtype: torch.dtype) -> torch.nn.Module:
+    import mcore_zoo
+
+    model = mcore_zoo.build_model(config, backend="local", params_dtype=dtype, device=device)
+    layer = model.decoder.layers[0].self_attention
+    if type(layer).__name__ != "PortableGatedDeltaNet":
+        raise SystemExit(f"layer 0 is {type(layer).__name__}, not the gated DeltaNet layer")
+    return layer
+
+
+def timed(fn: Callable[[], None], device: str, iters: int, warmup: int) -> float:
+    """Median milliseconds of ``fn`` (synchronised)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def run_case(layer: torch.nn.Module, lengths: list[int], device: str, dtype: torch.dtype, iters: int,
+             warmup: int) -> dict[str, Any]:  # fmt: skip
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    hidden = layer.out_proj.out_features
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    seqs = [torch.randn(n, hidden, generator=gen).to(device=device, dtype=dtype) for n in lengths]
+    grads = [torch.randn(n, hidden, generator=gen).to(device=device, dtype=dtype) for n in lengths]
+    bounds = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
+                             max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))  # fmt: skip
+    packed = torch.cat(seqs).unsqueeze(1)  # [t, 1, h]
+    packed_grad = torch.cat(grads).unsqueeze(1)
+    longest = max(lengths)
+    padded = torch.zeros(longest, len(seqs), hidden, device=device, dtype=dtype)
+    padded_grad = torch.zeros_like(padded)  # padding rows get no gradient
+    for i, (x, g) in enumerate(zip(seqs, grads)):
+        padded[: len(x), i], padded_grad[: len(g), i] = x, g
+
+    def step(x: torch.Tensor, grad: torch.Tensor, packed_seq_params: Any = None) -> torch.Tensor:
+        x = x.detach().requires_grad_(True)
+        out, _ = layer(x, None, packed_seq_params=packed_seq_params)
+        out.backward(grad)
+        return out.detach()
+
+    def zero_grads() -> None:
+        for p in layer.parameters():
+            p.grad = None
+
+    def thd(pack: str) -> None:
+        layer.pack = pack
+        try:
+            zero_grads()
+            step(packed, packed_grad, params)
+        finally:
+            layer.pack = "each"
+
+    forms = {
+        "thd": lambda: thd("each"),
+        "thd_batch": lambda: thd("batch"),
+        "bshd_padded": lambda: (zero_grads(), step(padded, padded_grad)),
+        "bshd_each": lambda: (zero_grads(), [step(x.unsqueeze(1), g.unsqueeze(1)) for x, g in zip(seqs, grads)]),
+    }
+    result: dict[str, Any] = {"lengths": lengths, "tokens": sum(lengths), "padded_tokens": longest * len(lengths)}
+    for name, fn in forms.items():
+        result[f"{name}_ms"] = timed(fn, device, iters, warmup)
+    result["thd_vs_padded"] = result["thd_ms"] / result["bshd_padded_ms"]
+    result["thd_vs_each"] = result["thd_ms"] / result["bshd_each_ms"]
+    result["thd_batch_vs_padded"] = result["thd_batch_ms"] / result["bshd_padded_ms"]
+    with torch.no_grad():
+        thd = layer(packed, None, packed_seq_params=params)[0][:, 0].float()
+        pad = layer(padded, None)[0].float()
+        starts = bounds.tolist()
+        diff_pad = max(float((thd[starts[i]:starts[i + 1]] - pad[: n, i]).abs().max()) for i, n in enumerate(lengths))
+        diff_each = max(float((thd[starts[i]:starts[i + 1]] - layer(x.unsqueeze(1), None)[0][:, 0].float()).abs().max())
+                        for i, x in enumerate(seqs))  # fmt: skip
+        layer.pack = "batch"
+        batched = layer(packed, None, packed_seq_params=params)[0][:, 0].float()
+        layer.pack = "each"
+    result["max_abs_diff_padded"], result["max_abs_diff_each"] = diff_pad, diff_each
+    result["max_abs_diff_batch"] = float((batched - thd).abs().max())
+    return result
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [f"# THD vs BSHD: one gated DeltaNet layer, forward + backward ({report['device_name']}, {report['dtype']})",
+             "", f"Layer of `{report['config']}`: {report['layer']}.", "",
+             "| case | tokens (padded) | THD ms | THD batch ms | BSHD padded ms | BSHD one by one ms | THD / padded |"
+             " THD batch / padded | THD / one by one | max \\|d\\| vs padded | max \\|d\\| vs one by one |"
+             " max \\|d\\| batch vs THD |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for name, r in report["cases"].items():
+        if "error" in r:
+            lines.append(f"| {name} | failed: {r['error']} | | | | | | | | | | |")
+            continue
+        lines.append(f"| {name} | {r['tokens']} ({r['padded_tokens']}) | {r['thd_ms']:.2f} | {r['thd_batch_ms']:.2f} |"
+                     f" {r['bshd_padded_ms']:.2f} | {r['bshd_each_ms']:.2f} | {r['thd_vs_padded']:.3f} |"
+                     f" {r['thd_batch_vs_padded']:.3f} | {r['thd_vs_each']:.3f} | {r['max_abs_diff_padded']:.3g} |"
+                     f" {r['max_abs_diff_each']:.3g} | {r['max_abs_diff_batch']:.3g} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--tiny", action="store_true", help="a tiny layer (a dry run of the script on the CPU)")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out", type=Path, required=True, help="JSON path (Markdown beside it)")
+    args = ap.parse_args(argv)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    config = layer_config(args.config, args.tiny)
+    layer = build_layer(config, args.device, dtype)
+    spec = layer.spec
+    report: dict[str, Any] = {
+        "config": args.config.name, "device": args.device, "dtype": str(dtype).replace("torch.", ""),
+        "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__, "iters": args.iters, "warmup": args.warmup,
+        "layer": (f"hidden {config['hidden_size']}, {spec.num_key_heads} key heads x {spec.key_head_dim},"
+                  f" {spec.num_value_heads} value heads x {spec.value_head_dim}, conv {spec.conv_kernel_dim},"
+                  f" chunk {spec.chunk_size}"),
+        "cases": {},
+    }  # fmt: skip
+    status = 0
+    for name, lengths in CASES:
+        if args.tiny:
+            lengths = [max(2, n // 16) for n in lengths]
+        try:
+            report["cases"][name] = run_case(layer, lengths, args.device, dtype, args.iters, args.warmup)
+        except Exception as exc:  # recorded; the next case runs
+            report["cases"][name] = {"lengths": lengths, "error": f"{type(exc).__name__}: {exc}"}
+            status = 1
+        print(name, json.dumps(report["cases"][name]), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(report))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Gated DeltaNet models (Qwen3-Next, Qwen3.5) into a real in-process ``vllm.LLM``: the zoo's export
+loads into vLLM 0.26, and a refit brings back every engine parameter and every prompt log-prob bit
+for bit - the checks of ``test_refit_gpu.py`` (its ``check`` runs here, one engine per process),
+on models shaped from a published config with 4 layers (3 gated DeltaNet, 1 gated attention), no
+MTP layer, and, as the other families' refit tests, a smaller width (:data:`REFIT_SIZES`: the
+published head dimensions, fewer heads, a 32000-token vocabulary; a refit moves every tensor the
+same way at any width). The full-width export is loaded into vLLM by the ``hybrid-gpu`` phase's
+``parity-report --vllm`` runs. vLLM stacks Qwen3.5's split
+projections into ``in_proj_qkvz`` / ``in_proj_ba`` and names a vision-language checkpoint's
+language model ``language_model.model.``; the vision tower is not built (``language_model_only``)
+since the zoo exports only the language model. token_mult_prob_error of vLLM vs the mcore model is
+printed (``-s``) and, with ``MCORE_ZOO_GPU_RESULTS`` set, written there as JSON per architecture.
+
+Needs CUDA and vLLM (bench/gpu/vllm-setup.sh, then ``source bench/gpu/vllm-env.sh``); one GPU:
+
+    python3 -m pytest tests/gpu/test_refit_gated_deltanet_gpu.py -q -s
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import mcore_zoo
+
+if importlib.util.find_spec("vllm") is None:  # before any checkpoint is written
+    pytestmark = pytest.mark.skip(reason="needs vLLM (bench/gpu/vllm-setup.sh, source bench/gpu/vllm-env.sh)")
+
+CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
+REFIT_CHECK = str(Path(__file__).with_name("test_refit_gpu.py"))
+CASES = [
+    ("qwen3-next-80b-a3b.json", "Qwen3NextForCausalLM", {}),
+    ("qwen3.5-9b.json", "Qwen3_5ForConditionalGeneration", {"language_model_only": True}),
+]
+#: the text model's width for the refit (head dimensions as published: 128 for the gated DeltaNet, 256 for attention)
+REFIT_SIZES = {"hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 256,
+               "shared_expert_intermediate_size": 256, "num_attention_heads": 8, "num_key_value_heads": 2,
+               "linear_num_key_heads": 4, "linear_num_value_heads": 8, "vocab_size": 32000}  # fmt: skip
+#: a vision tower shrunk to one small block (the zoo builds none; vLLM skips it with language_model_only)
+SMALL_VISION = {"depth": 1, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2}
+
+
+def few_layers(config: dict, layers: int = 4, experts: int = 64, sizes: dict = REFIT_SIZES) -> dict:
+    """A published config with ``layers`` layers (the last one full attention), at most ``experts``
+    routed experts, no MTP layer and the text fields of ``sizes`` it has; a vision-language config
+    changed in its ``text_config``, its vision tower shrunk."""
+    config = json.loads(json.dumps(config))
+    text = config.get("text_config", config)
+    text.update({key: value for key, value in sizes.items() if key in text})
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # inside the smaller vocabulary
+        for where in (config, text):
+            if isinstance(where.get(key), int) and where[key] >= text["vocab_size"]:
+                where[key] = text["vocab_size"] - 1
+    text.update(num_hidden_layers=layers, full_attention_interval=layers)
+    if isinstance(text.get("layer_types"), list):
+        text["layer_types"] = ["linear_attention"] * (layers - 1) + ["full_attention"]
+    if text.get("num_experts"):
+        text["num_experts"] = min(text["num_experts"], experts)
+    text.pop("mtp_num_hidden_layers", None)
+    text.pop("num_nextn_predict_layers", None)
+    if isinstance(config.get("vision_config"), dict):
+        config["vision_config"].update(SMALL_VISION, out_hidden_size=text["hidden_size"])
+    return config
+
+
+@pytest.mark.parametrize("fixture,arch,llm_kwargs", CASES, ids=[c[1] for c in CASES])
+def test_refit_gated_deltanet_into_vllm_is_bitwise(tmp_path, fixture, arch, llm_kwargs):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from mcore_zoo.parity.reference import write_reference_checkpoint
+
+    from .conftest import run_check
+
+    config = few_layers(json.loads((CONFIGS / fixture).read_text()))
+    ckpt = tmp_path / "ckpt"
+    write_reference_checkpoint(mcore_zoo.lookup(config), config, ckpt, dtype=torch.bfloat16)
+    r = run_check(REFIT_CHECK, str(ckpt), arch, str(tmp_path), json.dumps(llm_kwargs))
+    results = os.environ.get("MCORE_ZOO_GPU_RESULTS")
+    if results:
+        Path(results).mkdir(parents=True, exist_ok=True)
+        (Path(results) / f"refit-{arch}.json").write_text(json.dumps({"config": fixture, **r}, indent=2) + "\n")
+    print(f"\n{arch}: vLLM after refit vs mcore local bf16: token_mult_prob_error {r['token_mult_prob_error']:.6f},"
+          f" max |dlogp| {r['max_abs_dlogp']:.3e}; refit {r['refit_mb']:.1f} MB in {r['refit_ms']:.1f} ms")  # fmt: skip
+    assert r["transport"] == "inproc" and r["tp"] == 1
+    assert r["scrambled_differs"] and r["buckets"] > 2
+    assert r["names_equal"] and r["params_differ"] == []
+    assert r["logprobs_bitwise"]
+    assert r["per_shard_params_differ"] == [] and r["reused_tables_params_differ"] == []
+    assert r["skipped_bucket_error"] is not None and "refit incomplete" in r["skipped_bucket_error"]
