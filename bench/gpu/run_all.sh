@@ -46,7 +46,7 @@ job() {  # job NAME GPU CMD...: run on one GPU in the background, log, record th
 
 # g I: the I-th GPU, round robin; within the GPUs CUDA_VISIBLE_DEVICES names, when set (two run_all.sh
 # invocations may share one machine: CUDA_VISIBLE_DEVICES=0,1 ... & CUDA_VISIBLE_DEVICES=2,3 ... &)
-visible=(${CUDA_VISIBLE_DEVICES//,/ })
+cvd=${CUDA_VISIBLE_DEVICES:-}; visible=(${cvd//,/ })
 g() { if (( ${#visible[@]} )); then echo "${visible[$(( $1 % ngpu ))]}"; else echo $(( $1 % ngpu )); fi; }
 if [[ " $phases " == *" reports "* ]]; then
   # te (the fast path) vs HF eager for every architecture: B=4 x 512, invariance matrix, ablation
