@@ -250,7 +250,9 @@ if [[ " $phases " == *" frontier-gpu "* ]]; then
   # writes no report (build or runtime error) is followed by the same report on local.
   frdir="$out/parity/gpu-frontier"
   fr=($py bench/gpu/frontier_parity.py --admit te -- --dtype bfloat16 --device cuda -q -v --random-weights)
-  dsa=(--set num_hidden_layers=2 --set first_k_dense_replace=1)
+  # DSA with the ablation (each numerics knob flipped alone): on the CPU in bf16 the norm order decides
+  # the indexer's selection near ties, and norm=hf brings default to HF sdpa's own distance
+  dsa=(--set num_hidden_layers=2 --set first_k_dense_replace=1 --ablation)
   frontier() {  # frontier NAME GPU ARGS...: te on one GPU in the background; local when te wrote no report
     local name=$1 gpu=$2
     shift 2
