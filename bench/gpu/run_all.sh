@@ -283,7 +283,7 @@ if [[ " $phases " == *" hybrid-gpu "* ]]; then
     hyvllm hybrid-next-vllm "$(g 2)" "${hrep[@]}" "${next[@]}" "${vllm[@]}" ) &
   # refit into an in-process vLLM engine bit for bit (Qwen3-Next, Qwen3.5; token_mult_prob_error after it),
   # then vLLM on Qwen3.5's full-width export
-  ( MCORE_ZOO_GPU_RESULTS="$hy" hyvllm hybrid-refit "$(g 3)" $py -m pytest -p mcore_zoo.testing.plugin \
+  ( HYBRID_TIMEOUT=${HYBRID_REFIT_TIMEOUT:-360} MCORE_ZOO_GPU_RESULTS="$hy" hyvllm hybrid-refit "$(g 3)" $py -m pytest -p mcore_zoo.testing.plugin \
         tests/gpu/test_refit_gated_deltanet_gpu.py -q -s -p no:cacheprovider
     hyvllm hybrid-q35-vllm "$(g 3)" "${hrep[@]}" "${q35dense[@]}" "${vllm[@]}" --vllm-arg language_model_only=true ) &
   wait
