@@ -274,7 +274,9 @@ if [[ " $phases " == *" hybrid-gpu "* ]]; then
   # the zoo (default profile) vs HF eager with HF's sdpa-vs-eager spread; then hf-exact (split-K off) on the
   # same reference checkpoint, bitwise vs HF eager or the measured gap; vLLM 0.26 on the zoo's export
   ( hyrun hybrid-next "$(g 0)" "${hrep[@]}" "${next[@]}" --work-dir "$work/next" --out "$hy/local"
-    hyrun hybrid-next-exact "$(g 0)" "${nosplit[@]}" "${hrep[@]}" --model "$work/next/reference" "${exact[@]}"
+    # the experts as transformers' eager loop (on CUDA its grouped_mm default runs other GEMMs: moe-exact's finding)
+    hyrun hybrid-next-exact "$(g 0)" "${nosplit[@]}" "${hrep[@]}" --model "$work/next/reference" "${exact[@]}" \
+        --knob moe_experts=eager
     # THD vs BSHD forward + backward time of one gated DeltaNet layer (the issue's bound: THD <= 1.05 x BSHD)
     hyrun hybrid-thd-speed "$(g 0)" $py bench/gpu/gated_deltanet_speed.py --out "$hy/gated_deltanet_thd.json" ) &
   ( hyrun hybrid-q35 "$(g 1)" "${hrep[@]}" "${q35dense[@]}" --work-dir "$work/q35" --out "$hy/local"
