@@ -376,7 +376,9 @@ if [[ " $phases " == *" hybrid-gpu "* ]]; then
   # the zoo (default profile) vs HF eager with HF's sdpa-vs-eager spread; then hf-exact (split-K off) on the
   # same reference checkpoint, bitwise vs HF eager or the measured gap; vLLM 0.26 on the zoo's export
   ( hyrun hybrid-next "$(g 0)" "${hrep[@]}" "${next[@]}" --work-dir "$work/next" --out "$hy/local"
-    hyrun hybrid-next-exact "$(g 0)" "${nosplit[@]}" "${hrep[@]}" --model "$work/next/reference" "${exact[@]}"
+    # the experts as transformers' eager loop (on CUDA its grouped_mm default runs other GEMMs: moe-exact's finding)
+    hyrun hybrid-next-exact "$(g 0)" "${nosplit[@]}" "${hrep[@]}" --model "$work/next/reference" "${exact[@]}" \
+        --knob moe_experts=eager
     # THD vs BSHD forward + backward time of one gated DeltaNet layer (the issue's bound: THD <= 1.05 x BSHD)
     hyrun hybrid-thd-speed "$(g 0)" $py bench/gpu/gated_deltanet_speed.py --out "$hy/gated_deltanet_thd.json" ) &
   ( hyrun hybrid-q35 "$(g 1)" "${hrep[@]}" "${q35dense[@]}" --work-dir "$work/q35" --out "$hy/local"
@@ -385,7 +387,7 @@ if [[ " $phases " == *" hybrid-gpu "* ]]; then
     hyvllm hybrid-next-vllm "$(g 2)" "${hrep[@]}" "${next[@]}" "${vllm[@]}" ) &
   # refit into an in-process vLLM engine bit for bit (Qwen3-Next, Qwen3.5; token_mult_prob_error after it),
   # then vLLM on Qwen3.5's full-width export
-  ( MCORE_ZOO_GPU_RESULTS="$hy" hyvllm hybrid-refit "$(g 3)" $py -m pytest -p mcore_zoo.testing.plugin \
+  ( HYBRID_TIMEOUT=${HYBRID_REFIT_TIMEOUT:-360} MCORE_ZOO_GPU_RESULTS="$hy" hyvllm hybrid-refit "$(g 3)" $py -m pytest -p mcore_zoo.testing.plugin \
         tests/gpu/test_refit_gated_deltanet_gpu.py -q -s -p no:cacheprovider
     hyvllm hybrid-q35-vllm "$(g 3)" "${hrep[@]}" "${q35dense[@]}" "${vllm[@]}" --vllm-arg language_model_only=true ) &
   wait
