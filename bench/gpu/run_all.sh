@@ -244,12 +244,18 @@ if [[ " $phases " == *" four-gpu-vllm "* ]] && (( ngpu >= 4 )); then
       --out "$out/rollout/refit-tp4.json" > "$out/logs/refit-tp4.log" 2>&1
   echo "refit-tp4 exit $?" >> "$out/logs/status"
   mkdir -p "$out/vllm-exact-tp4"
+  # the zoo's row-parallel sum (NCCL's tree order) against NCCL's all-reduce as vLLM's batch-invariant
+  # mode configures it (tree, Simple, one channel), bit for bit on four GPUs; no vLLM needed
+  timeout "${JOB_TIMEOUT:-420}" $py -m pytest -q -s -p no:cacheprovider tests/gpu/test_chain_all_reduce_gpu.py \
+      > "$out/logs/chain-all-reduce-tp4.log" 2>&1
+  echo "chain-all-reduce-tp4 exit $?" >> "$out/logs/status"
   for arch in ${TP4_ARCHS:-LlamaForCausalLM Qwen3ForCausalLM}; do
     grads="$out/vllm-exact-tp4/tp1-$arch-grads.safetensors"; rm -f "$grads"
     timeout "${JOB_TIMEOUT:-420}" $py bench/gpu/vllm_exact_tp.py --tp 1 --kv-heads 4 --arch "$arch" --grads "$grads" \
         --out "$out/vllm-exact-tp4/tp1-$arch.json" > "$out/logs/vllm-exact-tp4-ref-$arch.log" 2>&1
     echo "vllm-exact-tp4-ref-$arch exit $?" >> "$out/logs/status"
-    tr 4 bench/gpu/vllm_exact_tp.py --tp 4 --kv-heads 4 --arch "$arch" --grads "$grads" \
+    # NCCL's INFO lines name each communicator's tree ("Trees [0] ..."): the chain the engine adds along
+    NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT tr 4 bench/gpu/vllm_exact_tp.py --tp 4 --kv-heads 4 --arch "$arch" --grads "$grads" \
         --out "$out/vllm-exact-tp4/$arch.json" > "$out/logs/vllm-exact-tp4-$arch.log" 2>&1
     echo "vllm-exact-tp4-$arch exit $?" >> "$out/logs/status"
   done

@@ -1,5 +1,6 @@
 """Autograd-aware collectives used inside model modules (the zoo's own attention kernels, the
-``vllm-exact`` row-parallel sum in NCCL's tree order), and a vote that keeps a per-rank decision the same on every rank of a group.
+``vllm-exact`` row-parallel sum in NCCL's tree order), and a vote that keeps a per-rank decision
+the same on every rank of a group.
 
 Kept here so that :mod:`mcore_zoo.distributed` stays the one package that issues collectives.
 """
