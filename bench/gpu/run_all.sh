@@ -240,6 +240,8 @@ if [[ " $phases " == *" four-gpu-vllm "* ]] && (( ngpu >= 4 )); then
   # batch-invariant mode (four key-value heads; the one-GPU run of the same model first: its gradients
   # are the TP4 run's reference)
   tr() { local n=$1; shift; timeout "${MULTI_TIMEOUT:-240}" $py -m torch.distributed.run --standalone --nproc_per_node "$n" "$@"; }
+  # REFIT_TIMEOUT: the engine's start dominates (97 s at TP4 on a fresh machine, its first kernel
+  # compiles; the refits themselves a few seconds), so 150 s stops a cold run in its exactness check
   MULTI_TIMEOUT=${REFIT_TIMEOUT:-300} tr 4 bench/gpu/refit_bench.py --tp 4 --backend te --layers 32 \
       --out "$out/rollout/refit-tp4.json" > "$out/logs/refit-tp4.log" 2>&1
   echo "refit-tp4 exit $?" >> "$out/logs/status"
