@@ -33,6 +33,14 @@ GB/s counts the bytes written into the engine (all engine ranks). The copy refer
 GPU, the same number of bytes as that GPU's engine rank receives, with one ``Tensor.copy_`` (bytes
 counted once, as for the refit).
 
+``engine_start_seconds`` is the ``vllm.LLM`` construction (its warm-up included), and rank 0 prints
+a line per stage with the seconds since start: on a fresh four-GPU H100 machine the TP4 engine
+took 97 s to start (``init engine ... took 97.46 s`` in vLLM's log, 92 s of it in the warm-up that
+JIT-compiles the engine's Triton kernels, most likely compiled for the first time on that machine:
+the smaller engines of the ``vllm-exact`` runs started after it took 11-15 s), while all the
+refits that reset the prefix cache ran within about 3 s. A time limit has to cover that start; the
+number of timed refits barely moves it.
+
 Needs vLLM (bench/gpu/vllm-setup.sh; ``source bench/gpu/vllm-env.sh``) and, for ``te``, Transformer
 Engine (../shared/gpu).
 """
@@ -194,6 +202,16 @@ def _kv_blocks(llm) -> int:
         return -1
 
 
+_START = time.perf_counter()
+
+
+def _stage(rank: int, what: str) -> None:
+    """One line on rank 0 with the seconds since the script started: where a run's time limit goes
+    (vLLM's engine start, with its kernel warm-up, can outweigh every timed refit)."""
+    if rank == 0:
+        print(f"refit_bench: {time.perf_counter() - _START:.1f} s: {what}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", type=int, default=1)
@@ -234,7 +252,10 @@ def main() -> None:
                   tensor_parallel_size=args.tp, worker_extension_cls=VLLM_WORKER_EXTENSION)  # fmt: skip
     if args.tp > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"
+    t0 = time.perf_counter()
     llm = vllm.LLM(**kwargs)
+    t_engine = time.perf_counter() - t0
+    _stage(rank, f"engine started in {t_engine:.1f} s")
     adapter = VLLMAdapter(llm)
     receiver = "all" if args.tp > 1 else 0
 
@@ -248,6 +269,7 @@ def main() -> None:
             dist.barrier()
         runs.append(mcore_zoo.refit(model, adapter, bucket_size=args.bucket_size, receiver=receiver).seconds)
     seconds = statistics.median(runs)
+    _stage(rank, f"{args.iters} timed refits, median {seconds * 1e3:.1f} ms")
     fused = bool(llm.collective_rpc("zoo_refit_fused")[0])  # whether those refits ran the fused copies
     # the same refits without the engine's prefix-cache reset (VLLMAdapter.end calls
     # llm.reset_prefix_cache(): vLLM walks every KV-cache block in Python, so its cost follows the
@@ -270,6 +292,7 @@ def main() -> None:
         if dist.is_initialized():
             dist.barrier()
         shard_runs.append(mcore_zoo.refit(model, per_shard, bucket_size=args.bucket_size, receiver=receiver).seconds)
+    _stage(rank, "refits without the reset and per shard timed")
     # exactness: the engine's parameters against a reference refit into plain tensors on another
     # path (at TP2 the gathered export - the reference adapter names no engine rank; at TP1 the
     # slot-shaped copies instead of raw views)
@@ -277,6 +300,7 @@ def main() -> None:
     mcore_zoo.refit(model, reference, bucket_size=args.bucket_size, receiver=receiver)
     mismatch = llm.collective_rpc("zoo_compare_parameters", args=(reference.tensors[rank if args.tp > 1 else 0],))
     del reference
+    _stage(rank, "exactness compared")
     diagnostics = {}
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
@@ -311,7 +335,7 @@ def main() -> None:
         "per_shard_seconds_all": shard_runs,
         "per_shard_fraction_of_copy": per_rank / statistics.median(shard_runs) / 1e9 / copy,
         "kv_cache_blocks": _kv_blocks(llm),
-        "first_refit_seconds_with_plan": t_first, "build_seconds": t_build,
+        "first_refit_seconds_with_plan": t_first, "build_seconds": t_build, "engine_start_seconds": t_engine,
         "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
         "first_refit_planned": first.planned, "refit_source": getattr(first, "source", ""),
         "exact": not any(mismatch), "mismatch": [m for m in mismatch if m],

@@ -240,16 +240,24 @@ if [[ " $phases " == *" four-gpu-vllm "* ]] && (( ngpu >= 4 )); then
   # batch-invariant mode (four key-value heads; the one-GPU run of the same model first: its gradients
   # are the TP4 run's reference)
   tr() { local n=$1; shift; timeout "${MULTI_TIMEOUT:-240}" $py -m torch.distributed.run --standalone --nproc_per_node "$n" "$@"; }
+  # REFIT_TIMEOUT: the engine's start dominates (97 s at TP4 on a fresh machine, its first kernel
+  # compiles; the refits themselves a few seconds), so 150 s stops a cold run in its exactness check
   MULTI_TIMEOUT=${REFIT_TIMEOUT:-300} tr 4 bench/gpu/refit_bench.py --tp 4 --backend te --layers 32 \
       --out "$out/rollout/refit-tp4.json" > "$out/logs/refit-tp4.log" 2>&1
   echo "refit-tp4 exit $?" >> "$out/logs/status"
   mkdir -p "$out/vllm-exact-tp4"
+  # the zoo's row-parallel sum (NCCL's tree order) against NCCL's all-reduce as vLLM's batch-invariant
+  # mode configures it (tree, Simple, one channel), bit for bit on four GPUs; no vLLM needed
+  timeout "${JOB_TIMEOUT:-420}" $py -m pytest -q -s -p no:cacheprovider tests/gpu/test_chain_all_reduce_gpu.py \
+      > "$out/logs/chain-all-reduce-tp4.log" 2>&1
+  echo "chain-all-reduce-tp4 exit $?" >> "$out/logs/status"
   for arch in ${TP4_ARCHS:-LlamaForCausalLM Qwen3ForCausalLM}; do
     grads="$out/vllm-exact-tp4/tp1-$arch-grads.safetensors"; rm -f "$grads"
     timeout "${JOB_TIMEOUT:-420}" $py bench/gpu/vllm_exact_tp.py --tp 1 --kv-heads 4 --arch "$arch" --grads "$grads" \
         --out "$out/vllm-exact-tp4/tp1-$arch.json" > "$out/logs/vllm-exact-tp4-ref-$arch.log" 2>&1
     echo "vllm-exact-tp4-ref-$arch exit $?" >> "$out/logs/status"
-    tr 4 bench/gpu/vllm_exact_tp.py --tp 4 --kv-heads 4 --arch "$arch" --grads "$grads" \
+    # NCCL's INFO lines name each communicator's tree ("Trees [0] ..."): the chain the engine adds along
+    NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT tr 4 bench/gpu/vllm_exact_tp.py --tp 4 --kv-heads 4 --arch "$arch" --grads "$grads" \
         --out "$out/vllm-exact-tp4/$arch.json" > "$out/logs/vllm-exact-tp4-$arch.log" 2>&1
     echo "vllm-exact-tp4-$arch exit $?" >> "$out/logs/status"
   done

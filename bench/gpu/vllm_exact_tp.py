@@ -11,7 +11,10 @@ prompts, 48 sampled tokens each), with both sides split over two GPUs: the zoo m
 THD pack of prompt + continuation; its log-probs of the sampled and the prompt tokens are compared
 bit for bit with the engine's (every rank computes them; rank 0 writes the JSON). ``--tp 1``
 runs the same comparison in one process (the single-GPU reference of this script). ``--tp 4
---kv-heads 4`` on four GPUs: the same with four key-value heads (one per rank).
+--kv-heads 4`` on four GPUs: the same with four key-value heads (one per rank). Above TP2 the JSON
+also has ``allreduce_probe``: the engine's TP all-reduce against the zoo's row-parallel sum (NCCL's
+tree order, which vLLM's batch-invariant mode pins) on the same partials, and which chain orders
+of the ranks reproduce it.
 
 Gradients: one ``train_step`` of ``-sum(log-probs)`` on the same pack, gathered over TP under HF
 names (``iter_hf_weights(grads=True)``), against an ``hf-exact`` model of the same layout
@@ -78,6 +81,9 @@ def main() -> None:
         if args.tp > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
         llm = vllm.LLM(**kwargs)
+        probe = _allreduce_probe(model) if args.tp > 2 else {}
+        if probe and rank == 0:
+            print(json.dumps({"allreduce_probe": probe}), flush=True)
         vocab = mcore_zoo.handle_of(model).arch_config.vocab_size
         prompts = random_sequences(PROMPTS, vocab, seed=7)
         sampled = _sample(llm, prompts)
@@ -100,6 +106,8 @@ def main() -> None:
         r["generated_mean_abs"] = float(torch.cat(diffs).mean())
         # token_mult_prob_error as the RL frameworks gate it: exp(mean |dlogp|) over the sampled tokens
         r["token_mult_prob_error"] = float(torch.exp(torch.cat(diffs).mean()))
+        if probe:
+            r["allreduce_probe"] = probe
         if rank == 0:
             print(json.dumps(r), flush=True)
         r.update(_gradients(model, ckpt, [s.cuda() for s in full], args))
@@ -113,6 +121,43 @@ def main() -> None:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(payload, f, indent=1)
+
+
+def _allreduce_probe(model, shape: tuple = (398, 1024)) -> dict:
+    """The engine's tensor-parallel all-reduce (``tensor_model_parallel_all_reduce``, what vLLM's
+    ``RowParallelLinear`` calls) against the zoo's row-parallel sum on the same bf16 partials: whether
+    the zoo's tree order (:func:`mcore_zoo.distributed.collectives.chain_all_reduce`) gives the
+    engine's bits, which chain orders of the ranks do (share of elements equal for each order, the
+    root first), and a plain all-reduce on the trainer's communicator next to them."""
+    import itertools
+
+    import torch
+    import torch.distributed as dist
+    from vllm.distributed import tensor_model_parallel_all_reduce
+
+    import mcore_zoo
+    from mcore_zoo.distributed.collectives import chain_all_reduce, chain_sum
+
+    group = mcore_zoo.handle_of(model).placement.groups.tp
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    partials = (torch.randn((size, *shape), device="cuda", generator=g)
+                * torch.logspace(-3, 1, shape[-1], device="cuda")).to(torch.bfloat16)  # fmt: skip
+    engine = tensor_model_parallel_all_reduce(partials[rank].clone())
+    zoo = chain_all_reduce(partials[rank].clone(), group)
+    plain = partials[rank].clone()
+    dist.all_reduce(plain, group=group)
+
+    def share(t: torch.Tensor) -> float:
+        return float((t == engine).float().mean())
+
+    orders = {"".join(map(str, o)): share(chain_sum(partials[list(o)])) for o in itertools.permutations(range(size))}
+    return {
+        "shape": list(shape), "zoo_tree_order_bitwise": bool(torch.equal(zoo, engine)), "zoo_tree_order_share": share(zoo),
+        "trainer_all_reduce_share": share(plain), "fp32_sum_share": share(partials.float().sum(0).to(torch.bfloat16)),
+        "chain_orders_bitwise": sorted(o for o, v in orders.items() if v == 1.0), "chain_order_share": orders,
+        "nccl_env": {k: os.environ.get(k) for k in ("NCCL_ALGO", "NCCL_PROTO", "NCCL_MAX_NCHANNELS", "NCCL_MIN_NCHANNELS")},
+    }  # fmt: skip
 
 
 def _gradients(model, ckpt: str, seqs: list, args) -> dict:

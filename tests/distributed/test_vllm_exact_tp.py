@@ -52,3 +52,94 @@ def test_vllm_exact_tp2_matches_transformers_and_its_tp1_gradients(reference_che
         assert rank0["grads"][name].shape == g.shape, (name, rank0["grads"][name].shape, g.shape)
         assert torch.equal(rank0["grads"][name], rank1["grads"][name]), name
         assert (rank0["grads"][name] - g).abs().max() <= 1e-5 * max(1.0, g.abs().max().item()), name
+
+
+# --- TP4: the row-parallel partial sums added in NCCL's tree order (vLLM's batch-invariant mode) ---
+
+
+def _chain_reduce_on_ranks(shape: tuple) -> dict:
+    import torch.distributed as dist
+
+    from mcore_zoo.distributed.collectives import chain_all_reduce
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    mine = _partials(shape, size)[rank].requires_grad_(True)
+    out = chain_all_reduce(mine, None if size == 1 else dist.group.WORLD)
+    out.backward(torch.full_like(out, 3.0))
+    plain = mine.detach().float().clone()  # a plain all-reduce of the same partials, rounded once
+    dist.all_reduce(plain)
+    return {"out": out.detach(), "grad": mine.grad, "plain": plain.to(torch.bfloat16)}
+
+
+def _partials(shape: tuple, size: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(11)
+    return (torch.randn((size, *shape), generator=g) * torch.logspace(-3, 1, shape[-1])).to(torch.bfloat16)
+
+
+def _ordered(partials: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """Reference: the sum as NCCL's tree adds it on a chain, written out term by term."""
+    total = partials[order[-1]]
+    for r in reversed(order[:-1]):
+        total = partials[r] + total
+    return total
+
+
+def test_chain_sum_is_the_tree_order_and_no_other():
+    from mcore_zoo.distributed.collectives import chain_sum
+
+    one, tiny = torch.tensor(1.0, dtype=torch.bfloat16), torch.tensor(2.0**-8, dtype=torch.bfloat16)
+    p = torch.stack([one, tiny, tiny, tiny])
+    assert chain_sum(p).item() == 1.015625  # 1 + (2^-8 + (2^-8 + 2^-8)) = 1 + 1.5 ulp, ties to even
+    assert ((p[0] + p[1]) + (p[2] + p[3])).item() == 1.0078125  # the pairwise order
+    assert (((p[0] + p[1]) + p[2]) + p[3]).item() == 1.0  # left to right
+    assert torch.equal(chain_sum(p[:2]), p[0] + p[1]) and torch.equal(chain_sum(p[:2]), p[1] + p[0])
+
+
+def test_chain_all_reduce_at_four_ranks_is_the_tree_order_bit_for_bit():
+    shape = (37, 64)
+    ranks = launch(_chain_reduce_on_ranks, 4, shape, backend="gloo")
+    partials = _partials(shape, 4)
+    want = _ordered(partials, [0, 1, 2, 3])
+    for r in ranks:
+        assert torch.equal(r["out"], want)  # every rank, the same bits
+        assert torch.equal(r["grad"], torch.full(shape, 3.0, dtype=torch.bfloat16))  # backward: unchanged
+    # where the order matters it shows: other associations and a single rounding of the exact sum
+    assert not torch.equal(want, (partials[0] + partials[1]) + (partials[2] + partials[3]))
+    assert not torch.equal(want, ((partials[0] + partials[1]) + partials[2]) + partials[3])
+    assert not torch.equal(want, ranks[0]["plain"])
+    # two ranks: the one sum there is
+    two = launch(_chain_reduce_on_ranks, 2, shape, backend="gloo")
+    assert torch.equal(two[0]["out"], _partials(shape, 2)[0] + _partials(shape, 2)[1])
+
+
+def _tp4_row_parallel_calls(ckpt: str, seqs: list) -> dict:
+    import mcore_zoo
+    from mcore_zoo.distributed import collectives
+    from mcore_zoo.kernels.vllm_ops import ReferenceKernels, use_kernels
+    from mcore_zoo.parallel import ensure_model_parallel
+    from mcore_zoo.placement import Parallelism
+
+    calls = []
+    original = collectives.ChainAllReduce.apply
+    collectives.ChainAllReduce.apply = lambda t, g: calls.append(tuple(t.shape)) or original(t, g)
+    ensure_model_parallel(Parallelism(tp=4))
+    profile = mcore_zoo.get_profile("vllm-exact").with_knobs(vllm_decode="prefill")
+    with use_kernels(ReferenceKernels()):
+        model = mcore_zoo.build_model(ckpt, backend="portable", numerics=profile, parallel=Parallelism(tp=4), load=ckpt)
+        out = mcore_zoo.packed_forward(model, seqs, return_logits=False)
+    return {"logprobs": out.logprobs, "calls": len(calls)}
+
+
+def test_vllm_exact_tp4_adds_row_parallel_partials_in_tree_order(reference_checkpoint, hf_reference):
+    from mcore_zoo.testing.common import random_sequences
+
+    ckpt = reference_checkpoint("Qwen2ForCausalLM", {"num_hidden_layers": 2, "num_key_value_heads": 4})
+    seqs = random_sequences([23, 9], 256, seed=3)
+    ranks = launch(_tp4_row_parallel_calls, 4, str(ckpt), seqs)
+    assert ranks[0]["calls"] == 2 * 2  # o_proj and down_proj of both layers
+    hf = hf_reference("Qwen2ForCausalLM", ckpt)
+    with torch.no_grad():
+        for i, s in enumerate(seqs):
+            want = torch.log_softmax(hf(s[None]).logits[0, :-1].float(), -1).gather(-1, s[1:, None]).squeeze(-1)
+            assert all(torch.equal(r["logprobs"][i], ranks[0]["logprobs"][i]) for r in ranks)
+            assert (ranks[0]["logprobs"][i] - want).abs().max() <= 2e-5

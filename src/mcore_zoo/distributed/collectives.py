@@ -1,5 +1,6 @@
-"""Autograd-aware collectives used inside model modules (the zoo's own attention kernels), and a
-vote that keeps a per-rank decision the same on every rank of a group.
+"""Autograd-aware collectives used inside model modules (the zoo's own attention kernels, the
+``vllm-exact`` row-parallel sum in NCCL's tree order), and a vote that keeps a per-rank decision
+the same on every rank of a group.
 
 Kept here so that :mod:`mcore_zoo.distributed` stays the one package that issues collectives.
 """
@@ -36,6 +37,50 @@ class AllGatherRows(torch.autograd.Function):
 def all_gather_rows(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     """``[n, ...]`` on each rank of ``group`` -> ``[group size, n, ...]``, differentiable."""
     return AllGatherRows.apply(tensor, group)
+
+
+def chain_sum(partials: torch.Tensor) -> torch.Tensor:
+    """Sum ``partials`` (``[n, ...]``) over dim 0 as NCCL's tree all-reduce adds them on one node:
+    the ranks form a chain ``0 -> 1 -> ... -> n-1`` rooted at 0; the last rank sends its partial
+    up, each rank adds what it receives to its own and sends the sum on, and the root's sum is the
+    result::
+
+        p[0] + (p[1] + (... + (p[n-2] + p[n-1])))
+
+    Each addition rounds to the partials' dtype (NCCL reduces in the buffer's dtype on every hop).
+    For two partials this is ``p[0] + p[1]``, which every order gives; from three on, the
+    association decides the last bits."""
+    total = partials[-1]
+    for part in reversed(partials[:-1].unbind(0)):
+        total = part + total
+    return total
+
+
+class ChainAllReduce(torch.autograd.Function):
+    """All-reduce of ``tensor`` over ``group`` in NCCL's tree order (:func:`chain_sum` of the
+    partials all-gathered in group-rank order): every rank gets the same bits whatever algorithm,
+    protocol and channel count the communicator would have picked for an all-reduce. The backward
+    passes the gradient through unchanged, as Megatron-Core's
+    ``reduce_from_tensor_model_parallel_region``."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        tensor = tensor.contiguous()
+        gathered = tensor.new_empty((group_size(group), *tensor.shape))
+        dist.all_gather(list(gathered.unbind(0)), tensor, group=group)
+        return chain_sum(gathered)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def chain_all_reduce(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """The sum of ``tensor`` over the ranks of ``group``, added in NCCL's tree order
+    (:class:`ChainAllReduce`), differentiable. A group of one returns ``tensor``."""
+    if group is None or group_size(group) == 1:
+        return tensor
+    return ChainAllReduce.apply(tensor, group)
 
 
 def all_true(flags: list[bool], group: Any) -> list[bool]:

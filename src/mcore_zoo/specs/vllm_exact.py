@@ -19,7 +19,8 @@ their arithmetic routed to :mod:`mcore_zoo.kernels.vllm_ops`.
 
 Tensor parallelism splits the layers as vLLM's tensor-parallel engine does (q / k / v and gate /
 up by heads and rows, ``o_proj`` / ``down_proj`` by input columns with an all-reduce of the partial
-sums in the model dtype, vocabulary-parallel embedding and LM head with the logits gathered before
+sums in the model dtype, from TP3 on in the order of NCCL's tree as vLLM's batch-invariant mode
+pins it (:class:`VLLMRowParallelLinear`), vocabulary-parallel embedding and LM head with the logits gathered before
 the log-prob kernel), so at the engine's TP size the trainer computes each token as that engine
 does.
 
@@ -69,10 +70,35 @@ class VLLMColumnParallelLinear(ColumnParallelLinear):
 
 
 class VLLMRowParallelLinear(RowParallelLinear):
-    """``RowParallelLinear`` whose GEMM is vLLM's batch-invariant one."""
+    """``RowParallelLinear`` whose GEMM is vLLM's batch-invariant one, its partial sums added as
+    vLLM's batch-invariant engine adds them.
+
+    vLLM's batch-invariant mode turns off its custom and symmetric-memory all-reduces and pins NCCL
+    to the tree algorithm on one channel (``NCCL_ALGO=allreduce:tree``, ``NCCL_PROTO=Simple``,
+    ``NCCL_MAX_NCHANNELS=1``): on one node the ranks form a chain and every element is added
+    ``p0 + (p1 + (p2 + p3))``, rounding to bf16 on each hop. Megatron-Core's all-reduce runs on
+    the trainer's own communicator, whose algorithm and channels NCCL picks by message size and
+    whose order of addition varies along the tensor (a ring adds each chunk starting from another
+    rank). Two partials add the same in any order, so at TP2 either is exact; from TP3 on the
+    layer all-gathers the partials and adds them in the chain's order
+    (:func:`mcore_zoo.distributed.collectives.chain_all_reduce`)."""
 
     def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return _vllm_linear(input, weight, *args, **kwargs)
+
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        from ..placement import group_size
+
+        if self.tp_group is None or group_size(self.tp_group) <= 2:
+            return super().forward(input_)
+        from ..distributed.collectives import chain_all_reduce
+
+        if not self.input_is_parallel:
+            raise ZooError("numerics 'vllm-exact': a row-parallel layer takes its input already split over TP")
+        output = chain_all_reduce(self._forward_impl(input_, self.weight), self.tp_group)
+        if self.skip_bias_add:
+            return output, self.bias
+        return (output + self.bias if self.bias is not None else output), None
 
 
 class _VLLMNorm(torch.nn.Module):
