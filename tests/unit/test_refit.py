@@ -949,3 +949,16 @@ def test_dsa_indexer_refit_lays_tensors_out_as_vllm_does(mpu, reference_checkpoi
         for name in ("wq_b.weight", "k_norm.weight", "k_norm.bias"):
             assert torch.equal(got[layer + name], hf[layer + name]), name
         assert not any(n.endswith(("indexer.wk.weight", "indexer.weights_proj.weight")) for n in got)
+
+
+# ---------------------------------------------------------------- stacked experts (gpt-oss)
+@pytest.mark.parametrize("engine_format", [VLLM, HF_NAMES], ids=["vllm", "hf"])
+def test_stacked_experts_are_refused_before_any_transfer(mpu, reference_checkpoint, engine_format):
+    """gpt-oss's HF expert tensors stack every expert of a layer (one tensor from one parameter per
+    expert), which a refit does not assemble: the plan refuses the model naming the tensor, before
+    anything is sent."""
+    _, model, _, _ = _setup(reference_checkpoint, "GptOssForCausalLM", {})
+    adapter = DictAdapter(tp_size=1, engine_format=engine_format)
+    with pytest.raises(ZooError, match=r"mlp\.experts\.gate_up_proj.*stacks every routed expert"):
+        mcore_zoo.refit(model, adapter, bucket_size="64KB")
+    assert all(not tensors for tensors in adapter.tensors)
