@@ -1,9 +1,11 @@
 """``mcore-zoo parity-report`` with backends an architecture has not declared yet.
 
 DeepSeek-V3.2 (``DeepseekV32ForCausalLM``), GLM-5 (``GlmMoeDsaForCausalLM``) and gpt-oss
-(``GptOssForCausalLM``) declare ``local`` and ``portable``; their ``te`` layer specs exist
+(``GptOssForCausalLM``) first declared ``local`` and ``portable`` only: their ``te`` layer specs
 (Transformer Engine linears and norms around the zoo's own core attention: DeepSeek sparse attention,
-attention sinks) but are declared only once a GPU run shows them working. This script registers, in
+attention sinks) were declared once this script's run showed them working
+(``docs/parity/gpu-frontier/``); with ``te`` declared, ``--admit te`` adds nothing for them and the
+script still serves a backend an architecture has not declared yet. This script registers, in
 its own process only, an entry for each named architecture that takes over the built-in one with the
 extra backends (``ModelEntry(override=True)``, everything else unchanged), then runs
 ``parity-report`` with the remaining arguments. Nothing is installed or written outside ``--out``.

@@ -30,13 +30,14 @@ def fp8_checkpoints(tmp_path_factory, zoo_reference_checkpoint):
     return write_fp8_checkpoints(source, tmp_path_factory.mktemp("fp8"), tmp_path_factory.mktemp("dequantized"))
 
 
-def write_fp8_checkpoints(source, fp8_dir, deq_dir):
-    """``source`` quantized with the reference quantizer (``fp8_dir``) and its reference
-    dequantization (``deq_dir``); returns ``(fp8_dir, deq_dir, fp8 tensors)``."""
+def write_fp8_checkpoints(source, fp8_dir, deq_dir, quantized=_quantized):
+    """``source`` quantized with the reference quantizer (``fp8_dir``; the tensors ``quantized(name,
+    tensor)`` picks) and its reference dequantization (``deq_dir``); returns ``(fp8_dir, deq_dir,
+    fp8 tensors)``."""
     state = load_file(str(source / "model.safetensors"))
     fp8, deq = {}, {}
     for name, tensor in state.items():
-        if _quantized(name, tensor):
+        if quantized(name, tensor):
             q, s = quantize_block(tensor.float(), BLOCK)
             fp8[name], fp8[name + "_scale_inv"] = q, s
             deq[name] = dequantize_block(q, s, torch.float32, BLOCK)

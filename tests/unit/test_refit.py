@@ -42,6 +42,14 @@ VLLM_STACKED_MLA = {
     ".up_proj": (".gate_up_proj", 1),
     ".q_a_proj": (".fused_qkv_a_proj", 0),
     ".kv_a_proj_with_mqa": (".fused_qkv_a_proj", 1),
+    # DeepSeek sparse attention's indexer (``indexer_fused_mapping``): wk and weights_proj fused
+    ".indexer.wk": (".indexer.wk_weights_proj", 0),
+    ".indexer.weights_proj": (".indexer.wk_weights_proj", 1),
+}
+#: MergedColumnParallelLinear(disable_tp=True) of deepseek_v2.py: replicated, output sizes from the config
+VLLM_REPLICATED_MERGED = {
+    ".fused_qkv_a_proj": lambda c: (c["q_lora_rank"], c["kv_lora_rank"] + c["qk_rope_head_dim"]),
+    ".indexer.wk_weights_proj": lambda c: (c["index_head_dim"], c["index_n_heads"]),
 }
 COLUMN_PARALLEL_MLA = re.compile(r".*\.(q_proj|q_b_proj|kv_b_proj)\.weight")  # ColumnParallelLinear
 #: RoutedExperts.build_expert_params_mapping: per expert (shard_id, ckpt name) -> param prefix
@@ -82,16 +90,16 @@ def vllm_engine_tensors(hf: dict[str, torch.Tensor], config: dict, tp: int) -> l
                     params[pname][e].narrow(0, half, per).copy_(w.narrow(0, rank * per, per))
                 continue
             stem, leaf = name.rsplit(".", 1)
-            mla = config["model_type"].startswith("deepseek")
+            mla = "kv_lora_rank" in config  # deepseek_v2.py: DeepSeek-V2 / V3 / V3.2, GLM-5
             hit = next(((k, v) for k, v in (VLLM_STACKED_MLA if mla else VLLM_STACKED).items() if ("." + stem).endswith(k)), None)
             if hit is not None and hit[1][0] == ".fused_qkv_a_proj" and config.get("q_lora_rank") is None:
                 hit = None  # no fused_qkv_a_proj parameter: kv_a_proj_with_mqa is a ReplicatedLinear
             if hit is not None:
                 suffix, (new, shard_id) = hit
                 pname = stem[: len(stem) - len(suffix) + 1] + new[1:] + "." + leaf
-                if new == ".fused_qkv_a_proj":  # MergedColumnParallelLinear(disable_tp=True)
-                    q_lora, kv_a = config["q_lora_rank"], config["kv_lora_rank"] + config["qk_rope_head_dim"]
-                    offset, size, total = (0, q_lora, q_lora + kv_a) if shard_id == 0 else (q_lora, kv_a, q_lora + kv_a)
+                if new in VLLM_REPLICATED_MERGED:  # MergedColumnParallelLinear(disable_tp=True)
+                    sizes = VLLM_REPLICATED_MERGED[new](config)
+                    offset, size, total = sum(sizes[:shard_id]), sizes[shard_id], sum(sizes)
                     if pname not in params:
                         params[pname] = torch.full((total, *w.shape[1:]), float("nan"), dtype=w.dtype)
                     params[pname].narrow(0, offset, size).copy_(w)
@@ -150,6 +158,8 @@ CASES = [
     ("glm4-moe", "Glm4MoeForCausalLM", {}),
     ("deepseek-v3", "DeepseekV3ForCausalLM", {}),  # q_lora_rank: fused_qkv_a_proj
     ("deepseek-v2-lite", "DeepseekV2ForCausalLM", {}),  # no q_lora_rank: q_proj, kv_a_proj_with_mqa apart
+    ("deepseek-v3.2", "DeepseekV32ForCausalLM", {}),  # DSA indexer: wk_weights_proj, wq_b, k_norm
+    ("glm-5", "GlmMoeDsaForCausalLM", {}),
 ]
 
 
@@ -919,3 +929,36 @@ def test_qwen3_next_refit_keeps_its_fused_projections_and_names(mpu, reference_c
         full = "model.layers.0.linear_attn." + name
         assert torch.equal(got[full], hf[full]), full
     assert "lm_head.weight" in got and not any(n.startswith("language_model.") for n in got)
+
+
+# ---------------------------------------------------------------- DeepSeek sparse attention (DeepSeek-V3.2 / GLM-5)
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("arch", ["DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"])
+def test_dsa_indexer_refit_lays_tensors_out_as_vllm_does(mpu, reference_checkpoint, arch, tp):
+    """vLLM 0.26's ``deepseek_v2.py`` ``Indexer``: ``wk`` and ``weights_proj`` stacked into one
+    replicated ``wk_weights_proj`` (``[wk; weights_proj]`` whole on every rank), ``wq_b`` replicated
+    and ``k_norm`` (a LayerNorm, weight and bias) under their HF names."""
+    _, model, config, hf = _setup(reference_checkpoint, arch, {})
+    adapter = DictAdapter(tp_size=tp)
+    mcore_zoo.refit(model, adapter, bucket_size="64KB")
+    layer = "model.layers.0.self_attn.indexer."
+    for got in adapter.tensors:
+        fused = got[layer + "wk_weights_proj.weight"]
+        assert fused.shape == (config["index_head_dim"] + config["index_n_heads"], config["hidden_size"])
+        assert torch.equal(fused, torch.cat([hf[layer + "wk.weight"], hf[layer + "weights_proj.weight"]]))
+        for name in ("wq_b.weight", "k_norm.weight", "k_norm.bias"):
+            assert torch.equal(got[layer + name], hf[layer + name]), name
+        assert not any(n.endswith(("indexer.wk.weight", "indexer.weights_proj.weight")) for n in got)
+
+
+# ---------------------------------------------------------------- stacked experts (gpt-oss)
+@pytest.mark.parametrize("engine_format", [VLLM, HF_NAMES], ids=["vllm", "hf"])
+def test_stacked_experts_are_refused_before_any_transfer(mpu, reference_checkpoint, engine_format):
+    """gpt-oss's HF expert tensors stack every expert of a layer (one tensor from one parameter per
+    expert), which a refit does not assemble: the plan refuses the model naming the tensor, before
+    anything is sent."""
+    _, model, _, _ = _setup(reference_checkpoint, "GptOssForCausalLM", {})
+    adapter = DictAdapter(tp_size=1, engine_format=engine_format)
+    with pytest.raises(ZooError, match=r"mlp\.experts\.gate_up_proj.*stacks every routed expert"):
+        mcore_zoo.refit(model, adapter, bucket_size="64KB")
+    assert all(not tensors for tensors in adapter.tensors)

@@ -68,7 +68,7 @@ def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
             converter="mcore_zoo.plugins.deepseek_v32:convert",
             weight_rules="mcore_zoo.plugin_api:dsa_weight_map",
             example_config=EXAMPLE_CONFIG,
-            backends=("local", "portable"),
+            backends=("te", "local", "portable"),
             description="DeepSeek-V3.2 (DeepSeek-V3 with DeepSeek sparse attention: a lightning indexer picks"
                         " index_topk keys per query); MTP built (or dropped on request)",  # fmt: skip
         )

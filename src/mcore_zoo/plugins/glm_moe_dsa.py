@@ -64,7 +64,7 @@ def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
             converter="mcore_zoo.plugins.glm_moe_dsa:convert",
             weight_rules="mcore_zoo.plugin_api:dsa_weight_map",
             example_config=EXAMPLE_CONFIG,
-            backends=("local", "portable"),
+            backends=("te", "local", "portable"),
             description="GLM-5 (MLA + DeepSeek sparse attention with an interleaved-RoPE indexer, sigmoid router"
                         " with expert bias, shared experts); MTP built (or dropped on request); GLM-5.2's shared"
                         " indexer layers refused",  # fmt: skip

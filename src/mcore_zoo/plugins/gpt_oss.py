@@ -81,7 +81,7 @@ def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
             converter="mcore_zoo.plugins.gpt_oss:convert",
             weight_rules="mcore_zoo.plugin_api:gpt_oss_weight_map",
             example_config=EXAMPLE_CONFIG,
-            backends=("local", "portable"),  # te: not yet run on a GPU (sinks, clamped SwiGLU on TE modules)
+            backends=("te", "local", "portable"),
             description="gpt-oss (attention sinks, alternating sliding windows, YaRN; top-k-softmax router with"
                         " bias, clamped-SwiGLU experts with biases, stacked; MXFP4 checkpoints dequantized)",
         )

@@ -18,7 +18,8 @@ Two layouts ship:
   ``mixtral.py``, ``glm4_moe.py``, ``qwen3_next.py``, ``qwen3_5.py`` (the gated DeltaNet's split
   projections stacked as ``in_proj_qkvz`` / ``in_proj_ba``), the ``orig_to_new_prefix`` of
   ``qwen3_vl.py`` (a vision-language checkpoint's language model), and ``stacked_params_mapping``
-  of ``deepseek_v2.py`` for MLA's ``fused_qkv_a_proj``; ``RoutedExperts.build_expert_params_mapping`` and ``_load_w13`` for the
+  of ``deepseek_v2.py`` for MLA's ``fused_qkv_a_proj`` and the DSA indexer's ``wk_weights_proj``
+  (DeepSeek-V3.2, GLM-5); ``RoutedExperts.build_expert_params_mapping`` and ``_load_w13`` for the
   experts; ``DEFAULT_VOCAB_PADDING_SIZE`` of ``vocab_parallel_embedding.py``).
 * :data:`HF_NAMES` - HF names, whole tensors, no fusion: for engines that fuse and split on their
   side (SGLang's ``update_weights_from_tensor``, vLLM's own ``load_weights``).
@@ -151,6 +152,7 @@ _GATE_UP = (0, 1)
 _QKV_A = (0, 1)
 _QKV_Z = ("qkv", "z")
 _BA = (0, 1)
+_WK_WEIGHTS = (0, 1)
 
 #: vLLM 0.26 (the ``hf_to_vllm_mapper`` / ``stacked_params_mapping`` tables of its Llama / Qwen /
 #: Mixtral / GLM-4.5 / DeepSeek-V2 model files)
@@ -171,6 +173,11 @@ VLLM = EngineFormat(
         Fusion(".in_proj_z", ".in_proj_qkvz", "z", _QKV_Z),
         Fusion(".in_proj_b", ".in_proj_ba", 0, _BA),
         Fusion(".in_proj_a", ".in_proj_ba", 1, _BA),
+        # DeepSeek sparse attention's lightning indexer (DeepSeek-V3.2, GLM-5; ``deepseek_v2.py``'s
+        # ``Indexer``): wk and weights_proj in one replicated ``wk_weights_proj`` ([wk; weights_proj]);
+        # wq_b a replicated linear and k_norm a LayerNorm under their HF names
+        Fusion(".indexer.wk", ".indexer.wk_weights_proj", 0, _WK_WEIGHTS),
+        Fusion(".indexer.weights_proj", ".indexer.wk_weights_proj", 1, _WK_WEIGHTS),
     ),
     experts=ExpertFusion(
         projections=(("gate", "w13_weight", "w1"), ("up", "w13_weight", "w3"), ("down", "w2_weight", "w2")),
@@ -178,7 +185,7 @@ VLLM = EngineFormat(
     ),
     experts_prefix="routed_experts.",
     vocab_padding=64,
-    replicated=(".q_a_proj", ".kv_a_proj_with_mqa"),
+    replicated=(".q_a_proj", ".kv_a_proj_with_mqa", ".indexer.wq_b", ".indexer.wk", ".indexer.weights_proj"),
     # the language model of Qwen3.5's vision-language checkpoints (``qwen3_vl.py``'s mapper)
     prefixes=(("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
 )

@@ -135,6 +135,20 @@ class RefitPlan:
                 f"{tensors} engine tensors per rank, {len(self.buckets)} bucket(s), {self.nbytes / 2**30:.3f} GiB")  # fmt: skip
 
 
+def _refuse_stacked_experts(architecture: str, specs: dict[str, list[Any]]) -> None:
+    """Refuse, naming the tensor, a model whose HF tensors stack every routed expert of a layer
+    (``Source.expert_axis``: gpt-oss's ``mlp.experts.gate_up_proj [E, H, 2I]``). A refit sends each
+    parameter's own piece of an HF tensor, and such a tensor is assembled from one parameter per
+    expert; vLLM 0.26 (``gpt_oss.py``) also stores these experts transposed (``w13_weight
+    [E, 2I/tp, H]``, gate and up still interleaved) and the down bias on rank 0 only, which a slot
+    (rows cut out of the HF tensor) cannot express. Export (``save_hf_checkpoint``) handles them."""
+    for name, items in specs.items():
+        if any(b.rule.sources[k].expert_axis is not None for b, k in items):
+            raise ZooError(f"refit: {architecture}'s {name!r} stacks every routed expert of a layer; refit does not"
+                           " assemble stacked experts yet (export the model with save_hf_checkpoint and load it in"
+                           " the engine)")  # fmt: skip
+
+
 def plan_refit(
     handle: ModelHandle,
     engine_format: EngineFormat,
@@ -159,6 +173,7 @@ def plan_refit(
     if entries is None:
         entries = export_plan(handle, dtype=dtype)
     specs = handle.weight_map.hf_parts()
+    _refuse_stacked_experts(handle.arch_config.architecture, specs)
     roles = handle.weight_map.expert_roles()
     needed = set(handle.weight_map.export_names())
     if engine_format.presplit and tp > 1:  # before any data moves
