@@ -1,0 +1,134 @@
+"""Qwen2.5-VL (``Qwen2_5_VLForConditionalGeneration``): vision tower, multimodal RoPE, packed images.
+
+CPU fp32, the tiny example config with random pixels: every config field classified; the
+``hf-exact`` logits of a sample with one image equal transformers' bit for bit; a THD pack of three
+samples with different image counts and sizes equals each sample run alone, bitwise (position ids
+restart per sample, no attention across samples in the decoder or the tower); the 3-D position ids
+equal transformers' ``get_rope_index``; the export (both towers) equals the checkpoint bitwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mcore_zoo
+from mcore_zoo.distributed.load import load_hf_weights
+from mcore_zoo.testing.common import assert_same
+
+ARCH = "Qwen2_5_VLForConditionalGeneration"
+START, END, IMAGE = 248, 249, 250
+PATCH_VALUES = 3 * 2 * 4 * 4  # in_channels * temporal_patch_size * patch_size**2 of the example config
+
+
+def _example() -> dict:
+    return mcore_zoo.lookup(ARCH).example_config()
+
+
+def _sample(seed: int, grids: list[tuple[int, int, int]], text: int = 9) -> tuple[torch.Tensor, dict]:
+    """Token ids with ``len(grids)`` images (start, image tokens, end between text runs) and the
+    sample's vision inputs (random pixels)."""
+    g = torch.Generator().manual_seed(seed)
+    parts = [torch.randint(0, START, (text,), generator=g)]
+    for t, h, w in grids:
+        parts += [torch.tensor([START]), torch.full((t * h * w // 4,), IMAGE), torch.tensor([END]),
+                  torch.randint(0, START, (text,), generator=g)]  # fmt: skip
+    ids = torch.cat(parts)
+    if not grids:
+        return ids, {}
+    rows = sum(t * h * w for t, h, w in grids)
+    pixels = torch.randn(rows, PATCH_VALUES, generator=g)
+    return ids, {"pixel_values": pixels, "image_grid_thw": torch.tensor(grids)}
+
+
+def _hf_logits(hf: torch.nn.Module, ids: torch.Tensor, vision: dict) -> torch.Tensor:
+    extra = dict(vision, mm_token_type_ids=(ids == IMAGE).int()[None]) if vision else {}
+    with torch.no_grad():
+        return hf(input_ids=ids[None], **extra).logits[0]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(reference_checkpoint):
+    return reference_checkpoint(ARCH)
+
+
+@pytest.fixture
+def model(mpu, checkpoint):
+    return mcore_zoo.build_model(checkpoint, backend="local", numerics="hf-exact", params_dtype=torch.float32).eval()
+
+
+def test_every_top_level_text_and_vision_field_is_classified():
+    config = mcore_zoo.lookup(ARCH).config_from_hf(_example())
+    records = {r.field: r for r in config.fields.records}
+    vision = {name: r for name, r in records.items() if name.startswith("vision_config.")}
+    for name in ("depth", "hidden_size", "window_size", "fullatt_block_indexes", "spatial_merge_size", "rope_parameters"):
+        assert vision[f"vision_config.{name}"].kind == "mapped", name
+    assert records["image_token_id"].kind == "mapped" and records["text_config.rope_parameters"].kind == "mapped"
+    assert "multimodal RoPE" in records["text_config.rope_parameters"].detail
+    assert config.rope.mrope_section == (2, 3, 3) and config.vision.depth == 2 and config.qkv_bias
+    with pytest.raises(mcore_zoo.UnclassifiedConfigFieldsError, match="vision_config.new_field"):
+        mcore_zoo.lookup(ARCH).config_from_hf({**_example(), "vision_config": {**_example()["vision_config"], "new_field": 1}})
+    interleaved = {**_example()["text_config"]["rope_parameters"], "mrope_interleaved": True}
+    with pytest.raises(mcore_zoo.UnsupportedConfigError, match="mrope_interleaved"):
+        mcore_zoo.lookup(ARCH).config_from_hf({**_example(), "text_config": {**_example()["text_config"], "rope_parameters": interleaved}})
+    bad = {**_example()["text_config"]["rope_parameters"], "mrope_section": [2, 2, 2]}
+    with pytest.raises(mcore_zoo.UnsupportedConfigError, match="mrope_section"):
+        mcore_zoo.lookup(ARCH).config_from_hf({**_example(), "text_config": {**_example()["text_config"], "rope_parameters": bad}})
+
+
+def test_position_ids_equal_transformers_get_rope_index(checkpoint, hf_reference):
+    from mcore_zoo.families.vision_language.positions import mrope_position_ids
+
+    hf = hf_reference(ARCH, checkpoint, "eager")
+    spec = mcore_zoo.lookup(ARCH).config_from_hf(_example()).vision
+    for seed, grids in enumerate([[(1, 4, 8)], [(1, 6, 4), (1, 4, 4)], []]):
+        ids, vision = _sample(seed, grids)
+        ours = mrope_position_ids(ids, spec, vision.get("image_grid_thw"))
+        if grids:
+            theirs, _ = hf.model.get_rope_index(ids[None], (ids == IMAGE).int()[None], vision["image_grid_thw"])
+            assert torch.equal(ours, theirs[:, 0])
+        else:
+            assert torch.equal(ours, torch.arange(ids.numel()).expand(3, -1))
+
+
+def test_one_image_logits_equal_transformers_bitwise_and_export_round_trips(model, checkpoint, hf_reference):
+    from safetensors.torch import load_file
+
+    report = load_hf_weights(model, checkpoint)
+    assert not any(n.startswith("visual.") for n in report.ignored)
+    hf = hf_reference(ARCH, checkpoint, "eager")
+    ids, vision = _sample(0, [(1, 4, 8)])
+    with torch.no_grad():
+        out = mcore_zoo.packed_forward(model, [ids], vision_inputs=[vision], return_logprobs=False)
+    assert_same(out.logits[0], _hf_logits(hf, ids, vision), "hf-exact logits, one image", exact=True)
+    source = {}
+    for shard in sorted(checkpoint.glob("*.safetensors")):
+        source.update(load_file(str(shard)))
+    exported = dict(mcore_zoo.iter_hf_weights(model))
+    assert set(exported) == set(source) and any(n.startswith("visual.") for n in exported)
+    assert all(torch.equal(exported[name], source[name]) for name in exported)
+
+
+def test_a_pack_of_three_samples_equals_each_alone_and_transformers(model, checkpoint, hf_reference):
+    load_hf_weights(model, checkpoint)
+    hf = hf_reference(ARCH, checkpoint, "eager")
+    samples = [_sample(1, [(1, 6, 4), (1, 4, 4)]), _sample(2, [], text=13), _sample(3, [(1, 8, 8)])]
+    with torch.no_grad():
+        packed = mcore_zoo.packed_forward(model, [s for s, _ in samples], vision_inputs=[v or None for _, v in samples],
+                                          align=8)  # fmt: skip
+        for i, (ids, vision) in enumerate(samples):
+            alone = mcore_zoo.packed_forward(model, [ids], vision_inputs=[vision or None])
+            assert_same(packed.logits[i], alone.logits[0], f"sample {i}: packed vs alone", exact=True)
+            assert_same(packed.logprobs[i], alone.logprobs[0], f"sample {i}: log-probs packed vs alone", exact=True)
+            assert_same(alone.logits[0], _hf_logits(hf, ids, vision), f"sample {i}: alone vs transformers", exact=True)
+
+
+def test_vision_inputs_that_do_not_fit_the_tokens_are_refused(model, checkpoint):
+    ids, vision = _sample(0, [(1, 4, 8)])
+    with pytest.raises(mcore_zoo.ZooError, match="one per sequence"):
+        mcore_zoo.packed_forward(model, [ids], vision_inputs=[])
+    with pytest.raises(mcore_zoo.ZooError, match="sequence 0 of the pack: more runs of image tokens"):
+        mcore_zoo.packed_forward(model, [ids], vision_inputs=[None])
+    with pytest.raises(mcore_zoo.ZooError, match="a run of 8 image tokens, but its grid \\(1, 4, 4\\) merges into 4"):
+        mcore_zoo.packed_forward(model, [ids], vision_inputs=[{"pixel_values": vision["pixel_values"][:16],
+                                                               "image_grid_thw": torch.tensor([[1, 4, 4]])}])
