@@ -101,6 +101,12 @@ def test_one_image_logits_equal_transformers_bitwise_and_export_round_trips(mode
     with torch.no_grad():
         out = mcore_zoo.packed_forward(model, [ids], vision_inputs=[vision], return_logprobs=False)
     assert_same(out.logits[0], _hf_logits(hf, ids, vision), "hf-exact logits, one image", exact=True)
+    other = dict(vision, pixel_values=torch.randn_like(vision["pixel_values"]))
+    with torch.no_grad():
+        moved = mcore_zoo.packed_forward(model, [ids], vision_inputs=[other], return_logprobs=False).logits[0]
+    image_end = int((ids == IMAGE).nonzero().max())
+    assert torch.equal(moved[:image_end - 7], out.logits[0][:image_end - 7])  # before the image: causal
+    assert not torch.equal(moved[image_end:], out.logits[0][image_end:])  # the pixels reach the decoder
     source = {}
     for shard in sorted(checkpoint.glob("*.safetensors")):
         source.update(load_file(str(shard)))
@@ -132,3 +138,34 @@ def test_vision_inputs_that_do_not_fit_the_tokens_are_refused(model, checkpoint)
     with pytest.raises(mcore_zoo.ZooError, match="a run of 8 image tokens, but its grid \\(1, 4, 4\\) merges into 4"):
         mcore_zoo.packed_forward(model, [ids], vision_inputs=[{"pixel_values": vision["pixel_values"][:16],
                                                                "image_grid_thw": torch.tensor([[1, 4, 4]])}])
+
+
+def test_train_step_takes_vision_inputs_per_sequence_and_trains_the_tower(model, checkpoint, hf_reference):
+    """``train_step`` over a pack of two samples (two micro-batches): the loss equals transformers'
+    summed next-token log-likelihood of both, and the tower's gradients equal transformers' (1e-5)."""
+    load_hf_weights(model, checkpoint)
+    model.train()
+    for p in model.parameters():
+        p.grad = None
+    samples = [_sample(1, [(1, 6, 4), (1, 4, 4)]), _sample(3, [(1, 8, 8)])]
+
+    def loss_fn(tokens):
+        return -(tokens.logprobs * tokens.mask).sum(), {}
+
+    result = mcore_zoo.train_step(model, [s for s, _ in samples], loss_fn, vision_inputs=[v for _, v in samples],
+                                  num_microbatches=2)  # fmt: skip
+    hf = hf_reference(ARCH, checkpoint, "eager")
+    hf_loss = 0.0
+    for ids, vision in samples:
+        logits = hf(input_ids=ids[None], mm_token_type_ids=(ids == IMAGE).int()[None], **vision).logits[0]
+        hf_loss = hf_loss - torch.log_softmax(logits[:-1].float(), -1).gather(1, ids[1:, None]).sum()
+    hf_loss.backward()
+    torch.testing.assert_close(result.loss, hf_loss.detach(), rtol=1e-6, atol=0)
+    tower = dict(model.vision_model.named_parameters())
+    checked = [name for name, _ in hf.named_parameters() if name.startswith("model.visual.")]
+    assert len(checked) == len(tower)
+    for name, param in hf.named_parameters():
+        if name.startswith("model.visual."):
+            ours = tower[name[len("model.visual."):]].grad
+            assert ours is not None and ours.abs().sum() > 0, name
+            torch.testing.assert_close(ours, param.grad, rtol=1e-5, atol=1e-5 * float(param.grad.abs().max()))

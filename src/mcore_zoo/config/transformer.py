@@ -68,6 +68,9 @@ def validate_layout(arch: ArchConfig, parallel: Parallelism) -> None:
     unsupported = []
     if arch.gated_deltanet is not None:
         unsupported = arch.gated_deltanet.layout_problems(parallel, moe=arch.moe is not None)
+    if arch.vision is not None and (tp > 1 or pp > 1 or cp > 1):
+        unsupported.append("a vision-language model (vision tower, multimodal RoPE) is built for tp = pp = cp = 1"
+                           " yet: tensor, pipeline and context parallelism of its tower and inputs come next")  # fmt: skip
     if unsupported:
         raise UnsupportedLayoutError(f"{where} is not supported by the model's layers yet:\n"
                                      + "\n".join(f"  - {p}" for p in unsupported))  # fmt: skip

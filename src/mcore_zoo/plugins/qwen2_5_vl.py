@@ -25,6 +25,8 @@ _TEXT = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
     "use_sliding_window": False,
     "hidden_act": "silu",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
 _VISION = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
            "patch_size": 4, "temporal_patch_size": 2, "spatial_merge_size": 2, "window_size": 16,

@@ -9,7 +9,8 @@ dict or a :class:`~mcore_zoo.families.vision_language.spec.SequenceVisionInputs`
 at 0 and its tower features come from its own images only. Without ``vision_inputs`` the model runs
 text as any decoder does. The other options are :func:`~mcore_zoo.distributed.forward.generic_forward`'s.
 
-Tensor, pipeline and context parallelism of vision-language models are not built yet: refused by name.
+Tensor, pipeline and context parallelism of vision-language models are not built yet: the layout
+is refused by name when the model is built (``validate_layout``).
 """
 
 from __future__ import annotations
@@ -22,15 +23,7 @@ from ...distributed.forward import generic_forward
 from ...errors import ZooError
 from ...handle import ModelHandle
 from ...packing import PackedOutput, alignment_for, pack_sequences
-from .spec import SequenceVisionInputs, pending_vision_inputs
-
-
-def check_single_process_layout(handle: ModelHandle) -> None:
-    """Vision-language models run on one model-parallel rank for now (TP = PP = CP = 1)."""
-    layout = handle.placement
-    if layout.tp > 1 or layout.pp > 1 or layout.cp > 1:
-        raise ZooError(f"{handle.arch_config.architecture}: vision inputs under tensor, pipeline or context"
-                       f" parallelism (tp={layout.tp}, pp={layout.pp}, cp={layout.cp}) are not built yet")  # fmt: skip
+from .spec import vision_inputs_for
 
 
 def vision_language_forward(
@@ -46,7 +39,6 @@ def vision_language_forward(
     """The family's forward (module docstring)."""
     if vision_inputs is None:
         return generic_forward(handle, sequences, attention_mask, align=align, pad_token_id=pad_token_id, **options)
-    check_single_process_layout(handle)
     if attention_mask is not None or isinstance(sequences, torch.Tensor) and sequences.dim() != 1:
         raise ZooError("vision inputs go with a list of 1-D token sequences (no padded batch)")
     seqs = [sequences] if isinstance(sequences, torch.Tensor) else list(sequences)
@@ -54,9 +46,7 @@ def vision_language_forward(
         raise ZooError(f"vision_inputs has {len(vision_inputs)} entries for {len(seqs)} sequences (one per sequence)")
     if options.get("seq_format", "thd") != "thd":
         raise ZooError("vision inputs run as a THD pack (seq_format='thd')")
-    inputs = [SequenceVisionInputs.of(v) for v in vision_inputs]
     align = align or alignment_for()
     batch = pack_sequences(seqs, align=align, pad_token_id=pad_token_id)
-    model = next(m for m in handle.chunks[0].modules() if hasattr(m, "zoo_vision"))  # through DDP-style wrappers
-    with pending_vision_inputs(model, inputs):
+    with vision_inputs_for(handle.chunks[0], range(len(seqs)), vision_inputs):
         return generic_forward(handle, batch, align=align, pad_token_id=pad_token_id, **options)

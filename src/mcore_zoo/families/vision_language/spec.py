@@ -88,6 +88,18 @@ def pending_vision_inputs(model: torch.nn.Module, inputs: Sequence[SequenceVisio
         setattr(model, PENDING, None)
 
 
+def vision_inputs_for(chunk: torch.nn.Module, members: Sequence[int], inputs: Optional[Sequence[Any]]) -> Any:
+    """The context that hands the vision inputs of the sequences ``members`` (indexes into
+    ``inputs``, one entry per sequence of a step) to ``chunk`` (possibly wrapped) for one call;
+    a no-op without ``inputs``."""
+    if inputs is None:
+        return contextlib.nullcontext()
+    model = next((m for m in chunk.modules() if hasattr(m, "zoo_vision")), None)
+    if model is None:
+        raise ZooError("vision inputs given to a model without a vision tower")
+    return pending_vision_inputs(model, [SequenceVisionInputs.of(inputs[i]) for i in members])
+
+
 def _segments(total: int, packed_seq_params: Any) -> list[tuple[int, int, int]]:
     """``(start, length, padded length)`` of every sequence of a THD pack (one if not packed)."""
     if packed_seq_params is None:
