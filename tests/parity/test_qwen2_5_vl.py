@@ -169,3 +169,27 @@ def test_train_step_takes_vision_inputs_per_sequence_and_trains_the_tower(model,
             ours = tower[name[len("model.visual."):]].grad
             assert ours is not None and ours.abs().sum() > 0, name
             torch.testing.assert_close(ours, param.grad, rtol=1e-5, atol=1e-5 * float(param.grad.abs().max()))
+
+
+def test_the_published_config_converts_with_every_field_classified():
+    """The published Qwen2.5-VL-7B-Instruct ``config.json`` (``tests/fixtures/configs/``; its text
+    fields at the top level, as released): every field classified, the sizes as published."""
+    import json
+
+    from ..conftest import CONFIGS
+
+    path = CONFIGS / "qwen2.5-vl-7b-instruct.json"
+    published = json.loads(path.read_text())
+    arch = mcore_zoo.lookup(path)
+    assert arch.name == ARCH
+    converted = arch.config_from_hf(str(path))
+    kinds = {r.field: r.kind for r in converted.fields.records}
+    assert set(kinds.values()) <= {"mapped", "ignored"}
+    assert {f"vision_config.{k}" for k in published["vision_config"]} <= set(kinds)
+    assert (converted.num_layers, converted.hidden_size, converted.vocab_size, converted.num_query_groups) == (28, 3584, 152064, 4)
+    assert converted.rope.mrope_section == (16, 24, 24) and converted.qkv_bias and not converted.tie_word_embeddings
+    vision = converted.vision
+    assert (vision.depth, vision.hidden_size, vision.out_hidden_size, vision.fullatt_block_indexes) == (32, 1280, 3584, (7, 15, 23, 31))
+    assert (vision.window_size, vision.tokens_per_second, vision.image_token_id) == (112, 2, 151655)
+    with pytest.raises(mcore_zoo.UnsupportedConfigError, match="vision_config.spatial_patch_size"):
+        arch.config_from_hf({**published, "vision_config": {**published["vision_config"], "spatial_patch_size": 16}})

@@ -82,5 +82,13 @@ def read_qwen2_5_vision(vision: ConfigReader, top: ConfigReader) -> VisionSpec:
         raise vision.unsupported("window_size", spec.window_size,
                                  "must be a multiple of spatial_merge_size * patch_size")  # fmt: skip
     vision.ignore("initializer_range", "random initialisation only; loaded weights do not depend on it")
+    # published configs carry two fields transformers' Qwen2.5-VL does not read: values that would
+    # describe another tower than the one transformers builds are refused by name
+    if vision.has("in_chans"):
+        vision.expect("in_chans", spec.in_channels, reason="not read by transformers, whose Conv3d takes in_channels")
+    if vision.has("spatial_patch_size"):
+        vision.expect("spatial_patch_size", spec.patch_size, reason="not read by transformers, whose patches are"
+                      " patch_size wide")  # fmt: skip
     top.ignore("vision_end_token_id", "an ordinary text token to the model")
+    top.ignore("vision_token_id", "not read by transformers' Qwen2.5-VL (an ordinary text token to the model)")
     return spec
