@@ -193,3 +193,24 @@ def test_the_published_config_converts_with_every_field_classified():
     assert (vision.window_size, vision.tokens_per_second, vision.image_token_id) == (112, 2, 151655)
     with pytest.raises(mcore_zoo.UnsupportedConfigError, match="vision_config.spatial_patch_size"):
         arch.config_from_hf({**published, "vision_config": {**published["vision_config"], "spatial_patch_size": 16}})
+
+
+def test_a_video_sample_equals_transformers_bitwise(model, checkpoint, hf_reference):
+    """A sample with a two-patch-deep video (its frames' temporal position step:
+    ``tokens_per_second * second_per_grid_ts``) and an image, in a pack with an image-only sample."""
+    load_hf_weights(model, checkpoint)
+    hf = hf_reference(ARCH, checkpoint, "eager")
+    video_token = 251
+    g = torch.Generator().manual_seed(7)
+    text = lambda n: torch.randint(0, START, (n,), generator=g)  # noqa: E731
+    ids = torch.cat([text(5), torch.tensor([START]), torch.full((2 * 4 * 4 // 4,), video_token), torch.tensor([END]),
+                     text(4), torch.tensor([START]), torch.full((4,), IMAGE), torch.tensor([END]), text(6)])  # fmt: skip
+    vision = {"pixel_values_videos": torch.randn(2 * 4 * 4, PATCH_VALUES, generator=g),
+              "video_grid_thw": torch.tensor([[2, 4, 4]]), "second_per_grid_ts": torch.tensor([1.5]),
+              "pixel_values": torch.randn(16, PATCH_VALUES, generator=g), "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    types = (ids == IMAGE).int() + 2 * (ids == video_token).int()
+    with torch.no_grad():
+        theirs = hf(input_ids=ids[None], mm_token_type_ids=types[None], **vision).logits[0]
+        other, other_vision = _sample(4, [(1, 4, 8)])
+        packed = mcore_zoo.packed_forward(model, [other, ids], vision_inputs=[other_vision, vision], align=8)
+    assert_same(packed.logits[1], theirs, "video sample in a pack vs transformers", exact=True)
