@@ -115,7 +115,9 @@ def test_one_image_logits_equal_transformers_bitwise_and_export_round_trips(mode
     assert all(torch.equal(exported[name], source[name]) for name in exported)
 
 
-def test_a_pack_of_three_samples_equals_each_alone_and_transformers(model, checkpoint, hf_reference):
+@pytest.mark.parametrize("backend", ["local", "portable"])
+def test_a_pack_of_three_samples_equals_each_alone_and_transformers(mpu, checkpoint, hf_reference, backend):
+    model = mcore_zoo.build_model(checkpoint, backend=backend, numerics="hf-exact", params_dtype=torch.float32).eval()
     load_hf_weights(model, checkpoint)
     hf = hf_reference(ARCH, checkpoint, "eager")
     samples = [_sample(1, [(1, 6, 4), (1, 4, 4)]), _sample(2, [], text=13), _sample(3, [(1, 8, 8)])]
