@@ -216,3 +216,20 @@ def test_a_video_sample_equals_transformers_bitwise(model, checkpoint, hf_refere
         other, other_vision = _sample(4, [(1, 4, 8)])
         packed = mcore_zoo.packed_forward(model, [other, ids], vision_inputs=[other_vision, vision], align=8)
     assert_same(packed.logits[1], theirs, "video sample in a pack vs transformers", exact=True)
+
+
+def test_scaling_the_published_config_shrinks_the_tower_too():
+    """``parity-report --scale tiny`` on the published config (text fields at the top level): the
+    language model and the tower shrink, the tower's output width follows the language model's."""
+    import json
+
+    from mcore_zoo.parity.inputs import scale_config
+
+    from ..conftest import CONFIGS
+
+    published = json.loads((CONFIGS / "qwen2.5-vl-7b-instruct.json").read_text())
+    scaled, changes = scale_config(published, "tiny")
+    assert scaled["num_hidden_layers"] == 2 and scaled["vision_config"]["depth"] == 1
+    assert scaled["vision_config"]["out_hidden_size"] == scaled["hidden_size"] == changes["hidden_size"][1]
+    converted = mcore_zoo.lookup(ARCH).config_from_hf(scaled)
+    assert converted.vision.hidden_size == 64 and converted.rope.mrope_section == (16, 24, 24)

@@ -43,8 +43,9 @@ RANDOM_WEIGHTS_CANNOT_CARRY: dict[str, Any] = {"quantization_config": None, "num
                                                "mtp_num_hidden_layers": 0}
 #: where a vision-language config nests its language model's fields
 TEXT_CONFIG = "text_config"
-#: a vision tower shrunk to one small block for ``--scale``: the zoo builds no vision tower (it loads
-#: the language model of a vision-language checkpoint), so only its output width must agree
+#: a vision tower shrunk to one small block for ``--scale``, its output width that of the scaled
+#: language model (the zoo builds Qwen2.5-VL's tower; of the other vision-language checkpoints it
+#: loads the language model alone)
 TINY_VISION = {"depth": 1, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2}
 
 
@@ -241,14 +242,21 @@ def _scale_vision_language(config: dict[str, Any], preset: str) -> tuple[dict[st
     text, text_changes = scale_config(c[TEXT_CONFIG], preset)
     changes = {f"{TEXT_CONFIG}.{k}": v for k, v in text_changes.items()}
     c[TEXT_CONFIG] = text
-    if isinstance(c.get("vision_config"), dict):
-        vision = dict(c["vision_config"])
-        vision_changes: dict[str, list[Any]] = {}
-        for key, value in {**TINY_VISION, "out_hidden_size": text["hidden_size"]}.items():
-            _set_path(vision, key, value, vision_changes)
-        c["vision_config"] = vision
-        changes.update({f"vision_config.{k}": v for k, v in vision_changes.items()})
+    _shrink_vision_tower(c, text["hidden_size"], changes)
     return c, changes
+
+
+def _shrink_vision_tower(c: dict[str, Any], hidden_size: int, changes: dict[str, list[Any]]) -> None:
+    """``c["vision_config"]`` (if any) shrunk to :data:`TINY_VISION`, output width ``hidden_size``;
+    the changes named ``vision_config.<field>``."""
+    if not isinstance(c.get("vision_config"), dict):
+        return
+    vision = dict(c["vision_config"])
+    vision_changes: dict[str, list[Any]] = {}
+    for key, value in {**TINY_VISION, "out_hidden_size": hidden_size}.items():
+        _set_path(vision, key, value, vision_changes)
+    c["vision_config"] = vision
+    changes.update({f"vision_config.{k}": v for k, v in vision_changes.items()})
 
 
 def scale_config(config: dict[str, Any], preset: str) -> tuple[dict[str, Any], dict[str, list[Any]]]:
@@ -258,7 +266,8 @@ def scale_config(config: dict[str, Any], preset: str) -> tuple[dict[str, Any], d
     so that TP=2 stays possible) whose ``heads * head_dim`` fits the preset's width; query heads
     keep the GQA ratio. Hidden and MLP widths shrink by the same factor as the heads. A gated
     DeltaNet model keeps one layer of each kind; a vision-language config is scaled in its
-    ``text_config`` (:func:`_scale_vision_language`).
+    ``text_config`` (:func:`_scale_vision_language`), or at the top level where its text fields
+    are (Qwen2.5-VL's published form), its vision tower shrunk (:func:`_shrink_vision_tower`).
     """
     if preset not in SCALES:
         raise ZooError(f"unknown --scale {preset!r}; known: {sorted(SCALES)}")
@@ -293,6 +302,7 @@ def scale_config(config: dict[str, Any], preset: str) -> tuple[dict[str, Any], d
                 _set_path(c, key, max_vocab - 1, changes)
             elif isinstance(value, list):
                 _set_path(c, key, [min(v, max_vocab - 1) for v in value], changes)
+    _shrink_vision_tower(c, int(c["hidden_size"]), changes)  # a vision-language config with top-level text fields
     return c, changes
 
 
