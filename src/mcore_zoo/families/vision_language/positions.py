@@ -6,8 +6,8 @@ tokens carry one id in all three rows, counting up; the tokens of one image (or 
 merged grid's frame, row and column, offset by the position reached before it, and the text after
 it continues from ``max(rows, columns)`` past that offset. Image and video tokens are recognised by
 id (``VisionSpec.image_token_id`` / ``video_token_id``), and consecutive tokens of one kind are one
-image or video, in order, as in transformers. In a THD pack every sequence gets its own ids,
-from 0 (:func:`pack_position_ids`).
+image or video, in order, as in transformers. In a THD pack every sequence gets its own ids, from 0 (the family's
+input pre-hook, :mod:`mcore_zoo.families.vision_language.spec`).
 """
 
 from __future__ import annotations
