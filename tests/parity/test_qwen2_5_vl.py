@@ -204,7 +204,7 @@ def test_a_video_sample_equals_transformers_bitwise(model, checkpoint, hf_refere
     hf = hf_reference(ARCH, checkpoint, "eager")
     video_token = 251
     g = torch.Generator().manual_seed(7)
-    text = lambda n: torch.randint(0, START, (n,), generator=g)  # noqa: E731
+    text = lambda n: torch.randint(0, START, (n,), generator=g)
     ids = torch.cat([text(5), torch.tensor([START]), torch.full((2 * 4 * 4 // 4,), video_token), torch.tensor([END]),
                      text(4), torch.tensor([START]), torch.full((4,), IMAGE), torch.tensor([END]), text(6)])  # fmt: skip
     vision = {"pixel_values_videos": torch.randn(2 * 4 * 4, PATCH_VALUES, generator=g),

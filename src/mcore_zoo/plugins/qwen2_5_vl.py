@@ -41,7 +41,7 @@ def convert_text(reader):  # type: ignore[no-untyped-def]
     """``text_config``: Qwen2's decoder with multimodal RoPE."""
     from mcore_zoo.plugin_api import read_dense_decoder, read_qwen_window
 
-    window, flags = read_qwen_window(reader, reader.peek("num_hidden_layers"))
+    window, _ = read_qwen_window(reader, reader.peek("num_hidden_layers"))
     if window is not None:
         raise reader.unsupported("use_sliding_window", True, "sliding windows of Qwen2.5-VL are not built yet")
     arch = read_dense_decoder(reader, qkv_bias=True, attn_output_bias=False, multimodal_rope=True)
