@@ -233,3 +233,20 @@ def test_scaling_the_published_config_shrinks_the_tower_too():
     assert scaled["vision_config"]["out_hidden_size"] == scaled["hidden_size"] == changes["hidden_size"][1]
     converted = mcore_zoo.lookup(ARCH).config_from_hf(scaled)
     assert converted.vision.hidden_size == 64 and converted.rope.mrope_section == (16, 24, 24)
+
+
+def test_parity_report_feeds_images_and_is_bitwise(tmp_path):
+    """``parity-report --bitwise --invariance`` on the example config: one image of random pixels in
+    each sequence long enough for it; the THD pack equals transformers and each sequence alone, bitwise."""
+    import json
+
+    from mcore_zoo.cli import main
+
+    code = main(["parity-report", "--arch", ARCH, "--bitwise", "--invariance", "--out", str(tmp_path), "-q",
+                 "--format", "json"])  # fmt: skip
+    report = json.loads((tmp_path / f"{ARCH}.json").read_text())
+    assert code == 0, [c["failures"] for c in report["comparisons"]]
+    assert report["inputs"]["vision"]["images"] == 3 and report["inputs"]["vision"]["sequences_with_an_image"] == [0, 1, 2]
+    gating = [c for c in report["comparisons"] if c["gating"]]
+    assert {c["candidate"] for c in gating} == {"mcore-portable-thd", "mcore-portable-thd-b1"}
+    assert all(c["metrics"]["bitwise_equal"] for c in gating)

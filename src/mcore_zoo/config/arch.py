@@ -288,6 +288,7 @@ class VisionSpec:
     image_token_id: int = 151655
     video_token_id: int = 151656
     vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
 
     @property
     def head_dim(self) -> int:

@@ -77,6 +77,7 @@ def read_qwen2_5_vision(vision: ConfigReader, top: ConfigReader) -> VisionSpec:
         video_token_id=top.map("video_token_id", "token replaced by merged video features; video position ids"),
         vision_start_token_id=top.ignore("vision_start_token_id", "an ordinary text token to the model: the"
                                          " position ids follow the image tokens themselves"),  # fmt: skip
+        vision_end_token_id=top.ignore("vision_end_token_id", "an ordinary text token to the model"),
     )
     if spec.window_size % (spec.spatial_merge_size * spec.patch_size):
         raise vision.unsupported("window_size", spec.window_size,
@@ -89,6 +90,5 @@ def read_qwen2_5_vision(vision: ConfigReader, top: ConfigReader) -> VisionSpec:
     if vision.has("spatial_patch_size"):
         vision.expect("spatial_patch_size", spec.patch_size, reason="not read by transformers, whose patches are"
                       " patch_size wide")  # fmt: skip
-    top.ignore("vision_end_token_id", "an ordinary text token to the model")
     top.ignore("vision_token_id", "not read by transformers' Qwen2.5-VL (an ordinary text token to the model)")
     return spec
