@@ -169,6 +169,10 @@ class BuildPlan:
 
             mark_expert_data_parallel(model, self.transformer_config)
         install_rope(model, arch, options.numerics)
+        if arch.vision is not None:  # the vision tower before the decoder (families/vision_language)
+            from .families.vision_language.spec import attach_vision_tower
+
+            attach_vision_tower(model, arch, options.params_dtype)
         if options.numerics.kernels == "vllm":  # the output layer and RoPE on vLLM's kernels
             from .specs.vllm_exact import install
 
@@ -300,7 +304,9 @@ def install_rope(model: torch.nn.Module, arch: ArchConfig, numerics: NumericsPro
     if freqs.shape != rotary.inv_freq.shape:
         raise ZooError(f"RoPE frequency count {tuple(freqs.shape)} != mcore's {tuple(rotary.inv_freq.shape)}")
     rotary.inv_freq = freqs  # CPU; mcore moves it to the current device on first use
-    type(rotary).forward.cache_clear()
+    cached = getattr(type(rotary).forward, "cache_clear", None)  # multimodal RoPE computes per call
+    if cached is not None:
+        cached()
 
 
 def build_chunks(

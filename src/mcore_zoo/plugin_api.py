@@ -63,7 +63,12 @@ Groups:
 * the language model of a vision-language checkpoint - :func:`read_language_model` (``text_config``
   read by the text model's converter, ``vision_config`` recorded as the vision tower's),
   :func:`language_model_weight_map` (a text table under ``model.language_model.``, the vision
-  tower's tensors ignored by name), :func:`gated_deltanet_language_model_weight_map` (Qwen3.5's).
+  tower's tensors ignored by name), :func:`gated_deltanet_language_model_weight_map` (Qwen3.5's);
+* vision-language models (:mod:`mcore_zoo.families.vision_language`) - :class:`VisionSpec`,
+  :func:`read_qwen2_5_vision` (a ``vision_config``, passed to ``read_language_model(...,
+  read_vision=...)``), :func:`vision_tower_rules`, :func:`vision_language_weight_map`,
+  :func:`qwen2_5_vl_weight_map`, :class:`SequenceVisionInputs` and :func:`vision_language_forward`
+  (the entry's ``forward``: per-sequence pixels in THD packs).
 """
 
 from __future__ import annotations
@@ -156,6 +161,14 @@ _LAZY = {
     # the language model of a vision-language checkpoint
     "read_language_model": "mcore_zoo.config.language_model:read_language_model",
     "language_model_weight_map": "mcore_zoo.weights.language_model:language_model_weight_map",
+    # vision-language models (Qwen2.5-VL): the tower, multimodal RoPE, per-sequence vision inputs
+    "VisionSpec": "mcore_zoo.config.arch:VisionSpec",
+    "read_qwen2_5_vision": "mcore_zoo.families.vision_language.config:read_qwen2_5_vision",
+    "vision_tower_rules": "mcore_zoo.families.vision_language.weights:vision_tower_rules",
+    "vision_language_weight_map": "mcore_zoo.families.vision_language.weights:vision_language_weight_map",
+    "qwen2_5_vl_weight_map": "mcore_zoo.families.vision_language.weights:qwen2_5_vl_weight_map",
+    "SequenceVisionInputs": "mcore_zoo.families.vision_language.spec:SequenceVisionInputs",
+    "vision_language_forward": "mcore_zoo.families.vision_language.forward:vision_language_forward",
     # layer spec and forward
     "gpt_layer_specs": "mcore_zoo.specs.gpt:gpt_layer_specs",
     "generic_forward": "mcore_zoo.distributed.forward:generic_forward",

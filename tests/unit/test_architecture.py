@@ -132,7 +132,7 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "weights/io.py", "weights/pread.py", "weights/staging.py", "weights/load.py", "weights/export.py",
         "weights/tied.py", "weights/fp8.py", "weights/mxfp4.py",
         "packing.py", "numerics/gemm.py", "kernels/__init__.py", "kernels/copy_runs.py", "kernels/logprob_rows.py",
-        "kernels/vllm_ops.py",
+        "kernels/vllm_ops.py", "families/vision_language/positions.py",
     ),
     "registration": (
         "__init__.py", "entry.py", "hookspecs.py", "registry.py", "architecture.py", "plugin_api.py",
@@ -140,7 +140,7 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "plugins/glm4_moe.py", "plugins/glm_moe_dsa.py",
         "plugins/llama.py", "plugins/mistral.py", "plugins/mixtral.py", "plugins/qwen2.py", "plugins/qwen2_moe.py",
         "plugins/qwen3.py", "plugins/qwen3_moe.py", "plugins/qwen3_next.py", "plugins/qwen3_5.py",
-        "plugins/gpt_oss.py",
+        "plugins/gpt_oss.py", "plugins/qwen2_5_vl.py",
         "families/__init__.py", "families/*/__init__.py",
     ),
     "model": (
@@ -148,13 +148,13 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "distributed/collectives.py",
         "specs/__init__.py", "specs/gpt.py", "specs/heads.py", "specs/linears.py", "specs/norms.py",
         "specs/patching.py", "specs/portable.py", "specs/vllm_exact.py",
-        "families/*/spec.py", "families/moe/clamped_swiglu.py",
+        "families/*/spec.py", "families/moe/clamped_swiglu.py", "families/vision_language/vision.py",
     ),
     "job-wide": (
         "distributed/__init__.py", "distributed/build.py", "distributed/copy.py", "distributed/experts.py", "distributed/export.py",
         "distributed/forward.py", "distributed/io.py", "distributed/launch.py", "distributed/load.py",
         "distributed/microbatches.py", "distributed/optimizer.py", "distributed/train.py",
-        "distributed/vocab_parallel.py",
+        "distributed/vocab_parallel.py", "families/vision_language/forward.py",
     ),
     "rollout": (
         "rollout/__init__.py", "rollout/adapter.py", "rollout/engine_format.py", "rollout/plan.py",

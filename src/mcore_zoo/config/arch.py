@@ -37,6 +37,9 @@ class RopeSpec:
     attention_factor: Optional[float] = None
     truncate: bool = True
     interleaved: bool = False
+    #: multimodal RoPE (Qwen2.5-VL): the rotary half-width split into (temporal, height, width)
+    #: sections, each rotated by its own row of 3-D position ids; ``None``: 1-D positions
+    mrope_section: Optional[tuple] = None
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
@@ -249,6 +252,50 @@ class GatedDeltaNetSpec:
 
 
 @dataclass(frozen=True)
+class VisionSpec:
+    """The vision tower of a vision-language model and how its features enter the language model.
+
+    Qwen2.5-VL's tower (``kind="qwen2_5_vl"``), as transformers computes it: a Conv3d patch
+    embedding over ``temporal_patch_size x patch_size x patch_size`` patches of ``in_channels``
+    (no bias), ``depth`` pre-norm blocks (RMSNorm, eps 1e-6; q/k/v in one biased linear, 2-D
+    rotary over (row, column) of each patch with base ``rope_theta``, non-causal attention within
+    windows of ``window_size`` pixels, or within each frame in the ``fullatt_block_indexes``
+    blocks; a biased gated MLP of ``intermediate_size`` with ``hidden_act``), then the patch
+    merger: RMSNorm, ``spatial_merge_size ** 2`` neighbouring patches concatenated, Linear - GELU -
+    Linear to ``out_hidden_size`` (the language model's width). The merged features replace the
+    language model's embeddings of the ``image_token_id`` / ``video_token_id`` tokens in order.
+
+    Attributes:
+        kind: which tower (the extension point of the vision-language family).
+        tokens_per_second: temporal position step of a video's frames (times ``second_per_grid_ts``).
+    """
+
+    kind: str
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    in_channels: int = 3
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    window_size: int = 112
+    fullatt_block_indexes: tuple = ()
+    hidden_act: str = "silu"
+    rope_theta: float = 10000.0
+    tokens_per_second: float = 4
+    image_token_id: int = 151655
+    video_token_id: int = 151656
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+@dataclass(frozen=True)
 class ArchConfig:
     """A converted architecture instance. Shapes are global (before any parallel split).
 
@@ -316,6 +363,9 @@ class ArchConfig:
     #: whether the MTP layers' MLP is the MoE block (by the checkpoint's own rule for layer index
     #: ``num_hidden_layers + d``) rather than the dense MLP
     mtp_layer_moe: bool = False
+    #: the vision tower of a vision-language model, built before the decoder on the first pipeline
+    #: stage (:mod:`mcore_zoo.families.vision_language`); ``None``: a text model
+    vision: Optional[VisionSpec] = None
     hf_config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     fields: Optional[FieldReport] = field(default=None, compare=False, repr=False)
     #: what extensions' ``amend_config`` changed: ``(origin, attribute, before, after)`` per change

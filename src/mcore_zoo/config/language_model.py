@@ -13,7 +13,7 @@ language model alone: it reads token ids, never pixels (the weight side:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from .arch import ArchConfig
 from .common import classify_common_fields
@@ -36,11 +36,15 @@ def text_hf_config(hf_config: Any) -> Any:
     return text if isinstance(text, dict) else hf_config
 
 
-def read_language_model(reader: ConfigReader, convert_text: Callable[[ConfigReader], ArchConfig]) -> ArchConfig:
+def read_language_model(reader: ConfigReader, convert_text: Callable[[ConfigReader], ArchConfig],
+                        read_vision: Optional[Callable[[ConfigReader, ConfigReader], Any]] = None) -> ArchConfig:
     """A vision-language config -> the :class:`ArchConfig` of its language model (module docstring).
 
     ``convert_text``: the converter of the text model (it reads ``text_config`` as that model's own
-    config). The output layer is tied as the top-level ``tie_word_embeddings`` says."""
+    config). The output layer is tied as the top-level ``tie_word_embeddings`` says.
+    ``read_vision``: ``(vision_config reader, top-level reader) -> VisionSpec`` of a model whose
+    vision tower is built: it classifies every ``vision_config`` field and the marker-token ids
+    (``ArchConfig.vision``); without it the tower's fields are recorded as not built."""
     for name in (TEXT, VISION):
         if not isinstance(reader.peek(name), dict):
             raise reader.unsupported(name, reader.peek(name), "a vision-language config nests it as an object")
@@ -50,14 +54,19 @@ def read_language_model(reader: ConfigReader, convert_text: Callable[[ConfigRead
         text.ignore("tie_word_embeddings", TIED_BY_TOP_LEVEL)
     reader.adopt(TEXT, text, "the language model: its fields are the text_config.* records")
     vision = reader.nested(VISION)
-    for name in vision.config:
-        if name not in vision.records:
-            vision.ignore(name, VISION_TOWER)
-    reader.adopt(VISION, vision, "the vision tower, not built: " + VISION_TOWER)
-    for name in MARKER_TOKENS:
-        reader.ignore(name, MARKER_REASON)
+    tower = None
+    if read_vision is not None:
+        tower = read_vision(vision, reader)
+        reader.adopt(VISION, vision, "the vision tower: its fields are the vision_config.* records")
+    else:
+        for name in vision.config:
+            if name not in vision.records:
+                vision.ignore(name, VISION_TOWER)
+        reader.adopt(VISION, vision, "the vision tower, not built: " + VISION_TOWER)
+        for name in MARKER_TOKENS:
+            reader.ignore(name, MARKER_REASON)
     tied = reader.map("tie_word_embeddings", "share_embeddings_and_output_weights (the output layer is the"
                       " language model's embedding)", False)  # fmt: skip
     classify_common_fields(reader)
     return arch.replace(architecture=reader.architecture, model_type=reader.peek("model_type", arch.model_type),
-                        tie_word_embeddings=bool(tied))  # fmt: skip
+                        tie_word_embeddings=bool(tied), vision=tower)  # fmt: skip

@@ -12,6 +12,7 @@ parameters, or YaRN frequencies for a plain GPT model, so the zoo always install
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Mapping, Optional
 
@@ -70,11 +71,15 @@ def _read_text_mrope(reader: ConfigReader, source: str, params: dict[str, Any]) 
     return None if section is None else list(section)
 
 
-def read_rope(reader: ConfigReader, *, max_position_embeddings: int, text_mrope: bool = False) -> RopeSpec:
+def read_rope(reader: ConfigReader, *, max_position_embeddings: int, text_mrope: bool = False,
+              multimodal_rope: bool = False) -> RopeSpec:
     """Read and classify the RoPE fields of an HF config (4.x or 5.x form).
 
     ``text_mrope``: accept the M-RoPE sub-keys (:data:`MROPE_KEYS`) of a text model whose three
-    position sections always carry the same ids (:func:`_read_text_mrope`); refused otherwise."""
+    position sections always carry the same ids (:func:`_read_text_mrope`); refused otherwise.
+    ``multimodal_rope``: the language model of a vision-language model, fed 3-D position ids:
+    ``mrope_section`` is required and kept (``RopeSpec.mrope_section``); the interleaved layout
+    (``mrope_interleaved``, Qwen3-VL) is refused until it is built."""
     params: dict[str, Any]
     if reader.has("rope_parameters") and reader.peek("rope_parameters") is not None:
         params = dict(reader.peek("rope_parameters"))
@@ -116,7 +121,14 @@ def read_rope(reader: ConfigReader, *, max_position_embeddings: int, text_mrope:
             rope_type,
             f"RoPE type {rope_type!r} is not implemented; supported: {', '.join(SUPPORTED_ROPE_TYPES)}",
         )
-    section = _read_text_mrope(reader, source, params) if text_mrope else None
+    section = _read_text_mrope(reader, source, params) if text_mrope or multimodal_rope else None
+    if multimodal_rope:
+        interleaved = reader.peek(source).get("mrope_interleaved") if isinstance(reader.peek(source), dict) else None
+        if interleaved:
+            raise reader.unsupported(f"{source}.mrope_interleaved", interleaved,
+                                     "interleaved multimodal RoPE (Qwen3-VL) is not built yet")  # fmt: skip
+        if section is None:
+            raise reader.unsupported(f"{source}.mrope_section", None, "multimodal RoPE needs its three sections")
     theta = params.pop("rope_theta", None)
     if theta is None:
         raise reader.unsupported(f"{source}.rope_theta", None, "RoPE base is missing")
@@ -142,8 +154,12 @@ def read_rope(reader: ConfigReader, *, max_position_embeddings: int, text_mrope:
         params["factor"] = max_position_embeddings / params["original_max_position_embeddings"]
 
     spec = RopeSpec(theta=float(theta), rope_type=rope_type, **params)
+    if multimodal_rope:
+        spec = dataclasses.replace(spec, mrope_section=tuple(section))  # summed against head_dim by the caller
     if source == "rope_parameters":
         mrope = "" if section is None else f" (M-RoPE sections {section} over identical text position ids: plain RoPE)"
+        if multimodal_rope:
+            mrope = f" (multimodal RoPE: sections {section} (temporal, height, width) over 3-D position ids)"
         reader.map("rope_parameters", f"RoPE {describe(spec)}{mrope}")
     elif reader.has("rope_scaling"):
         if reader.peek("rope_scaling") is None:

@@ -68,6 +68,9 @@ def validate_layout(arch: ArchConfig, parallel: Parallelism) -> None:
     unsupported = []
     if arch.gated_deltanet is not None:
         unsupported = arch.gated_deltanet.layout_problems(parallel, moe=arch.moe is not None)
+    if arch.vision is not None and (tp > 1 or pp > 1 or cp > 1):
+        unsupported.append("a vision-language model (vision tower, multimodal RoPE) is built for tp = pp = cp = 1"
+                           " yet: tensor, pipeline and context parallelism of its tower and inputs come next")  # fmt: skip
     if unsupported:
         raise UnsupportedLayoutError(f"{where} is not supported by the model's layers yet:\n"
                                      + "\n".join(f"  - {p}" for p in unsupported))  # fmt: skip
@@ -189,6 +192,8 @@ def transformer_config_kwargs(arch: ArchConfig, options: BuildOptions) -> dict[s
         kwargs["mtp_num_layers"] = arch.mtp_num_layers
     if arch.attention_sinks:  # gpt-oss: a learned sink logit per head (core_attention.softmax_offset)
         kwargs["softmax_type"] = "learnable"
+    if arch.rope.mrope_section is not None:  # multimodal RoPE over 3-D position ids (families/vision_language)
+        kwargs["mrope_section"] = list(arch.rope.mrope_section)
     if arch.attention_output_gate:  # Qwen3-Next: the query projection carries a sigmoid output gate
         kwargs["attention_output_gate"] = True
     kwargs.update(arch.extra_transformer_config)
@@ -298,7 +303,7 @@ def gpt_model_kwargs(arch: ArchConfig) -> dict[str, Any]:
     return dict(
         vocab_size=arch.padded_vocab_size or arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="rope" if arch.rope.mrope_section is None else "mrope",
         rotary_percent=arch.rope.partial_rotary_factor,
         rotary_base=int(arch.rope.theta) if float(arch.rope.theta).is_integer() else arch.rope.theta,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,

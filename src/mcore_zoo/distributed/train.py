@@ -83,6 +83,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ZooError
+from ..families.vision_language.spec import vision_inputs_for
 from ..handle import ModelHandle, handle_of
 from ..packing import alignment_for
 from ..placement import group_size
@@ -387,6 +388,7 @@ def train_step(
     pad_token_id: int = 0,
     mtp_loss_scale: Optional[float] = None,
     replay_routes: Optional[Sequence[torch.Tensor]] = None,
+    vision_inputs: Optional[Sequence[Any]] = None,
 ) -> StepResult:
     """One forward + backward of ``loss_fn`` over ``sequences`` (see the module docstring).
 
@@ -425,6 +427,10 @@ def train_step(
             :class:`~mcore_zoo.errors.ZooError` if they do not fit the sequences or are not all
             consumed.
 
+        vision_inputs: a vision-language model: one entry per sequence, its images / videos
+            (``None``, a dict or :class:`~mcore_zoo.families.vision_language.spec.SequenceVisionInputs`;
+            docs/vision-language.md), as ``packed_forward`` takes them.
+
     Returns:
         :class:`StepResult`, the same on every rank of the model-parallel group.
     """
@@ -450,6 +456,8 @@ def train_step(
     if not seqs:
         raise ZooError("nothing to train on")
     check_token_data(token_data, seqs)
+    if vision_inputs is not None and len(vision_inputs) != len(seqs):
+        raise ZooError(f"vision_inputs has {len(vision_inputs)} entries for {len(seqs)} sequences (one per sequence)")
     align = alignment_for(layout.tp, layout.cp, layout.sequence_parallel)
     padded = [-(-int(s.numel()) // align) * align for s in seqs]
     interleaved = layout.vpp > 1
@@ -498,7 +506,8 @@ def train_step(
 
     def step(data_iterator: Any, chunk: Any) -> tuple[torch.Tensor, Any]:
         mb = next(data_iterator)
-        output = chunk(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
+        with vision_inputs_for(chunk, mb.members, vision_inputs):
+            output = chunk(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
         return output, functools.partial(loss_func, mb, order[id(mb)])
 
     replaying = contextlib.nullcontext()

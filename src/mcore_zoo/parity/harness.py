@@ -248,7 +248,7 @@ def run_parity(opts: ParityOptions, progress: Optional[Progress] = None) -> dict
 
 
 def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress, started: Any) -> dict[str, Any]:
-    from .inputs import language_model_fields, make_sequences, prepare_model
+    from .inputs import add_images, language_model_fields, make_sequences, prepare_model
 
     device, dtype, tol = r["device"], r["dtype"], r["tolerance"]
     with progress.stage("model"):
@@ -260,6 +260,12 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
     sequences, token_info = make_sequences(list(opts.lengths), vocab, tokenizer=source.tokenizer, mode=opts.tokens,
                                            seed=opts.seed, trust_remote_code=opts.trust_remote_code)  # fmt: skip
     decoder = token_info.pop("_decode", None)
+    vision_inputs = None
+    tower = source.architecture.config_from_hf(source.config, ignore_fields=opts.ignore_fields or None).vision
+    if tower is not None:  # a vision-language model whose tower the zoo builds: one image per sequence
+        if opts.vllm_python:
+            raise ZooError(f"{source.architecture.name}: vLLM runs of vision-language models are not built yet")
+        sequences, vision_inputs, token_info["vision"] = add_images(sequences, tower, seed=opts.seed)
     criterion = "bitwise" if opts.bitwise else "tolerance"
     runs: dict[str, RunResult] = {}
     comparisons: list[dict[str, Any]] = []
@@ -274,7 +280,7 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
     with progress.stage(f"transformers ({opts.reference})"):
         ref = run_hf(source.architecture, source.checkpoint, sequences, dtype=dtype,
                      attn_implementation=opts.reference, device=device, capture=opts.layers,
-                     experts_implementation=experts)  # fmt: skip
+                     experts_implementation=experts, vision_inputs=vision_inputs)  # fmt: skip
         runs[ref.label] = ref
     other = "sdpa" if opts.reference == "eager" else "eager"
     if opts.baseline and supports_attention(source.architecture, other):
@@ -282,7 +288,7 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
         with progress.stage(f"transformers ({other}) baseline"):
             base = run_hf(source.architecture, source.checkpoint, sequences, dtype=dtype,
                           attn_implementation=other, device=device, capture=opts.layers,
-                          experts_implementation=experts)  # fmt: skip
+                          experts_implementation=experts, vision_inputs=vision_inputs)  # fmt: skip
             runs[base.label] = base
         add(ref, base, "baseline", False, "tolerance")
         tol = tol.relaxed_by(comparisons[-1]["metrics"]).with_overrides(**opts.tolerances)  # --tol: as given
@@ -290,7 +296,7 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
                      ignore_fields=tuple(sorted(opts.ignore_fields.items())))  # fmt: skip
     export_dir = work / "export" if opts.vllm_python else None
     with progress.stage(f"megatron-core ({spec.label}, numerics {r['profile'].name})"):
-        main = run_mcore(spec, sequences, capture=opts.layers, export_dir=export_dir)
+        main = run_mcore(spec, sequences, capture=opts.layers, export_dir=export_dir, vision_inputs=vision_inputs)
         runs[main.label] = main
     comparisons.insert(0, compare(ref, main, role="parity", gating=True, criterion=criterion, tol=tol,
                                   worst=opts.worst, device=cmp_device))  # fmt: skip
@@ -300,13 +306,15 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
         variants = [(replace(spec, seq_format="bshd" if spec.seq_format == "thd" else "thd"), "tolerance")]
         if spec.backend == "local" and r["profile"].attention == "backend":
             variants = []  # local's own attention has no THD: nothing to compare the format with
+        if vision_inputs is not None:
+            variants = []  # images run in THD packs only: no other format to compare with
         variants.append((replace(spec, per_sequence=True), criterion))
         if opts.invariance_tp:
             tp_other = opts.invariance_tp if spec.tp == 1 else 1
             variants.append((replace(spec, tp=tp_other), "tolerance"))
         for variant, crit in variants:
             with progress.stage(f"megatron-core invariance ({variant.label})"):
-                result = run_mcore(variant, sequences, capture=opts.layers)
+                result = run_mcore(variant, sequences, capture=opts.layers, vision_inputs=vision_inputs)
                 runs[result.label] = result
             add(main, result, "invariance", True, crit)
     if opts.ablation:
@@ -316,8 +324,10 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
             if spec.backend == "local" and profile.attention == "backend":
                 # mcore's own attention runs BSHD only: one sequence per forward, so no padding
                 variant = replace(variant, seq_format="bshd", per_sequence=True)
+                if vision_inputs is not None:
+                    continue  # images run in THD packs only
             with progress.stage(f"megatron-core ablation ({knob}={value})"):
-                result = run_mcore(variant, sequences, capture=False)
+                result = run_mcore(variant, sequences, capture=False, vision_inputs=vision_inputs)
                 runs[result.label] = result
             add(ref, result, "ablation", False, criterion)
             comparisons[-1]["knob"] = {"name": knob, "value": value, "from": getattr(r["profile"], knob)}

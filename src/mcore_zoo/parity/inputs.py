@@ -43,8 +43,9 @@ RANDOM_WEIGHTS_CANNOT_CARRY: dict[str, Any] = {"quantization_config": None, "num
                                                "mtp_num_hidden_layers": 0}
 #: where a vision-language config nests its language model's fields
 TEXT_CONFIG = "text_config"
-#: a vision tower shrunk to one small block for ``--scale``: the zoo builds no vision tower (it loads
-#: the language model of a vision-language checkpoint), so only its output width must agree
+#: a vision tower shrunk to one small block for ``--scale``, its output width that of the scaled
+#: language model (the zoo builds Qwen2.5-VL's tower; of the other vision-language checkpoints it
+#: loads the language model alone)
 TINY_VISION = {"depth": 1, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2}
 
 
@@ -241,14 +242,23 @@ def _scale_vision_language(config: dict[str, Any], preset: str) -> tuple[dict[st
     text, text_changes = scale_config(c[TEXT_CONFIG], preset)
     changes = {f"{TEXT_CONFIG}.{k}": v for k, v in text_changes.items()}
     c[TEXT_CONFIG] = text
-    if isinstance(c.get("vision_config"), dict):
-        vision = dict(c["vision_config"])
-        vision_changes: dict[str, list[Any]] = {}
-        for key, value in {**TINY_VISION, "out_hidden_size": text["hidden_size"]}.items():
-            _set_path(vision, key, value, vision_changes)
-        c["vision_config"] = vision
-        changes.update({f"vision_config.{k}": v for k, v in vision_changes.items()})
+    _shrink_vision_tower(c, text["hidden_size"], changes)
+    if SCALES[preset][2] is not None:
+        _marker_tokens_in_vocabulary(c, int(text["vocab_size"]), changes)
     return c, changes
+
+
+def _shrink_vision_tower(c: dict[str, Any], hidden_size: int, changes: dict[str, list[Any]]) -> None:
+    """``c["vision_config"]`` (if any) shrunk to :data:`TINY_VISION`, output width ``hidden_size``;
+    the changes named ``vision_config.<field>``."""
+    if not isinstance(c.get("vision_config"), dict):
+        return
+    vision = dict(c["vision_config"])
+    vision_changes: dict[str, list[Any]] = {}
+    for key, value in {**TINY_VISION, "out_hidden_size": hidden_size}.items():
+        _set_path(vision, key, value, vision_changes)
+    c["vision_config"] = vision
+    changes.update({f"vision_config.{k}": v for k, v in vision_changes.items()})
 
 
 def scale_config(config: dict[str, Any], preset: str) -> tuple[dict[str, Any], dict[str, list[Any]]]:
@@ -258,7 +268,8 @@ def scale_config(config: dict[str, Any], preset: str) -> tuple[dict[str, Any], d
     so that TP=2 stays possible) whose ``heads * head_dim`` fits the preset's width; query heads
     keep the GQA ratio. Hidden and MLP widths shrink by the same factor as the heads. A gated
     DeltaNet model keeps one layer of each kind; a vision-language config is scaled in its
-    ``text_config`` (:func:`_scale_vision_language`).
+    ``text_config`` (:func:`_scale_vision_language`), or at the top level where its text fields
+    are (Qwen2.5-VL's published form), its vision tower shrunk (:func:`_shrink_vision_tower`).
     """
     if preset not in SCALES:
         raise ZooError(f"unknown --scale {preset!r}; known: {sorted(SCALES)}")
@@ -293,7 +304,23 @@ def scale_config(config: dict[str, Any], preset: str) -> tuple[dict[str, Any], d
                 _set_path(c, key, max_vocab - 1, changes)
             elif isinstance(value, list):
                 _set_path(c, key, [min(v, max_vocab - 1) for v in value], changes)
+    _shrink_vision_tower(c, int(c["hidden_size"]), changes)  # a vision-language config with top-level text fields
+    if max_vocab is not None and isinstance(c.get("vision_config"), dict):
+        _marker_tokens_in_vocabulary(c, int(c["vocab_size"]), changes)
     return c, changes
+
+
+#: the top-level ids of Qwen-VL configs' image / video marker tokens, kept inside a shrunk vocabulary
+MARKER_TOKEN_FIELDS = ("vision_start_token_id", "vision_end_token_id", "vision_token_id", "image_token_id",
+                       "video_token_id")  # fmt: skip
+
+
+def _marker_tokens_in_vocabulary(c: dict[str, Any], vocab_size: int, changes: dict[str, list[Any]]) -> None:
+    """Marker-token ids at or past ``vocab_size`` moved to distinct ids at its end (images can then
+    be fed to the shrunk model)."""
+    for k, key in enumerate(MARKER_TOKEN_FIELDS):
+        if isinstance(c.get(key), int) and c[key] >= vocab_size:
+            _set_path(c, key, vocab_size - 2 - len(MARKER_TOKEN_FIELDS) + k, changes)
 
 
 def parse_set(items: list[str]) -> dict[str, Any]:
@@ -466,3 +493,37 @@ def make_sequences(
         info["note"] = fallback
     return seqs, info
 
+
+def add_images(sequences: list[torch.Tensor], vision: Any, *, seed: int = 0) -> tuple[list[torch.Tensor], list[Optional[dict]], dict[str, Any]]:
+    """One image of random pixels in every sequence long enough for it (a vision-language model
+    whose tower the zoo builds; ``vision``: its :class:`~mcore_zoo.config.arch.VisionSpec`).
+
+    The image's tokens (start marker, one image token per merged feature, end marker) replace the
+    middle of the sequence, its length unchanged; image grids alternate between a square and a
+    wide one of merged ``2 x 2`` and ``2 x 4`` features. Marker ids drawn as random text become
+    id 0. Returns the sequences, per sequence its vision inputs (``None``: text only; the keys of
+    transformers' processor) and a description for the report."""
+    merge = vision.spatial_merge_size
+    values = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    markers = torch.tensor([vision.vision_start_token_id, vision.image_token_id, vision.video_token_id,
+                            vision.vision_end_token_id])  # fmt: skip
+    gen = torch.Generator().manual_seed(seed + 1)
+    out, inputs, grids = [], [], []
+    for i, seq in enumerate(sequences):
+        seq = torch.where(torch.isin(seq, markers), torch.zeros_like(seq), seq)
+        grid = (1, 2 * merge, (2 if i % 2 == 0 else 4) * merge)
+        tokens = grid[0] * grid[1] * grid[2] // merge**2
+        if seq.numel() < tokens + 4:
+            out.append(seq)
+            inputs.append(None)
+            continue
+        start = (seq.numel() - tokens - 2) // 2
+        image = torch.cat([torch.tensor([vision.vision_start_token_id]), torch.full((tokens,), vision.image_token_id),
+                           torch.tensor([vision.vision_end_token_id])])  # fmt: skip
+        out.append(torch.cat([seq[:start], image, seq[start + image.numel():]]))
+        pixels = torch.randn(grid[0] * grid[1] * grid[2], values, generator=gen)
+        inputs.append({"pixel_values": pixels, "image_grid_thw": torch.tensor([grid])})
+        grids.append(list(grid))
+    info = {"images": len(grids), "image_grid_thw": grids, "pixels": f"random normal (seed {seed + 1})",
+            "sequences_with_an_image": [i for i, v in enumerate(inputs) if v is not None]}  # fmt: skip
+    return out, inputs, info

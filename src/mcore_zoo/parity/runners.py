@@ -74,10 +74,12 @@ def run_hf(
     device: str = "cpu",
     capture: bool = True,
     experts_implementation: Optional[str] = None,
+    vision_inputs: Optional[list[Optional[dict]]] = None,
 ) -> RunResult:
     """The transformers reference, each sequence alone (see module docstring).
     ``experts_implementation``: MoE models, the transformers experts kernel the mcore model's
-    ``moe_experts`` knob follows (``None``: transformers' default)."""
+    ``moe_experts`` knob follows (``None``: transformers' default). ``vision_inputs``: a
+    vision-language model's per-sequence images (transformers' processor keys; ``None``: text)."""
     from .reference import load_reference
 
     t0 = time.perf_counter()
@@ -87,8 +89,9 @@ def run_hf(
     sites = hf_sites(model) if capture else {}
     logits = []
     with torch.no_grad(), HiddenCapture(sites, to_bsh_hf) as cap:
-        for seq in sequences:
-            out = model(seq[None].to(device), use_cache=False)
+        for i, seq in enumerate(sequences):
+            images = (vision_inputs or [None] * len(sequences))[i]
+            out = model(seq[None].to(device), use_cache=False, **_hf_vision_kwargs(model, seq, images, device))
             logits.append(out.logits[0].detach().to("cpu"))
     if device != "cpu" and torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -108,6 +111,14 @@ def run_hf(
     }
     del model
     return RunResult(label, Predictions(tokens=list(sequences), logits=logits), hidden, info)
+
+
+def _hf_vision_kwargs(model: Any, seq: torch.Tensor, images: Optional[dict], device: str) -> dict[str, Any]:
+    """transformers' image arguments of one sequence: the processor's tensors and the token types."""
+    if not images:
+        return {}
+    types = (seq == model.config.image_token_id).int() + 2 * (seq == model.config.video_token_id).int()
+    return {"mm_token_type_ids": types[None].to(device), **{k: v.to(device) for k, v in images.items()}}
 
 
 # ---------------------------------------------------------------------------- Megatron-Core
@@ -209,7 +220,8 @@ def _split_hidden(records: dict[str, list[torch.Tensor]], spec: McoreSpec, batch
     return out
 
 
-def _run_mcore_here(spec: McoreSpec, sequences: list[torch.Tensor], capture: bool, export_dir: Optional[str]) -> Optional[RunResult]:
+def _run_mcore_here(spec: McoreSpec, sequences: list[torch.Tensor], capture: bool, export_dir: Optional[str],
+                    vision_inputs: Optional[list[Optional[dict]]] = None) -> Optional[RunResult]:  # fmt: skip
     """Build, run and (optionally) export in this process; returns None on TP ranks other than 0."""
     import mcore_zoo
     from ..packing import alignment_for, pack_sequences
@@ -228,9 +240,14 @@ def _run_mcore_here(spec: McoreSpec, sequences: list[torch.Tensor], capture: boo
     batch = pack_sequences(sequences, align=alignment_for(spec.tp))
     sites = mcore_sites(model) if capture else {}
     with torch.no_grad(), HiddenCapture(sites, to_bsh_mcore) as cap:
+        images = {} if vision_inputs is None else {"vision_inputs": vision_inputs}
         if spec.per_sequence:
-            logits = [mcore_zoo.packed_forward(model, [s], seq_format=spec.seq_format, return_logprobs=False).logits[0]
-                      for s in sequences]  # fmt: skip
+            logits = [mcore_zoo.packed_forward(model, [s], seq_format=spec.seq_format, return_logprobs=False,
+                                               **({"vision_inputs": [vision_inputs[i]]} if images else {})).logits[0]
+                      for i, s in enumerate(sequences)]  # fmt: skip
+        elif images:  # the same pack, built by the vision-language forward from the sequences
+            logits = mcore_zoo.packed_forward(model, sequences, seq_format=spec.seq_format, return_logprobs=False,
+                                              align=batch.align, **images).logits  # fmt: skip
         else:
             logits = mcore_zoo.packed_forward(model, batch, seq_format=spec.seq_format, return_logprobs=False).logits
     if spec.device != "cpu" and torch.cuda.is_available():
@@ -263,9 +280,10 @@ def _run_mcore_here(spec: McoreSpec, sequences: list[torch.Tensor], capture: boo
     return RunResult(spec.label, Predictions(tokens=list(sequences), logits=logits), hidden, info)
 
 
-def _mcore_rank(spec: McoreSpec, sequences: list[torch.Tensor], capture: bool, export_dir: Optional[str]) -> Optional[RunResult]:
+def _mcore_rank(spec: McoreSpec, sequences: list[torch.Tensor], capture: bool, export_dir: Optional[str],
+                vision_inputs: Optional[list[Optional[dict]]] = None) -> Optional[RunResult]:  # fmt: skip
     quiet_libraries()  # spawned ranks: library import warnings are noise here
-    return _run_mcore_here(spec, sequences, capture, export_dir)
+    return _run_mcore_here(spec, sequences, capture, export_dir, vision_inputs)
 
 
 def quiet_libraries() -> None:
@@ -295,11 +313,13 @@ def run_mcore(
     *,
     capture: bool = True,
     export_dir: Optional[os.PathLike] = None,
+    vision_inputs: Optional[list[Optional[dict]]] = None,
 ) -> RunResult:
     """Run the mcore model (TP > 1: on ``spec.tp`` spawned ranks; rank 0's outputs are returned).
 
     ``export_dir``: also write the model's HF export there (``save_hf_checkpoint``), the weights
-    other engines (vLLM) then load.
+    other engines (vLLM) then load. ``vision_inputs``: a vision-language model's per-sequence
+    images (``packed_forward``'s ``vision_inputs``).
     """
     export = str(export_dir) if export_dir is not None else None
     if spec.tp == 1:
@@ -307,12 +327,12 @@ def run_mcore(
 
         if Placement.current().tp != 1:
             raise ZooError("this process already runs Megatron-Core with TP > 1; the parity runner needs TP=1 here")
-        result = _run_mcore_here(spec, sequences, capture, export)
+        result = _run_mcore_here(spec, sequences, capture, export, vision_inputs)
     else:
         from ..distributed import launch
 
         t0 = time.perf_counter()
-        results = launch(_mcore_rank, spec.tp, spec, sequences, capture, export)
+        results = launch(_mcore_rank, spec.tp, spec, sequences, capture, export, vision_inputs)
         result = results[0]
         result.info["seconds"]["launch_total"] = round(time.perf_counter() - t0, 3)
     assert result is not None

@@ -1,0 +1,216 @@
+"""Qwen2.5-VL's vision tower as a zoo module, in transformers' op order (CPU fp32: bit for bit).
+
+``QwenVisionTower(spec)(pixel_values, grid_thw)`` -> ``[sum(t * h * w) / merge**2, out_hidden_size]``:
+the merged features of every image (or video) in ``grid_thw``, in order. ``pixel_values`` are the
+processor's rows (one patch each, ``in_channels * temporal_patch_size * patch_size**2`` values).
+Attention never crosses an image: window blocks attend within windows of one frame, the
+``fullatt_block_indexes`` blocks within one frame. Parameter names are transformers' (under
+``model.visual.``), so the weight table maps them one to one.
+
+The tower is the family's extension point for other towers (:data:`TOWERS`, by
+``VisionSpec.kind``): Qwen3-VL's (learned position embedding, deepstack mergers) and Qwen3.5's
+are added there.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...config.arch import VisionSpec
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu": F.gelu}
+NORM_EPS = 1e-6  # transformers' Qwen2.5-VL tower fixes it
+
+
+class VisionRMSNorm(nn.Module):
+    """transformers' ``Qwen2_5_VLRMSNorm``: fp32 statistics, ``weight * x``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS)
+        return self.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class VisionAttention(nn.Module):
+    """Non-causal attention over each ``cu_seqlens`` segment alone, eager (fp32 softmax), 2-D rotary."""
+
+    def __init__(self, spec: VisionSpec) -> None:
+        super().__init__()
+        self.heads = spec.num_heads
+        self.scaling = spec.head_dim**-0.5
+        self.qkv = nn.Linear(spec.hidden_size, 3 * spec.hidden_size, bias=True)
+        self.proj = nn.Linear(spec.hidden_size, spec.hidden_size)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).reshape(n, 3, self.heads, -1).permute(1, 0, 2, 3).unbind(0)
+        dtype = q.dtype
+        cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
+        q, k = q.float(), k.float()
+        q = ((q * cos) + (_rotate_half(q) * sin)).to(dtype)
+        k = ((k * cos) + (_rotate_half(k) * sin)).to(dtype)
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        outputs = []
+        for qs, ks, vs in zip(*(torch.split(t, lengths, dim=2) for t in (q, k, v))):
+            weights = torch.matmul(qs, ks.transpose(2, 3)) * self.scaling
+            weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(qs.dtype)
+            outputs.append(torch.matmul(weights, vs).transpose(1, 2).contiguous())
+        return self.proj(torch.cat(outputs, dim=1).reshape(n, -1).contiguous())
+
+
+class VisionMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with biases."""
+
+    def __init__(self, spec: VisionSpec) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size)
+        self.act = ACTIVATIONS[spec.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, spec: VisionSpec) -> None:
+        super().__init__()
+        self.norm1 = VisionRMSNorm(spec.hidden_size)
+        self.norm2 = VisionRMSNorm(spec.hidden_size)
+        self.attn = VisionAttention(spec)
+        self.mlp = VisionMLP(spec)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchEmbed(nn.Module):
+    """Conv3d over ``temporal_patch_size x patch_size x patch_size`` patches, no bias."""
+
+    def __init__(self, spec: VisionSpec) -> None:
+        super().__init__()
+        self.shape = (-1, spec.in_channels, spec.temporal_patch_size, spec.patch_size, spec.patch_size)
+        kernel = self.shape[2:]
+        self.proj = nn.Conv3d(spec.in_channels, spec.hidden_size, kernel_size=kernel, stride=kernel, bias=False)
+        self.width = spec.hidden_size
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.proj(pixels.view(*self.shape).to(self.proj.weight.dtype)).view(-1, self.width)
+
+
+class PatchMerger(nn.Module):
+    """RMSNorm, ``merge**2`` neighbouring patches concatenated, Linear - GELU - Linear."""
+
+    def __init__(self, spec: VisionSpec) -> None:
+        super().__init__()
+        self.width = spec.hidden_size * spec.spatial_merge_size**2
+        self.ln_q = VisionRMSNorm(spec.hidden_size)
+        self.mlp = nn.Sequential(nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, spec.out_hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.width))
+
+
+def patch_positions(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
+    """``[patches, 2]`` (row, column) of every patch, merge blocks contiguous, frames repeated."""
+    out = []
+    for t, h, w in grid_thw.tolist():
+        rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        block = (h // merge, merge, w // merge, merge)
+        rows, cols = (p.reshape(block).transpose(1, 2).flatten() for p in (rows, cols))
+        out.append(torch.stack([rows, cols], dim=-1).repeat(t, 1))
+    return torch.cat(out, dim=0)
+
+
+def frame_seqlens(grid_thw: torch.Tensor) -> torch.Tensor:
+    """Cumulative patch counts of every frame: full attention stays within one frame."""
+    lengths = torch.repeat_interleave(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0])
+    return F.pad(lengths.cumsum(dim=0, dtype=torch.int32), (1, 0), value=0)
+
+
+def window_order(grid_thw: torch.Tensor, spec: VisionSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(merged-token order that groups windows, cumulative window lengths in patches), as transformers."""
+    merge, unit = spec.spatial_merge_size, spec.spatial_merge_size**2
+    side = spec.window_size // merge // spec.patch_size
+    order, bounds, offset = [], [0], 0
+    for t, h, w in grid_thw.tolist():
+        gh, gw = h // merge, w // merge
+        index = torch.arange(t * gh * gw).reshape(t, gh, gw)
+        pad_h, pad_w = side - gh % side, side - gw % side
+        nh, nw = (gh + pad_h) // side, (gw + pad_w) // side
+        padded = F.pad(index, (0, pad_w, 0, pad_h), "constant", -100).reshape(t, nh, side, nw, side)
+        padded = padded.permute(0, 1, 3, 2, 4).reshape(t, nh * nw, side, side)
+        lengths = (padded != -100).sum([2, 3]).reshape(-1)
+        flat = padded.reshape(-1)
+        order.append(flat[flat != -100] + offset)
+        bounds.extend((lengths.cumsum(0) * unit + bounds[-1]).tolist())
+        offset += t * gh * gw
+    return torch.cat(order), torch.unique_consecutive(torch.tensor(bounds, dtype=torch.int32))
+
+
+class QwenVisionTower(nn.Module):
+    """Qwen2.5-VL's tower (module docstring)."""
+
+    def __init__(self, spec: VisionSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.patch_embed = PatchEmbed(spec)
+        half = spec.head_dim // 2
+        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.blocks = nn.ModuleList([VisionBlock(spec) for _ in range(spec.depth)])
+        self.merger = PatchMerger(spec)
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq.to(dtype=torch.float)
+
+        def recompose(f: torch.Tensor) -> torch.Tensor:
+            hw = torch.cat([f[:, 0], f[:, 1]], dim=-1)
+            return torch.cat([hw, hw], dim=-1)
+
+        return recompose(freqs.cos()), recompose(freqs.sin())
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        spec, unit = self.spec, self.spec.spatial_merge_size**2
+        grid_thw = grid_thw.to("cpu")
+        positions = patch_positions(grid_thw, spec.spatial_merge_size)
+        frames = frame_seqlens(grid_thw)
+        order, windows = window_order(grid_thw, spec)
+        x = self.patch_embed(pixel_values)
+        n = x.shape[0]
+
+        def windowed(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(n // unit, unit, -1)[order.to(t.device)].reshape(n, -1)
+
+        x = windowed(x)
+        cos, sin = (windowed(f.to(x.device)) for f in self._rotary(positions))
+        for i, block in enumerate(self.blocks):
+            x = block(x, frames if i in spec.fullatt_block_indexes else windows, cos, sin)
+        return self.merger(x)[torch.argsort(order).to(x.device)]
+
+
+#: the towers the family builds, by ``VisionSpec.kind``
+TOWERS: dict[str, Callable[[VisionSpec], nn.Module]] = {"qwen2_5_vl": QwenVisionTower}
+
+
+def build_tower(spec: VisionSpec) -> nn.Module:
+    """The vision tower of ``spec.kind``."""
+    if spec.kind not in TOWERS:
+        raise ValueError(f"no vision tower of kind {spec.kind!r}; built: {', '.join(TOWERS)}")
+    return TOWERS[spec.kind](spec)
