@@ -16,7 +16,7 @@ import mcore_zoo
 from mcore_zoo.distributed import launch
 from mcore_zoo.placement import Parallelism
 
-from ..unit.test_refit import assert_same, vllm_engine_tensors
+from ..unit.test_refit import assert_same, vllm_engine_tensors, vllm_gpt_oss_tensors
 
 
 def _refit_layouts(ckpt: str, layouts: list) -> dict:
@@ -84,6 +84,27 @@ def test_refit_from_tp2_pp2_ep2_sources(reference_checkpoint, mpu):
         got = found[0][name]["hf_names"]
         assert set(got) == set(source) and all(torch.equal(got[k], source[k]) for k in source), name
         assert all("rank 0 receives but has no engine adapter" in found[r][name]["missing"] for r in (0, 1))
+
+
+def test_gpt_oss_refit_from_tp2_pp2_ep2_sources(reference_checkpoint, mpu):
+    """gpt-oss's stacked experts (one HF tensor from one parameter per expert, gathered over TP / EP
+    and stacked by the export) land in vLLM's ``gpt_oss.py`` layout at engine TP 2 from every
+    source layout; ``receiver="all"`` takes the export stream too (no rank holds a stacked tensor)."""
+    ckpt = reference_checkpoint("GptOssForCausalLM", {"num_hidden_layers": 2})
+    # experts with biases: expert TP 1 in training (the engine splits them itself)
+    layouts = [("tp2", Parallelism(tp=2, etp=1)), ("pp2", Parallelism(pp=2)), ("ep2", Parallelism(ep=2)),
+               ("tp2-ep2", Parallelism(tp=2, ep=2, etp=1))]
+    found = launch(_refit_layouts, 2, str(ckpt), layouts)
+    config = json.loads((ckpt / "config.json").read_text())
+    source = load_file(str(ckpt / "model.safetensors"))
+    want = vllm_gpt_oss_tensors(source, config, 2)
+    for name, _ in layouts:
+        assert found[0][name]["planned"] == [True, False], name
+        assert_same(found[0][name]["tensors"], want)
+        assert_same(found[0][name]["all"], want)
+        assert_same(found[1][name]["all"], want)
+        got = found[0][name]["hf_names"]
+        assert set(got) == set(source) and all(torch.equal(got[k], source[k]) for k in source), name
 
 
 def _refit_tp_local(ckpts: dict) -> dict:

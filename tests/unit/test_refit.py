@@ -952,13 +952,121 @@ def test_dsa_indexer_refit_lays_tensors_out_as_vllm_does(mpu, reference_checkpoi
 
 
 # ---------------------------------------------------------------- stacked experts (gpt-oss)
-@pytest.mark.parametrize("engine_format", [VLLM, HF_NAMES], ids=["vllm", "hf"])
-def test_stacked_experts_are_refused_before_any_transfer(mpu, reference_checkpoint, engine_format):
-    """gpt-oss's HF expert tensors stack every expert of a layer (one tensor from one parameter per
-    expert), which a refit does not assemble: the plan refuses the model naming the tensor, before
-    anything is sent."""
+#: gpt_oss.py's hf_to_vllm_mapper (bf16 weights): substrings, then suffixes
+GPT_OSS_SUBSTR = {".self_attn.": ".attn."}
+GPT_OSS_SUFFIX = {".embed_tokens.weight": ".embedding.weight", ".gate_up_proj": ".w13_weight", ".down_proj": ".w2_weight",
+                  ".gate_up_proj_bias": ".w13_bias", ".down_proj_bias": ".w2_bias"}  # fmt: skip
+
+
+def vllm_gpt_oss_tensors(hf: dict[str, torch.Tensor], config: dict, tp: int) -> list[dict[str, torch.Tensor]]:
+    """What vLLM 0.26's ``GptOssModel._load_weights_other`` (bf16, no expert parallelism) leaves on
+    each TP rank: the mapper's names, experts under ``routed_experts.`` (``remap_moe_expert_weights``),
+    ``w13_weight = gate_up_proj[:, :, 2s:2e].permute(0, 2, 1)``, ``w13_bias = gate_up_proj_bias[:, 2s:2e]``,
+    ``w2_weight = down_proj[:, s:e, :].permute(0, 2, 1)``, ``w2_bias`` whole on rank 0 and zeros
+    elsewhere, ``sinks`` narrowed to the rank's heads; q / k / v into ``qkv_proj``
+    (``QKVParallelLinear``), ``o_proj`` by ``RowParallelLinear`` (bias whole), the vocabulary padded to 64."""
+    heads, kv, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    inter = config["intermediate_size"]
+    out: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+    for rank in range(tp):
+        per = -(-inter // tp)  # cdiv
+        s, e = rank * per, min((rank + 1) * per, inter)
+        params = out[rank]
+        for name, w in hf.items():
+            if config.get("tie_word_embeddings") and name == "lm_head.weight":
+                continue
+            vname = name
+            for old, new in GPT_OSS_SUBSTR.items():
+                vname = vname.replace(old, new)
+            for old, new in GPT_OSS_SUFFIX.items():
+                if vname.endswith(old):
+                    vname = vname[: len(vname) - len(old)] + new
+                    break
+            vname = vname.replace(".experts.w", ".experts.routed_experts.w")
+            if vname.endswith(".w13_weight"):
+                params[vname] = w[:, :, 2 * s : 2 * e].permute(0, 2, 1).contiguous()
+            elif vname.endswith(".w2_weight"):
+                params[vname] = w[:, s:e, :].permute(0, 2, 1).contiguous()
+            elif vname.endswith(".w13_bias"):
+                params[vname] = w[:, 2 * s : 2 * e].clone()
+            elif vname.endswith(".w2_bias"):
+                params[vname] = w.clone() if rank == 0 else torch.zeros_like(w)
+            elif vname.endswith(".sinks"):
+                params[vname] = w.narrow(0, rank * (heads // tp), heads // tp).clone()
+            elif re.search(r"\.attn\.[qkv]_proj\.", vname):
+                stem, leaf = vname.rsplit(".", 1)
+                fused = stem[:-len("q_proj")] + "qkv_proj." + leaf
+                q_size, kv_size = heads // tp * hd, kv // tp * hd
+                shard = stem[-6]
+                offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard]
+                if fused not in params:
+                    params[fused] = torch.full((q_size + 2 * kv_size, *w.shape[1:]), float("nan"), dtype=w.dtype)
+                params[fused].narrow(0, offset, size).copy_(w.narrow(0, rank * size, size))
+            elif name in VOCAB:
+                padded = -(-w.shape[0] // VOCAB_PADDING) * VOCAB_PADDING
+                rows = padded // tp
+                lo, hi = min(rank * rows, w.shape[0]), min((rank + 1) * rows, w.shape[0])
+                p = torch.zeros((rows, *w.shape[1:]), dtype=w.dtype)
+                p[: hi - lo].copy_(w[lo:hi])
+                params[vname] = p
+            elif vname.endswith(".o_proj.weight"):
+                size = w.shape[1] // tp
+                params[vname] = w.narrow(1, rank * size, size).clone()
+            else:  # norms, the router (ReplicatedLinear), o_proj's bias
+                params[vname] = w.clone()
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gpt_oss_refit_reproduces_vllms_loader_bitwise(mpu, reference_checkpoint, tp):
+    """gpt-oss's stacked experts refit into vLLM 0.26's ``gpt_oss.py`` layout (transposed, gate and
+    up still interleaved, the down bias on rank 0 only) and names (``attn``, ``embedding``), equal
+    bit for bit to vLLM's loader applied to the checkpoint - at engine TP 2 too, although the
+    trainer builds experts with biases at expert TP 1 only."""
+    _, model, config, hf = _setup(reference_checkpoint, "GptOssForCausalLM", {})
+    adapter = DictAdapter(tp_size=tp)
+    stats = mcore_zoo.refit(model, adapter, bucket_size="64KB")
+    assert stats.source == "stream" and stats.buckets > 1
+    want = vllm_gpt_oss_tensors(hf, config, tp)
+    assert_same(adapter.tensors, want)
+    w2_bias = "model.layers.0.mlp.experts.routed_experts.w2_bias"
+    assert tp == 1 or (adapter.tensors[1][w2_bias] == 0).all()
+
+
+@pytest.mark.parametrize("transport", ["inproc", "packed"])
+def test_gpt_oss_refit_writes_vllm_parameters_in_place(mpu, reference_checkpoint, transport):
+    """The vLLM worker extension (direct mode) at engine TP 2: transposed expert shards written into
+    ``w13_weight`` / ``w2_weight`` in place, and rank 1's ``w2_bias`` zeroed (its stale values were
+    ones), on the first refit and the second."""
+    _, model, config, hf = _setup(reference_checkpoint, "GptOssForCausalLM", {})
+    want = vllm_gpt_oss_tensors(hf, config, 2)
+    workers = [FakeWorker({k: torch.ones_like(v) for k, v in want[r].items()}, r) for r in range(2)]
+    adapter = VLLMAdapter(FakeLLM(workers), tp_size=2, transport="inproc" if transport == "inproc" else "ipc")
+    for _ in range(2):
+        mcore_zoo.refit(model, adapter, bucket_size="64KB")
+        assert_same(_engine_params(workers), want)
+
+
+def test_gpt_oss_hf_names_refit_sends_the_stacked_tensors_whole(mpu, reference_checkpoint):
+    """Engines that split and fuse on their side get the stacked HF tensors whole, under their names."""
+    _, model, _, hf = _setup(reference_checkpoint, "GptOssForCausalLM", {})
+    adapter = DictAdapter(tp_size=1, engine_format=HF_NAMES)
+    mcore_zoo.refit(model, adapter, bucket_size="64KB")
+    got = adapter.tensors[0]
+    for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+        full = "model.layers.0.mlp.experts." + name
+        assert torch.equal(got[full], hf[full]), full
+
+
+def test_stacked_experts_without_an_engine_layout_are_refused_before_any_transfer(mpu, reference_checkpoint):
+    """A pre-split engine format with no layout for stacked experts (an MXFP4 engine's
+    ``*_blocks`` / ``*_scales`` are not refit tensors either): the plan refuses the model naming
+    the tensor, before anything is sent."""
+    import dataclasses
+
     _, model, _, _ = _setup(reference_checkpoint, "GptOssForCausalLM", {})
-    adapter = DictAdapter(tp_size=1, engine_format=engine_format)
-    with pytest.raises(ZooError, match=r"mlp\.experts\.gate_up_proj.*stacks every routed expert"):
+    no_layout = dataclasses.replace(VLLM, name="vllm-no-stacked-experts", stacked_experts=None)
+    adapter = DictAdapter(tp_size=1, engine_format=no_layout)
+    with pytest.raises(ZooError, match=r"mlp\.experts\.down_proj.*stacks every routed expert"):
         mcore_zoo.refit(model, adapter, bucket_size="64KB")
     assert all(not tensors for tensors in adapter.tensors)

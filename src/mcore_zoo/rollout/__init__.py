@@ -17,7 +17,15 @@ See docs/rollout.md.
 from __future__ import annotations
 
 from .adapter import DictAdapter, EngineAdapter, RefitBucket
-from .engine_format import HF_NAMES, VLLM, EngineFormat, ExpertFusion, Fusion, get_engine_format
+from .engine_format import (
+    HF_NAMES,
+    VLLM,
+    EngineFormat,
+    ExpertFusion,
+    Fusion,
+    StackedExpertLayout,
+    get_engine_format,
+)
 from .plan import EngineTensor, RefitPlan, Slot, plan_refit
 from .refit import RefitStats, get_plan, refit
 from .sglang import SGLangAdapter
@@ -27,5 +35,6 @@ from .vllm import VLLMAdapter, ZooWorkerExtension
 __all__ = [
     "refit", "get_plan", "plan_refit", "RefitPlan", "RefitStats", "Slot", "EngineTensor",
     "EngineAdapter", "RefitBucket", "DictAdapter", "VLLMAdapter", "ZooWorkerExtension", "SGLangAdapter",
-    "VLLM_WORKER_EXTENSION", "EngineFormat", "Fusion", "ExpertFusion", "VLLM", "HF_NAMES", "get_engine_format",
+    "VLLM_WORKER_EXTENSION", "EngineFormat", "Fusion", "ExpertFusion", "StackedExpertLayout", "VLLM", "HF_NAMES",
+    "get_engine_format",
 ]  # fmt: skip

@@ -20,7 +20,9 @@ Two layouts ship:
   ``qwen3_vl.py`` (a vision-language checkpoint's language model), and ``stacked_params_mapping``
   of ``deepseek_v2.py`` for MLA's ``fused_qkv_a_proj`` and the DSA indexer's ``wk_weights_proj``
   (DeepSeek-V3.2, GLM-5); ``RoutedExperts.build_expert_params_mapping`` and ``_load_w13`` for the
-  experts; ``DEFAULT_VOCAB_PADDING_SIZE`` of ``vocab_parallel_embedding.py``).
+  experts; ``DEFAULT_VOCAB_PADDING_SIZE`` of ``vocab_parallel_embedding.py``), and ``gpt_oss.py``
+  (``hf_to_vllm_mapper`` and ``_load_weights_other``, bf16 weights) for experts whose HF tensors
+  stack every expert of a layer (:class:`StackedExpertLayout`).
 * :data:`HF_NAMES` - HF names, whole tensors, no fusion: for engines that fuse and split on their
   side (SGLang's ``update_weights_from_tensor``, vLLM's own ``load_weights``).
 """
@@ -65,6 +67,26 @@ class ExpertFusion:
 
 
 @dataclass(frozen=True)
+class StackedExpertLayout:
+    """How the engine stores routed experts whose HF tensors already stack every expert of a layer
+    (gpt-oss: ``mlp.experts.gate_up_proj [E, H, 2I]`` with gate and up in alternating columns,
+    ``gate_up_proj_bias [E, 2I]``, ``down_proj [E, I, H]``, ``down_proj_bias [E, H]``).
+
+    ``params``: HF tensor leaf -> engine parameter (``("gate_up_proj", "w13_weight")``), named
+    ``{prefix}experts.{EngineFormat.experts_prefix}{param}``. Each expert's slice is split over
+    tensor parallelism along the axis the zoo's rule splits it (a contiguous run of the interleaved
+    gate / up columns - gate and up stay interleaved -, the down projection's rows) and a 2-D slice
+    is transposed (the HF tensor holds ``x @ w``'s ``[in, out]``, the engine ``[out, in]``):
+    ``w13_weight [E, 2I / tp, H]``, ``w13_bias [E, 2I / tp]``, ``w2_weight [E, H, I / tp]``.
+    ``unsplit_on_first_rank``: a stacked tensor the rule does not split (the down bias, added once
+    after the experts' outputs are summed over tensor parallelism) is whole on engine rank 0 and
+    zeros on the others (vLLM's ``w2_bias``)."""
+
+    params: tuple[tuple[str, str], ...]
+    unsplit_on_first_rank: bool = True
+
+
+@dataclass(frozen=True)
 class EngineFormat:
     """An inference engine's naming, fusion and sharding of HF tensors (see module docstring).
 
@@ -87,6 +109,11 @@ class EngineFormat:
             ``language_model.lm_head.``): in such a model an engine tensor whose name starts
             with an HF prefix is named with its engine prefix instead (the first pair that
             matches); other models keep their names.
+        stacked_experts: how the engine stores experts whose HF tensors stack every expert of a
+            layer (``None``: it takes no such tensors pre-split).
+        architecture_renames: ``(HF architecture, ((HF substring, engine substring), ...))``: the
+            renames of that architecture's engine model class, applied to every engine tensor
+            name of such a model (vLLM's ``gpt_oss.py``: ``.self_attn.`` -> ``.attn.``).
     """
 
     name: str
@@ -97,15 +124,34 @@ class EngineFormat:
     presplit: bool = True
     replicated: tuple[str, ...] = ()
     prefixes: tuple[tuple[str, str], ...] = ()
+    stacked_experts: Optional[StackedExpertLayout] = None
+    architecture_renames: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+
+    def renames_for(self, architecture: str) -> tuple[tuple[str, str], ...]:
+        """The substring renames of ``architecture``'s engine model class (:attr:`architecture_renames`)."""
+        return next((pairs for arch, pairs in self.architecture_renames if arch == architecture), ())
+
+    def stacked_expert_name(self, hf_name: str) -> Optional[str]:
+        """The engine parameter of a stacked-experts HF tensor (``...mlp.experts.gate_up_proj`` ->
+        ``...mlp.experts.routed_experts.w13_weight``), or ``None`` where :attr:`stacked_experts`
+        does not name it."""
+        stem, _, leaf = hf_name.rpartition(".")
+        if self.stacked_experts is None or not stem.endswith("experts"):
+            return None
+        param = dict(self.stacked_experts.params).get(leaf)
+        return None if param is None else f"{stem}.{self.experts_prefix}{param}"
 
     def renames(self, hf_names: Iterable[str]) -> bool:
         """Whether :attr:`prefixes` apply to a model with these HF tensors (one of them starts with
         the first pair's HF prefix)."""
         return bool(self.prefixes) and any(n.startswith(self.prefixes[0][0]) for n in hf_names)
 
-    def engine_name(self, name: str, renamed: bool) -> str:
+    def engine_name(self, name: str, renamed: bool, substrings: tuple[tuple[str, str], ...] = ()) -> str:
         """The engine's name for a tensor named ``name`` after fusion: :attr:`prefixes` applied
-        where ``renamed`` (:meth:`renames` of the model's HF tensors)."""
+        where ``renamed`` (:meth:`renames` of the model's HF tensors), then ``substrings``
+        (:meth:`renames_for` the model's architecture)."""
+        for old, new in substrings:
+            name = name.replace(old, new)
         for hf_prefix, engine_prefix in self.prefixes if renamed else ():
             if name.startswith(hf_prefix):
                 return engine_prefix + name[len(hf_prefix):]
@@ -188,6 +234,12 @@ VLLM = EngineFormat(
     replicated=(".q_a_proj", ".kv_a_proj_with_mqa", ".indexer.wq_b", ".indexer.wk", ".indexer.weights_proj"),
     # the language model of Qwen3.5's vision-language checkpoints (``qwen3_vl.py``'s mapper)
     prefixes=(("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
+    # gpt-oss (``gpt_oss.py``): stacked experts transposed, the down bias on rank 0 only
+    stacked_experts=StackedExpertLayout(
+        params=(("gate_up_proj", "w13_weight"), ("gate_up_proj_bias", "w13_bias"), ("down_proj", "w2_weight"),
+                ("down_proj_bias", "w2_bias")),
+    ),
+    architecture_renames=(("GptOssForCausalLM", ((".self_attn.", ".attn."), (".embed_tokens.", ".embedding."))),),
 )
 
 #: HF names, whole tensors (the engine fuses and splits: SGLang, vLLM ``load_weights``)
@@ -205,4 +257,4 @@ def get_engine_format(engine_format: Union[str, EngineFormat]) -> EngineFormat:
         raise ValueError(f"unknown engine format {engine_format!r} (known: {', '.join(sorted(ENGINE_FORMATS))})") from None
 
 
-__all__ = ["EngineFormat", "Fusion", "ExpertFusion", "VLLM", "HF_NAMES", "ENGINE_FORMATS", "get_engine_format"]
+__all__ = ["EngineFormat", "Fusion", "ExpertFusion", "StackedExpertLayout", "VLLM", "HF_NAMES", "ENGINE_FORMATS", "get_engine_format"]

@@ -29,7 +29,7 @@ from ..errors import LayoutError, ZooError
 from ..handle import ModelHandle
 from ..weights.io import parse_size
 from ..weights.rules import Cut, TPSlice, narrow
-from .engine_format import EngineFormat
+from .engine_format import EngineFormat, StackedExpertLayout
 
 #: mcore parameters whose rows are the vocabulary (the engine may pad them)
 VOCAB_PARAMETERS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -52,6 +52,9 @@ class Slot:
             tensor (a fused HF tensor's part, then the tensor-parallel shard).
         pad: zero rows that follow the piece (the engine's vocabulary padding).
         rows: the engine tensor's rows on this rank (dim 0, per expert for stacked experts).
+        expert_slice: the cuts leave one expert's slice ``[1, ...]`` of an HF tensor that stacks
+            every expert of a layer; the piece is that slice without its expert axis, a 2-D one
+            transposed (:class:`~mcore_zoo.rollout.engine_format.StackedExpertLayout`).
     """
 
     name: str
@@ -63,6 +66,7 @@ class Slot:
     cuts: tuple[Cut, ...] = ()
     pad: int = 0
     rows: int = 0
+    expert_slice: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -70,7 +74,15 @@ class Slot:
 
     def cut(self, tensor: torch.Tensor) -> torch.Tensor:
         """This piece of the gathered HF tensor (a view)."""
-        return narrow(tensor, self.cuts)
+        return expert_piece(narrow(tensor, self.cuts)) if self.expert_slice else narrow(tensor, self.cuts)
+
+
+def expert_piece(piece: torch.Tensor) -> torch.Tensor:
+    """One expert's slice ``[1, ...]`` of a stacked-experts HF tensor as the engine stores it: the
+    expert axis dropped, a 2-D slice transposed (``[1, H, n]`` -> ``[n, H]``, ``[1, n]`` -> ``[n]``;
+    a view)."""
+    piece = piece[0]
+    return piece.t() if piece.dim() == 2 else piece
 
 
 @dataclass(frozen=True)
@@ -135,18 +147,41 @@ class RefitPlan:
                 f"{tensors} engine tensors per rank, {len(self.buckets)} bucket(s), {self.nbytes / 2**30:.3f} GiB")  # fmt: skip
 
 
-def _refuse_stacked_experts(architecture: str, specs: dict[str, list[Any]]) -> None:
-    """Refuse, naming the tensor, a model whose HF tensors stack every routed expert of a layer
-    (``Source.expert_axis``: gpt-oss's ``mlp.experts.gate_up_proj [E, H, 2I]``). A refit sends each
-    parameter's own piece of an HF tensor, and such a tensor is assembled from one parameter per
-    expert; vLLM 0.26 (``gpt_oss.py``) also stores these experts transposed (``w13_weight
-    [E, 2I/tp, H]``, gate and up still interleaved) and the down bias on rank 0 only, which a slot
-    (rows cut out of the HF tensor) cannot express. Export (``save_hf_checkpoint``) handles them."""
-    for name, items in specs.items():
-        if any(b.rule.sources[k].expert_axis is not None for b, k in items):
-            raise ZooError(f"refit: {architecture}'s {name!r} stacks every routed expert of a layer; refit does not"
-                           " assemble stacked experts yet (export the model with save_hf_checkpoint and load it in"
-                           " the engine)")  # fmt: skip
+def stacked_expert_tensors(handle: ModelHandle) -> frozenset[str]:
+    """The model's HF tensors that stack every routed expert of a layer (``Source.expert_axis``:
+    gpt-oss's ``mlp.experts.gate_up_proj [E, H, 2I]``): each is assembled from one parameter per
+    expert, so a refit cuts it from the export stream (computed once per model structure)."""
+
+    def find() -> frozenset[str]:
+        specs = handle.weight_map.hf_parts()
+        return frozenset(name for name, items in specs.items() if any(b.stacked[k] for b, k in items))
+
+    return handle.derived("stacked_expert_tensors", find)
+
+
+def _refuse_stacked_experts(architecture: str, engine_format: EngineFormat, stacked: frozenset[str]) -> None:
+    """Refuse, naming the tensor, stacked-experts HF tensors that the engine format cannot place:
+    a pre-split format without a :class:`~mcore_zoo.rollout.engine_format.StackedExpertLayout`
+    for them (an MXFP4 engine's ``*_blocks`` / ``*_scales`` are not refit tensors either: the
+    export is bf16)."""
+    if not engine_format.presplit:
+        return
+    for name in sorted(stacked):
+        if engine_format.stacked_expert_name(name) is None:
+            raise ZooError(f"refit: {architecture}'s {name!r} stacks every routed expert of a layer, and the"
+                           f" {engine_format.name!r} engine format has no layout for stacked experts (export the"
+                           " model with save_hf_checkpoint and load it in the engine)")  # fmt: skip
+
+
+def _stacked_expert_cuts(layout: StackedExpertLayout, shape: Sequence[int], part: TPSlice, tp: int, rank: int,
+                         what: str) -> tuple[tuple[Cut, ...], int]:  # fmt: skip
+    """Rank ``rank``'s cuts of one expert's slice (``part.select``) of a stacked-experts HF tensor
+    and the zero rows after it: split along the rule's axis, or - a tensor the rule does not split,
+    ``layout.unsplit_on_first_rank`` - whole on rank 0 and all zero rows on the others."""
+    if part.axis is not None or not layout.unsplit_on_first_rank or rank == 0:
+        return TPSlice(part.axis, rank, tp, part.select).cuts(shape, what), 0
+    row_axis = len(shape) - 1 if len(shape) == 3 else 1  # the engine's rows, after the slice is transposed
+    return (*TPSlice(select=part.select).cuts(shape, what), (row_axis, 0, 0)), shape[row_axis]
 
 
 def plan_refit(
@@ -163,7 +198,7 @@ def plan_refit(
     Collective over the pipeline group (it runs :func:`~mcore_zoo.distributed.export.export_plan`)
     unless ``entries`` (that export plan) is given. Raises :class:`LayoutError` when the engine's
     TP size does not divide a tensor it splits."""
-    from ..config.transformer import validate_layout
+    from ..config.transformer import default_expert_tp, validate_layout
     from ..distributed.export import export_plan
     from ..placement import Parallelism
 
@@ -173,11 +208,12 @@ def plan_refit(
     if entries is None:
         entries = export_plan(handle, dtype=dtype)
     specs = handle.weight_map.hf_parts()
-    _refuse_stacked_experts(handle.arch_config.architecture, specs)
+    stacked = stacked_expert_tensors(handle)
+    _refuse_stacked_experts(handle.arch_config.architecture, engine_format, stacked)
     roles = handle.weight_map.expert_roles()
     needed = set(handle.weight_map.export_names())
-    if engine_format.presplit and tp > 1:  # before any data moves
-        validate_layout(handle.arch_config, Parallelism(tp=tp))
+    if engine_format.presplit and tp > 1:  # before any data moves (the engine splits experts with biases itself)
+        validate_layout(handle.arch_config, default_expert_tp(handle.arch_config, Parallelism(tp=tp)))
     vocab = {name for name, items in specs.items() if any(b.rule.mcore in VOCAB_PARAMETERS for b, _ in items)}
     hf = [(e.name, tuple(e.shape), e.dtype) for e in entries]
     hf_names = {name for name, _, _ in hf}
@@ -189,6 +225,7 @@ def plan_refit(
                        f" {sorted(hf_names - needed)[:8]}")  # fmt: skip
 
     renamed = engine_format.presplit and engine_format.renames(hf_names)
+    substrings = engine_format.renames_for(handle.arch_config.architecture) if engine_format.presplit else ()
     # 1. every HF piece: (engine name, expert, shard id, order) and its cuts per rank
     pieces: dict[str, list[list[tuple[str, Optional[int], Any, tuple[Any, ...], tuple[Cut, ...], tuple[int, ...], int, int]]]] = {}
     for name, shape, dt in hf:
@@ -196,7 +233,10 @@ def plan_refit(
             raise ZooError(f"refit plan: HF tensor {name!r} has no weight rule")
         per_rank: list[list[Any]] = [[] for _ in range(tp)]
         target, expert, shard, order = name, None, None, (None,)
-        if engine_format.presplit:
+        in_stack = engine_format.presplit and name in stacked
+        if in_stack:
+            target = engine_format.stacked_expert_name(name)  # type: ignore[assignment]
+        elif engine_format.presplit:
             hit = engine_format.expert_for(name, roles)
             if hit is not None:
                 target, expert, shard, order = hit
@@ -205,11 +245,14 @@ def plan_refit(
                 if fused is not None:
                     target, f = fused
                     shard, order = f.shard, f.order
-            target = engine_format.engine_name(target, renamed)
+        if engine_format.presplit:
+            target = engine_format.engine_name(target, renamed, substrings)
         if not engine_format.presplit:  # whole HF tensors: the engine splits and fuses
             parts = [TPSlice()]
         elif engine_format.replicates(name):  # whole on every engine rank, however the trainer splits it
             parts = [TPSlice(select=b.selects[k]) for b, k in specs[name]]
+        elif in_stack:  # one part per expert, in expert order
+            parts = sorted((b.tp_slice(k) for b, k in specs[name]), key=lambda p: p.select[1])  # type: ignore[index]
         else:
             parts = [b.tp_slice(k) for b, k in specs[name]]
         padding = engine_format.vocab_padding if name in vocab and engine_format.presplit else 0
@@ -218,11 +261,16 @@ def plan_refit(
                 what = name if part.select is None else f"{name}[{part.select[1]}:{part.select[2]}]"
                 if padding:
                     cuts, pad = _padded_vocab_cuts(shape, part, padding, tp, rank)
+                elif in_stack:
+                    cuts, pad = _stacked_expert_cuts(engine_format.stacked_experts, shape, part, tp, rank, what)  # type: ignore[arg-type]
                 else:
                     cuts, pad = TPSlice(part.axis, rank, tp, part.select).cuts(shape, what), 0
-                part_shape = tuple(narrow(torch.empty(shape, device="meta"), cuts).shape)
+                piece = narrow(torch.empty(shape, device="meta"), cuts)
+                part_shape = tuple((expert_piece(piece) if in_stack else piece).shape)
                 # a fused HF tensor's parts keep their order inside the engine tensor
                 key = (order.index(shard) if shard in order else 0, k)
+                if in_stack:  # each expert's slice is a row block of its own: engine tensor[expert]
+                    expert, key = part.select[1], (0, 0)  # type: ignore[index]
                 per_rank[rank].append((target, expert, key, cuts, part_shape, pad, dt))
         pieces[name] = per_rank
 
@@ -246,7 +294,7 @@ def plan_refit(
             for _, name, (tgt, exp, _, cuts, shape, pad, dt) in items:
                 if tuple(shape[1:]) != tuple(rest):
                     raise ZooError(f"refit plan: parts of engine tensor {target!r} disagree on trailing shape: {shape} vs {rest}")
-                slots[name][rank].append(Slot(tgt, name, exp, offset, shape, dt, cuts, pad, total))
+                slots[name][rank].append(Slot(tgt, name, exp, offset, shape, dt, cuts, pad, total, name in stacked and engine_format.presplit))
                 offset += shape[0] + pad
             full = (total, *rest)
             prev = shapes.get(target)
@@ -381,4 +429,4 @@ def slot_rows(slot_offset: int, shape: Sequence[int], pad: int) -> tuple[int, in
     return slot_offset, slot_offset + rows + pad
 
 
-__all__ = ["Slot", "EngineTensor", "RefitPlan", "plan_refit", "VOCAB_PARAMETERS", "RegionCoverage", "planned_regions", "slot_rows"]
+__all__ = ["Slot", "EngineTensor", "RefitPlan", "plan_refit", "stacked_expert_tensors", "expert_piece", "VOCAB_PARAMETERS", "RegionCoverage", "planned_regions", "slot_rows"]

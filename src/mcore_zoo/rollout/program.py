@@ -62,7 +62,7 @@ from ..errors import ZooError
 from ..handle import ModelHandle
 from ..weights.export import check_planned_shape, export_rule, export_views
 from ..weights.rules import Cut, RuleStep, TPSlice, narrow, narrow_view, strided_layout
-from .plan import RefitPlan, Slot
+from .plan import RefitPlan, Slot, stacked_expert_tensors
 
 #: one bucket: per engine rank, ``[(slot, shard)]`` in plan order
 _Items = list[list[tuple[Slot, torch.Tensor]]]
@@ -72,18 +72,20 @@ _Select = tuple[int, int, int]
 
 def local_source(handle: ModelHandle) -> bool:
     """Whether this rank exports without any collective (TP, expert TP, EP, PP all 1): the
-    ``"local"`` source of :class:`RefitProgram`."""
+    ``"local"`` source of :class:`RefitProgram`. Never for a model with stacked-experts HF tensors
+    (:func:`~mcore_zoo.rollout.plan.stacked_expert_tensors`: one HF tensor from one parameter per
+    expert, assembled by the export stream)."""
     p = handle.placement
-    return p.tp == 1 and p.etp == 1 and p.ep == 1 and p.pp == 1 and p.vpp == 1
+    return not stacked_expert_tensors(handle) and p.tp == 1 and p.etp == 1 and p.ep == 1 and p.pp == 1 and p.vpp == 1
 
 
 def tp_local_source(handle: ModelHandle, target_tp: int, engine_rank: Optional[int]) -> bool:
     """Whether this rank can feed engine rank ``engine_rank`` of a ``target_tp``-way engine from
     its own TP chunks (the ``"tp-local"`` source): trainer TP > 1 equal to ``target_tp``, the same
-    rank, PP / VPP / EP 1, expert TP 1 or the dense TP. This rank's answer only: the ranks of a TP
-    group must agree before using it (:func:`mcore_zoo.refit` votes)."""
+    rank, PP / VPP / EP 1, expert TP 1 or the dense TP, no stacked-experts HF tensors. This rank's
+    answer only: the ranks of a TP group must agree before using it (:func:`mcore_zoo.refit` votes)."""
     p = handle.placement
-    return (engine_rank is not None and p.tp > 1 and target_tp == p.tp and engine_rank == p.tp_rank
+    return (engine_rank is not None and not stacked_expert_tensors(handle) and p.tp > 1 and target_tp == p.tp and engine_rank == p.tp_rank
             and p.pp == 1 and p.vpp == 1 and p.ep == 1 and p.etp in (1, p.tp))  # fmt: skip
 
 
@@ -117,6 +119,8 @@ class RefitProgram:
         ``copies``; ``tp_group``: the group a ``"tp-local"`` program votes over."""
         if source not in ("local", "tp-local", "stream"):
             raise ValueError(f"refit program source {source!r}")
+        if source != "stream" and any(s.expert_slice for per in plan.slots.values() for slots in per for s in slots):
+            raise ValueError("a plan with stacked-experts slots is cut from the export stream (source 'stream')")
         self.plan_ref = weakref.ref(plan)
         self.raw_shards = raw_shards
         self.source = source
@@ -137,7 +141,7 @@ class RefitProgram:
             shapes = {name: tuple(shape) for name, shape, _ in plan.hf}
             #: per bucket: what each HF tensor of the export stream is cut into
             self._stream_ops = [
-                [_StreamOp(name, shapes[name], [(r, s.cuts) for r in self._ranks for s in plan.slots[name][r]]) for name in names]
+                [_StreamOp(name, shapes[name], [(r, s) for r in self._ranks for s in plan.slots[name][r]]) for name in names]
                 for names in plan.buckets
             ]
         else:
@@ -178,8 +182,8 @@ class RefitProgram:
                 if tensor.shape != shape:
                     raise ZooError(f"refit: {name}: planned shape {shape}, export gave {tuple(tensor.shape)}"
                                    " (plan made for another model?)")  # fmt: skip
-                for rank, cuts in op.cuts:
-                    pieces[rank].append(narrow(tensor, cuts))
+                for rank, slot in op.cuts:
+                    pieces[rank].append(slot.cut(tensor))
             yield index, [list(zip(slots, shards)) for slots, shards in zip(self.slots[index], pieces)]  # no shards: no items
         extra = next(stream, None)
         if extra is not None:
@@ -301,11 +305,11 @@ class RefitProgram:
 @dataclass(frozen=True)
 class _StreamOp:
     """One HF tensor of the export stream: its name, planned shape and, per shard in slot order,
-    ``(engine rank, cuts)``."""
+    ``(engine rank, slot)`` (:meth:`~mcore_zoo.rollout.plan.Slot.cut` takes the shard out)."""
 
     name: str
     shape: tuple[int, ...]
-    cuts: list[tuple[int, tuple[Cut, ...]]]
+    cuts: list[tuple[int, Slot]]
 
 
 @dataclass(eq=False)
