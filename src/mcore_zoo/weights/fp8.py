@@ -96,6 +96,7 @@ from ..errors import (
 )
 from ..config.quantization import FMT_DTYPES as _FMT_DTYPES
 from ..config.quantization import Fp8BlockFormat
+from .io import copy_into
 from .rules import TPSlice
 
 FP8_E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -505,10 +506,7 @@ class Fp8Checkpoint:
         if name not in self.plan.quantized:
             return self.inner.read_into(name, out, **kwargs)
         tensor = self.read(name, **kwargs)
-        if out.numel() != tensor.numel():
-            raise ShapeMismatchError(name, tuple(out.shape), tuple(tensor.shape), context="destination of read_into")
-        with torch.no_grad():
-            out.copy_(tensor.reshape(out.shape))
+        copy_into(name, out, tensor)
         return tensor.numel() + self.scales[name].numel() * 4  # fp8 bytes + fp32 scales
 
     def queued_reads(self) -> Any:

@@ -115,6 +115,17 @@ def _short(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def copy_into(name: str, out: torch.Tensor, tensor: torch.Tensor) -> None:
+    """Fill ``out`` with ``tensor``'s elements in row-major order (any shape, same number of
+    elements; casting and device moves as ``Tensor.copy_``): ``read_into`` of a checkpoint view that
+    reads a chunk whole first. :class:`~mcore_zoo.errors.ShapeMismatchError` naming ``name`` when the
+    element counts differ."""
+    if out.numel() != tensor.numel():
+        raise ShapeMismatchError(name, tuple(out.shape), tuple(tensor.shape), context="destination of read_into")
+    with torch.no_grad():
+        out.copy_(tensor.reshape(out.shape))
+
+
 def shard_name(index: Path, file: str) -> str:
     """A shard path from an index, normalised and kept inside the checkpoint directory: a relative
     path without ``..`` escaping the directory (subdirectories are fine). Raises otherwise."""
@@ -391,8 +402,7 @@ class HFCheckpoint:
             raise ShapeMismatchError(name, tuple(out.shape), shape, context="destination of read_into")
         if file in self._bin:
             tensor = self.read(name, axis=axis, rank=rank, size=size, select=select)
-            with torch.no_grad():
-                out.copy_(tensor.reshape(out.shape))
+            copy_into(name, out, tensor)
             return tensor.numel() * tensor.element_size()
         try:
             return self._read_box(name, box, out, wait=False)
@@ -454,7 +464,7 @@ class HFCheckpoint:
         try:
             mapping = mmap.mmap(self._fds[entry.file], stop - base, offset=base, access=mmap.ACCESS_READ)
         except (OSError, ValueError) as exc:
-            raise CheckpointFormatError(full, f"reading {name!r}: {exc}") from exc
+            raise describe(exc) from exc
         raw = source = None
         try:
             with warnings.catch_warnings():  # read-only buffer: torch warns that it is not writable

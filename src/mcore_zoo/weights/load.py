@@ -25,7 +25,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 from ..errors import MissingTensorsError, ShapeMismatchError, UnexpectedTensorsError, UnmappedParametersError
-from .io import HFCheckpoint
+from .io import HFCheckpoint, copy_into
 from .rules import BoundRule, RuleStep, TPSlice, TransformContext, WeightMap, direct_views
 from .tied import check_copies, check_tied_output
 
@@ -208,10 +208,7 @@ class DictCheckpoint(HFCheckpoint):
 
     def read_into(self, name: str, out: torch.Tensor, **kwargs: Any) -> int:
         tensor = self.read(name, **kwargs)
-        if out.numel() != tensor.numel():
-            raise ShapeMismatchError(name, tuple(out.shape), tuple(tensor.shape), context="destination of read_into")
-        with torch.no_grad():
-            out.copy_(tensor.reshape(out.shape))
+        copy_into(name, out, tensor)
         return tensor.numel() * tensor.element_size()
 
     @contextlib.contextmanager

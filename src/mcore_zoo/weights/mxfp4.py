@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from ..errors import ShapeMismatchError, ZooError
+from .io import copy_into
 from .rules import TPSlice
 
 #: transformers' FP4 (E2M1) code -> value table
@@ -130,10 +131,7 @@ class Mxfp4Checkpoint:
         if name not in self.quantized:
             return self.inner.read_into(name, out, **kwargs)
         tensor = self.read(name, **kwargs)
-        if out.numel() != tensor.numel():
-            raise ShapeMismatchError(name, tuple(out.shape), tuple(tensor.shape), context="destination of read_into")
-        with torch.no_grad():
-            out.copy_(tensor.reshape(out.shape))
+        copy_into(name, out, tensor)
         return tensor.numel() // 2 + tensor.numel() // BLOCK  # FP4 codes + scales
 
     def close(self) -> None:
