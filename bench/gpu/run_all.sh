@@ -377,25 +377,28 @@ if [[ " $phases " == *" hybrid-gpu "* ]]; then
     CUDA_VISIBLE_DEVICES=$gpu timeout "${HYBRID_TIMEOUT:-240}" "$@" > "$out/logs/$name.log" 2>&1
     echo "$name exit $?" >> "$out/logs/status"
   }
+  hychain() {  # hychain N: chain N (1-4) selected by HYBRID_CHAINS (default all four; e.g. "1 2" then "3 4" on one GPU)
+    [[ " ${HYBRID_CHAINS:-1 2 3 4} " == *" $1 "* ]]
+  }
   hyvllm() {  # hyvllm NAME GPU CMD...: hyrun when vLLM's environment is set up, else recorded as skipped
     if [ -n "${MCORE_ZOO_VLLM_PYTHON:-}" ]; then hyrun "$@"
     else echo "$1 skipped: no MCORE_ZOO_VLLM_PYTHON (source bench/gpu/vllm-env.sh)" >> "$out/logs/status"; fi
   }
   # the zoo (default profile) vs HF eager with HF's sdpa-vs-eager spread; then hf-exact (split-K off) on the
   # same reference checkpoint, bitwise vs HF eager or the measured gap; vLLM 0.26 on the zoo's export
-  ( hyrun hybrid-next "$(g 0)" "${hrep[@]}" "${next[@]}" --work-dir "$work/next" --out "$hy/local"
+  hychain 1 && ( hyrun hybrid-next "$(g 0)" "${hrep[@]}" "${next[@]}" --work-dir "$work/next" --out "$hy/local"
     # the experts as transformers' eager loop (on CUDA its grouped_mm default runs other GEMMs: moe-exact's finding)
     hyrun hybrid-next-exact "$(g 0)" "${nosplit[@]}" "${hrep[@]}" --model "$work/next/reference" "${exact[@]}" \
         --knob moe_experts=eager
     # THD vs BSHD forward + backward time of one gated DeltaNet layer (the issue's bound: THD <= 1.05 x BSHD)
     hyrun hybrid-thd-speed "$(g 0)" $py bench/gpu/gated_deltanet_speed.py --out "$hy/gated_deltanet_thd.json" ) &
-  ( hyrun hybrid-q35 "$(g 1)" "${hrep[@]}" "${q35dense[@]}" --work-dir "$work/q35" --out "$hy/local"
+  hychain 2 && ( hyrun hybrid-q35 "$(g 1)" "${hrep[@]}" "${q35dense[@]}" --work-dir "$work/q35" --out "$hy/local"
     hyrun hybrid-q35-exact "$(g 1)" "${nosplit[@]}" "${hrep[@]}" --model "$work/q35/reference" "${exact[@]}" ) &
-  ( hyrun hybrid-q35moe "$(g 2)" "${hrep[@]}" "${q35moe[@]}" --out "$hy/local"
+  hychain 3 && ( hyrun hybrid-q35moe "$(g 2)" "${hrep[@]}" "${q35moe[@]}" --out "$hy/local"
     hyvllm hybrid-next-vllm "$(g 2)" "${hrep[@]}" "${next[@]}" "${vllm[@]}" ) &
   # refit into an in-process vLLM engine bit for bit (Qwen3-Next, Qwen3.5; token_mult_prob_error after it),
   # then vLLM on Qwen3.5's full-width export
-  ( HYBRID_TIMEOUT=${HYBRID_REFIT_TIMEOUT:-360} MCORE_ZOO_GPU_RESULTS="$hy" hyvllm hybrid-refit "$(g 3)" $py -m pytest -p mcore_zoo.testing.plugin \
+  hychain 4 && ( HYBRID_TIMEOUT=${HYBRID_REFIT_TIMEOUT:-360} MCORE_ZOO_GPU_RESULTS="$hy" hyvllm hybrid-refit "$(g 3)" $py -m pytest -p mcore_zoo.testing.plugin \
         tests/gpu/test_refit_gated_deltanet_gpu.py -q -s -p no:cacheprovider
     hyvllm hybrid-q35-vllm "$(g 3)" "${hrep[@]}" "${q35dense[@]}" "${vllm[@]}" --vllm-arg language_model_only=true ) &
   wait
