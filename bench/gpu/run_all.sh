@@ -370,7 +370,7 @@ if [[ " $phases " == *" hybrid-gpu "* ]]; then
   hrep=($py -m mcore_zoo.cli parity-report --dtype bfloat16 --device cuda -q -v --backend local --lengths 512,512,300,100)
   # bitwise needs equal lengths on BSHD (no padding rows: the GEMMs see the reference's row counts), as moe-exact
   exact=(--numerics hf-exact --bitwise --no-baseline --lengths 512,512,512,512 --seq-format bshd --out "$hy/local-hf-exact")
-  vllm=(--no-baseline --vllm --vllm-arg gpu_memory_utilization=0.5 --out "$hy/local-vllm")
+  vllm=(--no-baseline --vllm --vllm-arg gpu_memory_utilization=0.5 --vllm-arg gdn_prefill_backend=triton --out "$hy/local-vllm")
   hyrun() {  # hyrun NAME GPU CMD...: one sub-run of a chain on GPU, log, record the exit code
     local name=$1 gpu=$2
     shift 2

@@ -33,6 +33,8 @@ if importlib.util.find_spec("vllm") is None:  # before any checkpoint is written
 
 CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
 REFIT_CHECK = str(Path(__file__).with_name("test_refit_gpu.py"))
+#: vLLM 0.26's gated DeltaNet prefill on its Triton kernels: on an H100 its default picks FlashInfer's
+#: SM90 kernel, which raises "SM90 GDN prefill DSL kernel is unavailable" without that kernel built
 CASES = [
     ("qwen3-next-80b-a3b.json", "Qwen3NextForCausalLM", {}),
     ("qwen3.5-9b.json", "Qwen3_5ForConditionalGeneration", {"language_model_only": True}),
