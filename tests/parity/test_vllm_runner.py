@@ -53,3 +53,24 @@ def test_export_check_catches_a_changed_tensor(tmp_path, reference_checkpoint):
     save_file(tensors, str(export / "model.safetensors"))
     result = check_export(ckpt, export, torch.float32)
     assert result["different"] == ["model.layers.1.mlp.up_proj.weight"] and not result["bitwise_equal_to_checkpoint"]
+
+
+def test_export_check_lists_tensors_the_weight_map_leaves_out(tmp_path, reference_checkpoint):
+    """A tensor the weight map ignores by name (a tower that is not built) is listed with its reason,
+    not as missing; any other absent tensor is still missing and fails the check."""
+    from safetensors.torch import load_file, save_file
+
+    from mcore_zoo.parity.harness import check_export
+
+    ckpt = reference_checkpoint("LlamaForCausalLM")
+    export = tmp_path / "export"
+    shutil.copytree(ckpt, export)
+    tensors = load_file(str(export / "model.safetensors"))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(export / "model.safetensors"))
+    left_out = [(r"model\.layers\.1\.mlp\..*", "not built here")]
+    result = check_export(ckpt, export, torch.float32, not_exported=left_out)
+    assert result["bitwise_equal_to_checkpoint"] and result["missing"] == []
+    assert result["left_out"] == {"not built here": ["model.layers.1.mlp.up_proj.weight"]}
+    result = check_export(ckpt, export, torch.float32)
+    assert result["missing"] == ["model.layers.1.mlp.up_proj.weight"] and not result["bitwise_equal_to_checkpoint"]

@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import shlex
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -300,7 +301,8 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
         runs[main.label] = main
     comparisons.insert(0, compare(ref, main, role="parity", gating=True, criterion=criterion, tol=tol,
                                   worst=opts.worst, device=cmp_device))  # fmt: skip
-    export = check_export(source.checkpoint, export_dir, dtype) if export_dir is not None else None
+    export = (check_export(source.checkpoint, export_dir, dtype, not_exported=main.info.get("not_exported", ()))
+              if export_dir is not None else None)  # fmt: skip
     if opts.invariance or opts.invariance_tp:
         # a right-padded batch changes the reduction lengths of the attention GEMMs: never bitwise
         variants = [(replace(spec, seq_format="bshd" if spec.seq_format == "thd" else "thd"), "tolerance")]
@@ -470,23 +472,39 @@ def _notes(opts: ParityOptions, r: dict[str, Any], source: Any, token_info: dict
     return notes
 
 
-def check_export(checkpoint: Path, export_dir: Path, dtype: torch.dtype) -> dict[str, Any]:
+def check_export(checkpoint: Path, export_dir: Path, dtype: torch.dtype,
+                 not_exported: Sequence[Sequence[str]] = ()) -> dict[str, Any]:
     """Compare the mcore model's HF export (what vLLM loads) with the source checkpoint, tensor by
-    tensor (source cast to the run dtype): names must match and values be identical."""
+    tensor (source cast to the run dtype): names must match and values be identical.
+
+    ``not_exported``: ``(regex, reason)`` pairs of the model's weight map for checkpoint tensors it
+    ignores by name (e.g. a vision tower that is not built): those are listed under ``left_out``
+    with their reason instead of ``missing``; whether the engine needs them is the engine's run to
+    show (it fails to load without them)."""
     from ..weights.io import HFCheckpoint
 
     src, exp = HFCheckpoint(checkpoint), HFCheckpoint(export_dir)
     try:
         ignored = {"lm_head.weight"} if "lm_head.weight" not in exp.keys() else set()
-        missing = sorted(src.keys() - exp.keys() - ignored)
+        absent = sorted(src.keys() - exp.keys() - ignored)
         extra = sorted(exp.keys() - src.keys())
         different = sorted(n for n in src.keys() & exp.keys() if not torch.equal(src.read(n).to(dtype), exp.read(n)))
     finally:
         src.close()
         exp.close()
+    patterns = [(re.compile(pattern), reason) for pattern, reason in not_exported]
+    left_out: dict[str, list[str]] = {}
+    missing = []
+    for name in absent:
+        reason = next((why for pattern, why in patterns if pattern.fullmatch(name)), None)
+        if reason is None:
+            missing.append(name)
+        else:
+            left_out.setdefault(reason, []).append(name)
     return {
         "tensors": len(exp.keys()),
         "missing": missing,
+        "left_out": left_out,
         "unexpected": extra,
         "different": different,
         "bitwise_equal_to_checkpoint": not (missing or extra or different),

@@ -269,6 +269,8 @@ def _environment_md(report: dict[str, Any]) -> list[str]:
             f"DIFFERS from the checkpoint (missing {export['missing']}, unexpected {export['unexpected']},"
             f" different {export['different']})")  # fmt: skip
         lines.append(f"- **HF export** (the weights vLLM loaded): {export['tensors']} tensors, {verdict}")
+        for reason, names in export.get("left_out", {}).items():
+            lines.append(f"  - left out by the weight map ({reason}): {len(names)} checkpoint tensors, e.g. `{names[0]}`")
     lines += ["", "Engines:", ""]
     lines += _md_table(["run", "engine", "dtype", "batching", "numerics", "modules / loading"], _engine_rows(report))
     timings = ", ".join(f"{k} {val:.1f} s" for k, val in report["timings"].items())

@@ -273,6 +273,8 @@ def _run_mcore_here(spec: McoreSpec, sequences: list[torch.Tensor], capture: boo
         **describe_mcore(model),
         "seconds": {"build_and_load": round(t_load - t0, 3), "forward": round(t_run - t_load, 3)},
     }  # fmt: skip
+    if export_dir is not None:  # checkpoint tensors the weight map ignores by name: never in the export
+        info["not_exported"] = [list(pair) for pair in handle_of(model).weight_map.ignored]
     if rank != 0:
         return None
     hidden = _split_hidden(cap.records, spec, batch, lengths)
