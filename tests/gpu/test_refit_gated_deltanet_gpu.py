@@ -36,8 +36,8 @@ REFIT_CHECK = str(Path(__file__).with_name("test_refit_gpu.py"))
 #: vLLM 0.26's gated DeltaNet prefill on its Triton kernels: on an H100 its default picks FlashInfer's
 #: SM90 kernel, which raises "SM90 GDN prefill DSL kernel is unavailable" without that kernel built
 CASES = [
-    ("qwen3-next-80b-a3b.json", "Qwen3NextForCausalLM", {}),
-    ("qwen3.5-9b.json", "Qwen3_5ForConditionalGeneration", {"language_model_only": True}),
+    ("qwen3-next-80b-a3b.json", "Qwen3NextForCausalLM", {"gdn_prefill_backend": "triton"}),
+    ("qwen3.5-9b.json", "Qwen3_5ForConditionalGeneration", {"language_model_only": True, "gdn_prefill_backend": "triton"}),
 ]
 #: the text model's width for the refit (head dimensions as published: 128 for the gated DeltaNet, 256 for attention)
 REFIT_SIZES = {"hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 256,
