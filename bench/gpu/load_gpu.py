@@ -311,6 +311,10 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
     from mcore_zoo.weights import staging
     from mcore_zoo.weights.io import HFCheckpoint
 
+    if args.ring:  # the staging ring's shape for this load: BUFFERSxMIB
+        count, mib = (int(v) for v in args.ring.lower().split("x"))
+        staging.BUFFERS, staging.BUFFER_BYTES = count, mib << 20
+
     rank, world, local = _rank()
     if args.device == "cuda":
         torch.cuda.set_device(local)
@@ -389,6 +393,8 @@ def _launch(args: argparse.Namespace, phase: str, world: int, tag: str) -> dict[
         worker += ["--backend", args.backend]
     if args.verify_now:
         worker += ["--verify-this"]
+    if args.ring:
+        worker += ["--ring", args.ring]
     env = dict(os.environ)
     if world > 1:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // world)))
@@ -540,7 +546,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         "machine": machine(args.device), "rounds": args.rounds,
         "checkpoint": {"path": str(ckpt), "bytes": nbytes, "shards": SHARDS, "tiny": args.tiny,
                        "shape": "Llama-3.1-8B" if not args.tiny else "tiny Llama", "write_step_s": write_s, "warm_read_s": warm_s},
-        "summary": summarise(rounds, layouts), "raw": rounds,
+        "summary": summarise(rounds, layouts), "raw": rounds, "ring": args.ring or "default",
     }  # fmt: skip
     (out / "load_gpu.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "load_gpu.md").write_text(markdown(result))
@@ -561,6 +567,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="floor read threads per rank (default: torch.get_num_threads(), as the load's read threads)")
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the first round's bitwise check")
     p.add_argument("--timeout", type=float, default=150.0, help="seconds per measurement process")
+    p.add_argument("--ring", default=None,
+                   help="the load's staging ring as BUFFERSxMIB (default: mcore_zoo.weights.staging's, 4x64)")
     p.add_argument("--phase", choices=("write", "floor", "zoo"), help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--verify-this", dest="verify_rank", action="store_true", help=argparse.SUPPRESS)
