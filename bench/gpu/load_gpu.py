@@ -175,9 +175,11 @@ def _rss() -> dict[str, Any]:
 
 def rank_runs(ckpt: str, rank: int, size: int) -> list[tuple[str, int, int]]:
     """``(file, byte offset, bytes)`` of every contiguous run of the checkpoint this TP rank
-    loads: its chunk of each tensor along the axis the weight map splits it on."""
+    loads: its chunk of each tensor along the axis the weight map splits it on. A column chunk of
+    narrow rows counts as its whole rows, one range, as the load's staging ring reads it
+    (``mcore_zoo.weights.staging.ROWS_BELOW`` / ``ROWS_SPAN``)."""
     import mcore_zoo
-    from mcore_zoo.weights import pread
+    from mcore_zoo.weights import pread, staging
     from mcore_zoo.weights.io import HFCheckpoint
     from mcore_zoo.weights.rules import TPSlice
 
@@ -193,7 +195,12 @@ def rank_runs(ckpt: str, rank: int, size: int) -> list[tuple[str, int, int]]:
             strides = [math.prod(entry.shape[d + 1 :]) for d in range(len(entry.shape))]
             first = entry.offset + 2 * sum(lo * st for (lo, _), st in zip(box, strides))
             run, outer, outer_strides = pread._runs(shape, strides)
-            runs += [(entry.file, start, run * 2) for start in pread._starts(outer, outer_strides, first, 2)]
+            starts = pread._starts(outer, outer_strides, first, 2)
+            spacing = staging._row_spacing(run, starts, 2)
+            if spacing is not None and spacing <= staging.BUFFER_BYTES:  # whole rows, as the ring reads them
+                runs.append((entry.file, starts[0], (len(starts) - 1) * spacing + run * 2))
+            else:
+                runs += [(entry.file, start, run * 2) for start in starts]
     return runs
 
 

@@ -82,7 +82,7 @@ def test_staged_reads_equal_the_reference_path_bitwise(tmp_path):
 
 
 def test_the_ring_packs_small_tensors_and_refuses_what_it_cannot_stage(tmp_path, monkeypatch):
-    state = {**staged_state(), "narrow": torch.randn(2, 4)}
+    state = {**staged_state(), "narrow": torch.randn(2, 16)}
     save_file(state, str(tmp_path / "model.safetensors"))
     ring = StagingRing(2, 1 << 20, pin=False, cpu_destinations=True)
     with HFCheckpoint(tmp_path, staging=ring) as ckpt:
@@ -95,11 +95,11 @@ def test_the_ring_packs_small_tensors_and_refuses_what_it_cannot_stage(tmp_path,
         assert ring._ring == []  # handed back when the block exits
         before = ring.bytes_staged
         narrow = torch.empty(2, 2)
-        ckpt.read_into("narrow", narrow, axis=1, rank=0, size=2)  # 8-byte runs: the mapping path
+        ckpt.read_into("narrow", narrow, axis=1, rank=0, size=8)  # 8-byte runs 64 bytes apart: the mapping path
         assert ring.bytes_staged == before and _same(narrow, state["narrow"][:, :2])
         monkeypatch.setattr(staging, "MIN_RUN_BYTES", 0)
-        ckpt.read_into("narrow", narrow, axis=1, rank=1, size=2)
-        assert ring.bytes_staged == before + narrow.numel() * 4 and _same(narrow, state["narrow"][:, 2:])
+        ckpt.read_into("narrow", narrow, axis=1, rank=1, size=8)
+        assert ring.bytes_staged == before + narrow.numel() * 4 and _same(narrow, state["narrow"][:, 2:4])
         with pytest.raises(RuntimeError, match="single memory location"):  # shared elements: torch refuses
             ckpt.read_into("rows", torch.empty(1, 1000).expand(20, 1000), axis=0, rank=0, size=2)
     default = StagingRing()
@@ -132,3 +132,45 @@ def test_a_load_through_the_ring_equals_the_default_load(mpu, reference_checkpoi
     want = dict(reference.named_parameters())
     for name, param in model.named_parameters():
         assert _same(param.detach(), want[name].detach()), name
+
+
+def test_column_chunks_of_narrow_rows_are_read_as_whole_rows(tmp_path):
+    """A TP column chunk of narrow rows (a row-parallel weight's shard) is read as whole rows, one
+    contiguous read per region, and cut after: the same bytes land as on the reference path; a wide
+    spacing (more than ``ROWS_SPAN`` run lengths) keeps one read per run (or the mapping path for
+    runs shorter than ``MIN_RUN_BYTES``)."""
+    gen = torch.Generator().manual_seed(1)
+    state = {"o_proj": torch.randn(96, 512, generator=gen).bfloat16(), "down": torch.randn(64, 2048, generator=gen)}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    ring = StagingRing(3, 16 << 10, pin=False, cpu_destinations=True)
+    with HFCheckpoint(tmp_path) as plain, HFCheckpoint(tmp_path, staging=ring) as staged:
+        for name, size in (("o_proj", 2), ("o_proj", 4), ("down", 2)):
+            for rank in range(size):
+                want = plain.read(name, axis=1, rank=rank, size=size)
+                run_bytes = want.shape[1] * want.element_size()
+                spacing = state[name].shape[1] * state[name].element_size()
+                per_region = (16 << 10) // spacing
+                regions = -(-want.shape[0] // per_region)
+                whole_rows = want.shape[0] * spacing - regions * (spacing - run_bytes)
+                for out in (torch.empty(want.shape, dtype=want.dtype), torch.empty(want.shape, dtype=torch.float32),
+                            torch.zeros(want.shape[0], want.shape[1] + 8, dtype=want.dtype)[:, 4:-4]):  # fmt: skip
+                    read_before, staged_before = ring.bytes_read, ring.bytes_staged
+                    staged.read_into(name, out, axis=1, rank=rank, size=size)
+                    assert torch.equal(out, want.to(out.dtype)), (name, size, rank)
+                    if out.dtype != want.dtype:
+                        continue  # a cast is checked for its values only (the checkpoint may read it another way)
+                    assert ring.bytes_staged - staged_before == want.numel() * want.element_size()
+                    assert ring.bytes_read - read_before == whole_rows, (name, size, rank)  # rows read whole
+        want = plain.read("o_proj", axis=1, rank=3, size=8)  # 128-byte runs 8 run lengths apart: not whole rows
+        before = ring.bytes_read
+        out = torch.empty(want.shape, dtype=want.dtype)
+        staged.read_into("o_proj", out, axis=1, rank=3, size=8)
+        assert torch.equal(out, want) and ring.bytes_read == before  # (runs this short: the mapping path)
+        want = plain.read("down", axis=1, rank=5, size=8)  # 1 KiB runs 8 run lengths apart: one read per run
+        out = torch.empty(want.shape, dtype=want.dtype)
+        staged.read_into("down", out, axis=1, rank=5, size=8)
+        assert torch.equal(out, want) and ring.bytes_read - before == want.numel() * want.element_size()
+        want = plain.read("o_proj", axis=1, rank=1, size=2)
+        transposed = torch.empty(want.shape[::-1], dtype=want.dtype).t()  # any strides: the cut is copied into it
+        staged.read_into("o_proj", transposed, axis=1, rank=1, size=2)
+        assert torch.equal(transposed, want)

@@ -11,7 +11,10 @@ copied to the destination with a ``non_blocking`` host-to-device copy on a side 
 event recorded after the last copy out of a buffer guards its reuse, so reading the next buffer
 runs while the previous one is copied. Small tensors share a buffer; a tensor larger than a
 buffer is streamed through the ring in pieces of whole rows (of its destination's row-major
-order). Host memory grows by the ring, not by the tensors: the destination holds the bytes.
+order). Host memory grows by the ring, not by the tensors: the destination holds the bytes. A
+column chunk of narrow rows (a row-parallel weight's TP shard: runs shorter than :data:`ROWS_BELOW`,
+at most :data:`ROWS_SPAN` run lengths apart) is read as whole rows - one contiguous read per region
+instead of one per row - copied to the device as read, and cut there.
 
 Destinations: any strided CUDA tensor (a contiguous parameter, a row or column chunk of one, a
 strided view such as a query group's rows inside a fused QKV weight - ``copy_`` scatters it on the
@@ -48,6 +51,11 @@ from . import pread
 BUFFERS = 4
 BUFFER_BYTES = 64 << 20
 MIN_RUN_BYTES = 512  # source runs shorter than this on average: the mapping path
+#: source runs shorter than this, evenly spaced at most ROWS_SPAN times their length apart (a column
+#: chunk of narrow rows: a row-parallel weight's TP shard), are read as whole rows - one read per
+#: piece instead of one per run - and cut out of the staged rows on the destination's device
+ROWS_BELOW = 64 << 10
+ROWS_SPAN = 4
 ALIGN = 512  # regions of a buffer start at multiples of this many bytes
 
 
@@ -93,9 +101,24 @@ def _segments(run: int, starts: list[int], itemsize: int, first: int, count: int
     return segments
 
 
+def _row_spacing(run: int, starts: list[int], itemsize: int) -> Optional[int]:
+    """The byte distance between consecutive runs when the chunk is best read as whole rows (short
+    runs at one spacing of at most :data:`ROWS_SPAN` run lengths), else ``None``."""
+    if len(starts) < 2 or run * itemsize >= ROWS_BELOW:
+        return None
+    spacing = starts[1] - starts[0]
+    if spacing % itemsize or not run * itemsize < spacing <= ROWS_SPAN * run * itemsize:
+        return None
+    if any(b - a != spacing for a, b in zip(starts, starts[1:])):
+        return None
+    return spacing
+
+
 @dataclass
 class _Piece:
-    """A region of the ring being read into: the reads' futures, where its bytes go next."""
+    """A region of the ring being read into: the reads' futures, where its bytes go next.
+    ``rows``: the region holds whole rows, ``(rows, run, spacing)`` in elements, of which the
+    destination takes the first ``run`` of each."""
 
     futures: list[Future]
     destination: torch.Tensor
@@ -103,6 +126,16 @@ class _Piece:
     buffer: int
     nbytes: int
     describe: Optional[Callable[[OSError], BaseException]]
+    rows: Optional[tuple[int, int, int]] = None
+
+
+def _cut(staged: torch.Tensor, rows: Optional[tuple[int, int, int]]) -> torch.Tensor:
+    """``staged`` itself, or for a region of whole rows (``(rows, run, spacing)``) the first ``run``
+    elements of each row."""
+    if rows is None:
+        return staged
+    count, run, step = rows
+    return staged.as_strided((count, run), (step, 1))
 
 
 class StagingRing:
@@ -121,7 +154,8 @@ class StagingRing:
             raise ValueError(f"a staging ring needs >= 2 buffers of >= {ALIGN} bytes (got {buffers} x {buffer_bytes})")
         self.buffers, self.buffer_bytes = buffers, buffer_bytes - buffer_bytes % ALIGN
         self.pin, self.cpu_destinations = pin, cpu_destinations
-        self.bytes_staged = 0  # over the ring's life: every byte that went through it
+        self.bytes_staged = 0  # over the ring's life: every destination byte that went through it
+        self.bytes_read = 0  # over the ring's life: every byte read into it (whole rows read more)
         self._ring: list[torch.Tensor] = []
         self._events: list[Optional[torch.cuda.Event]] = []
         self._stream: Optional[torch.cuda.Stream] = None
@@ -145,7 +179,10 @@ class StagingRing:
         if runs is None:
             return False
         count = math.prod(runs[1])
-        return count == 1 or runs[0] * itemsize >= MIN_RUN_BYTES
+        if count == 1 or runs[0] * itemsize >= MIN_RUN_BYTES:
+            return True
+        run, starts = _source_runs(shape, strides, itemsize, 0)  # type: ignore[misc]
+        return self._whole_rows(out, run, starts, itemsize) is not None
 
     def read(self, reader: pread.ReadPool, fd: int, out: torch.Tensor, dtype: torch.dtype, shape: Sequence[int],
              strides: Sequence[int], file_offset: int,
@@ -157,6 +194,10 @@ class StagingRing:
         itemsize = torch.empty((), dtype=dtype).element_size()
         run, starts = _source_runs(shape, strides, itemsize, file_offset)  # type: ignore[misc]
         self._start(out.device)
+        whole_rows = self._whole_rows(out, run, starts, itemsize)
+        if whole_rows is not None:
+            self._read_rows(reader, fd, whole_rows[0], dtype, starts, whole_rows[1], describe)
+            return
         for view, first in _pieces(out, 0, self.buffer_bytes // itemsize):
             nbytes = view.numel() * itemsize
             while self._pending and self._in_flight > self.buffer_bytes:
@@ -168,6 +209,41 @@ class StagingRing:
             self._pending.append(_Piece(futures, view, staged, self._current, nbytes, describe))
             self._in_flight += nbytes
             self.bytes_staged += nbytes
+            self.bytes_read += nbytes
+
+    def _whole_rows(self, out: torch.Tensor, run: int, starts: list[int],
+                    itemsize: int) -> Optional[tuple[torch.Tensor, int]]:  # fmt: skip
+        """``(out as [rows, run], row spacing in bytes)`` when the chunk is read as whole rows:
+        :func:`_row_spacing` says so, a row fits a buffer and ``out`` is a view of its rows in order."""
+        spacing = _row_spacing(run, starts, itemsize)
+        if spacing is None or spacing > self.buffer_bytes or out.numel() != run * len(starts):
+            return None
+        try:
+            return out.view(len(starts), run), spacing  # the destination in the chunk's row-major order
+        except RuntimeError:
+            return None
+
+    def _read_rows(self, reader: pread.ReadPool, fd: int, out: torch.Tensor, dtype: torch.dtype, starts: list[int],
+                   spacing: int, describe: Optional[Callable[[OSError], BaseException]]) -> None:  # fmt: skip
+        """Fill ``out`` (``[rows, run]``) from runs at ``starts`` ``spacing`` bytes apart by reading
+        whole rows: as many as a buffer holds per region, one contiguous file range each."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        rows, run = out.shape
+        step = spacing // itemsize
+        per_piece = self.buffer_bytes // spacing
+        for first in range(0, rows, per_piece):
+            count = min(per_piece, rows - first)
+            nbytes = (count - 1) * spacing + run * itemsize
+            while self._pending and self._in_flight > self.buffer_bytes:
+                self._copy_oldest()
+            slot = self._take(nbytes)
+            futures = reader.submit(fd, [(starts[first], slot.data_ptr(), nbytes)], populate=not self._pinned)
+            piece = _Piece(futures, out[first : first + count], slot.view(dtype), self._current, nbytes, describe,
+                           rows=(count, run, step))  # fmt: skip
+            self._pending.append(piece)
+            self._in_flight += nbytes
+            self.bytes_staged += count * run * itemsize
+            self.bytes_read += nbytes
 
     def wait(self) -> None:
         """Return once every read and copy :meth:`read` started is done (the ring stays
@@ -225,10 +301,16 @@ class StagingRing:
             raise error
         with torch.no_grad():
             if self._stream is None:
-                piece.destination.copy_(piece.staged)
+                piece.destination.copy_(_cut(piece.staged, piece.rows))
                 return
             with torch.cuda.stream(self._stream):
-                piece.destination.copy_(piece.staged, non_blocking=True)
+                if piece.rows is None:
+                    piece.destination.copy_(piece.staged, non_blocking=True)
+                else:  # whole rows to the device as they are, cut there (a strided host source would
+                    # be made contiguous on the host first, synchronously)
+                    rows = torch.empty_like(piece.staged, device=self._device)
+                    rows.copy_(piece.staged, non_blocking=True)
+                    piece.destination.copy_(_cut(rows, piece.rows))
             self._events[piece.buffer] = self._stream.record_event()
 
     def _take(self, nbytes: int) -> torch.Tensor:
