@@ -159,6 +159,7 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
     "rollout": (
         "rollout/__init__.py", "rollout/adapter.py", "rollout/engine_format.py", "rollout/plan.py",
         "rollout/program.py", "rollout/refit.py", "rollout/sglang.py", "rollout/vllm.py",
+        "rollout/fp8.py", "rollout/vllm_fp8.py",
     ),
     "tools": (
         "dist_checkpoint.py", "cli.py", "scaffold.py", "numerics/capture.py", "numerics/metrics.py",
