@@ -168,7 +168,8 @@ def stage_prepare(family: str, work: str) -> dict:
     t2 = time.perf_counter()
     mcore_zoo.save_hf_checkpoint(model, os.path.join(work, "fp8"), dtype=torch.bfloat16, fp8="block", overwrite=True)
     t3 = time.perf_counter()
-    quant = json.load(open(os.path.join(work, "fp8", "config.json")))["quantization_config"]
+    with open(os.path.join(work, "fp8", "config.json")) as f:
+        quant = json.load(f)["quantization_config"]
     params = sum(p.numel() for chunk in mcore_zoo.handle_of(model).chunks for p in chunk.parameters())
     return {"family": family, "params": params, "checkpoint_seconds": t1 - t0, "fp8_export_seconds": t3 - t2,
             "quantization_config": quant}  # fmt: skip
@@ -291,7 +292,7 @@ def markdown(results: dict) -> str:
             rows.append(f"| {family} | {r['error'][:200]} | | | | |")
             continue
 
-        def mode(m):
+        def mode(m, r=r):
             e = r.get(m, {})
             if e.get("refused"):
                 return "refused: " + e["refused"][:160]

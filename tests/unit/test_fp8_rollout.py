@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 import mcore_zoo
 from mcore_zoo.errors import LayoutError, ZooError
-from mcore_zoo.rollout import DictAdapter, HF_NAMES
+from mcore_zoo.rollout import HF_NAMES, DictAdapter
 from mcore_zoo.rollout.fp8 import Fp8BlockAdapter, fp8_refit_plan
 from mcore_zoo.rollout.refit import get_plan
 from mcore_zoo.rollout.vllm_fp8 import VLLMFp8Adapter, ZooFp8WorkerExtension

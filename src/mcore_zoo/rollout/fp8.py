@@ -43,11 +43,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from .engine_format import EngineFormat
 
 
-def fp8_refit_plan(plan: RefitPlan, scheme: Fp8BlockScheme = Fp8BlockScheme()) -> RefitPlan:
+def fp8_refit_plan(plan: RefitPlan, scheme: Optional[Fp8BlockScheme] = None) -> RefitPlan:
     """The plan an FP8 engine receives for ``plan`` (module docstring): quantized slots in
     float8_e4m3fn, each HF tensor's scale slots after its own, scale tensors among the engine
-    tensors. Raises :class:`LayoutError` naming the tensor when a slot is not cut on block
-    boundaries (the engine's TP splits a quantized tensor inside a block)."""
+    tensors. ``scheme``: the FP8 block format (default 128 x 128 blocks, fp32 scales). Raises
+    :class:`LayoutError` naming the tensor when a slot is not cut on block boundaries (the
+    engine's TP splits a quantized tensor inside a block)."""
+    scheme = scheme or Fp8BlockScheme()
     block = scheme.block
     quantized = {name for name, shape, _ in plan.hf if scheme.quantizes(name, shape)}
     hf: list[tuple[str, tuple[int, ...], torch.dtype]] = []
