@@ -5,7 +5,8 @@
 # Phases: reports (parity-report jobs, one GPU each, in parallel), checks (GPU tests and the
 # backend / profile grid), speed, multi (torchrun 2 / 4) - the default: all four; and on request
 # training (log-prob head, train_step), profile (the training profile's distance and speed), refit
-# and vllm (refit into vLLM, vLLM parity; need bench/gpu/vllm-setup.sh), vllm-exact (the vllm-exact
+# and vllm (refit into vLLM, vLLM parity; need bench/gpu/vllm-setup.sh), fp8-rollout (bf16 and FP8
+# vLLM engines vs a bf16 trainer per family, refit into the FP8 engine; vllm-setup.sh), vllm-exact (the vllm-exact
 # profile against vLLM's batch-invariant mode; needs vllm-setup.sh too), seeds (the training
 # profile at more seeds), moe-exact (hf-exact MoE vs transformers), grouped (TE grouped-GEMM experts)
 # mla (DeepSeek-V3, te), profile-sdpa (hf-exact-sdpa on te: distance and speed) and two-gpu (refit
@@ -133,6 +134,12 @@ if [[ " $phases " == *" refit "* ]]; then
   # needs bench/gpu/vllm-setup.sh and vllm-env.sh: refit exactness, then refit speed
   run refit-tests 420 $py -m pytest -p mcore_zoo.testing.plugin tests/gpu/test_refit_gpu.py -q -s -p no:cacheprovider
   run refit-bench 240 $py bench/gpu/refit_bench.py --out "$out/rollout/refit-tp1.json"
+fi
+
+if [[ " $phases " == *" fp8-rollout "* ]]; then
+  # needs vllm-setup.sh and vllm-env.sh: FP8 rollout from bf16 training per family (Llama 8B, Qwen3-30B-A3B,
+  # DeepSeek-V3 shapes, layers / experts cut): bf16 and FP8 engines vs the trainer, refit into FP8 bitwise
+  run fp8-rollout "${FP8_ROLLOUT_TIMEOUT:-2400}" $py bench/gpu/fp8_rollout.py --out "$out/rollout/fp8"
 fi
 
 if [[ " $phases " == *" vllm "* ]]; then

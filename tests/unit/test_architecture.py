@@ -130,7 +130,7 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
     ),
     "single rank": (
         "weights/io.py", "weights/pread.py", "weights/staging.py", "weights/load.py", "weights/export.py",
-        "weights/tied.py", "weights/fp8.py", "weights/mxfp4.py",
+        "weights/tied.py", "weights/fp8.py", "weights/fp8_quantize.py", "weights/mxfp4.py",
         "packing.py", "numerics/gemm.py", "kernels/__init__.py", "kernels/copy_runs.py", "kernels/logprob_rows.py",
         "kernels/vllm_ops.py", "families/vision_language/positions.py",
     ),
@@ -159,6 +159,7 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
     "rollout": (
         "rollout/__init__.py", "rollout/adapter.py", "rollout/engine_format.py", "rollout/plan.py",
         "rollout/program.py", "rollout/refit.py", "rollout/sglang.py", "rollout/vllm.py",
+        "rollout/fp8.py", "rollout/vllm_fp8.py",
     ),
     "tools": (
         "dist_checkpoint.py", "cli.py", "scaffold.py", "numerics/capture.py", "numerics/metrics.py",

@@ -58,6 +58,7 @@ from ..weights.export import (
     write_hf_checkpoint,
 )
 from ..weights.fp8 import fp8_export, fp8_scale_names
+from ..weights.fp8_quantize import Fp8BlockScheme
 from ..weights.mxfp4 import mxfp4_export, mxfp4_names
 from ..weights.io import check_output_dir, parse_size
 from ..weights.rules import BoundRule, RuleStep, WeightMap
@@ -297,7 +298,7 @@ def save_hf_checkpoint(
     max_shard_size: Union[int, str] = "5GB",
     overwrite: bool = False,
     writer_rank: Optional[int] = None,
-    fp8: bool = False,
+    fp8: Union[bool, str] = False,
     fp8_scales: str = "fresh",
     mxfp4: bool = False,
 ) -> list[str]:
@@ -311,6 +312,13 @@ def save_hf_checkpoint(
     that reproduces it, so an fp32 model loaded from FP8 and not trained exports the identical
     bytes) or ``"source"`` (the loaded ``weight_scale_inv``: identical bytes from any dtype; values
     beyond ``448 * scale`` saturate). See docs/fp8.md.
+
+    ``fp8="block"`` (any model, e.g. trained in bf16): the FP8 block format an FP8-serving vLLM
+    loads (:class:`~mcore_zoo.weights.fp8_quantize.Fp8BlockScheme`: vLLM's block quantizer, 128 x
+    128 blocks, fp32 ``amax / 448`` scales; linear layers quantized, embeddings, LM head, routers
+    and norms kept in ``dtype``), quantized on the model's device, with its ``quantization_config``
+    (``modules_to_not_convert`` naming what is kept). An ``Fp8BlockScheme`` may be passed instead
+    of ``"block"`` (``scale_fmt="ue8m0"``: power-of-two scales). See docs/rollout.md.
 
     ``mxfp4``: write the routed experts of a model loaded from an MXFP4 checkpoint (gpt-oss as
     published) back as ``X_blocks`` / ``X_scales`` (:func:`~mcore_zoo.weights.mxfp4.mxfp4_export`;
@@ -331,12 +339,19 @@ def save_hf_checkpoint(
     placement, weight_map = handle.placement, handle.weight_map
     if fp8 and mxfp4:
         raise ValueError("save_hf_checkpoint: fp8 and mxfp4 are two formats; ask for one")
-    quantize = fp8_export(handle.fp8_source, fp8_scales) if fp8 else None
-    needed = weight_map.export_names() | (fp8_scale_names(handle.fp8_source) if fp8 else set())
+    scheme = Fp8BlockScheme() if fp8 == "block" else fp8 if isinstance(fp8, Fp8BlockScheme) else None
+    if scheme is None and fp8 not in (True, False):
+        raise ValueError(f"save_hf_checkpoint: fp8={fp8!r}; use True (the loaded FP8 checkpoint's format) or 'block'")
+    quantize = fp8_export(handle.fp8_source, fp8_scales) if fp8 is True else None
+    needed = weight_map.export_names() | (fp8_scale_names(handle.fp8_source) if fp8 is True else set())
     if mxfp4:
         quantize = mxfp4_export(handle.mxfp4_source)
         needed = mxfp4_names(needed, handle.mxfp4_source)
-    config = hf_config_for_export(handle.arch_config, dtype, fp8=fp8 or mxfp4, head=handle.head)
+    config = hf_config_for_export(handle.arch_config, dtype, fp8=fp8 is True or mxfp4, head=handle.head)
+    if scheme is not None:  # a fresh FP8 block format: the model's tensors quantized as vLLM quantizes them
+        quantize = scheme.quantize_items
+        config["quantization_config"] = scheme.quantization_config(needed)
+        needed = needed | scheme.scale_names(needed)
     distributed = placement.distributed
     writer = not distributed or placement.rank == writer_rank
     if distributed:  # a refusal known up front must not leave the other ranks inside the gathers
