@@ -8,7 +8,8 @@
 # and vllm (refit into vLLM, vLLM parity; need bench/gpu/vllm-setup.sh), fp8-rollout (bf16 and FP8
 # vLLM engines vs a bf16 trainer per family, refit into the FP8 engine; vllm-setup.sh), vllm-exact (the vllm-exact
 # profile against vLLM's batch-invariant mode; needs vllm-setup.sh too), seeds (the training
-# profile at more seeds), moe-exact (hf-exact MoE vs transformers), grouped (TE grouped-GEMM experts)
+# profile at more seeds), moe-exact (hf-exact MoE vs transformers), moe-exact-packs (hf-exact MoE on mixed
+# THD packs vs transformers on each sequence alone), grouped (TE grouped-GEMM experts)
 # mla (DeepSeek-V3, te), profile-sdpa (hf-exact-sdpa on te: distance and speed) and two-gpu (refit
 # at TP2, DeepSeek-V3 EP2 / TP2; 2 GPUs), hybrid-gpu (Qwen3-Next / Qwen3.5 / Qwen3.5-MoE at full width, 4
 # layers: parity vs HF, hf-exact, THD vs BSHD speed of a gated DeltaNet layer, vLLM parity and refit;
@@ -300,6 +301,18 @@ if [[ " $phases " == *" moe-exact "* ]]; then
       "${moe[@]}" --out "$out/parity/moe-hf-exact-grouped_mm"
   run moe-exact-eager 300 "${nosplit[@]}" $py -m mcore_zoo.cli parity-report --dtype bfloat16 --device cuda -q -v \
       "${moe[@]}" --knob moe_experts=eager --out "$out/parity/moe-hf-exact-eager"
+fi
+
+if [[ " $phases " == *" moe-exact-packs "* ]]; then
+  # hf-exact MoE on local (split-K off) on mixed THD packs (512, 300, 100, 37 and 16 x 64) at the full
+  # width of Qwen3-30B-A3B, Mixtral-8x7B and DeepSeek-V3 (64 of the 256 routed experts), 2 layers, bf16:
+  # each sequence packed and alone against transformers (grouped_mm and eager experts) on it alone,
+  # bit for bit, first divergent site and max |dlogit| where not (bench/gpu/moe_exact_packs.py; one
+  # report per model). The CPU dry run: MOE_PACKS_ARGS="--device cpu --tiny"
+  for m in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
+    run "moe-exact-packs-$m" "${MOE_PACKS_TIMEOUT:-600}" "${nosplit[@]}" $py bench/gpu/moe_exact_packs.py --models "$m" \
+        --out "$out/moe-exact-packs/$m" ${MOE_PACKS_ARGS:-}
+  done
 fi
 
 if [[ " $phases " == *" load-gpu "* ]]; then

@@ -179,6 +179,10 @@ class BuildPlan:
             install(model, arch, self.transformer_config, options.params_dtype)
         if options.head != "value":  # a value head has no vocabulary to mask
             install_logit_mask(model, arch, placement.tp_rank)
+        if options.numerics.pack_gemms == "each" and post_process:
+            from .specs.pack_rows import install_output_layer
+
+            install_output_layer(model)  # the LM head's GEMM one sequence at a time, as the layers'
         return model
 
 

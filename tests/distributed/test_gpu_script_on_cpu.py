@@ -117,3 +117,20 @@ def test_gated_deltanet_speed_script_on_cpu(tmp_path):
         assert all(case[f"{form}_ms"] > 0 for form in ("thd", "thd_batch", "bshd_padded", "bshd_each")), (name, case)
         assert case["max_abs_diff_each"] == 0.0 and case["max_abs_diff_batch"] <= 1e-5, (name, case)
     assert "| mixed |" in out.with_suffix(".md").read_text()
+
+
+def test_moe_exact_packs_script_on_cpu(tmp_path):
+    """``bench/gpu/moe_exact_packs.py`` (the moe-exact-packs phase) at the tiny scale of the
+    Qwen3-30B-A3B config on the CPU: a mixed pack, packed and each sequence alone, against
+    transformers' grouped_mm experts on each sequence alone - bitwise (``hf-exact`` runs a pack's
+    GEMMs one sequence at a time), the JSON rows and the markdown table written."""
+    cmd = [sys.executable, "bench/gpu/moe_exact_packs.py", "--device", "cpu", "--tiny", "--models", "qwen3-30b-a3b",
+           "--experts", "grouped_mm", "--packs", "mixed=13,7,3,2", "--out", str(tmp_path)]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads((tmp_path / "moe_exact_packs.json").read_text())
+    forms = [(r["model"], r["experts"], r["pack"], r["form"]) for r in report["rows"]]
+    assert forms == [("qwen3-30b-a3b", "grouped_mm", "mixed", "packed"), ("qwen3-30b-a3b", "grouped_mm", "mixed", "alone")]
+    assert report["all_bitwise"] and all(r["max_abs_dlogit"] == 0.0 for r in report["rows"]), report["rows"]
+    assert "| qwen3-30b-a3b | grouped_mm | mixed | packed | yes | 0 |" in (tmp_path / "moe_exact_packs.md").read_text()

@@ -10,6 +10,7 @@ import torch
 import mcore_zoo
 
 from ..conftest import random_sequences, require_current_deepseek_v2_reference
+from .packs import assert_packs_equal_alone
 
 ARCH = "DeepseekV3ForCausalLM"
 NO_YARN = {"rope_scaling": None}
@@ -42,8 +43,13 @@ def _reference(reference_checkpoint, hf_reference, overrides):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_hf_exact_bitwise(mpu, reference_checkpoint, hf_reference, case):
+    """A BSHD batch; with and without q_lora (two sets of linears), THD packs of mixed and many short
+    sequences too, each sequence equal to transformers on it alone (``pack_gemms="each"``)."""
     ckpt, ids, ref = _reference(reference_checkpoint, hf_reference, CASES[case])
-    assert torch.equal(_logits(_build(ckpt), ids), ref)
+    model = _build(ckpt)
+    assert torch.equal(_logits(model, ids), ref)
+    if case in ("q_lora+yarn", "no_q_lora+yarn"):
+        assert_packs_equal_alone(model, hf_reference(ARCH, ckpt, "eager"))
 
 
 def test_no_q_lora_layer_is_built_as_the_spec_names(mpu, reference_checkpoint):

@@ -16,6 +16,7 @@ from mcore_zoo.parity.reference import load_reference
 from mcore_zoo.testing.common import REL_TOL, max_abs_diff
 
 from ..conftest import random_sequences
+from .packs import assert_packs_equal_alone
 
 MOE_ARCHS = ["Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM"]
 
@@ -37,7 +38,9 @@ def _logits(model, ids):
 @pytest.mark.parametrize("arch_name", MOE_ARCHS)
 def test_hf_exact_bitwise(mpu, reference_checkpoint, hf_reference, arch_name):
     """BSHD batches of several shapes (token counts that leave a tail after the last full vector:
-    the shared-expert gate and sigmoid scores must run in HF's batch-major order)."""
+    the shared-expert gate and sigmoid scores must run in HF's batch-major order), and THD packs of
+    mixed and many short sequences, each sequence equal to transformers on it alone at one and two
+    threads (``pack_gemms="each"``: every GEMM of the pack sees one sequence's rows)."""
     ckpt = reference_checkpoint(arch_name)
     hf = hf_reference(arch_name, ckpt, "eager")
     model = _build(ckpt, ckpt)
@@ -46,6 +49,7 @@ def test_hf_exact_bitwise(mpu, reference_checkpoint, hf_reference, arch_name):
         with torch.no_grad():
             ref = hf(ids).logits
         assert torch.equal(_logits(model, ids), ref), (batch, length)
+    assert_packs_equal_alone(model, hf)
 
 
 @pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
@@ -54,7 +58,7 @@ def test_hf_exact_bitwise_bf16(mpu, reference_checkpoint, arch_name, experts):
     """bf16 on the CPU, against both of transformers' experts implementations (numerics knob
     ``moe_experts``): ``grouped_mm`` sums a token's weighted expert outputs in the routing weights'
     dtype (fp32 for Mixtral, GLM-4.5, DeepSeek-V3) and casts once, ``eager`` casts each to bf16
-    and adds them in bf16."""
+    and adds them in bf16. THD packs: each sequence against transformers on it alone."""
     ckpt = reference_checkpoint(arch_name)
     arch = mcore_zoo.lookup(arch_name)
     hf = load_reference(arch, ckpt, dtype=torch.bfloat16, experts_implementation=experts)
@@ -66,6 +70,7 @@ def test_hf_exact_bitwise_bf16(mpu, reference_checkpoint, arch_name, experts):
         with torch.no_grad():
             ref = hf(ids).logits
         assert torch.equal(_logits(model, ids), ref), (batch, length)
+    assert_packs_equal_alone(model, hf)
 
 
 @pytest.mark.parametrize("arch_name", MOE_ARCHS)

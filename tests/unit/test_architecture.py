@@ -146,7 +146,7 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
     "model": (
         "placement.py", "model_groups.py", "handle.py", "offload.py", "build.py", "parallel.py", "routing.py",
         "distributed/collectives.py",
-        "specs/__init__.py", "specs/gpt.py", "specs/heads.py", "specs/linears.py", "specs/norms.py",
+        "specs/__init__.py", "specs/gpt.py", "specs/heads.py", "specs/linears.py", "specs/pack_rows.py", "specs/norms.py",
         "specs/patching.py", "specs/portable.py", "specs/vllm_exact.py",
         "families/*/spec.py", "families/moe/clamped_swiglu.py", "families/vision_language/vision.py",
     ),

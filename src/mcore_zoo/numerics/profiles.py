@@ -26,8 +26,10 @@ Built-in profiles:
   backend ``local`` / ``portable``, dense models, TP / CP 1.
 * ``hf-exact`` - reproduce the HF op order: RMSNorm normalises in fp32, casts, then multiplies
   the weight; no fused RoPE / activation / softmax; attention computed as HF ``eager`` (or
-  ``sdpa`` with ``attention="sdpa"``) math. With the ``local`` or ``portable`` backend this is
-  bit-identical to transformers on CPU fp32 and GPU bf16 (see docs/parity).
+  ``sdpa`` with ``attention="sdpa"``) math; a THD pack's GEMMs run one sequence at a time
+  (``pack_gemms="each"``). With the ``local`` or ``portable`` backend this is bit-identical to
+  transformers on CPU fp32 and GPU bf16 (see docs/parity), a packed sequence to transformers run on
+  that sequence alone.
 
 Knobs that need CUDA kernels are switched off automatically on a CPU-only machine, except
 ``grouped_experts`` (off in every built-in profile): it changes the module tree and the parameter
@@ -80,6 +82,15 @@ class NumericsProfile:
             each weighted output is cast to the hidden dtype, then added one expert at a time
             (``index_add_``). Both agree for two experts per token with weights in the hidden
             dtype (or fp32 models); otherwise they round differently.
+        pack_gemms: how a THD pack's GEMMs are computed. ``"each"``: one sequence at a time - the
+            zoo's own linears (``linear_bias="fused"``) and the MoE block (``router="hf"``: router,
+            shared experts, expert GEMMs and combine) see one sequence's rows, as transformers run
+            on that sequence alone sees them (a GEMM's rows can round differently at another row
+            count: the CPU BLAS and cuBLAS pick kernels by shape); alignment padding runs apart,
+            and the router's auxiliary losses are each sequence's. Needs the whole pack on this
+            rank; the MoE block also needs no expert parallelism (else it runs the pack at once).
+            ``"batch"``: every GEMM over the whole pack (faster; a sequence's rows then differ
+            from a run alone by a few ulps per layer where the kernels change with the row count).
         linear_attention_pack: gated DeltaNet models only: how the zoo's gated DeltaNet layer
             computes a THD pack. ``"each"``: every sequence alone, one after the other (each
             sequence's result is bitwise what it gives run alone). ``"batch"``: the pack's sequences
@@ -112,6 +123,7 @@ class NumericsProfile:
     router: str = "hf"
     moe_experts: str = "grouped_mm"
     grouped_experts: bool = False
+    pack_gemms: str = "batch"
     linear_attention_pack: str = "each"
     kernels: str = "backend"
     vllm_decode: str = "exact"
@@ -125,6 +137,7 @@ class NumericsProfile:
             "linear_bias": ("separate", "fused"),
             "router": ("hf", "mcore"),
             "moe_experts": ("grouped_mm", "eager"),
+            "pack_gemms": ("each", "batch"),
             "linear_attention_pack": ("each", "batch"),
             "kernels": ("backend", "vllm"),
             "vllm_decode": ("exact", "prefill"),
@@ -183,6 +196,7 @@ PROFILES: dict[str, NumericsProfile] = {
         attention="eager",
         fuse_norm_into_linear=False,
         linear_bias="fused",
+        pack_gemms="each",
         description="HF op order everywhere (norms, RoPE, attention math, biases); bitwise vs HF eager",
     ),
     "training": NumericsProfile(
@@ -205,6 +219,7 @@ PROFILES: dict[str, NumericsProfile] = {
         attention="sdpa",
         fuse_norm_into_linear=False,
         linear_bias="fused",
+        pack_gemms="each",
         description="as hf-exact, attention as HF's sdpa implementation",
     ),
     "vllm-exact": NumericsProfile(

@@ -142,6 +142,11 @@ def gpt_layer_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile, *,
     from ..compat import mlp_submodule
 
     p = _pieces(arch, backend, numerics)
+    layer_module = TransformerLayer
+    if numerics.pack_gemms == "each":  # the layer keeps its pack's bounds for its GEMMs (specs/pack_rows.py)
+        from .pack_rows import sequence_bounds_layer_class
+
+        layer_module = sequence_bounds_layer_class()
     if arch.mla is not None:
         # MLA's q and kv down projections both read the normalised input: a separate input norm,
         # and plain (norm-free) linears for the attention's projections
@@ -157,7 +162,8 @@ def gpt_layer_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile, *,
             from ..families.moe import config as moe_config
 
             moe_config.check_grouped_experts(arch, backend)
-        mlp = moe_mlp_submodule(arch, p, numerics.router, numerics.moe_experts, numerics.grouped_experts)
+        mlp = moe_mlp_submodule(arch, p, numerics.router, numerics.moe_experts, numerics.grouped_experts,
+                                numerics.pack_gemms)  # fmt: skip
     else:
         mlp = mlp_submodule(p["linear_fc1"], p["linear_fc2"], module=p.get("mlp"))
     qk_norm = p["qk_norm"] if arch.qk_norm else IdentityOp
@@ -182,7 +188,7 @@ def gpt_layer_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile, *,
             ),
         )
     return ModuleSpec(
-        module=TransformerLayer,
+        module=layer_module,
         submodules=TransformerLayerSubmodules(
             input_layernorm=p["input_layernorm"],
             self_attention=attention,

@@ -7,7 +7,9 @@ single rounding. In bf16 the two differ (measured: Qwen2's q/k/v biases alone mo
 9e-2). These subclasses keep mcore's tensor-parallel plumbing (sequence-parallel all-gather,
 tensor-parallel gradient all-reduce) and compute ``F.linear(x, W, b)``.
 
-Used by the ``numerics.linear_bias == "fused"`` knob (the ``hf-exact`` profiles).
+Used by the ``numerics.linear_bias == "fused"`` knob (the ``hf-exact`` profiles). Inside a decoder
+layer that keeps its THD pack's bounds (``pack_gemms="each"``), both compute the pack one sequence
+at a time (:func:`mcore_zoo.specs.pack_rows.linear_each_sequence`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
+
+from .pack_rows import PerSequenceGEMM, linear_each_sequence
 
 
 def _linear_fused_bias(
@@ -40,7 +44,7 @@ def _linear_fused_bias(
         input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
     elif allreduce_dgrad:
         input = copy_to_tensor_model_parallel_region(input, group=tp_group)
-    return F.linear(input, weight, bias)
+    return linear_each_sequence(input, weight, bias)
 
 
 class FusedBiasColumnParallelLinear(ColumnParallelLinear):
@@ -54,11 +58,12 @@ class FusedBiasColumnParallelLinear(ColumnParallelLinear):
         return _linear_fused_bias(input, weight, *args, **kwargs)
 
 
-class FusedBiasRowParallelLinear(RowParallelLinear):
+class FusedBiasRowParallelLinear(PerSequenceGEMM, RowParallelLinear):
     """``RowParallelLinear`` computing ``F.linear(x, W, b)`` when the whole sum is on one rank.
 
     Under tensor parallelism the bias must be added after the cross-rank reduction, as mcore does;
-    then this behaves exactly like ``RowParallelLinear``.
+    then this behaves exactly like ``RowParallelLinear`` (its GEMM per sequence as
+    :class:`~mcore_zoo.specs.pack_rows.PerSequenceGEMM`'s).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -67,4 +72,4 @@ class FusedBiasRowParallelLinear(RowParallelLinear):
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         if self.bias is None or self.tp_group.size() > 1 or self.sequence_parallel or self.explicit_expert_comm:
             return super().forward(input_)
-        return F.linear(input_, self.weight, self.bias), None
+        return linear_each_sequence(input_, self.weight, self.bias), None

@@ -41,6 +41,7 @@ import torch
 from mcore_zoo.config.arch import ArchConfig
 from mcore_zoo.errors import ZooError
 from mcore_zoo.numerics.profiles import NumericsProfile
+from mcore_zoo.specs.pack_rows import gemm_each_sequence
 from mcore_zoo.specs.patching import wrap_once
 
 
@@ -188,6 +189,9 @@ def mla_attention_class() -> Any:
                 # MLA accepts only Megatron-Core's own class in the spec: the k_rope gradient fix
                 # (_kv_down_class) is the same module, parameters and all, with another forward
                 down.__class__ = _kv_down_class()
+            for linear in (getattr(self, "linear_q_down_proj", None), down):  # pack_gemms="each" (specs/pack_rows.py)
+                if linear is not None and hasattr(linear, "_forward_impl"):
+                    gemm_each_sequence(linear)
             cp = getattr(self.pg_collection, "cp", None)
             # the YaRN branch of MLA multiplies cos / sin by the returned factor (HF: attention_scaling)
             self.rotary_pos_emb = rotary_cls(arch, with_scale=config.rope_type == "yarn", cp_group=cp)

@@ -36,6 +36,7 @@ import torch
 
 from mcore_zoo.config.arch import ArchConfig, ClampedSwiGLU, MoESpec
 from mcore_zoo.errors import ZooError
+from mcore_zoo.specs.pack_rows import outside_pack, sequence_segments
 from mcore_zoo.specs.patching import wrap_once
 
 _LOCAL = threading.local()
@@ -307,13 +308,43 @@ def run_in_reference_order(run: Callable[[torch.Tensor], torch.Tensor], rows: to
 
 
 @functools.lru_cache(maxsize=None)
-def hf_moe_layer_class(experts: str = "grouped_mm") -> type:
+def hf_moe_layer_class(experts: str = "grouped_mm", pack: str = "batch") -> type:
+    """:class:`HFOrderMoELayer`; ``pack``: the numerics knob ``pack_gemms`` (``"each"``: a THD
+    pack's sequences through the block one at a time)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    if pack not in ("each", "batch"):
+        raise ValueError(f"pack_gemms={pack!r}; use 'each' or 'batch'")
 
     class HFOrderMoELayer(MoELayer):
         """``MoELayer`` whose token combine adds each token's expert outputs in the order of
         transformers' ``experts`` implementation (:func:`hf_order_unpermute`), ending in the
-        dtype of the layer's input."""
+        dtype of the layer's input.
+
+        With ``pack="each"`` a THD pack (bounds from :mod:`mcore_zoo.specs.pack_rows`) goes
+        through the whole block - router GEMM, shared experts, expert GEMMs, combine - one
+        sequence at a time (:func:`~mcore_zoo.specs.pack_rows.sequence_segments`; alignment padding alone), so every GEMM has the
+        row count it has when the sequence runs alone, as transformers runs it: a GEMM's result for
+        a row can depend on how many rows it has (the BLAS and cuBLAS pick kernels by shape). The
+        router's auxiliary losses are then each sequence's. Only without expert parallelism (each
+        call is a collective over the expert-parallel group, whose ranks hold other packs) and
+        when this rank holds the whole pack (no sequence or context parallelism); otherwise the
+        pack runs at once."""
+
+        def _sequence_segments(self, hidden_states: Any, args: tuple, kwargs: dict) -> Optional[list[tuple[int, int]]]:
+            plain = not args and set(kwargs) <= {"padding_mask", "intermediate_tensors"}
+            if pack != "each" or not plain or kwargs.get("intermediate_tensors") is not None:
+                return None
+            if hidden_states is None or hidden_states.dim() != 3 or self.config.expert_model_parallel_size > 1:
+                return None
+            return sequence_segments(hidden_states)
+
+        def _forward_whole(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self._begin(hidden_states.dtype)
+            try:
+                return super().forward(hidden_states, *args, **kwargs)
+            finally:
+                self._end()
 
         def _begin(self, hidden_dtype: torch.dtype) -> None:
             _install_hf_order_combine()
@@ -330,11 +361,18 @@ def hf_moe_layer_class(experts: str = "grouped_mm") -> type:
             _LOCAL.sorted_indices = None
 
         def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            self._begin(hidden_states.dtype)
-            try:
-                return super().forward(hidden_states, *args, **kwargs)
-            finally:
-                self._end()
+            segments = self._sequence_segments(hidden_states, args, kwargs)
+            if segments is None:
+                return self._forward_whole(hidden_states, *args, **kwargs)
+            padding_mask = kwargs.get("padding_mask")  # [b, s]
+            outputs, bias = [], None
+            with outside_pack():  # the block's own GEMMs see one sequence: nothing left to split
+                for start, end in segments:
+                    if padding_mask is not None:
+                        kwargs["padding_mask"] = padding_mask[:, start:end]
+                    output, bias = self._forward_whole(hidden_states[start:end], **kwargs)
+                    outputs.append(output)
+            return torch.cat(outputs, dim=0), bias
 
         # route -> ... -> combine is also what Megatron-Core's MoE recomputation (recompute_modules
         # "moe") reruns in the backward, outside forward: it starts and ends the HF-order state too
@@ -582,10 +620,12 @@ def mark_expert_data_parallel(model: torch.nn.Module, config: Any) -> None:
 
 
 def moe_mlp_submodule(arch: ArchConfig, pieces: dict[str, Any], router: str,
-                      experts: str = "grouped_mm", grouped: bool = False) -> Any:  # fmt: skip
+                      experts: str = "grouped_mm", grouped: bool = False, pack: str = "batch") -> Any:  # fmt: skip
     """The ``TransformerLayerSubmodules.mlp`` value of an MoE layer (this Megatron-Core version's
     form): ``MoELayer`` with sequential experts of ``pieces``' linears, shared experts, router.
     ``experts``: the transformers experts implementation whose combine ``router="hf"`` follows.
+    ``pack``: the numerics knob ``pack_gemms`` (``router="hf"`` only; ``"each"`` needs the decoder
+    layer to be :func:`mcore_zoo.specs.pack_rows.sequence_bounds_layer_class`'s).
     ``grouped``: Transformer Engine's grouped-GEMM experts instead, built as Megatron-Core's TE spec
     builds them with ``moe_grouped_gemm=True`` (:func:`mcore_zoo.compat.te_grouped_experts`):
     ``TEGroupedMLP``, or :class:`HFOrderTEGroupedMLP` for ``router="hf"``."""
@@ -622,7 +662,8 @@ def moe_mlp_submodule(arch: ArchConfig, pieces: dict[str, Any], router: str,
                                   submodules=linears),  # fmt: skip
         router=router_builder,
     )
-    layer_cls = hf_moe_layer_class(experts) if router == "hf" else MoELayer
+    layer_cls = hf_moe_layer_class(experts, pack) if router == "hf" else MoELayer
     if hasattr(MLP, "as_mlp_submodule"):  # 0.19: builder partials (see compat.mlp_submodule)
         return functools.partial(layer_cls, submodules=submodules)
     return ModuleSpec(module=layer_cls, submodules=submodules)
+

@@ -1,0 +1,164 @@
+"""A THD pack's GEMMs one sequence at a time (the numerics knob ``pack_gemms="each"``).
+
+A GEMM's result for one row can depend on how many rows the GEMM has: the CPU BLAS and cuBLAS pick
+their kernel (blocking, vector paths, split of the reduction) by shape. transformers runs a
+sequence alone, so each of its GEMMs has that sequence's rows; a THD pack gives every GEMM the rows
+of all its sequences. With ``pack_gemms="each"`` the zoo's own linears
+(:mod:`mcore_zoo.specs.linears`) and the MoE block (:class:`~mcore_zoo.families.moe.spec.hf_moe_layer_class`)
+compute a pack one sequence at a time - the reference's ops on the reference's shapes.
+
+The bounds come from the ``packed_seq_params`` of the decoder layer running on this thread
+(:func:`sequence_bounds_layer_class` records them and its row count around its forward);
+:func:`sequence_segments` turns them into row ranges for a tensor of the layer's rows, or ``None``
+for any other tensor (BSHD, a rank holding part of the pack under sequence or context
+parallelism, expert rows in dispatch order). The LM head runs after the layers:
+:func:`install_output_layer` gives it the model's pack (a forward pre-hook on the ``GPTModel``)
+and the same per-sequence GEMM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+_LOCAL = threading.local()
+
+
+def pack_segments(num_rows: int, packed_seq_params: Any) -> Optional[list[tuple[int, int]]]:
+    """The row ranges ``[(start, end), ...]`` of a THD pack of ``num_rows`` rows that a model run on
+    each sequence alone would see one at a time: every sequence's own tokens
+    (``cu_seqlens_q_padded[i]`` + its length from ``cu_seqlens_q``), each run of alignment padding
+    after it, and any rows after the last sequence, in row order and covering ``[0, num_rows)``.
+    ``None`` when there is no pack (BSHD) or its bounds do not describe these rows."""
+    if packed_seq_params is None or getattr(packed_seq_params, "cu_seqlens_q", None) is None:
+        return None
+    lengths = packed_seq_params.cu_seqlens_q.diff().tolist()
+    starts = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+    starts = (packed_seq_params.cu_seqlens_q if starts is None else starts).tolist()
+    if len(starts) != len(lengths) + 1 or starts[-1] > num_rows:
+        return None
+    segments, row = [], 0
+    for start, length in zip(starts, lengths):
+        if start < row:
+            return None
+        segments += [(row, start)] if start > row else []
+        segments += [(start, start + length)] if length else []
+        row = start + length
+    segments += [(row, num_rows)] if num_rows > row else []
+    return segments
+
+
+def sequence_segments(rows: torch.Tensor) -> Optional[list[tuple[int, int]]]:
+    """The row ranges of ``rows`` (``[T, ...]`` or ``[T, 1, ...]``: a THD pack's rows in pack order)
+    for the pack of the layer running on this thread; ``None`` where there is none, it has one
+    sequence, or ``rows`` are not its rows (another row count; :func:`pack_segments`)."""
+    pack = getattr(_LOCAL, "pack", None)
+    if pack is None or rows.dim() < 2 or (rows.dim() > 2 and rows.shape[1] != 1):
+        return None
+    params, num_rows = pack
+    if num_rows is not None and rows.shape[0] != num_rows:
+        return None
+    segments = pack_segments(rows.shape[0], params)
+    return segments if segments and len(segments) > 1 else None
+
+
+@contextlib.contextmanager
+def inside_pack(packed_seq_params: Any, num_rows: Optional[int]) -> Iterator[None]:
+    """The pack ``packed_seq_params`` of ``num_rows`` rows (``None``: whatever the tensor's) on this
+    thread inside the block; ``packed_seq_params=None``: no pack (a module that has split the
+    pack itself, whose inner GEMMs then run as they are called)."""
+    previous = getattr(_LOCAL, "pack", None)
+    _LOCAL.pack = None if packed_seq_params is None else (packed_seq_params, num_rows)
+    try:
+        yield
+    finally:
+        _LOCAL.pack = previous
+
+
+def outside_pack() -> contextlib.AbstractContextManager:
+    """No pack on this thread inside the block (:func:`inside_pack` with none)."""
+    return inside_pack(None, None)
+
+
+def linear_each_sequence(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(input, weight, bias)``, one call per sequence of the running layer's pack
+    (:func:`sequence_segments`), or one call where there is none. Differentiable."""
+    segments = sequence_segments(input)
+    if segments is None:
+        return F.linear(input, weight, bias)
+    return torch.cat([F.linear(input[start:end], weight, bias) for start, end in segments], dim=0)
+
+
+@functools.lru_cache(maxsize=None)
+def sequence_bounds_layer_class() -> type:
+    """Megatron-Core's ``TransformerLayer`` that keeps its ``packed_seq_params`` on this thread while
+    it runs (:func:`sequence_segments` reads them), for ``pack_gemms="each"``. Same math otherwise."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    class SequenceBoundsTransformerLayer(TransformerLayer):
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            hidden_states = kwargs.get("hidden_states", args[0] if args else None)
+            rows = hidden_states.shape[0] if isinstance(hidden_states, torch.Tensor) else -1
+            with inside_pack(kwargs.get("packed_seq_params"), rows):
+                return super().forward(*args, **kwargs)
+
+    return SequenceBoundsTransformerLayer
+
+
+class PerSequenceGEMM:
+    """Mixin for a Megatron-Core linear (``ColumnParallelLinear`` / ``RowParallelLinear``): inside a
+    layer that keeps its pack (:func:`sequence_segments`) its ``_forward_impl`` without a bias,
+    sequence parallelism or gradient-accumulation fusion is :func:`linear_each_sequence`; everywhere
+    else Megatron-Core's own."""
+
+    def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        plain = not kwargs.get("gradient_accumulation_fusion") and not kwargs.get("sequence_parallel")
+        if plain and kwargs.get("bias") is None and not args and sequence_segments(input) is not None:
+            return linear_each_sequence(input, weight)
+        return super()._forward_impl(input, weight, *args, **kwargs)  # type: ignore[misc]
+
+
+@functools.lru_cache(maxsize=None)
+def _per_sequence_class(cls: type) -> type:
+    return type(f"PerSequence{cls.__name__}", (PerSequenceGEMM, cls), {"__doc__": PerSequenceGEMM.__doc__})
+
+
+def gemm_each_sequence(linear: torch.nn.Module) -> None:
+    """Give a built Megatron-Core linear the per-sequence GEMM of :class:`PerSequenceGEMM` (its
+    class becomes a subclass of its own with the mixin; parameters and everything else unchanged):
+    for the linears Megatron-Core builds itself or accepts only as its own class (the LM head, MLA's
+    down projections)."""
+    if not isinstance(linear, PerSequenceGEMM):
+        linear.__class__ = _per_sequence_class(type(linear))
+
+
+def install_output_layer(model: torch.nn.Module) -> None:
+    """Give ``model``'s LM head (a ``GPTModel``'s ``output_layer``, on the last stage) the
+    per-sequence GEMM of the decoder layers (:func:`gemm_each_sequence`), with the model's
+    ``packed_seq_params`` kept on this thread for the forward (a forward pre-hook; the head's rows
+    are the pack's). Nothing without an output layer."""
+    head = getattr(model, "output_layer", None)
+    if head is None or not hasattr(head, "_forward_impl"):
+        return
+    gemm_each_sequence(head)
+    contexts: list = []
+
+    def enter(module: Any, args: tuple, kwargs: dict) -> None:
+        context = inside_pack(kwargs.get("packed_seq_params"), None)
+        context.__enter__()
+        contexts.append(context)
+
+    def leave(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        if contexts:
+            contexts.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter, with_kwargs=True)
+    model.register_forward_hook(leave, with_kwargs=True, always_call=True)
+
+
+__all__ = ["PerSequenceGEMM", "gemm_each_sequence", "install_output_layer", "linear_each_sequence", "outside_pack", "pack_segments", "sequence_bounds_layer_class", "sequence_segments"]
