@@ -203,3 +203,39 @@ def test_a_video_sample_equals_transformers_bitwise(mpu, dense_checkpoint, hf_re
         other, other_vision = _sample(4, [(1, 4, 8)])
         packed = mcore_zoo.packed_forward(model, [other, ids], vision_inputs=[other_vision, vision], align=8)
     assert_same(packed.logits[1], theirs, "video sample in a pack vs transformers", exact=True)
+
+
+@pytest.mark.parametrize("fixture,name", [("qwen3-vl-8b-instruct.json", DENSE), ("qwen3-vl-30b-a3b-instruct.json", MOE)])
+def test_the_published_configs_convert_with_every_field_classified_and_scale(fixture, name):
+    """The published Qwen3-VL-8B-Instruct and Qwen3-VL-30B-A3B-Instruct ``config.json``
+    (``tests/fixtures/configs/``): every field classified, the sizes as published; ``--scale tiny``
+    shrinks the tower to one block feeding one deepstack merger."""
+    import json
+
+    from mcore_zoo.parity.inputs import scale_config
+
+    from ..conftest import CONFIGS
+
+    path = CONFIGS / fixture
+    published = json.loads(path.read_text())
+    arch = mcore_zoo.lookup(path)
+    assert arch.name == name
+    converted = arch.config_from_hf(str(path))
+    kinds = {r.field: r.kind for r in converted.fields.records}
+    assert set(kinds.values()) <= {"mapped", "ignored"}
+    assert {f"vision_config.{k}" for k in published["vision_config"]} <= set(kinds)
+    renamed = {"rope_scaling", "rope_theta", "num_experts"}  # read as transformers 5 names them
+    assert {f"text_config.{k}" for k in set(published["text_config"]) - renamed} <= set(kinds)
+    assert kinds["text_config.rope_parameters"] == "mapped"
+    assert converted.rope.mrope_section == (24, 20, 20) and converted.rope.mrope_interleaved and converted.qk_norm
+    vision = converted.vision
+    assert (vision.depth, vision.hidden_size, vision.num_position_embeddings) == (27, 1152, 2304)
+    assert vision.deepstack_visual_indexes == (8, 16, 24) and vision.out_hidden_size == converted.hidden_size
+    if name == MOE:
+        assert (converted.num_layers, converted.moe.num_experts, converted.moe.top_k) == (48, 128, 8)
+    else:
+        assert (converted.num_layers, converted.hidden_size, converted.num_query_groups) == (36, 4096, 8)
+    scaled, _ = scale_config(published, "tiny")
+    tiny = arch.config_from_hf(scaled)
+    assert tiny.vision.depth == 1 and tiny.vision.deepstack_visual_indexes == (0,) and tiny.rope.mrope_interleaved
+
