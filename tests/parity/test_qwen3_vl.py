@@ -239,3 +239,32 @@ def test_the_published_configs_convert_with_every_field_classified_and_scale(fix
     tiny = arch.config_from_hf(scaled)
     assert tiny.vision.depth == 1 and tiny.vision.deepstack_visual_indexes == (0,) and tiny.rope.mrope_interleaved
 
+
+
+def test_train_step_trains_the_tower_through_the_deepstack_features(mpu, dense_checkpoint, hf_reference):
+    """``train_step`` over two samples with images: the loss equals transformers' summed
+    next-token log-likelihood, and every tower gradient (the deepstack mergers' included) equals
+    transformers' within 1e-5."""
+    model = _build(dense_checkpoint)
+    model.train()
+    samples = [_sample(1, [(1, 4, 4)], text=5), _sample(3, [(1, 4, 8)], text=5)]
+
+    def loss_fn(tokens):
+        return -(tokens.logprobs * tokens.mask).sum(), {}
+
+    result = mcore_zoo.train_step(model, [s for s, _ in samples], loss_fn, vision_inputs=[v for _, v in samples],
+                                  num_microbatches=2)  # fmt: skip
+    hf = hf_reference(DENSE, dense_checkpoint, "eager")
+    hf_loss = 0.0
+    for ids, vision in samples:
+        logits = hf(input_ids=ids[None], mm_token_type_ids=_types(ids), **vision).logits[0]
+        hf_loss = hf_loss - torch.log_softmax(logits[:-1].float(), -1).gather(1, ids[1:, None]).sum()
+    hf_loss.backward()
+    torch.testing.assert_close(result.loss, hf_loss.detach(), rtol=1e-6, atol=0)
+    tower = dict(model.vision_model.named_parameters())
+    theirs = {n[len("model.visual."):]: p for n, p in hf.named_parameters() if n.startswith("model.visual.")}
+    assert set(theirs) == set(tower) and any(n.startswith("deepstack_merger_list.") for n in tower)
+    for name, param in theirs.items():
+        ours = tower[name].grad
+        assert ours is not None and ours.abs().sum() > 0, name
+        torch.testing.assert_close(ours, param.grad, rtol=1e-5, atol=1e-5 * float(param.grad.abs().max()))
