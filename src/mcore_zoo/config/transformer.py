@@ -68,12 +68,26 @@ def validate_layout(arch: ArchConfig, parallel: Parallelism) -> None:
     unsupported = []
     if arch.gated_deltanet is not None:
         unsupported = arch.gated_deltanet.layout_problems(parallel, moe=arch.moe is not None)
-    if arch.vision is not None and (tp > 1 or pp > 1 or cp > 1):
-        unsupported.append("a vision-language model (vision tower, multimodal RoPE) is built for tp = pp = cp = 1"
-                           " yet: tensor, pipeline and context parallelism of its tower and inputs come next")  # fmt: skip
+    if arch.vision is not None:
+        unsupported += vision_layout_problems(parallel)
     if unsupported:
         raise UnsupportedLayoutError(f"{where} is not supported by the model's layers yet:\n"
                                      + "\n".join(f"  - {p}" for p in unsupported))  # fmt: skip
+
+
+def vision_layout_problems(parallel: Parallelism) -> list[str]:
+    """What a vision-language model is not built for yet: its tower sits on the first stage,
+    replicated over tensor-parallel ranks, and replaces rows of the whole (unsplit) sequence."""
+    problems = []
+    if parallel.cp > 1:
+        problems.append("context parallelism of a vision-language model (its tower's features and 3-D position"
+                        " ids over a split sequence) is not built yet")  # fmt: skip
+    if parallel.sequence_parallel:
+        problems.append("sequence parallelism of a vision-language model (the tower's features replace rows of the"
+                        " whole sequence) is not built yet")  # fmt: skip
+    if parallel.vpp is not None and parallel.vpp > 1:
+        problems.append("virtual pipeline stages of a vision-language model are not built yet")
+    return problems
 
 
 def default_expert_tp(arch: ArchConfig, parallel: Parallelism) -> Parallelism:

@@ -19,6 +19,11 @@ decoder's) and a forward pre-hook that turns each call's inputs into the languag
 A model with interleaved multimodal RoPE (``RopeSpec.mrope_interleaved``) gets its rotary module
 from :mod:`.rotary`.
 
+Under tensor parallelism the tower is replicated (every rank computes the same features from the
+same pixels; its gradients are the same on every rank, as a replicated norm's are); under pipeline
+parallelism it is on the first stage, every stage computes the position ids from the token ids it
+is handed, and the decoder layers that take deepstack features must be on the first stage.
+
 The vision inputs of the pack being run are set by the family's forward
 (:func:`pending_vision_inputs`) for the duration of one call; the contract is
 :class:`SequenceVisionInputs`, one per sequence.
@@ -33,7 +38,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 from ...config.arch import ArchConfig
-from ...errors import ZooError
+from ...errors import UnsupportedLayoutError, ZooError
 from .positions import continue_positions, mrope_position_ids
 from .rotary import install_interleaved_mrope
 from .vision import TowerOutput, build_tower, tower_output
@@ -91,6 +96,10 @@ def attach_vision_tower(model: torch.nn.Module, arch: ArchConfig, params_dtype: 
     levels = len(arch.vision.deepstack_visual_indexes)
     for layer in model.decoder.layers:
         if layer.layer_number - 1 < levels:  # layer_number: 1-based, global
+            if not getattr(model, "pre_process", True):
+                raise UnsupportedLayoutError(f"{arch.architecture}: decoder layer {layer.layer_number - 1} takes deepstack"
+                                             f" features ({levels} levels) but is not on the first pipeline stage, where"
+                                             " the tower runs; give the first stage at least that many layers")  # fmt: skip
             layer.register_forward_hook(_add_deepstack(model, layer.layer_number - 1))
 
 
