@@ -20,30 +20,19 @@ from mcore_zoo.placement import Parallelism
 from mcore_zoo.testing.common import layout_bound
 
 from ..conftest import checkpoint_tensors, export_mismatches
+from ..parity.vision_samples import image_sample
 
 ARCHS = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
 #: Qwen3-VL with four decoder layers: at PP2 the first stage holds both deepstack layers (a stage
 #: after the first that holds one is refused by name)
 LAYERS = {"Qwen3VLForConditionalGeneration": 4}
 LAYOUTS = [("tp2", Parallelism(tp=2)), ("pp2", Parallelism(pp=2))]
-START, END, IMAGE = 248, 249, 250
-PATCH_VALUES = 3 * 2 * 4 * 4  # in_channels * temporal_patch_size * patch_size**2 of the example configs
 
 
 def _samples() -> tuple[list, list]:
     """Three samples (two images, none, one), their vision inputs (random pixels)."""
-    seqs, inputs = [], []
-    for seed, grids in ((1, [(1, 6, 4), (1, 4, 4)]), (2, []), (3, [(1, 8, 8)])):
-        g = torch.Generator().manual_seed(seed)
-        parts = [torch.randint(0, START, (9,), generator=g)]
-        for t, h, w in grids:
-            parts += [torch.tensor([START]), torch.full((t * h * w // 4,), IMAGE), torch.tensor([END]),
-                      torch.randint(0, START, (7,), generator=g)]  # fmt: skip
-        seqs.append(torch.cat(parts))
-        rows = sum(t * h * w for t, h, w in grids)
-        inputs.append({"pixel_values": torch.randn(rows, PATCH_VALUES, generator=g),
-                       "image_grid_thw": torch.tensor(grids)} if grids else None)  # fmt: skip
-    return seqs, inputs
+    samples = [image_sample(1, [(1, 6, 4), (1, 4, 4)]), image_sample(2, []), image_sample(3, [(1, 8, 8)])]
+    return [ids for ids, _ in samples], [vision or None for _, vision in samples]
 
 
 def _overrides(arch: str) -> dict:

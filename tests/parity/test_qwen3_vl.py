@@ -18,28 +18,14 @@ import mcore_zoo
 from mcore_zoo.distributed.load import load_hf_weights
 from mcore_zoo.testing.common import assert_same
 
+from .vision_samples import END, IMAGE, PATCH_VALUES, START, image_sample
+
 DENSE, MOE = "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"
-START, END, IMAGE, VIDEO = 248, 249, 250, 251
-PATCH_VALUES = 3 * 2 * 4 * 4  # in_channels * temporal_patch_size * patch_size**2 of the example configs
+VIDEO = 251
 
 
 def _example(arch: str = DENSE) -> dict:
     return mcore_zoo.lookup(arch).example_config()
-
-
-def _sample(seed: int, grids: list[tuple[int, int, int]], text: int = 9) -> tuple[torch.Tensor, dict]:
-    """Token ids with ``len(grids)`` images (start, image tokens, end between text runs) and the
-    sample's vision inputs (random pixels)."""
-    g = torch.Generator().manual_seed(seed)
-    parts = [torch.randint(0, START, (text,), generator=g)]
-    for t, h, w in grids:
-        parts += [torch.tensor([START]), torch.full((t * h * w // 4,), IMAGE), torch.tensor([END]),
-                  torch.randint(0, START, (text,), generator=g)]  # fmt: skip
-    ids = torch.cat(parts)
-    if not grids:
-        return ids, {}
-    rows = sum(t * h * w for t, h, w in grids)
-    return ids, {"pixel_values": torch.randn(rows, PATCH_VALUES, generator=g), "image_grid_thw": torch.tensor(grids)}
 
 
 def _types(ids: torch.Tensor) -> torch.Tensor:
@@ -119,10 +105,10 @@ def test_position_ids_equal_transformers_get_rope_index(dense_checkpoint, hf_ref
     hf = hf_reference(DENSE, dense_checkpoint, "eager")
     spec = mcore_zoo.lookup(DENSE).config_from_hf(_example()).vision
     for seed, grids in enumerate([[(1, 4, 8)], [(1, 6, 4), (1, 4, 4)]]):
-        ids, vision = _sample(seed, grids)
+        ids, vision = image_sample(seed, grids)
         theirs, _ = hf.model.get_rope_index(ids[None], _types(ids), vision["image_grid_thw"])
         assert torch.equal(mrope_position_ids(ids, spec, vision["image_grid_thw"]), theirs[:, 0])
-    frame = lambda: [torch.tensor([7, START]), torch.full((4,), VIDEO), torch.tensor([END])]  # noqa: E731
+    frame = lambda: [torch.tensor([7, START]), torch.full((4,), VIDEO), torch.tensor([END])]
     ids = torch.cat([torch.arange(3), *frame(), *frame(), torch.arange(5)])
     grid = torch.tensor([[2, 4, 4]])
     theirs, _ = hf.model.get_rope_index(ids[None], _types(ids), None, grid.clone())
@@ -138,7 +124,7 @@ def test_one_image_logits_equal_transformers_bitwise_and_export_round_trips(mpu,
     report = load_hf_weights(model, checkpoint)
     assert not any("visual" in n for n in report.ignored)
     hf = hf_reference(name, checkpoint, "eager")
-    ids, vision = _sample(0, [(1, 4, 8)])
+    ids, vision = image_sample(0, [(1, 4, 8)])
     with torch.no_grad():
         out = mcore_zoo.packed_forward(model, [ids], vision_inputs=[vision], return_logprobs=False)
     assert_same(out.logits[0], _hf_logits(hf, ids, vision), "hf-exact logits, one image", exact=True)
@@ -154,7 +140,7 @@ def test_deepstack_features_reach_the_decoder(mpu, dense_checkpoint):
     """Zeroing the deepstack mergers' output layer changes the logits after the image (their
     features are added to the first decoder layers), not those before it."""
     model = _build(dense_checkpoint)
-    ids, vision = _sample(0, [(1, 4, 8)])
+    ids, vision = image_sample(0, [(1, 4, 8)])
     with torch.no_grad():
         before = mcore_zoo.packed_forward(model, [ids], vision_inputs=[vision], return_logprobs=False).logits[0]
         for merger in model.vision_model.deepstack_merger_list:
@@ -174,7 +160,7 @@ def test_a_pack_of_three_samples_equals_each_alone_and_transformers(mpu, referen
     checkpoint = reference_checkpoint(name)
     model = _build(checkpoint, backend)
     hf = hf_reference(name, checkpoint, "eager")
-    samples = [_sample(1, [(1, 6, 4), (1, 4, 4)]), _sample(2, [], text=13), _sample(3, [(1, 8, 8)])]
+    samples = [image_sample(1, [(1, 6, 4), (1, 4, 4)]), image_sample(2, [], text=13), image_sample(3, [(1, 8, 8)])]
     with torch.no_grad():
         packed = mcore_zoo.packed_forward(model, [s for s, _ in samples], vision_inputs=[v or None for _, v in samples],
                                           align=8)  # fmt: skip
@@ -191,8 +177,8 @@ def test_a_video_sample_equals_transformers_bitwise(mpu, dense_checkpoint, hf_re
     model = _build(dense_checkpoint)
     hf = hf_reference(DENSE, dense_checkpoint, "eager")
     g = torch.Generator().manual_seed(7)
-    text = lambda n: torch.randint(0, START, (n,), generator=g)  # noqa: E731
-    frame = lambda: [text(2), torch.tensor([START]), torch.full((4,), VIDEO), torch.tensor([END])]  # noqa: E731
+    text = lambda n: torch.randint(0, START, (n,), generator=g)
+    frame = lambda: [text(2), torch.tensor([START]), torch.full((4,), VIDEO), torch.tensor([END])]
     ids = torch.cat([text(5), *frame(), *frame(), text(4), torch.tensor([START]), torch.full((4,), IMAGE),
                      torch.tensor([END]), text(6)])  # fmt: skip
     vision = {"pixel_values_videos": torch.randn(2 * 4 * 4, PATCH_VALUES, generator=g),
@@ -200,7 +186,7 @@ def test_a_video_sample_equals_transformers_bitwise(mpu, dense_checkpoint, hf_re
               "pixel_values": torch.randn(16, PATCH_VALUES, generator=g), "image_grid_thw": torch.tensor([[1, 4, 4]])}
     with torch.no_grad():
         theirs = hf(input_ids=ids[None], mm_token_type_ids=_types(ids), **vision).logits[0]
-        other, other_vision = _sample(4, [(1, 4, 8)])
+        other, other_vision = image_sample(4, [(1, 4, 8)])
         packed = mcore_zoo.packed_forward(model, [other, ids], vision_inputs=[other_vision, vision], align=8)
     assert_same(packed.logits[1], theirs, "video sample in a pack vs transformers", exact=True)
 
@@ -247,7 +233,7 @@ def test_train_step_trains_the_tower_through_the_deepstack_features(mpu, dense_c
     transformers' within 1e-5."""
     model = _build(dense_checkpoint)
     model.train()
-    samples = [_sample(1, [(1, 4, 4)], text=5), _sample(3, [(1, 4, 8)], text=5)]
+    samples = [image_sample(1, [(1, 4, 4)], text=5), image_sample(3, [(1, 4, 8)], text=5)]
 
     def loss_fn(tokens):
         return -(tokens.logprobs * tokens.mask).sum(), {}

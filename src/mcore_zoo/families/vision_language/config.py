@@ -43,62 +43,6 @@ def _read_axial_rope(vision: ConfigReader) -> float:
     return float(theta)
 
 
-def read_qwen2_5_vision(vision: ConfigReader, top: ConfigReader) -> VisionSpec:
-    """Qwen2.5-VL's ``vision_config`` (and the top-level marker-token ids) -> its :class:`VisionSpec`."""
-    classify_common_fields(vision)
-    check = dict(reason="must be > 0")
-    depth = vision.map_checked("depth", "vision blocks", positive_int, **check)
-    hidden = vision.map_checked("hidden_size", "vision width", positive_int, **check)
-    heads = vision.map_checked("num_heads", "vision attention heads", positive_int, **check)
-    if hidden % heads or (hidden // heads) % 4:
-        raise vision.unsupported("num_heads", heads, f"hidden_size={hidden} / num_heads must be a multiple of 4"
-                                 " (the 2-D rotary splits each head into rows and columns)")  # fmt: skip
-    spec = VisionSpec(
-        kind="qwen2_5_vl",
-        depth=depth,
-        hidden_size=hidden,
-        num_heads=heads,
-        intermediate_size=vision.map_checked("intermediate_size", "vision MLP width", positive_int, **check),
-        out_hidden_size=vision.map_checked("out_hidden_size", "patch merger output (the language model's width)",
-                                           positive_int, **check),  # fmt: skip
-        in_channels=vision.map_checked("in_channels", "Conv3d input channels", positive_int, **check),
-        patch_size=vision.map_checked("patch_size", "Conv3d kernel height and width", positive_int, **check),
-        temporal_patch_size=vision.map_checked("temporal_patch_size", "Conv3d kernel depth (frames per patch)",
-                                               positive_int, **check),  # fmt: skip
-        spatial_merge_size=vision.map_checked("spatial_merge_size", "patches merged per side into one token",
-                                              positive_int, **check),  # fmt: skip
-        window_size=vision.map_checked("window_size", "window attention span in pixels", positive_int, **check),
-        fullatt_block_indexes=tuple(vision.map_checked(
-            "fullatt_block_indexes", "blocks with attention over the whole frame (the others: windows)",
-            lambda v: isinstance(v, (list, tuple)) and all(isinstance(i, int) and 0 <= i for i in v),
-            reason="block indexes must be non-negative integers")),  # fmt: skip
-        hidden_act=vision.map_checked("hidden_act", "vision MLP activation: act(gate) * up",
-                                      lambda v: v in VISION_ACTIVATIONS,
-                                      reason=f"supported: {', '.join(VISION_ACTIVATIONS)}"),  # fmt: skip
-        tokens_per_second=vision.map_checked("tokens_per_second", "temporal position step of video frames",
-                                             lambda v: isinstance(v, (int, float)) and v > 0, reason="must be > 0"),
-        rope_theta=_read_axial_rope(vision),
-        image_token_id=top.map("image_token_id", "token replaced by merged image features; image position ids"),
-        video_token_id=top.map("video_token_id", "token replaced by merged video features; video position ids"),
-        vision_start_token_id=top.ignore("vision_start_token_id", "an ordinary text token to the model: the"
-                                         " position ids follow the image tokens themselves"),  # fmt: skip
-        vision_end_token_id=top.ignore("vision_end_token_id", "an ordinary text token to the model"),
-    )
-    if spec.window_size % (spec.spatial_merge_size * spec.patch_size):
-        raise vision.unsupported("window_size", spec.window_size,
-                                 "must be a multiple of spatial_merge_size * patch_size")  # fmt: skip
-    vision.ignore("initializer_range", "random initialisation only; loaded weights do not depend on it")
-    # published configs carry two fields transformers' Qwen2.5-VL does not read: values that would
-    # describe another tower than the one transformers builds are refused by name
-    if vision.has("in_chans"):
-        vision.expect("in_chans", spec.in_channels, reason="not read by transformers, whose Conv3d takes in_channels")
-    if vision.has("spatial_patch_size"):
-        vision.expect("spatial_patch_size", spec.patch_size, reason="not read by transformers, whose patches are"
-                      " patch_size wide")  # fmt: skip
-    top.ignore("vision_token_id", "not read by transformers' Qwen2.5-VL (an ordinary text token to the model)")
-    return spec
-
-
 def _read_tower_sizes(vision: ConfigReader) -> dict:
     """The fields both Qwen towers read alike: widths, heads, patch geometry."""
     check = dict(reason="must be > 0")
@@ -123,6 +67,7 @@ def _read_tower_sizes(vision: ConfigReader) -> dict:
 
 
 def _marker_tokens(top: ConfigReader) -> dict:
+    """The top-level marker-token ids both Qwen towers read alike."""
     return dict(
         image_token_id=top.map("image_token_id", "token replaced by merged image features; image position ids"),
         video_token_id=top.map("video_token_id", "token replaced by merged video features; video position ids"),
@@ -130,6 +75,41 @@ def _marker_tokens(top: ConfigReader) -> dict:
                                          " position ids follow the image tokens themselves"),  # fmt: skip
         vision_end_token_id=top.ignore("vision_end_token_id", "an ordinary text token to the model"),
     )
+
+
+def read_qwen2_5_vision(vision: ConfigReader, top: ConfigReader) -> VisionSpec:
+    """Qwen2.5-VL's ``vision_config`` (and the top-level marker-token ids) -> its :class:`VisionSpec`."""
+    classify_common_fields(vision)
+    check = dict(reason="must be > 0")
+    spec = VisionSpec(
+        kind="qwen2_5_vl",
+        **_read_tower_sizes(vision),
+        window_size=vision.map_checked("window_size", "window attention span in pixels", positive_int, **check),
+        fullatt_block_indexes=tuple(vision.map_checked(
+            "fullatt_block_indexes", "blocks with attention over the whole frame (the others: windows)",
+            lambda v: isinstance(v, (list, tuple)) and all(isinstance(i, int) and 0 <= i for i in v),
+            reason="block indexes must be non-negative integers")),  # fmt: skip
+        hidden_act=vision.map_checked("hidden_act", "vision MLP activation: act(gate) * up",
+                                      lambda v: v in VISION_ACTIVATIONS,
+                                      reason=f"supported: {', '.join(VISION_ACTIVATIONS)}"),  # fmt: skip
+        tokens_per_second=vision.map_checked("tokens_per_second", "temporal position step of video frames",
+                                             lambda v: isinstance(v, (int, float)) and v > 0, reason="must be > 0"),
+        rope_theta=_read_axial_rope(vision),
+        **_marker_tokens(top),
+    )
+    if spec.window_size % (spec.spatial_merge_size * spec.patch_size):
+        raise vision.unsupported("window_size", spec.window_size,
+                                 "must be a multiple of spatial_merge_size * patch_size")  # fmt: skip
+    vision.ignore("initializer_range", "random initialisation only; loaded weights do not depend on it")
+    # published configs carry two fields transformers' Qwen2.5-VL does not read: values that would
+    # describe another tower than the one transformers builds are refused by name
+    if vision.has("in_chans"):
+        vision.expect("in_chans", spec.in_channels, reason="not read by transformers, whose Conv3d takes in_channels")
+    if vision.has("spatial_patch_size"):
+        vision.expect("spatial_patch_size", spec.patch_size, reason="not read by transformers, whose patches are"
+                      " patch_size wide")  # fmt: skip
+    top.ignore("vision_token_id", "not read by transformers' Qwen2.5-VL (an ordinary text token to the model)")
+    return spec
 
 
 def _deepstack_indexes(vision: ConfigReader, depth: int) -> tuple:
