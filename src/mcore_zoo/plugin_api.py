@@ -39,7 +39,7 @@ Groups:
   :func:`read_mxfp4_experts` (gpt-oss's experts and MXFP4 checkpoints); the rules
   :func:`routed_expert_rules`, :func:`shared_expert_rules`, :func:`router_expert_bias_rule`,
   :func:`deepseek_moe_rules`, :func:`stacked_expert_rules` (experts stacked in one HF tensor per
-  projection), :func:`sink_rule` (attention sinks) and the tables :func:`moe_decoder_weight_map`
+  projection), :func:`stacked_transposed_expert_rules` (stacked, gate and up in halves: Qwen3-VL-MoE), :func:`sink_rule` (attention sinks) and the tables :func:`moe_decoder_weight_map`
   (Qwen-MoE naming) and :func:`gpt_oss_weight_map`; the MoE layer spec follows ``arch.moe``;
 * multi-head latent attention and the DeepSeek decoder (:mod:`mcore_zoo.families.mla`) -
   :class:`MLASpec`, :func:`read_mla`, :func:`read_deepseek` (a whole DeepSeek-V2 / V3 converter),
@@ -65,10 +65,12 @@ Groups:
   :func:`language_model_weight_map` (a text table under ``model.language_model.``, the vision
   tower's tensors ignored by name), :func:`gated_deltanet_language_model_weight_map` (Qwen3.5's);
 * vision-language models (:mod:`mcore_zoo.families.vision_language`) - :class:`VisionSpec`,
-  :func:`read_qwen2_5_vision` (a ``vision_config``, passed to ``read_language_model(...,
-  read_vision=...)``), :func:`vision_tower_rules`, :func:`vision_language_weight_map`,
-  :func:`qwen2_5_vl_weight_map`, :class:`SequenceVisionInputs` and :func:`vision_language_forward`
-  (the entry's ``forward``: per-sequence pixels in THD packs).
+  :func:`read_qwen2_5_vision`, :func:`read_qwen3_vision` (a ``vision_config``, passed to
+  ``read_language_model(..., read_vision=...)``), :func:`check_mrope_sections`,
+  :func:`always_interleaved_mrope`, :func:`vision_tower_rules`, :func:`vision_language_weight_map`,
+  :func:`qwen2_5_vl_weight_map`, :func:`qwen3_vl_weight_map`, :func:`qwen3_vl_moe_weight_map`,
+  :class:`SequenceVisionInputs` and :func:`vision_language_forward` (the entry's ``forward``:
+  per-sequence pixels in THD packs).
 """
 
 from __future__ import annotations
@@ -164,6 +166,12 @@ _LAZY = {
     # vision-language models (Qwen2.5-VL): the tower, multimodal RoPE, per-sequence vision inputs
     "VisionSpec": "mcore_zoo.config.arch:VisionSpec",
     "read_qwen2_5_vision": "mcore_zoo.families.vision_language.config:read_qwen2_5_vision",
+    "read_qwen3_vision": "mcore_zoo.families.vision_language.config:read_qwen3_vision",
+    "check_mrope_sections": "mcore_zoo.families.vision_language.config:check_mrope_sections",
+    "always_interleaved_mrope": "mcore_zoo.families.vision_language.config:always_interleaved_mrope",
+    "qwen3_vl_weight_map": "mcore_zoo.families.vision_language.weights:qwen3_vl_weight_map",
+    "qwen3_vl_moe_weight_map": "mcore_zoo.families.vision_language.weights:qwen3_vl_moe_weight_map",
+    "stacked_transposed_expert_rules": "mcore_zoo.families.moe.weights:stacked_transposed_expert_rules",
     "vision_tower_rules": "mcore_zoo.families.vision_language.weights:vision_tower_rules",
     "vision_language_weight_map": "mcore_zoo.families.vision_language.weights:vision_language_weight_map",
     "qwen2_5_vl_weight_map": "mcore_zoo.families.vision_language.weights:qwen2_5_vl_weight_map",

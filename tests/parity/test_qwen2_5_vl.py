@@ -16,29 +16,13 @@ import mcore_zoo
 from mcore_zoo.distributed.load import load_hf_weights
 from mcore_zoo.testing.common import assert_same
 
+from .vision_samples import END, IMAGE, PATCH_VALUES, START, image_sample
+
 ARCH = "Qwen2_5_VLForConditionalGeneration"
-START, END, IMAGE = 248, 249, 250
-PATCH_VALUES = 3 * 2 * 4 * 4  # in_channels * temporal_patch_size * patch_size**2 of the example config
 
 
 def _example() -> dict:
     return mcore_zoo.lookup(ARCH).example_config()
-
-
-def _sample(seed: int, grids: list[tuple[int, int, int]], text: int = 9) -> tuple[torch.Tensor, dict]:
-    """Token ids with ``len(grids)`` images (start, image tokens, end between text runs) and the
-    sample's vision inputs (random pixels)."""
-    g = torch.Generator().manual_seed(seed)
-    parts = [torch.randint(0, START, (text,), generator=g)]
-    for t, h, w in grids:
-        parts += [torch.tensor([START]), torch.full((t * h * w // 4,), IMAGE), torch.tensor([END]),
-                  torch.randint(0, START, (text,), generator=g)]  # fmt: skip
-    ids = torch.cat(parts)
-    if not grids:
-        return ids, {}
-    rows = sum(t * h * w for t, h, w in grids)
-    pixels = torch.randn(rows, PATCH_VALUES, generator=g)
-    return ids, {"pixel_values": pixels, "image_grid_thw": torch.tensor(grids)}
 
 
 def _hf_logits(hf: torch.nn.Module, ids: torch.Tensor, vision: dict) -> torch.Tensor:
@@ -82,7 +66,7 @@ def test_position_ids_equal_transformers_get_rope_index(checkpoint, hf_reference
     hf = hf_reference(ARCH, checkpoint, "eager")
     spec = mcore_zoo.lookup(ARCH).config_from_hf(_example()).vision
     for seed, grids in enumerate([[(1, 4, 8)], [(1, 6, 4), (1, 4, 4)], []]):
-        ids, vision = _sample(seed, grids)
+        ids, vision = image_sample(seed, grids)
         ours = mrope_position_ids(ids, spec, vision.get("image_grid_thw"))
         if grids:
             theirs, _ = hf.model.get_rope_index(ids[None], (ids == IMAGE).int()[None], vision["image_grid_thw"])
@@ -97,7 +81,7 @@ def test_one_image_logits_equal_transformers_bitwise_and_export_round_trips(mode
     report = load_hf_weights(model, checkpoint)
     assert not any(n.startswith("visual.") for n in report.ignored)
     hf = hf_reference(ARCH, checkpoint, "eager")
-    ids, vision = _sample(0, [(1, 4, 8)])
+    ids, vision = image_sample(0, [(1, 4, 8)])
     with torch.no_grad():
         out = mcore_zoo.packed_forward(model, [ids], vision_inputs=[vision], return_logprobs=False)
     assert_same(out.logits[0], _hf_logits(hf, ids, vision), "hf-exact logits, one image", exact=True)
@@ -120,7 +104,7 @@ def test_a_pack_of_three_samples_equals_each_alone_and_transformers(mpu, checkpo
     model = mcore_zoo.build_model(checkpoint, backend=backend, numerics="hf-exact", params_dtype=torch.float32).eval()
     load_hf_weights(model, checkpoint)
     hf = hf_reference(ARCH, checkpoint, "eager")
-    samples = [_sample(1, [(1, 6, 4), (1, 4, 4)]), _sample(2, [], text=13), _sample(3, [(1, 8, 8)])]
+    samples = [image_sample(1, [(1, 6, 4), (1, 4, 4)]), image_sample(2, [], text=13), image_sample(3, [(1, 8, 8)])]
     with torch.no_grad():
         packed = mcore_zoo.packed_forward(model, [s for s, _ in samples], vision_inputs=[v or None for _, v in samples],
                                           align=8)  # fmt: skip
@@ -132,7 +116,7 @@ def test_a_pack_of_three_samples_equals_each_alone_and_transformers(mpu, checkpo
 
 
 def test_vision_inputs_that_do_not_fit_the_tokens_are_refused(model, checkpoint):
-    ids, vision = _sample(0, [(1, 4, 8)])
+    ids, vision = image_sample(0, [(1, 4, 8)])
     with pytest.raises(mcore_zoo.ZooError, match="one per sequence"):
         mcore_zoo.packed_forward(model, [ids], vision_inputs=[])
     with pytest.raises(mcore_zoo.ZooError, match="sequence 0 of the pack: more runs of image tokens"):
@@ -149,7 +133,7 @@ def test_train_step_takes_vision_inputs_per_sequence_and_trains_the_tower(model,
     model.train()
     for p in model.parameters():
         p.grad = None
-    samples = [_sample(1, [(1, 6, 4), (1, 4, 4)]), _sample(3, [(1, 8, 8)])]
+    samples = [image_sample(1, [(1, 6, 4), (1, 4, 4)]), image_sample(3, [(1, 8, 8)])]
 
     def loss_fn(tokens):
         return -(tokens.logprobs * tokens.mask).sum(), {}
@@ -213,7 +197,7 @@ def test_a_video_sample_equals_transformers_bitwise(model, checkpoint, hf_refere
     types = (ids == IMAGE).int() + 2 * (ids == video_token).int()
     with torch.no_grad():
         theirs = hf(input_ids=ids[None], mm_token_type_ids=types[None], **vision).logits[0]
-        other, other_vision = _sample(4, [(1, 4, 8)])
+        other, other_vision = image_sample(4, [(1, 4, 8)])
         packed = mcore_zoo.packed_forward(model, [other, ids], vision_inputs=[other_vision, vision], align=8)
     assert_same(packed.logits[1], theirs, "video sample in a pack vs transformers", exact=True)
 

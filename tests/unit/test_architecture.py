@@ -140,7 +140,7 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "plugins/glm4_moe.py", "plugins/glm_moe_dsa.py",
         "plugins/llama.py", "plugins/mistral.py", "plugins/mixtral.py", "plugins/qwen2.py", "plugins/qwen2_moe.py",
         "plugins/qwen3.py", "plugins/qwen3_moe.py", "plugins/qwen3_next.py", "plugins/qwen3_5.py",
-        "plugins/gpt_oss.py", "plugins/qwen2_5_vl.py",
+        "plugins/gpt_oss.py", "plugins/qwen2_5_vl.py", "plugins/qwen3_vl.py",
         "families/__init__.py", "families/*/__init__.py",
     ),
     "model": (
@@ -149,6 +149,7 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "specs/__init__.py", "specs/gpt.py", "specs/heads.py", "specs/linears.py", "specs/pack_rows.py", "specs/norms.py",
         "specs/patching.py", "specs/portable.py", "specs/vllm_exact.py",
         "families/*/spec.py", "families/moe/clamped_swiglu.py", "families/vision_language/vision.py",
+        "families/vision_language/rotary.py",
     ),
     "job-wide": (
         "distributed/__init__.py", "distributed/build.py", "distributed/copy.py", "distributed/experts.py", "distributed/export.py",

@@ -40,6 +40,10 @@ class RopeSpec:
     #: multimodal RoPE (Qwen2.5-VL): the rotary half-width split into (temporal, height, width)
     #: sections, each rotated by its own row of 3-D position ids; ``None``: 1-D positions
     mrope_section: Optional[tuple] = None
+    #: interleaved multimodal RoPE (Qwen3-VL): frequency ``j`` of the half-width follows the height
+    #: row where ``j % 3 == 1 and j < 3 * sections[1]``, the width row where ``j % 3 == 2 and
+    #: j < 3 * sections[2]``, else the temporal row (instead of three contiguous sections)
+    mrope_interleaved: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
@@ -265,9 +269,22 @@ class VisionSpec:
     Linear to ``out_hidden_size`` (the language model's width). The merged features replace the
     language model's embeddings of the ``image_token_id`` / ``video_token_id`` tokens in order.
 
+    Qwen3-VL's tower (``kind="qwen3_vl"``) differs: the Conv3d has a bias, a learned position
+    embedding of ``num_position_embeddings`` (a square grid) is interpolated bilinearly to each
+    image's patch grid and added to the patches, the blocks use LayerNorm and a plain biased MLP
+    (``linear_fc1`` - act - ``linear_fc2``), every block attends within one frame (no windows),
+    the merger norms with LayerNorm, and the blocks ``deepstack_visual_indexes`` feed one more
+    merger each (LayerNorm over the concatenated patches) whose features are added to the output
+    of decoder layer ``k`` (the ``k``-th of them) at the image / video tokens. Each video frame is
+    its own run of video tokens (timestamps separate them), so its temporal position is 0.
+
     Attributes:
         kind: which tower (the extension point of the vision-language family).
         tokens_per_second: temporal position step of a video's frames (times ``second_per_grid_ts``).
+        num_position_embeddings: Qwen3-VL: the learned position grid's size (a square number).
+        deepstack_visual_indexes: Qwen3-VL: the blocks whose outputs feed the deepstack mergers.
+        frames_per_video_run: ``True`` where each video frame is its own run of video tokens with
+            its own position ids (Qwen3-VL), ``False`` where a video is one run (Qwen2.5-VL).
     """
 
     kind: str
@@ -289,6 +306,9 @@ class VisionSpec:
     video_token_id: int = 151656
     vision_start_token_id: int = 151652
     vision_end_token_id: int = 151653
+    num_position_embeddings: int = 0
+    deepstack_visual_indexes: tuple = ()
+    frames_per_video_run: bool = False
 
     @property
     def head_dim(self) -> int:

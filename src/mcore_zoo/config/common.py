@@ -113,6 +113,7 @@ def read_dense_decoder(
     ffn_hidden_size: Optional[int] = None,
     text_mrope: bool = False,
     multimodal_rope: bool = False,
+    interleaved_mrope: bool = False,
 ) -> ArchConfig:
     """Read the fields of a Llama-like decoder (RMSNorm, gated MLP, GQA, RoPE).
 
@@ -120,7 +121,8 @@ def read_dense_decoder(
     ``attention_dropout``, ``tie_word_embeddings``, RoPE, ``head_dim``. Bias and window decisions
     are the caller's (they differ per family) and are passed in. ``ffn_hidden_size``: the width
     for a model whose config has no ``intermediate_size`` (no dense MLP: every layer MoE; the
-    caller classifies the field where present). ``text_mrope``, ``multimodal_rope``: see
+    caller classifies the field where present). ``text_mrope``, ``multimodal_rope``,
+    ``interleaved_mrope``: see
     :func:`~mcore_zoo.config.rope.read_rope`.
     """
     arch = reader.architecture
@@ -160,7 +162,8 @@ def read_dense_decoder(
     init_std = reader.map("initializer_range", "init_method_std", 0.02)
     attn_dropout = reader.map("attention_dropout", "attention_dropout", 0.0)
     tie = reader.map("tie_word_embeddings", "share_embeddings_and_output_weights", False)
-    rope = read_rope(reader, max_position_embeddings=max_pos, text_mrope=text_mrope, multimodal_rope=multimodal_rope)
+    rope = read_rope(reader, max_position_embeddings=max_pos, text_mrope=text_mrope, multimodal_rope=multimodal_rope,
+                     interleaved_mrope=interleaved_mrope)  # fmt: skip
     reader.ignore(
         "pretraining_tp",
         "slices the reference's linear layers during pretraining; the math is the same",

@@ -72,14 +72,15 @@ def _read_text_mrope(reader: ConfigReader, source: str, params: dict[str, Any]) 
 
 
 def read_rope(reader: ConfigReader, *, max_position_embeddings: int, text_mrope: bool = False,
-              multimodal_rope: bool = False) -> RopeSpec:
+              multimodal_rope: bool = False, interleaved_mrope: bool = False) -> RopeSpec:
     """Read and classify the RoPE fields of an HF config (4.x or 5.x form).
 
     ``text_mrope``: accept the M-RoPE sub-keys (:data:`MROPE_KEYS`) of a text model whose three
     position sections always carry the same ids (:func:`_read_text_mrope`); refused otherwise.
     ``multimodal_rope``: the language model of a vision-language model, fed 3-D position ids:
     ``mrope_section`` is required and kept (``RopeSpec.mrope_section``); the interleaved layout
-    (``mrope_interleaved``, Qwen3-VL) is refused until it is built."""
+    (``mrope_interleaved``, Qwen3-VL) is kept (``RopeSpec.mrope_interleaved``) where
+    ``interleaved_mrope`` says the model computes it, refused otherwise."""
     params: dict[str, Any]
     if reader.has("rope_parameters") and reader.peek("rope_parameters") is not None:
         params = dict(reader.peek("rope_parameters"))
@@ -124,9 +125,9 @@ def read_rope(reader: ConfigReader, *, max_position_embeddings: int, text_mrope:
     section = _read_text_mrope(reader, source, params) if text_mrope or multimodal_rope else None
     if multimodal_rope:
         interleaved = reader.peek(source).get("mrope_interleaved") if isinstance(reader.peek(source), dict) else None
-        if interleaved:
+        if interleaved and not interleaved_mrope:
             raise reader.unsupported(f"{source}.mrope_interleaved", interleaved,
-                                     "interleaved multimodal RoPE (Qwen3-VL) is not built yet")  # fmt: skip
+                                     "this model's multimodal RoPE has contiguous sections, not interleaved ones")  # fmt: skip
         if section is None:
             raise reader.unsupported(f"{source}.mrope_section", None, "multimodal RoPE needs its three sections")
     theta = params.pop("rope_theta", None)
@@ -155,11 +156,13 @@ def read_rope(reader: ConfigReader, *, max_position_embeddings: int, text_mrope:
 
     spec = RopeSpec(theta=float(theta), rope_type=rope_type, **params)
     if multimodal_rope:
-        spec = dataclasses.replace(spec, mrope_section=tuple(section))  # summed against head_dim by the caller
+        spec = dataclasses.replace(spec, mrope_section=tuple(section),  # summed against head_dim by the caller
+                                   mrope_interleaved=bool(interleaved))  # fmt: skip
     if source == "rope_parameters":
         mrope = "" if section is None else f" (M-RoPE sections {section} over identical text position ids: plain RoPE)"
         if multimodal_rope:
-            mrope = f" (multimodal RoPE: sections {section} (temporal, height, width) over 3-D position ids)"
+            layout = "interleaved " if spec.mrope_interleaved else ""
+            mrope = f" ({layout}multimodal RoPE: sections {section} (temporal, height, width) over 3-D position ids)"
         reader.map("rope_parameters", f"RoPE {describe(spec)}{mrope}")
     elif reader.has("rope_scaling"):
         if reader.peek("rope_scaling") is None:

@@ -68,19 +68,39 @@ def validate_layout(arch: ArchConfig, parallel: Parallelism) -> None:
     unsupported = []
     if arch.gated_deltanet is not None:
         unsupported = arch.gated_deltanet.layout_problems(parallel, moe=arch.moe is not None)
-    if arch.vision is not None and (tp > 1 or pp > 1 or cp > 1):
-        unsupported.append("a vision-language model (vision tower, multimodal RoPE) is built for tp = pp = cp = 1"
-                           " yet: tensor, pipeline and context parallelism of its tower and inputs come next")  # fmt: skip
+    if arch.vision is not None:
+        unsupported += vision_layout_problems(arch, parallel)
     if unsupported:
         raise UnsupportedLayoutError(f"{where} is not supported by the model's layers yet:\n"
                                      + "\n".join(f"  - {p}" for p in unsupported))  # fmt: skip
 
 
+def vision_layout_problems(arch: ArchConfig, parallel: Parallelism) -> list[str]:
+    """What a vision-language model is not built for yet: its tower sits on the first stage,
+    replicated over tensor-parallel ranks, and replaces rows of the whole (unsplit) sequence; the
+    experts of its MoE language model (Qwen3-VL-MoE's stacked gate / up halves) are whole on every
+    expert tensor-parallel rank (expert TP 1, the default such a model takes)."""
+    problems = []
+    if arch.moe is not None and (parallel.etp or parallel.tp) > 1:
+        problems.append(f"etp={parallel.etp or parallel.tp}: the experts of a vision-language MoE model are not split"
+                        " over expert tensor parallelism yet (etp=1; the default for such a model)")  # fmt: skip
+    if parallel.cp > 1:
+        problems.append("context parallelism of a vision-language model (its tower's features and 3-D position"
+                        " ids over a split sequence) is not built yet")  # fmt: skip
+    if parallel.sequence_parallel:
+        problems.append("sequence parallelism of a vision-language model (the tower's features replace rows of the"
+                        " whole sequence) is not built yet")  # fmt: skip
+    if parallel.vpp is not None and parallel.vpp > 1:
+        problems.append("virtual pipeline stages of a vision-language model are not built yet")
+    return problems
+
+
 def default_expert_tp(arch: ArchConfig, parallel: Parallelism) -> Parallelism:
     """``parallel`` with the expert tensor-parallel size the model takes when none is asked: that of
     ``tp``, except 1 for experts with biases (gpt-oss; Megatron-Core builds expert biases at expert
-    TP 1 only)."""
-    if arch.moe is not None and arch.mlp_bias and parallel.etp is None and parallel.tp > 1:
+    TP 1 only) and for a vision-language MoE model (Qwen3-VL-MoE: :func:`vision_layout_problems`)."""
+    whole_experts = arch.mlp_bias or arch.vision is not None  # biases; a vision-language model's stacked halves
+    if arch.moe is not None and whole_experts and parallel.etp is None and parallel.tp > 1:
         return dataclasses.replace(parallel, etp=1)
     return parallel
 

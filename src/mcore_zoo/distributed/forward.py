@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ZooError
+from ..families.vision_language.spec import vision_inputs_for
 from ..handle import ModelHandle, handle_of, unwrap
 from ..packing import PackedBatch, PackedOutput, alignment_for, next_token_logprobs, pack_sequences
 from ..placement import Placement
@@ -471,6 +472,7 @@ def generic_forward(
     pad_token_id: int = 0,
     temperature: float = 1.0,
     return_mtp_logprobs: bool = False,
+    vision_inputs: Optional[Sequence[Any]] = None,
 ) -> PackedOutput:
     """Packed forward of this rank's model chunks under the model's placement.
 
@@ -495,6 +497,8 @@ def generic_forward(
             also ``mtp_logprobs[d][i]``, the ``[len_i - 2 - d]`` fp32 log-probs (temperature 1)
             depth ``d + 1`` gives token ``j + d + 2``. The logits and log-probs of the main model
             are the same with or without the MTP block.
+        vision_inputs: a vision-language model: one entry per sequence, handed to each chunk call
+            for the sequences of its micro-batch (``vision_language_forward`` checks them).
 
     Returns:
         :class:`~mcore_zoo.packing.PackedOutput`; on non-last pipeline stages with
@@ -550,9 +554,12 @@ def generic_forward(
     collect = functools.partial(_collect, layout=layout, want_logits=return_logits, want_logprobs=return_logprobs,
                                 want_values=want_values, temperature=temperature, mtp_depths=depths,
                                 want_mtp=return_mtp_logprobs, vllm_head=uses_vllm_logprob_head(handle))  # fmt: skip
+    def run(chunk: Any, mb: Microbatch) -> torch.Tensor:
+        with vision_inputs_for(chunk, mb.members, vision_inputs):
+            return (_run_bshd if seq_format == "bshd" else _run_thd)(chunk, mb, layout)
+
     if not staged:  # one stage, whole sequences on this rank: differentiable
-        run = _run_bshd if seq_format == "bshd" else _run_thd
-        stored = [collect(mb, run(chunks[0], mb, layout), bshd=seq_format == "bshd") for mb in micro]
+        stored = [collect(mb, run(chunks[0], mb), bshd=seq_format == "bshd") for mb in micro]
         out = PackedOutput()
         _assemble(out, stored, micro, len(lengths), return_logits, return_logprobs, want_values)
         _assemble_mtp(out, stored, micro, len(lengths), depths if return_mtp_logprobs else 0)
@@ -560,7 +567,7 @@ def generic_forward(
 
     def step(data_iterator: Iterator[Microbatch], chunk: Any) -> tuple[torch.Tensor, Any]:
         mb = next(data_iterator)
-        out = chunk(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
+        out = run(chunk, mb)
 
         def loss_func(output: torch.Tensor, non_loss_data: bool = False) -> dict:
             return collect(mb, output)
@@ -569,7 +576,7 @@ def generic_forward(
 
     with torch.no_grad():
         stored = _run_pipeline(chunks, micro, layout, step) if layout.pp > 1 else [
-            collect(mb, _run_thd(chunks[0], mb, layout)) for mb in micro
+            collect(mb, run(chunks[0], mb)) for mb in micro
         ]  # fmt: skip
         out = PackedOutput()
         if layout.last_stage:

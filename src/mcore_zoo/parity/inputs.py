@@ -44,8 +44,9 @@ RANDOM_WEIGHTS_CANNOT_CARRY: dict[str, Any] = {"quantization_config": None, "num
 #: where a vision-language config nests its language model's fields
 TEXT_CONFIG = "text_config"
 #: a vision tower shrunk to one small block for ``--scale``, its output width that of the scaled
-#: language model (the zoo builds Qwen2.5-VL's tower; of the other vision-language checkpoints it
-#: loads the language model alone)
+#: language model (the zoo builds Qwen2.5-VL's and Qwen3-VL's towers; of the other vision-language
+#: checkpoints it loads the language model alone); a tower with deepstack mergers keeps one, fed
+#: by that block
 TINY_VISION = {"depth": 1, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2}
 
 
@@ -257,6 +258,8 @@ def _shrink_vision_tower(c: dict[str, Any], hidden_size: int, changes: dict[str,
     vision_changes: dict[str, list[Any]] = {}
     for key, value in {**TINY_VISION, "out_hidden_size": hidden_size}.items():
         _set_path(vision, key, value, vision_changes)
+    if vision.get("deepstack_visual_indexes"):
+        _set_path(vision, "deepstack_visual_indexes", [0], vision_changes)
     c["vision_config"] = vision
     changes.update({f"vision_config.{k}": v for k, v in vision_changes.items()})
 

@@ -112,7 +112,27 @@ def write_reference_checkpoint(
     randomize_(model, seed, attention_logit_std=attention_logit_std)
     model = model.to(dtype)
     model.save_pretrained(str(out_dir), safe_serialization=True)
+    _write_as_released(Path(str(out_dir)), hf_config.model_type)
     return str(out_dir)
+
+
+#: tensors (name suffixes) that transformers writes in its in-memory layout but releases hold
+#: transposed (dims 1 and 2), by model type: Qwen3-VL-MoE's stacked experts (released as
+#: ``gate_up_proj [E, H, 2I]`` / ``down_proj [E, I, H]``; transformers 5 reads both layouts)
+RELEASED_TRANSPOSED = {"qwen3_vl_moe": (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")}
+
+
+def _write_as_released(out_dir: Path, model_type: str) -> None:
+    """Rewrite the tensors :data:`RELEASED_TRANSPOSED` names for ``model_type`` in the released layout."""
+    suffixes = RELEASED_TRANSPOSED.get(model_type)
+    if not suffixes:
+        return
+    from safetensors.torch import load_file, save_file
+
+    for shard in sorted(out_dir.glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        released = {n: (t.transpose(1, 2).contiguous() if n.endswith(suffixes) else t) for n, t in tensors.items()}
+        save_file(released, str(shard), metadata={"format": "pt"})
 
 
 def supports_attention(architecture: Any, attn_implementation: str) -> bool:

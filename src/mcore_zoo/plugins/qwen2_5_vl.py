@@ -39,17 +39,13 @@ EXAMPLE_CONFIG = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "mode
 
 def convert_text(reader):  # type: ignore[no-untyped-def]
     """``text_config``: Qwen2's decoder with multimodal RoPE."""
-    from mcore_zoo.plugin_api import read_dense_decoder, read_qwen_window
+    from mcore_zoo.plugin_api import check_mrope_sections, read_dense_decoder, read_qwen_window
 
     window, _ = read_qwen_window(reader, reader.peek("num_hidden_layers"))
     if window is not None:
         raise reader.unsupported("use_sliding_window", True, "sliding windows of Qwen2.5-VL are not built yet")
     arch = read_dense_decoder(reader, qkv_bias=True, attn_output_bias=False, multimodal_rope=True)
-    half = int(arch.head_dim * arch.rope.partial_rotary_factor) // 2
-    if sum(arch.rope.mrope_section) != half:
-        raise reader.unsupported("rope_parameters.mrope_section", list(arch.rope.mrope_section),
-                                 f"the sections must add up to half the rotary width ({half})")  # fmt: skip
-    return arch
+    return check_mrope_sections(reader, arch)
 
 
 def convert(reader):  # type: ignore[no-untyped-def]

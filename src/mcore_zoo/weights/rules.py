@@ -33,7 +33,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 
 from ..config.arch import ArchConfig
-from ..errors import LayoutError, WeightMapError
+from ..errors import LayoutError, UnsupportedLayoutError, WeightMapError
 
 #: canonical (local-spec) suffix -> alternative suffix used by backends that fuse norms into linears
 FUSED_NORM_ALIASES: dict[str, str] = {
@@ -339,12 +339,41 @@ class StackedGateUpColumns(Transform):
         return None if hf_axis is None else 0
 
 
+class StackedGateUpHalves(Transform):
+    """One expert's slice of a stacked ``gate_up_proj [E, H, 2I]`` read as ``x @ w`` with gate and
+    up in contiguous halves of the columns (Qwen3-VL-MoE's checkpoints) <-> Megatron-Core's
+    ``linear_fc1.weight [2I, H]`` (its transpose: gate rows, then up rows). A tensor-parallel
+    rank's contiguous chunk of the columns is not its ``[gate_r; up_r]``, so expert tensor
+    parallelism is refused by name."""
+
+    name = "stacked-gate-up-halves-transposed"
+
+    @staticmethod
+    def _whole(ctx: TransformContext) -> None:
+        if ctx.tp_size > 1:
+            raise UnsupportedLayoutError(f"{ctx.arch.architecture}: stacked gate / up halves are not split over expert tensor"
+                           f" parallelism (expert TP size {ctx.tp_size}); use expert TP 1")  # fmt: skip
+
+    def fuse(self, pieces: Sequence[torch.Tensor], ctx: TransformContext) -> torch.Tensor:
+        self._whole(ctx)
+        (piece,) = pieces
+        return piece[0].t()
+
+    def split(self, tensor: torch.Tensor, ctx: TransformContext) -> list[torch.Tensor]:
+        self._whole(ctx)
+        return [tensor.t().contiguous().unsqueeze(0)]
+
+    def mcore_axis(self, source: int, hf_axis: Optional[int]) -> Optional[int]:
+        return None if hf_axis is None else 0
+
+
 IDENTITY = Identity()
 QKV = FuseQKV()
 GATE_UP = Concat(2)
 STACKED_GATE_UP = StackedGateUpColumns()
 STACKED_EXPERT = StackedExpert()
 STACKED_EXPERT_T = StackedExpert(transpose=True)
+STACKED_GATE_UP_HALVES = StackedGateUpHalves()
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,9 @@ checkpoints and transformers 5's ``save_pretrained`` write; transformers 5 fuses
 every expert of a layer in one stacked tensor (``mlp.experts.gate_up_proj [E, H, 2I]``, gate and up
 in alternating columns; ``down_proj [E, I, H]``; their biases ``[E, 2I]`` / ``[E, H]``):
 :func:`stacked_expert_rules` reads expert ``e``'s slice of each (``Source.expert_axis``), so an EP
-rank still reads only its own experts, and export stacks the slices back.
+rank still reads only its own experts, and export stacks the slices back. Qwen3-VL-MoE's checkpoints
+stack them too, without biases and with gate and up in contiguous halves
+(:func:`stacked_transposed_expert_rules`).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from __future__ import annotations
 from mcore_zoo.config.arch import ArchConfig
 from mcore_zoo.weights.dense import HF_LAYER, LAYER, decoder_weight_map, gated_mlp_rules
 from mcore_zoo.weights.rules import (
-    GATE_UP, STACKED_EXPERT, STACKED_EXPERT_T, STACKED_GATE_UP, Rule, Source, WeightMap, replicated, rule,
+    GATE_UP, STACKED_EXPERT, STACKED_EXPERT_T, STACKED_GATE_UP, STACKED_GATE_UP_HALVES, Rule, Source, WeightMap,
+    replicated, rule,
 )  # fmt: skip
 
 EXPERT = LAYER + "mlp.experts.local_experts.{expert}."
@@ -119,6 +122,24 @@ def stacked_expert_rules(arch: ArchConfig, *, hf_moe: str = "mlp.", router: str 
         Rule(EXPERT + "linear_fc1.bias", (Source(x + "gate_up_proj_bias", 1, expert_axis=0),), STACKED_GATE_UP),
         Rule(EXPERT + "linear_fc2.weight", (Source(x + "down_proj", 1, expert_axis=0),), STACKED_EXPERT_T),
         Rule(EXPERT + "linear_fc2.bias", (Source(x + "down_proj_bias", None, expert_axis=0),), STACKED_EXPERT),
+    ]
+
+
+def stacked_transposed_expert_rules(arch: ArchConfig, *, hf_moe: str = "mlp.", router: str = "gate") -> list[Rule]:
+    """Router and experts whose HF tensors stack every expert of a layer as ``x @ w`` reads them,
+    gate and up in contiguous halves, no biases (Qwen3-VL-MoE's checkpoints):
+    ``{hf_moe}experts.gate_up_proj [E, H, 2I]`` (gate columns, then up columns) -> the expert's
+    ``linear_fc1.weight [2I, H]`` (its transpose: gate rows, then up rows), ``down_proj [E, I, H]``
+    -> ``linear_fc2.weight [H, I]`` (split by its rows over expert TP), ``{router}.weight``. The
+    gate / up halves are not split over expert tensor parallelism yet (refused by name)."""
+    m = HF_LAYER + hf_moe
+    x = m + "experts."
+    return [
+        rule(LAYER + "mlp.router.weight", m + router + ".weight", layer_kind="moe"),
+        Rule(EXPERT + "linear_fc1.weight", (Source(x + "gate_up_proj", 2, expert_axis=0),), STACKED_GATE_UP_HALVES,
+             layer_kind="moe"),  # fmt: skip
+        Rule(EXPERT + "linear_fc2.weight", (Source(x + "down_proj", 1, expert_axis=0),), STACKED_EXPERT_T,
+             layer_kind="moe"),  # fmt: skip
     ]
 
 

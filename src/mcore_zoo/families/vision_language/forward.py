@@ -5,12 +5,15 @@
 processor lays them out); ``vision_inputs`` has one entry per sequence - ``None`` (text only), a
 dict or a :class:`~mcore_zoo.families.vision_language.spec.SequenceVisionInputs`
 (``pixel_values`` + ``image_grid_thw``, ``pixel_values_videos`` + ``video_grid_thw``,
-``second_per_grid_ts``). The sequences run as one THD pack; each sequence's position ids restart
-at 0 and its tower features come from its own images only. Without ``vision_inputs`` the model runs
-text as any decoder does. The other options are :func:`~mcore_zoo.distributed.forward.generic_forward`'s.
+``second_per_grid_ts``). The sequences run as THD packs (one per micro-batch, as
+:func:`~mcore_zoo.distributed.forward.generic_forward` plans them), each chunk call handed the
+vision inputs of its micro-batch's sequences; each sequence's position ids restart at 0 and its
+tower features come from its own images only. Without ``vision_inputs`` the model runs text as any
+decoder does. The other options are ``generic_forward``'s.
 
-Tensor, pipeline and context parallelism of vision-language models are not built yet: the layout
-is refused by name when the model is built (``validate_layout``).
+Tensor parallelism (the tower replicated) and pipeline parallelism (the tower on the first stage)
+are built; context and sequence parallelism and virtual pipeline stages are refused by name when
+the model is built (``validate_layout``).
 """
 
 from __future__ import annotations
@@ -22,8 +25,7 @@ import torch
 from ...distributed.forward import generic_forward
 from ...errors import ZooError
 from ...handle import ModelHandle
-from ...packing import PackedOutput, alignment_for, pack_sequences
-from .spec import vision_inputs_for
+from ...packing import PackedOutput
 
 
 def vision_language_forward(
@@ -46,7 +48,4 @@ def vision_language_forward(
         raise ZooError(f"vision_inputs has {len(vision_inputs)} entries for {len(seqs)} sequences (one per sequence)")
     if options.get("seq_format", "thd") != "thd":
         raise ZooError("vision inputs run as a THD pack (seq_format='thd')")
-    align = align or alignment_for()
-    batch = pack_sequences(seqs, align=align, pad_token_id=pad_token_id)
-    with vision_inputs_for(handle.chunks[0], range(len(seqs)), vision_inputs):
-        return generic_forward(handle, batch, align=align, pad_token_id=pad_token_id, **options)
+    return generic_forward(handle, seqs, align=align, pad_token_id=pad_token_id, vision_inputs=vision_inputs, **options)

@@ -8,6 +8,10 @@ it continues from ``max(rows, columns)`` past that offset. Image and video token
 id (``VisionSpec.image_token_id`` / ``video_token_id``), and consecutive tokens of one kind are one
 image or video, in order, as in transformers. In a THD pack every sequence gets its own ids, from 0 (the family's
 input pre-hook, :mod:`mcore_zoo.families.vision_language.spec`).
+
+Qwen3-VL (``VisionSpec.frames_per_video_run``) separates a video's frames by timestamp text: each
+frame is its own run of video tokens, placed as an image of one frame (temporal position 0 past
+its offset), and ``second_per_grid_ts`` is not read.
 """
 
 from __future__ import annotations
@@ -44,6 +48,11 @@ def mrope_position_ids(input_ids: torch.Tensor, vision: VisionSpec, image_grid_t
                        video_grid_thw: Optional[torch.Tensor] = None,
                        second_per_grid_ts: Optional[Sequence[float]] = None) -> torch.Tensor:  # fmt: skip
     """``[3, len]`` position ids of one 1-D token sequence (module docstring)."""
+    if vision.frames_per_video_run and video_grid_thw is not None:
+        if second_per_grid_ts is not None:
+            raise ValueError("second_per_grid_ts is not read by this model: timestamp text separates its video frames")
+        video_grid_thw = torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0)
+        video_grid_thw[:, 0] = 1
     grids = {IMAGE: iter(image_grid_thw if image_grid_thw is not None else ()),
              VIDEO: iter(video_grid_thw if video_grid_thw is not None else ())}  # fmt: skip
     seconds = iter(second_per_grid_ts if second_per_grid_ts is not None else itertools.repeat(1))

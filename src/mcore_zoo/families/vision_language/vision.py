@@ -1,4 +1,4 @@
-"""Qwen2.5-VL's vision tower as a zoo module, in transformers' op order (CPU fp32: bit for bit).
+"""The vision towers as zoo modules, in transformers' op order (CPU fp32: bit for bit).
 
 ``QwenVisionTower(spec)(pixel_values, grid_thw)`` -> ``[sum(t * h * w) / merge**2, out_hidden_size]``:
 the merged features of every image (or video) in ``grid_thw``, in order. ``pixel_values`` are the
@@ -7,14 +7,20 @@ Attention never crosses an image: window blocks attend within windows of one fra
 ``fullatt_block_indexes`` blocks within one frame. Parameter names are transformers' (under
 ``model.visual.``), so the weight table maps them one to one.
 
-The tower is the family's extension point for other towers (:data:`TOWERS`, by
-``VisionSpec.kind``): Qwen3-VL's (learned position embedding, deepstack mergers) and Qwen3.5's
-are added there.
+``Qwen3VisionTower(spec)(pixel_values, grid_thw)`` -> :class:`TowerOutput`: Qwen3-VL's merged
+features and its deepstack features (one ``[tokens, out_hidden_size]`` tensor per
+``deepstack_visual_indexes`` entry, in block order), which the family's pre-hook adds to the first
+decoder layers' outputs. Its patches carry a learned position embedding interpolated bilinearly
+(corners aligned) from the square table to each image's grid, as transformers'
+``get_vision_interpolation_indices_and_weights`` computes it; every block attends within one frame.
+
+The towers are the family's extension point (:data:`TOWERS`, by ``VisionSpec.kind``); Qwen3.5's
+tower is still to be added there.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +28,8 @@ from torch import nn
 
 from ...config.arch import VisionSpec
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu": F.gelu}
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}  # fmt: skip
 NORM_EPS = 1e-6  # transformers' Qwen2.5-VL tower fixes it
 
 
@@ -101,13 +108,13 @@ class VisionBlock(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    """Conv3d over ``temporal_patch_size x patch_size x patch_size`` patches, no bias."""
+    """Conv3d over ``temporal_patch_size x patch_size x patch_size`` patches (Qwen2.5-VL: no bias)."""
 
-    def __init__(self, spec: VisionSpec) -> None:
+    def __init__(self, spec: VisionSpec, bias: bool = False) -> None:
         super().__init__()
         self.shape = (-1, spec.in_channels, spec.temporal_patch_size, spec.patch_size, spec.patch_size)
         kernel = self.shape[2:]
-        self.proj = nn.Conv3d(spec.in_channels, spec.hidden_size, kernel_size=kernel, stride=kernel, bias=False)
+        self.proj = nn.Conv3d(spec.in_channels, spec.hidden_size, kernel_size=kernel, stride=kernel, bias=bias)
         self.width = spec.hidden_size
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -164,20 +171,17 @@ def window_order(grid_thw: torch.Tensor, spec: VisionSpec) -> tuple[torch.Tensor
     return torch.cat(order), torch.unique_consecutive(torch.tensor(bounds, dtype=torch.int32))
 
 
-class QwenVisionTower(nn.Module):
-    """Qwen2.5-VL's tower (module docstring)."""
+class AxialRotary(nn.Module):
+    """The towers' 2-D rotary: the same frequencies for a patch's row and column, ``(cos, sin)``
+    of ``[row angles, column angles]`` repeated twice (the whole head rotates)."""
 
     def __init__(self, spec: VisionSpec) -> None:
         super().__init__()
-        self.spec = spec
-        self.patch_embed = PatchEmbed(spec)
         half = spec.head_dim // 2
         inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.blocks = nn.ModuleList([VisionBlock(spec) for _ in range(spec.depth)])
-        self.merger = PatchMerger(spec)
 
-    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq.to(dtype=torch.float)
 
         def recompose(f: torch.Tensor) -> torch.Tensor:
@@ -185,6 +189,18 @@ class QwenVisionTower(nn.Module):
             return torch.cat([hw, hw], dim=-1)
 
         return recompose(freqs.cos()), recompose(freqs.sin())
+
+
+class QwenVisionTower(nn.Module):
+    """Qwen2.5-VL's tower (module docstring)."""
+
+    def __init__(self, spec: VisionSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.patch_embed = PatchEmbed(spec)
+        self.rotary = AxialRotary(spec)
+        self.blocks = nn.ModuleList([VisionBlock(spec) for _ in range(spec.depth)])
+        self.merger = PatchMerger(spec)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         spec, unit = self.spec, self.spec.spatial_merge_size**2
@@ -199,14 +215,135 @@ class QwenVisionTower(nn.Module):
             return t.reshape(n // unit, unit, -1)[order.to(t.device)].reshape(n, -1)
 
         x = windowed(x)
-        cos, sin = (windowed(f.to(x.device)) for f in self._rotary(positions))
+        cos, sin = (windowed(f.to(x.device)) for f in self.rotary(positions))
         for i, block in enumerate(self.blocks):
             x = block(x, frames if i in spec.fullatt_block_indexes else windows, cos, sin)
         return self.merger(x)[torch.argsort(order).to(x.device)]
 
 
+class TowerOutput(NamedTuple):
+    """A tower's merged features ``[tokens, out_hidden_size]`` and its deepstack features (one
+    tensor of the same shape per deepstack level; empty for a tower without them)."""
+
+    features: torch.Tensor
+    deepstack: tuple = ()
+
+
+def tower_output(value: Union[torch.Tensor, TowerOutput]) -> TowerOutput:
+    """A tower's return value as a :class:`TowerOutput` (a plain tensor: merged features alone)."""
+    return value if isinstance(value, TowerOutput) else TowerOutput(value)
+
+
+class Qwen3VisionMLP(nn.Module):
+    """``linear_fc2(act(linear_fc1(x)))`` with biases."""
+
+    def __init__(self, spec: VisionSpec) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(spec.hidden_size, spec.intermediate_size)
+        self.linear_fc2 = nn.Linear(spec.intermediate_size, spec.hidden_size)
+        self.act = ACTIVATIONS[spec.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
+class Qwen3VisionBlock(nn.Module):
+    """LayerNorm (eps 1e-6) - attention - residual, LayerNorm - MLP - residual."""
+
+    def __init__(self, spec: VisionSpec) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(spec.hidden_size, eps=NORM_EPS)
+        self.norm2 = nn.LayerNorm(spec.hidden_size, eps=NORM_EPS)
+        self.attn = VisionAttention(spec)
+        self.mlp = Qwen3VisionMLP(spec)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+class Qwen3PatchMerger(nn.Module):
+    """LayerNorm over each patch (``postshuffle``: over the ``merge**2`` patches concatenated),
+    the patches concatenated, Linear - GELU - Linear to ``out_hidden_size``."""
+
+    def __init__(self, spec: VisionSpec, postshuffle: bool = False) -> None:
+        super().__init__()
+        self.width = spec.hidden_size * spec.spatial_merge_size**2
+        self.postshuffle = postshuffle
+        self.norm = nn.LayerNorm(self.width if postshuffle else spec.hidden_size, eps=NORM_EPS)
+        self.linear_fc1 = nn.Linear(self.width, self.width)
+        self.act = nn.GELU()
+        self.linear_fc2 = nn.Linear(self.width, spec.out_hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x.view(-1, self.width) if self.postshuffle else x).view(-1, self.width)
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
+def _bilinear_taps(index: torch.Tensor, size: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-axis taps into a ``side``-long table and their weights for target positions ``index``
+    of an axis ``size`` long: bilinear, corners aligned, border clamped (transformers' op order)."""
+    index = index.to(torch.float32)
+    src = index * (side - 1) / torch.clamp(size - 1, min=1)
+    floor = torch.floor(src)
+    offsets = torch.arange(0, 2)
+    taps = (floor.long()[:, None] + offsets).clamp(0, side - 1)
+    distance = (src[:, None] - floor[:, None] - offsets).abs()
+    return taps, (1 - distance).clamp(min=0)
+
+
+def position_table_taps(grid_thw: torch.Tensor, side: int, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(indices, weights)``, each ``[patches, 4]``: the learned position table's four entries
+    around every patch (patches in merge-block order, frames repeated) and their bilinear weights."""
+    counts = grid_thw[:, 0] * grid_thw[:, 1] * grid_thw[:, 2]
+    heights = torch.repeat_interleave(grid_thw[:, 1], counts)
+    widths = torch.repeat_interleave(grid_thw[:, 2], counts)
+    starts = torch.repeat_interleave(F.pad(counts.cumsum(0)[:-1], (1, 0)), counts)
+    within = (torch.arange(counts.sum()) - starts) % (heights * widths)
+    blocks_w = widths // merge
+    row = (within // (merge * merge * blocks_w)) * merge + (within // merge) % merge
+    col = ((within // (merge * merge)) % blocks_w) * merge + within % merge
+    h_taps, h_weights = _bilinear_taps(row, heights, side)
+    w_taps, w_weights = _bilinear_taps(col, widths, side)
+    indices = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4)
+    weights = (h_weights[:, :, None] * w_weights[:, None, :]).reshape(-1, 4)
+    return indices, weights
+
+
+class Qwen3VisionTower(nn.Module):
+    """Qwen3-VL's tower (module docstring)."""
+
+    def __init__(self, spec: VisionSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.side = int(spec.num_position_embeddings**0.5)
+        self.patch_embed = PatchEmbed(spec, bias=True)
+        self.pos_embed = nn.Embedding(spec.num_position_embeddings, spec.hidden_size)
+        self.rotary = AxialRotary(spec)
+        self.blocks = nn.ModuleList([Qwen3VisionBlock(spec) for _ in range(spec.depth)])
+        self.merger = Qwen3PatchMerger(spec)
+        self.deepstack_merger_list = nn.ModuleList(
+            [Qwen3PatchMerger(spec, postshuffle=True) for _ in spec.deepstack_visual_indexes])
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> TowerOutput:
+        spec = self.spec
+        grid_thw = grid_thw.to("cpu")
+        indices, weights = position_table_taps(grid_thw, self.side, spec.spatial_merge_size)
+        x = self.patch_embed(pixel_values)
+        pos = (self.pos_embed(indices.to(x.device)) * weights.to(x.device)[:, :, None]).sum(1)
+        x = x + pos.to(x.dtype)
+        cos, sin = (f.to(x.device) for f in self.rotary(patch_positions(grid_thw, spec.spatial_merge_size)))
+        frames = frame_seqlens(grid_thw)
+        deepstack = []
+        for i, block in enumerate(self.blocks):
+            x = block(x, frames, cos, sin)
+            if i in spec.deepstack_visual_indexes:
+                deepstack.append(self.deepstack_merger_list[spec.deepstack_visual_indexes.index(i)](x))
+        return TowerOutput(self.merger(x), tuple(deepstack))
+
+
 #: the towers the family builds, by ``VisionSpec.kind``
-TOWERS: dict[str, Callable[[VisionSpec], nn.Module]] = {"qwen2_5_vl": QwenVisionTower}
+TOWERS: dict[str, Callable[[VisionSpec], nn.Module]] = {"qwen2_5_vl": QwenVisionTower, "qwen3_vl": Qwen3VisionTower}
 
 
 def build_tower(spec: VisionSpec) -> nn.Module:

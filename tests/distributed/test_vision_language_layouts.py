@@ -1,0 +1,98 @@
+"""Vision-language models (Qwen2.5-VL, Qwen3-VL with deepstack features) on real gloo process
+groups: TP2 (the tower replicated on both ranks) and PP2 (the tower and the deepstack layers on the
+first stage), in one launch of two ranks.
+
+Per layout, on every rank: the packed forward of three samples with two, zero and one images
+against the single-process model (``layout_bound``), the gathered export and the checkpoint
+written by ``save_hf_checkpoint`` against the source checkpoint (bitwise).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import mcore_zoo
+from mcore_zoo.distributed import launch
+from mcore_zoo.placement import Parallelism
+from mcore_zoo.testing.common import layout_bound
+
+from ..conftest import checkpoint_tensors, export_mismatches
+from ..parity.vision_samples import image_sample
+
+ARCHS = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
+#: Qwen3-VL with four decoder layers: at PP2 the first stage holds both deepstack layers (a stage
+#: after the first that holds one is refused by name)
+LAYERS = {"Qwen3VLForConditionalGeneration": 4}
+LAYOUTS = [("tp2", Parallelism(tp=2)), ("pp2", Parallelism(pp=2))]
+
+
+def _samples() -> tuple[list, list]:
+    """Three samples (two images, none, one), their vision inputs (random pixels)."""
+    samples = [image_sample(1, [(1, 6, 4), (1, 4, 4)]), image_sample(2, []), image_sample(3, [(1, 8, 8)])]
+    return [ids for ids, _ in samples], [vision or None for _, vision in samples]
+
+
+def _overrides(arch: str) -> dict:
+    if arch not in LAYERS:
+        return {}
+    text = mcore_zoo.lookup(arch).example_config()["text_config"]
+    return {"text_config": {**text, "num_hidden_layers": LAYERS[arch]}}
+
+
+def _run(ckpts: dict, out_dir: str) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from mcore_zoo.parallel import ensure_model_parallel
+
+    seqs, inputs = _samples()
+    found: dict = {}
+    for arch, ckpt in ckpts.items():
+        source = checkpoint_tensors(ckpt)
+        for name, parallel in LAYOUTS:
+            ensure_model_parallel(parallel)
+            model = mcore_zoo.build_model(ckpt, backend="portable", numerics="hf-exact", parallel=parallel, load=ckpt)
+            model.eval()
+            with torch.no_grad():
+                logits = mcore_zoo.packed_forward(model, seqs, vision_inputs=inputs).logits
+            export = export_mismatches(dict(mcore_zoo.iter_hf_weights(model, bucket_size="64KB")), source)
+            mcore_zoo.save_hf_checkpoint(model, os.path.join(out_dir, arch, name), max_shard_size="200KB")
+            found[(arch, name)] = {"logits": logits, "export": export}
+            ps.destroy_model_parallel()
+    return found
+
+
+@pytest.mark.slow
+def test_tp2_and_pp2_equal_one_process_and_export_bitwise(reference_checkpoint, mpu, tmp_path):
+    ckpts = {arch: str(reference_checkpoint(arch, _overrides(arch))) for arch in ARCHS}
+    found = launch(_run, 2, ckpts, str(tmp_path))
+    seqs, inputs = _samples()
+    worst = {}
+    for arch, ckpt in ckpts.items():
+        single = mcore_zoo.build_model(ckpt, backend="portable", numerics="hf-exact", load=ckpt).eval()
+        with torch.no_grad():
+            ref = mcore_zoo.packed_forward(single, seqs, vision_inputs=inputs).logits
+        source, bound = checkpoint_tensors(ckpt), layout_bound(ref)
+        for name, _ in LAYOUTS:
+            for rank, ranks in enumerate(found):
+                r, where = ranks[(arch, name)], f"{arch} {name} rank {rank}"
+                diff = max((a - b).abs().max().item() for a, b in zip(r["logits"], ref))
+                assert diff <= bound, f"{where}: logits differ from one process by {diff}, bound {bound:.2e}"
+                assert r["export"] == [], f"{where}: exported tensors differ: {r['export'][:5]}"
+                worst[(arch, name)] = max(worst.get((arch, name), 0.0), diff)
+            saved = checkpoint_tensors(os.path.join(str(tmp_path), arch, name))
+            assert export_mismatches(saved, source) == [], f"{arch} {name}: save_hf_checkpoint"
+    print("max |dlogit| vs the single-process model:", worst)
+
+
+def test_layouts_the_family_is_not_built_for_are_refused_by_name():
+    from mcore_zoo.config.transformer import validate_layout
+
+    example = mcore_zoo.lookup(ARCHS[1]).example_config()
+    arch = mcore_zoo.lookup(ARCHS[1]).config_from_hf({**example, **_overrides(ARCHS[1])})
+    for parallel, what in ((Parallelism(cp=2), "context parallelism"), (Parallelism(tp=2, sequence_parallel=True),
+                           "sequence parallelism"), (Parallelism(pp=2, vpp=2), "virtual pipeline")):  # fmt: skip
+        with pytest.raises(mcore_zoo.UnsupportedLayoutError, match=what):
+            validate_layout(arch, parallel)
