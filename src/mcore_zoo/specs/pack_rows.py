@@ -113,11 +113,11 @@ def sequence_bounds_layer_class() -> type:
 class PerSequenceGEMM:
     """Mixin for a Megatron-Core linear (``ColumnParallelLinear`` / ``RowParallelLinear``): inside a
     layer that keeps its pack (:func:`sequence_segments`) its ``_forward_impl`` without a bias,
-    sequence parallelism or gradient-accumulation fusion is :func:`linear_each_sequence`; everywhere
-    else Megatron-Core's own."""
+    sequence parallelism, gradient-accumulation fusion or an input-gradient all-reduce (tensor
+    parallelism) is :func:`linear_each_sequence`; everywhere else Megatron-Core's own."""
 
     def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        plain = not kwargs.get("gradient_accumulation_fusion") and not kwargs.get("sequence_parallel")
+        plain = not any(kwargs.get(k) for k in ("gradient_accumulation_fusion", "sequence_parallel", "allreduce_dgrad"))
         if plain and kwargs.get("bias") is None and not args and sequence_segments(input) is not None:
             return linear_each_sequence(input, weight)
         return super()._forward_impl(input, weight, *args, **kwargs)  # type: ignore[misc]

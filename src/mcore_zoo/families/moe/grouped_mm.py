@@ -18,6 +18,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+#: the dtypes torch's grouped GEMM takes (other dtypes, fp64, run one expert at a time)
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 def _own_grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """transformers 5.24's ``_grouped_mm`` choice: ``torch.nn.functional.grouped_mm`` where it runs
@@ -76,4 +79,4 @@ def grouped_experts_apply(experts: Any) -> Optional[Callable[[torch.Tensor, list
     return run
 
 
-__all__ = ["grouped_experts_apply", "reference_grouped_mm"]
+__all__ = ["GROUPED_MM_DTYPES", "grouped_experts_apply", "reference_grouped_mm"]

@@ -567,7 +567,7 @@ def hf_experts_class(experts: str = "grouped_mm", swiglu: Optional[ClampedSwiGLU
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     from mcore_zoo.families.moe.clamped_swiglu import clamped_swiglu_expert
-    from mcore_zoo.families.moe.grouped_mm import grouped_experts_apply
+    from mcore_zoo.families.moe.grouped_mm import GROUPED_MM_DTYPES, grouped_experts_apply
 
     class HFOrderSequentialMLP(SequentialMLP):
         """``SequentialMLP`` that scales each expert's output by its routing weight after
@@ -589,7 +589,7 @@ def hf_experts_class(experts: str = "grouped_mm", swiglu: Optional[ClampedSwiGLU
             grouped = grouped_experts_apply(self.local_experts) if experts == "grouped_mm" and swiglu is None else None
 
             def run(rows: torch.Tensor) -> torch.Tensor:
-                if grouped is not None:  # transformers' grouped_mm experts: one grouped GEMM per projection
+                if grouped is not None and rows.dtype in GROUPED_MM_DTYPES:  # one grouped GEMM per projection
                     return grouped(rows, counts)
                 outputs = []
                 for expert, tokens in zip(self.local_experts, torch.split(rows, counts)):
