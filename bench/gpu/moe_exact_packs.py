@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import sys
 import time
@@ -37,11 +38,13 @@ import torch
 CONFIGS = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "configs"
 
 #: model -> (published config, fields set for the run: 2 layers, at least one of them MoE, the
-#: experts that fit one GPU next to transformers' copy)
-MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    "qwen3-30b-a3b": ("qwen3-30b-a3b.json", {"num_hidden_layers": 2}),
-    "mixtral-8x7b": ("mixtral-8x7b-v0.1.json", {"num_hidden_layers": 2}),
-    "deepseek-v3": ("deepseek-v3.json", {"num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": 64}),
+#: experts that fit one GPU next to transformers' copy; fields set as well at ``--tiny``: fewer
+#: experts, for a quick CPU run)
+MODELS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "qwen3-30b-a3b": ("qwen3-30b-a3b.json", {"num_hidden_layers": 2}, {"num_experts": 16}),
+    "mixtral-8x7b": ("mixtral-8x7b-v0.1.json", {"num_hidden_layers": 2}, {}),
+    "deepseek-v3": ("deepseek-v3.json", {"num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": 64},
+                    {"n_routed_experts": 16}),
 }
 PACKS = {"mixed": (512, 300, 100, 37), "16x64": (64,) * 16}
 EXPERTS = ("grouped_mm", "eager")
@@ -75,7 +78,8 @@ def run_model(name: str, args: argparse.Namespace, packs: dict[str, tuple[int, .
     from mcore_zoo.parity.inputs import make_sequences, prepare_model
     from mcore_zoo.parity.runners import McoreSpec, run_hf, run_mcore
 
-    config, settings = MODELS[name]
+    config, settings, tiny = MODELS[name]
+    settings = {**settings, **tiny} if args.tiny else settings
     dtype = torch.bfloat16
     source = prepare_model(config=str(CONFIGS / config), random_weights=True, scale="tiny" if args.tiny else None,
                            settings=settings, dtype=dtype, work_dir=work / name, seed=args.seed)  # fmt: skip
@@ -88,14 +92,17 @@ def run_model(name: str, args: argparse.Namespace, packs: dict[str, tuple[int, .
         started = time.perf_counter()
         ref = run_hf(source.architecture, source.checkpoint, sequences, dtype=dtype, device=args.device,
                      experts_implementation=experts)  # fmt: skip
+        release()
         profile = get_profile("hf-exact").with_knobs(moe_experts=experts)
         spec = McoreSpec(str(source.checkpoint), "local", profile, dtype, "thd", 1, args.device)
         alone = run_mcore(dataclasses.replace(spec, per_sequence=True), sequences)
+        release()
         start = 0
         for pack_name, pack in packs.items():
             part = slice(start, start + len(pack))
             start += len(pack)
             packed = run_mcore(spec, sequences[part])
+            release()
             for form, result in (("packed", packed), ("alone", alone)):
                 cand = _slice(result, part) if form == "alone" else result
                 comparison = compare(_slice(ref, part), cand, role="parity", gating=True, criterion="bitwise", tol=tol,
@@ -104,6 +111,14 @@ def run_model(name: str, args: argparse.Namespace, packs: dict[str, tuple[int, .
                              **row_of(comparison)})  # fmt: skip
         print(f"{name} {experts}: {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
     return rows
+
+
+def release() -> None:
+    """Free the model a runner built (a built model holds reference cycles: its handle rides on its
+    chunks) before the next one is built: three full-width models at once would not fit."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _slice(result: Any, part: slice) -> Any:

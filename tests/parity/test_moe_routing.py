@@ -21,10 +21,18 @@ def _model(ckpt):
 
 
 def _chosen(model):
-    """Per MoE layer, the experts each token went to in the last forward (sets, as a bool map)."""
-    maps = []
-    handles = [r.register_forward_hook(lambda m, i, o: maps.append(o[1].clone())) for r in routing.moe_routers(model)]
-    return maps, handles
+    """``(calls, handles)``: every router call's experts per token (sets, as a bool map) with the
+    router's index, as the forwards run (:func:`_per_layer` gathers them per MoE layer)."""
+    calls = []
+    handles = [r.register_forward_hook(lambda m, i, o, k=k: calls.append((k, o[1].clone())))
+               for k, r in enumerate(routing.moe_routers(model))]  # fmt: skip
+    return calls, handles
+
+
+def _per_layer(calls, model):
+    """Per MoE layer, the experts each token went to in the recorded forward: its router's calls in
+    order (``hf-exact`` routes a THD pack one sequence at a time), concatenated."""
+    return [torch.cat([m for k, m in calls if k == j]) for j in range(len(routing.moe_routers(model)))]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -44,14 +52,15 @@ def test_replay_is_bitwise_and_keeps_the_experts(mpu, reference_checkpoint, arch
         # perturb every router: without replay the experts change, with replay they do not
         for router in routing.moe_routers(model):
             router.weight.add_(torch.randn_like(router.weight, generator=torch.Generator().manual_seed(7)) * 0.5)
-        maps, handles = _chosen(model)
+        calls, handles = _chosen(model)
         free = mcore_zoo.packed_forward(model, seqs).logits
-        free_maps = list(maps)
-        maps.clear()
+        free_maps = _per_layer(calls, model)
+        calls.clear()
         with routing.replay(model, rec.routes):
             pinned = mcore_zoo.packed_forward(model, seqs).logits
         for h in handles:
             h.remove()
+        maps = _per_layer(calls, model)
     want = [torch.zeros_like(m).scatter(1, idx, True) for m, idx in zip(maps, rec.routes)]
     assert any(not torch.equal(f, w) for f, w in zip(free_maps, want)), "the perturbation did not change routing"
     assert all(torch.equal(m, w) for m, w in zip(maps, want)), "replay did not keep the recorded experts"
@@ -142,11 +151,12 @@ def test_routes_from_a_rollout_engine_are_packed_like_the_tokens(mpu, reference_
             assert torch.equal(got[real], want[real])
         with routing.replay(model, rec.routes):  # padding slots as recorded
             again = mcore_zoo.packed_forward(model, seqs, align=8).logits
-        maps, handles = _chosen(model)
+        calls, handles = _chosen(model)
         with routing.replay(model, packed):
             replayed = mcore_zoo.packed_forward(model, seqs, align=8).logits
         for handle in handles:
             handle.remove()
+        maps = _per_layer(calls, model)
     assert all(torch.equal(a, b) for a, b in zip(recorded, again))
     for chosen, want in zip(maps, rec.routes):
         expected = torch.zeros_like(chosen).scatter(1, want, True)

@@ -148,7 +148,7 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "distributed/collectives.py",
         "specs/__init__.py", "specs/gpt.py", "specs/heads.py", "specs/linears.py", "specs/pack_rows.py", "specs/norms.py",
         "specs/patching.py", "specs/portable.py", "specs/vllm_exact.py",
-        "families/*/spec.py", "families/moe/clamped_swiglu.py", "families/vision_language/vision.py",
+        "families/*/spec.py", "families/moe/clamped_swiglu.py", "families/moe/grouped_mm.py", "families/vision_language/vision.py",
         "families/vision_language/rotary.py",
     ),
     "job-wide": (

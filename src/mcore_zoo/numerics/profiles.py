@@ -73,6 +73,12 @@ class NumericsProfile:
             output after ``linear_fc2``; ``"mcore"``: Megatron-Core's stock ``TopKRouter`` and
             ``SequentialMLP`` (weights applied before ``linear_fc2``). See
             :mod:`mcore_zoo.families.moe.spec`.
+        router_gemm: MoE models with ``router="hf"`` only: the GEMM of the router logits.
+            ``"backend"``: Megatron-Core's ``router_gating_linear`` (Transformer Engine's GEMM
+            where TE is installed, which may split the reduction for a router's few columns; it
+            keeps no copy of the input cast to fp32 for the backward). ``"hf"``: ``F.linear`` in
+            the router dtype over the tokens in HF's batch-major order, as transformers computes
+            them.
         moe_experts: MoE models with ``router="hf"`` only: which of transformers' experts
             implementations the combine of a token's experts follows. ``"grouped_mm"`` (the
             default of ``from_pretrained`` since transformers 5): each expert's weighted output
@@ -121,6 +127,7 @@ class NumericsProfile:
     fuse_norm_into_linear: bool = True
     linear_bias: str = "separate"
     router: str = "hf"
+    router_gemm: str = "backend"
     moe_experts: str = "grouped_mm"
     grouped_experts: bool = False
     pack_gemms: str = "batch"
@@ -136,6 +143,7 @@ class NumericsProfile:
             "attention": ("backend", "auto", "sdpa", "eager", "varlen", "flash"),
             "linear_bias": ("separate", "fused"),
             "router": ("hf", "mcore"),
+            "router_gemm": ("backend", "hf"),
             "moe_experts": ("grouped_mm", "eager"),
             "pack_gemms": ("each", "batch"),
             "linear_attention_pack": ("each", "batch"),
@@ -196,6 +204,7 @@ PROFILES: dict[str, NumericsProfile] = {
         attention="eager",
         fuse_norm_into_linear=False,
         linear_bias="fused",
+        router_gemm="hf",
         pack_gemms="each",
         description="HF op order everywhere (norms, RoPE, attention math, biases); bitwise vs HF eager",
     ),
@@ -219,6 +228,7 @@ PROFILES: dict[str, NumericsProfile] = {
         attention="sdpa",
         fuse_norm_into_linear=False,
         linear_bias="fused",
+        router_gemm="hf",
         pack_gemms="each",
         description="as hf-exact, attention as HF's sdpa implementation",
     ),

@@ -113,11 +113,11 @@ def sequence_bounds_layer_class() -> type:
 class PerSequenceGEMM:
     """Mixin for a Megatron-Core linear (``ColumnParallelLinear`` / ``RowParallelLinear``): inside a
     layer that keeps its pack (:func:`sequence_segments`) its ``_forward_impl`` without a bias,
-    sequence parallelism or gradient-accumulation fusion is :func:`linear_each_sequence`; everywhere
-    else Megatron-Core's own."""
+    sequence parallelism, gradient-accumulation fusion or an input-gradient all-reduce (tensor
+    parallelism) is :func:`linear_each_sequence`; everywhere else Megatron-Core's own."""
 
     def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        plain = not kwargs.get("gradient_accumulation_fusion") and not kwargs.get("sequence_parallel")
+        plain = not any(kwargs.get(k) for k in ("gradient_accumulation_fusion", "sequence_parallel", "allreduce_dgrad"))
         if plain and kwargs.get("bias") is None and not args and sequence_segments(input) is not None:
             return linear_each_sequence(input, weight)
         return super()._forward_impl(input, weight, *args, **kwargs)  # type: ignore[misc]
@@ -140,8 +140,9 @@ def gemm_each_sequence(linear: torch.nn.Module) -> None:
 def install_output_layer(model: torch.nn.Module) -> None:
     """Give ``model``'s LM head (a ``GPTModel``'s ``output_layer``, on the last stage) the
     per-sequence GEMM of the decoder layers (:func:`gemm_each_sequence`), with the model's
-    ``packed_seq_params`` kept on this thread for the forward (a forward pre-hook; the head's rows
-    are the pack's). Nothing without an output layer."""
+    ``packed_seq_params`` kept on this thread for the forward (a forward pre-hook; the pack's rows
+    are its ``input_ids``' where the stage has them, else whatever the head gets, which are the
+    pack's). Nothing without an output layer."""
     head = getattr(model, "output_layer", None)
     if head is None or not hasattr(head, "_forward_impl"):
         return
@@ -149,7 +150,9 @@ def install_output_layer(model: torch.nn.Module) -> None:
     contexts: list = []
 
     def enter(module: Any, args: tuple, kwargs: dict) -> None:
-        context = inside_pack(kwargs.get("packed_seq_params"), None)
+        ids = kwargs.get("input_ids", args[0] if args else None)  # THD: [1, T]
+        rows = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[0] == 1 else None
+        context = inside_pack(kwargs.get("packed_seq_params"), rows)
         context.__enter__()
         contexts.append(context)
 
@@ -161,4 +164,14 @@ def install_output_layer(model: torch.nn.Module) -> None:
     model.register_forward_hook(leave, with_kwargs=True, always_call=True)
 
 
-__all__ = ["PerSequenceGEMM", "gemm_each_sequence", "install_output_layer", "linear_each_sequence", "outside_pack", "pack_segments", "sequence_bounds_layer_class", "sequence_segments"]
+__all__ = [
+    "PerSequenceGEMM",
+    "gemm_each_sequence",
+    "inside_pack",
+    "install_output_layer",
+    "linear_each_sequence",
+    "outside_pack",
+    "pack_segments",
+    "sequence_bounds_layer_class",
+    "sequence_segments",
+]

@@ -364,15 +364,32 @@ def hf_moe_layer_class(experts: str = "grouped_mm", pack: str = "batch") -> type
             segments = self._sequence_segments(hidden_states, args, kwargs)
             if segments is None:
                 return self._forward_whole(hidden_states, *args, **kwargs)
+            replay = getattr(self.router, "router_replay", None)
+            if hasattr(replay, "check_rows_left"):  # too few routes: named for the layer's whole pack
+                replay.check_rows_left(hidden_states.shape[0])
             padding_mask = kwargs.get("padding_mask")  # [b, s]
-            outputs, bias = [], None
-            with outside_pack():  # the block's own GEMMs see one sequence: nothing left to split
-                for start, end in segments:
-                    if padding_mask is not None:
-                        kwargs["padding_mask"] = padding_mask[:, start:end]
-                    output, bias = self._forward_whole(hidden_states[start:end], **kwargs)
-                    outputs.append(output)
-            return torch.cat(outputs, dim=0), bias
+
+            def each_sequence(hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor]) -> Any:
+                outputs, bias = [], None
+                recompute, self.moe_layer_recompute = self.moe_layer_recompute, False
+                try:
+                    with outside_pack():  # the block's own GEMMs see one sequence: nothing left to split
+                        for start, end in segments:
+                            if padding_mask is not None:
+                                kwargs["padding_mask"] = padding_mask[:, start:end]
+                            output, bias = self._forward_whole(hidden_states[start:end], **kwargs)
+                            outputs.append(output)
+                finally:
+                    self.moe_layer_recompute = recompute
+                return torch.cat(outputs, dim=0), bias
+
+            if not self.moe_layer_recompute:
+                return each_sequence(hidden_states, padding_mask)
+            # MoE recomputation: the whole pack in one checkpoint, so that the backward reruns the
+            # sequences in their forward's order (routing replay hands each its routes in order)
+            from megatron.core import tensor_parallel
+
+            return tensor_parallel.checkpoint(each_sequence, False, hidden_states, padding_mask)
 
         # route -> ... -> combine is also what Megatron-Core's MoE recomputation (recompute_modules
         # "moe") reruns in the backward, outside forward: it starts and ends the HF-order state too
@@ -396,9 +413,12 @@ def hf_router_class() -> type:
     class HFRouter(TopKRouter):
         """Megatron-Core's ``TopKRouter`` whose routing arithmetic follows HF (module docstring)."""
 
-        def __init__(self, *args: Any, moe: MoESpec, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, moe: MoESpec, gemm: str = "backend", **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.zoo_moe = moe
+            if gemm not in ("backend", "hf"):
+                raise ValueError(f"router_gemm={gemm!r}; use 'backend' or 'hf'")
+            self.zoo_gemm = gemm  # the numerics knob router_gemm (gating)
             if moe.router_weight_dtype == "fp32":  # as the reference keeps it (MoESpec.router_weight_dtype)
                 for param in (self.weight, self.bias):
                     if param is not None:
@@ -413,6 +433,25 @@ def hf_router_class() -> type:
         def forward(self, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             _LOCAL.hidden_dtype = input.dtype  # HF casts the weights to the hidden dtype
             return super().forward(input, *args, **kwargs)
+
+        def gating(self, input: torch.Tensor) -> torch.Tensor:
+            """With the numerics knob ``router_gemm="hf"``, the router logits as transformers
+            computes them: ``F.linear`` in the router dtype
+            (fp32 where HF casts the input and the weight - GLM-4.5, DeepSeek-V3 -, else the
+            hidden dtype) over the tokens in HF's batch-major order. Megatron-Core's
+            ``router_gating_linear`` runs Transformer Engine's GEMM wherever TE is installed:
+            another kernel, with a workspace of its own, so free to split the reduction over
+            ``hidden`` for the few output columns of a router (Mixtral's 8). Same math; it keeps
+            the input cast to the router dtype for the backward, which Megatron-Core's does not."""
+            if self.zoo_gemm != "hf":
+                return super().gating(input)
+            dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
+            weight = self.weight.to(input.device, dtype)
+            bias = None if self.bias is None else self.bias.to(input.device, dtype)
+            if input.dim() != 3:
+                return torch.nn.functional.linear(input.to(dtype), weight, bias)
+            by_batch = input.transpose(0, 1).to(dtype)  # [b, s, h]: a view when b == 1 (THD)
+            return torch.nn.functional.linear(by_batch, weight, bias).transpose(0, 1).contiguous()
 
         def routing(self, logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             _install()
@@ -478,6 +517,23 @@ def microbatch_router_replay_class() -> type:
             super().clear_indices()
             self._recorded, self._cursor, self._forwards = [], 0, []
 
+        def check_rows_left(self, rows: int) -> None:
+            """Raise :class:`~mcore_zoo.errors.ZooError` when a replaying forward of ``rows`` tokens
+            would find too few routes left (a layer that routes its pack in several calls checks
+            the whole pack first); nothing otherwise, or outside a replaying forward."""
+            if self.router_replay_action is None or in_backward():
+                return
+            from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+            if self.router_replay_action == RouterReplayAction.REPLAY_FORWARD:
+                self._require_rows(rows)
+
+        def _require_rows(self, rows: int) -> None:
+            target = self.target_topk_idx
+            if target is None or self._cursor + rows > target.shape[0]:
+                raise ZooError(f"routing replay, layer {self.layer_number}: this forward routes {rows} tokens,"
+                               f" {self.rows_left()} of the replay routes are left (too few routes)")  # fmt: skip
+
         def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: Optional[int] = None,
                             group_topk: Optional[int] = None, default_compute_topk: Any = None) -> Any:  # fmt: skip
             action = self.router_replay_action
@@ -495,11 +551,8 @@ def microbatch_router_replay_class() -> type:
                 self.record_indices(top_indices)
                 self._forwards.append(top_indices)
                 return probs, top_indices
-            target = self.target_topk_idx
-            if target is None or self._cursor + rows > target.shape[0]:
-                raise ZooError(f"routing replay, layer {self.layer_number}: this forward routes {rows} tokens,"
-                               f" {self.rows_left()} of the replay routes are left (too few routes)")  # fmt: skip
-            top_indices = target[self._cursor : self._cursor + rows].to(scores.device)
+            self._require_rows(rows)
+            top_indices = self.target_topk_idx[self._cursor : self._cursor + rows].to(scores.device)
             self._cursor += rows
             self._forwards.append(top_indices)
             return scores.gather(1, top_indices), top_indices
@@ -514,11 +567,16 @@ def hf_experts_class(experts: str = "grouped_mm", swiglu: Optional[ClampedSwiGLU
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     from mcore_zoo.families.moe.clamped_swiglu import clamped_swiglu_expert
+    from mcore_zoo.families.moe.grouped_mm import GROUPED_MM_DTYPES, grouped_experts_apply
 
     class HFOrderSequentialMLP(SequentialMLP):
         """``SequentialMLP`` that scales each expert's output by its routing weight after
         ``linear_fc2`` (HF: ``down_proj(act(gate) * up) * weight``), in the weight's dtype (HF
         Mixtral / GLM / DeepSeek-V3 keep fp32 weights; Qwen casts them to the hidden dtype first).
+        With ``experts="grouped_mm"`` the experts run as transformers' ``grouped_mm`` experts do
+        (:func:`~mcore_zoo.families.moe.grouped_mm.grouped_experts_apply`: one grouped GEMM per
+        projection over the stacked weights), with ``"eager"`` one ``F.linear`` per expert as its
+        eager experts do.
         transformers' ``grouped_mm`` experts keep that product in its dtype until the sum over a
         token's experts (the combine casts); its ``eager`` experts cast each product back to the
         hidden dtype before ``index_add_``."""
@@ -528,8 +586,11 @@ def hf_experts_class(experts: str = "grouped_mm", swiglu: Optional[ClampedSwiGLU
             if self.config.fp8 or getattr(self.config, "fp4", None) or self.config.moe_apply_probs_on_input:
                 raise NotImplementedError("HFOrderSequentialMLP: fp8/fp4 and moe_apply_probs_on_input are not supported")
             counts = tokens_per_expert.tolist()
+            grouped = grouped_experts_apply(self.local_experts) if experts == "grouped_mm" and swiglu is None else None
 
             def run(rows: torch.Tensor) -> torch.Tensor:
+                if grouped is not None and rows.dtype in GROUPED_MM_DTYPES:  # one grouped GEMM per projection
+                    return grouped(rows, counts)
                 outputs = []
                 for expert, tokens in zip(self.local_experts, torch.split(rows, counts)):
                     if swiglu is not None:
@@ -619,13 +680,15 @@ def mark_expert_data_parallel(model: torch.nn.Module, config: Any) -> None:
             param.allreduce = False
 
 
-def moe_mlp_submodule(arch: ArchConfig, pieces: dict[str, Any], router: str,
-                      experts: str = "grouped_mm", grouped: bool = False, pack: str = "batch") -> Any:  # fmt: skip
+def moe_mlp_submodule(arch: ArchConfig, pieces: dict[str, Any], router: str, experts: str = "grouped_mm",
+                      grouped: bool = False, pack: str = "batch", router_gemm: str = "backend") -> Any:  # fmt: skip
     """The ``TransformerLayerSubmodules.mlp`` value of an MoE layer (this Megatron-Core version's
     form): ``MoELayer`` with sequential experts of ``pieces``' linears, shared experts, router.
     ``experts``: the transformers experts implementation whose combine ``router="hf"`` follows.
     ``pack``: the numerics knob ``pack_gemms`` (``router="hf"`` only; ``"each"`` needs the decoder
-    layer to be :func:`mcore_zoo.specs.pack_rows.sequence_bounds_layer_class`'s).
+    layer to be :func:`mcore_zoo.specs.pack_rows.sequence_bounds_layer_class`'s). ``router_gemm``:
+    the numerics knob (``router="hf"`` only): the router logits by Megatron-Core's GEMM or by
+    ``F.linear`` as transformers computes them.
     ``grouped``: Transformer Engine's grouped-GEMM experts instead, built as Megatron-Core's TE spec
     builds them with ``moe_grouped_gemm=True`` (:func:`mcore_zoo.compat.te_grouped_experts`):
     ``TEGroupedMLP``, or :class:`HFOrderTEGroupedMLP` for ``router="hf"``."""
@@ -654,7 +717,7 @@ def moe_mlp_submodule(arch: ArchConfig, pieces: dict[str, Any], router: str,
         experts_cls = hf_experts_class(experts, moe.clamped_swiglu) if router == "hf" else SequentialMLP
         experts_spec = ModuleSpec(module=experts_cls, submodules=linears)
     router_builder: Callable[..., Any] = (
-        functools.partial(hf_router_class(), moe=moe) if router == "hf" else TopKRouter
+        functools.partial(hf_router_class(), moe=moe, gemm=router_gemm) if router == "hf" else TopKRouter
     )
     submodules = MoESubmodules(
         experts=experts_spec,
