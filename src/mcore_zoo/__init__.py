@@ -104,6 +104,9 @@ _LAZY = {
     "ParityOptions": "mcore_zoo.parity.harness:ParityOptions",
     "run_parity": "mcore_zoo.parity.harness:run_parity",
     "refit": "mcore_zoo.rollout.refit:refit",
+    "RefitGroup": "mcore_zoo.distributed.refit_group:RefitGroup",
+    "DisaggSender": "mcore_zoo.rollout.disagg:DisaggSender",
+    "EngineReceiver": "mcore_zoo.rollout.disagg:EngineReceiver",
     "megatron_patches": "mcore_zoo.specs.patching:patches",
 }
 

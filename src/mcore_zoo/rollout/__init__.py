@@ -9,7 +9,13 @@
   ``load_bucket`` / ``end``) and a reference :class:`DictAdapter`;
 * :mod:`~mcore_zoo.rollout.vllm` - :class:`VLLMAdapter` and the worker extension for ``vllm.LLM``;
 * :mod:`~mcore_zoo.rollout.sglang` - :class:`SGLangAdapter` (``update_weights_from_tensor``);
-* :func:`refit` - the call a trainer makes every step.
+* :func:`refit` - the call a trainer makes every step;
+* :mod:`~mcore_zoo.rollout.transfer` - the :class:`TransferPlan` of a disaggregated refit (which
+  trainer rank sends which engine shard);
+* :mod:`~mcore_zoo.rollout.disagg` - :class:`DisaggSender` (trainer ranks) and
+  :class:`EngineReceiver` (engine ranks): trainer and engine in separate processes, one refit
+  group between them; :mod:`~mcore_zoo.rollout.vllm_disagg` - its engine side in vLLM (a worker
+  extension).
 
 See docs/rollout.md.
 """
@@ -17,6 +23,7 @@ See docs/rollout.md.
 from __future__ import annotations
 
 from .adapter import DictAdapter, EngineAdapter, RefitBucket
+from .disagg import DisaggSender, EngineReceiver, IntegrityError
 from .engine_format import (
     HF_NAMES,
     VLLM,
@@ -29,6 +36,7 @@ from .engine_format import (
 from .plan import EngineTensor, RefitPlan, Slot, plan_refit
 from .refit import RefitStats, get_plan, refit
 from .sglang import SGLangAdapter
+from .transfer import TransferPlan, plan_transfer
 from .vllm import EXTENSION as VLLM_WORKER_EXTENSION
 from .vllm import VLLMAdapter, ZooWorkerExtension
 
@@ -36,5 +44,5 @@ __all__ = [
     "refit", "get_plan", "plan_refit", "RefitPlan", "RefitStats", "Slot", "EngineTensor",
     "EngineAdapter", "RefitBucket", "DictAdapter", "VLLMAdapter", "ZooWorkerExtension", "SGLangAdapter",
     "VLLM_WORKER_EXTENSION", "EngineFormat", "Fusion", "ExpertFusion", "StackedExpertLayout", "VLLM", "HF_NAMES",
-    "get_engine_format",
+    "get_engine_format", "DisaggSender", "EngineReceiver", "IntegrityError", "TransferPlan", "plan_transfer",
 ]  # fmt: skip
