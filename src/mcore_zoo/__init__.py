@@ -107,6 +107,7 @@ _LAZY = {
     "RefitGroup": "mcore_zoo.distributed.refit_group:RefitGroup",
     "DisaggSender": "mcore_zoo.rollout.disagg:DisaggSender",
     "EngineReceiver": "mcore_zoo.rollout.disagg:EngineReceiver",
+    "refit_time_at_scale": "mcore_zoo.rollout.scale:refit_time_at_scale",
     "megatron_patches": "mcore_zoo.specs.patching:patches",
 }
 

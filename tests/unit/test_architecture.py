@@ -159,7 +159,7 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
     "rollout": (
         "rollout/__init__.py", "rollout/adapter.py", "rollout/engine_format.py", "rollout/plan.py",
         "rollout/program.py", "rollout/refit.py", "rollout/sglang.py", "rollout/vllm.py",
-        "rollout/transfer.py", "rollout/disagg.py", "rollout/vllm_disagg.py",
+        "rollout/transfer.py", "rollout/disagg.py", "rollout/vllm_disagg.py", "rollout/scale.py",
     ),
     "tools": (
         "dist_checkpoint.py", "cli.py", "scaffold.py", "numerics/capture.py", "numerics/metrics.py",
