@@ -197,8 +197,10 @@ def run_case(name: str, tp: int, args) -> dict:
     port = _free_port()
     engine_out = os.path.join(args.out, f"engine-{name}-tp{tp}.json")
     env = dict(os.environ)
-    if not args.dry_run:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(2 * tp))).split(",")
+    if not args.dry_run:  # the trainer on the first tp GPUs, the engine on the next tp
+        visible = args.gpus or [str(i) for i in range(2 * tp)]
+        if len(visible) < 2 * tp:
+            raise SystemExit(f"TP{tp} -> TP{tp} needs {2 * tp} GPUs, {len(visible)} visible")
         env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[tp : 2 * tp])
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible[:tp])
     cmd = [sys.executable, __file__, "--engine-role", json.dumps(config), "--tp", str(tp), "--port", str(port),
@@ -255,6 +257,7 @@ def main() -> None:
     if not args.out:
         ap.error("--out is required")
     os.makedirs(args.out, exist_ok=True)
+    args.gpus = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]  # every case picks from these
     results = [run_case(shape, tp, args) for tp in (args.tp or [1]) for shape in (args.shape or sorted(SHAPES))]
     with open(os.path.join(args.out, "disagg.json"), "w") as f:
         json.dump({"dry_run": args.dry_run, "cases": results}, f, indent=1)

@@ -192,7 +192,8 @@ class DisaggSender:
         while in_flight:
             _wait(in_flight.popleft())
         _sync(self.handle.device)
-        return RefitStats(len(self.plan.buckets), len(self.routes), nbytes, time.perf_counter() - t0, False, "disaggregated")
+        slots = sum(len(r.positions) for r in self.routes)
+        return RefitStats(len(self.plan.buckets), slots, nbytes, time.perf_counter() - t0, False, "disaggregated")
 
     @property
     def _device(self) -> torch.device:
@@ -321,7 +322,8 @@ class EngineReceiver:
             self._drain(ended)
             raise
         sink.end()
-        return RefitStats(self.setup.buckets, len(self.routes.routes), nbytes, time.perf_counter() - t0, False, "disaggregated")
+        slots = sum(len(r.positions) for r in self.routes.routes)
+        return RefitStats(self.setup.buckets, slots, nbytes, time.perf_counter() - t0, False, "disaggregated")
 
     @property
     def _device(self) -> torch.device:

@@ -55,6 +55,9 @@ class WorkerSink(EngineAdapter):
         self.engine_format, self.tp_size = plan.engine_format, plan.target_tp
         mode = "direct" if plan.engine_format.presplit else "load_weights"
         self._where = self.rank if mode == "direct" else 0
+        if getattr(self.worker, "_zoo_plan", (None,))[0] == id(plan):  # bound on an earlier refit: checked, not re-sent
+            _raise(self.worker.zoo_refit_begin(id(plan), None, mode))
+            return
         manifests: list[Any] = [None] * plan.target_tp
         counts: list[Any] = [None] * plan.target_tp
         manifests[self._where], counts[self._where] = plan.manifest(self._where), plan.bucket_counts(self._where)
