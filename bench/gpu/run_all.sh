@@ -22,7 +22,9 @@
 # model against the measured copy bandwidths; 4 GPUs), load-gpu (an 8B-shaped checkpoint loaded onto one GPU and at
 # TP2 against the read + copy floor; 2 GPUs),
 # frontier-gpu (DeepSeek-V3.2, GLM-5 and gpt-oss-20b at full width,
-# 2 layers, te bf16 vs HF eager; one report per GPU at a time). RUN_GPU picks the GPU of the
+# 2 layers, te bf16 vs HF eager; one report per GPU at a time), disagg (disaggregated refit: trainer and
+# vLLM engine in separate processes, 8B-shaped dense and Qwen3-30B-A3B-shaped MoE; 2 GPUs, TP2 -> TP2
+# too on 4; vllm-setup.sh). RUN_GPU picks the GPU of the
 # single-GPU on-request phases.
 # Each job logs to OUT/logs/; a failing (or, past its time limit, killed) job is recorded and the
 # others go on. Limits: JOB_TIMEOUT (single-GPU jobs, default 420 s), MULTI_TIMEOUT (torchrun jobs,
@@ -240,6 +242,17 @@ if (( ngpu >= 4 )); then
         --out "$out/four-gpu-tp4-hf-exact" > "$out/logs/four-gpu-tp4-hf-exact.log" 2>&1
     echo "four-gpu-tp4-hf-exact exit $?" >> "$out/logs/status"
   fi
+fi
+
+if [[ " $phases " == *" disagg "* ]] && (( ngpu >= 2 )); then
+  # needs vllm-setup.sh: disaggregated refit, trainer on GPU g0 and a vLLM engine in its own process on
+  # g1 (8B-shaped dense, all 32 layers; Qwen3-30B-A3B-shaped MoE, 12 layers), next to NCCL's own
+  # broadcast bandwidth on the same link; with 4 GPUs also trainer TP2 (g0, g1) -> engine TP2 (g2, g3)
+  tps=(--tp 1); (( ngpu >= 4 )) && tps=(--tp 1 --tp 2)
+  gpus=$(g 0),$(g 1); (( ngpu >= 4 )) && gpus=$(g 0),$(g 1),$(g 2),$(g 3)
+  CUDA_VISIBLE_DEVICES=$gpus timeout "${DISAGG_TIMEOUT:-1500}" $py bench/gpu/disagg_refit_bench.py "${tps[@]}" \
+      --out "$out/rollout/disagg" > "$out/logs/disagg.log" 2>&1
+  echo "disagg exit $?" >> "$out/logs/status"
 fi
 
 if [[ " $phases " == *" four-gpu-vllm "* ]] && (( ngpu >= 4 )); then

@@ -104,6 +104,10 @@ _LAZY = {
     "ParityOptions": "mcore_zoo.parity.harness:ParityOptions",
     "run_parity": "mcore_zoo.parity.harness:run_parity",
     "refit": "mcore_zoo.rollout.refit:refit",
+    "RefitGroup": "mcore_zoo.distributed.refit_group:RefitGroup",
+    "DisaggSender": "mcore_zoo.rollout.disagg:DisaggSender",
+    "EngineReceiver": "mcore_zoo.rollout.disagg:EngineReceiver",
+    "refit_time_at_scale": "mcore_zoo.rollout.scale:refit_time_at_scale",
     "megatron_patches": "mcore_zoo.specs.patching:patches",
 }
 

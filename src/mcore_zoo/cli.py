@@ -259,6 +259,38 @@ def _table(rows: Sequence[Sequence[str]]) -> None:
         print("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip())
 
 
+def _layout(text: str, allowed: tuple[str, ...]) -> dict[str, int]:
+    """``"pp=16,ep=16"`` -> ``{"pp": 16, "ep": 16}`` (keys of ``allowed`` only)."""
+    out: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, _, value = item.partition("=")
+        if key not in allowed or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"layout item {item!r}: expected one of {', '.join(k + '=N' for k in allowed)}")
+        out[key] = int(value)
+    return out
+
+
+def cmd_refit_time(args: argparse.Namespace) -> int:
+    import json
+
+    from .rollout.scale import refit_time_at_scale
+
+    with open(args.config) as f:
+        config = json.load(f)
+    trainer = _layout(args.trainer, ("tp", "pp", "ep"))
+    engine = _layout(args.engine, ("tp", "dp"))
+    estimate = refit_time_at_scale(config, trainer_tp=trainer.get("tp", 1), trainer_pp=trainer.get("pp", 1),
+                                   trainer_ep=trainer.get("ep", 1), engine_tp=engine.get("tp", 1),
+                                   engine_dp=engine.get("dp", 1), link_gbps=args.link_gbps)  # fmt: skip
+    if args.json:
+        import dataclasses
+
+        print(json.dumps({**dataclasses.asdict(estimate), "seconds": estimate.seconds}, indent=1))
+    else:
+        print(estimate.describe())
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ._version import __version__
 
@@ -291,6 +323,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ignore an HF config field on purpose (e.g. num_nextn_predict_layers=REASON: drop MTP layers)")
     _parallel_args(p)
     p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("refit-time", help="model of a disaggregated refit's time at scale, from a config.json")
+    p.add_argument("--config", required=True, help="HF config.json of the model")
+    p.add_argument("--trainer", default="", metavar="pp=16,ep=16[,tp=1]", help="the trainer's layout")
+    p.add_argument("--engine", default="", metavar="tp=32[,dp=8]", help="the engine's layout")
+    p.add_argument("--link-gbps", type=float, default=45.0, help="GB/s of one GPU's link (default 45)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_refit_time)
 
     p = sub.add_parser("convert", help="HF <-> Megatron-Core distributed checkpoint")
     p.add_argument("--hf", help="HF checkpoint directory (convert to mcore)")

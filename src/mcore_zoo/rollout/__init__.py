@@ -12,7 +12,13 @@
 * :mod:`~mcore_zoo.rollout.fp8` / :mod:`~mcore_zoo.rollout.vllm_fp8` - refit into an engine serving
   FP8 block-quantized weights (:class:`Fp8BlockAdapter`, :class:`VLLMFp8Adapter`), quantized on
   the trainer's device;
-* :func:`refit` - the call a trainer makes every step.
+* :func:`refit` - the call a trainer makes every step;
+* :mod:`~mcore_zoo.rollout.transfer` - the :class:`TransferPlan` of a disaggregated refit (which
+  trainer rank sends which engine shard);
+* :mod:`~mcore_zoo.rollout.disagg` - :class:`DisaggSender` (trainer ranks) and
+  :class:`EngineReceiver` (engine ranks): trainer and engine in separate processes, one refit
+  group between them; :mod:`~mcore_zoo.rollout.vllm_disagg` - its engine side in vLLM (a worker
+  extension).
 
 See docs/rollout.md.
 """
@@ -20,6 +26,7 @@ See docs/rollout.md.
 from __future__ import annotations
 
 from .adapter import DictAdapter, EngineAdapter, RefitBucket
+from .disagg import DisaggSender, EngineReceiver, IntegrityError
 from .engine_format import (
     HF_NAMES,
     VLLM,
@@ -33,6 +40,7 @@ from .plan import EngineTensor, RefitPlan, Slot, plan_refit
 from .refit import RefitStats, get_plan, refit
 from .fp8 import Fp8BlockAdapter, fp8_refit_plan
 from .sglang import SGLangAdapter
+from .transfer import TransferPlan, plan_transfer
 from .vllm import EXTENSION as VLLM_WORKER_EXTENSION
 from .vllm import VLLMAdapter, ZooWorkerExtension
 from .vllm_fp8 import FP8_WORKER_EXTENSION, VLLMFp8Adapter, ZooFp8WorkerExtension
@@ -43,4 +51,5 @@ __all__ = [
     "VLLM_WORKER_EXTENSION", "EngineFormat", "Fusion", "ExpertFusion", "StackedExpertLayout", "VLLM", "HF_NAMES",
     "get_engine_format",
     "Fp8BlockAdapter", "fp8_refit_plan", "VLLMFp8Adapter", "ZooFp8WorkerExtension", "FP8_WORKER_EXTENSION",
+    "DisaggSender", "EngineReceiver", "IntegrityError", "TransferPlan", "plan_transfer",
 ]  # fmt: skip

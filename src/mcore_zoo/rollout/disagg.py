@@ -1,0 +1,433 @@
+"""Disaggregated refit: trainer processes send, engine processes receive, over one refit group.
+
+Trainer and inference engine run as separate jobs (often on separate nodes). Both join a
+:class:`~mcore_zoo.distributed.refit_group.RefitGroup` from a host and a port; then, every step::
+
+    # every trainer rank                                # every engine rank (e.g. a vLLM worker)
+    sender = DisaggSender(model, group, engine_tp=2,    receiver = EngineReceiver(group, index)
+                          engine_dp=2)                   # ... once
+    sender.send()                                       receiver.receive(sink)
+
+:class:`DisaggSender` computes, once, the :class:`~mcore_zoo.rollout.plan.RefitPlan` (collective
+over the pipeline group), what every trainer rank holds, and the
+:class:`~mcore_zoo.rollout.transfer.TransferPlan` (who sends which engine shard: the rank whose
+chunk holds it, gathered only where the engine's cut spans trainer shards); trainer rank 0
+shares each engine rank's part, and every rank opens its broadcast channels. A refit then moves
+only data: per bucket (the plan's bucket size) each trainer rank packs the shards it sends to
+each engine rank into one buffer and broadcasts it to every DP replica of that engine rank; the
+next bucket is packed while the previous one is on the wire (asynchronous broadcasts, two buckets
+in flight at most). Shards are exact: the bytes an export would give, cut as the engine holds
+them.
+
+Integrity: every message is a header - ``[magic, kind, bucket, slots, bytes, checksum, sender,
+engine rank]`` (int64; the checksum is the sum of the payload's 32-bit words, computed where the
+payload is, no host sync on the sender) - then its payload; after its last bucket every sender
+sends an end header on each of its channels. The receiver knows from the plan which messages come
+in which order, so a dropped, duplicated or reordered message, or a damaged payload, fails with
+an :class:`IntegrityError` naming the bucket, the sender and the slots. The receiver drains the
+rest of the stream before it raises, so that the senders do not wait on it.
+
+The engine side hands each bucket to an engine sink with the
+:class:`~mcore_zoo.rollout.adapter.EngineAdapter` interface (``begin`` / ``load_bucket`` /
+``end``), for one engine rank: :class:`~mcore_zoo.rollout.adapter.DictAdapter` (the CPU stand-in:
+the engine's tensors in its names and TP shards) or the vLLM worker's own
+(:mod:`mcore_zoo.rollout.vllm_disagg`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from ..distributed.export import tp_gather
+from ..distributed.refit_group import RefitGroup, all_gather_objects, group_ranks
+from ..errors import ZooError
+from ..handle import handle_of
+from ..model_groups import refuse_part_of_job
+from ..weights.export import export_rule, hf_copies
+from ..weights.rules import narrow
+from .adapter import EngineAdapter, RefitBucket
+from .engine_format import EngineFormat, get_engine_format
+from .plan import EngineTensor, RefitPlan, Slot, expert_piece
+from .refit import Model, RefitStats, get_plan
+from .transfer import EngineRoutes, Route, TransferPlan, holdings_of, packed_offsets, plan_transfer
+
+#: first word of every message header
+MAGIC = 0x5A4F4F52  # "ZOOR"
+#: header kinds
+DATA, END = 0, 1
+HEADER_WORDS = 8
+
+
+class IntegrityError(ZooError):
+    """A refit message out of step (dropped, duplicated, reordered) or damaged, named by bucket,
+    sender and slots."""
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """What the engine ranks learn from trainer rank 0, once (picklable plan data only): the
+    plan's engine format (by name), architecture and TP size, every engine rank's routes, engine
+    tensors and bucket count, and every channel with its members (sender first)."""
+
+    architecture: str
+    engine_format: str
+    target_tp: int
+    buckets: int
+    routes: list[EngineRoutes]
+    engine_tensors: list[list[EngineTensor]]
+    channels: list[tuple[tuple[int, int], tuple[int, ...]]]
+
+
+def engine_plan_rank(index: int, target_tp: int, engine_tp: int) -> int:
+    """The plan rank whose slots engine process ``index`` receives: its TP rank (processes are
+    numbered replica by replica, ``index = replica * engine_tp + tp_rank``), or 0 for a plan that
+    is not pre-split (every engine rank loads whole tensors)."""
+    return index % engine_tp if target_tp > 1 else 0
+
+
+def channel_members(trainers: int, engines: int, engine_tp: int, target_tp: int) -> dict[int, tuple[int, ...]]:
+    """Per plan rank, the refit ranks of the engine processes that receive it (its DP replicas)."""
+    out: dict[int, list[int]] = {}
+    for index in range(engines):
+        out.setdefault(engine_plan_rank(index, target_tp, engine_tp), []).append(trainers + index)
+    return {rank: tuple(members) for rank, members in out.items()}
+
+
+class DisaggSender:
+    """The trainer side of a disaggregated refit (module docstring). Every trainer rank makes one
+    (collective: the plan over the pipeline group, the holdings over the trainer's world, the
+    engine's share over the refit group) and calls :meth:`send` every step.
+
+    Args:
+        model: a zoo-built model (chunk, list of chunks or handle), any TP / PP / VPP / EP layout.
+        group: this rank's refit group membership (refit rank = the trainer's global rank).
+        engine_format: the engine's format (default vLLM's).
+        engine_tp / engine_dp: the engine's tensor-parallel size and its data-parallel replicas
+            (``engine_tp * engine_dp`` engine processes in the group).
+        dtype: cast before sending (``None``: the parameters' dtype).
+        bucket_size: bytes per bucket, all engine ranks' shards counted (the plan's).
+    """
+
+    def __init__(self, model: Model, group: RefitGroup, *, engine_format: Union[str, EngineFormat] = "vllm",
+                 engine_tp: int = 1, engine_dp: int = 1, dtype: Optional[torch.dtype] = None,
+                 bucket_size: Union[int, str] = "1GB") -> None:  # fmt: skip
+        handle = self.handle = handle_of(model)
+        handle.check_current()
+        refuse_part_of_job(handle.placement, "disaggregated refit")
+        placement = handle.placement
+        if group.trainers != placement.world_size or group.rank != placement.rank:
+            raise ZooError(f"disaggregated refit: refit rank {group.rank} of {group.trainers} trainer ranks, but this is"
+                           f" trainer rank {placement.rank} of {placement.world_size}")  # fmt: skip
+        if group.engines != engine_tp * engine_dp:
+            raise ZooError(f"disaggregated refit: the refit group has {group.engines} engine process(es), engine TP"
+                           f" {engine_tp} x DP {engine_dp} needs {engine_tp * engine_dp}")  # fmt: skip
+        fmt = get_engine_format(engine_format)
+        self.group = group
+        self.plan: RefitPlan = get_plan(handle, engine_format=fmt, target_tp=engine_tp, dtype=dtype, bucket_size=bucket_size)
+        self.steps = handle.export_steps()
+        copies = hf_copies(handle.weight_map)
+        self._origin = {copy: name for name, names in copies.items() for copy in names}
+        mine = holdings_of(self.steps, copies, placement.rank, lambda step: group_ranks(step.tp_group))
+        everyone = all_gather_objects(mine, None, placement.world_size) if placement.distributed else [mine]
+        self.transfer: TransferPlan = plan_transfer(self.plan, [h for per in everyone for h in per], placement.world_size)
+        members = channel_members(group.trainers, group.engines, engine_tp, self.plan.target_tp)
+        channels = [(key, (key[0], *members[key[1]])) for key in self.transfer.channels()]
+        setup = EngineSetup(self.plan.architecture, self.plan.engine_format.name, self.plan.target_tp, len(self.plan.buckets),
+                            [self.transfer.for_engine_rank(r) for r in range(self.plan.target_tp)],
+                            self.plan.engine_tensors, channels)  # fmt: skip
+        group.share(setup if group.rank == 0 else None)
+        group.open_channels(channels)
+        self._group_of = {h.step: h.group for h in mine}
+        self._exported_steps = self._steps_exported_per_bucket()
+        self.routes = self.transfer.sent_by(placement.rank)
+
+    def _steps_exported_per_bucket(self) -> list[list[int]]:
+        """Per bucket, this rank's steps whose rule its TP group exports gathered for that bucket
+        (every rank of the group: the same steps in the same order)."""
+        out = []
+        for names in self.plan.buckets:
+            wanted = set(names)
+            out.append([i for i, step in enumerate(self.steps)
+                        if any(n in wanted and n in self.transfer.exported.get(self._group_of[i], ())
+                               for n in self._names_of(step))])  # fmt: skip
+        return out
+
+    def _names_of(self, step: Any) -> list[str]:
+        names = list(step.bound.hf)
+        return names + [copy for copy, origin in self._origin.items() if origin in names]
+
+    # ------------------------------------------------------------------ one refit
+    def send(self) -> RefitStats:
+        """Send every bucket (module docstring); returns what this rank sent."""
+        self.handle.check_current()
+        _sync(self.handle.device)
+        t0 = time.perf_counter()
+        by_bucket: dict[int, list[Route]] = {}
+        for route in self.routes:
+            by_bucket.setdefault(route.bucket, []).append(route)
+        in_flight: deque[list[Any]] = deque()
+        nbytes = 0
+        for index in range(len(self.plan.buckets)):
+            exported = self._export_bucket(index)
+            chunks: dict[int, list[torch.Tensor]] = {}
+            posted: list[Any] = []
+            for route in by_bucket.get(index, []):
+                payload = self._pack(route, exported, chunks)
+                header = _header(DATA, index, len(route.positions), route, payload)
+                posted += self._post((route.sender, route.engine_rank), index, header, payload)
+                posted += [header, payload]  # alive until their broadcasts are done
+                nbytes += route.nbytes
+            del exported, chunks
+            in_flight.append(posted)
+            if len(in_flight) > 1:  # the previous bucket was on the wire while this one was packed
+                _wait(in_flight.popleft())
+        for key in sorted({(r.sender, r.engine_rank) for r in self.routes}):
+            end = torch.tensor([MAGIC, END, len(self.plan.buckets), 0, 0, 0, key[0], key[1]], dtype=torch.int64, device=self._device)
+            in_flight.append([self.group.broadcast(key, end), end])
+        while in_flight:
+            _wait(in_flight.popleft())
+        _sync(self.handle.device)
+        slots = sum(len(r.positions) for r in self.routes)
+        return RefitStats(len(self.plan.buckets), slots, nbytes, time.perf_counter() - t0, False, "disaggregated")
+
+    @property
+    def _device(self) -> torch.device:
+        return self.group.device if self.group.backend == "nccl" else torch.device("cpu")
+
+    def _post(self, key: tuple[int, int], bucket: int, header: torch.Tensor, payload: torch.Tensor) -> list[Any]:
+        """Put one message on its channel: the header, then the payload (asynchronous)."""
+        return [self.group.broadcast(key, header), self.group.broadcast(key, payload)]
+
+    def _export_bucket(self, index: int) -> dict[int, dict[str, torch.Tensor]]:
+        """The rules this rank's TP groups export gathered for bucket ``index`` (every rank of a
+        group takes part in its gathers), by step."""
+        out = {}
+        for i in self._exported_steps[index]:
+            step = self.steps[i]
+            gather = tp_gather(step) if step.ctx.tp_size > 1 else None
+            dtype = self.plan.dtype
+            out[i] = {name: (t if dtype is None else t.to(dtype))
+                      for name, t in export_rule(step.bound, step.tensor().detach(), step.ctx, gather)}  # fmt: skip
+        return out
+
+    def _pack(self, route: Route, exported: dict[int, dict[str, torch.Tensor]], chunks: dict[int, list[torch.Tensor]]) -> torch.Tensor:
+        """The payload of one route: its slots' shards packed in plan order (aligned)."""
+        slots = [self.transfer.slots[route.bucket][route.engine_rank][p] for p in route.positions]
+        offsets, total = packed_offsets(slots)
+        payload = torch.empty(total, dtype=torch.uint8, device=self._device)
+        for position, slot, start in zip(route.positions, slots, offsets):
+            shard = self._shard(self.transfer.assignments[(route.bucket, route.engine_rank, position)], slot, exported, chunks)
+            payload[start : start + slot.nbytes].view(slot.dtype).view(slot.shape).copy_(shard)
+        return payload
+
+    def _shard(self, how: Any, slot: Slot, exported: dict[int, dict[str, torch.Tensor]], chunks: dict[int, list[torch.Tensor]]) -> torch.Tensor:
+        """One slot's bytes: cut from this rank's chunk of its rule source, or from the rule's
+        gathered export; in the slot's shape and dtype."""
+        step = self.steps[how.step]
+        if how.cuts is None:
+            piece = slot.cut(exported[how.step][self._origin.get(slot.hf_name, slot.hf_name)])
+        else:
+            if how.step not in chunks:
+                chunks[how.step] = list(step.bound.transform.split(step.tensor().detach(), step.ctx))
+            chunk = chunks[how.step][how.source]
+            finish = getattr(step.bound.transform, "finish", None)
+            if finish is not None:  # TP 1 only (a transfer plan gathers it otherwise)
+                chunk = finish(chunk)
+            piece = narrow(chunk, how.cuts)
+            if slot.expert_slice:
+                piece = expert_piece(piece)
+        return piece.reshape(slot.shape).to(device=self._device, dtype=slot.dtype)
+
+
+class EngineReceiver:
+    """The engine side of a disaggregated refit, for engine process ``index`` (refit rank
+    ``group.trainers + index``; ``index = replica * engine_tp + tp_rank``). Making it takes the
+    plan trainer rank 0 shares and opens this rank's channels (collective with the trainer ranks'
+    :class:`DisaggSender`); :meth:`receive` then takes one refit into an engine sink."""
+
+    def __init__(self, group: RefitGroup, index: int, *, engine_tp: int = 1) -> None:
+        if group.rank != group.trainers + index:
+            raise ZooError(f"engine receiver: engine process {index} is refit rank {group.trainers + index}, not {group.rank}")
+        self.group = group
+        self.setup: EngineSetup = group.share(None)
+        group.open_channels(self.setup.channels)
+        self.rank = engine_plan_rank(index, self.setup.target_tp, engine_tp)
+        self.routes = self.setup.routes[self.rank]
+        self.plan = self._engine_plan()
+
+    def _engine_plan(self) -> RefitPlan:
+        """The plan as this engine rank sees it: its own slots and tensors (other ranks' empty),
+        what a sink's ``begin`` checks and allocates from."""
+        s, tp = self.setup, self.setup.target_tp
+        slots: dict[str, list[list[Slot]]] = {}
+        for bucket in self.routes.slots:
+            for slot in bucket:
+                slots.setdefault(slot.hf_name, [[] for _ in range(tp)])[self.rank].append(slot)
+        tensors = [s.engine_tensors[r] if r == self.rank else [] for r in range(tp)]
+        buckets = [list(dict.fromkeys(slot.hf_name for slot in bucket)) for bucket in self.routes.slots]
+        return RefitPlan(s.architecture, get_engine_format(s.engine_format), tp, None, 0, [], slots, buckets, tensors)
+
+    def receive(self, sink: EngineAdapter) -> RefitStats:
+        """Receive one refit into ``sink`` (an :class:`~mcore_zoo.rollout.adapter.EngineAdapter`
+        for this engine rank: ``begin(plan)``, ``load_bucket`` per bucket, ``end``). Raises
+        :class:`IntegrityError` for a message out of step or damaged (after draining the stream)."""
+        t0 = time.perf_counter()
+        sink.begin(self.plan)
+        by_bucket: dict[int, list[Route]] = {}
+        for route in self.routes.routes:
+            by_bucket.setdefault(route.bucket, []).append(route)
+        nbytes = 0
+        ended: set[int] = set()  # senders whose end header was taken
+        try:
+            for index in range(self.setup.buckets):
+                slots = self.routes.slots[index]
+                shards: list[Optional[torch.Tensor]] = [None] * len(slots)
+                received = []
+                for route in by_bucket.get(index, []):
+                    header = self._take_header(route.sender)
+                    if not self._fits(header, route):  # take its payload (and the bucket's posted ones), then fail
+                        _wait([work for *_, work in received])
+                        if header[1] == END:
+                            ended.add(route.sender)
+                        self._take_payload(route.sender, header)
+                        self._check_header(header, route, slots)
+                    payload = torch.empty(route.nbytes, dtype=torch.uint8, device=self._device)
+                    received.append((route, header, payload, self.group.broadcast((route.sender, self.rank), payload)))
+                for route, header, payload, work in received:
+                    work.wait()
+                    self._check_payload(header, route, payload, slots)
+                    chosen = [slots[p] for p in route.positions]
+                    for position, slot, start in zip(route.positions, chosen, packed_offsets(chosen)[0]):
+                        shards[position] = payload[start : start + slot.nbytes].view(slot.dtype).view(slot.shape)
+                    nbytes += route.nbytes
+                items: list[list[tuple[Slot, torch.Tensor]]] = [[] for _ in range(self.setup.target_tp)]
+                items[self.rank] = [(slot, shard) for slot, shard in zip(slots, shards) if shard is not None]
+                sink.load_bucket(RefitBucket(index, items))
+                del received, shards, items
+            for sender in self.routes.senders:
+                header = self._take_header(sender)
+                if header[1] == END:
+                    ended.add(sender)
+                else:
+                    self._take_payload(sender, header)
+                    raise IntegrityError(f"engine rank {self.rank}: after the last bucket ({self.setup.buckets - 1}), trainer rank"
+                                         f" {sender} sent another message: {_describe(header, self._slots_of(header))}"
+                                         " (duplicated?)")  # fmt: skip
+        except IntegrityError:
+            self._drain(ended)
+            raise
+        sink.end()
+        slots = sum(len(r.positions) for r in self.routes.routes)
+        return RefitStats(self.setup.buckets, slots, nbytes, time.perf_counter() - t0, False, "disaggregated")
+
+    @property
+    def _device(self) -> torch.device:
+        return self.group.device if self.group.backend == "nccl" else torch.device("cpu")
+
+    def _take_header(self, sender: int) -> list[int]:
+        header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self._device)
+        self.group.broadcast((sender, self.rank), header).wait()
+        return header.tolist()
+
+    def _slots_of(self, header: list[int]) -> list[Slot]:
+        bucket = header[2]
+        return self.routes.slots[bucket] if 0 <= bucket < len(self.routes.slots) else []
+
+    def _fits(self, header: list[int], route: Route) -> bool:
+        """Whether ``header`` is the one ``route`` expects next."""
+        expected = (MAGIC, DATA, route.bucket, len(route.positions), route.nbytes)
+        return tuple(header[:5]) == expected and header[6] == route.sender and header[7] == self.rank
+
+    def _check_header(self, header: list[int], route: Route, slots: list[Slot]) -> None:
+        if not self._fits(header, route):
+            first = slots[route.positions[0]]
+            raise IntegrityError(f"engine rank {self.rank}: bucket {route.bucket} from trainer rank {route.sender}: expected"
+                                 f" {len(route.positions)} slot(s) from {_slot_name(first)} ({route.nbytes} bytes), got"
+                                 f" {_describe(header, self._slots_of(header))} (a message dropped, duplicated or out of order)")  # fmt: skip
+
+    def _check_payload(self, header: list[int], route: Route, payload: torch.Tensor, slots: list[Slot]) -> None:
+        got = int(_checksum(payload))
+        if got != header[5]:
+            names = [_slot_name(slots[p]) for p in route.positions]
+            raise IntegrityError(f"engine rank {self.rank}: bucket {route.bucket} from trainer rank {route.sender}: checksum"
+                                 f" {got} != {header[5]} over slot(s) {names[0]} .. {names[-1]} (payload damaged)")  # fmt: skip
+
+    def _take_payload(self, sender: int, header: list[int]) -> None:
+        """Take (and drop) the payload a header announces, so that the stream stays in step."""
+        if header[0] == MAGIC and header[1] == DATA and header[4] > 0:
+            payload = torch.empty(int(header[4]), dtype=torch.uint8, device=self._device)
+            self.group.broadcast((sender, self.rank), payload).wait()
+
+    def _drain(self, ended: set[int]) -> None:
+        """Take every sender's remaining messages up to its end header (so that no sender waits
+        on this rank), ignoring their content; ``ended``: senders whose end header was taken."""
+        for sender in self.routes.senders:
+            while sender not in ended:
+                header = self._take_header(sender)
+                if header[1] == END or header[0] != MAGIC:
+                    ended.add(sender)
+                self._take_payload(sender, header)
+
+
+def measure_link(group: RefitGroup, key: tuple[int, int], nbytes: int = 2**30, iters: int = 10) -> dict[str, float]:
+    """The broadcast bandwidth of one refit channel ``key`` (the backend's own: NCCL on GPU),
+    as the refit uses it: median seconds and GB/s of ``iters`` broadcasts of ``nbytes`` (after two
+    warm-ups). Every member of the channel calls it (collective)."""
+    device = group.device if group.backend == "nccl" else torch.device("cpu")
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for i in range(iters + 2):
+        _sync(device)
+        t0 = time.perf_counter()
+        group.broadcast(key, buffer).wait()
+        _sync(device)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    seconds = sorted(times)[len(times) // 2]
+    return {"bytes": nbytes, "seconds": seconds, "gbps": nbytes / seconds / 1e9}
+
+
+def _header(kind: int, bucket: int, count: int, route: Route, payload: torch.Tensor) -> torch.Tensor:
+    """A message header on the payload's device, its checksum computed there (no host sync)."""
+    header = torch.tensor([MAGIC, kind, bucket, count, payload.numel(), 0, route.sender, route.engine_rank],
+                          dtype=torch.int64, device=payload.device)  # fmt: skip
+    header[5:6].copy_(_checksum(payload).reshape(1))
+    return header
+
+
+def _checksum(payload: torch.Tensor) -> torch.Tensor:
+    """The sum of the payload's 32-bit words (int64; the payload is a multiple of 64 bytes)."""
+    return payload.view(torch.int32).sum(dtype=torch.int64)
+
+
+def _slot_name(slot: Slot) -> str:
+    return slot.name + ("" if slot.expert is None else f"[expert {slot.expert}]") + (f" rows {slot.offset}.." if slot.offset else "")
+
+
+def _describe(header: list[int], slots: Sequence[Slot]) -> str:
+    if header[0] != MAGIC:
+        return "no refit header"
+    if header[1] == END:
+        return f"the end of trainer rank {header[6]}'s stream"
+    first = f", its bucket starts at {_slot_name(slots[0])}" if slots else ""
+    return f"bucket {header[2]} ({header[3]} slot(s), {header[4]} bytes){first}"
+
+
+def _wait(items: list[Any]) -> None:
+    for item in items:
+        if not isinstance(item, torch.Tensor):
+            item.wait()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+__all__ = ["DisaggSender", "EngineReceiver", "EngineSetup", "IntegrityError", "engine_plan_rank", "channel_members",
+           "measure_link"]

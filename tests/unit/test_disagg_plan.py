@@ -1,0 +1,92 @@
+"""The disaggregated refit's plan data on one process: the transfer plan of a TP1 trainer (every
+slot from rank 0's own tensors, nothing gathered), the integrity unpickler of the refit group, and
+the model of the refit time at scale (bytes per link from a config, the CLI subcommand)."""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+
+import pytest
+
+import mcore_zoo
+from mcore_zoo.errors import ZooError
+
+
+def test_transfer_plan_of_a_single_rank_trainer_sends_every_slot_from_its_own_tensors(reference_checkpoint, mpu):
+    from mcore_zoo.handle import handle_of
+    from mcore_zoo.rollout import get_plan, plan_transfer
+    from mcore_zoo.rollout.transfer import holdings_of
+    from mcore_zoo.weights.export import hf_copies
+
+    ckpt = reference_checkpoint("Qwen3MoeForCausalLM", {"num_hidden_layers": 2, "vocab_size": 250})
+    model = mcore_zoo.build_model(str(ckpt), backend="portable", load=str(ckpt))
+    handle = handle_of(model)
+    plan = get_plan(model, target_tp=2, bucket_size="64KB")
+    holdings = holdings_of(handle.export_steps(), hf_copies(handle.weight_map), 0, lambda step: [0])
+    transfer = plan_transfer(plan, holdings, 1)
+    assert {a.sender for a in transfer.assignments.values()} == {0}
+    assert all(a.cuts is not None for a in transfer.assignments.values())  # cut from the tensors: no export
+    assert not transfer.exported
+    assert transfer.channels() == [(0, 0), (0, 1)]
+    assert sum(transfer.bytes_per_link().values()) >= plan.nbytes
+    assert len(transfer.assignments) == sum(len(s) for per in plan.slots.values() for s in per)
+    part = transfer.for_engine_rank(1)
+    assert part.senders == [0] and all(r.engine_rank == 1 for r in part.routes)
+    with pytest.raises(ZooError, match="no trainer rank holds"):
+        plan_transfer(plan, holdings[1:], 1)
+    assert "message(s) from trainer rank(s) [0]" in transfer.describe()
+
+
+def test_the_refit_group_unpickles_plan_types_only():
+    import io
+
+    from mcore_zoo.distributed.refit_group import _PlanUnpickler
+    from mcore_zoo.rollout.transfer import Route
+
+    route = Route(0, 1, 0, (0, 2), 128)
+    assert _PlanUnpickler(io.BytesIO(pickle.dumps([route, {"a": (1, 2)}]))).load() == [route, {"a": (1, 2)}]
+
+    class Payload:
+        def __reduce__(self):
+            import os
+
+            return (os.system, ("true",))
+
+    with pytest.raises(ZooError, match="refused to unpickle"):
+        _PlanUnpickler(io.BytesIO(pickle.dumps(Payload()))).load()
+
+
+TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
+            "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 4,
+            "vocab_size": 256, "tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": []}  # fmt: skip
+
+
+def test_refit_time_at_scale_counts_the_bytes_each_link_carries():
+    from mcore_zoo.rollout.scale import hf_tensor_shapes, refit_time_at_scale
+
+    shapes = hf_tensor_shapes(TINY_MOE)
+    total = sum(math.prod(s) for _, s in shapes) * 2
+    one = refit_time_at_scale(TINY_MOE, shapes=shapes, link_gbps=1.0)
+    assert one.total_bytes == total and one.busiest_sender_bytes == total and one.engine_rank_bytes == total
+    assert one.senders == 1 and one.seconds == pytest.approx(total / 1e9)
+    wide = refit_time_at_scale(TINY_MOE, shapes=shapes, trainer_pp=2, trainer_ep=2, engine_tp=2, engine_dp=4, link_gbps=1.0)
+    replicated = sum(math.prod(s) for _, s in shapes if len(s) < 2) * 2
+    assert wide.engine_rank_bytes == (total - replicated) // 2 + replicated
+    assert wide.senders == 4  # two stages x two EP ranks, each sending its experts (the first also the dense part)
+    assert wide.busiest_sender_bytes < total
+    assert "engine TP2 x DP4" in wide.describe() and "trainer TP1 x PP2 x EP2" in wide.describe()
+
+
+def test_refit_time_cli(tmp_path, capsys):
+    from mcore_zoo.cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_MOE))
+    assert main(["refit-time", "--config", str(config), "--trainer", "pp=2,ep=2", "--engine", "tp=2,dp=2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["trainer"] == "trainer TP1 x PP2 x EP2" and out["seconds"] > 0
+    assert main(["refit-time", "--config", str(config), "--trainer", "pp=zero"]) == 2
+    assert "layout item 'pp=zero'" in capsys.readouterr().err
