@@ -81,10 +81,14 @@ def routing_margins(model) -> Iterator[list[torch.Tensor]]:
     layer in layer order, each packed token's distance from a routing tie: the gap between the k-th and
     the (k+1)-th expert's selection score (softmax or sigmoid of the router logits, plus the expert
     bias); with group-limited routing the smaller of that gap (within the chosen groups) and the gap
-    between the ``group_topk``-th and the next group score. ``[tokens]`` float32 each."""
+    between the ``group_topk``-th and the next group score. ``[tokens]`` float32 each. A router called
+    once per sequence of a pack (``hf-exact`` routes a THD pack one sequence at a time) has its calls
+    concatenated in order when the block exits."""
     from mcore_zoo import routing
 
     margins: list[torch.Tensor] = []
+    calls: list[tuple[int, torch.Tensor]] = []
+    routers = routing.moe_routers(model)
 
     def measure(router, args) -> None:
         moe = router.zoo_moe
@@ -102,14 +106,24 @@ def routing_margins(model) -> Iterator[list[torch.Tensor]]:
             keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, order[:, : moe.group_topk], True)
             scores = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).reshape(scores.shape)
         ranked = scores.sort(dim=-1, descending=True).values
-        margins.append(torch.minimum(gap, ranked[:, moe.top_k - 1] - ranked[:, moe.top_k]))
+        calls.append((next(k for k, r in enumerate(routers) if r is router),
+                      torch.minimum(gap, ranked[:, moe.top_k - 1] - ranked[:, moe.top_k])))
 
-    hooks = [router.register_forward_pre_hook(measure) for router in routing.moe_routers(model)]
+    hooks = [router.register_forward_pre_hook(measure) for router in routers]
     try:
         yield margins
     finally:
         for hook in hooks:
             hook.remove()
+        # one entry per layer per forward: a forward's calls run layer after layer, sequence by sequence
+        # within a layer, so consecutive calls of one router belong to the same layer pass
+        last = None
+        for k, gap in calls:
+            if k == last:
+                margins[-1] = torch.cat([margins[-1], gap])
+            else:
+                margins.append(gap)
+            last = k
 
 
 def assert_decisive_routing(margins: list[torch.Tensor], lengths: list[int], where: str) -> None:
