@@ -163,4 +163,5 @@ def test_the_training_profile_keeps_the_backend_gemms():
     default, training = get_profile("default").knobs(), get_profile("training").knobs()
     changed = {k: v for k, v in training.items() if default[k] != v}
     assert changed == {"norm": "hf", "fuse_norm_into_linear": False, "rope_fusion": False,
-                       "bias_activation_fusion": False, "attention": "sdpa", "linear_bias": "fused"}  # fmt: skip
+                       "bias_activation_fusion": False, "attention": "sdpa", "linear_bias": "fused",
+                       "linear_attention_pack": "each"}  # fmt: skip

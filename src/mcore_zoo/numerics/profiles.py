@@ -103,8 +103,8 @@ class NumericsProfile:
             as one right-padded batch (what a BSHD batch of them costs: one pass of the delta rule's
             chunk loop over the longest sequence, not one per sequence); each sequence still starts
             from a zero state and convolution window, and the padding rows reach no sequence, but
-            the batched products may round differently from a batch of one. ``default`` takes
-            ``"batch"`` (measured on an H100, bf16, Qwen3-Next's layer: a mixed pack at 1.006x and a
+            the batched products may round differently from a batch of one. ``"auto"``: ``"batch"``
+            on CUDA, ``"each"`` on the CPU. ``default`` takes ``"auto"`` (measured on an H100, bf16, Qwen3-Next's layer: a mixed pack at 1.006x and a
             pack of 64 short sequences at 1.036x the padded batch's forward + backward, where
             ``"each"`` costs 1.43x and 10.1x); the exact profiles take ``"each"``.
         kernels: ``"backend"`` (the modules the knobs above choose) or ``"vllm"``: every op of the
@@ -146,7 +146,7 @@ class NumericsProfile:
             "router_gemm": ("backend", "hf"),
             "moe_experts": ("grouped_mm", "eager"),
             "pack_gemms": ("each", "batch"),
-            "linear_attention_pack": ("each", "batch"),
+            "linear_attention_pack": ("each", "batch", "auto"),
             "kernels": ("backend", "vllm"),
             "vllm_decode": ("exact", "prefill"),
         }
@@ -191,9 +191,9 @@ HF_EXACT_PROFILES = ("hf-exact", "hf-exact-sdpa")
 PROFILES: dict[str, NumericsProfile] = {
     "default": NumericsProfile(
         name="default",
-        linear_attention_pack="batch",
+        linear_attention_pack="auto",
         description="backend kernels and fusions; RoPE frequencies computed as HF does; a THD pack's gated"
-        " DeltaNet sequences as one padded batch",
+        " DeltaNet sequences as one padded batch on the GPU",
     ),
     "hf-exact": NumericsProfile(
         name="hf-exact",

@@ -239,7 +239,8 @@ def gated_deltanet_class() -> type:
 
         def _mix_packed(self, x: torch.Tensor, params: Any) -> torch.Tensor:
             """One THD pack (``[1, t, h]``): every sequence from a zero state and window - alone, one
-            after the other (``pack="each"``), or as one right-padded batch (``pack="batch"``)."""
+            after the other (``pack="each"``), or as one right-padded batch (``pack="batch"``; ``"auto"``:
+            a batch on CUDA, alone on the CPU)."""
             if x.shape[0] != 1:
                 raise ZooError(f"a THD pack has batch 1, got {x.shape[0]}")
             bounds = params.cu_seqlens_q.tolist()
@@ -247,7 +248,8 @@ def gated_deltanet_class() -> type:
             starts = (padded if padded is not None else params.cu_seqlens_q).tolist()
             spans = [(starts[i], bounds[i + 1] - bounds[i]) for i in range(len(bounds) - 1) if bounds[i + 1] > bounds[i]]
             out = torch.zeros(x.shape[:-1] + (self.out_proj.out_features,), dtype=x.dtype, device=x.device)
-            if self.pack == "batch" and len(spans) > 1:
+            batch = self.pack == "batch" or (self.pack == "auto" and x.is_cuda)  # "auto": batch on the GPU
+            if batch and len(spans) > 1:
                 return self._mix_padded_batch(x, spans, out)
             for start, length in spans:
                 out[:, start:start + length] = self._mix(x[:, start:start + length])

@@ -325,8 +325,9 @@ def hf_moe_layer_class(experts: str = "grouped_mm", pack: str = "batch") -> type
         through the whole block - router GEMM, shared experts, expert GEMMs, combine - one
         sequence at a time (:func:`~mcore_zoo.specs.pack_rows.sequence_segments`; alignment padding alone), so every GEMM has the
         row count it has when the sequence runs alone, as transformers runs it: a GEMM's result for
-        a row can depend on how many rows it has (the BLAS and cuBLAS pick kernels by shape). The
-        router's auxiliary losses are then each sequence's. Only without expert parallelism (each
+        a row can depend on how many rows it has (the BLAS and cuBLAS pick kernels by shape). Not
+        in a training forward with an auxiliary or z-loss: those are defined over the micro-batch's
+        tokens (Megatron-Core's load-balancing loss), so the pack runs at once. Only without expert parallelism (each
         call is a collective over the expert-parallel group, whose ranks hold other packs) and
         when this rank holds the whole pack (no sequence or context parallelism); otherwise the
         pack runs at once."""
@@ -337,7 +338,17 @@ def hf_moe_layer_class(experts: str = "grouped_mm", pack: str = "batch") -> type
                 return None
             if hidden_states is None or hidden_states.dim() != 3 or self.config.expert_model_parallel_size > 1:
                 return None
+            if self._pack_losses():
+                return None
             return sequence_segments(hidden_states)
+
+        def _pack_losses(self) -> bool:
+            """A training forward whose router adds an auxiliary or z-loss (over the whole pack)."""
+            if not (self.training and torch.is_grad_enabled()):
+                return False
+            coeff = getattr(self.config, "moe_aux_loss_coeff", 0) or 0
+            coeffs = coeff if isinstance(coeff, (list, tuple)) else [coeff]
+            return any(c for c in coeffs) or bool(getattr(self.config, "moe_z_loss_coeff", None))
 
         def _forward_whole(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             self._begin(hidden_states.dtype)
