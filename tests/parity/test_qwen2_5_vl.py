@@ -16,7 +16,7 @@ import mcore_zoo
 from mcore_zoo.distributed.load import load_hf_weights
 from mcore_zoo.testing.common import assert_same
 
-from .vision_samples import END, IMAGE, PATCH_VALUES, START, image_sample
+from .vision_samples import END, IMAGE, PATCH_VALUES, START, check_pack_of_three_samples, image_sample
 
 ARCH = "Qwen2_5_VLForConditionalGeneration"
 
@@ -104,15 +104,8 @@ def test_a_pack_of_three_samples_equals_each_alone_and_transformers(mpu, checkpo
     model = mcore_zoo.build_model(checkpoint, backend=backend, numerics="hf-exact", params_dtype=torch.float32).eval()
     load_hf_weights(model, checkpoint)
     hf = hf_reference(ARCH, checkpoint, "eager")
-    samples = [image_sample(1, [(1, 6, 4), (1, 4, 4)]), image_sample(2, [], text=13), image_sample(3, [(1, 8, 8)])]
-    with torch.no_grad():
-        packed = mcore_zoo.packed_forward(model, [s for s, _ in samples], vision_inputs=[v or None for _, v in samples],
-                                          align=8)  # fmt: skip
-        for i, (ids, vision) in enumerate(samples):
-            alone = mcore_zoo.packed_forward(model, [ids], vision_inputs=[vision or None])
-            assert_same(packed.logits[i], alone.logits[0], f"sample {i}: packed vs alone", exact=True)
-            assert_same(packed.logprobs[i], alone.logprobs[0], f"sample {i}: log-probs packed vs alone", exact=True)
-            assert_same(alone.logits[0], _hf_logits(hf, ids, vision), f"sample {i}: alone vs transformers", exact=True)
+    check_pack_of_three_samples(model, lambda ids, vision: _hf_logits(hf, ids, vision))
+
 
 
 def test_vision_inputs_that_do_not_fit_the_tokens_are_refused(model, checkpoint):

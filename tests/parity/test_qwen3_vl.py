@@ -18,7 +18,7 @@ import mcore_zoo
 from mcore_zoo.distributed.load import load_hf_weights
 from mcore_zoo.testing.common import assert_same
 
-from .vision_samples import END, IMAGE, PATCH_VALUES, START, image_sample
+from .vision_samples import END, IMAGE, PATCH_VALUES, START, check_pack_of_three_samples, image_sample
 
 DENSE, MOE = "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"
 VIDEO = 251
@@ -156,19 +156,11 @@ def test_a_pack_of_three_samples_equals_each_alone_and_transformers(mpu, referen
     """Each sample alone equals transformers bitwise; in the pack it equals itself alone bitwise
     (dense), or within 1e-6 of the largest logit (MoE: an expert's GEMM sees the pack's rows routed
     to it, a different row count than the sample alone gives it, and CPU GEMMs round by shape)."""
-    exact = name == DENSE
     checkpoint = reference_checkpoint(name)
     model = _build(checkpoint, backend)
     hf = hf_reference(name, checkpoint, "eager")
-    samples = [image_sample(1, [(1, 6, 4), (1, 4, 4)]), image_sample(2, [], text=13), image_sample(3, [(1, 8, 8)])]
-    with torch.no_grad():
-        packed = mcore_zoo.packed_forward(model, [s for s, _ in samples], vision_inputs=[v or None for _, v in samples],
-                                          align=8)  # fmt: skip
-        for i, (ids, vision) in enumerate(samples):
-            alone = mcore_zoo.packed_forward(model, [ids], vision_inputs=[vision or None])
-            assert_same(packed.logits[i], alone.logits[0], f"sample {i}: packed vs alone", exact=exact)
-            assert_same(packed.logprobs[i], alone.logprobs[0], f"sample {i}: log-probs packed vs alone", exact=exact)
-            assert_same(alone.logits[0], _hf_logits(hf, ids, vision), f"sample {i}: alone vs transformers", exact=True)
+    check_pack_of_three_samples(model, lambda ids, vision: _hf_logits(hf, ids, vision), exact_pack=name == DENSE)
+
 
 
 def test_a_video_sample_equals_transformers_bitwise(mpu, dense_checkpoint, hf_reference):
