@@ -3,7 +3,8 @@ lays out one sample (the marker ids and patch size of the Qwen-VL example config
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
