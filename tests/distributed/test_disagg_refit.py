@@ -97,7 +97,11 @@ def _disagg(trainers: int, cases: list, faults: bool) -> dict:
                 if faults and engine_id == "tp2" and case_id == cases[0][0]:
                     for fault in ("drop", "duplicate", "duplicate-last"):
                         _Faulty(sender, fault).send()
+                    _change_parameters(model)
                     sender.send()
+                    changed = DictAdapter(tp_size=tp) if rank == 0 else None
+                    mcore_zoo.refit(model, changed, target_tp=tp, bucket_size="64KB")
+                    found[key]["changed"] = changed.tensors if changed else None
             else:
                 index = rank - trainers
                 receiver = EngineReceiver(group, index, engine_tp=tp)
@@ -122,6 +126,17 @@ def _disagg(trainers: int, cases: list, faults: bool) -> dict:
             del model
             parallel_state.destroy_model_parallel()
     return found
+
+
+def _change_parameters(model) -> None:
+    """New weights between two refits, half of them written in place and half as new tensors
+    (``param.data`` replaced): the sender must send the values the parameters hold now."""
+    with torch.no_grad():
+        for i, param in enumerate(model.parameters()):
+            if i % 2:
+                param.data.mul_(2)
+            else:
+                param.data = param.data * 3
 
 
 def _engines(case_id: str) -> list:
@@ -191,7 +206,9 @@ def _check(found: list, cases: list, trainers: int, faults: bool) -> None:
                         assert drop and "bucket 0" in drop and "dropped" in drop, drop
                         assert duplicate and "bucket 1" in duplicate or "after the last bucket" in duplicate, duplicate
                         assert last and "after the last bucket" in last, last
-                    for name, ref in want[rank].items():
+                    changed = found[0][key]["changed"][rank]
+                    assert any(not torch.equal(changed[name], ref) for name, ref in want[rank].items()), key
+                    for name, ref in changed.items():
                         assert torch.equal(got["after"][name], ref), (key, name)
 
 

@@ -145,6 +145,9 @@ class DisaggSender:
         self._group_of = {h.step: h.group for h in mine}
         self._exported_steps = self._steps_exported_per_bucket()
         self.routes = self.transfer.sent_by(placement.rank)
+        self._layouts: dict[tuple[int, int, int], tuple[list[Slot], list[int], int]] = {}
+        self._sizes: dict[tuple[int, int, int], list[int]] = {}
+        self._sources = _Sources(self)
 
     def _steps_exported_per_bucket(self) -> list[list[int]]:
         """Per bucket, this rank's steps whose rule its TP group exports gathered for that bucket
@@ -216,32 +219,111 @@ class DisaggSender:
         return out
 
     def _pack(self, route: Route, exported: dict[int, dict[str, torch.Tensor]], chunks: dict[int, list[torch.Tensor]]) -> torch.Tensor:
-        """The payload of one route: its slots' shards packed in plan order (aligned)."""
-        slots = [self.transfer.slots[route.bucket][route.engine_rank][p] for p in route.positions]
-        offsets, total = packed_offsets(slots)
+        """The payload of one route: its slots' shards packed in plan order (aligned), copied in
+        one batched call (``torch._foreach_copy_``: one dispatch for the route, not one per slot).
+        Shards cut from this rank's own chunk of a parameter are views of it, resolved once and
+        kept (:class:`_Sources`) while the parameter keeps its storage."""
+        slots, offsets, total = self._layout(route)
         payload = torch.empty(total, dtype=torch.uint8, device=self._device)
-        for position, slot, start in zip(route.positions, slots, offsets):
-            shard = self._shard(self.transfer.assignments[(route.bucket, route.engine_rank, position)], slot, exported, chunks)
-            payload[start : start + slot.nbytes].view(slot.dtype).view(slot.shape).copy_(shard)
+        pieces = torch.split(payload, self._sizes[(route.bucket, route.engine_rank, route.sender)])
+        destinations = [piece[: slot.nbytes].view(slot.dtype).view(slot.shape) for piece, slot in zip(pieces, slots)]
+        sources = self._sources.get(route)
+        if sources is None or not sources.valid(self.steps):
+            sources = self._sources.resolve(route, self._device)
+        shards = [self._shard(self.transfer.assignments[(route.bucket, route.engine_rank, position)], slot, exported, chunks)
+                  if shard is None else shard for position, slot, shard in zip(route.positions, slots, sources.shards)]  # fmt: skip
+        torch._foreach_copy_(destinations, shards)
         return payload
+
+    def _layout(self, route: Route) -> tuple[list[Slot], list[int], int]:
+        """A route's slots, their byte offsets in its payload and the payload's size (cached)."""
+        key = (route.bucket, route.engine_rank, route.sender)
+        if key not in self._layouts:
+            slots = [self.transfer.slots[route.bucket][route.engine_rank][p] for p in route.positions]
+            offsets, total = packed_offsets(slots)
+            self._layouts[key] = (slots, offsets, total)
+            self._sizes[key] = [b - a for a, b in zip(offsets, offsets[1:] + [total])]
+        return self._layouts[key]
 
     def _shard(self, how: Any, slot: Slot, exported: dict[int, dict[str, torch.Tensor]], chunks: dict[int, list[torch.Tensor]]) -> torch.Tensor:
         """One slot's bytes: cut from this rank's chunk of its rule source, or from the rule's
-        gathered export; in the slot's shape and dtype."""
-        step = self.steps[how.step]
+        gathered export; in the slot's shape (cast and moved by the payload copy)."""
         if how.cuts is None:
             piece = slot.cut(exported[how.step][self._origin.get(slot.hf_name, slot.hf_name)])
         else:
+            step = self.steps[how.step]
             if how.step not in chunks:
                 chunks[how.step] = list(step.bound.transform.split(step.tensor().detach(), step.ctx))
-            chunk = chunks[how.step][how.source]
-            finish = getattr(step.bound.transform, "finish", None)
-            if finish is not None:  # TP 1 only (a transfer plan gathers it otherwise)
-                chunk = finish(chunk)
-            piece = narrow(chunk, how.cuts)
-            if slot.expert_slice:
-                piece = expert_piece(piece)
-        return piece.reshape(slot.shape).to(device=self._device, dtype=slot.dtype)
+            piece = _cut_chunk(step, chunks[how.step][how.source], how.cuts, slot)
+        return piece.reshape(slot.shape).to(device=self._device)
+
+
+def _cut_chunk(step: Any, chunk: torch.Tensor, cuts: Any, slot: Slot) -> torch.Tensor:
+    """A slot's piece of this rank's chunk of its rule source (``finish`` first, where the rule's
+    transform has one: TP 1 only, a transfer plan gathers it otherwise)."""
+    finish = getattr(step.bound.transform, "finish", None)
+    if finish is not None:
+        chunk = finish(chunk)
+    piece = narrow(chunk, cuts)
+    return expert_piece(piece) if slot.expert_slice else piece
+
+
+class _Sources:
+    """Per route, the shards that are views of this rank's own parameters (cut from its chunk, no
+    gather, no copy on the way), resolved once: a refit then copies them without re-cutting. A
+    route's views stay in use while every parameter they view has the storage, shape and strides
+    it had when they were resolved (:meth:`_RouteSources.valid`, checked at every refit); else
+    they are resolved again. Shards that are not such views (gathered exports, a ``finish`` that
+    computes, another device) are ``None`` and cut at every refit."""
+
+    def __init__(self, sender: "DisaggSender") -> None:
+        self.sender = sender
+        self.routes: dict[tuple[int, int, int], _RouteSources] = {}
+
+    def get(self, route: Route) -> Optional["_RouteSources"]:
+        return self.routes.get((route.bucket, route.engine_rank, route.sender))
+
+    def resolve(self, route: Route, device: torch.device) -> "_RouteSources":
+        sender = self.sender
+        slots = sender._layout(route)[0]
+        shards: list[Optional[torch.Tensor]] = []
+        fingerprints: dict[int, tuple] = {}
+        chunks: dict[int, list[torch.Tensor]] = {}
+        for position, slot in zip(route.positions, slots):
+            how = sender.transfer.assignments[(route.bucket, route.engine_rank, position)]
+            shard = None
+            if how.cuts is not None:
+                step = sender.steps[how.step]
+                tensor = step.tensor().detach()
+                if how.step not in chunks:
+                    chunks[how.step] = list(step.bound.transform.split(tensor, step.ctx))
+                piece = _cut_chunk(step, chunks[how.step][how.source], how.cuts, slot).reshape(slot.shape)
+                if piece.device == device and _same_storage(piece, tensor):
+                    shard = piece
+                    fingerprints[how.step] = _fingerprint(tensor)
+            shards.append(shard)
+        resolved = _RouteSources(shards, fingerprints)
+        self.routes[(route.bucket, route.engine_rank, route.sender)] = resolved
+        return resolved
+
+
+@dataclass
+class _RouteSources:
+    #: per slot of the route, a view of this rank's parameter, or ``None`` (cut at every refit)
+    shards: list[Optional[torch.Tensor]]
+    #: per export step whose parameter the views read, that parameter's storage, shape and strides
+    fingerprints: dict[int, tuple]
+
+    def valid(self, steps: Sequence[Any]) -> bool:
+        return all(_fingerprint(steps[i].tensor()) == f for i, f in self.fingerprints.items())
+
+
+def _fingerprint(tensor: torch.Tensor) -> tuple:
+    return (tensor.untyped_storage().data_ptr(), tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+
+
+def _same_storage(view: torch.Tensor, tensor: torch.Tensor) -> bool:
+    return view.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
 
 
 class EngineReceiver:
@@ -259,6 +341,10 @@ class EngineReceiver:
         self.rank = engine_plan_rank(index, self.setup.target_tp, engine_tp)
         self.routes = self.setup.routes[self.rank]
         self.plan = self._engine_plan()
+        self._by_bucket: dict[int, list[Route]] = {}
+        for route in self.routes.routes:
+            self._by_bucket.setdefault(route.bucket, []).append(route)
+        self._layouts: dict[tuple[int, int], tuple[list[Slot], list[int]]] = {}
 
     def _engine_plan(self) -> RefitPlan:
         """The plan as this engine rank sees it: its own slots and tensors (other ranks' empty),
@@ -278,37 +364,29 @@ class EngineReceiver:
         :class:`IntegrityError` for a message out of step or damaged (after draining the stream)."""
         t0 = time.perf_counter()
         sink.begin(self.plan)
-        by_bucket: dict[int, list[Route]] = {}
-        for route in self.routes.routes:
-            by_bucket.setdefault(route.bucket, []).append(route)
         nbytes = 0
         ended: set[int] = set()  # senders whose end header was taken
+        received: list[tuple[Route, list[int], torch.Tensor, Any]] = []
+        upcoming: list[tuple[Route, list[int], torch.Tensor, Any]] = []
         try:
+            if self.setup.buckets:
+                received = self._post_bucket(0, ended, [])
             for index in range(self.setup.buckets):
                 slots = self.routes.slots[index]
+                _wait([work for *_, work in received])
+                # the next bucket's payloads travel while this one is checked and written
+                upcoming = self._post_bucket(index + 1, ended, received) if index + 1 < self.setup.buckets else []
                 shards: list[Optional[torch.Tensor]] = [None] * len(slots)
-                received = []
-                for route in by_bucket.get(index, []):
-                    header = self._take_header(route.sender)
-                    if not self._fits(header, route):  # take its payload (and the bucket's posted ones), then fail
-                        _wait([work for *_, work in received])
-                        if header[1] == END:
-                            ended.add(route.sender)
-                        self._take_payload(route.sender, header)
-                        self._check_header(header, route, slots)
-                    payload = torch.empty(route.nbytes, dtype=torch.uint8, device=self._device)
-                    received.append((route, header, payload, self.group.broadcast((route.sender, self.rank), payload)))
-                for route, header, payload, work in received:
-                    work.wait()
+                for route, header, payload, _ in received:
                     self._check_payload(header, route, payload, slots)
-                    chosen = [slots[p] for p in route.positions]
-                    for position, slot, start in zip(route.positions, chosen, packed_offsets(chosen)[0]):
+                    for position, slot, start in zip(route.positions, *self._layout(route, slots)):
                         shards[position] = payload[start : start + slot.nbytes].view(slot.dtype).view(slot.shape)
                     nbytes += route.nbytes
                 items: list[list[tuple[Slot, torch.Tensor]]] = [[] for _ in range(self.setup.target_tp)]
                 items[self.rank] = [(slot, shard) for slot, shard in zip(slots, shards) if shard is not None]
                 sink.load_bucket(RefitBucket(index, items))
-                del received, shards, items
+                del shards, items
+                received, upcoming = upcoming, []
             for sender in self.routes.senders:
                 header = self._take_header(sender)
                 if header[1] == END:
@@ -319,6 +397,7 @@ class EngineReceiver:
                                          f" {sender} sent another message: {_describe(header, self._slots_of(header))}"
                                          " (duplicated?)")  # fmt: skip
         except IntegrityError:
+            _wait([work for *_, work in received + upcoming])
             self._drain(ended)
             raise
         sink.end()
@@ -328,6 +407,32 @@ class EngineReceiver:
     @property
     def _device(self) -> torch.device:
         return self.group.device if self.group.backend == "nccl" else torch.device("cpu")
+
+    def _post_bucket(self, index: int, ended: set[int], pending: list[Any]) -> list[tuple[Route, list[int], torch.Tensor, Any]]:
+        """Take the headers of bucket ``index``'s messages and post their payloads' receives
+        (asynchronous); a header out of step raises :class:`IntegrityError` once the payloads
+        posted so far (``pending``: the bucket before) and the one it announces were taken."""
+        slots = self.routes.slots[index]
+        received: list[tuple[Route, list[int], torch.Tensor, Any]] = []
+        for route in self._by_bucket.get(index, []):
+            header = self._take_header(route.sender)
+            if not self._fits(header, route):
+                _wait([work for *_, work in pending + received])
+                if header[1] == END:
+                    ended.add(route.sender)
+                self._take_payload(route.sender, header)
+                self._check_header(header, route, slots)
+            payload = torch.empty(route.nbytes, dtype=torch.uint8, device=self._device)
+            received.append((route, header, payload, self.group.broadcast((route.sender, self.rank), payload)))
+        return received
+
+    def _layout(self, route: Route, slots: list[Slot]) -> tuple[list[Slot], list[int]]:
+        """A route's slots and their byte offsets in its payload (cached)."""
+        key = (route.bucket, route.sender)
+        if key not in self._layouts:
+            chosen = [slots[p] for p in route.positions]
+            self._layouts[key] = (chosen, packed_offsets(chosen)[0])
+        return self._layouts[key]
 
     def _take_header(self, sender: int) -> list[int]:
         header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self._device)

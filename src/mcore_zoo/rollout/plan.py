@@ -70,7 +70,7 @@ class Slot:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def cut(self, tensor: torch.Tensor) -> torch.Tensor:
         """This piece of the gathered HF tensor (a view)."""
