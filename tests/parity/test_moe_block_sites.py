@@ -1,7 +1,7 @@
 """``bench/gpu/moe_block_sites.py`` (the moe-sites phase) on the CPU at the tiny scale: every site of
 one MoE block bitwise equal to transformers' on every form (each sequence alone, a THD pack, a BSHD
 batch); an expert weight perturbed in the zoo's block moves the first differing site to that
-expert's ``fc1``."""
+expert's ``fc1``; gpt-oss's router (it has a bias) on a BSHD batch of two."""
 
 from __future__ import annotations
 
@@ -53,3 +53,11 @@ def test_every_site_bitwise_and_a_perturbed_expert_is_named(sites, tmp_path):
     assert form["isolation"]["expert"] == routed and form["isolation"]["hf_rerun_equal"]
     assert form["isolation"]["verdict"].startswith("the GEMM")
 
+
+def test_gpt_oss_router_with_bias_on_a_batch(sites, tmp_path):
+    """The router logits (a GEMM with a bias) over a batch of two: transformers' contiguous
+    batch-major rows, not a strided view whose bias F.linear adds after the GEMM."""
+    argv = _args(tmp_path, "gpt-oss-20b.json", "--set=num_hidden_layers=2", "--forms=bshd", "--name=gpt-oss")
+    assert sites.main(argv) == 0
+    form = json.loads((tmp_path / "gpt-oss.json").read_text())["forms"]["bshd-2x5"]
+    assert form["sites"]["router.logits"]["max_abs"] == 0.0 and form["bitwise"], form["first_differing_site"]

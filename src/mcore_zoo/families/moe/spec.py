@@ -449,7 +449,9 @@ def hf_router_class() -> type:
             """With the numerics knob ``router_gemm="hf"``, the router logits as transformers
             computes them: ``F.linear`` in the router dtype
             (fp32 where HF casts the input and the weight - GLM-4.5, DeepSeek-V3 -, else the
-            hidden dtype) over the tokens in HF's batch-major order. Megatron-Core's
+            hidden dtype) over the tokens as transformers' contiguous ``[b * s, h]`` rows
+            (batch-major; with a router bias - gpt-oss - a strided ``[b, s, h]`` view would round
+            the bias apart from the GEMM). Megatron-Core's
             ``router_gating_linear`` runs Transformer Engine's GEMM wherever TE is installed:
             another kernel, with a workspace of its own, so free to split the reduction over
             ``hidden`` for the few output columns of a router (Mixtral's 8). Same math; it keeps
@@ -461,8 +463,13 @@ def hf_router_class() -> type:
             bias = None if self.bias is None else self.bias.to(input.device, dtype)
             if input.dim() != 3:
                 return torch.nn.functional.linear(input.to(dtype), weight, bias)
-            by_batch = input.transpose(0, 1).to(dtype)  # [b, s, h]: a view when b == 1 (THD)
-            return torch.nn.functional.linear(by_batch, weight, bias).transpose(0, 1).contiguous()
+            # transformers' rows: [b * s, h] batch-major and contiguous (a view when b == 1, THD). A
+            # non-contiguous [b, s, h] view would make F.linear add a bias after the GEMM (its
+            # matmul path) where the reference's contiguous rows add it inside (addmm)
+            seq, batch = input.shape[0], input.shape[1]
+            rows = input.transpose(0, 1).reshape(batch * seq, -1).to(dtype)
+            logits = torch.nn.functional.linear(rows, weight, bias)
+            return logits.view(batch, seq, -1).transpose(0, 1).contiguous()
 
         def routing(self, logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             _install()
