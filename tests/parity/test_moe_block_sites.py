@@ -1,7 +1,8 @@
 """``bench/gpu/moe_block_sites.py`` (the moe-sites phase) on the CPU at the tiny scale: every site of
 one MoE block bitwise equal to transformers' on every form (each sequence alone, a THD pack, a BSHD
-batch); an expert weight perturbed in the zoo's block moves the first differing site to that
-expert's ``fc1``; gpt-oss's router (it has a bias) on a BSHD batch of two."""
+batch), the shared expert's gate / up GEMMs of transformers' shapes (``shared_expert_gemm="hf"``);
+an expert weight perturbed in the zoo's block moves the first differing site to that expert's
+``fc1``; gpt-oss's router (it has a bias) on a BSHD batch of two."""
 
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ def test_every_site_bitwise_and_a_perturbed_expert_is_named(sites, tmp_path):
         assert set(compared) == set(sites.SITES), (name, sorted(set(sites.SITES) - set(compared)))  # gated shared expert
         assert all(value == 0.0 for value in compared.values()), (name, compared)
     assert "| thd | yes | - | 0 |" in (tmp_path / "clean.md").read_text()
+    shared = report["forms"]["thd"]["sites"]["shared.gate_proj"]  # shared_expert_gemm="hf": transformers' GEMMs
+    assert [g["weight"]["shape"] for g in shared["zoo_gemms"]] == [g["weight"]["shape"] for g in shared["hf_gemms"]]
     routed = max(report["forms"]["thd"]["per_expert"], key=lambda p: p["rows_hf"])["expert"]
 
     assert sites.main([*argv[:-1], "--name=perturbed", f"--perturb-expert={routed}", "--forms=thd"]) == 1
