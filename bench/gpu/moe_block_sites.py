@@ -806,6 +806,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:  # the random-weight checkpoint (GBs at full width)
         if not args.keep_work:
             shutil.rmtree(args.out / "work" / args.name, ignore_errors=True)
+            with contextlib.suppress(OSError):  # the folder, when no other report's checkpoint is in it
+                (args.out / "work").rmdir()
     (args.out / f"{args.name}.json").write_text(json.dumps(report, indent=2))
     (args.out / f"{args.name}.md").write_text(markdown(report))
     return 0 if report["all_bitwise"] else 1

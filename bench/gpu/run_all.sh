@@ -335,18 +335,20 @@ if [[ " $phases " == *" moe-sites "* ]]; then
   # batch), every site inside it compared (router logits, routing, each expert's rows, shared expert and
   # its gate, combine, block output) with the GEMM shapes each side ran, the first differing GEMM re-run
   # alone both ways; both experts implementations (bench/gpu/moe_block_sites.py; one report per model
-  # under $out/moe-sites/). Full width, 1 decoder layer; Qwen3-Next and DeepSeek-V3 with 64 routed
+  # under $out/moe-sites/). Full width, 1 decoder layer, the vocabulary cut to 32000 (the block does not
+  # see it; the random weights are drawn on the CPU); Qwen3-Next with 64 and DeepSeek-V3 with 32 routed
   # experts. The CPU dry run: MOE_SITES_ARGS="--device cpu --scale tiny --lengths 13,7,3 --batch 2x5"
-  ms=($py bench/gpu/moe_block_sites.py --experts grouped_mm,eager --set num_hidden_layers=1 --out "$out/moe-sites")
+  ms=($py bench/gpu/moe_block_sites.py --experts grouped_mm,eager --set num_hidden_layers=1 --set vocab_size=32000
+      --out "$out/moe-sites")
   cfgs=tests/fixtures/configs
-  run moe-sites-qwen3-next "${MOE_SITES_TIMEOUT:-150}" "${nosplit[@]}" "${ms[@]}" --config "$cfgs/qwen3-next-80b-a3b.json" \
+  run moe-sites-qwen3-next "${MOE_SITES_TIMEOUT:-240}" "${nosplit[@]}" "${ms[@]}" --config "$cfgs/qwen3-next-80b-a3b.json" \
       --set num_experts=64 ${MOE_SITES_ARGS:-}
-  run moe-sites-qwen3-30b-a3b "${MOE_SITES_TIMEOUT:-150}" "${nosplit[@]}" "${ms[@]}" --config "$cfgs/qwen3-30b-a3b.json" \
+  run moe-sites-qwen3-30b-a3b "${MOE_SITES_TIMEOUT:-240}" "${nosplit[@]}" "${ms[@]}" --config "$cfgs/qwen3-30b-a3b.json" \
       ${MOE_SITES_ARGS:-}
-  run moe-sites-mixtral-8x7b "${MOE_SITES_TIMEOUT:-150}" "${nosplit[@]}" "${ms[@]}" --config "$cfgs/mixtral-8x7b-v0.1.json" \
+  run moe-sites-mixtral-8x7b "${MOE_SITES_TIMEOUT:-240}" "${nosplit[@]}" "${ms[@]}" --config "$cfgs/mixtral-8x7b-v0.1.json" \
       ${MOE_SITES_ARGS:-}
-  run moe-sites-deepseek-v3 "${MOE_SITES_TIMEOUT:-150}" "${nosplit[@]}" "${ms[@]}" --config "$cfgs/deepseek-v3.json" \
-      --set first_k_dense_replace=0 --set n_routed_experts=64 ${MOE_SITES_ARGS:-}
+  run moe-sites-deepseek-v3 "${MOE_SITES_TIMEOUT:-240}" "${nosplit[@]}" "${ms[@]}" --config "$cfgs/deepseek-v3.json" \
+      --set first_k_dense_replace=0 --set n_routed_experts=32 ${MOE_SITES_ARGS:-}
 fi
 
 if [[ " $phases " == *" load-gpu "* ]]; then
