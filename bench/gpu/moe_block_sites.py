@@ -411,7 +411,7 @@ def signatures(calls: list[Gemm], limit: int = 4) -> list[dict[str, Any]]:
     seen: dict[str, dict[str, Any]] = {}
     for g in calls:
         sig = g.signature()
-        key = json.dumps({k: v for k, v in sig.items() if k != "output"} | {"rows": None}, sort_keys=True)
+        key = json.dumps({k: v for k, v in sig.items() if k != "output"}, sort_keys=True)
         if key in seen:
             seen[key]["calls"] += 1
         else:
