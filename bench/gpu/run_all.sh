@@ -9,7 +9,8 @@
 # vLLM engines vs a bf16 trainer per family, refit into the FP8 engine; vllm-setup.sh), vllm-exact (the vllm-exact
 # profile against vLLM's batch-invariant mode; needs vllm-setup.sh too), seeds (the training
 # profile at more seeds), moe-exact (hf-exact MoE vs transformers), moe-exact-packs (hf-exact MoE on mixed
-# THD packs vs transformers on each sequence alone), grouped (TE grouped-GEMM experts)
+# THD packs vs transformers on each sequence alone), moe-sites (the sites inside one hf-exact MoE block vs
+# transformers' on the same input: the first differing op), grouped (TE grouped-GEMM experts)
 # mla (DeepSeek-V3, te), profile-sdpa (hf-exact-sdpa on te: distance and speed) and two-gpu (refit
 # at TP2, DeepSeek-V3 EP2 / TP2; 2 GPUs), hybrid-gpu (Qwen3-Next / Qwen3.5 / Qwen3.5-MoE at full width, 4
 # layers: parity vs HF, hf-exact, THD vs BSHD speed of a gated DeltaNet layer, vLLM parity and refit;
@@ -326,6 +327,28 @@ if [[ " $phases " == *" moe-exact-packs "* ]]; then
     run "moe-exact-packs-$m" "${MOE_PACKS_TIMEOUT:-600}" "${nosplit[@]}" $py bench/gpu/moe_exact_packs.py --models "$m" \
         --out "$out/moe-exact-packs/$m" ${MOE_PACKS_ARGS:-}
   done
+fi
+
+if [[ " $phases " == *" moe-sites "* ]]; then
+  # where one MoE block of hf-exact (local, split-K off) departs from transformers: layer 0's block fed
+  # transformers' own block input (512, 300, 100, 37 tokens each alone and as a THD pack; a 4 x 512 BSHD
+  # batch), every site inside it compared (router logits, routing, each expert's rows, shared expert and
+  # its gate, combine, block output) with the GEMM shapes each side ran, the first differing GEMM re-run
+  # alone both ways; both experts implementations (bench/gpu/moe_block_sites.py; one report per model
+  # under $out/moe-sites/). Full width, 1 decoder layer, the vocabulary cut to 32000 (the block does not
+  # see it; the random weights are drawn on the CPU); Qwen3-Next with 64 and DeepSeek-V3 with 32 routed
+  # experts. The CPU dry run: MOE_SITES_ARGS="--device cpu --scale tiny --lengths 13,7,3 --batch 2x5"
+  ms=($py bench/gpu/moe_block_sites.py --experts grouped_mm,eager --set num_hidden_layers=1 --set vocab_size=32000
+      --out "$out/moe-sites")
+  cfgs=tests/fixtures/configs
+  run moe-sites-qwen3-next "${MOE_SITES_TIMEOUT:-240}" "${nosplit[@]}" "${ms[@]}" --config "$cfgs/qwen3-next-80b-a3b.json" \
+      --set num_experts=64 ${MOE_SITES_ARGS:-}
+  run moe-sites-qwen3-30b-a3b "${MOE_SITES_TIMEOUT:-240}" "${nosplit[@]}" "${ms[@]}" --config "$cfgs/qwen3-30b-a3b.json" \
+      ${MOE_SITES_ARGS:-}
+  run moe-sites-mixtral-8x7b "${MOE_SITES_TIMEOUT:-240}" "${nosplit[@]}" "${ms[@]}" --config "$cfgs/mixtral-8x7b-v0.1.json" \
+      ${MOE_SITES_ARGS:-}
+  run moe-sites-deepseek-v3 "${MOE_SITES_TIMEOUT:-240}" "${nosplit[@]}" "${ms[@]}" --config "$cfgs/deepseek-v3.json" \
+      --set first_k_dense_replace=0 --set n_routed_experts=32 ${MOE_SITES_ARGS:-}
 fi
 
 if [[ " $phases " == *" load-gpu "* ]]; then

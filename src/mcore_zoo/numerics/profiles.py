@@ -79,6 +79,12 @@ class NumericsProfile:
             keeps no copy of the input cast to fp32 for the backward). ``"hf"``: ``F.linear`` in
             the router dtype over the tokens in HF's batch-major order, as transformers computes
             them.
+        shared_expert_gemm: MoE models with shared experts and ``router="hf"`` only: the shared
+            expert's gate and up projections. ``"fused"``: Megatron-Core's one ``linear_fc1`` GEMM
+            over both (``[2 * I, H]``); ``"hf"``: ``gate_proj`` and ``up_proj`` as two GEMMs of
+            ``[I, H]`` each, as transformers' shared-expert MLP runs them (same math; on CUDA a
+            GEMM of another width can be another cuBLAS kernel). Only without tensor or sequence
+            parallelism of the shared expert, biases or fused activations (else ``"fused"``).
         moe_experts: MoE models with ``router="hf"`` only: which of transformers' experts
             implementations the combine of a token's experts follows. ``"grouped_mm"`` (the
             default of ``from_pretrained`` since transformers 5): each expert's weighted output
@@ -128,6 +134,7 @@ class NumericsProfile:
     linear_bias: str = "separate"
     router: str = "hf"
     router_gemm: str = "backend"
+    shared_expert_gemm: str = "fused"
     moe_experts: str = "grouped_mm"
     grouped_experts: bool = False
     pack_gemms: str = "batch"
@@ -144,6 +151,7 @@ class NumericsProfile:
             "linear_bias": ("separate", "fused"),
             "router": ("hf", "mcore"),
             "router_gemm": ("backend", "hf"),
+            "shared_expert_gemm": ("fused", "hf"),
             "moe_experts": ("grouped_mm", "eager"),
             "pack_gemms": ("each", "batch"),
             "linear_attention_pack": ("each", "batch", "auto"),
@@ -205,6 +213,7 @@ PROFILES: dict[str, NumericsProfile] = {
         fuse_norm_into_linear=False,
         linear_bias="fused",
         router_gemm="hf",
+        shared_expert_gemm="hf",
         pack_gemms="each",
         description="HF op order everywhere (norms, RoPE, attention math, biases); bitwise vs HF eager",
     ),
@@ -229,6 +238,7 @@ PROFILES: dict[str, NumericsProfile] = {
         fuse_norm_into_linear=False,
         linear_bias="fused",
         router_gemm="hf",
+        shared_expert_gemm="hf",
         pack_gemms="each",
         description="as hf-exact, attention as HF's sdpa implementation",
     ),

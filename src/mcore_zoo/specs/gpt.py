@@ -163,7 +163,7 @@ def gpt_layer_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile, *,
 
             moe_config.check_grouped_experts(arch, backend)
         mlp = moe_mlp_submodule(arch, p, numerics.router, numerics.moe_experts, numerics.grouped_experts,
-                                numerics.pack_gemms, numerics.router_gemm)  # fmt: skip
+                                numerics.pack_gemms, numerics.router_gemm, numerics.shared_expert_gemm)  # fmt: skip
     else:
         mlp = mlp_submodule(p["linear_fc1"], p["linear_fc2"], module=p.get("mlp"))
     qk_norm = p["qk_norm"] if arch.qk_norm else IdentityOp

@@ -449,7 +449,9 @@ def hf_router_class() -> type:
             """With the numerics knob ``router_gemm="hf"``, the router logits as transformers
             computes them: ``F.linear`` in the router dtype
             (fp32 where HF casts the input and the weight - GLM-4.5, DeepSeek-V3 -, else the
-            hidden dtype) over the tokens in HF's batch-major order. Megatron-Core's
+            hidden dtype) over the tokens as transformers' contiguous ``[b * s, h]`` rows
+            (batch-major; with a router bias - gpt-oss - a strided ``[b, s, h]`` view would round
+            the bias apart from the GEMM). Megatron-Core's
             ``router_gating_linear`` runs Transformer Engine's GEMM wherever TE is installed:
             another kernel, with a workspace of its own, so free to split the reduction over
             ``hidden`` for the few output columns of a router (Mixtral's 8). Same math; it keeps
@@ -461,8 +463,13 @@ def hf_router_class() -> type:
             bias = None if self.bias is None else self.bias.to(input.device, dtype)
             if input.dim() != 3:
                 return torch.nn.functional.linear(input.to(dtype), weight, bias)
-            by_batch = input.transpose(0, 1).to(dtype)  # [b, s, h]: a view when b == 1 (THD)
-            return torch.nn.functional.linear(by_batch, weight, bias).transpose(0, 1).contiguous()
+            # transformers' rows: [b * s, h] batch-major and contiguous (a view when b == 1, THD). A
+            # non-contiguous [b, s, h] view would make F.linear add a bias after the GEMM (its
+            # matmul path) where the reference's contiguous rows add it inside (addmm)
+            seq, batch = input.shape[0], input.shape[1]
+            rows = input.transpose(0, 1).reshape(batch * seq, -1).to(dtype)
+            logits = torch.nn.functional.linear(rows, weight, bias)
+            return logits.view(batch, seq, -1).transpose(0, 1).contiguous()
 
         def routing(self, logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             _install()
@@ -654,22 +661,60 @@ def hf_grouped_experts_class(experts: str = "grouped_mm") -> type:
 
 
 @functools.lru_cache(maxsize=None)
-def hf_shared_experts_class() -> type:
+def hf_shared_experts_class(gemm: str = "fused") -> type:
+    """:class:`HFOrderSharedExpertMLP`; ``gemm``: the numerics knob ``shared_expert_gemm``."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    from mcore_zoo.placement import group_size
+    from mcore_zoo.specs.pack_rows import linear_each_sequence
+
+    if gemm not in ("fused", "hf"):
+        raise ValueError(f"shared_expert_gemm={gemm!r}; use 'fused' or 'hf'")
 
     class HFOrderSharedExpertMLP(SharedExpertMLP):
         """``SharedExpertMLP`` whose gate ``sigmoid(x @ gate.T)`` runs over the tokens in HF's
         (batch-major) order: the one-column GEMM and torch's vectorised sigmoid (which rounds the
         tail after the last full vector differently) both depend on where a token sits in the
-        tensor. Same math as the stock module."""
+        tensor. With ``gemm="hf"`` the gate and up projections are two GEMMs (the halves of
+        ``linear_fc1``'s weight), as transformers' shared-expert MLP runs ``gate_proj`` and
+        ``up_proj`` (:meth:`gate_up_apart` says where). Same math as the stock module."""
 
         def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-            if not self.use_shared_expert_gate or hidden_states.dim() != 3:
+            gated = self.use_shared_expert_gate and hidden_states.dim() == 3
+            if not gated and not self.gate_up_apart():
                 return super().forward(hidden_states)
-            output, _ = super(SharedExpertMLP, self).forward(hidden_states)
+            output = self._mlp(hidden_states)
+            if not gated:
+                return output
             by_batch = hidden_states.transpose(0, 1).contiguous()  # [b, s, h]: a view when b == 1 (THD)
             gate = torch.sigmoid(torch.nn.functional.linear(by_batch, self.gate_weight)).transpose(0, 1)
             return output * gate
+
+        def gate_up_apart(self) -> bool:
+            """Whether the gate and up projections run as two GEMMs: ``gemm="hf"``, Megatron-Core's
+            own linear (not Transformer Engine's) on one tensor-parallel rank without sequence
+            parallelism, no bias, and the plain gated activation ``act(gate) * up``."""
+            config, fc1 = self.config, self.linear_fc1
+            group = getattr(fc1, "tp_group", None)
+            return (gemm == "hf" and isinstance(fc1, ColumnParallelLinear) and config.gated_linear_unit
+                    and getattr(fc1, "bias", None) is None and (group is None or group_size(group) == 1)
+                    and not config.sequence_parallel and not config.bias_activation_fusion
+                    and not getattr(config, "use_te_activation_func", False) and not config.fp8
+                    and getattr(config, "activation_func_clamp_value", None) is None
+                    and not getattr(config, "glu_linear_offset", 0))  # fmt: skip
+
+        def _mlp(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            """The shared expert's output (no bias: the shared experts have none)."""
+            if not self.gate_up_apart():
+                output, _ = super(SharedExpertMLP, self).forward(hidden_states)
+                return output
+            weight = self.linear_fc1.weight  # [gate rows; up rows]
+            half = weight.shape[0] // 2
+            gate = linear_each_sequence(hidden_states, weight[:half])
+            up = linear_each_sequence(hidden_states, weight[half:])
+            output, _ = self.linear_fc2(self.config.activation_func(gate) * up)
+            return output
 
     return HFOrderSharedExpertMLP
 
@@ -692,14 +737,17 @@ def mark_expert_data_parallel(model: torch.nn.Module, config: Any) -> None:
 
 
 def moe_mlp_submodule(arch: ArchConfig, pieces: dict[str, Any], router: str, experts: str = "grouped_mm",
-                      grouped: bool = False, pack: str = "batch", router_gemm: str = "backend") -> Any:  # fmt: skip
+                      grouped: bool = False, pack: str = "batch", router_gemm: str = "backend",
+                      shared_gemm: str = "fused") -> Any:  # fmt: skip
     """The ``TransformerLayerSubmodules.mlp`` value of an MoE layer (this Megatron-Core version's
     form): ``MoELayer`` with sequential experts of ``pieces``' linears, shared experts, router.
     ``experts``: the transformers experts implementation whose combine ``router="hf"`` follows.
     ``pack``: the numerics knob ``pack_gemms`` (``router="hf"`` only; ``"each"`` needs the decoder
     layer to be :func:`mcore_zoo.specs.pack_rows.sequence_bounds_layer_class`'s). ``router_gemm``:
     the numerics knob (``router="hf"`` only): the router logits by Megatron-Core's GEMM or by
-    ``F.linear`` as transformers computes them.
+    ``F.linear`` as transformers computes them. ``shared_gemm``: the numerics knob
+    ``shared_expert_gemm`` (``router="hf"`` only): the shared expert's gate and up projections
+    as one GEMM or two.
     ``grouped``: Transformer Engine's grouped-GEMM experts instead, built as Megatron-Core's TE spec
     builds them with ``moe_grouped_gemm=True`` (:func:`mcore_zoo.compat.te_grouped_experts`):
     ``TEGroupedMLP``, or :class:`HFOrderTEGroupedMLP` for ``router="hf"``."""
@@ -732,7 +780,7 @@ def moe_mlp_submodule(arch: ArchConfig, pieces: dict[str, Any], router: str, exp
     )
     submodules = MoESubmodules(
         experts=experts_spec,
-        shared_experts=ModuleSpec(module=hf_shared_experts_class() if router == "hf" else SharedExpertMLP,
+        shared_experts=ModuleSpec(module=hf_shared_experts_class(shared_gemm) if router == "hf" else SharedExpertMLP,
                                   submodules=linears),  # fmt: skip
         router=router_builder,
     )
