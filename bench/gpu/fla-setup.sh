@@ -11,8 +11,8 @@
 #   pip download flash-linear-attention fla-core einops --no-deps -d WHEEL_DIR
 # (einops is fla's one pure-Python dependency; torch and triton come with the image). Every wheel there
 # is installed with pip --no-index --no-deps --target, except distributions the image already has.
-# Then fla is imported from TARGET and its gated delta rule and causal convolution are run once on the
-# GPU against transformers' torch fallbacks (bench/gpu/fla_smoke.py): the setup fails if they disagree.
+# Then the zoo loads fla's kernels from TARGET (the setup fails, naming what is missing, if it cannot);
+# tests/gpu/test_gated_deltanet_fla_gpu.py (the hybrid-fla phase) checks them against the torch path.
 set -euo pipefail
 wheels=${1:?usage: fla-setup.sh WHEEL_DIR [TARGET]}
 target=${2:-/tmp/fla-site}
@@ -31,5 +31,6 @@ for whl in "$wheels"/*.whl; do
   fi
 done
 $py -m pip install --no-index --no-deps --target "$target" --upgrade "${install[@]}"
+PYTHONPATH="$target:$(pwd)/src${PYTHONPATH:+:$PYTHONPATH}" $py -c \
+  "from mcore_zoo.families.gated_deltanet.kernels import load_fla; k = load_fla(); print('fla', k.version, k.chunk_gated_delta_rule.__module__, k.causal_conv1d.__module__)"
 echo "$target" > "$target/.ready"
-PYTHONPATH="$target:$(pwd)/src${PYTHONPATH:+:$PYTHONPATH}" $py bench/gpu/fla_smoke.py
