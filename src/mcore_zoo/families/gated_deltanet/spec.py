@@ -17,12 +17,23 @@ a packed sequence computes exactly what it computes run alone. With the numerics
 convolution and the delta rule are causal: the padding after a sequence reaches none of its
 tokens), one pass of the chunk loop for the whole pack.
 
+Kernels (numerics knob ``linear_attention_kernel``, :mod:`.kernels`): transformers' torch math above,
+or flash-linear-attention's Triton kernels on CUDA - its causal convolution and chunked gated delta
+rule, a THD pack as one varlen call with ``cu_seqlens`` (each sequence from a zero state and
+window inside the kernels), BSHD batches as they are; the projections, the gated RMSNorm (fla's does
+not round as transformers' does) and ``out_proj`` stay the same on both.
+
 Tensor parallelism splits the layer by head as it computes them (each rank a whole group of key
 heads with their value heads; ``out_proj`` row-parallel); pipeline stages take their layers of the
-hybrid pattern (:func:`hybrid_layer_specs`). Megatron-Core 0.16's own ``GatedDeltaNet``
-(``megatron.core.ssm.gated_delta_net``) needs flash-linear-attention's kernels and refuses THD
-packs; it is not used here. The layer is built on backends ``local`` and ``portable``; context
-parallelism is refused by :meth:`~mcore_zoo.config.arch.GatedDeltaNetSpec.layout_problems`.
+hybrid pattern (:func:`hybrid_layer_specs`). Megatron-Core's own ``GatedDeltaNet``
+(``megatron.core.ssm.gated_delta_net``) also calls fla's kernels, but is not used here: in 0.16 it
+refuses THD packs (``packed_seq_params``), and it holds its
+projections as one ``in_proj`` in Megatron's own order with its own tensor-parallel sharding, where
+this layer keeps the checkpoint's tensors and splits them by whole key-head groups - so the same
+layer, weight table and THD handling serve every backend and both kernels. The layer is built on
+backends ``local``, ``portable`` and ``te`` (Transformer Engine's linears, attention and norms around
+it; on ``te`` the layer keeps an input norm of its own, :func:`with_input_norm`); context parallelism
+is refused by :meth:`~mcore_zoo.config.arch.GatedDeltaNetSpec.layout_problems`.
 
 Full-attention layers are Megatron-Core's ``SelfAttention`` with ``attention_output_gate``
 (the query projection twice as wide, :mod:`.weights` lays it out), whose gate is applied in HF's
