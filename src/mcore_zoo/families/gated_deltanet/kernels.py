@@ -21,8 +21,9 @@ Asking for ``"fla"`` where it cannot run (``fla`` not importable, or a CPU build
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -51,10 +52,20 @@ class FlaKernels:
 
 def load_fla() -> FlaKernels:
     """The installed flash-linear-attention's kernels; :class:`ZooError` naming what is missing."""
+    found = _import_fla()
+    if isinstance(found, str):
+        raise ZooError(found)
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def _import_fla() -> Union[FlaKernels, str]:
+    """fla's kernels, or why they cannot be imported (looked up once per process: ``"auto"`` asks
+    at every forward)."""
     try:
         delta_rule = importlib.import_module(DELTA_RULE_MODULE).chunk_gated_delta_rule
     except Exception as exc:
-        raise ZooError(f"flash-linear-attention (package 'fla') is not importable: {type(exc).__name__}: {exc}") from exc
+        return f"flash-linear-attention (package 'fla') is not importable: {type(exc).__name__}: {exc}"
     for name in CONV_MODULES:
         try:
             conv = importlib.import_module(name).causal_conv1d
@@ -62,7 +73,7 @@ def load_fla() -> FlaKernels:
         except (ImportError, AttributeError):
             continue
     else:
-        raise ZooError(f"flash-linear-attention has no causal_conv1d in {' or '.join(CONV_MODULES)}")
+        return f"flash-linear-attention has no causal_conv1d in {' or '.join(CONV_MODULES)}"
     version = getattr(importlib.import_module("fla"), "__version__", "unknown")
     return FlaKernels(chunk_gated_delta_rule=delta_rule, causal_conv1d=conv, version=version)
 
