@@ -20,8 +20,6 @@ import mcore_zoo
 from mcore_zoo.errors import ZooError
 from mcore_zoo.families.gated_deltanet import kernels as linear_kernels
 
-from ..conftest import random_sequences
-
 pytest.importorskip("megatron.core")
 
 ARCH = "Qwen3NextForCausalLM"
@@ -88,14 +86,19 @@ def _build(checkpoint, kernel, backend="portable"):
                                  params_dtype=torch.float32)  # fmt: skip
 
 
-def _pack(lengths, hidden, seed):
+def _pack(lengths, hidden, seed, align=1):
+    """A THD pack of random rows; ``align > 1``: each sequence padded to a multiple of ``align`` rows
+    (``cu_seqlens_q_padded``), the padding rows random too."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     gen = torch.Generator().manual_seed(seed)
     bounds = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    padded = torch.tensor([0] + [-(-n // align) * align for n in lengths]).cumsum(0).to(torch.int32)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
+                             cu_seqlens_q_padded=padded if align > 1 else None,
+                             cu_seqlens_kv_padded=padded if align > 1 else None,
                              max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))  # fmt: skip
-    return torch.randn(sum(lengths), 1, hidden, generator=gen), params
+    return torch.randn(int(padded[-1]), 1, hidden, generator=gen), params
 
 
 def _forward_backward(layer, x, params):
@@ -119,7 +122,9 @@ def _max_gap(a, b):
 def test_fla_layer_equals_torch_on_a_mixed_thd_pack(mpu, reference_checkpoint, fla_standin, arch_name, overrides):
     """The gated DeltaNet layer on fla's calling convention (one varlen call per pack) equals the
     torch layer (each sequence alone) on a pack of 37, 1, 100 and 5 tokens, forward and backward, and
-    on a BSHD batch, within fp32 rounding; a delta rule whose state crosses ``cu_seqlens`` is caught."""
+    on a BSHD batch, and on the pack padded for alignment (``cu_seqlens_q_padded``: the padding rows
+    segments of their own in fla's varlen call, their outputs zero), within fp32 rounding; a delta
+    rule whose state crosses ``cu_seqlens`` is caught."""
     ckpt = reference_checkpoint(arch_name, overrides)
     torch_layer = _build(ckpt, "torch").decoder.layers[0].self_attention
     fla_layer = _build(ckpt, "fla").decoder.layers[0].self_attention
@@ -129,20 +134,12 @@ def test_fla_layer_equals_torch_on_a_mixed_thd_pack(mpu, reference_checkpoint, f
     assert _max_gap(_forward_backward(fla_layer, x, params), want) <= 1e-5
     bshd = x[:64].view(32, 2, -1)  # [s, b, h]
     assert _max_gap(_forward_backward(fla_layer, bshd, None), _forward_backward(torch_layer, bshd, None)) <= 1e-5
+    aligned, aligned_params = _pack(LENGTHS, x.shape[-1], seed=1, align=8)
+    got = _forward_backward(fla_layer, aligned, aligned_params)
+    assert _max_gap(got, _forward_backward(torch_layer, aligned, aligned_params)) <= 1e-5
+    assert got[0][37:40].abs().max() == 0, "padding rows give zeros"
     fla_standin(leak=True)
     assert _max_gap(_forward_backward(fla_layer, x, params)[:1], want[:1]) > 1e-3, "a leaking state must be caught"
-
-
-def test_fla_pack_with_alignment_padding_matches_torch(mpu, reference_checkpoint, fla_standin):
-    """A pack padded for alignment (``cu_seqlens_q_padded``) through the model: the padding rows are
-    segments of their own in fla's varlen call, each sequence's log-probs as on the torch path."""
-    ckpt = reference_checkpoint(ARCH, DENSE)
-    seqs = random_sequences(LENGTHS, 256, seed=2)
-    with torch.no_grad():
-        want = mcore_zoo.packed_forward(_build(ckpt, "torch").eval(), seqs, seq_format="thd", align=8).logprobs
-        got = mcore_zoo.packed_forward(_build(ckpt, "fla").eval(), seqs, seq_format="thd", align=8).logprobs
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert a.numel() == 0 or float((a - b).abs().max()) <= 1e-5, f"sequence {i}"
 
 
 def test_pack_boundaries_cut_padding_into_segments_of_their_own():
