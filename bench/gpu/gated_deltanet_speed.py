@@ -13,15 +13,26 @@ one-layer model built by ``mcore_zoo.build_model`` (``local`` backend, random in
   sequences run as one right-padded batch);
 * ``bshd_padded``: the same sequences as one ``[s_max, b, h]`` batch, right-padded to the longest
   (what a BSHD trainer runs; the padding rows cost compute);
-* ``bshd_each``: each sequence as its own batch of one (the work the pack does, without it).
+* ``bshd_each``: each sequence as its own batch of one (the work the pack does, without it);
+* with flash-linear-attention (``--kernel fla``, or ``auto`` where fla runs): ``thd_fla``, the pack
+  as one varlen call of fla's convolution and delta rule (numerics knob
+  ``linear_attention_kernel="fla"``), and ``bshd_padded_fla``, the padded batch on fla's kernels.
+
+The rows above run the layer on transformers' torch math (``linear_attention_kernel="torch"``).
 
 Times are medians of ``--iters`` runs after warm-up (CUDA events on the GPU). ``thd_vs_padded`` and
 ``thd_vs_each`` are the ratios of the THD time to each BSHD time, ``thd_batch_vs_padded`` that of
-``thd_batch`` (1.05 is the issue's bound). ``max_abs_diff_*``: the largest difference between the
-pack's outputs and each BSHD form's (``max_abs_diff_batch``: ``thd_batch`` vs ``thd``), per token
-(0.0: bitwise).
+``thd_batch`` (1.05 is the issue's bound); with fla, ``fla_thd_vs_padded`` (``thd_fla`` /
+``bshd_padded_fla``, the bound again: ``fla_bound_met``) and ``fla_vs_torch`` (``thd_fla`` /
+``thd_batch``: fla's time against the torch path's best THD form). ``max_abs_diff_*``: the largest
+difference between the pack's outputs and each BSHD form's (``max_abs_diff_batch``: ``thd_batch`` vs
+``thd``; ``max_abs_diff_fla``: ``thd_fla`` vs ``thd``; ``max_abs_diff_fla_padded``: ``thd_fla`` vs
+``bshd_padded_fla``), per token (0.0: bitwise). The script fails (exit 1) where a case raises, or
+where fla's pack differs from the torch pack by more than ``FLA_TOLERANCE`` (bf16: a state leaking
+across ``cu_seqlens`` or a wrong calling convention shows as O(1) differences).
 
     PYTHONPATH=src python bench/gpu/gated_deltanet_speed.py --out OUT/gated_deltanet_thd.json
+    PYTHONPATH=src:FLA_DIR python bench/gpu/gated_deltanet_speed.py --kernel fla --out OUT/gated_deltanet_fla.json
     PYTHONPATH=src python bench/gpu/gated_deltanet_speed.py --device cpu --tiny --iters 1 --out x.json
 """
 
@@ -44,6 +55,8 @@ CASES = [("mixed", [2048, 1024, 768, 512, 300, 100, 37]), ("many-short", [256] *
 TINY = {"hidden_size": 64, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
         "linear_value_head_dim": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
         "intermediate_size": 96}  # fmt: skip
+#: largest |thd_fla - thd| accepted, relative to the largest output (bf16 kernels of another op order)
+FLA_TOLERANCE = 0.05
 
 
 def layer_config(path: Path, tiny: bool) -> dict[str, Any]:
@@ -88,7 +101,7 @@ def timed(fn: Callable[[], None], device: str, iters: int, warmup: int) -> float
 
 
 def run_case(layer: torch.nn.Module, lengths: list[int], device: str, dtype: torch.dtype, iters: int,
-             warmup: int) -> dict[str, Any]:  # fmt: skip
+             warmup: int, fla: bool = False) -> dict[str, Any]:  # fmt: skip
     from megatron.core.packed_seq_params import PackedSeqParams
 
     hidden = layer.out_proj.out_features
@@ -116,13 +129,21 @@ def run_case(layer: torch.nn.Module, lengths: list[int], device: str, dtype: tor
         for p in layer.parameters():
             p.grad = None
 
-    def thd(pack: str) -> None:
-        layer.pack = pack
+    def thd(pack: str, kernel: str = "torch") -> None:
+        layer.pack, layer.kernel = pack, kernel
         try:
             zero_grads()
             step(packed, packed_grad, params)
         finally:
-            layer.pack = "each"
+            layer.pack, layer.kernel = "each", "torch"
+
+    def padded_fla() -> None:
+        layer.kernel = "fla"
+        try:
+            zero_grads()
+            step(padded, padded_grad)
+        finally:
+            layer.kernel = "torch"
 
     forms = {
         "thd": lambda: thd("each"),
@@ -130,6 +151,8 @@ def run_case(layer: torch.nn.Module, lengths: list[int], device: str, dtype: tor
         "bshd_padded": lambda: (zero_grads(), step(padded, padded_grad)),
         "bshd_each": lambda: (zero_grads(), [step(x.unsqueeze(1), g.unsqueeze(1)) for x, g in zip(seqs, grads)]),
     }
+    if fla:
+        forms.update(thd_fla=lambda: thd("each", "fla"), bshd_padded_fla=padded_fla)
     result: dict[str, Any] = {"lengths": lengths, "tokens": sum(lengths), "padded_tokens": longest * len(lengths)}
     for name, fn in forms.items():
         result[f"{name}_ms"] = timed(fn, device, iters, warmup)
@@ -148,6 +171,19 @@ def run_case(layer: torch.nn.Module, lengths: list[int], device: str, dtype: tor
         layer.pack = "each"
     result["max_abs_diff_padded"], result["max_abs_diff_each"] = diff_pad, diff_each
     result["max_abs_diff_batch"] = float((batched - thd).abs().max())
+    if fla:
+        result["fla_thd_vs_padded"] = result["thd_fla_ms"] / result["bshd_padded_fla_ms"]
+        result["fla_bound_met"] = result["fla_thd_vs_padded"] <= 1.05
+        result["fla_vs_torch"] = result["thd_fla_ms"] / result["thd_batch_ms"]
+        with torch.no_grad():
+            layer.kernel = "fla"
+            fla_pack = layer(packed, None, packed_seq_params=params)[0][:, 0].float()
+            fla_pad = layer(padded, None)[0].float()
+            layer.kernel = "torch"
+        result["max_abs_diff_fla"] = float((fla_pack - thd).abs().max())
+        result["max_abs_diff_fla_padded"] = max(float((fla_pack[starts[i]:starts[i + 1]] - fla_pad[: n, i]).abs().max())
+                                                for i, n in enumerate(lengths))  # fmt: skip
+        result["fla_within_tolerance"] = result["max_abs_diff_fla"] <= FLA_TOLERANCE * float(thd.abs().max())
     return result
 
 
@@ -166,6 +202,16 @@ def markdown(report: dict[str, Any]) -> str:
                      f" {r['bshd_padded_ms']:.2f} | {r['bshd_each_ms']:.2f} | {r['thd_vs_padded']:.3f} |"
                      f" {r['thd_batch_vs_padded']:.3f} | {r['thd_vs_each']:.3f} | {r['max_abs_diff_padded']:.3g} |"
                      f" {r['max_abs_diff_each']:.3g} | {r['max_abs_diff_batch']:.3g} |")  # fmt: skip
+    fla = {name: r for name, r in report["cases"].items() if "thd_fla_ms" in r}
+    if fla:
+        lines += ["", f"flash-linear-attention {report['fla']} (numerics knob `linear_attention_kernel=\"fla\"`):", "",
+                  "| case | THD fla ms | BSHD padded fla ms | THD fla / padded fla | bound 1.05 | THD fla / THD batch (torch) |"
+                  " max \\|d\\| fla vs torch | max \\|d\\| fla THD vs fla padded |",
+                  "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]  # fmt: skip
+        for name, r in fla.items():
+            lines.append(f"| {name} | {r['thd_fla_ms']:.2f} | {r['bshd_padded_fla_ms']:.2f} | {r['fla_thd_vs_padded']:.3f} |"
+                         f" {'met' if r['fla_bound_met'] else 'MISSED'} | {r['fla_vs_torch']:.3f} |"
+                         f" {r['max_abs_diff_fla']:.3g} | {r['max_abs_diff_fla_padded']:.3g} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -177,8 +223,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a tiny layer (a dry run of the script on the CPU)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--kernel", choices=("torch", "fla", "auto"), default="auto",
+                    help="fla: add the fla forms (refused where fla cannot run); auto: where it can; torch: none")
     ap.add_argument("--out", type=Path, required=True, help="JSON path (Markdown beside it)")
     args = ap.parse_args(argv)
+    from mcore_zoo.families.gated_deltanet import kernels
+
+    if args.kernel == "fla":
+        kernels.check_kernel("fla", args.device)
+    fla = args.kernel == "fla" or (args.kernel == "auto" and kernels.fla_problem(args.device) is None)
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
     config = layer_config(args.config, args.tiny)
     layer = build_layer(config, args.device, dtype)
@@ -190,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         "layer": (f"hidden {config['hidden_size']}, {spec.num_key_heads} key heads x {spec.key_head_dim},"
                   f" {spec.num_value_heads} value heads x {spec.value_head_dim}, conv {spec.conv_kernel_dim},"
                   f" chunk {spec.chunk_size}"),
+        "fla": kernels.load_fla().version if fla else None,
         "cases": {},
     }  # fmt: skip
     status = 0
@@ -197,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.tiny:
             lengths = [max(2, n // 16) for n in lengths]
         try:
-            report["cases"][name] = run_case(layer, lengths, args.device, dtype, args.iters, args.warmup)
+            report["cases"][name] = run_case(layer, lengths, args.device, dtype, args.iters, args.warmup, fla=fla)
+            if fla and not report["cases"][name]["fla_within_tolerance"]:
+                status = 1  # fla's pack is not the torch pack's result
         except Exception as exc:  # recorded; the next case runs
             report["cases"][name] = {"lengths": lengths, "error": f"{type(exc).__name__}: {exc}"}
             status = 1

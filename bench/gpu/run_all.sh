@@ -14,7 +14,9 @@
 # mla (DeepSeek-V3, te), profile-sdpa (hf-exact-sdpa on te: distance and speed) and two-gpu (refit
 # at TP2, DeepSeek-V3 EP2 / TP2; 2 GPUs), hybrid-gpu (Qwen3-Next / Qwen3.5 / Qwen3.5-MoE at full width, 4
 # layers: parity vs HF, hf-exact, THD vs BSHD speed of a gated DeltaNet layer, vLLM parity and refit;
-# 4 GPUs in parallel, fewer serialise), vllm-exact-tp2 (vllm-exact at TP2 against a TP2 engine;
+# 4 GPUs in parallel, fewer serialise), hybrid-fla (the same models on te with the gated DeltaNet layer on
+# flash-linear-attention's kernels vs HF eager on its torch path, fla's THD vs BSHD speed, the fla GPU
+# test; needs bench/gpu/fla-setup.sh WHEEL_DIR; 4 GPUs in parallel), vllm-exact-tp2 (vllm-exact at TP2 against a TP2 engine;
 # 2 GPUs), four-gpu (four-gpu-moe: Qwen3-30B-A3B and Mixtral-8x7B at EP2 / EP4 / TP2 x EP2 /
 # PP2 x EP2; four-gpu-mla: DeepSeek-V3 at EP4 / TP2 x EP2; four-gpu-tp4: a Llama-3.1-8B-shaped
 # model at TP4, te and local hf-exact; 4 GPUs), four-gpu-vllm (refit from TP4 into a TP4 vLLM engine,
@@ -407,6 +409,17 @@ if [[ " $phases " == *" frontier-gpu "* ]]; then
   echo "frontier-summary exit $?" >> "$out/logs/status"
 fi
 
+if [[ " $phases " == *" hybrid-gpu "* || " $phases " == *" hybrid-fla "* ]]; then
+  # the gated DeltaNet models of both hybrid phases: published configs, 4 layers (3 gated DeltaNet, 1 gated
+  # attention), 64 routed experts, the Qwen3.5 vision tower cut to one block
+  cfgs=tests/fixtures/configs
+  four='["linear_attention","linear_attention","linear_attention","full_attention"]'
+  next=(--config "$cfgs/qwen3-next-80b-a3b.json" --random-weights --set num_hidden_layers=4 --set num_experts=64)
+  q35=(--random-weights --set text_config.num_hidden_layers=4 --set "text_config.layer_types=$four" --set vision_config.depth=1)
+  q35dense=(--config "$cfgs/qwen3.5-9b.json" "${q35[@]}")
+  q35moe=(--config "$cfgs/qwen3.5-35b-a3b.json" "${q35[@]}" --set text_config.num_experts=64)
+fi
+
 if [[ " $phases " == *" hybrid-gpu "* ]]; then
   # Gated DeltaNet models (Qwen3-Next-80B-A3B, Qwen3.5-9B, Qwen3.5-35B-A3B published configs) at full
   # width, 4 layers (3 gated DeltaNet, 1 gated attention), 64 routed experts, bf16, random weights.
@@ -417,12 +430,6 @@ if [[ " $phases " == *" hybrid-gpu "* ]]; then
   # bench/gpu/vllm-setup.sh and `source bench/gpu/vllm-env.sh` before run_all.sh; without it they are skipped.
   # reference checkpoints (several GB each) in HYBRID_WORK, default a fresh temporary folder, removed at the end
   hy="$out/parity/gpu-hybrid"; work=${HYBRID_WORK:-$(mktemp -d)}; mkdir -p "$hy"
-  cfgs=tests/fixtures/configs
-  four='["linear_attention","linear_attention","linear_attention","full_attention"]'
-  next=(--config "$cfgs/qwen3-next-80b-a3b.json" --random-weights --set num_hidden_layers=4 --set num_experts=64)
-  q35=(--random-weights --set text_config.num_hidden_layers=4 --set "text_config.layer_types=$four" --set vision_config.depth=1)
-  q35dense=(--config "$cfgs/qwen3.5-9b.json" "${q35[@]}")
-  q35moe=(--config "$cfgs/qwen3.5-35b-a3b.json" "${q35[@]}" --set text_config.num_experts=64)
   hrep=($py -m mcore_zoo.cli parity-report --dtype bfloat16 --device cuda -q -v --backend local --lengths 512,512,300,100)
   # bitwise needs equal lengths on BSHD (no padding rows: the GEMMs see the reference's row counts), as moe-exact
   exact=(--numerics hf-exact --bitwise --no-baseline --lengths 512,512,512,512 --seq-format bshd --out "$hy/local-hf-exact")
@@ -459,5 +466,47 @@ if [[ " $phases " == *" hybrid-gpu "* ]]; then
     hyvllm hybrid-q35-vllm "$(g 3)" "${hrep[@]}" "${q35dense[@]}" "${vllm[@]}" --vllm-arg language_model_only=true ) &
   wait
   [ -n "${HYBRID_WORK:-}" ] || rm -rf "$work"
+fi
+
+if [[ " $phases " == *" hybrid-fla "* ]]; then
+  # The gated DeltaNet models above on te (Transformer Engine linears, attention and zero-centred norms; not
+  # declared by the plugins yet, admitted for these runs) with the gated DeltaNet layer on flash-linear-
+  # attention's kernels (linear_attention_kernel=fla: refused, never replaced, where fla cannot run), default
+  # profile, bf16, vs HF eager on transformers' torch fallbacks with HF's own sdpa-vs-eager spread:
+  # bench/gpu/hybrid_fla_parity.py imports transformers with fla hidden and records the kernels of both sides
+  # in each report. A te run that writes no report is followed by the same run on local (fla kernels).
+  # Then fla's THD (one varlen call) vs padded BSHD speed of one layer and the fla GPU test. fla lives in
+  # FLA_SITE (bash bench/gpu/fla-setup.sh WHEEL_DIR), on PYTHONPATH for these runs only. Reports to
+  # $out/parity/gpu-hybrid/{te-fla,local-fla}/ (docs/parity/gpu-hybrid/README.md).
+  hy="$out/parity/gpu-hybrid"; mkdir -p "$hy"
+  fla_site=${FLA_SITE:-/tmp/fla-site}
+  if [ ! -f "$fla_site/.ready" ]; then
+    echo "hybrid-fla skipped: no fla in $fla_site (bash bench/gpu/fla-setup.sh WHEEL_DIR)" >> "$out/logs/status"
+  else
+    flpy=(env PYTHONPATH="$fla_site:$(pwd)/src:$(pwd)${PYTHONPATH:+:$PYTHONPATH}" $py)
+    flrep=("${flpy[@]}" bench/gpu/hybrid_fla_parity.py --admit te -- --dtype bfloat16 --device cuda -q -v
+           --knob linear_attention_kernel=fla --lengths 512,512,300,100)
+    flrun() {  # flrun NAME GPU CMD...: one sub-run on GPU, log, record the exit code
+      local name=$1 gpu=$2
+      shift 2
+      CUDA_VISIBLE_DEVICES=$gpu timeout "${HYBRID_TIMEOUT:-300}" "$@" > "$out/logs/$name.log" 2>&1
+      echo "$name exit $?" >> "$out/logs/status"
+    }
+    flreport() {  # flreport NAME GPU ARCHITECTURE ARGS...: te with fla; local with fla when te wrote no report
+      local name=$1 gpu=$2 arch=$3
+      shift 3
+      flrun "$name-te" "$gpu" "${flrep[@]}" "$@" --backend te --out "$hy/te-fla"
+      [ -f "$hy/te-fla/$arch.json" ] || flrun "$name-local" "$gpu" "${flrep[@]}" "$@" --backend local --out "$hy/local-fla"
+    }
+    ( flreport hybrid-fla-next "$(g 0)" Qwen3NextForCausalLM "${next[@]}"
+      # THD varlen vs padded BSHD on fla, and fla vs the torch path (the issue's bound: THD <= 1.05 x BSHD)
+      flrun hybrid-fla-speed "$(g 0)" "${flpy[@]}" bench/gpu/gated_deltanet_speed.py --kernel fla \
+          --out "$hy/gated_deltanet_fla.json" ) &
+    flreport hybrid-fla-q35 "$(g 1)" Qwen3_5ForConditionalGeneration "${q35dense[@]}" &
+    flreport hybrid-fla-q35moe "$(g 2)" Qwen3_5MoeForConditionalGeneration "${q35moe[@]}" &
+    MCORE_ZOO_GPU_RESULTS="$hy" flrun hybrid-fla-test "$(g 3)" "${flpy[@]}" -m pytest -p mcore_zoo.testing.plugin \
+        tests/gpu/test_gated_deltanet_fla_gpu.py -q -s -p no:cacheprovider &
+    wait
+  fi
 fi
 cat "$out/logs/status"

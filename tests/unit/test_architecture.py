@@ -132,7 +132,7 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "weights/io.py", "weights/pread.py", "weights/staging.py", "weights/load.py", "weights/export.py",
         "weights/tied.py", "weights/fp8.py", "weights/fp8_quantize.py", "weights/mxfp4.py",
         "packing.py", "numerics/gemm.py", "kernels/__init__.py", "kernels/copy_runs.py", "kernels/logprob_rows.py",
-        "kernels/vllm_ops.py", "families/vision_language/positions.py",
+        "kernels/vllm_ops.py", "families/vision_language/positions.py", "families/gated_deltanet/kernels.py",
     ),
     "registration": (
         "__init__.py", "entry.py", "hookspecs.py", "registry.py", "architecture.py", "plugin_api.py",

@@ -164,4 +164,4 @@ def test_the_training_profile_keeps_the_backend_gemms():
     changed = {k: v for k, v in training.items() if default[k] != v}
     assert changed == {"norm": "hf", "fuse_norm_into_linear": False, "rope_fusion": False,
                        "bias_activation_fusion": False, "attention": "sdpa", "linear_bias": "fused",
-                       "linear_attention_pack": "each"}  # fmt: skip
+                       "linear_attention_pack": "each", "linear_attention_kernel": "torch"}  # fmt: skip

@@ -216,6 +216,8 @@ def transformer_config_kwargs(arch: ArchConfig, options: BuildOptions) -> dict[s
         kwargs["mrope_section"] = list(arch.rope.mrope_section)
     if arch.attention_output_gate:  # Qwen3-Next: the query projection carries a sigmoid output gate
         kwargs["attention_output_gate"] = True
+    if arch.zero_centered_norm and options.backend == "te":  # TE's norms scale by 1 + weight (specs/gpt.py)
+        kwargs["layernorm_zero_centered_gamma"] = True
     kwargs.update(arch.extra_transformer_config)
     for name, value in options.overrides.items():
         kwargs[name] = value

@@ -112,7 +112,17 @@ class NumericsProfile:
             the batched products may round differently from a batch of one. ``"auto"``: ``"batch"``
             on CUDA, ``"each"`` on the CPU. ``default`` takes ``"auto"`` (measured on an H100, bf16, Qwen3-Next's layer: a mixed pack at 1.006x and a
             pack of 64 short sequences at 1.036x the padded batch's forward + backward, where
-            ``"each"`` costs 1.43x and 10.1x); the exact profiles take ``"each"``.
+            ``"each"`` costs 1.43x and 10.1x); the exact profiles take ``"each"``. Not consulted
+            where the layer runs on fla's kernels (``linear_attention_kernel``: a pack is then one
+            varlen call).
+        linear_attention_kernel: gated DeltaNet models only: the kernels of the zoo's gated
+            DeltaNet layer (:mod:`mcore_zoo.families.gated_deltanet.kernels`). ``"torch"``:
+            transformers' torch fallbacks op for op (bitwise vs transformers on its torch path).
+            ``"fla"``: flash-linear-attention's Triton kernels (CUDA; the causal convolution and the
+            chunked delta rule, a THD pack as one varlen call with ``cu_seqlens``); refused by name
+            where ``fla`` is not importable or the model is on the CPU. ``"auto"``: ``"fla"`` on
+            CUDA where importable, else ``"torch"``. ``default`` takes ``"auto"``; the exact
+            profiles (and ``training``) keep ``"torch"``.
         kernels: ``"backend"`` (the modules the knobs above choose) or ``"vllm"``: every op of the
             decoder on vLLM's batch-invariant kernels (the ``vllm-exact`` profile; the other knobs
             are then not consulted).
@@ -139,6 +149,7 @@ class NumericsProfile:
     grouped_experts: bool = False
     pack_gemms: str = "batch"
     linear_attention_pack: str = "each"
+    linear_attention_kernel: str = "torch"
     kernels: str = "backend"
     vllm_decode: str = "exact"
     description: str = ""
@@ -155,6 +166,7 @@ class NumericsProfile:
             "moe_experts": ("grouped_mm", "eager"),
             "pack_gemms": ("each", "batch"),
             "linear_attention_pack": ("each", "batch", "auto"),
+            "linear_attention_kernel": ("torch", "fla", "auto"),
             "kernels": ("backend", "vllm"),
             "vllm_decode": ("exact", "prefill"),
         }
@@ -200,8 +212,10 @@ PROFILES: dict[str, NumericsProfile] = {
     "default": NumericsProfile(
         name="default",
         linear_attention_pack="auto",
-        description="backend kernels and fusions; RoPE frequencies computed as HF does; a THD pack's gated"
-        " DeltaNet sequences as one padded batch on the GPU",
+        linear_attention_kernel="auto",
+        description="backend kernels and fusions; RoPE frequencies computed as HF does; gated DeltaNet layers on"
+        " flash-linear-attention's kernels where importable on the GPU (else a THD pack's sequences as one padded"
+        " batch on the GPU)",
     ),
     "hf-exact": NumericsProfile(
         name="hf-exact",

@@ -9,6 +9,8 @@ Backends:
 
 * ``te`` - Transformer Engine linears and fused attention. With the ``default`` profile the input
   and pre-MLP norms are fused into ``linear_qkv`` / ``linear_fc1`` (``layer_norm_weight``).
+  Zero-centred RMSNorm (``1 + weight``, Qwen3-Next / Qwen3.5) is TE's ``zero_centered_gamma`` under
+  ``norm="mcore"`` and the zoo's :class:`~mcore_zoo.specs.norms.ZeroCenteredRMSNorm` under ``norm="hf"``.
   Attention sinks (gpt-oss) and DeepSeek sparse attention keep the zoo's own core attention
   between the TE linears.
 * ``local`` - Megatron-Core modules without TE (mcore ``DotProductAttention``: no THD).
@@ -83,9 +85,6 @@ def _pieces(arch: ArchConfig, backend: str, numerics: NumericsProfile) -> dict[s
             final_norm=norm,
         )
     if backend == "te":
-        if arch.zero_centered_norm:
-            raise ZooError(f"{arch.architecture}: zero-centred RMSNorm (1 + weight) is built on backends 'local' and"
-                           " 'portable' only")  # fmt: skip
         if not have_transformer_engine():
             raise ZooError("backend 'te' needs Transformer Engine (pip install 'mcore-zoo[te]')")
         from megatron.core.extensions.transformer_engine import (
@@ -97,6 +96,10 @@ def _pieces(arch: ArchConfig, backend: str, numerics: NumericsProfile) -> dict[s
         )
 
         norm = HFRMSNorm if numerics.norm == "hf" else TENorm
+        if arch.zero_centered_norm and numerics.norm == "hf":  # 1 + weight in transformers' op order
+            from .norms import ZeroCenteredRMSNorm as norm
+        # norm="mcore": TE's norms with zero_centered_gamma (1 + weight) where arch.zero_centered_norm
+        # (transformer_config_kwargs sets layernorm_zero_centered_gamma)
         fused = numerics.fuse_norm_into_linear and numerics.norm == "mcore"
         core = _core_attention(backend, numerics, TEDotProductAttention)
         if arch.attention_sinks and core is TEDotProductAttention:

@@ -17,12 +17,23 @@ a packed sequence computes exactly what it computes run alone. With the numerics
 convolution and the delta rule are causal: the padding after a sequence reaches none of its
 tokens), one pass of the chunk loop for the whole pack.
 
+Kernels (numerics knob ``linear_attention_kernel``, :mod:`.kernels`): transformers' torch math above,
+or flash-linear-attention's Triton kernels on CUDA - its causal convolution and chunked gated delta
+rule, a THD pack as one varlen call with ``cu_seqlens`` (each sequence from a zero state and
+window inside the kernels), BSHD batches as they are; the projections, the gated RMSNorm (fla's does
+not round as transformers' does) and ``out_proj`` stay the same on both.
+
 Tensor parallelism splits the layer by head as it computes them (each rank a whole group of key
 heads with their value heads; ``out_proj`` row-parallel); pipeline stages take their layers of the
-hybrid pattern (:func:`hybrid_layer_specs`). Megatron-Core 0.16's own ``GatedDeltaNet``
-(``megatron.core.ssm.gated_delta_net``) needs flash-linear-attention's kernels and refuses THD
-packs; it is not used here. The layer is built on backends ``local`` and ``portable``; context
-parallelism is refused by :meth:`~mcore_zoo.config.arch.GatedDeltaNetSpec.layout_problems`.
+hybrid pattern (:func:`hybrid_layer_specs`). Megatron-Core's own ``GatedDeltaNet``
+(``megatron.core.ssm.gated_delta_net``) also calls fla's kernels, but is not used here: in 0.16 it
+refuses THD packs (``packed_seq_params``), and it holds its
+projections as one ``in_proj`` in Megatron's own order with its own tensor-parallel sharding, where
+this layer keeps the checkpoint's tensors and splits them by whole key-head groups - so the same
+layer, weight table and THD handling serve every backend and both kernels. The layer is built on
+backends ``local``, ``portable`` and ``te`` (Transformer Engine's linears, attention and norms around
+it; on ``te`` the layer keeps an input norm of its own, :func:`with_input_norm`); context parallelism
+is refused by :meth:`~mcore_zoo.config.arch.GatedDeltaNetSpec.layout_problems`.
 
 Full-attention layers are Megatron-Core's ``SelfAttention`` with ``attention_output_gate``
 (the query projection twice as wide, :mod:`.weights` lays it out), whose gate is applied in HF's
@@ -40,10 +51,11 @@ import torch.nn.functional as F
 
 from mcore_zoo.config.arch import ArchConfig, GatedDeltaNetSpec
 from mcore_zoo.errors import ZooError
+from mcore_zoo.families.gated_deltanet import kernels as linear_kernels
 from mcore_zoo.numerics.profiles import NumericsProfile
 
 #: the backends the gated DeltaNet layer is built on
-BACKENDS = ("local", "portable")
+BACKENDS = ("local", "portable", "te")
 
 
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
@@ -170,9 +182,10 @@ def gated_deltanet_class() -> type:
         summed over the group)."""
 
         def __init__(self, config: Any, submodules: Any = None, layer_number: Optional[int] = None, *,
-                     spec: GatedDeltaNetSpec, pack: str = "each", **_: Any) -> None:  # fmt: skip
+                     spec: GatedDeltaNetSpec, pack: str = "each", kernel: str = "torch", **_: Any) -> None:  # fmt: skip
             super().__init__(config)
-            self.pack = pack  # the numerics knob linear_attention_pack: "each" or "batch"
+            self.pack = pack  # the numerics knob linear_attention_pack: "each", "batch" or "auto"
+            self.kernel = kernel  # the numerics knob linear_attention_kernel: "torch", "fla" or "auto"
             self.tp = config.tensor_model_parallel_size
             self.sequence_parallel = bool(config.sequence_parallel) and self.tp > 1
             spec = rank_heads(spec, self.tp)
@@ -219,7 +232,13 @@ def gated_deltanet_class() -> type:
             elif self.tp > 1:
                 hidden_states = copy_to_tensor_model_parallel_region(hidden_states)
             x = hidden_states.transpose(0, 1).contiguous()  # [b, s, h], HF's layout
-            out = self._mix(x) if packed_seq_params is None else self._mix_packed(x, packed_seq_params)
+            fla = linear_kernels.resolve_kernel(self.kernel, x) == "fla"
+            if packed_seq_params is None:
+                out = self._mix(x, fla=fla)
+            elif fla:
+                out = self._mix_varlen(x, packed_seq_params)
+            else:
+                out = self._mix_packed(x, packed_seq_params)
             out = out.transpose(0, 1).contiguous()
             if self.sequence_parallel:
                 out = reduce_scatter_to_sequence_parallel_region(out)
@@ -255,6 +274,21 @@ def gated_deltanet_class() -> type:
                 out[:, start:start + length] = self._mix(x[:, start:start + length])
             return out
 
+        def _mix_varlen(self, x: torch.Tensor, params: Any) -> torch.Tensor:
+            """One THD pack (``[1, t, h]``) through fla's kernels as one varlen call each, every
+            sequence from a zero state and window (:func:`~.kernels.pack_boundaries`); alignment
+            padding rows give zeros."""
+            if x.shape[0] != 1:
+                raise ZooError(f"a THD pack has batch 1, got {x.shape[0]}")
+            cuts, spans = linear_kernels.pack_boundaries(params, x.shape[1])
+            out = self._mix(x, fla=True, cu_seqlens=torch.tensor(cuts, dtype=torch.long))
+            keep = torch.zeros(x.shape[1], dtype=torch.bool)
+            for start, length in spans:
+                keep[start:start + length] = True
+            if bool(keep.all()):
+                return out
+            return out * keep.to(device=out.device, dtype=out.dtype).view(1, -1, 1)
+
         def _mix_padded_batch(self, x: torch.Tensor, spans: list, out: torch.Tensor) -> torch.Tensor:
             """The pack's ``spans`` (start row, length) as one right-padded ``[n, longest, h]`` batch
             (rows moved by one gather and one scatter each way), mixed, and written back into ``out``."""
@@ -266,20 +300,32 @@ def gated_deltanet_class() -> type:
             mixed = self._mix(batch.view(len(spans), longest, -1))
             return out[0].index_copy(0, rows, mixed.reshape(-1, mixed.shape[-1]).index_select(0, slots)).unsqueeze(0)
 
-        def _mix(self, x: torch.Tensor) -> torch.Tensor:
+        def _mix(self, x: torch.Tensor, fla: bool = False, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
             """transformers' ``Qwen3NextGatedDeltaNet.forward`` (``Qwen3_5GatedDeltaNet.forward`` for the
-            split projections) without a cache, ``[b, s, h]`` in and out."""
+            split projections) without a cache, ``[b, s, h]`` in and out; ``fla``: the convolution and
+            the delta rule on flash-linear-attention's kernels (:mod:`.kernels`), ``cu_seqlens``
+            (``[n + 1]``, on the CPU) the varlen segments of a ``[1, t, h]`` pack."""
             spec = self.spec
             batch, seq_len = x.shape[:2]
             mixed, z, b, a = self._project(x) if spec.projections == "split" else self._project_fused(x)
-            mixed = causal_conv1d(mixed, self.conv1d.weight.squeeze(1), spec.activation).transpose(1, 2)
+            kernels = linear_kernels.load_fla() if fla else None
+            varlen = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens.to(x.device), "cu_seqlens_cpu": cu_seqlens}
+            if kernels is not None:
+                mixed = kernels.causal_conv1d(mixed.transpose(1, 2), self.conv1d.weight.squeeze(1),
+                                              activation=spec.activation, **varlen)[0]  # fmt: skip
+            else:
+                mixed = causal_conv1d(mixed, self.conv1d.weight.squeeze(1), spec.activation).transpose(1, 2)
             query, key, value = torch.split(mixed, [spec.key_dim, spec.key_dim, spec.value_dim], dim=-1)
             query = query.reshape(batch, seq_len, -1, spec.key_head_dim)
             key = key.reshape(batch, seq_len, -1, spec.key_head_dim)
             value = value.reshape(batch, seq_len, -1, spec.value_head_dim)
             beta = b.sigmoid()
             g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-            core = chunk_gated_delta_rule(query, key, value, g, beta, spec.chunk_size)
+            if kernels is not None:
+                core = kernels.chunk_gated_delta_rule(query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True,
+                                                      **varlen)[0]  # fmt: skip
+            else:
+                core = chunk_gated_delta_rule(query, key, value, g, beta, spec.chunk_size)
             z_shape = z.shape
             core = self.norm(core.reshape(-1, core.shape[-1]), z.reshape(-1, z.shape[-1]))
             core = core.reshape(z_shape).reshape(batch, seq_len, -1)
@@ -333,15 +379,35 @@ def gated_attention_class() -> type:
     return GatedSelfAttention
 
 
-def check_buildable(arch: ArchConfig, backend: str, numerics: NumericsProfile) -> None:
-    """Refuse, by name, the builds the gated DeltaNet layer does not support yet."""
+def check_buildable(arch: ArchConfig, backend: str, numerics: NumericsProfile, *, cuda: bool = True) -> None:
+    """Refuse, by name, the builds the gated DeltaNet layer does not support yet (``cuda``: the model
+    is built on the GPU; ``linear_attention_kernel="fla"`` needs it and an importable ``fla``)."""
     if backend not in BACKENDS:
-        raise ZooError(f"{arch.architecture}: the gated DeltaNet layer is built on backends {BACKENDS}, not"
-                       f" {backend!r} (Transformer Engine / flash-linear-attention kernels are not wired yet)")  # fmt: skip
+        raise ZooError(f"{arch.architecture}: the gated DeltaNet layer is built on backends {BACKENDS}, not {backend!r}")
+    if numerics.linear_attention_kernel == "fla":
+        linear_kernels.check_kernel("fla", "cuda" if cuda else "cpu")
     if numerics.kernels == "vllm":
         raise ZooError(f"{arch.architecture}: numerics {numerics.name!r} (vLLM's kernels) has no gated DeltaNet layer")
     if arch.mtp_num_layers:
         raise ZooError(f"{arch.architecture}: multi-token prediction is not built for gated DeltaNet models yet")
+
+
+def with_input_norm(layer: Any, arch: ArchConfig, backend: str, numerics: NumericsProfile) -> Any:
+    """``layer`` with a norm of its own before the token mixer: on ``te`` with the norm fused into
+    ``linear_qkv`` (``fuse_norm_into_linear``) the layer spec has none, and the gated DeltaNet layer
+    has no ``linear_qkv`` to fuse it into. Its distributed-checkpoint key stays the fused one
+    (``self_attention.linear_qkv.layer_norm_weight``), as on every backend."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from mcore_zoo.specs.gpt import _pieces
+
+    if layer.submodules.input_layernorm is not IdentityOp:
+        return layer
+    norm = _pieces(arch, backend, numerics.with_knobs(fuse_norm_into_linear=False))["input_layernorm"]
+    keys = dict(layer.submodules.sharded_state_dict_keys_map or {})
+    keys["input_layernorm."] = "self_attention.linear_qkv.layer_norm_"
+    return dataclasses.replace(layer, submodules=dataclasses.replace(
+        layer.submodules, input_layernorm=norm, sharded_state_dict_keys_map=keys))  # fmt: skip
 
 
 def hybrid_layer_specs(arch: ArchConfig, backend: str, numerics: NumericsProfile, *, config: Any,
@@ -354,15 +420,17 @@ def hybrid_layer_specs(arch: ArchConfig, backend: str, numerics: NumericsProfile
 
     from mcore_zoo.specs.gpt import _pieces, gpt_layer_spec, stage_layer_indices
 
-    check_buildable(arch, backend, numerics)
+    check_buildable(arch, backend, numerics, cuda=not config.use_cpu_initialization)
     spec = arch.gated_deltanet
-    linear = ModuleSpec(module=gated_deltanet_class(), params={"spec": spec, "pack": numerics.linear_attention_pack})
+    linear = ModuleSpec(module=gated_deltanet_class(), params={"spec": spec, "pack": numerics.linear_attention_pack,
+                                                               "kernel": numerics.linear_attention_kernel})  # fmt: skip
     dense = gpt_layer_spec(arch, backend, numerics)
     moe = gpt_layer_spec(arch, backend, numerics, moe=True) if arch.moe is not None else None
     layers = []
     for index in stage_layer_indices(config, vp_stage, pp_rank):
         layer = moe if moe is not None and arch.moe.is_moe_layer(index) else dense
         if spec.is_linear_layer(index):
+            layer = with_input_norm(layer, arch, backend, numerics)
             mixer = linear
         elif arch.attention_output_gate:
             mixer = dataclasses.replace(layer.submodules.self_attention, module=gated_attention_class())

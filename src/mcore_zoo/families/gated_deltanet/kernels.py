@@ -1,0 +1,123 @@
+"""Which kernels compute the gated DeltaNet layer: the numerics knob ``linear_attention_kernel``.
+
+``"torch"``: transformers' torch fallbacks op for op (:mod:`.spec`: ``causal_conv1d``,
+``chunk_gated_delta_rule``), bitwise equal to transformers' model on its torch path. ``"fla"``:
+flash-linear-attention's Triton kernels (package ``fla``, CUDA only) - the chunked gated delta rule
+(``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, q / k L2-normalised in the kernel, as
+transformers calls it) and the causal convolution (``fla.modules.causal_conv1d.causal_conv1d``;
+``fla.modules.convolution`` in releases before 0.5). A THD pack runs as one varlen call of each with
+``cu_seqlens``: every sequence starts from a zero recurrent state and a zero convolution window
+inside the kernels, no padding, no per-sequence loop. ``"auto"``: ``"fla"`` for CUDA inputs when
+``fla`` is importable, else ``"torch"`` (decided per forward).
+
+fla's gated RMSNorm (``FusedRMSNormGated``) is not used: it multiplies the weight in fp32 before the
+single final cast, where transformers' ``Qwen3NextRMSNormGated`` casts the normalised input back to
+its dtype first (bf16 results differ), so the layer keeps the torch norm on every kernel.
+
+Asking for ``"fla"`` where it cannot run (``fla`` not importable, or a CPU build) is refused by name
+(:func:`fla_problem`); it is never replaced by the torch path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from mcore_zoo.errors import ZooError
+
+#: the knob's values
+KERNELS = ("torch", "fla", "auto")
+#: where each release of flash-linear-attention keeps the causal convolution (newest first)
+CONV_MODULES = ("fla.modules.causal_conv1d", "fla.modules.convolution")
+DELTA_RULE_MODULE = "fla.ops.gated_delta_rule"
+
+
+@dataclasses.dataclass(frozen=True)
+class FlaKernels:
+    """flash-linear-attention's two entry points the layer calls, with fla's signatures:
+    ``chunk_gated_delta_rule(q, k, v, g, beta, *, use_qk_l2norm_in_kernel, cu_seqlens, ...)``
+    (``[b, t, heads, d]``; returns ``(out, final_state)``) and ``causal_conv1d(x, weight, *,
+    activation, cu_seqlens, ...)`` (``x`` ``[b, t, channels]``, ``weight`` ``[channels, width]``;
+    returns ``(out, final_state)``); ``device_types``: the tensors' device types they run on."""
+
+    chunk_gated_delta_rule: Callable[..., Any]
+    causal_conv1d: Callable[..., Any]
+    device_types: tuple = ("cuda",)
+    version: str = "unknown"
+
+
+def load_fla() -> FlaKernels:
+    """The installed flash-linear-attention's kernels; :class:`ZooError` naming what is missing."""
+    found = _import_fla()
+    if isinstance(found, str):
+        raise ZooError(found)
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def _import_fla() -> Union[FlaKernels, str]:
+    """fla's kernels, or why they cannot be imported (looked up once per process: ``"auto"`` asks
+    at every forward)."""
+    try:
+        delta_rule = importlib.import_module(DELTA_RULE_MODULE).chunk_gated_delta_rule
+    except Exception as exc:
+        return f"flash-linear-attention (package 'fla') is not importable: {type(exc).__name__}: {exc}"
+    for name in CONV_MODULES:
+        try:
+            conv = importlib.import_module(name).causal_conv1d
+            break
+        except (ImportError, AttributeError):
+            continue
+    else:
+        return f"flash-linear-attention has no causal_conv1d in {' or '.join(CONV_MODULES)}"
+    version = getattr(importlib.import_module("fla"), "__version__", "unknown")
+    return FlaKernels(chunk_gated_delta_rule=delta_rule, causal_conv1d=conv, version=version)
+
+
+def fla_problem(device_type: str) -> Optional[str]:
+    """Why fla's kernels cannot run on ``device_type`` tensors here (``None``: they can)."""
+    try:
+        kernels = load_fla()
+    except ZooError as exc:
+        return str(exc)
+    if device_type not in kernels.device_types:
+        return f"its Triton kernels run on {'/'.join(kernels.device_types)} tensors, not {device_type}"
+    return None
+
+
+def check_kernel(choice: str, device_type: str) -> None:
+    """Refuse, by name, ``linear_attention_kernel=choice`` where it cannot run on ``device_type``."""
+    if choice not in KERNELS:
+        raise ZooError(f"linear_attention_kernel={choice!r} not in {KERNELS}")
+    if choice == "fla":
+        problem = fla_problem(device_type)
+        if problem is not None:
+            raise ZooError(f"numerics knob linear_attention_kernel='fla' cannot run on {device_type}: {problem}"
+                           " (use 'torch', or 'auto': fla on CUDA where importable, else torch)")  # fmt: skip
+
+
+def resolve_kernel(choice: str, x: torch.Tensor) -> str:
+    """``"torch"`` or ``"fla"`` for an input ``x``: ``"auto"`` picks fla where it can run on ``x``'s
+    device; ``"fla"`` where it cannot is refused (:func:`check_kernel`)."""
+    if choice == "auto":
+        return "fla" if x.is_cuda and fla_problem(x.device.type) is None else "torch"
+    check_kernel(choice, x.device.type)
+    return choice
+
+
+def pack_boundaries(params: Any, total_rows: int) -> tuple[list, list]:
+    """A THD pack's varlen layout for fla: ``(cu_seqlens, spans)``. ``spans``: each non-empty
+    sequence's ``(start row, length)``; ``cu_seqlens``: the segment starts of the pack's rows - each
+    sequence's rows one segment, its alignment padding (``cu_seqlens_q_padded``) and rows past the
+    last sequence segments of their own - so no state or window crosses a sequence start; the
+    padding rows' outputs are dropped by the caller."""
+    bounds = params.cu_seqlens_q.tolist()
+    padded = getattr(params, "cu_seqlens_q_padded", None)
+    starts = (padded if padded is not None else params.cu_seqlens_q).tolist()
+    spans = [(starts[i], bounds[i + 1] - bounds[i]) for i in range(len(bounds) - 1) if bounds[i + 1] > bounds[i]]
+    cuts = sorted({0, total_rows, *(start for start, _ in spans), *(start + n for start, n in spans)})
+    return [c for c in cuts if c <= total_rows], spans

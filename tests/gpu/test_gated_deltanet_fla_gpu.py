@@ -1,0 +1,158 @@
+"""The gated DeltaNet layer on flash-linear-attention's kernels (numerics knob
+``linear_attention_kernel="fla"``) on the GPU, against the same layer on transformers' torch math.
+
+* one layer (Qwen3-Next's fused and Qwen3.5's split projections, tiny widths): a THD pack of 37, 1,
+  100 and 5 tokens as one varlen call vs the torch path, forward and backward, fp32 and bf16; each
+  packed sequence vs the same sequence alone on fla; a change to one sequence moves no other one
+  (no state or convolution window crosses ``cu_seqlens``); a BSHD batch on fla vs torch;
+* the whole model on ``te`` (Transformer Engine around the zoo's gated DeltaNet layer on fla;
+  ``te`` admitted for this process as ``bench/gpu/frontier_parity.py`` does, the plugins not
+  declaring it yet) vs ``local`` on torch from one bf16 checkpoint: log-probs of a THD pack with
+  alignment padding within bf16 distance, and a ``train_step`` that reaches every parameter.
+
+Needs CUDA and fla (``bash bench/gpu/fla-setup.sh WHEEL_DIR``, then ``source bench/gpu/fla-env.sh``).
+With ``MCORE_ZOO_GPU_RESULTS`` set, the measured gaps are written there (``gated_deltanet_fla.json``).
+
+    python3 -m pytest tests/gpu/test_gated_deltanet_fla_gpu.py -q -s
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import mcore_zoo
+
+if importlib.util.find_spec("fla") is None:
+    pytestmark = pytest.mark.skip(reason="needs flash-linear-attention (bench/gpu/fla-setup.sh, source bench/gpu/fla-env.sh)")
+
+ROOT = Path(__file__).resolve().parents[2]
+LENGTHS = [37, 1, 100, 5]
+#: the largest difference accepted, relative to the largest entry of each tensor (fla's Triton dots
+#: take fp32 inputs as tf32; a state leaking across sequences is an O(1) difference)
+TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 5e-2}
+RESULTS: dict = {}
+
+
+def _record(key: str, value: object) -> None:
+    RESULTS[key] = value
+    out = os.environ.get("MCORE_ZOO_GPU_RESULTS")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "gated_deltanet_fla.json").write_text(json.dumps(RESULTS, indent=2) + "\n")
+    print(key, value)
+
+
+def _tiny_config(name: str) -> dict:
+    config = mcore_zoo.lookup(name).example_config()
+    if "num_experts" in config:
+        config.update(num_experts=0)
+    return config
+
+
+def _layer(name: str, dtype: torch.dtype):
+    model = mcore_zoo.build_model(_tiny_config(name), backend="local", params_dtype=dtype, device="cuda")
+    layer = model.decoder.layers[0].self_attention
+    assert type(layer).__name__ == "PortableGatedDeltaNet"
+    layer.pack = "each"  # the torch reference: each sequence of a pack alone
+    return layer
+
+
+def _pack(lengths, hidden, dtype, seed=0):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    gen = torch.Generator().manual_seed(seed)
+    bounds = torch.tensor([0] + lengths).cumsum(0).to(torch.int32).cuda()
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
+                             max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))  # fmt: skip
+    return torch.randn(sum(lengths), 1, hidden, generator=gen).to("cuda", dtype), params
+
+
+def _run(layer, kernel, x, params):
+    """Output, input gradient and parameter gradients of the layer on ``kernel``."""
+    layer.kernel = kernel
+    for p in layer.parameters():
+        p.grad = None
+    x = x.detach().clone().requires_grad_(True)
+    out, _ = layer(x, None, packed_seq_params=params)
+    out.backward(torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out).to(out.dtype))
+    return [out.detach().float(), x.grad.float(), *(p.grad.float() for p in layer.parameters())]
+
+
+def _gap(a, b) -> float:
+    return max(float((x - y).abs().max() / y.abs().max().clamp_min(1e-12)) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["Qwen3NextForCausalLM", "Qwen3_5ForCausalLM"])
+def test_fla_layer_matches_the_torch_layer(mpu, name, dtype):
+    layer = _layer(name, dtype)
+    x, params = _pack(LENGTHS, layer.out_proj.out_features, dtype)
+    want, got = _run(layer, "torch", x, params), _run(layer, "fla", x, params)
+    gap = _gap(got, want)
+    bshd = x[:64].view(32, 2, -1)
+    bshd_gap = _gap(_run(layer, "fla", bshd, None), _run(layer, "torch", bshd, None))
+    with torch.no_grad():  # each packed sequence vs the same sequence alone, both on fla
+        layer.kernel = "fla"
+        packed = layer(x, None, packed_seq_params=params)[0]
+        starts = params.cu_seqlens_q.tolist()
+        alone = max(float((packed[a:b] - layer(x[a:b], None)[0]).abs().max()) for a, b in zip(starts, starts[1:]))
+        moved = x.clone()
+        moved[starts[1] - 3:starts[1]] += 1.0  # the last tokens of sequence 0, right before sequence 1
+        after = layer(moved, None, packed_seq_params=params)[0]
+        others = float((after[starts[1]:] - packed[starts[1]:]).abs().max())
+        own = float((after[:starts[1]] - packed[:starts[1]]).abs().max())
+    _record(f"{name}-{str(dtype).replace('torch.', '')}", dict(fla_vs_torch=gap, bshd_fla_vs_torch=bshd_gap,
+            pack_vs_alone=alone, other_sequences_moved=others, own_sequence_moved=own))  # fmt: skip
+    assert gap <= TOLERANCE[dtype] and bshd_gap <= TOLERANCE[dtype], (gap, bshd_gap)
+    assert alone <= TOLERANCE[dtype] * float(packed.abs().max()), alone
+    # the rows of other sequences are computed apart from sequence 0's (row-wise GEMMs, per-sequence kernels)
+    assert others <= 1e-3 * float(packed.abs().max()) and own > 10 * others, (others, own)
+
+
+@pytest.fixture(scope="module")
+def te_admitted():
+    sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+    from frontier_parity import admitting_plugin
+
+    from mcore_zoo.registry import get_registry
+
+    names = ["Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"]
+    record = get_registry().register(admitting_plugin(names, ["te"]), "admit-te-gated-deltanet",
+                                     distribution="tests/gpu/test_gated_deltanet_fla_gpu.py")  # fmt: skip
+    assert record.status == "loaded", record.error
+
+
+@pytest.mark.parametrize("name", ["Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM"])
+def test_te_with_fla_matches_local_torch(mpu, te_admitted, tmp_path, name):
+    pytest.importorskip("transformer_engine.pytorch")
+    from mcore_zoo.parity.reference import write_reference_checkpoint
+
+    architecture = mcore_zoo.lookup(name)
+    write_reference_checkpoint(architecture, architecture.example_config(), tmp_path, dtype=torch.bfloat16)
+    fla = mcore_zoo.get_profile("default").with_knobs(linear_attention_kernel="fla")
+    te = mcore_zoo.build_model(tmp_path, backend="te", numerics=fla, load=tmp_path, params_dtype=torch.bfloat16)
+    local = mcore_zoo.build_model(tmp_path, backend="local", numerics=mcore_zoo.get_profile("default").with_knobs(
+        linear_attention_kernel="torch"), load=tmp_path, params_dtype=torch.bfloat16)  # fmt: skip
+    seqs = [torch.randint(0, 200, (n,), generator=torch.Generator().manual_seed(n)) for n in LENGTHS]
+    with torch.no_grad():
+        got = mcore_zoo.packed_forward(te.eval(), seqs, seq_format="thd", align=8).logprobs
+        want = mcore_zoo.packed_forward(local.eval(), seqs, seq_format="thd", align=8).logprobs
+    gaps = [float((a.float() - b.float()).abs().max()) for a, b in zip(got, want) if a.numel()]
+    means = [float((a.float() - b.float()).abs().mean()) for a, b in zip(got, want) if a.numel()]
+    te.train()
+    mcore_zoo.train_step(te, seqs, lambda tokens: (-(tokens.logprobs * tokens.mask).sum(), {}))
+    # the layers te and fla build (routed experts a tiny batch may leave without tokens are not asked)
+    missing = [n for n, p in te.named_parameters() if p.requires_grad and ("self_attention" in n or "layernorm" in n)
+               and p.grad is None and getattr(p, "main_grad", None) is None]  # fmt: skip
+    _record(f"te-fla-vs-local-torch-{name}", dict(max_abs_dlogp=max(gaps), mean_abs_dlogp=sum(means) / len(means),
+                                                  params_without_grad=missing))  # fmt: skip
+    # bf16 kernels of another op order (TE, fla) vs local + torch; a broken layer is an O(1) mean gap
+    assert max(gaps) <= 1.0 and sum(means) / len(means) <= 0.1, (gaps, means)
+    assert not missing, missing
