@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import ZooError
-from ..numerics.capture import HiddenCapture, hf_sites, mcore_sites, to_bsh_hf, to_bsh_mcore
+from ..numerics.capture import HiddenCapture, hf_sites, is_vision_site, mcore_sites, to_bsh_hf, to_bsh_mcore
 from ..numerics.metrics import Predictions
 
 #: TransformerConfig fields that select fused kernels (shown in the report's environment block)
@@ -209,7 +209,9 @@ def describe_mcore(model: torch.nn.Module) -> dict[str, Any]:
 def _split_hidden(records: dict[str, list[torch.Tensor]], spec: McoreSpec, batch: Any, lengths: list[int]) -> dict[str, list[torch.Tensor]]:
     out = {}
     for site, recs in records.items():
-        if spec.per_sequence:  # one record per sequence, each [1, padded len, h]
+        if is_vision_site(site):  # one record per tower call (a sequence with images), as transformers'
+            out[site] = [rec[0] for rec in recs]
+        elif spec.per_sequence:  # one record per sequence, each [1, padded len, h]
             out[site] = [rec[0, :n] for rec, n in zip(recs, lengths)]
         elif spec.seq_format == "thd":
             (rec,) = recs

@@ -1,0 +1,66 @@
+"""``parity-report``'s per-layer sites of a vision-language model: the tower's blocks, Qwen3-VL's
+deepstack mergers and the merger, before the decoder's sites, compared with transformers' own
+modules (forward hooks on the same pixels).
+
+CPU fp32, ``hf-exact``, the tiny example configs: every site is bitwise equal; a tower weight
+perturbed on the mcore side after loading makes that tower site the first divergent one.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import mcore_zoo
+from mcore_zoo.cli import main
+
+
+def _parity(out, arch: str) -> dict:
+    report = json.loads((out / f"{arch}.json").read_text())
+    return next(c for c in report["comparisons"] if c["role"] == "parity")
+
+
+def _run(arch: str, out) -> tuple[int, dict]:
+    code = main(["parity-report", "--arch", arch, "--bitwise", "--no-baseline", "--out", str(out), "-q",
+                 "--format", "json"])  # fmt: skip
+    return code, _parity(out, arch)
+
+
+def test_every_site_of_qwen3_vl_is_bitwise_tower_and_deepstack_included(tmp_path):
+    code, parity = _run("Qwen3VLForConditionalGeneration", tmp_path)
+    assert code == 0 and parity["first_divergent_site"] is None
+    sites = [row["site"] for row in parity["layers"]]
+    assert sites == ["vision.block.0", "vision.block.1", "vision.block.2", "vision.deepstack.0", "vision.deepstack.1",
+                     "vision.merger", "embedding", "layer.0", "layer.1", "final_norm", "logits"]  # fmt: skip
+    assert all(row["bitwise_equal"] and row["max_abs"] == 0.0 for row in parity["layers"])
+
+
+#: (architecture, the tower parameter perturbed after loading, the site that must diverge first)
+PERTURBED = [
+    ("Qwen2_5_VLForConditionalGeneration", "blocks.1.mlp.down_proj.weight", "vision.block.1"),
+    ("Qwen3VLForConditionalGeneration", "deepstack_merger_list.0.linear_fc2.weight", "vision.deepstack.0"),
+]
+
+
+@pytest.mark.parametrize("arch,parameter,site", PERTURBED, ids=["qwen2.5-vl-block", "qwen3-vl-deepstack"])
+def test_a_perturbed_tower_weight_is_the_first_divergent_site(tmp_path, monkeypatch, arch, parameter, site):
+    build = mcore_zoo.build_model
+
+    def perturbed(*args, **kwargs):
+        model = build(*args, **kwargs)
+        with torch.no_grad():
+            model.vision_model.get_parameter(parameter).add_(1e-2)
+        return model
+
+    monkeypatch.setattr(mcore_zoo, "build_model", perturbed)
+    code, parity = _run(arch, tmp_path)
+    assert code == 1 and parity["first_divergent_site"] == site
+    rows = {row["site"]: row for row in parity["layers"]}
+    before = list(rows)[: list(rows).index(site)]
+    assert before and all(rows[s]["bitwise_equal"] for s in before)
+    assert rows[site]["max_abs"] > 0 and not rows["logits"]["bitwise_equal"]
+    if site.startswith("vision.deepstack"):  # level 0 is added to layer 0's output: layer 1 reads it
+        assert rows["vision.merger"]["bitwise_equal"] and rows["layer.0"]["bitwise_equal"]
+        assert not rows["layer.1"]["bitwise_equal"]
