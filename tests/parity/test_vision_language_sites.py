@@ -64,3 +64,19 @@ def test_a_perturbed_tower_weight_is_the_first_divergent_site(tmp_path, monkeypa
     if site.startswith("vision.deepstack"):  # level 0 is added to layer 0's output: layer 1 reads it
         assert rows["vision.merger"]["bitwise_equal"] and rows["layer.0"]["bitwise_equal"]
         assert not rows["layer.1"]["bitwise_equal"]
+
+
+def test_images_and_image_size_place_that_many_grids_in_each_long_enough_sequence():
+    """``parity-report --images K --image-size N``: K images of N x N merged features in every
+    sequence whose share of K is long enough for one, none in a shorter one, lengths unchanged."""
+    from mcore_zoo.parity.inputs import add_images
+
+    plugin = mcore_zoo.lookup("Qwen2_5_VLForConditionalGeneration")
+    vision = plugin.config_from_hf(plugin.example_config()).vision
+    sequences = [torch.arange(5, 5 + n) for n in (60, 20)]
+    out, inputs, info = add_images(sequences, vision, images=2, side=3)
+    assert [s.numel() for s in out] == [60, 20] and inputs[1] is None
+    assert (out[0] == vision.image_token_id).sum() == 2 * 9 and (out[0] == vision.vision_start_token_id).sum() == 2
+    merge = vision.spatial_merge_size
+    assert inputs[0]["image_grid_thw"].tolist() == [[1, 3 * merge, 3 * merge]] * 2
+    assert inputs[0]["pixel_values"].shape[0] == 2 * 9 * merge**2 and info["images"] == 2

@@ -17,6 +17,8 @@ engine TP 1; above it the contiguous gate / up halves are refused by name, befor
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -121,3 +123,34 @@ def test_qwen3_vl_moe_gate_up_halves_above_engine_tp_1_are_refused_by_name(mpu, 
     with pytest.raises(ZooError, match=r"experts\.gate_up_proj'.*contiguous halves.*engine TP 2"):
         mcore_zoo.refit(model, adapter, bucket_size="64KB")
     assert adapter.calls == []
+
+
+def test_the_gpu_refit_configs_convert_with_the_tower_shrunk():
+    """The configs ``tests/gpu/test_refit_vision_language_gpu.py`` writes from the published ones
+    convert (every field classified): four decoder layers, a two-block tower, untied embeddings."""
+    from tests.gpu.test_refit_vision_language_gpu import CASES as GPU_CASES
+    from tests.gpu.test_refit_vision_language_gpu import CONFIGS, small_vision_language
+
+    for fixture, arch in GPU_CASES:
+        config = small_vision_language(json.loads((CONFIGS / fixture).read_text()))
+        plugin = mcore_zoo.lookup(config)
+        assert plugin.name == arch
+        converted = plugin.config_from_hf(config)
+        assert converted.num_layers == 4 and converted.vision.depth == 2 and not converted.tie_word_embeddings
+        assert converted.vision.out_hidden_size == converted.hidden_size == 1024
+
+
+def test_a_text_prompt_runs_as_a_right_padded_batch_as_the_gpu_refit_check_runs_it(mpu, reference_checkpoint):
+    """``test_refit_gpu.check`` compares vLLM with ``packed_forward(..., seq_format="bshd")`` on text
+    prompts: a vision-language model runs them as a text model, each sequence of the batch equal to
+    itself run alone (within 1e-5: the padded batch's GEMMs see other row counts)."""
+    from mcore_zoo.testing.common import random_sequences
+
+    arch = ARCHS[1]
+    _, model, _, _ = _setup(reference_checkpoint, arch, untied_text_config(arch))
+    seqs = random_sequences([9, 17], 200, seed=3)
+    with torch.no_grad():
+        bshd = mcore_zoo.packed_forward(model.eval(), seqs, seq_format="bshd").logprobs
+        alone = [mcore_zoo.packed_forward(model, [s], seq_format="bshd").logprobs[0] for s in seqs]
+    for a, b in zip(bshd, alone):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
