@@ -80,3 +80,15 @@ def test_images_and_image_size_place_that_many_grids_in_each_long_enough_sequenc
     merge = vision.spatial_merge_size
     assert inputs[0]["image_grid_thw"].tolist() == [[1, 3 * merge, 3 * merge]] * 2
     assert inputs[0]["pixel_values"].shape[0] == 2 * 9 * merge**2 and info["images"] == 2
+
+
+@pytest.mark.parametrize("arch", ["Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration"],
+                         ids=["qwen2.5-vl", "qwen3-vl"])
+def test_a_bfloat16_tower_equals_transformers_at_every_tower_site(tmp_path, arch):
+    """bf16: the tower's rotary inverse frequencies stay float32 when the model is cast (as
+    transformers keeps them); rounded to bf16 they move every block's attention."""
+    code = main(["parity-report", "--arch", arch, "--dtype", "bfloat16", "--numerics", "hf-exact", "--bitwise",
+                 "--no-baseline", "--out", str(tmp_path), "-q", "--format", "json"])  # fmt: skip
+    tower = [row for row in _parity(tmp_path, arch)["layers"] if row["site"].startswith("vision.")]
+    assert tower and all(row["bitwise_equal"] for row in tower), [(r["site"], r["max_abs"]) for r in tower]
+    assert code in (0, 1)  # the decoder's bf16 CPU GEMMs are not what this test is about
