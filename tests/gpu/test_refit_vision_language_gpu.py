@@ -15,6 +15,13 @@ its precomputed ``image_embeds`` inputs skip the tower - so they would not read 
 weights. The tower's weights are compared parameter by parameter instead, bitwise, and images run
 through the zoo against transformers in the ``vl-gpu`` phase's ``parity-report`` runs.
 
+The engine keeps its tower (no ``limit_mm_per_prompt`` of zero, which would drop it), replicated
+(``mm_encoder_tp_mode="data"``, as the refit plan places it), without the multimodal memory
+profiling (``skip_mm_profiling``: it feeds the tower dummy images made by the processor). vLLM
+0.26's scheduler also sizes its encoder budget from the processor's image settings at startup; if
+the engine refuses to start without processor files next to the weights, the failure names them
+(the test has not run on a GPU yet).
+
 Needs CUDA and vLLM (bench/gpu/vllm-setup.sh, then ``source bench/gpu/vllm-env.sh``); one GPU:
 
     python3 -m pytest tests/gpu/test_refit_vision_language_gpu.py -q -s
@@ -45,6 +52,8 @@ CASES = [
 #: the text model's width for the refit (head dimension 128 as published)
 TEXT_SIZES = {"hidden_size": 1024, "intermediate_size": 2048, "num_attention_heads": 8, "num_key_value_heads": 2,
               "head_dim": 128, "moe_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2}  # fmt: skip
+#: ``vllm.LLM`` arguments: the tower replicated, as the refit plan places it; no multimodal profiling
+ENGINE = {"mm_encoder_tp_mode": "data", "skip_mm_profiling": True}
 #: a two-block tower (head dimension 64; Qwen2.5-VL's second block full attention)
 VISION_SIZES = {"depth": 2, "hidden_size": 128, "intermediate_size": 256, "num_heads": 2}
 
@@ -79,8 +88,7 @@ def test_refit_vision_language_into_vllm_is_bitwise(tmp_path, fixture, arch):
     config = small_vision_language(json.loads((CONFIGS / fixture).read_text()))
     ckpt = tmp_path / "ckpt"
     write_reference_checkpoint(mcore_zoo.lookup(config), config, ckpt, dtype=torch.bfloat16)
-    # the tower replicated on the engine's ranks, as the refit plan places it
-    r = run_check(REFIT_CHECK, str(ckpt), arch, str(tmp_path), json.dumps({"mm_encoder_tp_mode": "data"}))
+    r = run_check(REFIT_CHECK, str(ckpt), arch, str(tmp_path), json.dumps(ENGINE))
     results = os.environ.get("MCORE_ZOO_GPU_RESULTS")
     if results:
         Path(results).mkdir(parents=True, exist_ok=True)
