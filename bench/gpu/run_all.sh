@@ -27,7 +27,9 @@
 # frontier-gpu (DeepSeek-V3.2, GLM-5 and gpt-oss-20b at full width,
 # 2 layers, te bf16 vs HF eager; one report per GPU at a time), disagg (disaggregated refit: trainer and
 # vLLM engine in separate processes, 8B-shaped dense and Qwen3-30B-A3B-shaped MoE; 2 GPUs, TP2 -> TP2
-# too on 4; vllm-setup.sh). RUN_GPU picks the GPU of the
+# too on 4; vllm-setup.sh), vl-gpu (Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE at full width, 4 decoder layers, images:
+# parity vs HF, hf-exact with the pack vs each sequence alone, refit into vLLM; 4 GPUs in parallel, fewer share).
+# RUN_GPU picks the GPU of the
 # single-GPU on-request phases.
 # Each job logs to OUT/logs/; a failing (or, past its time limit, killed) job is recorded and the
 # others go on. Limits: JOB_TIMEOUT (single-GPU jobs, default 420 s), MULTI_TIMEOUT (torchrun jobs,
@@ -508,5 +510,47 @@ if [[ " $phases " == *" hybrid-fla "* ]]; then
         tests/gpu/test_gated_deltanet_fla_gpu.py -q -s -p no:cacheprovider &
     wait
   fi
+fi
+
+if [[ " $phases " == *" vl-gpu "* ]]; then
+  # Vision-language models (Qwen2.5-VL-7B, Qwen3-VL-8B, Qwen3-VL-30B-A3B published configs) at full width, 4
+  # decoder layers, a 4-block tower at full width (Qwen3-VL: 3 deepstack levels), 64 routed experts, bf16, random
+  # weights; two images of random pixels (8 x 8 merged features each) in each sequence long enough for them.
+  # Per model: te (default profile) vs HF eager with HF's sdpa-vs-eager spread, per-layer sites of the tower,
+  # the merger and the decoder; hf-exact on local (split-K off) vs HF eager - bitwise for the dense models - with
+  # the pack vs each sequence alone (--invariance); then the refit into vLLM (tests/gpu/test_refit_vision_language_gpu.py,
+  # needs `source bench/gpu/vllm-env.sh`, else skipped). Reports to $out/parity/gpu-vl/; one chain per GPU.
+  # reference checkpoints in VL_WORK, default a fresh temporary folder, removed at the end
+  vl="$out/parity/gpu-vl"; work=${VL_WORK:-$(mktemp -d)}; mkdir -p "$vl"
+  cfgs=tests/fixtures/configs
+  vrep=($py -m mcore_zoo.cli parity-report --dtype bfloat16 --device cuda -q -v --lengths 512,512,300,100 --images 2
+        --image-size 8)
+  q25=(--config "$cfgs/qwen2.5-vl-7b-instruct.json" --random-weights --set num_hidden_layers=4 --set vision_config.depth=4
+       --set "vision_config.fullatt_block_indexes=[3]")
+  q3=(--random-weights --set text_config.num_hidden_layers=4 --set vision_config.depth=4
+      --set "vision_config.deepstack_visual_indexes=[0,1,2]")
+  q3dense=(--config "$cfgs/qwen3-vl-8b-instruct.json" "${q3[@]}")
+  q3moe=(--config "$cfgs/qwen3-vl-30b-a3b-instruct.json" "${q3[@]}" --set text_config.num_experts=64)
+  exact=(--backend local --numerics hf-exact --no-baseline --invariance --out "$vl/local-hf-exact")
+  vlrun() {  # vlrun NAME GPU CMD...: one sub-run of a chain on GPU, log, record the exit code
+    local name=$1 gpu=$2
+    shift 2
+    CUDA_VISIBLE_DEVICES=$gpu timeout "${VL_TIMEOUT:-300}" "$@" > "$out/logs/$name.log" 2>&1
+    echo "$name exit $?" >> "$out/logs/status"
+  }
+  ( vlrun vl-q25 "$(g 0)" "${vrep[@]}" "${q25[@]}" --backend te --work-dir "$work/q25" --out "$vl/te"
+    vlrun vl-q25-exact "$(g 0)" "${nosplit[@]}" "${vrep[@]}" --model "$work/q25/reference" "${exact[@]}" --bitwise ) &
+  ( vlrun vl-q3 "$(g 1)" "${vrep[@]}" "${q3dense[@]}" --backend te --work-dir "$work/q3" --out "$vl/te"
+    vlrun vl-q3-exact "$(g 1)" "${nosplit[@]}" "${vrep[@]}" --model "$work/q3/reference" "${exact[@]}" --bitwise ) &
+  # the MoE model: experts as transformers' eager loop; a pack is not bitwise (an expert's GEMM sees the pack's rows)
+  ( vlrun vl-q3moe "$(g 2)" "${vrep[@]}" "${q3moe[@]}" --backend te --work-dir "$work/q3moe" --out "$vl/te"
+    vlrun vl-q3moe-exact "$(g 2)" "${nosplit[@]}" "${vrep[@]}" --model "$work/q3moe/reference" "${exact[@]}" \
+        --knob moe_experts=eager ) &
+  if [ -n "${MCORE_ZOO_VLLM_PYTHON:-}" ]; then
+    ( VL_TIMEOUT=${VL_REFIT_TIMEOUT:-600} MCORE_ZOO_GPU_RESULTS="$vl" vlrun vl-refit "$(g 3)" $py -m pytest \
+        -p mcore_zoo.testing.plugin tests/gpu/test_refit_vision_language_gpu.py -q -s -p no:cacheprovider ) &
+  else echo "vl-refit skipped: no MCORE_ZOO_VLLM_PYTHON (source bench/gpu/vllm-env.sh)" >> "$out/logs/status"; fi
+  wait
+  [ -n "${VL_WORK:-}" ] || rm -rf "$work"
 fi
 cat "$out/logs/status"

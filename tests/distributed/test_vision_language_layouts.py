@@ -4,7 +4,9 @@ first stage), in one launch of two ranks.
 
 Per layout, on every rank: the packed forward of three samples with two, zero and one images
 against the single-process model (``layout_bound``), the gathered export and the checkpoint
-written by ``save_hf_checkpoint`` against the source checkpoint (bitwise).
+written by ``save_hf_checkpoint`` against the source checkpoint (bitwise). At TP2, ``train_step``
+on the same pack: every parameter's gradient under its HF name (gathered, the tower's included)
+within 1e-5 of the single-process update's.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ ARCHS = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration"
 #: after the first that holds one is refused by name)
 LAYERS = {"Qwen3VLForConditionalGeneration": 4}
 LAYOUTS = [("tp2", Parallelism(tp=2)), ("pp2", Parallelism(pp=2))]
+#: the layouts whose ``train_step`` gradients are compared with one process's
+TRAINED = ("tp2",)
+GRAD_TOL = 1e-5
 
 
 def _samples() -> tuple[list, list]:
@@ -40,6 +45,22 @@ def _overrides(arch: str) -> dict:
         return {}
     text = mcore_zoo.lookup(arch).example_config()["text_config"]
     return {"text_config": {**text, "num_hidden_layers": LAYERS[arch]}}
+
+
+def _loss(tokens):
+    """The pack's mean next-token negative log-likelihood (normalised by the pack's predicted
+    tokens, as the RL losses of ``test_training.py`` are)."""
+    predicted = sum(ids.numel() - 1 for ids in _samples()[0])
+    return -(tokens.logprobs * tokens.mask).sum() / predicted, {}
+
+
+def _gradients(model) -> dict[str, torch.Tensor]:
+    """``train_step``'s gradients of the three-sample pack under HF names (gathered over TP)."""
+    seqs, inputs = _samples()
+    model.train()
+    model.zero_grad(set_to_none=True)
+    mcore_zoo.train_step(model, seqs, _loss, vision_inputs=inputs)
+    return {name: grad.clone() for name, grad in mcore_zoo.iter_hf_weights(model, grads=True)}
 
 
 def _run(ckpts: dict, out_dir: str) -> dict:
@@ -60,12 +81,14 @@ def _run(ckpts: dict, out_dir: str) -> dict:
             export = export_mismatches(dict(mcore_zoo.iter_hf_weights(model, bucket_size="64KB")), source)
             mcore_zoo.save_hf_checkpoint(model, os.path.join(out_dir, arch, name), max_shard_size="200KB")
             found[(arch, name)] = {"logits": logits, "export": export}
+            if name in TRAINED:
+                found[(arch, name)]["grads"] = _gradients(model)
             ps.destroy_model_parallel()
     return found
 
 
 @pytest.mark.slow
-def test_tp2_and_pp2_equal_one_process_and_export_bitwise(reference_checkpoint, mpu, tmp_path):
+def test_tp2_and_pp2_equal_one_process_and_export_bitwise_and_tp2_gradients(reference_checkpoint, mpu, tmp_path):
     ckpts = {arch: str(reference_checkpoint(arch, _overrides(arch))) for arch in ARCHS}
     found = launch(_run, 2, ckpts, str(tmp_path))
     seqs, inputs = _samples()
@@ -75,6 +98,9 @@ def test_tp2_and_pp2_equal_one_process_and_export_bitwise(reference_checkpoint, 
         with torch.no_grad():
             ref = mcore_zoo.packed_forward(single, seqs, vision_inputs=inputs).logits
         source, bound = checkpoint_tensors(ckpt), layout_bound(ref)
+        grads = _gradients(single)
+        tower = [n for n in grads if "visual." in n]
+        assert tower and all(grads[n].abs().sum() > 0 for n in tower), f"{arch}: the tower takes no gradient"
         for name, _ in LAYOUTS:
             for rank, ranks in enumerate(found):
                 r, where = ranks[(arch, name)], f"{arch} {name} rank {rank}"
@@ -82,9 +108,16 @@ def test_tp2_and_pp2_equal_one_process_and_export_bitwise(reference_checkpoint, 
                 assert diff <= bound, f"{where}: logits differ from one process by {diff}, bound {bound:.2e}"
                 assert r["export"] == [], f"{where}: exported tensors differ: {r['export'][:5]}"
                 worst[(arch, name)] = max(worst.get((arch, name), 0.0), diff)
+                if name in TRAINED:
+                    assert r["grads"].keys() == grads.keys(), f"{where}: gradient names differ"
+                    for key, want in grads.items():
+                        gap = (r["grads"][key] - want).abs().max().item()
+                        assert gap <= GRAD_TOL, f"{where}: gradient of {key} differs from one process by {gap}"
+                    worst[(arch, "train_step")] = max(worst.get((arch, "train_step"), 0.0),
+                                                      *((r["grads"][k] - g).abs().max().item() for k, g in grads.items()))
             saved = checkpoint_tensors(os.path.join(str(tmp_path), arch, name))
             assert export_mismatches(saved, source) == [], f"{arch} {name}: save_hf_checkpoint"
-    print("max |dlogit| vs the single-process model:", worst)
+    print("max |dlogit| (and |dgrad| of train_step) vs the single-process model:", worst)
 
 
 def test_layouts_the_family_is_not_built_for_are_refused_by_name():

@@ -227,3 +227,7 @@ def test_parity_report_feeds_images_and_is_bitwise(tmp_path):
     gating = [c for c in report["comparisons"] if c["gating"]]
     assert {c["candidate"] for c in gating} == {"mcore-portable-thd", "mcore-portable-thd-b1"}
     assert all(c["metrics"]["bitwise_equal"] for c in gating)
+    parity = next(c for c in gating if c["role"] == "parity")
+    tower = [row for row in parity["layers"] if row["site"].startswith("vision.")]
+    assert [row["site"] for row in tower] == ["vision.block.0", "vision.block.1", "vision.merger"]
+    assert all(row["bitwise_equal"] for row in parity["layers"]) and parity["first_divergent_site"] is None

@@ -323,7 +323,8 @@ def layer_metrics(
 
 
 def first_divergent_site(rows: Sequence[dict[str, Any]]) -> Optional[str]:
-    """The first flagged site (``embedding``, ``layer.<i>``, ``final_norm`` or ``logits``), or None."""
+    """The first flagged site (``vision.block.<i>``, ``vision.deepstack.<k>``, ``vision.merger``,
+    ``embedding``, ``layer.<i>``, ``final_norm`` or ``logits``), or None."""
     for row in rows:
         if row["flagged"]:
             return row["site"]

@@ -53,6 +53,11 @@ def register(sub: Any) -> None:
     g = p.add_argument_group("inputs")
     g.add_argument("--lengths", default=None, metavar="N,N,...",
                    help="sequence lengths (default 61,17,40,8; each >= 2)")
+    g.add_argument("--image-size", type=int, default=None, metavar="N",
+                   help="vision-language models: each image a grid of N x N merged features (N * spatial_merge_size"
+                        " patches a side; default: 2 x 2 and 2 x 4, alternating)")
+    g.add_argument("--images", type=int, default=1, metavar="K",
+                   help="vision-language models: images per sequence, where it is long enough (default 1)")
     g.add_argument("--tokens", choices=("auto", "tokenizer", "random"), default="auto",
                    help="token ids: the checkpoint's tokenizer on a built-in text (auto: when present) or random")
     g = p.add_argument_group("engines")
@@ -144,6 +149,7 @@ def _options(args: argparse.Namespace, arch: Optional[str]) -> Any:
         layers=not args.no_layers, bitwise=args.bitwise, tolerances=tolerances, invariance=args.invariance,
         invariance_tp=args.invariance_tp, ablation=args.ablation, vllm_python=vllm_python, vllm_kwargs=_pairs(args.vllm_arg, "--vllm-arg"),
         worst=args.worst, work_dir=args.work_dir, trust_remote_code=args.trust_remote_code,
+        image_size=args.image_size, images=args.images,
         command=getattr(args, "command_line", None),
     )  # fmt: skip
 

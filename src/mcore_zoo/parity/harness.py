@@ -92,6 +92,8 @@ class ParityOptions:
     worst: int = 10
     work_dir: Optional[str] = None
     trust_remote_code: bool = False
+    image_size: Optional[int] = None
+    images: int = 1
     command: Optional[str] = None
 
 
@@ -266,7 +268,8 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
     if tower is not None:  # a vision-language model whose tower the zoo builds: one image per sequence
         if opts.vllm_python:
             raise ZooError(f"{source.architecture.name}: vLLM runs of vision-language models are not built yet")
-        sequences, vision_inputs, token_info["vision"] = add_images(sequences, tower, seed=opts.seed)
+        sequences, vision_inputs, token_info["vision"] = add_images(sequences, tower, seed=opts.seed, side=opts.image_size,
+                                                                    images=opts.images)  # fmt: skip
     criterion = "bitwise" if opts.bitwise else "tolerance"
     runs: dict[str, RunResult] = {}
     comparisons: list[dict[str, Any]] = []

@@ -497,15 +497,19 @@ def make_sequences(
     return seqs, info
 
 
-def add_images(sequences: list[torch.Tensor], vision: Any, *, seed: int = 0) -> tuple[list[torch.Tensor], list[Optional[dict]], dict[str, Any]]:
-    """One image of random pixels in every sequence long enough for it (a vision-language model
-    whose tower the zoo builds; ``vision``: its :class:`~mcore_zoo.config.arch.VisionSpec`).
+def add_images(sequences: list[torch.Tensor], vision: Any, *, seed: int = 0, side: Optional[int] = None,
+               images: int = 1) -> tuple[list[torch.Tensor], list[Optional[dict]], dict[str, Any]]:  # fmt: skip
+    """``images`` images of random pixels in every sequence long enough for them (a vision-language
+    model whose tower the zoo builds; ``vision``: its :class:`~mcore_zoo.config.arch.VisionSpec`).
 
-    The image's tokens (start marker, one image token per merged feature, end marker) replace the
-    middle of the sequence, its length unchanged; image grids alternate between a square and a
-    wide one of merged ``2 x 2`` and ``2 x 4`` features. Marker ids drawn as random text become
-    id 0. Returns the sequences, per sequence its vision inputs (``None``: text only; the keys of
-    transformers' processor) and a description for the report."""
+    Each image's tokens (start marker, one image token per merged feature, end marker) replace a
+    stretch of the sequence, its length unchanged, the images spread evenly over it; an image is a
+    grid of ``side x side`` merged features, or (``side=None``) alternately ``2 x 2`` and ``2 x 4``
+    per sequence. A sequence too short for all of them gets none. Marker ids drawn as random text
+    become id 0. Returns the sequences, per sequence its vision inputs (``None``: text only; the
+    keys of transformers' processor) and a description for the report."""
+    if images < 1:
+        raise ZooError(f"--images {images}: at least one image per sequence")
     merge = vision.spatial_merge_size
     values = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     markers = torch.tensor([vision.vision_start_token_id, vision.image_token_id, vision.video_token_id,
@@ -514,19 +518,23 @@ def add_images(sequences: list[torch.Tensor], vision: Any, *, seed: int = 0) -> 
     out, inputs, grids = [], [], []
     for i, seq in enumerate(sequences):
         seq = torch.where(torch.isin(seq, markers), torch.zeros_like(seq), seq)
-        grid = (1, 2 * merge, (2 if i % 2 == 0 else 4) * merge)
+        rows, cols = (side, side) if side else (2, 2 if i % 2 == 0 else 4)
+        grid = (1, rows * merge, cols * merge)
         tokens = grid[0] * grid[1] * grid[2] // merge**2
-        if seq.numel() < tokens + 4:
+        stride = seq.numel() // images
+        if stride < tokens + 4:
             out.append(seq)
             inputs.append(None)
             continue
-        start = (seq.numel() - tokens - 2) // 2
         image = torch.cat([torch.tensor([vision.vision_start_token_id]), torch.full((tokens,), vision.image_token_id),
                            torch.tensor([vision.vision_end_token_id])])  # fmt: skip
-        out.append(torch.cat([seq[:start], image, seq[start + image.numel():]]))
-        pixels = torch.randn(grid[0] * grid[1] * grid[2], values, generator=gen)
-        inputs.append({"pixel_values": pixels, "image_grid_thw": torch.tensor([grid])})
-        grids.append(list(grid))
+        for k in range(images):
+            start = k * stride + (stride - image.numel()) // 2
+            seq = torch.cat([seq[:start], image, seq[start + image.numel():]])
+        out.append(seq)
+        pixels = torch.randn(images * grid[0] * grid[1] * grid[2], values, generator=gen)
+        inputs.append({"pixel_values": pixels, "image_grid_thw": torch.tensor([grid] * images)})
+        grids += [list(grid)] * images
     info = {"images": len(grids), "image_grid_thw": grids, "pixels": f"random normal (seed {seed + 1})",
             "sequences_with_an_image": [i for i, v in enumerate(inputs) if v is not None]}  # fmt: skip
     return out, inputs, info

@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import ZooError
-from ..numerics.capture import HiddenCapture, hf_sites, mcore_sites, to_bsh_hf, to_bsh_mcore
+from ..numerics.capture import HiddenCapture, hf_sites, is_vision_site, mcore_sites, to_bsh_hf, to_bsh_mcore
 from ..numerics.metrics import Predictions
 
 #: TransformerConfig fields that select fused kernels (shown in the report's environment block)
@@ -96,7 +96,8 @@ def run_hf(
     if device != "cpu" and torch.cuda.is_available():
         torch.cuda.synchronize()
     t_run = time.perf_counter()
-    hidden = {site: [rec[0] for rec in records] for site, records in cap.records.items()}
+    # a site never run (a vision tower on text-only inputs) has nothing to compare
+    hidden = {site: [rec[0] for rec in records] for site, records in cap.records.items() if records}
     label = f"hf-{attn_implementation}"
     info = {
         "engine": "transformers",
@@ -209,7 +210,11 @@ def describe_mcore(model: torch.nn.Module) -> dict[str, Any]:
 def _split_hidden(records: dict[str, list[torch.Tensor]], spec: McoreSpec, batch: Any, lengths: list[int]) -> dict[str, list[torch.Tensor]]:
     out = {}
     for site, recs in records.items():
-        if spec.per_sequence:  # one record per sequence, each [1, padded len, h]
+        if not recs:  # a site never run (a vision tower on text-only inputs)
+            continue
+        if is_vision_site(site):  # one record per tower call (a sequence with images), as transformers'
+            out[site] = [rec[0] for rec in recs]
+        elif spec.per_sequence:  # one record per sequence, each [1, padded len, h]
             out[site] = [rec[0, :n] for rec, n in zip(recs, lengths)]
         elif spec.seq_format == "thd":
             (rec,) = recs

@@ -17,7 +17,9 @@ Two layouts ship:
   ``orig_to_new_stacked`` of ``llama.py``, ``qwen2.py``, ``qwen3_moe.py``, ``qwen2_moe.py``,
   ``mixtral.py``, ``glm4_moe.py``, ``qwen3_next.py``, ``qwen3_5.py`` (the gated DeltaNet's split
   projections stacked as ``in_proj_qkvz`` / ``in_proj_ba``), the ``orig_to_new_prefix`` of
-  ``qwen3_vl.py`` (a vision-language checkpoint's language model), and ``stacked_params_mapping``
+  ``qwen3_vl.py`` and ``qwen2_5_vl.py`` (a vision-language checkpoint's language model and vision
+  tower; the tower is replicated over tensor parallelism, as vLLM keeps it with
+  ``mm_encoder_tp_mode="data"``), and ``stacked_params_mapping``
   of ``deepseek_v2.py`` for MLA's ``fused_qkv_a_proj`` and the DSA indexer's ``wk_weights_proj``
   (DeepSeek-V3.2, GLM-5); ``RoutedExperts.build_expert_params_mapping`` and ``_load_w13`` for the
   experts; ``DEFAULT_VOCAB_PADDING_SIZE`` of ``vocab_parallel_embedding.py``), and ``gpt_oss.py``
@@ -114,6 +116,11 @@ class EngineFormat:
         architecture_renames: ``(HF architecture, ((HF substring, engine substring), ...))``: the
             renames of that architecture's engine model class, applied to every engine tensor
             name of such a model (vLLM's ``gpt_oss.py``: ``.self_attn.`` -> ``.attn.``).
+        architecture_prefixes: ``(HF architecture, ((HF prefix, engine prefix), ...))``: the
+            prefix table of that architecture's engine model class, used instead of
+            :attr:`prefixes` for every tensor of such a model (the first pair that matches; vLLM's
+            ``orig_to_new_prefix`` of ``qwen2_5_vl.py``, whose checkpoints keep the language model
+            under ``model.`` and the tower under ``visual.``).
     """
 
     name: str
@@ -126,6 +133,16 @@ class EngineFormat:
     prefixes: tuple[tuple[str, str], ...] = ()
     stacked_experts: Optional[StackedExpertLayout] = None
     architecture_renames: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+    architecture_prefixes: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+
+    def prefixes_for(self, architecture: str, hf_names: Iterable[str]) -> tuple[tuple[str, str], ...]:
+        """The ``(HF prefix, engine prefix)`` pairs that name a model's engine tensors: the
+        architecture's own table (:attr:`architecture_prefixes`), else :attr:`prefixes` where they
+        apply to these HF tensors (:meth:`renames`), else none."""
+        own = next((pairs for arch, pairs in self.architecture_prefixes if arch == architecture), None)
+        if own is not None:
+            return own
+        return self.prefixes if self.renames(hf_names) else ()
 
     def renames_for(self, architecture: str) -> tuple[tuple[str, str], ...]:
         """The substring renames of ``architecture``'s engine model class (:attr:`architecture_renames`)."""
@@ -146,13 +163,15 @@ class EngineFormat:
         the first pair's HF prefix)."""
         return bool(self.prefixes) and any(n.startswith(self.prefixes[0][0]) for n in hf_names)
 
-    def engine_name(self, name: str, renamed: bool, substrings: tuple[tuple[str, str], ...] = ()) -> str:
-        """The engine's name for a tensor named ``name`` after fusion: :attr:`prefixes` applied
-        where ``renamed`` (:meth:`renames` of the model's HF tensors), then ``substrings``
-        (:meth:`renames_for` the model's architecture)."""
+    def engine_name(self, name: str, renamed: Union[bool, tuple[tuple[str, str], ...]],
+                    substrings: tuple[tuple[str, str], ...] = ()) -> str:  # fmt: skip
+        """The engine's name for a tensor named ``name`` after fusion: ``substrings``
+        (:meth:`renames_for` the model's architecture), then the prefix pairs ``renamed``
+        (:meth:`prefixes_for` the model; ``True``: :attr:`prefixes`, ``False``: none)."""
         for old, new in substrings:
             name = name.replace(old, new)
-        for hf_prefix, engine_prefix in self.prefixes if renamed else ():
+        pairs = (self.prefixes if renamed else ()) if isinstance(renamed, bool) else renamed
+        for hf_prefix, engine_prefix in pairs:
             if name.startswith(hf_prefix):
                 return engine_prefix + name[len(hf_prefix):]
         return name
@@ -232,8 +251,16 @@ VLLM = EngineFormat(
     experts_prefix="routed_experts.",
     vocab_padding=64,
     replicated=(".q_a_proj", ".kv_a_proj_with_mqa", ".indexer.wq_b", ".indexer.wk", ".indexer.weights_proj"),
-    # the language model of Qwen3.5's vision-language checkpoints (``qwen3_vl.py``'s mapper)
-    prefixes=(("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
+    # vision-language checkpoints laid out as Qwen3-VL's (``qwen3_vl.py``'s mapper, which Qwen3-VL-MoE
+    # and Qwen3.5 share): the language model and the tower
+    prefixes=(("model.language_model.", "language_model.model."), ("model.visual.", "visual."),
+              ("lm_head.", "language_model.lm_head.")),  # fmt: skip
+    # Qwen2.5-VL (``qwen2_5_vl.py``'s mapper): its checkpoints keep the language model under ``model.``
+    # and the tower under ``visual.`` (vLLM's name too); the tower's fused ``attn.qkv`` keeps its name,
+    # its ``mlp.gate_proj`` / ``up_proj`` become ``gate_up_proj`` as the language model's do
+    architecture_prefixes=(("Qwen2_5_VLForConditionalGeneration", (
+        ("model.language_model.", "language_model.model."), ("model.visual.", "visual."),
+        ("lm_head.", "language_model.lm_head."), ("model.", "language_model.model."))),),  # fmt: skip
     # gpt-oss (``gpt_oss.py``): stacked experts transposed, the down bias on rank 0 only
     stacked_experts=StackedExpertLayout(
         params=(("gate_up_proj", "w13_weight"), ("gate_up_proj_bias", "w13_bias"), ("down_proj", "w2_weight"),

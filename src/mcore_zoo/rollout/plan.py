@@ -28,7 +28,7 @@ import torch
 from ..errors import LayoutError, ZooError
 from ..handle import ModelHandle
 from ..weights.io import parse_size
-from ..weights.rules import Cut, TPSlice, narrow
+from ..weights.rules import STACKED_GATE_UP_HALVES, Cut, TPSlice, narrow
 from .engine_format import EngineFormat, StackedExpertLayout
 
 #: mcore parameters whose rows are the vocabulary (the engine may pad them)
@@ -173,6 +173,21 @@ def _refuse_stacked_experts(architecture: str, engine_format: EngineFormat, stac
                            " model with save_hf_checkpoint and load it in the engine)")  # fmt: skip
 
 
+def _refuse_split_gate_up_halves(architecture: str, engine_format: EngineFormat, specs: dict, stacked: frozenset[str],
+                                 tp: int) -> None:  # fmt: skip
+    """Refuse, naming the tensor, stacked experts whose gate and up sit in contiguous halves
+    (Qwen3-VL-MoE's ``experts.gate_up_proj``) for a pre-split engine above TP 1: the engine's
+    ``w13_weight`` rank holds ``[gate_r; up_r]``, two runs of the HF tensor, where the stacked
+    layout cuts one run (gpt-oss's interleaved gate / up columns)."""
+    if not engine_format.presplit or tp == 1:
+        return
+    for name in sorted(stacked):
+        if any(b.rule.transform is STACKED_GATE_UP_HALVES for b, _ in specs[name]):
+            raise ZooError(f"refit: {architecture}'s {name!r} holds gate and up in contiguous halves, which the"
+                           f" {engine_format.name!r} engine format places at engine TP 1 only (engine TP {tp} asked:"
+                           " export the model with save_hf_checkpoint and load it in the engine)")  # fmt: skip
+
+
 def _stacked_expert_cuts(layout: StackedExpertLayout, shape: Sequence[int], part: TPSlice, tp: int, rank: int,
                          what: str) -> tuple[tuple[Cut, ...], int]:  # fmt: skip
     """Rank ``rank``'s cuts of one expert's slice (``part.select``) of a stacked-experts HF tensor
@@ -210,6 +225,7 @@ def plan_refit(
     specs = handle.weight_map.hf_parts()
     stacked = stacked_expert_tensors(handle)
     _refuse_stacked_experts(handle.arch_config.architecture, engine_format, stacked)
+    _refuse_split_gate_up_halves(handle.arch_config.architecture, engine_format, specs, stacked, tp)
     roles = handle.weight_map.expert_roles()
     needed = set(handle.weight_map.export_names())
     if engine_format.presplit and tp > 1:  # before any data moves (the engine splits experts with biases itself)
@@ -224,7 +240,7 @@ def plan_refit(
         raise ZooError(f"refit plan: the export plan misses {sorted(needed - hf_names)[:8]} and has no rule for"
                        f" {sorted(hf_names - needed)[:8]}")  # fmt: skip
 
-    renamed = engine_format.presplit and engine_format.renames(hf_names)
+    renamed = engine_format.prefixes_for(handle.arch_config.architecture, hf_names) if engine_format.presplit else ()
     substrings = engine_format.renames_for(handle.arch_config.architecture) if engine_format.presplit else ()
     # 1. every HF piece: (engine name, expert, shard id, order) and its cuts per rank
     pieces: dict[str, list[list[tuple[str, Optional[int], Any, tuple[Any, ...], tuple[Cut, ...], tuple[int, ...], int, int]]]] = {}

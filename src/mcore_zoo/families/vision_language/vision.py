@@ -173,13 +173,20 @@ def window_order(grid_thw: torch.Tensor, spec: VisionSpec) -> tuple[torch.Tensor
 
 class AxialRotary(nn.Module):
     """The towers' 2-D rotary: the same frequencies for a patch's row and column, ``(cos, sin)``
-    of ``[row angles, column angles]`` repeated twice (the whole head rotates)."""
+    of ``[row angles, column angles]`` repeated twice (the whole head rotates). The inverse
+    frequencies stay float32 whatever dtype the model is cast to, as transformers keeps its towers'."""
 
     def __init__(self, spec: VisionSpec) -> None:
         super().__init__()
         half = spec.head_dim // 2
         inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> "AxialRotary":
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)  # moved, never cast
+        return self
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq.to(dtype=torch.float)

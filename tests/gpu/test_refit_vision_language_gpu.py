@@ -1,0 +1,104 @@
+"""Vision-language models (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE) into a real in-process ``vllm.LLM``:
+the zoo's export (language model and vision tower) loads into vLLM 0.26, and a refit brings back
+every engine parameter - the tower's included - and every prompt log-prob bit for bit: the checks
+of ``test_refit_gpu.py`` (its ``check`` runs here, one engine per process). The models are shaped
+from the published configs with 4 decoder layers at a smaller width (:data:`TEXT_SIZES`; 8 routed
+experts) and a two-block tower (:data:`VISION_SIZES`; Qwen3-VL's two deepstack levels on the first
+two decoder layers); the vocabulary is the published one, so the image-token ids stay inside it.
+token_mult_prob_error of vLLM vs the mcore model is printed (``-s``) and, with
+``MCORE_ZOO_GPU_RESULTS`` set, written there as JSON per architecture.
+
+The prompts are text only. vLLM turns an image into prompt tokens and pixels with the model's
+transformers processor (``AutoProcessor`` from the checkpoint directory: a tokenizer and an image
+processor), which a random-weight export does not carry and the GPU machine cannot download, and
+its precomputed ``image_embeds`` inputs skip the tower - so they would not read the refitted tower's
+weights. The tower's weights are compared parameter by parameter instead, bitwise, and images run
+through the zoo against transformers in the ``vl-gpu`` phase's ``parity-report`` runs.
+
+The engine keeps its tower (no ``limit_mm_per_prompt`` of zero, which would drop it), replicated
+(``mm_encoder_tp_mode="data"``, as the refit plan places it), without the multimodal memory
+profiling (``skip_mm_profiling``: it feeds the tower dummy images made by the processor). vLLM
+0.26's scheduler also sizes its encoder budget from the processor's image settings at startup; if
+the engine refuses to start without processor files next to the weights, the failure names them
+(the test has not run on a GPU yet).
+
+Needs CUDA and vLLM (bench/gpu/vllm-setup.sh, then ``source bench/gpu/vllm-env.sh``); one GPU:
+
+    python3 -m pytest tests/gpu/test_refit_vision_language_gpu.py -q -s
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import mcore_zoo
+
+if importlib.util.find_spec("vllm") is None:  # before any checkpoint is written
+    pytestmark = pytest.mark.skip(reason="needs vLLM (bench/gpu/vllm-setup.sh, source bench/gpu/vllm-env.sh)")
+
+CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
+REFIT_CHECK = str(Path(__file__).with_name("test_refit_gpu.py"))
+CASES = [
+    ("qwen2.5-vl-7b-instruct.json", "Qwen2_5_VLForConditionalGeneration"),
+    ("qwen3-vl-8b-instruct.json", "Qwen3VLForConditionalGeneration"),
+    ("qwen3-vl-30b-a3b-instruct.json", "Qwen3VLMoeForConditionalGeneration"),
+]
+#: the text model's width for the refit (head dimension 128 as published)
+TEXT_SIZES = {"hidden_size": 1024, "intermediate_size": 2048, "num_attention_heads": 8, "num_key_value_heads": 2,
+              "head_dim": 128, "moe_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2}  # fmt: skip
+#: ``vllm.LLM`` arguments: the tower replicated, as the refit plan places it; no multimodal profiling
+ENGINE = {"mm_encoder_tp_mode": "data", "skip_mm_profiling": True}
+#: a two-block tower (head dimension 64; Qwen2.5-VL's second block full attention)
+VISION_SIZES = {"depth": 2, "hidden_size": 128, "intermediate_size": 256, "num_heads": 2}
+
+
+def small_vision_language(config: dict, layers: int = 4) -> dict:
+    """A published vision-language config with ``layers`` decoder layers and the widths of
+    :data:`TEXT_SIZES` / :data:`VISION_SIZES` it has (text fields at the top level or in
+    ``text_config``), ``tie_word_embeddings: false`` stated in both places (vLLM builds the
+    language model from ``text_config``, transformers reads the top level)."""
+    config = json.loads(json.dumps(config))
+    text = config.get("text_config", config)
+    text.update({key: value for key, value in TEXT_SIZES.items() if key in text})
+    text["num_hidden_layers"] = layers
+    config["tie_word_embeddings"] = text["tie_word_embeddings"] = False
+    vision = config["vision_config"]
+    vision.update(VISION_SIZES, out_hidden_size=text["hidden_size"])
+    if "fullatt_block_indexes" in vision:
+        vision["fullatt_block_indexes"] = [VISION_SIZES["depth"] - 1]
+    if "deepstack_visual_indexes" in vision:
+        vision["deepstack_visual_indexes"] = list(range(VISION_SIZES["depth"]))
+    return config
+
+
+@pytest.mark.parametrize("fixture,arch", CASES, ids=[c[1] for c in CASES])
+def test_refit_vision_language_into_vllm_is_bitwise(tmp_path, fixture, arch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from mcore_zoo.parity.reference import write_reference_checkpoint
+
+    from .conftest import run_check
+
+    config = small_vision_language(json.loads((CONFIGS / fixture).read_text()))
+    ckpt = tmp_path / "ckpt"
+    write_reference_checkpoint(mcore_zoo.lookup(config), config, ckpt, dtype=torch.bfloat16)
+    r = run_check(REFIT_CHECK, str(ckpt), arch, str(tmp_path), json.dumps(ENGINE))
+    results = os.environ.get("MCORE_ZOO_GPU_RESULTS")
+    if results:
+        Path(results).mkdir(parents=True, exist_ok=True)
+        (Path(results) / f"refit-{arch}.json").write_text(json.dumps({"config": fixture, **r}, indent=2) + "\n")
+    print(f"\n{arch}: vLLM after refit vs mcore local bf16: token_mult_prob_error {r['token_mult_prob_error']:.6f},"
+          f" max |dlogp| {r['max_abs_dlogp']:.3e}; refit {r['refit_mb']:.1f} MB in {r['refit_ms']:.1f} ms")  # fmt: skip
+    assert r["transport"] == "inproc" and r["tp"] == 1
+    assert r["scrambled_differs"] and r["buckets"] > 2
+    assert r["names_equal"] and r["params_differ"] == []
+    assert r["logprobs_bitwise"]
+    assert r["per_shard_params_differ"] == [] and r["reused_tables_params_differ"] == []
+    assert r["skipped_bucket_error"] is not None and "refit incomplete" in r["skipped_bucket_error"]
+    assert r["skipped_bucket_params_differ"] > 0
