@@ -189,7 +189,7 @@ class AxialRotary(nn.Module):
         return self
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq.to(dtype=torch.float)
+        freqs = positions[..., None].float() * self.inv_freq.to(device=positions.device, dtype=torch.float)
 
         def recompose(f: torch.Tensor) -> torch.Tensor:
             hw = torch.cat([f[:, 0], f[:, 1]], dim=-1)
