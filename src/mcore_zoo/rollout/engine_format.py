@@ -232,8 +232,9 @@ VLLM = EngineFormat(
     experts_prefix="routed_experts.",
     vocab_padding=64,
     replicated=(".q_a_proj", ".kv_a_proj_with_mqa", ".indexer.wq_b", ".indexer.wk", ".indexer.weights_proj"),
-    # the language model of Qwen3.5's vision-language checkpoints (``qwen3_vl.py``'s mapper)
-    prefixes=(("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
+    # Qwen3.5's vision-language checkpoints (``qwen3_vl.py``'s mapper): the language model and the tower
+    prefixes=(("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
+              ("model.visual.", "visual.")),
     # gpt-oss (``gpt_oss.py``): stacked experts transposed, the down bias on rank 0 only
     stacked_experts=StackedExpertLayout(
         params=(("gate_up_proj", "w13_weight"), ("gate_up_proj_bias", "w13_bias"), ("down_proj", "w2_weight"),
