@@ -103,10 +103,12 @@ def _source(checkpoint) -> dict:  # type: ignore[no-untyped-def]
 
 @ARCHS
 def test_the_whole_checkpoint_loads_and_exports_and_text_alone_equals_transformers(mpu, reference_checkpoint,
-                                                                                  hf_reference, arch_name):  # fmt: skip
+                                                                                  hf_reference, arch_name, tmp_path):  # fmt: skip
     """Every tensor of the checkpoint loads (``model.visual.*`` into the tower); token ids without
     pixels give the ``local`` ``hf-exact`` logits of transformers' vision-language model bit for
-    bit; the export writes exactly the checkpoint's tensors, bitwise."""
+    bit; the export writes exactly the checkpoint's tensors, bitwise, and transformers loads what
+    ``save_hf_checkpoint`` writes into the same parameters as from the checkpoint (MoE: stacked
+    in memory)."""
     ckpt = reference_checkpoint(arch_name)
     source = _source(ckpt)
     assert any(name.startswith("model.visual.") for name in source)
@@ -120,6 +122,11 @@ def test_the_whole_checkpoint_loads_and_exports_and_text_alone_equals_transforme
     exported = dict(mcore_zoo.iter_hf_weights(model))
     assert set(exported) == set(source) and any(name.startswith("model.visual.merger.") for name in exported)
     assert all(torch.equal(exported[name], source[name]) for name in exported)
+    saved = tmp_path / "saved"
+    mcore_zoo.save_hf_checkpoint(model, saved)
+    hf = hf_reference(arch_name, ckpt, "eager")
+    want, got = hf.state_dict(), type(hf).from_pretrained(saved, dtype=torch.float32).state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[name], want[name]) for name in want)
 
 
 def test_position_ids_equal_transformers_get_rope_index(reference_checkpoint, hf_reference):
