@@ -22,7 +22,15 @@ from mcore_zoo.distributed.load import load_hf_weights
 from mcore_zoo.testing.common import assert_same
 
 from ..conftest import random_sequences
-from .vision_samples import END, IMAGE, START, check_pack_of_three_samples, image_sample
+from .vision_samples import (
+    END,
+    START,
+    check_a_video_sample_in_a_pack,
+    check_pack_of_three_samples,
+    check_train_step_trains_the_tower,
+    image_sample,
+    image_token_types,
+)
 
 DENSE, MOE = "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"
 ARCHS = pytest.mark.parametrize("arch_name", [DENSE, MOE])
@@ -82,12 +90,8 @@ def test_text_config_fields_are_named_with_their_prefix_in_errors_and_dropped_by
         assert arch.weight_map(config).is_ignored("mtp.layers.0.mlp.gate_proj.weight")
 
 
-def _types(ids: torch.Tensor) -> torch.Tensor:
-    return (ids == IMAGE).int()[None]
-
-
 def _hf_logits(hf: torch.nn.Module, ids: torch.Tensor, vision: dict) -> torch.Tensor:
-    extra = dict(vision, mm_token_type_ids=_types(ids)) if vision else {}
+    extra = dict(vision, mm_token_type_ids=image_token_types(ids)) if vision else {}
     with torch.no_grad():
         return hf(input_ids=ids[None], **extra).logits[0]
 
@@ -138,7 +142,7 @@ def test_position_ids_equal_transformers_get_rope_index(reference_checkpoint, hf
     spec = mcore_zoo.lookup(DENSE).config_from_hf(_example(DENSE)).vision
     for seed, grids in enumerate([[(1, 4, 8)], [(1, 6, 4), (1, 4, 4)]]):
         ids, vision = image_sample(seed, grids)
-        theirs, _ = hf.model.get_rope_index(ids[None], _types(ids), vision["image_grid_thw"])
+        theirs, _ = hf.model.get_rope_index(ids[None], image_token_types(ids), vision["image_grid_thw"])
         assert torch.equal(mrope_position_ids(ids, spec, vision["image_grid_thw"]), theirs[:, 0])
     video = spec.video_token_id
     frame = lambda: [torch.tensor([7, START]), torch.full((4,), video), torch.tensor([END])]
@@ -200,3 +204,20 @@ def test_published_configs_convert_with_every_field_classified(config, arch_name
     assert vision.deepstack_visual_indexes == () and vision.out_hidden_size == converted.hidden_size
     if arch_name == MOE:
         assert (converted.moe.num_experts, converted.moe.top_k) == (256, 8)
+
+
+def test_train_step_trains_the_tower_with_the_hybrid_decoder(mpu, reference_checkpoint, hf_reference):
+    """``train_step`` with images per sample on the dense model: the loss equals transformers' and
+    every tower gradient is within 1e-5 of transformers' (through the gated DeltaNet layers)."""
+    ckpt = reference_checkpoint(DENSE)
+    model = mcore_zoo.build_model(ckpt, backend="local", numerics="hf-exact", params_dtype=torch.float32)
+    load_hf_weights(model, ckpt)
+    check_train_step_trains_the_tower(model, hf_reference(DENSE, ckpt, "eager"))
+
+
+def test_a_video_sample_equals_transformers_bitwise(mpu, reference_checkpoint, hf_reference):
+    """Qwen3.5's videos as Qwen3-VL's: each frame its own run of video tokens (time interval 1)."""
+    ckpt = reference_checkpoint(DENSE)
+    model = mcore_zoo.build_model(ckpt, backend="local", numerics="hf-exact", params_dtype=torch.float32).eval()
+    load_hf_weights(model, ckpt)
+    check_a_video_sample_in_a_pack(model, hf_reference(DENSE, ckpt, "eager"))
