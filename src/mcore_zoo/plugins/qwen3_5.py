@@ -109,6 +109,7 @@ def _read_token_mixers(reader):  # type: ignore[no-untyped-def]
 
 
 def _dense(reader, multimodal: bool):  # type: ignore[no-untyped-def]
+    """The dense text model: the gated MLP on every layer (``multimodal``: the RoPE of :func:`_rope`)."""
     from mcore_zoo.plugin_api import read_dense_decoder
 
     linear = _read_token_mixers(reader)
@@ -117,6 +118,7 @@ def _dense(reader, multimodal: bool):  # type: ignore[no-untyped-def]
 
 
 def _moe(reader, multimodal: bool):  # type: ignore[no-untyped-def]
+    """The MoE text model: the MoE block on every layer (``multimodal``: the RoPE of :func:`_rope`)."""
     from mcore_zoo.plugin_api import MoESpec, read_aux_loss, read_dense_decoder, read_expert_counts
 
     linear = _read_token_mixers(reader)
@@ -161,6 +163,7 @@ def convert_moe(reader):  # type: ignore[no-untyped-def]
 
 
 def _vision_language_model(reader, text_model):  # type: ignore[no-untyped-def]
+    """``text_config`` read by ``text_model`` with multimodal RoPE, ``vision_config`` as Qwen3.5's tower."""
     from mcore_zoo.plugin_api import check_tower_fits_decoder, read_language_model, read_qwen3_5_vision
 
     arch = read_language_model(reader, lambda text: text_model(text, multimodal=True), read_vision=read_qwen3_5_vision)
