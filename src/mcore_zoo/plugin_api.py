@@ -63,10 +63,13 @@ Groups:
 * the language model of a vision-language checkpoint - :func:`read_language_model` (``text_config``
   read by the text model's converter, ``vision_config`` recorded as the vision tower's),
   :func:`language_model_weight_map` (a text table under ``model.language_model.``, the vision
-  tower's tensors ignored by name), :func:`gated_deltanet_language_model_weight_map` (Qwen3.5's);
+  tower's tensors ignored by name), :func:`gated_deltanet_language_model_weight_map` (Qwen3.5's
+  language model alone), :func:`gated_deltanet_vision_language_weight_map` (Qwen3.5's, the tower
+  under ``model.visual.``);
 * vision-language models (:mod:`mcore_zoo.families.vision_language`) - :class:`VisionSpec`,
-  :func:`read_qwen2_5_vision`, :func:`read_qwen3_vision` (a ``vision_config``, passed to
-  ``read_language_model(..., read_vision=...)``), :func:`check_mrope_sections`,
+  :func:`read_qwen2_5_vision`, :func:`read_qwen3_vision`, :func:`read_qwen3_5_vision` (a
+  ``vision_config``, passed to ``read_language_model(..., read_vision=...)``),
+  :func:`check_tower_fits_decoder`, :func:`check_mrope_sections`,
   :func:`always_interleaved_mrope`, :func:`vision_tower_rules`, :func:`vision_language_weight_map`,
   :func:`qwen2_5_vl_weight_map`, :func:`qwen3_vl_weight_map`, :func:`qwen3_vl_moe_weight_map`,
   :class:`SequenceVisionInputs` and :func:`vision_language_forward` (the entry's ``forward``:
@@ -159,6 +162,7 @@ _LAZY = {
     "gated_deltanet_rules": "mcore_zoo.families.gated_deltanet.weights:gated_deltanet_rules",
     "gated_deltanet_weight_map": "mcore_zoo.families.gated_deltanet.weights:gated_deltanet_weight_map",
     "gated_deltanet_language_model_weight_map": "mcore_zoo.families.gated_deltanet.weights:language_model_weight_map",
+    "gated_deltanet_vision_language_weight_map": "mcore_zoo.families.gated_deltanet.weights:vision_language_weight_map",
     "hybrid_layer_specs": "mcore_zoo.families.gated_deltanet.spec:hybrid_layer_specs",
     # the language model of a vision-language checkpoint
     "read_language_model": "mcore_zoo.config.language_model:read_language_model",
@@ -167,6 +171,8 @@ _LAZY = {
     "VisionSpec": "mcore_zoo.config.arch:VisionSpec",
     "read_qwen2_5_vision": "mcore_zoo.families.vision_language.config:read_qwen2_5_vision",
     "read_qwen3_vision": "mcore_zoo.families.vision_language.config:read_qwen3_vision",
+    "read_qwen3_5_vision": "mcore_zoo.families.vision_language.config:read_qwen3_5_vision",
+    "check_tower_fits_decoder": "mcore_zoo.families.vision_language.config:check_tower_fits_decoder",
     "check_mrope_sections": "mcore_zoo.families.vision_language.config:check_mrope_sections",
     "always_interleaved_mrope": "mcore_zoo.families.vision_language.config:always_interleaved_mrope",
     "qwen3_vl_weight_map": "mcore_zoo.families.vision_language.weights:qwen3_vl_weight_map",

@@ -1,6 +1,6 @@
-"""Vision-language models (Qwen2.5-VL, Qwen3-VL with deepstack features) on real gloo process
-groups: TP2 (the tower replicated on both ranks) and PP2 (the tower and the deepstack layers on the
-first stage), in one launch of two ranks.
+"""Vision-language models (Qwen2.5-VL, Qwen3-VL with deepstack features, Qwen3.5 on its hybrid
+gated DeltaNet decoder) on real gloo process groups: TP2 (the tower replicated on both ranks) and
+PP2 (the tower and the deepstack layers on the first stage), in one launch of two ranks.
 
 Per layout, on every rank: the packed forward of three samples with two, zero and one images
 against the single-process model (``layout_bound``), the gathered export and the checkpoint
@@ -24,7 +24,7 @@ from mcore_zoo.testing.common import layout_bound
 from ..conftest import checkpoint_tensors, export_mismatches
 from ..parity.vision_samples import image_sample
 
-ARCHS = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
+ARCHS = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration")
 #: Qwen3-VL with four decoder layers: at PP2 the first stage holds both deepstack layers (a stage
 #: after the first that holds one is refused by name)
 LAYERS = {"Qwen3VLForConditionalGeneration": 4}
@@ -92,7 +92,7 @@ def test_tp2_and_pp2_equal_one_process_and_export_bitwise_and_tp2_gradients(refe
     ckpts = {arch: str(reference_checkpoint(arch, _overrides(arch))) for arch in ARCHS}
     found = launch(_run, 2, ckpts, str(tmp_path))
     seqs, inputs = _samples()
-    worst = {}
+    worst, bounds = {}, {}
     for arch, ckpt in ckpts.items():
         single = mcore_zoo.build_model(ckpt, backend="portable", numerics="hf-exact", load=ckpt).eval()
         with torch.no_grad():
@@ -101,6 +101,7 @@ def test_tp2_and_pp2_equal_one_process_and_export_bitwise_and_tp2_gradients(refe
         grads = _gradients(single)
         tower = [n for n in grads if "visual." in n]
         assert tower and all(grads[n].abs().sum() > 0 for n in tower), f"{arch}: the tower takes no gradient"
+        bounds[arch] = bound
         for name, _ in LAYOUTS:
             for rank, ranks in enumerate(found):
                 r, where = ranks[(arch, name)], f"{arch} {name} rank {rank}"
@@ -117,7 +118,7 @@ def test_tp2_and_pp2_equal_one_process_and_export_bitwise_and_tp2_gradients(refe
                                                       *((r["grads"][k] - g).abs().max().item() for k, g in grads.items()))
             saved = checkpoint_tensors(os.path.join(str(tmp_path), arch, name))
             assert export_mismatches(saved, source) == [], f"{arch} {name}: save_hf_checkpoint"
-    print("max |dlogit| (and |dgrad| of train_step) vs the single-process model:", worst)
+    print("max |dlogit| (and |dgrad| of train_step) vs the single-process model:", worst, "bounds:", bounds)
 
 
 def test_layouts_the_family_is_not_built_for_are_refused_by_name():

@@ -7,8 +7,8 @@ published head dimensions, fewer heads, a 32000-token vocabulary; a refit moves 
 same way at any width). The full-width export is loaded into vLLM by the ``hybrid-gpu`` phase's
 ``parity-report --vllm`` runs. vLLM stacks Qwen3.5's split
 projections into ``in_proj_qkvz`` / ``in_proj_ba`` and names a vision-language checkpoint's
-language model ``language_model.model.``; the vision tower is not built (``language_model_only``)
-since the zoo exports only the language model. token_mult_prob_error of vLLM vs the mcore model is
+language model ``language_model.model.`` and its vision tower ``visual.`` (the zoo builds, exports
+and refits Qwen3.5's tower, one small block here; at engine TP 1 every tower tensor is whole). token_mult_prob_error of vLLM vs the mcore model is
 printed (``-s``) and, with ``MCORE_ZOO_GPU_RESULTS`` set, written there as JSON per architecture.
 
 Needs CUDA and vLLM (bench/gpu/vllm-setup.sh, then ``source bench/gpu/vllm-env.sh``); one GPU:
@@ -37,13 +37,13 @@ REFIT_CHECK = str(Path(__file__).with_name("test_refit_gpu.py"))
 #: SM90 kernel, which raises "SM90 GDN prefill DSL kernel is unavailable" without that kernel built
 CASES = [
     ("qwen3-next-80b-a3b.json", "Qwen3NextForCausalLM", {"gdn_prefill_backend": "triton"}),
-    ("qwen3.5-9b.json", "Qwen3_5ForConditionalGeneration", {"language_model_only": True, "gdn_prefill_backend": "triton"}),
+    ("qwen3.5-9b.json", "Qwen3_5ForConditionalGeneration", {"gdn_prefill_backend": "triton"}),
 ]
 #: the text model's width for the refit (head dimensions as published: 128 for the gated DeltaNet, 256 for attention)
 REFIT_SIZES = {"hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 256,
                "shared_expert_intermediate_size": 256, "num_attention_heads": 8, "num_key_value_heads": 2,
                "linear_num_key_heads": 4, "linear_num_value_heads": 8, "vocab_size": 32000}  # fmt: skip
-#: a vision tower shrunk to one small block (the zoo builds none; vLLM skips it with language_model_only)
+#: a vision tower shrunk to one small block
 SMALL_VISION = {"depth": 1, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2}
 
 

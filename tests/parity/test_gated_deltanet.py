@@ -200,7 +200,8 @@ def test_layouts_the_layer_does_not_split_are_refused_by_name(layout, overrides)
 def test_published_config_parity_report_passes_at_tiny_scale(tmp_path, config, arch_name):
     """``parity-report --config <published> --random-weights --scale tiny`` passes on the CPU for the
     published Qwen3-Next-80B-A3B, Qwen3.5-9B and Qwen3.5-35B-A3B configs (the Qwen3.5 ones are
-    vision-language configs: their ``text_config`` is scaled, their vision tower shrunk). The tiny
+    vision-language configs: their ``text_config`` is scaled, their vision tower shrunk and fed images
+    of random pixels). The tiny
     scale keeps one layer of each kind and caps the routed experts; the report records both, and
     the MTP layer the random weights do not carry."""
     from mcore_zoo.cli import main
@@ -216,3 +217,4 @@ def test_published_config_parity_report_passes_at_tiny_scale(tmp_path, config, a
         assert changes["num_experts"] == [512, 64]
     else:
         assert changes["text_config.mtp_num_hidden_layers"] == [1, 0] and changes["vision_config.depth"][1] == 1
+        assert report["inputs"]["vision"]["images"] >= 1  # the tower is built: images of random pixels fed

@@ -896,7 +896,8 @@ def test_qwen3_5_refit_lays_tensors_out_as_vllm_does(mpu, reference_checkpoint, 
     key, key, value, value: each rank ``[q_r; k_r; v_r; z_r]``) and ``in_proj_ba`` (``[b_r; a_r]``),
     ``conv1d`` by ``mamba_v2_sharded_weight_loader`` (``[q_r; k_r; v_r]`` channels), and the
     language model of the vision-language checkpoint under ``language_model.model.`` /
-    ``language_model.lm_head.`` (``qwen3_vl.py``'s ``orig_to_new_prefix``)."""
+    ``language_model.lm_head.`` and the vision tower under ``visual.`` (``qwen3_vl.py``'s
+    ``orig_to_new_prefix``)."""
     _, model, config, hf = _setup(reference_checkpoint, "Qwen3_5ForConditionalGeneration", {})
     adapter = DictAdapter(tp_size=tp)
     mcore_zoo.refit(model, adapter, bucket_size="64KB")
@@ -907,6 +908,7 @@ def test_qwen3_5_refit_lays_tensors_out_as_vllm_does(mpu, reference_checkpoint, 
     for rank, got in enumerate(adapter.tensors):
         assert not any(name.startswith("model.") for name in got), sorted(got)[:4]
         assert "language_model.lm_head.weight" in got and "language_model.model.embed_tokens.weight" in got
+        assert torch.equal(got["visual.patch_embed.proj.weight"], hf["model.visual.patch_embed.proj.weight"])
         q, k, v = hf[hf_layer + "in_proj_qkv.weight"].split([key, key, value])
         z, b, a = (hf[hf_layer + f"in_proj_{p}.weight"] for p in ("z", "b", "a"))
         want_qkvz = torch.cat([_rows(t, rank, tp) for t in (q, k, v, z)])

@@ -14,9 +14,12 @@ and expert parallelism; context parallelism is refused by name; the MTP layer is
 dropped on request.
 
 ``Qwen3_5ForConditionalGeneration`` and ``Qwen3_5MoeForConditionalGeneration`` (the published
-vision-language checkpoints): their language model, ``text_config`` read as the text model's own
-config, the ``model.language_model.*`` tensors loaded; every ``vision_config`` field is recorded
-as the vision tower's and its ``model.visual.*`` tensors are reported as not loaded, by name.
+vision-language checkpoints), built whole: ``text_config`` read as the text model's own config
+with its M-RoPE kept as interleaved multimodal RoPE over 3-D position ids (Qwen3-VL's), the vision
+tower Qwen3-VL's without deepstack mergers (``read_qwen3_5_vision``); the language model under
+``model.language_model.*``, the tower under ``model.visual.*``. ``packed_forward`` takes the
+pixels per sequence (``vision_inputs``, docs/vision-language.md); without them the model runs
+token ids as a text model.
 """
 
 from __future__ import annotations
@@ -48,7 +51,10 @@ _COMMON = {
 EXAMPLE_CONFIG = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", **_COMMON,
                   "intermediate_size": 128}  # fmt: skip
 _VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
-           "patch_size": 4, "num_position_embeddings": 16}  # fmt: skip
+           "patch_size": 4, "temporal_patch_size": 2, "spatial_merge_size": 2, "in_channels": 3,
+           "num_position_embeddings": 16, "hidden_act": "gelu_pytorch_tanh", "deepstack_visual_indexes": []}  # fmt: skip
+#: the marker-token ids inside the tiny vocabulary (those of Qwen3-VL's example)
+_MARKERS = {"image_token_id": 250, "video_token_id": 251, "vision_start_token_id": 248, "vision_end_token_id": 249}
 EXAMPLE_MOE_CONFIG = {
     "architectures": ["Qwen3_5MoeForCausalLM"],
     "model_type": "qwen3_5_moe_text",
@@ -67,7 +73,7 @@ def _vision_language(architecture: str, model_type: str, text: dict) -> dict:
     """A vision-language example: ``text`` as its ``text_config``, a tiny vision tower."""
     text_config = {k: v for k, v in text.items() if k not in ("architectures", "tie_word_embeddings")}
     return {"architectures": [architecture], "model_type": model_type, "text_config": text_config,
-            "vision_config": dict(_VISION), "tie_word_embeddings": False}  # fmt: skip
+            "vision_config": dict(_VISION), **_MARKERS, "tie_word_embeddings": False}  # fmt: skip
 
 
 EXAMPLE_VL_CONFIG = _vision_language("Qwen3_5ForConditionalGeneration", "qwen3_5", EXAMPLE_CONFIG)
@@ -102,17 +108,17 @@ def _read_token_mixers(reader):  # type: ignore[no-untyped-def]
     return linear
 
 
-def convert(reader):  # type: ignore[no-untyped-def]
-    """``Qwen3_5ForCausalLM``: the gated MLP (``intermediate_size``) on every layer."""
+def _dense(reader, multimodal: bool):  # type: ignore[no-untyped-def]
+    """The dense text model: the gated MLP on every layer (``multimodal``: the RoPE of :func:`_rope`)."""
     from mcore_zoo.plugin_api import read_dense_decoder
 
     linear = _read_token_mixers(reader)
-    arch = read_dense_decoder(reader, qk_norm=True, text_mrope=True)
+    arch = _rope(reader, read_dense_decoder(reader, qk_norm=True, **_rope_options(multimodal)), multimodal)
     return arch.replace(gated_deltanet=linear, attention_output_gate=True, zero_centered_norm=True)
 
 
-def convert_moe(reader):  # type: ignore[no-untyped-def]
-    """``Qwen3_5MoeForCausalLM``: the MoE block on every layer."""
+def _moe(reader, multimodal: bool):  # type: ignore[no-untyped-def]
+    """The MoE text model: the MoE block on every layer (``multimodal``: the RoPE of :func:`_rope`)."""
     from mcore_zoo.plugin_api import MoESpec, read_aux_loss, read_dense_decoder, read_expert_counts
 
     linear = _read_token_mixers(reader)
@@ -127,29 +133,59 @@ def convert_moe(reader):  # type: ignore[no-untyped-def]
     moe = MoESpec(num_experts=experts, top_k=topk, expert_ffn_hidden_size=ffn, shared_expert_ffn_hidden_size=shared,
                   shared_expert_gate=True, router_score_function="softmax", normalize_topk=True, probs_dtype="hidden",
                   layer_pattern=None, aux_loss_coeff=read_aux_loss(reader))  # fmt: skip
-    arch = read_dense_decoder(reader, qk_norm=True, text_mrope=True, ffn_hidden_size=ffn)
+    arch = read_dense_decoder(reader, qk_norm=True, ffn_hidden_size=ffn, **_rope_options(multimodal))
+    arch = _rope(reader, arch, multimodal)
     return arch.replace(moe=moe, gated_deltanet=linear, attention_output_gate=True, zero_centered_norm=True)
 
 
-def convert_vl(reader):  # type: ignore[no-untyped-def]
-    """``Qwen3_5ForConditionalGeneration``: the language model (:func:`convert` on ``text_config``)."""
-    from mcore_zoo.plugin_api import read_language_model
+def _rope_options(multimodal: bool) -> dict:
+    """The text model's M-RoPE over identical text position ids (plain RoPE), or the
+    vision-language model's interleaved multimodal RoPE over 3-D position ids."""
+    return dict(multimodal_rope=True, interleaved_mrope=True) if multimodal else dict(text_mrope=True)
 
-    return read_language_model(reader, convert)
+
+def _rope(reader, arch, multimodal: bool):  # type: ignore[no-untyped-def]
+    """transformers' Qwen3.5 text rotary interleaves the sections whatever ``mrope_interleaved``
+    says (an explicit ``false`` refused); the sections add up to half the rotary width."""
+    from mcore_zoo.plugin_api import always_interleaved_mrope, check_mrope_sections
+
+    return check_mrope_sections(reader, always_interleaved_mrope(reader, arch)) if multimodal else arch
+
+
+def convert(reader):  # type: ignore[no-untyped-def]
+    """``Qwen3_5ForCausalLM``: the gated MLP (``intermediate_size``) on every layer."""
+    return _dense(reader, multimodal=False)
+
+
+def convert_moe(reader):  # type: ignore[no-untyped-def]
+    """``Qwen3_5MoeForCausalLM``: the MoE block on every layer."""
+    return _moe(reader, multimodal=False)
+
+
+def _vision_language_model(reader, text_model):  # type: ignore[no-untyped-def]
+    """``text_config`` read by ``text_model`` with multimodal RoPE, ``vision_config`` as Qwen3.5's tower."""
+    from mcore_zoo.plugin_api import check_tower_fits_decoder, read_language_model, read_qwen3_5_vision
+
+    arch = read_language_model(reader, lambda text: text_model(text, multimodal=True), read_vision=read_qwen3_5_vision)
+    return check_tower_fits_decoder(reader, arch)
+
+
+def convert_vl(reader):  # type: ignore[no-untyped-def]
+    """``Qwen3_5ForConditionalGeneration``: the dense language model on ``text_config`` with its tower."""
+    return _vision_language_model(reader, _dense)
 
 
 def convert_moe_vl(reader):  # type: ignore[no-untyped-def]
-    """``Qwen3_5MoeForConditionalGeneration``: the language model (:func:`convert_moe` on ``text_config``)."""
-    from mcore_zoo.plugin_api import read_language_model
-
-    return read_language_model(reader, convert_moe)
+    """``Qwen3_5MoeForConditionalGeneration``: the MoE language model on ``text_config`` with its tower."""
+    return _vision_language_model(reader, _moe)
 
 
 @hookimpl
 def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
     common = dict(weight_rules="mcore_zoo.plugin_api:gated_deltanet_weight_map",
                   layer_spec="mcore_zoo.plugin_api:hybrid_layer_specs", backends=("local", "portable"))  # fmt: skip
-    vision_language = dict(common, weight_rules="mcore_zoo.plugin_api:gated_deltanet_language_model_weight_map")
+    vision_language = dict(common, weight_rules="mcore_zoo.plugin_api:gated_deltanet_vision_language_weight_map",
+                           forward="mcore_zoo.plugin_api:vision_language_forward")  # fmt: skip
     return [
         ModelEntry(
             architecture="Qwen3_5ForCausalLM",
@@ -174,8 +210,8 @@ def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
             model_type="qwen3_5",
             converter="mcore_zoo.plugins.qwen3_5:convert_vl",
             example_config=EXAMPLE_VL_CONFIG,
-            description="Qwen3.5 dense, the language model of the vision-language checkpoint (vision tower"
-                        " not built: its tensors reported as not loaded)",
+            description="Qwen3.5 dense, vision-language: Qwen3-VL's vision tower without deepstack mergers before"
+                        " Qwen3.5's decoder with interleaved multimodal RoPE; images per sequence",
             **vision_language,
         ),
         ModelEntry(
@@ -183,8 +219,8 @@ def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
             model_type="qwen3_5_moe",
             converter="mcore_zoo.plugins.qwen3_5:convert_moe_vl",
             example_config=EXAMPLE_MOE_VL_CONFIG,
-            description="Qwen3.5-MoE, the language model of the vision-language checkpoint (vision tower"
-                        " not built: its tensors reported as not loaded)",
+            description="Qwen3.5-MoE, vision-language: Qwen3-VL's vision tower without deepstack mergers before"
+                        " Qwen3.5-MoE's decoder with interleaved multimodal RoPE; images per sequence",
             **vision_language,
         ),
     ]

@@ -81,17 +81,9 @@ def convert_moe_text(reader):  # type: ignore[no-untyped-def]
 
 
 def _convert(reader, convert_text_model):  # type: ignore[no-untyped-def]
-    from mcore_zoo.plugin_api import read_language_model, read_qwen3_vision
+    from mcore_zoo.plugin_api import check_tower_fits_decoder, read_language_model, read_qwen3_vision
 
-    arch = read_language_model(reader, convert_text_model, read_vision=read_qwen3_vision)
-    levels = len(arch.vision.deepstack_visual_indexes)
-    if levels > arch.num_layers:
-        raise reader.unsupported("vision_config.deepstack_visual_indexes", list(arch.vision.deepstack_visual_indexes),
-                                 f"more deepstack levels than decoder layers ({arch.num_layers})")  # fmt: skip
-    if arch.vision.out_hidden_size != arch.hidden_size:
-        raise reader.unsupported("vision_config.out_hidden_size", arch.vision.out_hidden_size,
-                                 f"must equal the language model's hidden_size ({arch.hidden_size})")  # fmt: skip
-    return arch
+    return check_tower_fits_decoder(reader, read_language_model(reader, convert_text_model, read_vision=read_qwen3_vision))
 
 
 def convert(reader):  # type: ignore[no-untyped-def]

@@ -170,3 +170,12 @@ def language_model_weight_map(arch: ArchConfig) -> WeightMap:
     from mcore_zoo.weights.language_model import language_model_weight_map as under_language_model
 
     return under_language_model(gated_deltanet_weight_map(arch))
+
+
+def vision_language_weight_map(arch: ArchConfig) -> WeightMap:
+    """Qwen3.5's vision-language checkpoints with the vision tower built (``arch.vision``): the
+    table of :func:`gated_deltanet_weight_map` under ``model.language_model.``, the tower's tensors
+    under ``model.visual.`` (:func:`mcore_zoo.families.vision_language.weights.vision_language_weight_map`)."""
+    from mcore_zoo.families.vision_language.weights import vision_language_weight_map as with_tower
+
+    return with_tower(gated_deltanet_weight_map(arch))

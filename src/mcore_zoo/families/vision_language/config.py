@@ -6,7 +6,8 @@ A vision-language config (``*ForConditionalGeneration``) nests the language mode
 ``vision_config``. A tower reader takes the ``vision_config`` reader and the top-level reader (the
 marker-token ids live there) and returns the tower's :class:`VisionSpec`; each tower the family
 builds has one (``VisionSpec.kind``): :func:`read_qwen2_5_vision` is Qwen2.5-VL's,
-:func:`read_qwen3_vision` Qwen3-VL's (dense and MoE alike).
+:func:`read_qwen3_vision` Qwen3-VL's (dense and MoE alike), :func:`read_qwen3_5_vision` Qwen3.5's
+(Qwen3-VL's tower without deepstack mergers).
 """
 
 from __future__ import annotations
@@ -126,12 +127,32 @@ def _deepstack_indexes(vision: ConfigReader, depth: int) -> tuple:
 def read_qwen3_vision(vision: ConfigReader, top: ConfigReader) -> VisionSpec:
     """Qwen3-VL's ``vision_config`` (and the top-level marker-token ids) -> its :class:`VisionSpec`
     (``kind="qwen3_vl"``: learned position grid, LayerNorm blocks without windows, deepstack)."""
+    return _read_qwen3_tower(vision, top, deepstack=True)
+
+
+def read_qwen3_5_vision(vision: ConfigReader, top: ConfigReader) -> VisionSpec:
+    """Qwen3.5's ``vision_config`` (dense and MoE alike) -> its :class:`VisionSpec`: Qwen3-VL's tower
+    (``kind="qwen3_vl"``) without deepstack mergers. transformers' Qwen3.5 tower does not read
+    ``deepstack_visual_indexes`` (its published configs carry ``[]``): any other value describes
+    another tower and is refused by name."""
+    return _read_qwen3_tower(vision, top, deepstack=False)
+
+
+def _read_qwen3_tower(vision: ConfigReader, top: ConfigReader, deepstack: bool) -> VisionSpec:
     classify_common_fields(vision)
     sizes = _read_tower_sizes(vision)
     positions = vision.map_checked("num_position_embeddings", "learned position grid (a square), interpolated"
                                    " bilinearly to each image's patch grid", positive_int, reason="must be > 0")  # fmt: skip
     if int(positions**0.5) ** 2 != positions:
         raise vision.unsupported("num_position_embeddings", positions, "the learned position grid must be square")
+    if deepstack:
+        levels = _deepstack_indexes(vision, sizes["depth"])
+    else:
+        levels = ()
+        if vision.has("deepstack_visual_indexes"):
+            vision.map_checked("deepstack_visual_indexes", "none: the tower has no deepstack mergers",
+                               lambda v: isinstance(v, (list, tuple)) and not v,
+                               reason="not read by transformers' Qwen3.5, whose tower has no deepstack mergers")  # fmt: skip
     spec = VisionSpec(
         kind="qwen3_vl",
         **sizes,
@@ -140,12 +161,26 @@ def read_qwen3_vision(vision: ConfigReader, top: ConfigReader) -> VisionSpec:
                                       reason=f"supported: {', '.join(QWEN3_VISION_ACTIVATIONS)}"),  # fmt: skip
         rope_theta=_read_axial_rope(vision),
         num_position_embeddings=positions,
-        deepstack_visual_indexes=_deepstack_indexes(vision, sizes["depth"]),
+        deepstack_visual_indexes=levels,
         frames_per_video_run=True,
         **_marker_tokens(top),
     )
     vision.ignore("initializer_range", "random initialisation only; loaded weights do not depend on it")
     return spec
+
+
+def check_tower_fits_decoder(reader: ConfigReader, arch: ArchConfig) -> ArchConfig:
+    """Refuse a tower whose merged features are not the language model's width, or with more
+    deepstack levels than the decoder has layers; ``arch`` unchanged."""
+    vision = arch.vision
+    levels = len(vision.deepstack_visual_indexes)
+    if levels > arch.num_layers:
+        raise reader.unsupported("vision_config.deepstack_visual_indexes", list(vision.deepstack_visual_indexes),
+                                 f"more deepstack levels than decoder layers ({arch.num_layers})")  # fmt: skip
+    if vision.out_hidden_size != arch.hidden_size:
+        raise reader.unsupported("vision_config.out_hidden_size", vision.out_hidden_size,
+                                 f"must equal the language model's hidden_size ({arch.hidden_size})")  # fmt: skip
+    return arch
 
 
 def check_mrope_sections(reader: ConfigReader, arch: ArchConfig) -> ArchConfig:
@@ -159,14 +194,14 @@ def check_mrope_sections(reader: ConfigReader, arch: ArchConfig) -> ArchConfig:
 
 
 def always_interleaved_mrope(reader: ConfigReader, arch: ArchConfig) -> ArchConfig:
-    """Qwen3-VL's language model: transformers interleaves the multimodal RoPE sections whether
-    ``mrope_interleaved`` is given or not; an explicit ``false`` describes another model and is
-    refused by name. Returns ``arch`` with the interleaved layout."""
+    """Qwen3-VL's and Qwen3.5's language models: transformers interleaves the multimodal RoPE
+    sections whether ``mrope_interleaved`` is given or not; an explicit ``false`` describes another
+    model and is refused by name. Returns ``arch`` with the interleaved layout."""
     source = _rope_source(reader)
     given = (reader.peek(source) or {}).get("mrope_interleaved")
     if given is False:
-        raise reader.unsupported(f"{source}.mrope_interleaved", given, "transformers' Qwen3-VL always interleaves"
-                                 " the multimodal RoPE sections")  # fmt: skip
+        raise reader.unsupported(f"{source}.mrope_interleaved", given, f"transformers' {reader.architecture}"
+                                 " always interleaves the multimodal RoPE sections")  # fmt: skip
     return arch.replace(rope=dataclasses.replace(arch.rope, mrope_interleaved=True))
 
 

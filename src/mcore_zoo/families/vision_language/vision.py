@@ -14,8 +14,9 @@ decoder layers' outputs. Its patches carry a learned position embedding interpol
 (corners aligned) from the square table to each image's grid, as transformers'
 ``get_vision_interpolation_indices_and_weights`` computes it; every block attends within one frame.
 
-The towers are the family's extension point (:data:`TOWERS`, by ``VisionSpec.kind``); Qwen3.5's
-tower is still to be added there.
+The towers are the family's extension point (:data:`TOWERS`, by ``VisionSpec.kind``). Qwen3.5's
+tower is ``Qwen3VisionTower`` with no deepstack levels (its ``TowerOutput`` carries the merged
+features alone).
 """
 
 from __future__ import annotations
