@@ -44,3 +44,18 @@ def run_check(script: str, *args: str, env: Any = None, timeout: int = 900) -> d
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **(env or {})})  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def check_vllm_refit(r: dict, arch: str) -> None:
+    """Print and assert what every in-process vLLM refit check (``test_refit_gpu.py`` run as a script)
+    must show: the in-process engine at TP 1, a refit over scrambled weights in more than two buckets,
+    the engine's names and every parameter equal to the export, prompt log-probs bitwise, the per-shard
+    and reused-table refits equal too, and a refit missing a bucket refused as incomplete."""
+    print(f"\n{arch}: vLLM after refit vs mcore local bf16: token_mult_prob_error {r['token_mult_prob_error']:.6f},"
+          f" max |dlogp| {r['max_abs_dlogp']:.3e}; refit {r['refit_mb']:.1f} MB in {r['refit_ms']:.1f} ms")  # fmt: skip
+    assert r["transport"] == "inproc" and r["tp"] == 1
+    assert r["scrambled_differs"] and r["buckets"] > 2
+    assert r["names_equal"] and r["params_differ"] == []
+    assert r["logprobs_bitwise"]
+    assert r["per_shard_params_differ"] == [] and r["reused_tables_params_differ"] == []
+    assert r["skipped_bucket_error"] is not None and "refit incomplete" in r["skipped_bucket_error"]
