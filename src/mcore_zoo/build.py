@@ -292,7 +292,9 @@ def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
 def install_rope(model: torch.nn.Module, arch: ArchConfig, numerics: NumericsProfile) -> None:
     """Give the model HF's RoPE frequencies (computed on the CPU as transformers does).
 
-    Megatron-Core moves ``inv_freq`` to the GPU on the first forward; its ``forward`` is an
+    The frequencies go where Megatron-Core put its own (its ``RotaryEmbedding`` would move CPU ones
+    to the GPU on the first forward, its ``MultimodalRotaryEmbedding`` never does, so a CPU copy would
+    leave multimodal RoPE's angles on the CPU next to GPU activations). ``forward`` is an
     ``lru_cache``, cleared here so no stale embedding survives.
     """
     rotary = getattr(model, "rotary_pos_emb", None)
@@ -307,7 +309,7 @@ def install_rope(model: torch.nn.Module, arch: ArchConfig, numerics: NumericsPro
     freqs, _scaling = inv_freq(arch.rope, arch.head_dim, arch.max_position_embeddings)
     if freqs.shape != rotary.inv_freq.shape:
         raise ZooError(f"RoPE frequency count {tuple(freqs.shape)} != mcore's {tuple(rotary.inv_freq.shape)}")
-    rotary.inv_freq = freqs  # CPU; mcore moves it to the current device on first use
+    rotary.inv_freq = freqs.to(rotary.inv_freq.device)  # a copy: the values computed on the CPU, unchanged
     cached = getattr(type(rotary).forward, "cache_clear", None)  # multimodal RoPE computes per call
     if cached is not None:
         cached()

@@ -231,3 +231,23 @@ def test_parity_report_feeds_images_and_is_bitwise(tmp_path):
     tower = [row for row in parity["layers"] if row["site"].startswith("vision.")]
     assert [row["site"] for row in tower] == ["vision.block.0", "vision.block.1", "vision.merger"]
     assert all(row["bitwise_equal"] for row in parity["layers"]) and parity["first_divergent_site"] is None
+
+
+def test_rope_frequencies_stay_on_the_device_megatron_gave_them(model):
+    """Megatron-Core's ``MultimodalRotaryEmbedding`` never moves ``inv_freq`` (its plain
+    ``RotaryEmbedding`` does, on the first forward): the HF frequencies installed in its place must
+    sit where Megatron-Core put its own, or the angles are computed on another device than the
+    activations (a GPU build would rotate GPU queries by CPU angles)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
+
+    from mcore_zoo.build import install_rope
+    from mcore_zoo.handle import handle_of
+
+    rotary = model.rotary_pos_emb
+    assert isinstance(rotary, MultimodalRotaryEmbedding)
+    expected = rotary.inv_freq.clone()
+    rotary.inv_freq = torch.empty_like(rotary.inv_freq, device="meta")  # stands in for "not the CPU"
+    handle = handle_of(model)
+    install_rope(model, handle.arch_config, handle.numerics)
+    assert rotary.inv_freq.device.type == "meta"
+    rotary.inv_freq = expected
