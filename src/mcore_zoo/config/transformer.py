@@ -183,7 +183,8 @@ def transformer_config_kwargs(arch: ArchConfig, options: BuildOptions) -> dict[s
         use_cpu_initialization=options.cpu,
         perform_initialization=options.perform_initialization,
         # numerics knobs
-        apply_rope_fusion=numerics.rope_fusion and options.backend == "te" and not _yarn_needs_mscale(arch),
+        apply_rope_fusion=numerics.rope_fusion and options.backend == "te" and not _yarn_needs_mscale(arch)
+        and arch.rope.mrope_section is None,  # TE's fused THD kernel rotates by position in the sequence, not per token
         bias_activation_fusion=numerics.bias_activation_fusion and arch.activation in ("silu", "gelu"),
         masked_softmax_fusion=numerics.masked_softmax_fusion and options.backend == "local" and fused_softmax_available(),
         bias_dropout_fusion=False,

@@ -175,7 +175,10 @@ def window_order(grid_thw: torch.Tensor, spec: VisionSpec) -> tuple[torch.Tensor
 class AxialRotary(nn.Module):
     """The towers' 2-D rotary: the same frequencies for a patch's row and column, ``(cos, sin)``
     of ``[row angles, column angles]`` repeated twice (the whole head rotates). The inverse
-    frequencies stay float32 whatever dtype the model is cast to, as transformers keeps its towers'."""
+    frequencies stay float32 whatever dtype the model is cast to, as transformers keeps its towers'.
+    The angles, cos and sin are computed on the device of ``positions``: the towers hand them over on
+    the activations' device, where transformers computes its own (a GPU's cos / sin and a CPU's differ
+    in the last bit)."""
 
     def __init__(self, spec: VisionSpec) -> None:
         super().__init__()
@@ -223,7 +226,7 @@ class QwenVisionTower(nn.Module):
             return t.reshape(n // unit, unit, -1)[order.to(t.device)].reshape(n, -1)
 
         x = windowed(x)
-        cos, sin = (windowed(f.to(x.device)) for f in self.rotary(positions))
+        cos, sin = (windowed(f) for f in self.rotary(positions.to(x.device)))
         for i, block in enumerate(self.blocks):
             x = block(x, frames if i in spec.fullatt_block_indexes else windows, cos, sin)
         return self.merger(x)[torch.argsort(order).to(x.device)]
@@ -340,7 +343,7 @@ class Qwen3VisionTower(nn.Module):
         x = self.patch_embed(pixel_values)
         pos = (self.pos_embed(indices.to(x.device)) * weights.to(x.device)[:, :, None]).sum(1)
         x = x + pos.to(x.dtype)
-        cos, sin = (f.to(x.device) for f in self.rotary(patch_positions(grid_thw, spec.spatial_merge_size)))
+        cos, sin = self.rotary(patch_positions(grid_thw, spec.spatial_merge_size).to(x.device))
         frames = frame_seqlens(grid_thw)
         deepstack = []
         for i, block in enumerate(self.blocks):
