@@ -23,8 +23,8 @@ trainer's rank 0). Then, on the same links:
   computed in the engine) equal to that of the same tensor from the zoo's export on the trainer
   (the colocated refit into plain tensors: the export stream cut for the engine).
 
-Results: ``OUT/disagg.json`` and ``OUT/disagg.md``; the run fails (exit 1) when a case is not
-exact. Needs vLLM (bench/gpu/vllm-setup.sh; ``source bench/gpu/vllm-env.sh``) except with
+Results: ``OUT/disagg.json`` and ``OUT/disagg.md``, rewritten after every case (a case that hangs
+leaves the ones before it); the run fails (exit 1) when a case is not exact. Needs vLLM (bench/gpu/vllm-setup.sh; ``source bench/gpu/vllm-env.sh``) except with
 ``--dry-run``.
 """
 
@@ -258,21 +258,29 @@ def main() -> None:
         ap.error("--out is required")
     os.makedirs(args.out, exist_ok=True)
     args.gpus = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]  # every case picks from these
-    results = [run_case(shape, tp, args) for tp in (args.tp or [1]) for shape in (args.shape or sorted(SHAPES))]
-    with open(os.path.join(args.out, "disagg.json"), "w") as f:
-        json.dump({"dry_run": args.dry_run, "cases": results}, f, indent=1)
+    results = []
+    for tp in args.tp or [1]:
+        for shape in args.shape or sorted(SHAPES):
+            results.append(run_case(shape, tp, args))
+            write_results(args.out, args.dry_run, results)  # after every case: a later case that hangs keeps these
+    if not all(r["exact"] for r in results):
+        raise SystemExit("not exact: " + "; ".join(f"{r['shape']} TP{r['trainer_tp']}: {r['differ'] or r['missing']}"
+                                                   for r in results if not r["exact"]))  # fmt: skip
+
+
+def write_results(out: str, dry_run: bool, results: list[dict]) -> None:
+    """``OUT/disagg.json`` and ``OUT/disagg.md`` of the cases run so far (the table printed too)."""
+    with open(os.path.join(out, "disagg.json"), "w") as f:
+        json.dump({"dry_run": dry_run, "cases": results}, f, indent=1)
     lines = ["| shape | layers | trainer -> engine | GB | refit s (trainer / engine) | GB/s | GB/s per link | link GB/s"
              " (NCCL broadcast) | of link | exact |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['shape']} | {r['layers']} | TP{r['trainer_tp']} -> TP{r['engine_tp']} | {r['bytes'] / 1e9:.2f} |"
                      f" {r['trainer_seconds']:.3f} / {r['engine_seconds']:.3f} | {r['gbps']:.1f} | {r['gbps_per_link']:.1f} |"
                      f" {r['link']['gbps']:.1f} | {100 * r['of_link']:.0f}% | {'yes' if r['exact'] else 'NO'} |")  # fmt: skip
-    with open(os.path.join(args.out, "disagg.md"), "w") as f:
+    with open(os.path.join(out, "disagg.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    if not all(r["exact"] for r in results):
-        raise SystemExit("not exact: " + "; ".join(f"{r['shape']} TP{r['trainer_tp']}: {r['differ'] or r['missing']}"
-                                                   for r in results if not r["exact"]))  # fmt: skip
+    print("\n".join(lines), flush=True)
 
 
 if __name__ == "__main__":
