@@ -217,7 +217,7 @@ class Once:
             self._done = True
             try:
                 self._value = self.compute()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - raised again for every read
                 self._error = exc
         if self._error is not None:
             raise RuntimeError(f"the shared run failed: {self._error}") from self._error

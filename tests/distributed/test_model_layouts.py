@@ -127,7 +127,7 @@ def four_rank_runs(checkpoints, tmp_path_factory) -> SharedLaunch:
 
 @pytest.mark.slow
 def test_actor_reference_critic_at_three_layouts_in_one_job(checkpoints, one_process, four_rank_runs):
-    ckpt, value_ckpt = checkpoints
+    ckpt, _ = checkpoints
     ref = one_process
     found = four_rank_runs["models"]
     source = load_safetensors_dir(ckpt)

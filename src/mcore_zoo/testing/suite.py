@@ -99,7 +99,7 @@ class _State:
         self.refs = ReferenceCheckpoints(lambda name: tmp_path_factory.mktemp(name))
         self.contracts = list(contracts)
         self._plans: dict[str, _Plan] = {}
-        self._launched: dict[int, Union[list, BaseException]] = {}
+        self._launched: dict[int, list | BaseException] = {}
 
     def plan(self, name: str) -> _Plan:
         """The plan of multi-process contract ``name`` (made once)."""
@@ -121,7 +121,7 @@ class _State:
                 results = run_contracts([(n, [(c.subject, a.name, ckpt) for c, a, ckpt in r.runnable], r.tp, r.ep)
                                          for n, r in jobs], world)  # fmt: skip
                 self._launched[world] = [(n, r, ranks) for (n, r), ranks in zip(jobs, results)]
-            except Exception as exc:  # reported by each contract the launch ran
+            except Exception as exc:  # noqa: BLE001 - reported by each contract the launch ran
                 self._launched[world] = exc
         launched = self._launched[world]
         if isinstance(launched, BaseException):
@@ -423,7 +423,7 @@ _PLANNERS: dict[str, Callable[[_State], _Plan]] = {
 }
 
 
-def _refusal(arch: Any, parallel: Any) -> Optional[str]:
+def _refusal(arch: Any, parallel: Any) -> str | None:
     """Why the model of ``arch`` refuses ``parallel`` by name (``UnsupportedLayoutError``: a layer
     not built for it yet), in one line; None when it takes it. Any other layout problem raises."""
     from ..config.transformer import default_expert_tp, validate_layout
