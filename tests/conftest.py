@@ -179,3 +179,67 @@ def require_current_deepseek_v2_reference() -> None:
         pytest.skip(f"transformers {transformers.__version__}: DeepseekV2Attention predates the YaRN softmax"
                     " mscale (yarn_apply_mscale); the zoo follows the current model")  # fmt: skip
 
+
+# ---------------------------------------------------------------------------- shared launches
+def run_each(cases: dict[str, tuple]) -> dict[str, Any]:
+    """Runs on every rank of one :func:`mcore_zoo.distributed.launch`: ``fn(*args)`` for each
+    ``name: (fn, *args)`` of ``cases``, in order; the results by name. Several tests' cases share
+    one launch, so each rank imports torch and Megatron-Core once for all of them. Each case starts
+    without Megatron-Core parallel state, as on a fresh launch (what a case made is destroyed after
+    it). An exception names its case and fails the launch."""
+    from megatron.core import parallel_state
+
+    results: dict[str, Any] = {}
+    for name, (fn, *args) in cases.items():
+        try:
+            results[name] = fn(*args)
+        except Exception as exc:
+            raise RuntimeError(f"case {name!r} of a shared launch: {type(exc).__name__}: {exc}") from exc
+        finally:
+            parallel_state.destroy_model_parallel()
+    return results
+
+
+class Once:
+    """``compute()`` run when ``value`` is first read, its result kept for every later read; an
+    exception is kept too and every read fails with it (each test sharing an expensive launch
+    fails, none runs it again)."""
+
+    def __init__(self, compute: Callable[[], Any]) -> None:
+        self.compute = compute
+        self._done = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    @property
+    def value(self) -> Any:
+        if not self._done:
+            self._done = True
+            try:
+                self._value = self.compute()
+            except Exception as exc:  # noqa: BLE001 - raised again for every read
+                self._error = exc
+        if self._error is not None:
+            raise RuntimeError(f"the shared run failed: {self._error}") from self._error
+        return self._value
+
+
+class SharedLaunch:
+    """One :func:`run_each` launch on ``world_size`` ranks for the cases ``make_cases()`` returns
+    (``{name: (fn, *args)}``), made when the first test asks for a case; ``launch[name]`` is that
+    case's result on every rank (rank order) and ``launch.cases[name]`` its ``(fn, *args)``. A
+    failed launch fails every test that asks (:class:`Once`). ``backend``: as
+    :func:`mcore_zoo.distributed.launch` takes it."""
+
+    def __init__(self, world_size: int, make_cases: Callable[[], dict[str, tuple]], backend: str | None = None) -> None:
+        self.cases: dict[str, tuple] = {}
+        self._ranks = Once(lambda: self._launch(world_size, make_cases, backend))
+
+    def _launch(self, world_size: int, make_cases: Callable[[], dict[str, tuple]], backend: str | None) -> list[dict[str, Any]]:
+        from mcore_zoo.distributed import launch
+
+        self.cases = make_cases()
+        return launch(run_each, world_size, self.cases, backend=backend)
+
+    def __getitem__(self, name: str) -> list[Any]:
+        return [rank[name] for rank in self._ranks.value]

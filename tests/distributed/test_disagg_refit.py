@@ -1,7 +1,8 @@
 """Disaggregated refit on gloo: trainer processes (their own world, a TP2 / PP2 / EP2 / TP2 x EP2
 layout) and engine processes (no world of their own) joined by a refit group from a host and a
-port. One process launch per trainer layout runs the built-ins (a CI run: one of each kind, ``CI_BUILTINS``;
-every built-in with ``MCORE_ZOO_TEST_ALL_BUILTINS=1``) and every engine layout in it:
+port. One process launch for the two-trainer layouts (TP2, PP2, EP2, in turn) and one for TP2 x EP2
+run the built-ins (a CI run: one of each kind, ``CI_BUILTINS``; every built-in with
+``MCORE_ZOO_TEST_ALL_BUILTINS=1``) and every engine layout in them:
 engine TP1, engine TP2 and an engine of two DP replicas (TP1, every byte through one broadcast).
 Each engine rank's tensors (the CPU stand-in engine: a dict per rank in vLLM's names and TP
 shards) must be bitwise those of an engine loaded from the zoo's export (the colocated refit
@@ -17,6 +18,8 @@ import torch
 
 from mcore_zoo.distributed import launch
 from mcore_zoo.placement import Parallelism
+
+from ..conftest import Once
 
 #: (id, architecture, config overrides): every built-in, tiny
 BUILTINS = [
@@ -57,8 +60,9 @@ def _selected(names=None):
 ENGINES = [("tp1", 1, 1), ("tp2", 2, 1), ("tp1-dp2", 1, 2)]
 
 
-def _disagg(trainers: int, cases: list, faults: bool) -> dict:
-    """One launched process: trainer rank (its own gloo world of ``trainers``) or engine process."""
+def _disagg(trainers: int, cases: list, faults: str | None) -> dict:
+    """One launched process: trainer rank (its own gloo world of ``trainers``) or engine process.
+    ``faults``: the case id whose refit into engine TP2 also drops and duplicates messages."""
     import torch.distributed as dist
 
     import mcore_zoo
@@ -94,7 +98,7 @@ def _disagg(trainers: int, cases: list, faults: bool) -> dict:
                 mcore_zoo.refit(model, reference, target_tp=tp, bucket_size="64KB")
                 found[key] = {"reference": reference.tensors if reference else None, "bytes": [s.nbytes for s in sent],
                               "routes": len(sender.transfer.routes), "exported": sorted(n for v in sender.transfer.exported.values() for n in v)}
-                if faults and engine_id == "tp2" and case_id == cases[0][0]:
+                if engine_id == "tp2" and case_id == faults:
                     for fault in ("drop", "duplicate", "duplicate-last"):
                         _Faulty(sender, fault).send()
                     _change_parameters(model)
@@ -109,7 +113,7 @@ def _disagg(trainers: int, cases: list, faults: bool) -> dict:
                 for e in engine:
                     receiver.receive(e)
                 found[key] = {"rank": receiver.rank, "tensors": [e.tensors[receiver.rank] for e in engine]}
-                if faults and engine_id == "tp2" and case_id == cases[0][0]:
+                if engine_id == "tp2" and case_id == faults:
                     errors = []
                     for _ in range(3):
                         try:
@@ -141,7 +145,7 @@ def _change_parameters(model) -> None:
 
 def _engines(case_id: str) -> list:
     """The engine layouts of a case (a vision-language model built at TP 1 only: no engine TP)."""
-    return [e for e in ENGINES if e[1] == 1] if case_id == "qwen2.5-vl" else ENGINES
+    return [e for e in ENGINES if e[1] == 1] if case_id.endswith("qwen2.5-vl") else ENGINES
 
 
 class _Faulty:
@@ -185,7 +189,7 @@ def _timeout():
     return datetime.timedelta(seconds=900)  # engines wait while the trainers build (minutes on a loaded machine)
 
 
-def _check(found: list, cases: list, trainers: int, faults: bool) -> None:
+def _check(found: list, cases: list, trainers: int, faults: str | None) -> None:
     for case_id, _, _ in cases:
         for engine_id, tp, dp in _engines(case_id):
             key = f"{case_id}/{engine_id}"
@@ -200,7 +204,7 @@ def _check(found: list, cases: list, trainers: int, faults: bool) -> None:
                     assert sorted(tensors) == sorted(want[rank]), key
                     for name, ref in want[rank].items():
                         assert torch.equal(tensors[name], ref), (key, index, name)
-                if faults and engine_id == "tp2" and case_id == cases[0][0]:
+                if engine_id == "tp2" and case_id == faults:
                     drop, duplicate, last = got["errors"]
                     if rank == 0:
                         assert drop and "bucket 0" in drop and "dropped" in drop, drop
@@ -214,7 +218,8 @@ def _check(found: list, cases: list, trainers: int, faults: bool) -> None:
 
 def _cases(reference_checkpoint, layout: str, names=None) -> list:
     """(id, checkpoint, trainer layout) of every built-in for a trainer layout (EP: MoE only;
-    experts with biases - gpt-oss - at expert TP 1, as the engine splits them itself)."""
+    experts with biases - gpt-oss - at expert TP 1, as the engine splits them itself); the id is
+    ``<layout>/<built-in>``."""
     cases = []
     names = _selected(names)
     for case_id, arch, over in BUILTINS:
@@ -225,28 +230,44 @@ def _cases(reference_checkpoint, layout: str, names=None) -> list:
         moe = "moe" in case_id or case_id in ("mixtral", "deepseek-v2", "deepseek-v3", "deepseek-v3.2", "glm-5", "gpt-oss", "qwen3-next")
         if case_id == "qwen2.5-vl":  # built at TP = PP = 1 only: two data-parallel trainer replicas, in the EP2 launch
             if layout == "ep2":
-                cases.append((case_id, str(ckpt), Parallelism()))
+                cases.append((f"{layout}/{case_id}", str(ckpt), Parallelism()))
             continue
         if "ep" in layout and not moe:
             continue
         tp = 2 if "tp2" in layout else 1
         parallel = Parallelism(tp=tp, pp=2 if layout == "pp2" else 1, ep=2 if "ep2" in layout else 1,
                                etp=1 if case_id == "gpt-oss" and tp > 1 else None)  # fmt: skip
-        cases.append((case_id, str(ckpt), parallel))
+        cases.append((f"{layout}/{case_id}", str(ckpt), parallel))
     return cases
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "ep2"])
-def test_disaggregated_refit_from_each_trainer_layout(reference_checkpoint, layout):
+#: the trainer layouts of two trainer processes (beside two engine processes)
+TWO_TRAINER_LAYOUTS = ["tp2", "pp2", "ep2"]
+
+
+@pytest.fixture(scope="module")
+def two_trainer_launch(reference_checkpoint) -> tuple[dict, str, Once]:
+    """One launch of 2 trainer + 2 engine processes running the built-ins of every layout of
+    ``TWO_TRAINER_LAYOUTS`` in turn (the trainers' parallel state made per case); the first TP2
+    case also drops and duplicates messages. ``(cases by layout, that case's id, every process's
+    results)``."""
+    cases = {layout: _cases(reference_checkpoint, layout) for layout in TWO_TRAINER_LAYOUTS}
+    faults = cases["tp2"][0][0]
+    every = [case for layout in TWO_TRAINER_LAYOUTS for case in cases[layout]]
+    return cases, faults, Once(lambda: launch(_disagg, 4, 2, every, faults, timeout=1800 * len(TWO_TRAINER_LAYOUTS)))
+
+
+@pytest.mark.parametrize("layout", TWO_TRAINER_LAYOUTS)
+def test_disaggregated_refit_from_each_trainer_layout(two_trainer_launch, layout):
     """Every built-in from one trainer layout, into engine TP1, TP2 and two DP replicas (2 trainer
-    + 2 engine processes, one launch); the TP2 launch also drops and duplicates messages."""
-    cases = _cases(reference_checkpoint, layout)
-    found = launch(_disagg, 4, 2, cases, layout == "tp2", timeout=1800)
-    _check(found, cases, 2, layout == "tp2")
+    + 2 engine processes, one launch for the three layouts); the TP2 layout also drops and
+    duplicates messages."""
+    cases, faults, found = two_trainer_launch
+    _check(found.value, cases[layout], 2, faults)
 
 
 def test_disaggregated_refit_from_tp2_ep2(reference_checkpoint):
     """MoE built-ins from TP2 x EP2 (4 trainer + 2 engine processes)."""
     cases = _cases(reference_checkpoint, "tp2-ep2", ["qwen3-moe", "deepseek-v3", "gpt-oss"])
-    found = launch(_disagg, 6, 4, cases, False, timeout=1800)
-    _check(found, cases, 4, False)
+    found = launch(_disagg, 6, 4, cases, None, timeout=1800)
+    _check(found, cases, 4, None)

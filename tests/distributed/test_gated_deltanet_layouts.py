@@ -24,7 +24,7 @@ from mcore_zoo.distributed import launch
 from mcore_zoo.placement import Parallelism
 from mcore_zoo.testing.common import layout_bound, layout_ulps
 
-from ..conftest import checkpoint_tensors, export_mismatches, random_sequences
+from ..conftest import SharedLaunch, checkpoint_tensors, export_mismatches, random_sequences
 
 LENGTHS = [23, 9, 70, 5]  # 70 tokens: two of the delta rule's 64-token chunks
 #: the dense form of each projection layout
@@ -93,11 +93,39 @@ def _check(found: list, ckpts: dict, hf_reference, out_dir, layouts: list) -> di
     return worst
 
 
+MOE_LAYOUTS = [("tp2sp", Parallelism(tp=2, sequence_parallel=True))]
+#: the MoE example whose TP2 gradients are compared in float32 and float64
+GRADIENT_ARCH = "Qwen3_5MoeForCausalLM"
+
+
+def _checkpoints(reference_checkpoint, cases: dict) -> dict:
+    return {arch: str(reference_checkpoint(arch, overrides)) for arch, overrides in cases.items()}
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(reference_checkpoint, mpu, tmp_path_factory) -> SharedLaunch:
+    """One two-rank launch for this module's two-rank tests: the dense forms at ``TWO_RANKS``, the
+    MoE examples at TP2 with sequence parallelism, and the TP2 gradients of ``GRADIENT_ARCH`` in
+    float32 and float64."""
+    from mcore_zoo.testing.checks import gradient_rank
+
+    def cases() -> dict[str, tuple]:
+        grads = [("moe", GRADIENT_ARCH, str(reference_checkpoint(GRADIENT_ARCH, MOE_CASES[GRADIENT_ARCH])))]
+        return {
+            "dense": (_run, _checkpoints(reference_checkpoint, CASES), str(tmp_path_factory.mktemp("dense")), TWO_RANKS),
+            "moe": (_run, _checkpoints(reference_checkpoint, MOE_CASES), str(tmp_path_factory.mktemp("moe")), MOE_LAYOUTS),
+            **{f"gradients-{dtype}": (gradient_rank, grads, 2, 1, dtype) for dtype in ("float32", "float64")},
+        }  # fmt: skip
+
+    return SharedLaunch(2, cases)
+
+
 @pytest.mark.slow
-def test_two_ranks_tp2_tp2sp_pp2(reference_checkpoint, hf_reference, mpu, tmp_path):
-    ckpts = {arch: str(reference_checkpoint(arch, overrides)) for arch, overrides in CASES.items()}
-    found = launch(_run, 2, ckpts, str(tmp_path), TWO_RANKS)
-    print("max |dlogit| vs the single-process model:", _check(found, ckpts, hf_reference, tmp_path, TWO_RANKS))
+def test_two_ranks_tp2_tp2sp_pp2(reference_checkpoint, hf_reference, two_rank_runs):
+    ckpts = _checkpoints(reference_checkpoint, CASES)
+    found = two_rank_runs["dense"]
+    out_dir = two_rank_runs.cases["dense"][2]
+    print("max |dlogit| vs the single-process model:", _check(found, ckpts, hf_reference, out_dir, TWO_RANKS))
 
 
 @pytest.mark.slow
@@ -108,27 +136,27 @@ def test_four_ranks_tp2pp2(reference_checkpoint, hf_reference, mpu, tmp_path):
 
 
 @pytest.mark.slow
-def test_moe_examples_two_ranks_tp2sp(reference_checkpoint, hf_reference, mpu, tmp_path):
-    ckpts = {arch: str(reference_checkpoint(arch, overrides)) for arch, overrides in MOE_CASES.items()}
-    layouts = [("tp2sp", Parallelism(tp=2, sequence_parallel=True))]
-    found = launch(_run, 2, ckpts, str(tmp_path), layouts)
-    print("max |dlogit| vs the single-process model:", _check(found, ckpts, hf_reference, tmp_path, layouts))
+def test_moe_examples_two_ranks_tp2sp(reference_checkpoint, hf_reference, two_rank_runs):
+    ckpts = _checkpoints(reference_checkpoint, MOE_CASES)
+    found = two_rank_runs["moe"]
+    out_dir = two_rank_runs.cases["moe"][2]
+    print("max |dlogit| vs the single-process model:", _check(found, ckpts, hf_reference, out_dir, MOE_LAYOUTS))
 
 
 @pytest.mark.slow
-def test_moe_tp2_gradient_gap_is_rounding(reference_checkpoint, mpu):
+def test_moe_tp2_gradient_gap_is_rounding(reference_checkpoint, mpu, two_rank_runs):
     """Why the MoE bound is wider (``LINEAR_ATTENTION_MOE_LAYOUT_ULPS``): the routed-expert gradient
     farthest from one process's at TP2 with sequence parallelism in float32 comes within a fiftieth of
     that gap in float64 - rounding of the reordered reductions, which a wrong shard or a missing
     reduction would not be (the gated DeltaNet core computes in fp32 at either precision, as
     transformers' does, so the float64 gap does not vanish)."""
-    from mcore_zoo.testing.checks import gradient_step, run_gradients
+    from mcore_zoo.testing.checks import gradient_step
     from mcore_zoo.testing.common import max_abs_diff
 
-    ckpt = str(reference_checkpoint("Qwen3_5MoeForCausalLM", {}))
+    ckpt = str(reference_checkpoint(GRADIENT_ARCH, MOE_CASES[GRADIENT_ARCH]))
     gaps = {}
     for dtype in ("float32", "float64"):
-        ranks = run_gradients([("moe", "Qwen3_5MoeForCausalLM", ckpt)], tp=2, dtype=dtype)
+        ranks = two_rank_runs[f"gradients-{dtype}"]
         single = mcore_zoo.build_model(ckpt, backend="portable", numerics="hf-exact", load=ckpt,
                                        params_dtype=getattr(torch, dtype))  # fmt: skip
         want = gradient_step(single)

@@ -27,10 +27,9 @@ import pytest
 import torch
 
 import mcore_zoo
-from mcore_zoo.distributed import launch
 from mcore_zoo.placement import Parallelism
 
-from ..conftest import checkpoint_tensors, export_mismatches, random_sequences
+from ..conftest import SharedLaunch, checkpoint_tensors, export_mismatches, random_sequences
 from ..unit.test_refit import assert_same, vllm_engine_tensors
 from .test_moe_layouts import (
     LENGTHS,
@@ -121,9 +120,16 @@ def _run(ckpt: str, arch_name: str, layouts: list) -> dict:
     return found
 
 
+@pytest.fixture(scope="module")
+def two_rank_runs(reference_checkpoint, mpu) -> SharedLaunch:
+    """One two-rank launch running every architecture of ``LAYOUTS`` at its layouts."""
+    return SharedLaunch(2, lambda: {arch_name: (_run, str(reference_checkpoint(arch_name, CASE_OVERRIDES[arch_name])),
+                                                arch_name, layouts) for arch_name, layouts in LAYOUTS.items()})  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch_name", list(LAYOUTS))
-def test_grouped_experts_under_ep_and_expert_tp(reference_checkpoint, mpu, arch_name):
+def test_grouped_experts_under_ep_and_expert_tp(reference_checkpoint, two_rank_runs, arch_name):
     import json
 
     from safetensors.torch import load_file
@@ -133,7 +139,7 @@ def test_grouped_experts_under_ep_and_expert_tp(reference_checkpoint, mpu, arch_
     arch = mcore_zoo.lookup(arch_name).config_from_hf(json.loads((ckpt / "config.json").read_text()))
     num_experts, num_layers = arch.moe.num_experts, arch.num_layers
     moe_layers = sum(1 for i in range(num_layers) if arch.moe.is_moe_layer(i))
-    found = launch(_run, 2, str(ckpt), arch_name, LAYOUTS[arch_name])
+    found = two_rank_runs[arch_name]
     single = mcore_zoo.build_model(ckpt, backend="portable", numerics="hf-exact", load=ckpt).eval()
     with torch.no_grad(), routing_margins(single) as margins:
         ref = mcore_zoo.packed_forward(single, random_sequences(LENGTHS, 256)).logits

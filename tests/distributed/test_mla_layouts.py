@@ -10,16 +10,16 @@ same logits as the single-process model of its reference dequantization; exporte
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 import mcore_zoo
-from mcore_zoo.distributed import launch
 from mcore_zoo.placement import Parallelism
 from mcore_zoo.testing.common import layout_bound
 
-from ..conftest import checkpoint_tensors, export_mismatches, random_sequences
+from ..conftest import SharedLaunch, checkpoint_tensors, export_mismatches, random_sequences
 
 LENGTHS = [23, 9, 40, 5]
 TOL = 1e-5  # the fp8 check (relative to its logits' scale)
@@ -96,10 +96,35 @@ def _run(ckpts: dict, out_dir: str, fp8_ckpt: str = "") -> dict:
     return found
 
 
+def _checkpoints(reference_checkpoint) -> dict:
+    return {arch: str(reference_checkpoint(arch, overrides)) for arch, overrides in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoints(reference_checkpoint, tmp_path_factory) -> tuple:
+    """``write_fp8_checkpoints`` of the DeepSeek-V3 case: (fp8 directory, dequantized directory,
+    the fp8 tensors)."""
+    from ..parity.test_mla_fp8 import write_fp8_checkpoints
+
+    source = reference_checkpoint("DeepseekV3ForCausalLM", CASES["DeepseekV3ForCausalLM"])
+    return write_fp8_checkpoints(source, tmp_path_factory.mktemp("fp8-source"), tmp_path_factory.mktemp("dequantized"))
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(reference_checkpoint, fp8_checkpoints, mpu, tmp_path_factory) -> SharedLaunch:
+    """One two-rank launch for this module's tests: every case at ``LAYOUTS``, then the fp8
+    checkpoint at ``LAYOUTS``."""
+    return SharedLaunch(2, lambda: {
+        "layouts": (_run, _checkpoints(reference_checkpoint), str(tmp_path_factory.mktemp("layouts"))),
+        "fp8": (_run, {}, str(tmp_path_factory.mktemp("out")), str(fp8_checkpoints[0])),
+    })  # fmt: skip
+
+
 @pytest.mark.slow
-def test_two_ranks_tp2_ep2_pp2(reference_checkpoint, hf_reference, mpu, tmp_path):
-    ckpts = {arch: str(reference_checkpoint(arch, overrides)) for arch, overrides in CASES.items()}
-    found = launch(_run, 2, ckpts, str(tmp_path))
+def test_two_ranks_tp2_ep2_pp2(reference_checkpoint, hf_reference, two_rank_runs):
+    ckpts = _checkpoints(reference_checkpoint)
+    found = two_rank_runs["layouts"]
+    out_dir = Path(two_rank_runs.cases["layouts"][2])
     seqs = random_sequences(LENGTHS, 256)
     worst = {}
     for arch, ckpt in ckpts.items():
@@ -127,19 +152,15 @@ def test_two_ranks_tp2_ep2_pp2(reference_checkpoint, hf_reference, mpu, tmp_path
                     bad = sorted((k for k in per if per[k] > layout_bound(single_grads[k])), key=per.get, reverse=True)
                     assert not bad, f"{where}: gradients differ: {[(k, per[k]) for k in bad[:6]]}"
                     worst[(arch, "grads")] = max(worst.get((arch, "grads"), 0.0), max(per.values()))
-            assert export_mismatches(checkpoint_tensors(str(tmp_path / arch / name)), source) == [], f"{arch} {name}: save_hf_checkpoint"
+            assert export_mismatches(checkpoint_tensors(str(out_dir / arch / name)), source) == [], f"{arch} {name}: save_hf_checkpoint"
     print("max |dlogit| (and |dgrad|) vs the single-process model:", worst)
 
 
 @pytest.mark.slow
-def test_two_ranks_fp8_checkpoint(reference_checkpoint, mpu, tmp_path):
-    from ..parity.test_mla_fp8 import write_fp8_checkpoints
-
-    source = reference_checkpoint("DeepseekV3ForCausalLM", CASES["DeepseekV3ForCausalLM"])
-    (tmp_path / "fp8-source").mkdir()
-    (tmp_path / "dequantized").mkdir()
-    fp8_dir, deq_dir, fp8 = write_fp8_checkpoints(source, tmp_path / "fp8-source", tmp_path / "dequantized")
-    found = launch(_run, 2, {}, str(tmp_path / "out"), str(fp8_dir))
+def test_two_ranks_fp8_checkpoint(fp8_checkpoints, two_rank_runs):
+    _, deq_dir, fp8 = fp8_checkpoints
+    found = two_rank_runs["fp8"]
+    out_dir = Path(two_rank_runs.cases["fp8"][2])
     seqs = random_sequences(LENGTHS, 256)
     single = mcore_zoo.build_model(deq_dir, backend="portable", numerics="hf-exact", load=deq_dir).eval()
     with torch.no_grad():
@@ -151,7 +172,7 @@ def test_two_ranks_fp8_checkpoint(reference_checkpoint, mpu, tmp_path):
             # TP2 sums row-parallel partial products in another order: relative to the logits' scale
             assert diff <= TOL * scale, f"fp8 {name} rank {rank}: logits differ by {diff} (scale {scale})"
         for scales in ("fresh", "source"):
-            out = checkpoint_tensors(str(tmp_path / "out" / "fp8" / f"{name}-{scales}"))
+            out = checkpoint_tensors(str(out_dir / "fp8" / f"{name}-{scales}"))
             assert set(out) == set(fp8), f"fp8 {name} {scales}: {sorted(set(out) ^ set(fp8))[:5]}"
             for key, tensor in fp8.items():
                 if tensor.dtype == torch.float8_e4m3fn or key.endswith("_scale_inv"):

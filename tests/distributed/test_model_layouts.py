@@ -23,11 +23,11 @@ import pytest
 import torch
 
 import mcore_zoo
-from mcore_zoo.distributed import launch
 from mcore_zoo.errors import UnsupportedLayoutError
 from mcore_zoo.placement import Parallelism
 from mcore_zoo.testing.common import load_safetensors_dir
 
+from ..conftest import SharedLaunch
 from .test_training import _batch, _update, _value_checkpoint
 
 NUMERICS = "hf-exact"
@@ -107,11 +107,29 @@ def checkpoints(reference_checkpoint, tmp_path_factory):
     return ckpt, _value_checkpoint(ckpt, tmp_path_factory.mktemp("critic") / "untied")
 
 
+@pytest.fixture(scope="module")
+def one_process(checkpoints, mpu) -> dict:
+    """:func:`_single_process` of the module's checkpoints, the reference of every four-rank job."""
+    return _single_process(*checkpoints)
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(checkpoints, tmp_path_factory) -> SharedLaunch:
+    """One four-rank launch for this module's jobs: the three models in one job, Megatron-Core's
+    optimizer on each model's groups, and models on part of the job."""
+    ckpt, value_ckpt = map(str, checkpoints)
+    return SharedLaunch(4, lambda: {
+        "models": (_run_models, ckpt, value_ckpt),
+        "optimizer": (_run_optimizer, ckpt, value_ckpt),
+        "part-of-the-job": (_run_on_part_of_the_job, ckpt, value_ckpt, str(tmp_path_factory.mktemp("part-of-the-job"))),
+    })  # fmt: skip
+
+
 @pytest.mark.slow
-def test_actor_reference_critic_at_three_layouts_in_one_job(checkpoints, mpu):
-    ckpt, value_ckpt = checkpoints
-    ref = _single_process(ckpt, value_ckpt)
-    found = launch(_run_models, 4, str(ckpt), str(value_ckpt))
+def test_actor_reference_critic_at_three_layouts_in_one_job(checkpoints, one_process, four_rank_runs):
+    ckpt, _ = checkpoints
+    ref = one_process
+    found = four_rank_runs["models"]
     source = load_safetensors_dir(ckpt)
     worst: dict[str, tuple[float, float]] = {}
     for rank, per_rank in enumerate(found):
@@ -204,15 +222,15 @@ def _run_optimizer(ckpt: str, value_ckpt: str) -> dict:
 
 
 @pytest.mark.slow
-def test_megatron_optimizer_on_each_models_groups(checkpoints, mpu):
+def test_megatron_optimizer_on_each_models_groups(checkpoints, one_process, four_rank_runs):
     """Megatron-Core's DDP wrapper, ``get_megatron_optimizer`` (distributed optimizer),
     ``finalize_model_grads`` and gradient clipping, each model on its own groups: the clipped
     gradient norm ``optimizer.step()`` reports and the updated weights equal one process's update
     (Adam's first step on the single-process gradients, clipped by their norm)."""
     ckpt, value_ckpt = checkpoints
-    ref = _single_process(ckpt, value_ckpt)
+    ref = one_process
     sources = {False: load_safetensors_dir(ckpt), True: load_safetensors_dir(value_ckpt)}
-    found = launch(_run_optimizer, 4, str(ckpt), str(value_ckpt))
+    found = four_rank_runs["optimizer"]
     worst: dict[str, float] = {}
     for name, _, critic in MODELS:
         grads = ref[name]["grads"]
@@ -315,7 +333,7 @@ def _run_on_part_of_the_job(ckpt: str, value_ckpt: str, out_dir: str) -> dict:
 
 
 @pytest.mark.slow
-def test_models_on_part_of_the_job(checkpoints, mpu, tmp_path):
+def test_models_on_part_of_the_job(one_process, four_rank_runs):
     """Beside the actor at TP2 x PP2 on four ranks, a policy copy at TP2 on ranks {2, 3} and a
     reward model (value head) at DP2 on ranks {0, 1}, each built on groups over its own ranks:
     log-probs / values within 1e-5 and gradients within 3e-6 of one process where the model is
@@ -324,9 +342,8 @@ def test_models_on_part_of_the_job(checkpoints, mpu, tmp_path):
     in the actor's gathers and receive nothing), and the policy copy's ranks save them as an HF
     checkpoint (written by its first rank); the copy the other way, and a refit of a model on part
     of the job, are refused by name."""
-    ckpt, value_ckpt = checkpoints
-    ref = _single_process(ckpt, value_ckpt)
-    found = launch(_run_on_part_of_the_job, 4, str(ckpt), str(value_ckpt), str(tmp_path))
+    ref = one_process
+    found = four_rank_runs["part-of-the-job"]
     one_process = {"policy": ref["actor"], "reward": ref["critic"]}
     worst: dict[str, tuple[float, float]] = {}
     for rank, per_rank in enumerate(found):

@@ -32,10 +32,9 @@ import torch
 
 import mcore_zoo
 from mcore_zoo.placement import Parallelism
-from mcore_zoo.distributed import launch
 from mcore_zoo.testing.common import LAYOUT_ULPS, layout_bound
 
-from ..conftest import checkpoint_tensors, export_mismatches, random_sequences
+from ..conftest import SharedLaunch, checkpoint_tensors, export_mismatches, random_sequences
 
 ARCH = "Qwen3MoeForCausalLM"
 OVERRIDES = {"num_hidden_layers": 4, "mlp_only_layers": [1]}  # PP2: two layers per stage, one dense
@@ -279,16 +278,46 @@ EP_CASES = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", list(EP_CASES))
-def test_two_ranks_ep2(reference_checkpoint, hf_reference, mpu, tmp_path, arch):
+def _layout_cases(reference_checkpoint, tmp_path_factory, cases: dict, layouts_of) -> dict[str, tuple]:
+    """``{arch: (_run, checkpoint, output dir, layouts, distributed checkpoint)}`` for a
+    :class:`~tests.conftest.SharedLaunch`: each architecture's reference checkpoint (``cases``:
+    its overrides), converted to a distributed checkpoint by one process, at ``layouts_of(arch,
+    checkpoint)``."""
     from mcore_zoo.dist_checkpoint import hf_to_mcore
 
+    jobs = {}
+    for arch, overrides in cases.items():
+        ckpt = reference_checkpoint(arch, overrides)
+        out = tmp_path_factory.mktemp(arch)
+        hf_to_mcore(ckpt, out / "mcore")
+        jobs[arch] = (_run, str(ckpt), str(out), layouts_of(arch, ckpt), str(out / "mcore"))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(reference_checkpoint, mpu, tmp_path_factory) -> SharedLaunch:
+    """One two-rank launch for this module's two-rank tests: EP2 for every family of ``EP_CASES``,
+    then the two layouts refused by name (MoE training at TP2 without sequence parallelism,
+    gpt-oss under a parallel state of expert-TP 2)."""
+
+    def cases() -> dict[str, tuple]:
+        jobs = _layout_cases(reference_checkpoint, tmp_path_factory, EP_CASES,
+                             lambda arch, ckpt: [("ep2", Parallelism(ep=2))])  # fmt: skip
+        jobs["moe-tp2-without-sp"] = (_moe_tp2_without_sp, str(reference_checkpoint(ARCH, {"num_hidden_layers": 2})))
+        jobs["gpt-oss-etp2"] = (_gpt_oss_under_a_state_at_etp2,
+                                str(reference_checkpoint("GptOssForCausalLM", {"num_hidden_layers": 2})))
+        return jobs
+
+    return SharedLaunch(2, cases)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", list(EP_CASES))
+def test_two_ranks_ep2(reference_checkpoint, hf_reference, two_rank_runs, arch):
     ckpt = reference_checkpoint(arch, EP_CASES[arch])
-    hf_to_mcore(ckpt, tmp_path / "mcore")
-    found = launch(_run, 2, str(ckpt), str(tmp_path), [("ep2", Parallelism(ep=2))], str(tmp_path / "mcore"))
+    found = two_rank_runs[arch]
     assert [f["ep2"]["ep_rank"] for f in found] == [0, 1]
-    worst = _check(found, ckpt, hf_reference(arch, ckpt), tmp_path, 4, 8)
+    worst = _check(found, ckpt, hf_reference(arch, ckpt), Path(two_rank_runs.cases[arch][2]), 4, 8)
     print("max |dlogit| vs the single-process model:", worst)
 
 
@@ -309,21 +338,30 @@ FOUR_RANK_CASES = {
 FOUR_RANK_LAYOUT_ULPS = {"GlmMoeDsaForCausalLM": {"tp2ep2": LAYOUT_ULPS}}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", list(FOUR_RANK_CASES))
-def test_four_ranks_tp2ep2_pp2ep2_ep4(reference_checkpoint, hf_reference, mpu, tmp_path, arch):
-    from mcore_zoo.dist_checkpoint import hf_to_mcore
-
+def _four_rank_layouts(arch: str, ckpt: Path) -> list:
+    """TP2 x EP2, PP2 x EP2, PP2 x VPP2 x EP2 and EP4, each with the job's parallel state at the
+    expert-TP size the model is built at (gpt-oss: 1)."""
     from mcore_zoo.testing.checks import case_layout
 
-    ckpt = reference_checkpoint(arch, FOUR_RANK_CASES[arch])
-    hf_to_mcore(ckpt, tmp_path / "mcore")
     layouts = [("tp2ep2", Parallelism(tp=2, ep=2)), ("pp2ep2", Parallelism(pp=2, ep=2)),
                ("pp2vpp2ep2", Parallelism(pp=2, vpp=2, ep=2)), ("ep4", Parallelism(ep=4))]
-    # the job's parallel state at the expert-TP size the model is built at (gpt-oss: 1)
-    layouts = [(name, case_layout(mcore_zoo.lookup(arch), str(ckpt), p)) for name, p in layouts]
-    found = launch(_run, 4, str(ckpt), str(tmp_path), layouts, str(tmp_path / "mcore"))
-    worst = _check(found, ckpt, hf_reference(arch, ckpt), tmp_path, 4, 8, FOUR_RANK_LAYOUT_ULPS.get(arch))
+    return [(name, case_layout(mcore_zoo.lookup(arch), str(ckpt), p)) for name, p in layouts]
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(reference_checkpoint, mpu, tmp_path_factory) -> SharedLaunch:
+    """One four-rank launch running the four-rank layouts for every family of ``FOUR_RANK_CASES``."""
+    return SharedLaunch(4, lambda: _layout_cases(reference_checkpoint, tmp_path_factory, FOUR_RANK_CASES,
+                                                 _four_rank_layouts))  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", list(FOUR_RANK_CASES))
+def test_four_ranks_tp2ep2_pp2ep2_ep4(reference_checkpoint, hf_reference, four_rank_runs, arch):
+    ckpt = reference_checkpoint(arch, FOUR_RANK_CASES[arch])
+    found = four_rank_runs[arch]
+    worst = _check(found, ckpt, hf_reference(arch, ckpt), Path(four_rank_runs.cases[arch][2]), 4, 8,
+                   FOUR_RANK_LAYOUT_ULPS.get(arch))  # fmt: skip
     print("max |dlogit| vs the single-process model:", worst)
 
 
@@ -352,11 +390,10 @@ def _moe_tp2_without_sp(ckpt: str) -> dict:
     return found
 
 
-def test_moe_at_tp2_without_sequence_parallel_in_training_mode_is_named(reference_checkpoint, mpu):
+def test_moe_at_tp2_without_sequence_parallel_in_training_mode_is_named(two_rank_runs):
     """Megatron-Core's MoE layer refuses training mode at TP > 1 without sequence parallelism (a
     raw ValueError, under no_grad too): the zoo says so first, naming both ways out; eval runs."""
-    ckpt = reference_checkpoint("Qwen3MoeForCausalLM", {"num_hidden_layers": 2})
-    for rank in launch(_moe_tp2_without_sp, 2, str(ckpt)):
+    for rank in two_rank_runs["moe-tp2-without-sp"]:
         assert "sequence_parallel=True" in rank["forward"] and "model.eval()" in rank["forward"]
         assert "sequence_parallel=True" in rank["train_step"]
         assert rank["eval"] == 12
@@ -378,11 +415,10 @@ def _gpt_oss_under_a_state_at_etp2(ckpt: str) -> str:
     return "built"
 
 
-def test_gpt_oss_under_a_parallel_state_of_another_expert_tp_is_refused_by_name(reference_checkpoint, mpu):
+def test_gpt_oss_under_a_parallel_state_of_another_expert_tp_is_refused_by_name(two_rank_runs):
     """gpt-oss's experts (with biases) are built at expert-TP 1 under TP 2; a job whose parallel state
     splits experts over TP 2 would build them split while the load reads them whole: refused before
     anything is built, naming both sizes, the reason and the parallel state to create instead."""
-    ckpt = reference_checkpoint("GptOssForCausalLM", {"num_hidden_layers": 2})
-    for message in launch(_gpt_oss_under_a_state_at_etp2, 2, str(ckpt)):
+    for message in two_rank_runs["gpt-oss-etp2"]:
         assert "etp=1" in message and "etp=2" in message and "biases" in message, message
         assert "ensure_model_parallel(Parallelism(tp=2, pp=1, ep=1, etp=1))" in message, message

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_zoo.distributed import launch
+from ..conftest import SharedLaunch
 
 
 def _run(ckpt: str) -> dict:
@@ -26,15 +26,24 @@ def _run(ckpt: str) -> dict:
     return {"logprobs": out.logprobs, "seqs": seqs, "exported": dict(mcore_zoo.iter_hf_weights(model)), "rows": rows}
 
 
+ARCHS = ["LlamaForCausalLM", "Qwen2ForCausalLM"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(reference_checkpoint) -> SharedLaunch:
+    """One two-rank launch running every architecture of ``ARCHS``."""
+    return SharedLaunch(2, lambda: {arch: (_run, str(reference_checkpoint(arch))) for arch in ARCHS})
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
-def test_padded_vocab_tp2(reference_checkpoint, hf_reference, arch):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_padded_vocab_tp2(reference_checkpoint, hf_reference, two_rank_runs, arch):
     from safetensors.torch import load_file
 
     from mcore_zoo.packing import next_token_logprobs
 
     ckpt = reference_checkpoint(arch)
-    rank0, rank1 = launch(_run, 2, str(ckpt))
+    rank0, rank1 = two_rank_runs[arch]
     source = load_file(str(ckpt / "model.safetensors"))
     assert rank0["rows"] == rank1["rows"] == 200  # 400 padded rows (256 real) over 2 ranks
     for rank in (rank0, rank1):

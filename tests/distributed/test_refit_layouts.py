@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 import mcore_zoo
-from mcore_zoo.distributed import launch
 from mcore_zoo.placement import Parallelism
 
+from ..conftest import SharedLaunch
 from ..unit.test_refit import assert_same, vllm_engine_tensors, vllm_gpt_oss_tensors
 
 
@@ -66,10 +67,47 @@ def _refit_layouts(ckpt: str, layouts: list) -> dict:
     return found
 
 
-def test_refit_from_tp2_pp2_ep2_sources(reference_checkpoint, mpu):
+#: the source layouts of Qwen3-MoE
+LAYOUTS = [("tp2", Parallelism(tp=2)), ("pp2", Parallelism(pp=2)), ("ep2", Parallelism(ep=2))]
+#: the source layouts of gpt-oss: experts with biases at expert TP 1 in training (the engine splits
+#: them itself)
+GPT_OSS_LAYOUTS = [("tp2", Parallelism(tp=2, etp=1)), ("pp2", Parallelism(pp=2)), ("ep2", Parallelism(ep=2)),
+                   ("tp2-ep2", Parallelism(tp=2, ep=2, etp=1))]  # fmt: skip
+
+
+def _tp_local_checkpoints(reference_checkpoint) -> dict:
+    """``{name: (checkpoint, build arguments)}`` of the trainer-TP-equals-engine-TP refit."""
+    return {
+        # the engine pads 250 to 256 (128 rows per rank), the trainer splits 125 / 125
+        "llama-vocab-250": (reference_checkpoint("LlamaForCausalLM", {"vocab_size": 250, "num_hidden_layers": 2}), {}),
+        # the trainer pads 384 to 512 (make_vocab_size_divisible_by), the engine splits 192 / 192:
+        # a rank's padded rows are not its engine rows, though the cuts alone would fit
+        "llama-vocab-384-padded": (reference_checkpoint("LlamaForCausalLM", {"vocab_size": 384, "num_hidden_layers": 2}),
+                                   {"make_vocab_size_divisible_by": 128}),
+        "qwen3-moe": (reference_checkpoint("Qwen3MoeForCausalLM", {"num_hidden_layers": 2}), {}),
+        # experts whole on every rank (expert TP 1): the engine's expert TP rows are cut from them
+        "qwen3-moe-etp1": (reference_checkpoint("Qwen3MoeForCausalLM", {"num_hidden_layers": 2}), {"etp": 1}),
+        # MLA: the engine keeps fused_qkv_a_proj = [q_a; kv_a] whole on every rank (ReplicatedLinear)
+        "deepseek-v3": (reference_checkpoint("DeepseekV3ForCausalLM", {"num_hidden_layers": 2}), {}),
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(reference_checkpoint, mpu) -> SharedLaunch:
+    """One two-rank launch for this module's tests: Qwen3-MoE and gpt-oss refit from their source
+    layouts, then the trainer-TP-equals-engine-TP refits."""
+    return SharedLaunch(2, lambda: {
+        "qwen3-moe": (_refit_layouts, str(reference_checkpoint("Qwen3MoeForCausalLM", {"num_hidden_layers": 2})), LAYOUTS),
+        "gpt-oss": (_refit_layouts, str(reference_checkpoint("GptOssForCausalLM", {"num_hidden_layers": 2})),
+                    GPT_OSS_LAYOUTS),
+        "tp-local": (_refit_tp_local, {k: (str(v), kw) for k, (v, kw) in _tp_local_checkpoints(reference_checkpoint).items()}),
+    })  # fmt: skip
+
+
+def test_refit_from_tp2_pp2_ep2_sources(reference_checkpoint, two_rank_runs):
     ckpt = reference_checkpoint("Qwen3MoeForCausalLM", {"num_hidden_layers": 2})
-    layouts = [("tp2", Parallelism(tp=2)), ("pp2", Parallelism(pp=2)), ("ep2", Parallelism(ep=2))]
-    found = launch(_refit_layouts, 2, str(ckpt), layouts)
+    layouts = LAYOUTS
+    found = two_rank_runs["qwen3-moe"]
     config = json.loads((ckpt / "config.json").read_text())
     want = vllm_engine_tensors(load_file(str(ckpt / "model.safetensors")), config, 2)
     for name, _ in layouts:
@@ -86,15 +124,13 @@ def test_refit_from_tp2_pp2_ep2_sources(reference_checkpoint, mpu):
         assert all("rank 0 receives but has no engine adapter" in found[r][name]["missing"] for r in (0, 1))
 
 
-def test_gpt_oss_refit_from_tp2_pp2_ep2_sources(reference_checkpoint, mpu):
+def test_gpt_oss_refit_from_tp2_pp2_ep2_sources(reference_checkpoint, two_rank_runs):
     """gpt-oss's stacked experts (one HF tensor from one parameter per expert, gathered over TP / EP
     and stacked by the export) land in vLLM's ``gpt_oss.py`` layout at engine TP 2 from every
     source layout; ``receiver="all"`` takes the export stream too (no rank holds a stacked tensor)."""
     ckpt = reference_checkpoint("GptOssForCausalLM", {"num_hidden_layers": 2})
-    # experts with biases: expert TP 1 in training (the engine splits them itself)
-    layouts = [("tp2", Parallelism(tp=2, etp=1)), ("pp2", Parallelism(pp=2)), ("ep2", Parallelism(ep=2)),
-               ("tp2-ep2", Parallelism(tp=2, ep=2, etp=1))]
-    found = launch(_refit_layouts, 2, str(ckpt), layouts)
+    layouts = GPT_OSS_LAYOUTS
+    found = two_rank_runs["gpt-oss"]
     config = json.loads((ckpt / "config.json").read_text())
     source = load_file(str(ckpt / "model.safetensors"))
     want = vllm_gpt_oss_tensors(source, config, 2)
@@ -155,27 +191,15 @@ def model_programs(model):
     return handle_of(model).derived("refit_programs", dict)
 
 
-def test_refit_from_tp_chunks_when_trainer_tp_equals_engine_tp(reference_checkpoint, mpu):
+def test_refit_from_tp_chunks_when_trainer_tp_equals_engine_tp(reference_checkpoint, two_rank_runs):
     """Dense (vocabularies the engine pads differently: their rows are gathered) and MoE (experts
     under expert TP2 from their chunks, and whole under expert TP1): bit for bit the vLLM-loader emulation's tensors of each
     rank, on the first refit and the reused plan, through the reference adapter and through the vLLM
     worker extension (raw shards: views of the chunks)."""
     import torch
 
-    ckpts = {
-        # the engine pads 250 to 256 (128 rows per rank), the trainer splits 125 / 125
-        "llama-vocab-250": (reference_checkpoint("LlamaForCausalLM", {"vocab_size": 250, "num_hidden_layers": 2}), {}),
-        # the trainer pads 384 to 512 (make_vocab_size_divisible_by), the engine splits 192 / 192:
-        # a rank's padded rows are not its engine rows, though the cuts alone would fit
-        "llama-vocab-384-padded": (reference_checkpoint("LlamaForCausalLM", {"vocab_size": 384, "num_hidden_layers": 2}),
-                                   {"make_vocab_size_divisible_by": 128}),
-        "qwen3-moe": (reference_checkpoint("Qwen3MoeForCausalLM", {"num_hidden_layers": 2}), {}),
-        # experts whole on every rank (expert TP 1): the engine's expert TP rows are cut from them
-        "qwen3-moe-etp1": (reference_checkpoint("Qwen3MoeForCausalLM", {"num_hidden_layers": 2}), {"etp": 1}),
-        # MLA: the engine keeps fused_qkv_a_proj = [q_a; kv_a] whole on every rank (ReplicatedLinear)
-        "deepseek-v3": (reference_checkpoint("DeepseekV3ForCausalLM", {"num_hidden_layers": 2}), {}),
-    }
-    found = launch(_refit_tp_local, 2, {k: (str(v), kw) for k, (v, kw) in ckpts.items()})
+    ckpts = _tp_local_checkpoints(reference_checkpoint)
+    found = two_rank_runs["tp-local"]
     for name, (ckpt, _) in ckpts.items():
         config = json.loads((ckpt / "config.json").read_text())
         want = vllm_engine_tensors(load_file(str(ckpt / "model.safetensors")), config, 2)

@@ -7,9 +7,48 @@ bench/gpu/vllm_exact_tp.py."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mcore_zoo.distributed import launch
+
+from ..conftest import SharedLaunch
+
+#: the TP2 model: Qwen2 (q / k / v biases too), two layers
+TP2_OVERRIDES = {"num_hidden_layers": 2}
+#: the TP4 model: four key-value heads, one per rank
+TP4_OVERRIDES = {"num_hidden_layers": 2, "num_key_value_heads": 4}
+CHAIN_SHAPE = (37, 64)
+
+
+def _tp2_seqs() -> list:
+    from mcore_zoo.testing.common import random_sequences
+
+    return random_sequences([23, 9, 40], 256, seed=3)
+
+
+def _tp4_seqs() -> list:
+    from mcore_zoo.testing.common import random_sequences
+
+    return random_sequences([23, 9], 256, seed=3)
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(reference_checkpoint) -> SharedLaunch:
+    """One two-rank gloo launch: the TP2 model, then the chained all-reduce of two ranks."""
+    return SharedLaunch(2, lambda: {
+        "tp2": (_run, str(reference_checkpoint("Qwen2ForCausalLM", TP2_OVERRIDES)), 2, _tp2_seqs()),
+        "chain": (_chain_reduce_on_ranks, CHAIN_SHAPE),
+    }, backend="gloo")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(reference_checkpoint) -> SharedLaunch:
+    """One four-rank gloo launch: the chained all-reduce of four ranks, then the TP4 model."""
+    return SharedLaunch(4, lambda: {
+        "chain": (_chain_reduce_on_ranks, CHAIN_SHAPE),
+        "tp4": (_tp4_row_parallel_calls, str(reference_checkpoint("Qwen2ForCausalLM", TP4_OVERRIDES)), _tp4_seqs()),
+    }, backend="gloo")  # fmt: skip
 
 
 def _loss(t):
@@ -33,12 +72,10 @@ def _run(ckpt: str, tp: int, seqs: list) -> dict:
     return {"logprobs": out.logprobs, "grads": grads, "kinds": kinds}
 
 
-def test_vllm_exact_tp2_matches_transformers_and_its_tp1_gradients(reference_checkpoint, hf_reference):
-    from mcore_zoo.testing.common import random_sequences
-
-    ckpt = reference_checkpoint("Qwen2ForCausalLM", {"num_hidden_layers": 2})  # q / k / v biases too
-    seqs = random_sequences([23, 9, 40], 256, seed=3)
-    rank0, rank1 = launch(_run, 2, str(ckpt), 2, seqs)
+def test_vllm_exact_tp2_matches_transformers_and_its_tp1_gradients(reference_checkpoint, hf_reference, two_rank_runs):
+    ckpt = reference_checkpoint("Qwen2ForCausalLM", TP2_OVERRIDES)
+    seqs = _tp2_seqs()
+    rank0, rank1 = two_rank_runs["tp2"]
     (single,) = launch(_run, 1, str(ckpt), 1, seqs)
     assert {"VLLMColumnParallelLinear", "VLLMRowParallelLinear", "VLLMAttention"} <= rank0["kinds"]
     hf = hf_reference("Qwen2ForCausalLM", ckpt)
@@ -95,9 +132,9 @@ def test_chain_sum_is_the_tree_order_and_no_other():
     assert torch.equal(chain_sum(p[:2]), p[0] + p[1]) and torch.equal(chain_sum(p[:2]), p[1] + p[0])
 
 
-def test_chain_all_reduce_at_four_ranks_is_the_tree_order_bit_for_bit():
-    shape = (37, 64)
-    ranks = launch(_chain_reduce_on_ranks, 4, shape, backend="gloo")
+def test_chain_all_reduce_at_four_ranks_is_the_tree_order_bit_for_bit(two_rank_runs, four_rank_runs):
+    shape = CHAIN_SHAPE
+    ranks = four_rank_runs["chain"]
     partials = _partials(shape, 4)
     want = _ordered(partials, [0, 1, 2, 3])
     for r in ranks:
@@ -108,7 +145,7 @@ def test_chain_all_reduce_at_four_ranks_is_the_tree_order_bit_for_bit():
     assert not torch.equal(want, ((partials[0] + partials[1]) + partials[2]) + partials[3])
     assert not torch.equal(want, ranks[0]["plain"])
     # two ranks: the one sum there is
-    two = launch(_chain_reduce_on_ranks, 2, shape, backend="gloo")
+    two = two_rank_runs["chain"]
     assert torch.equal(two[0]["out"], _partials(shape, 2)[0] + _partials(shape, 2)[1])
 
 
@@ -122,20 +159,21 @@ def _tp4_row_parallel_calls(ckpt: str, seqs: list) -> dict:
     calls = []
     original = collectives.ChainAllReduce.apply
     collectives.ChainAllReduce.apply = lambda t, g: calls.append(tuple(t.shape)) or original(t, g)
-    ensure_model_parallel(Parallelism(tp=4))
-    profile = mcore_zoo.get_profile("vllm-exact").with_knobs(vllm_decode="prefill")
-    with use_kernels(ReferenceKernels()):
-        model = mcore_zoo.build_model(ckpt, backend="portable", numerics=profile, parallel=Parallelism(tp=4), load=ckpt)
-        out = mcore_zoo.packed_forward(model, seqs, return_logits=False)
+    try:
+        ensure_model_parallel(Parallelism(tp=4))
+        profile = mcore_zoo.get_profile("vllm-exact").with_knobs(vllm_decode="prefill")
+        with use_kernels(ReferenceKernels()):
+            model = mcore_zoo.build_model(ckpt, backend="portable", numerics=profile, parallel=Parallelism(tp=4), load=ckpt)
+            out = mcore_zoo.packed_forward(model, seqs, return_logits=False)
+    finally:
+        collectives.ChainAllReduce.apply = original
     return {"logprobs": out.logprobs, "calls": len(calls)}
 
 
-def test_vllm_exact_tp4_adds_row_parallel_partials_in_tree_order(reference_checkpoint, hf_reference):
-    from mcore_zoo.testing.common import random_sequences
-
-    ckpt = reference_checkpoint("Qwen2ForCausalLM", {"num_hidden_layers": 2, "num_key_value_heads": 4})
-    seqs = random_sequences([23, 9], 256, seed=3)
-    ranks = launch(_tp4_row_parallel_calls, 4, str(ckpt), seqs)
+def test_vllm_exact_tp4_adds_row_parallel_partials_in_tree_order(reference_checkpoint, hf_reference, four_rank_runs):
+    ckpt = reference_checkpoint("Qwen2ForCausalLM", TP4_OVERRIDES)
+    seqs = _tp4_seqs()
+    ranks = four_rank_runs["tp4"]
     assert ranks[0]["calls"] == 2 * 2  # o_proj and down_proj of both layers
     hf = hf_reference("Qwen2ForCausalLM", ckpt)
     with torch.no_grad():

@@ -619,6 +619,39 @@ def run_tensor_parallel(cases: Sequence[tuple[str, str, str]], tp: int = 2, ep: 
     return launch(tensor_parallel_rank, tp * ep, [tuple(map(str, c)) for c in cases], tp, ep)
 
 
+#: the rank function of each multi-process contract (:func:`contracts_rank`)
+CONTRACT_RANKS: dict[str, Callable[..., dict[str, dict]]] = {
+    "tensor-parallel": tensor_parallel_rank,
+    "expert-parallel": tensor_parallel_rank,
+    "gradients": gradient_rank,
+}
+
+
+def contracts_rank(jobs: Sequence[tuple[str, Sequence[tuple[str, str, str]], int, int]]) -> list[dict[str, dict]]:
+    """Runs on every rank of a :func:`mcore_zoo.distributed.launch`: for each ``(contract, cases,
+    tp, ep)`` of ``jobs`` in order, that contract's rank function (:data:`CONTRACT_RANKS`) on
+    ``cases`` at TP ``tp`` x EP ``ep``, Megatron-Core's parallel state made anew for it. The
+    results in job order (each ``{subject: result}``, errors per case)."""
+    from megatron.core import parallel_state
+
+    results = []
+    for name, cases, tp, ep in jobs:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        results.append(CONTRACT_RANKS[name](cases, tp, ep))
+    return results
+
+
+def run_contracts(jobs: Sequence[tuple[str, Sequence[tuple[str, str, str]], int, int]], world_size: int) -> list[list[dict[str, dict]]]:
+    """Launch :func:`contracts_rank` on ``world_size`` gloo ranks (one launch for the multi-process
+    contracts whose layouts need that many ranks); per job, every rank's results in rank order."""
+    from ..distributed.launch import launch
+
+    ranks = launch(contracts_rank, world_size, [(name, [tuple(map(str, c)) for c in cases], tp, ep)
+                                                for name, cases, tp, ep in jobs])  # fmt: skip
+    return [[rank[i] for rank in ranks] for i in range(len(jobs))]
+
+
 def check_tensor_parallel(architecture: Any, checkpoint: Path, subject: str, ranks: Sequence[Mapping[str, dict]], tp: int,
                           name: str = "tensor-parallel") -> None:  # fmt: skip
     """Compare every rank's results for ``subject`` with transformers and the checkpoint (``name``:
@@ -767,5 +800,6 @@ __all__ = [
     "check_tensor_parallel",
     "check_thd",
     "check_weight_map",
+    "run_contracts",
     "run_tensor_parallel",
 ]

@@ -58,17 +58,78 @@ class Case:
         return f"{self.architecture} ({what})"
 
 
-class _State:
-    """What one suite class shares between its tests: the registry, reference checkpoints, the TP
-    launch."""
+@dataclass
+class _Run:
+    """One layout of a multi-process contract: the example configs it launches, as ``(case,
+    architecture, checkpoint)``."""
 
-    def __init__(self, suite: type, tmp_path_factory: pytest.TempPathFactory) -> None:
+    where: str  # "TP=2" or "EP=2"
+    tp: int
+    ep: int
+    runnable: list = field(default_factory=list)
+
+
+@dataclass
+class _Plan:
+    """A multi-process contract prepared for its launches: one :class:`_Run` per layout, the
+    contract errors met while preparing the example configs, and the layouts refused by name
+    (``"<subject>: <reason>"``, in case order)."""
+
+    contract: str
+    runs: list[_Run]
+    errors: list[ContractError] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+
+
+#: the contracts whose checks run on launched ranks
+MULTI_PROCESS_CONTRACTS = ("tensor-parallel", "expert-parallel", "gradients")
+
+
+class _State:
+    """What one suite class shares between its tests: the registry, reference checkpoints, the
+    plans of the multi-process contracts and their launches (one per world size, for the
+    contracts the session selected: ``contracts``)."""
+
+    def __init__(self, suite: type, tmp_path_factory: pytest.TempPathFactory, contracts: Sequence[str] = ()) -> None:
         from ..registry import get_registry
         from .common import ReferenceCheckpoints
 
         self.suite = suite
         self.registry = get_registry()
         self.refs = ReferenceCheckpoints(lambda name: tmp_path_factory.mktemp(name))
+        self.contracts = list(contracts)
+        self._plans: dict[str, _Plan] = {}
+        self._launched: dict[int, list | BaseException] = {}
+
+    def plan(self, name: str) -> _Plan:
+        """The plan of multi-process contract ``name`` (made once)."""
+        if name not in self._plans:
+            self._plans[name] = _PLANNERS[name](self)
+        return self._plans[name]
+
+    def ranks(self, name: str, run: _Run) -> list[dict[str, dict]]:
+        """Every rank's results of ``run`` of contract ``name``: one launch per world size runs
+        the runs of that size of every contract in ``contracts`` (and ``name``), the first time
+        one of them is asked for; a failed launch raises for each of its runs."""
+        from .checks import run_contracts
+
+        world = run.tp * run.ep
+        if world not in self._launched:
+            names = [n for n in MULTI_PROCESS_CONTRACTS if n in self.contracts or n == name]
+            jobs = [(n, r) for n in names for r in self.plan(n).runs if r.runnable and r.tp * r.ep == world]
+            try:
+                results = run_contracts([(n, [(c.subject, a.name, ckpt) for c, a, ckpt in r.runnable], r.tp, r.ep)
+                                         for n, r in jobs], world)  # fmt: skip
+                self._launched[world] = [(n, r, ranks) for (n, r), ranks in zip(jobs, results)]
+            except Exception as exc:  # noqa: BLE001 - reported by each contract the launch ran
+                self._launched[world] = exc
+        launched = self._launched[world]
+        if isinstance(launched, BaseException):
+            raise launched
+        for n, r, ranks in launched:
+            if n == name and r is run:
+                return ranks
+        raise RuntimeError(f"{name} ({run.where}) was not part of the launch of {world} ranks")
 
     def architecture(self, case: Case) -> Any:
         with contract("registration", f"{case.architecture} (plugin {case.plugin!r})"):
@@ -157,7 +218,7 @@ class ConformanceSuite:
     # ------------------------------------------------------------------ fixtures
     @pytest.fixture(scope="class")
     @classmethod
-    def zoo_suite(cls, tmp_path_factory: pytest.TempPathFactory) -> Iterator[_State]:
+    def zoo_suite(cls, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[_State]:
         import torch
 
         if torch.cuda.is_available():
@@ -169,7 +230,9 @@ class ConformanceSuite:
             from ..parallel import ensure_model_parallel
 
             ensure_model_parallel()
-            yield _State(cls, tmp_path_factory)
+            selected = {getattr(item, "originalname", item.name) for item in request.session.items
+                        if getattr(item, "cls", None) is cls}  # fmt: skip
+            yield _State(cls, tmp_path_factory, [TEST_CONTRACTS[t] for t in selected if t in TEST_CONTRACTS])
 
     @pytest.fixture(autouse=True)
     def _zoo_record_contract(self, request: pytest.FixtureRequest) -> None:
@@ -235,112 +298,149 @@ class ConformanceSuite:
         check_bad_input(zoo_suite.architecture(zoo_case), config, checkpoint, zoo_case.subject, probes)
 
     def test_tensor_parallel(self, zoo_suite: _State, request: pytest.FixtureRequest) -> None:
-        """One launch of ``tensor_parallel`` gloo ranks checks every example config (those whose
-        model refuses the layout by name are left out, reported with the reason)."""
-        from ..placement import Parallelism
-        from .checks import check_tensor_parallel, run_tensor_parallel
+        """``tensor_parallel`` gloo ranks check every example config (those whose model refuses the
+        layout by name are left out, reported with the reason), in the launch the suite's
+        multi-process contracts of that many ranks share."""
+        from .checks import check_tensor_parallel
 
-        cases = self.zoo_cases()
-        if not cases:
+        if not self.zoo_cases():
             pytest.skip(f"no architecture of plugin(s) {self.zoo_plugins()} loaded: see test_registration")
-        tp = self.tensor_parallel
-        errors: list[ContractError] = []
-        runnable = []
-        for case in cases:
-            try:
-                architecture = zoo_suite.architecture(case)
-                with contract("tensor-parallel", f"{case.subject}, TP={tp}"):
-                    if _refused(request, case, architecture.config_from_hf(zoo_suite.config(case)), Parallelism(tp=tp)):
-                        continue
-                runnable.append((case, architecture, zoo_suite.checkpoint(case, "tensor-parallel")))
-            except ContractError as exc:
-                errors.append(exc)
-        errors += _launch_and_check("tensor-parallel", f"{type(self).__name__} (TP={tp} launch)", runnable,
-                                    lambda cases: run_tensor_parallel(cases, tp),
-                                    lambda arch, ckpt, subject, ranks: check_tensor_parallel(arch, ckpt, subject, ranks, tp))  # fmt: skip
+        plan = _recorded(request, zoo_suite.plan("tensor-parallel"))
+        (run,) = plan.runs
+        errors = plan.errors + _check_run(zoo_suite, plan, run, f"{type(self).__name__} ({run.where} launch)",
+                                          lambda arch, ckpt, subject, ranks: check_tensor_parallel(arch, ckpt, subject, ranks, run.tp))  # fmt: skip
         _raise_collected("tensor-parallel", errors)
-        _skip_if_all_refused(request, runnable)
-
+        _skip_if_all_refused(request, run.runnable)
 
     def test_expert_parallel(self, zoo_suite: _State, request: pytest.FixtureRequest) -> None:
-        """One launch of ``expert_parallel`` gloo ranks checks every MoE example config."""
-        from ..placement import Parallelism
-        from .checks import check_tensor_parallel, run_tensor_parallel
+        """``expert_parallel`` gloo ranks check every MoE example config (in the shared launch of
+        that many ranks)."""
+        from .checks import check_tensor_parallel
 
-        ep = self.expert_parallel
-        errors: list[ContractError] = []
-        runnable = []
-        for case in self.zoo_cases():
-            try:
-                architecture = zoo_suite.architecture(case)
-                with contract("expert-parallel", f"{case.subject}, EP={ep}"):
-                    arch = architecture.config_from_hf(zoo_suite.config(case))
-                    if arch.moe is None or _refused(request, case, arch, Parallelism(ep=ep)):
-                        continue
-                runnable.append((case, architecture, zoo_suite.checkpoint(case, "expert-parallel")))
-            except ContractError as exc:
-                errors.append(exc)
-        if not runnable and not errors:
-            _skip_if_all_refused(request, runnable)
+        plan = _recorded(request, zoo_suite.plan("expert-parallel"))
+        (run,) = plan.runs
+        if not run.runnable and not plan.errors:
+            _skip_if_all_refused(request, run.runnable)
             pytest.skip("no MoE architecture among the example configs")
-        errors += _launch_and_check("expert-parallel", f"{type(self).__name__} (EP={ep} launch)", runnable,
-                                    lambda cases: run_tensor_parallel(cases, 1, ep),
-                                    lambda arch, ckpt, subject, ranks: check_tensor_parallel(
-                                        arch, ckpt, subject, ranks, 1, name="expert-parallel"))  # fmt: skip
+        errors = plan.errors + _check_run(zoo_suite, plan, run, f"{type(self).__name__} ({run.where} launch)",
+                                          lambda arch, ckpt, subject, ranks: check_tensor_parallel(
+                                              arch, ckpt, subject, ranks, 1, name="expert-parallel"))  # fmt: skip
         _raise_collected("expert-parallel", errors)
 
-
     def test_gradients(self, zoo_suite: _State, request: pytest.FixtureRequest) -> None:
-        """One TP launch for every example config, one EP launch for the MoE ones: train_step
-        gradients against one process's (contract ``gradients``)."""
-        from ..placement import Parallelism
-        from .checks import check_gradients, run_gradients
+        """Every example config at TP ``tensor_parallel``, the MoE ones also at EP
+        ``expert_parallel`` (in the shared launches of those many ranks): train_step gradients
+        against one process's (contract ``gradients``)."""
+        from .checks import check_gradients
 
-        cases = self.zoo_cases()
-        if not cases:
+        if not self.zoo_cases():
             pytest.skip(f"no architecture of plugin(s) {self.zoo_plugins()} loaded: see test_registration")
-        tp, ep = self.tensor_parallel, self.expert_parallel
-        errors: list[ContractError] = []
-        runs: dict[tuple[int, int], list[Any]] = {(tp, 1): [], (1, ep): []}
-        for case in cases:
-            try:
-                architecture = zoo_suite.architecture(case)
-                with contract("gradients", case.subject):
-                    arch = architecture.config_from_hf(zoo_suite.config(case))
-                    with_tp = not _refused(request, case, arch, Parallelism(tp=tp, sequence_parallel=arch.moe is not None))
-                    with_ep = arch.moe is not None and not _refused(request, case, arch, Parallelism(ep=ep))
-                if not (with_tp or with_ep):
-                    continue
-                checkpoint = zoo_suite.checkpoint(case, "gradients")
-                if with_tp:
-                    runs[(tp, 1)].append((case, architecture, checkpoint))
-                if with_ep:
-                    runs[(1, ep)].append((case, architecture, checkpoint))
-            except ContractError as exc:
-                errors.append(exc)
-        for (run_tp, run_ep), runnable in runs.items():
-            where = f"TP={run_tp}" if run_ep == 1 else f"EP={run_ep}"
-            errors += _launch_and_check("gradients", f"{type(self).__name__} ({where} launch)", runnable,
-                                        lambda cases, t=run_tp, e=run_ep: run_gradients(cases, t, e),
-                                        lambda arch, ckpt, subject, ranks, w=where: check_gradients(arch, ckpt, subject, ranks, w))  # fmt: skip
+        plan = _recorded(request, zoo_suite.plan("gradients"))
+        errors = list(plan.errors)
+        for run in plan.runs:
+            errors += _check_run(zoo_suite, plan, run, f"{type(self).__name__} ({run.where} launch)",
+                                 lambda arch, ckpt, subject, ranks, w=run.where: check_gradients(arch, ckpt, subject, ranks, w))  # fmt: skip
         _raise_collected("gradients", errors)
-        _skip_if_all_refused(request, [run for runnable in runs.values() for run in runnable])
+        _skip_if_all_refused(request, [case for run in plan.runs for case in run.runnable])
 
 
-def _refused(request: pytest.FixtureRequest, case: Case, arch: Any, parallel: Any) -> bool:
-    """Whether the model of ``case`` refuses ``parallel`` by name (``UnsupportedLayoutError``: a
-    layer not built for it yet). The case is then left out of the launch, the reason kept on the
-    test's report (the conformance summary lists it). Any other layout problem raises."""
+def _plan_tensor_parallel(state: _State) -> _Plan:
+    """Every example config at TP ``tensor_parallel`` but those whose model refuses it by name."""
+    from ..placement import Parallelism
+
+    tp = state.suite.tensor_parallel
+    plan = _Plan("tensor-parallel", [_Run(f"TP={tp}", tp, 1)])
+    for case in state.suite.zoo_cases():
+        try:
+            architecture = state.architecture(case)
+            with contract("tensor-parallel", f"{case.subject}, TP={tp}"):
+                reason = _refusal(architecture.config_from_hf(state.config(case)), Parallelism(tp=tp))
+            if reason:
+                plan.refused.append(f"{case.subject}: {reason}")
+                continue
+            plan.runs[0].runnable.append((case, architecture, state.checkpoint(case, "tensor-parallel")))
+        except ContractError as exc:
+            plan.errors.append(exc)
+    return plan
+
+
+def _plan_expert_parallel(state: _State) -> _Plan:
+    """Every MoE example config at EP ``expert_parallel`` but those whose model refuses it by name."""
+    from ..placement import Parallelism
+
+    ep = state.suite.expert_parallel
+    plan = _Plan("expert-parallel", [_Run(f"EP={ep}", 1, ep)])
+    for case in state.suite.zoo_cases():
+        try:
+            architecture = state.architecture(case)
+            with contract("expert-parallel", f"{case.subject}, EP={ep}"):
+                arch = architecture.config_from_hf(state.config(case))
+                reason = None if arch.moe is None else _refusal(arch, Parallelism(ep=ep))
+            if arch.moe is None:
+                continue
+            if reason:
+                plan.refused.append(f"{case.subject}: {reason}")
+                continue
+            plan.runs[0].runnable.append((case, architecture, state.checkpoint(case, "expert-parallel")))
+        except ContractError as exc:
+            plan.errors.append(exc)
+    return plan
+
+
+def _plan_gradients(state: _State) -> _Plan:
+    """Every example config at TP ``tensor_parallel`` (sequence parallelism for MoE models), the
+    MoE ones also at EP ``expert_parallel``, but those whose model refuses a layout by name."""
+    from ..placement import Parallelism
+
+    tp, ep = state.suite.tensor_parallel, state.suite.expert_parallel
+    with_tp_run, with_ep_run = _Run(f"TP={tp}", tp, 1), _Run(f"EP={ep}", 1, ep)
+    plan = _Plan("gradients", [with_tp_run, with_ep_run])
+    for case in state.suite.zoo_cases():
+        try:
+            architecture = state.architecture(case)
+            with contract("gradients", case.subject):
+                arch = architecture.config_from_hf(state.config(case))
+                tp_reason = _refusal(arch, Parallelism(tp=tp, sequence_parallel=arch.moe is not None))
+                ep_reason = None if arch.moe is None else _refusal(arch, Parallelism(ep=ep))
+            plan.refused += [f"{case.subject}: {reason}" for reason in (tp_reason, ep_reason) if reason]
+            with_tp, with_ep = tp_reason is None, arch.moe is not None and ep_reason is None
+            if not (with_tp or with_ep):
+                continue
+            checkpoint = state.checkpoint(case, "gradients")
+            if with_tp:
+                with_tp_run.runnable.append((case, architecture, checkpoint))
+            if with_ep:
+                with_ep_run.runnable.append((case, architecture, checkpoint))
+        except ContractError as exc:
+            plan.errors.append(exc)
+    return plan
+
+
+_PLANNERS: dict[str, Callable[[_State], _Plan]] = {
+    "tensor-parallel": _plan_tensor_parallel,
+    "expert-parallel": _plan_expert_parallel,
+    "gradients": _plan_gradients,
+}
+
+
+def _refusal(arch: Any, parallel: Any) -> str | None:
+    """Why the model of ``arch`` refuses ``parallel`` by name (``UnsupportedLayoutError``: a layer
+    not built for it yet), in one line; None when it takes it. Any other layout problem raises."""
     from ..config.transformer import default_expert_tp, validate_layout
     from ..errors import UnsupportedLayoutError
 
     try:
         validate_layout(arch, default_expert_tp(arch, parallel))
     except UnsupportedLayoutError as exc:
-        reason = " ".join(str(exc).split())  # one line for the summary
-        request.node.user_properties.append(("mcore_zoo_refused", f"{case.subject}: {reason}"))
-        return True
-    return False
+        return " ".join(str(exc).split())  # one line for the summary
+    return None
+
+
+def _recorded(request: pytest.FixtureRequest, plan: _Plan) -> _Plan:
+    """``plan``, its refusals kept on the test's report (the conformance summary lists them): the
+    example configs left out of the launch, each with the reason."""
+    request.node.user_properties += [("mcore_zoo_refused", refused) for refused in plan.refused]
+    return plan
 
 
 def _skip_if_all_refused(request: pytest.FixtureRequest, runnable: list[Any]) -> None:
@@ -351,17 +451,16 @@ def _skip_if_all_refused(request: pytest.FixtureRequest, runnable: list[Any]) ->
         pytest.skip("every example config's model refuses this layout by name:\n" + "\n".join(refused))
 
 
-def _launch_and_check(name: str, launch_subject: str, runnable: list[Any], launch: Callable[[list[Any]], Any],
-                      check: Callable[..., None]) -> list[ContractError]:  # fmt: skip
-    """One gloo launch for the ``(case, architecture, checkpoint)`` triples of ``runnable`` (a
-    failed launch breaks contract ``name`` for all of them), then ``check(architecture,
-    checkpoint, subject, ranks)`` per case; returns the contract errors of the cases."""
-    if not runnable:
+def _check_run(state: _State, plan: _Plan, run: _Run, launch_subject: str, check: Callable[..., None]) -> list[ContractError]:
+    """``check(architecture, checkpoint, subject, ranks)`` for each example config of ``run`` of
+    ``plan``, on the ranks' results of its launch (a failed launch breaks contract
+    ``plan.contract`` for all of them); returns the contract errors of the cases."""
+    if not run.runnable:
         return []
-    with contract(name, launch_subject):
-        ranks = launch([(c.subject, a.name, ckpt) for c, a, ckpt in runnable])
+    with contract(plan.contract, launch_subject):
+        ranks = state.ranks(plan.contract, run)
     errors = []
-    for case, architecture, checkpoint in runnable:
+    for case, architecture, checkpoint in run.runnable:
         try:
             check(architecture, checkpoint, case.subject, ranks)
         except ContractError as exc:
