@@ -417,7 +417,9 @@ if [[ " $phases " == *" hybrid-gpu "* || " $phases " == *" hybrid-fla "* ]]; the
   cfgs=tests/fixtures/configs
   four='["linear_attention","linear_attention","linear_attention","full_attention"]'
   next=(--config "$cfgs/qwen3-next-80b-a3b.json" --random-weights --set num_hidden_layers=4 --set num_experts=64)
-  q35=(--random-weights --set text_config.num_hidden_layers=4 --set "text_config.layer_types=$four" --set vision_config.depth=1)
+  # text only (--images 0): the language models, as these phases measured them before the tower was built
+  q35=(--random-weights --set text_config.num_hidden_layers=4 --set "text_config.layer_types=$four" --set vision_config.depth=1
+       --images 0)
   q35dense=(--config "$cfgs/qwen3.5-9b.json" "${q35[@]}")
   q35moe=(--config "$cfgs/qwen3.5-35b-a3b.json" "${q35[@]}" --set text_config.num_experts=64)
 fi

@@ -251,3 +251,19 @@ def test_rope_frequencies_stay_on_the_device_megatron_gave_them(model):
     install_rope(model, handle.arch_config, handle.numerics)
     assert rotary.inv_freq.device.type == "meta"
     rotary.inv_freq = expected
+
+
+def test_parity_report_with_no_images_runs_the_language_model_alone(tmp_path):
+    """``--images 0``: text only - no vision inputs on either side, so the formats a pack with images
+    cannot take run (here ``local`` on BSHD, Megatron-Core's own attention) and match transformers."""
+    import json
+
+    from mcore_zoo.cli import main
+
+    code = main(["parity-report", "--arch", ARCH, "--images", "0", "--backend", "local", "--seq-format", "bshd",
+                 "--out", str(tmp_path), "-q", "--format", "json,md"])  # fmt: skip
+    report = json.loads((tmp_path / f"{ARCH}.json").read_text())
+    assert code == 0, [c["failures"] for c in report["comparisons"]]
+    assert report["inputs"]["vision"] == {"images": 0, "text_only": True}
+    assert not any(row["site"].startswith("vision.") for c in report["comparisons"] for row in c["layers"])
+    assert "text only" in (tmp_path / f"{ARCH}.md").read_text()

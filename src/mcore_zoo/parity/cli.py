@@ -57,7 +57,8 @@ def register(sub: Any) -> None:
                    help="vision-language models: each image a grid of N x N merged features (N * spatial_merge_size"
                         " patches a side; default: 2 x 2 and 2 x 4, alternating)")
     g.add_argument("--images", type=int, default=1, metavar="K",
-                   help="vision-language models: images per sequence, where it is long enough (default 1)")
+                   help="vision-language models: images per sequence, where it is long enough (default 1; 0: text"
+                        " only, the language model alone, on any backend and format)")
     g.add_argument("--tokens", choices=("auto", "tokenizer", "random"), default="auto",
                    help="token ids: the checkpoint's tokenizer on a built-in text (auto: when present) or random")
     g = p.add_argument_group("engines")

@@ -265,9 +265,12 @@ def _run(opts: ParityOptions, r: dict[str, Any], work: Path, progress: Progress,
     decoder = token_info.pop("_decode", None)
     vision_inputs = None
     tower = source.architecture.config_from_hf(source.config, ignore_fields=opts.ignore_fields or None).vision
-    if tower is not None:  # a vision-language model whose tower the zoo builds: one image per sequence
+    if tower is not None and opts.images == 0:  # text only: the language model alone, as transformers runs text
+        token_info["vision"] = {"images": 0, "text_only": True}
+    elif tower is not None:  # a vision-language model whose tower the zoo builds: images in each sequence
         if opts.vllm_python:
-            raise ZooError(f"{source.architecture.name}: vLLM runs of vision-language models are not built yet")
+            raise ZooError(f"{source.architecture.name}: vLLM runs of vision-language models with images are not built"
+                           " yet (--images 0 runs the text alone)")  # fmt: skip
         sequences, vision_inputs, token_info["vision"] = add_images(sequences, tower, seed=opts.seed, side=opts.image_size,
                                                                     images=opts.images)  # fmt: skip
     criterion = "bitwise" if opts.bitwise else "tolerance"

@@ -509,7 +509,7 @@ def add_images(sequences: list[torch.Tensor], vision: Any, *, seed: int = 0, sid
     become id 0. Returns the sequences, per sequence its vision inputs (``None``: text only; the
     keys of transformers' processor) and a description for the report."""
     if images < 1:
-        raise ZooError(f"--images {images}: at least one image per sequence")
+        raise ZooError(f"--images {images}: 0 (text only) or more images per sequence")
     merge = vision.spatial_merge_size
     values = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     markers = torch.tensor([vision.vision_start_token_id, vision.image_token_id, vision.video_token_id,

@@ -129,7 +129,14 @@ def _inputs_line(report: dict[str, Any]) -> str:
     src = f"tokenizer ({i['tokenizer']}), built-in sample text" if i["source"] == "tokenizer" else f"random ids (seed {i['seed']})"
     lengths = ", ".join(map(str, i["lengths"]))
     positions = report["comparisons"][0]["metrics"]["positions"] if report["comparisons"] else 0
-    return f"{len(i['lengths'])} sequences of lengths {lengths} ({i['total_tokens']} tokens, {positions} predicted positions); {src}"
+    line = f"{len(i['lengths'])} sequences of lengths {lengths} ({i['total_tokens']} tokens, {positions} predicted positions); {src}"
+    vision = i.get("vision")
+    if vision and vision.get("text_only"):
+        line += "; text only (`--images 0`: no vision inputs, the language model alone)"
+    elif vision:
+        line += (f"; {vision['images']} image(s) of random pixels in sequence(s)"
+                 f" {', '.join(map(str, vision['sequences_with_an_image'])) or 'none'}")  # fmt: skip
+    return line
 
 
 def _layer_rows(c: dict[str, Any]) -> list[list[str]]:
