@@ -76,6 +76,7 @@ def fla_standin(monkeypatch):
                                             device_types=("cpu",), version="stand-in")  # fmt: skip
         monkeypatch.setattr(linear_kernels, "load_fla", lambda: kernels)
 
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")  # the stand-ins' fp32 is exact, as fla's under ieee dots
     install()
     return install
 
@@ -168,6 +169,27 @@ def test_fla_on_cpu_tensors_is_refused_even_where_fla_imports(monkeypatch):
     with pytest.raises(ZooError, match="Triton kernels run on cuda tensors, not cpu"):
         linear_kernels.check_kernel("fla", "cpu")
     assert linear_kernels.resolve_kernel("auto", torch.zeros(1)) == "torch"
+
+
+def test_fla_fp32_gradients_need_fp32_dots(monkeypatch):
+    """fla's fp32 backward at Triton's default TF32 dots gets the decay's gradients (A_log, dt_bias,
+    the ``a`` projection) wrong by their own size: ``"fla"`` on float32 activations with gradients
+    recorded is refused by name unless ``TRITON_F32_DEFAULT`` asks for fp32 dots; bf16 activations
+    and calls without gradients run."""
+    kernels = linear_kernels.FlaKernels(_standin_delta_rule, _standin_conv, device_types=("cpu",))
+    monkeypatch.setattr(linear_kernels, "load_fla", lambda: kernels)
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    x = torch.zeros(1, 4, 8)
+    with pytest.raises(ZooError, match="linear_attention_kernel='fla' on float32.*TRITON_F32_DEFAULT"):
+        linear_kernels.resolve_kernel("fla", x)
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32")
+    assert "'tf32'" in linear_kernels.fp32_gradient_problem(x)
+    with torch.no_grad():
+        assert linear_kernels.resolve_kernel("fla", x) == "fla"
+    assert linear_kernels.resolve_kernel("fla", x.bfloat16()) == "fla"
+    for precision in linear_kernels.FP32_DOT_PRECISIONS:
+        monkeypatch.setenv("TRITON_F32_DEFAULT", precision)
+        assert linear_kernels.resolve_kernel("fla", x) == "fla"
 
 
 def test_exact_profiles_keep_the_torch_kernels():

@@ -16,6 +16,20 @@ its dtype first (bf16 results differ), so the layer keeps the torch norm on ever
 
 Asking for ``"fla"`` where it cannot run (``fla`` not importable, or a CPU build) is refused by name
 (:func:`fla_problem`); it is never replaced by the torch path.
+
+fp32 gradients need fp32 dots. fla's kernels leave the precision of their fp32 ``tl.dot`` calls to
+Triton, whose default on NVIDIA GPUs is TF32 (inputs cut to a 10-bit mantissa). fla computes the
+gradient of the decay ``g`` as a reverse cumulative sum of products of q, k and their gradients
+whose terms nearly cancel (the decays are strong: ``A_log`` up to log 16), so at TF32 the gradients
+of ``A_log``, ``dt_bias`` and the ``a`` projection come out wrong by their own size or more
+(Qwen3-Next's tiny layer in fp32 on an H100, ``tests/gpu/test_gated_deltanet_fla_gpu.py``: gaps of
+3.4 times the largest entry of the torch path's gradient on a THD pack, 92 on a BSHD batch), the
+other tensors within TF32 rounding; at fp32-accurate dots the decay's gradients agree within a few
+1e-3. So fla is taken for float32 activations with gradients recorded only where Triton's fp32 dots
+are exact enough (:data:`FP32_DOT_PRECISIONS`, set by ``TRITON_F32_DEFAULT`` before fla's first fp32
+call in the process: Triton reads it when it compiles a kernel); elsewhere ``"fla"`` is refused by
+name and ``"auto"`` takes ``"torch"`` (:func:`fp32_gradient_problem`). bf16 / fp16 activations and
+calls without gradients are not concerned.
 """
 
 from __future__ import annotations
@@ -23,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import os
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -34,6 +49,9 @@ KERNELS = ("torch", "fla", "auto")
 #: where each release of flash-linear-attention keeps the causal convolution (newest first)
 CONV_MODULES = ("fla.modules.causal_conv1d", "fla.modules.convolution")
 DELTA_RULE_MODULE = "fla.ops.gated_delta_rule"
+#: Triton's input precisions for fp32 dots (``TRITON_F32_DEFAULT``) under which fla's fp32 backward
+#: keeps fp32 accuracy (the module docstring: TF32, Triton's default on NVIDIA GPUs, does not)
+FP32_DOT_PRECISIONS = ("ieee", "tf32x3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,12 +118,46 @@ def check_kernel(choice: str, device_type: str) -> None:
                            " (use 'torch', or 'auto': fla on CUDA where importable, else torch)")  # fmt: skip
 
 
+def triton_fp32_dot_precision() -> str:
+    """The input precision Triton gives fp32 ``tl.dot`` calls that name none (fla's): Triton's
+    ``knobs.language.fp32_default`` (the environment's ``TRITON_F32_DEFAULT``), else ``"tf32"``,
+    Triton's default on NVIDIA GPUs."""
+    try:
+        from triton import knobs
+
+        precision = knobs.language.fp32_default
+    except (ImportError, AttributeError):  # no Triton here, or one older than its knobs
+        precision = os.environ.get("TRITON_F32_DEFAULT")
+    return precision or "tf32"
+
+
+def fp32_gradient_problem(x: torch.Tensor) -> Optional[str]:
+    """Why fla's kernels would give wrong gradients for the float32 input ``x`` with gradients
+    recorded (Triton's fp32 dots in TF32: the module docstring); ``None`` where they would not
+    (another dtype, no gradients recorded, or fp32 dots in one of :data:`FP32_DOT_PRECISIONS`)."""
+    if x.dtype != torch.float32 or not torch.is_grad_enabled():
+        return None
+    precision = triton_fp32_dot_precision()
+    if precision in FP32_DOT_PRECISIONS:
+        return None
+    return (f"its fp32 backward runs Triton's fp32 dots in {precision!r}, where the gradients of A_log, dt_bias"
+            " and the decay's input projection lose all accuracy (the decay gradient is a sum of nearly"
+            f" cancelling terms); set TRITON_F32_DEFAULT to one of {FP32_DOT_PRECISIONS} before the first fp32"
+            " call, or use bf16 activations, or run without gradients")  # fmt: skip
+
+
 def resolve_kernel(choice: str, x: torch.Tensor) -> str:
     """``"torch"`` or ``"fla"`` for an input ``x``: ``"auto"`` picks fla where it can run on ``x``'s
-    device; ``"fla"`` where it cannot is refused (:func:`check_kernel`)."""
+    device and give its gradients (:func:`fp32_gradient_problem`); ``"fla"`` where it cannot is
+    refused (:func:`check_kernel`), and likewise where its fp32 gradients would be wrong."""
     if choice == "auto":
-        return "fla" if x.is_cuda and fla_problem(x.device.type) is None else "torch"
+        usable = x.is_cuda and fla_problem(x.device.type) is None and fp32_gradient_problem(x) is None
+        return "fla" if usable else "torch"
     check_kernel(choice, x.device.type)
+    if choice == "fla":
+        problem = fp32_gradient_problem(x)
+        if problem is not None:
+            raise ZooError(f"numerics knob linear_attention_kernel='fla' on float32 activations: {problem}")
     return choice
 
 
