@@ -1,5 +1,6 @@
-"""The files transformers and vLLM need next to the weights: tokenizer files and
-``generation_config.json``.
+"""The files transformers and vLLM need next to the weights: tokenizer files,
+``generation_config.json`` and a vision-language model's processor configs (an engine builds the
+transformers processor from them at start-up).
 
 A model's handle remembers the HF checkpoint it was loaded from (``ModelHandle.hf_source``, set by
 :func:`mcore_zoo.load_hf_weights`); :func:`mcore_zoo.save_hf_checkpoint` then copies that
@@ -24,6 +25,7 @@ logger = logging.getLogger(__name__)
 ASSET_PATTERNS = (
     "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
     "*.tiktoken", "spiece.model", "sentencepiece*.model", "chat_template*", "generation_config.json",
+    "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",  # vision-language
 )  # fmt: skip
 
 #: The folder of a distributed checkpoint written by ``convert`` that holds the HF assets.

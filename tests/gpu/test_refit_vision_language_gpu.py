@@ -8,19 +8,20 @@ two decoder layers); the vocabulary is the published one, so the image-token ids
 token_mult_prob_error of vLLM vs the mcore model is printed (``-s``) and, with
 ``MCORE_ZOO_GPU_RESULTS`` set, written there as JSON per architecture.
 
-The prompts are text only. vLLM turns an image into prompt tokens and pixels with the model's
-transformers processor (``AutoProcessor`` from the checkpoint directory: a tokenizer and an image
-processor), which a random-weight export does not carry and the GPU machine cannot download, and
-its precomputed ``image_embeds`` inputs skip the tower - so they would not read the refitted tower's
-weights. The tower's weights are compared parameter by parameter instead, bitwise, and images run
+The prompts are text only. vLLM builds the model's transformers processor (``AutoProcessor`` from
+the checkpoint directory) when the engine starts; the random-weight checkpoint carries the smallest
+set of processor files transformers loads (:mod:`mcore_zoo.parity.processor_files`: a tokenizer that
+knows only the vision marker tokens, the image processor's settings), and the zoo's export copies
+them next to the weights. That tokenizer cannot turn a text prompt with an image into tokens, and
+precomputed ``image_embeds`` inputs skip the tower - so image prompts would not read the refitted
+tower's weights. The tower's weights are compared parameter by parameter instead, bitwise, and images run
 through the zoo against transformers in the ``vl-gpu`` phase's ``parity-report`` runs.
 
 The engine keeps its tower (no ``limit_mm_per_prompt`` of zero, which would drop it), replicated
 (``mm_encoder_tp_mode="data"``, as the refit plan places it), without the multimodal memory
-profiling (``skip_mm_profiling``: it feeds the tower dummy images made by the processor). vLLM
-0.26's scheduler also sizes its encoder budget from the processor's image settings at startup; if
-the engine refuses to start without processor files next to the weights, the failure names them
-(the test has not run on a GPU yet).
+profiling (``skip_mm_profiling``: it feeds the tower dummy images made by the processor). The first
+GPU run (2026-11-26) stopped at engine start, before the processor files were written: vLLM 0.26
+sizes its encoder budget from the processor's image settings.
 
 Needs CUDA and vLLM (bench/gpu/vllm-setup.sh, then ``source bench/gpu/vllm-env.sh``); one GPU:
 

@@ -103,7 +103,8 @@ def write_reference_checkpoint(
     """Build the HF reference model of ``architecture`` with random weights; save it to ``out_dir``.
 
     ``architecture`` is a registry :class:`~mcore_zoo.architecture.Architecture` (its entry names
-    the transformers class). Returns ``out_dir``.
+    the transformers class). A vision-language model also gets the files of its transformers
+    processor (:mod:`.processor_files`). Returns ``out_dir``.
     """
     cls = architecture.reference_model_class()
     hf_config = hf_config_object(config, fallback_model_type=architecture.entry.model_type)
@@ -113,6 +114,11 @@ def write_reference_checkpoint(
     model = model.to(dtype)
     model.save_pretrained(str(out_dir), safe_serialization=True)
     _write_as_released(Path(str(out_dir)), hf_config.model_type)
+    as_dict = hf_config.to_dict()
+    if "vision_config" in as_dict:  # an engine builds the transformers processor from the directory
+        from .processor_files import write_processor_files
+
+        write_processor_files(out_dir, as_dict)
     return str(out_dir)
 
 
