@@ -292,9 +292,10 @@ def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
 def install_rope(model: torch.nn.Module, arch: ArchConfig, numerics: NumericsProfile) -> None:
     """Give the model HF's RoPE frequencies (computed on the CPU as transformers does).
 
-    The frequencies go where Megatron-Core put its own (its ``RotaryEmbedding`` would move CPU ones
-    to the GPU on the first forward, its ``MultimodalRotaryEmbedding`` never does, so a CPU copy would
-    leave multimodal RoPE's angles on the CPU next to GPU activations). ``forward`` is an
+    They stay on the CPU (Megatron-Core's ``RotaryEmbedding`` moves them to the GPU on the first
+    forward), except under a ``MultimodalRotaryEmbedding``, which never moves them: there they go
+    to the device Megatron-Core built its own on (:func:`rope_frequency_device`), or multimodal
+    RoPE's angles would be computed on the CPU next to GPU activations. ``forward`` is an
     ``lru_cache``, cleared here so no stale embedding survives.
     """
     rotary = getattr(model, "rotary_pos_emb", None)
@@ -309,10 +310,21 @@ def install_rope(model: torch.nn.Module, arch: ArchConfig, numerics: NumericsPro
     freqs, _scaling = inv_freq(arch.rope, arch.head_dim, arch.max_position_embeddings)
     if freqs.shape != rotary.inv_freq.shape:
         raise ZooError(f"RoPE frequency count {tuple(freqs.shape)} != mcore's {tuple(rotary.inv_freq.shape)}")
-    rotary.inv_freq = freqs.to(rotary.inv_freq.device)  # a copy: the values computed on the CPU, unchanged
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
+
+    if isinstance(rotary, MultimodalRotaryEmbedding):
+        freqs = freqs.to(rope_frequency_device(rotary.inv_freq.device))  # a copy: the values unchanged
+    rotary.inv_freq = freqs
     cached = getattr(type(rotary).forward, "cache_clear", None)  # multimodal RoPE computes per call
     if cached is not None:
         cached()
+
+
+def rope_frequency_device(built_on: torch.device) -> torch.device:
+    """Where HF's RoPE frequencies go under a rotary module Megatron-Core built its own on
+    ``built_on``: that device, but the CPU for a meta build (a model without storage, whose
+    frequencies must still hold values)."""
+    return torch.device("cpu") if built_on.type == "meta" else built_on
 
 
 def build_chunks(

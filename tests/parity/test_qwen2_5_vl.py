@@ -233,21 +233,28 @@ def test_parity_report_feeds_images_and_is_bitwise(tmp_path):
     assert all(row["bitwise_equal"] for row in parity["layers"]) and parity["first_divergent_site"] is None
 
 
-def test_rope_frequencies_stay_on_the_device_megatron_gave_them(model):
+def test_rope_frequencies_stay_on_the_device_megatron_gave_them(model, monkeypatch):
     """Megatron-Core's ``MultimodalRotaryEmbedding`` never moves ``inv_freq`` (its plain
     ``RotaryEmbedding`` does, on the first forward): the HF frequencies installed in its place must
     sit where Megatron-Core put its own, or the angles are computed on another device than the
-    activations (a GPU build would rotate GPU queries by CPU angles)."""
+    activations (a GPU build would rotate GPU queries by CPU angles) - but on the CPU for a meta
+    build, whose frequencies must still hold values."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 
-    from mcore_zoo.build import install_rope
+    from mcore_zoo.build import install_rope, rope_frequency_device
     from mcore_zoo.handle import handle_of
 
+    assert rope_frequency_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert rope_frequency_device(torch.device("meta")) == torch.device("cpu")
     rotary = model.rotary_pos_emb
     assert isinstance(rotary, MultimodalRotaryEmbedding)
     expected = rotary.inv_freq.clone()
-    rotary.inv_freq = torch.empty_like(rotary.inv_freq, device="meta")  # stands in for "not the CPU"
+    rotary.inv_freq = torch.empty_like(rotary.inv_freq, device="meta")  # a meta build's
     handle = handle_of(model)
+    install_rope(model, handle.arch_config, handle.numerics)
+    assert rotary.inv_freq.device.type == "cpu" and torch.equal(rotary.inv_freq, expected)
+    # the install follows the device rope_frequency_device names ("meta" stands in for a GPU here)
+    monkeypatch.setattr("mcore_zoo.build.rope_frequency_device", lambda built_on: torch.device("meta"))
     install_rope(model, handle.arch_config, handle.numerics)
     assert rotary.inv_freq.device.type == "meta"
     rotary.inv_freq = expected
