@@ -166,7 +166,8 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
     "tools": (
         "dist_checkpoint.py", "cli.py", "scaffold.py", "numerics/capture.py", "numerics/metrics.py",
         "parity/__init__.py", "parity/cli.py", "parity/environment.py", "parity/harness.py", "parity/inputs.py",
-        "parity/reference.py", "parity/report.py", "parity/runners.py", "parity/vllm_worker.py",
+        "parity/processor_files.py", "parity/reference.py", "parity/report.py", "parity/runners.py",
+        "parity/vllm_worker.py",
         "testing/__init__.py", "testing/checks.py", "testing/common.py", "testing/contracts.py", "testing/plugin.py",
         "testing/suite.py",
     ),

@@ -64,4 +64,4 @@ def _write(path: Path, value: dict[str, Any]) -> None:
     path.write_text(json.dumps(value, indent=2) + "\n")
 
 
-__all__ = ["write_processor_files", "MARKER_TOKENS"]
+__all__ = ["MARKER_TOKENS", "write_processor_files"]
