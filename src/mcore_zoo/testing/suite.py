@@ -349,19 +349,7 @@ def _plan_tensor_parallel(state: _State) -> _Plan:
     from ..placement import Parallelism
 
     tp = state.suite.tensor_parallel
-    plan = _Plan("tensor-parallel", [_Run(f"TP={tp}", tp, 1)])
-    for case in state.suite.zoo_cases():
-        try:
-            architecture = state.architecture(case)
-            with contract("tensor-parallel", f"{case.subject}, TP={tp}"):
-                reason = _refusal(architecture.config_from_hf(state.config(case)), Parallelism(tp=tp))
-            if reason:
-                plan.refused.append(f"{case.subject}: {reason}")
-                continue
-            plan.runs[0].runnable.append((case, architecture, state.checkpoint(case, "tensor-parallel")))
-        except ContractError as exc:
-            plan.errors.append(exc)
-    return plan
+    return _plan_one_layout(state, "tensor-parallel", _Run(f"TP={tp}", tp, 1), Parallelism(tp=tp))
 
 
 def _plan_expert_parallel(state: _State) -> _Plan:
@@ -369,19 +357,26 @@ def _plan_expert_parallel(state: _State) -> _Plan:
     from ..placement import Parallelism
 
     ep = state.suite.expert_parallel
-    plan = _Plan("expert-parallel", [_Run(f"EP={ep}", 1, ep)])
+    return _plan_one_layout(state, "expert-parallel", _Run(f"EP={ep}", 1, ep), Parallelism(ep=ep), moe_only=True)
+
+
+def _plan_one_layout(state: _State, name: str, run: _Run, layout: Any, moe_only: bool = False) -> _Plan:
+    """The plan of contract ``name``: one ``run`` at ``layout`` (a ``Parallelism``) of every example
+    config (``moe_only``: the MoE ones), but those whose model refuses the layout by name."""
+    plan = _Plan(name, [run])
     for case in state.suite.zoo_cases():
         try:
             architecture = state.architecture(case)
-            with contract("expert-parallel", f"{case.subject}, EP={ep}"):
+            with contract(name, f"{case.subject}, {run.where}"):
                 arch = architecture.config_from_hf(state.config(case))
-                reason = None if arch.moe is None else _refusal(arch, Parallelism(ep=ep))
-            if arch.moe is None:
+                skipped = moe_only and arch.moe is None
+                reason = None if skipped else _refusal(arch, layout)
+            if skipped:
                 continue
             if reason:
                 plan.refused.append(f"{case.subject}: {reason}")
                 continue
-            plan.runs[0].runnable.append((case, architecture, state.checkpoint(case, "expert-parallel")))
+            run.runnable.append((case, architecture, state.checkpoint(case, name)))
         except ContractError as exc:
             plan.errors.append(exc)
     return plan
