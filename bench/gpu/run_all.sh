@@ -525,8 +525,8 @@ if [[ " $phases " == *" vl-gpu "* ]]; then
   # reference checkpoints in VL_WORK, default a fresh temporary folder, removed at the end
   vl="$out/parity/gpu-vl"; work=${VL_WORK:-$(mktemp -d)}; mkdir -p "$vl"
   cfgs=tests/fixtures/configs
-  vrep=($py -m mcore_zoo.cli parity-report --dtype bfloat16 --device cuda -q -v --lengths 512,512,300,100 --images 2
-        --image-size 8)
+  vopts=(--dtype bfloat16 --device cuda -q -v --lengths 512,512,300,100 --images 2 --image-size 8)
+  vrep=($py -m mcore_zoo.cli parity-report "${vopts[@]}")
   q25=(--config "$cfgs/qwen2.5-vl-7b-instruct.json" --random-weights --set num_hidden_layers=4 --set vision_config.depth=4
        --set "vision_config.fullatt_block_indexes=[3]")
   q3=(--random-weights --set text_config.num_hidden_layers=4 --set vision_config.depth=4
@@ -536,8 +536,7 @@ if [[ " $phases " == *" vl-gpu "* ]]; then
   exact=(--backend local --numerics hf-exact --no-baseline --invariance --out "$vl/local-hf-exact")
   # te is not declared by the vision-language plugins yet: admitted for these runs only (frontier_parity.py)
   vte=($py bench/gpu/frontier_parity.py --admit te --arch-entry Qwen2_5_VLForConditionalGeneration
-       --arch-entry Qwen3VLForConditionalGeneration --arch-entry Qwen3VLMoeForConditionalGeneration --
-       --dtype bfloat16 --device cuda -q -v --lengths 512,512,300,100 --images 2 --image-size 8)
+       --arch-entry Qwen3VLForConditionalGeneration --arch-entry Qwen3VLMoeForConditionalGeneration -- "${vopts[@]}")
   vlrun() {  # vlrun NAME GPU CMD...: one sub-run of a chain on GPU, log, record the exit code
     local name=$1 gpu=$2
     shift 2

@@ -46,6 +46,28 @@ def run_check(script: str, *args: str, env: Any = None, timeout: int = 900) -> d
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def refit_checkpoint_into_vllm(tmp_path: Any, config: dict, fixture: str, arch: str, llm_kwargs: dict) -> dict:
+    """The in-process vLLM refit check (``test_refit_gpu.py`` run as a script, one engine per
+    process) on a random bf16 checkpoint of ``config`` (shaped from the published ``fixture``):
+    its result written to ``MCORE_ZOO_GPU_RESULTS/refit-<arch>.json`` when that is set, asserted
+    with :func:`check_vllm_refit`, and returned for a test's own further checks."""
+    from pathlib import Path
+
+    import mcore_zoo
+    from mcore_zoo.parity.reference import write_reference_checkpoint
+
+    ckpt = Path(tmp_path) / "ckpt"
+    write_reference_checkpoint(mcore_zoo.lookup(config), config, ckpt, dtype=torch.bfloat16)
+    r = run_check(str(Path(__file__).with_name("test_refit_gpu.py")), str(ckpt), arch, str(tmp_path),
+                  json.dumps(llm_kwargs))  # fmt: skip
+    results = os.environ.get("MCORE_ZOO_GPU_RESULTS")
+    if results:
+        Path(results).mkdir(parents=True, exist_ok=True)
+        (Path(results) / f"refit-{arch}.json").write_text(json.dumps({"config": fixture, **r}, indent=2) + "\n")
+    check_vllm_refit(r, arch)
+    return r
+
+
 def check_vllm_refit(r: dict, arch: str) -> None:
     """Print and assert what every in-process vLLM refit check (``test_refit_gpu.py`` run as a script)
     must show: the in-process engine at TP 1, a refit over scrambled weights in more than two buckets,

@@ -20,19 +20,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-import mcore_zoo
-
 if importlib.util.find_spec("vllm") is None:  # before any checkpoint is written
     pytestmark = pytest.mark.skip(reason="needs vLLM (bench/gpu/vllm-setup.sh, source bench/gpu/vllm-env.sh)")
 
 CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
-REFIT_CHECK = str(Path(__file__).with_name("test_refit_gpu.py"))
 #: vLLM 0.26's gated DeltaNet prefill on its Triton kernels: on an H100 its default picks FlashInfer's
 #: SM90 kernel, which raises "SM90 GDN prefill DSL kernel is unavailable" without that kernel built
 CASES = [
@@ -74,16 +70,7 @@ def few_layers(config: dict, layers: int = 4, experts: int = 64, sizes: dict = R
 def test_refit_gated_deltanet_into_vllm_is_bitwise(tmp_path, fixture, arch, llm_kwargs):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from mcore_zoo.parity.reference import write_reference_checkpoint
-
-    from .conftest import check_vllm_refit, run_check
+    from .conftest import refit_checkpoint_into_vllm
 
     config = few_layers(json.loads((CONFIGS / fixture).read_text()))
-    ckpt = tmp_path / "ckpt"
-    write_reference_checkpoint(mcore_zoo.lookup(config), config, ckpt, dtype=torch.bfloat16)
-    r = run_check(REFIT_CHECK, str(ckpt), arch, str(tmp_path), json.dumps(llm_kwargs))
-    results = os.environ.get("MCORE_ZOO_GPU_RESULTS")
-    if results:
-        Path(results).mkdir(parents=True, exist_ok=True)
-        (Path(results) / f"refit-{arch}.json").write_text(json.dumps({"config": fixture, **r}, indent=2) + "\n")
-    check_vllm_refit(r, arch)
+    refit_checkpoint_into_vllm(tmp_path, config, fixture, arch, llm_kwargs)
