@@ -114,7 +114,7 @@ def trainer(config: dict, tp: int, port: int, iters: int, bucket: str, dry_run: 
 
 
 # ---------------------------------------------------------------------------- engine side
-def engine(config: dict, tp: int, port: int, iters: int, out: str, dry_run: bool) -> None:
+def engine(config: dict, tp: int, port: int, iters: int, out: str, dry_run: bool, fused: bool = True) -> None:
     """The engine process: vLLM (or, dry run, one CPU stand-in per engine rank in threads)."""
     tmp = tempfile.mkdtemp(prefix="disagg-engine-")
     with open(os.path.join(tmp, "config.json"), "w") as f:
@@ -122,12 +122,12 @@ def engine(config: dict, tp: int, port: int, iters: int, out: str, dry_run: bool
     if dry_run:
         result = _stand_in_engine(tp, port, iters)
     else:
-        result = _vllm_engine(tmp, tp, port, iters)
+        result = _vllm_engine(tmp, tp, port, iters, fused)
     with open(out, "w") as f:
         json.dump(result, f)
 
 
-def _vllm_engine(model_dir: str, tp: int, port: int, iters: int) -> dict:
+def _vllm_engine(model_dir: str, tp: int, port: int, iters: int, fused: bool) -> dict:
     import vllm
 
     from mcore_zoo.rollout.vllm_disagg import DISAGG_EXTENSION, receive_refit
@@ -138,16 +138,17 @@ def _vllm_engine(model_dir: str, tp: int, port: int, iters: int) -> dict:
                    worker_extension_cls=DISAGG_EXTENSION)  # fmt: skip
     started = time.perf_counter() - t0
     _check(llm.collective_rpc("zoo_join_refit", args=("127.0.0.1", port, tp, tp, tp, 0)))
-    links = [r for r in llm.collective_rpc("zoo_measure_link", args=(0, _LINK_BYTES[False])) if r]
-    receive_refit(llm)
+    links = [r for r in llm.collective_rpc("zoo_measure_link", args=(0, _LINK_BYTES[False], 10, 0)) if r]
+    receive_refit(llm, fused_copies=fused)
     seconds = []
     for _ in range(iters):
-        receive_refit(llm, reset_prefix_cache=False)
+        receive_refit(llm, reset_prefix_cache=False, fused_copies=fused)
         seconds.append(max(llm.collective_rpc("zoo_refit_seconds")))
     checksums = {}
     for rank, per in enumerate(llm.collective_rpc("zoo_parameter_checksums")):
         checksums.update({f"{rank}/{name}": value for name, value in per.items()})
-    return {"engine_start_seconds": started, "seconds": seconds, "checksums": checksums, "link": links[0] if links else None}
+    return {"engine_start_seconds": started, "seconds": seconds, "checksums": checksums, "link": links[0] if links else None,
+            "fused_copies": all(llm.collective_rpc("zoo_refit_fused"))}
 
 
 def _check(results) -> None:
@@ -204,7 +205,8 @@ def run_case(name: str, tp: int, args) -> dict:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[tp : 2 * tp])
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible[:tp])
     cmd = [sys.executable, __file__, "--engine-role", json.dumps(config), "--tp", str(tp), "--port", str(port),
-           "--iters", str(args.iters), "--engine-out", engine_out] + (["--dry-run"] if args.dry_run else [])  # fmt: skip
+           "--iters", str(args.iters), "--engine-out", engine_out] + (["--dry-run"] if args.dry_run else [])
+    cmd += ["--unfused"] if args.unfused else []  # fmt: skip
     proc = subprocess.Popen(cmd, env=env)
     try:
         ranks = launch(trainer, tp, config, tp, port, args.iters, args.bucket_size, args.dry_run,
@@ -233,7 +235,7 @@ def run_case(name: str, tp: int, args) -> dict:
         "gbps_per_link": busiest / seconds / 1e9, "link": head["link"],
         "of_link": (busiest / seconds / 1e9) / head["link"]["gbps"], "engine_start_seconds": eng["engine_start_seconds"],
         "exact": not differ and not missing and bool(want), "tensors": len(want), "differ": differ[:8], "missing": missing[:8],
-        "transfer": head["transfer"],
+        "transfer": head["transfer"], "fused_copies": eng.get("fused_copies", False),
     }  # fmt: skip
 
 
@@ -247,12 +249,13 @@ def main() -> None:
     ap.add_argument("--bucket-size", default="1GB")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes, gloo, a stand-in engine")
+    ap.add_argument("--unfused", action="store_true", help="engine writes shard by shard (default: one launch per bucket)")
     ap.add_argument("--engine-role", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--engine-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.engine_role:
-        engine(json.loads(args.engine_role), args.tp[0], args.port, args.iters, args.engine_out, args.dry_run)
+        engine(json.loads(args.engine_role), args.tp[0], args.port, args.iters, args.engine_out, args.dry_run, not args.unfused)
         return
     if not args.out:
         ap.error("--out is required")
@@ -273,11 +276,12 @@ def write_results(out: str, dry_run: bool, results: list[dict]) -> None:
     with open(os.path.join(out, "disagg.json"), "w") as f:
         json.dump({"dry_run": dry_run, "cases": results}, f, indent=1)
     lines = ["| shape | layers | trainer -> engine | GB | refit s (trainer / engine) | GB/s | GB/s per link | link GB/s"
-             " (NCCL broadcast) | of link | exact |", "|---|---|---|---|---|---|---|---|---|---|"]
+             " (NCCL broadcast) | of link | exact | engine copies |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['shape']} | {r['layers']} | TP{r['trainer_tp']} -> TP{r['engine_tp']} | {r['bytes'] / 1e9:.2f} |"
                      f" {r['trainer_seconds']:.3f} / {r['engine_seconds']:.3f} | {r['gbps']:.1f} | {r['gbps_per_link']:.1f} |"
-                     f" {r['link']['gbps']:.1f} | {100 * r['of_link']:.0f}% | {'yes' if r['exact'] else 'NO'} |")  # fmt: skip
+                     f" {r['link']['gbps']:.1f} | {100 * r['of_link']:.0f}% | {'yes' if r['exact'] else 'NO'} |"
+                     f" {'fused' if r['fused_copies'] else 'each'} |")  # fmt: skip
     with open(os.path.join(out, "disagg.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)

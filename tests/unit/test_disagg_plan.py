@@ -1,6 +1,7 @@
 """The disaggregated refit's plan data on one process: the transfer plan of a TP1 trainer (every
-slot from rank 0's own tensors, nothing gathered), the integrity unpickler of the refit group, and
-the model of the refit time at scale (bytes per link from a config, the CLI subcommand)."""
+slot from rank 0's own tensors, nothing gathered), the integrity unpickler of the refit group,
+the model of the refit time at scale (bytes per link from a config, the CLI subcommand), and which vLLM
+worker takes part in a link measurement."""
 
 from __future__ import annotations
 
@@ -90,3 +91,52 @@ def test_refit_time_cli(tmp_path, capsys):
     assert out["trainer"] == "trainer TP1 x PP2 x EP2" and out["seconds"] > 0
     assert main(["refit-time", "--config", str(config), "--trainer", "pp=zero"]) == 2
     assert "layout item 'pp=zero'" in capsys.readouterr().err
+
+
+def test_a_vllm_worker_measures_only_the_link_it_is_asked_for(monkeypatch):
+    """A worker whose engine rank is not the named one stays out of the link measurement, even when
+    it holds a channel from the same sender: joining would leave it in broadcasts no trainer rank
+    sends (TP2 -> TP2 on NCCL: the engine's TP rank 1 waited there, and the refit then hung)."""
+    from types import SimpleNamespace
+
+    from mcore_zoo.rollout import vllm_disagg
+
+    calls = []
+    monkeypatch.setattr(vllm_disagg, "measure_link", lambda group, key, nbytes, iters: calls.append(key) or {"key": key})
+    channels = {(0, 0): None, (0, 1): None, (1, 1): None}
+    workers = []
+    for rank in (0, 1):
+        worker = vllm_disagg.ZooDisaggWorkerExtension.__new__(vllm_disagg.ZooDisaggWorkerExtension)
+        worker._zoo_receiver = SimpleNamespace(rank=rank, group=SimpleNamespace(channels=channels))
+        workers.append(worker)
+    assert [w.zoo_measure_link(0, 64, 1, 0) for w in workers] == [{"key": (0, 0)}, None]
+    assert calls == [(0, 0)]
+    assert [w.zoo_measure_link(1, 64, 1, 1) for w in workers] == [None, {"key": (1, 1)}]
+    assert [w.zoo_measure_link(1, 64, 1, 0) for w in workers] == [None, None]  # no such channel
+
+
+def test_payload_ring_places_each_bucket_apart_from_the_one_in_flight_beside_it():
+    """Bucket i's messages sit in buffer i % 2, apart from each other, at the same place at every
+    refit; buckets i and i + 1 (in flight together) never share bytes."""
+    import torch
+
+    from mcore_zoo.rollout.disagg import PayloadRing
+    from mcore_zoo.rollout.transfer import Route
+
+    routes = [Route(0, 0, 0, (0,), 192), Route(0, 1, 0, (0, 1), 64), Route(1, 0, 0, (0,), 1000),
+              Route(2, 1, 0, (0,), 64), Route(3, 0, 0, (0,), 128)]  # fmt: skip
+    ring = PayloadRing(routes, torch.device("cpu"))
+    views = {r: ring.payload(r) for r in routes}
+    assert all(views[r].numel() == r.nbytes and views[r].is_contiguous() for r in routes)
+    assert views[routes[0]].data_ptr() == ring.payload(routes[0]).data_ptr()  # the same place at every refit
+
+    def span(r):
+        start = views[r].data_ptr()
+        return start, start + r.nbytes
+
+    for a in routes:
+        for b in routes:
+            if a is not b and abs(a.bucket - b.bucket) <= 1:  # the same bucket, or two in flight together
+                (s1, e1), (s2, e2) = span(a), span(b)
+                assert e1 <= s2 or e2 <= s1, (a, b)
+    assert [buf.numel() for buf in ring.buffers] == [256, 1024]  # the larger bucket of each parity, 64-byte aligned

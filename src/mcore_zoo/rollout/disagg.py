@@ -39,7 +39,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -48,7 +48,7 @@ from ..distributed.refit_group import RefitGroup, all_gather_objects, group_rank
 from ..errors import ZooError
 from ..handle import handle_of
 from ..model_groups import refuse_part_of_job
-from ..weights.export import export_rule, hf_copies
+from ..weights.export import aligned_nbytes, export_rule, hf_copies
 from ..weights.rules import narrow
 from .adapter import EngineAdapter, RefitBucket
 from .engine_format import EngineFormat, get_engine_format
@@ -147,6 +147,8 @@ class DisaggSender:
         self.routes = self.transfer.sent_by(placement.rank)
         self._layouts: dict[tuple[int, int, int], tuple[list[Slot], list[int], int]] = {}
         self._sizes: dict[tuple[int, int, int], list[int]] = {}
+        self._destinations: dict[tuple[int, int, int], list[torch.Tensor]] = {}
+        self._ring: Optional[PayloadRing] = None
         self._sources = _Sources(self)
 
     def _steps_exported_per_bucket(self) -> list[list[int]]:
@@ -219,14 +221,21 @@ class DisaggSender:
         return out
 
     def _pack(self, route: Route, exported: dict[int, dict[str, torch.Tensor]], chunks: dict[int, list[torch.Tensor]]) -> torch.Tensor:
-        """The payload of one route: its slots' shards packed in plan order (aligned), copied in
-        one batched call (``torch._foreach_copy_``: one dispatch for the route, not one per slot).
+        """The payload of one route: its slots' shards packed in plan order (aligned) into the
+        route's place in the :class:`PayloadRing` (views made once), copied in one batched call
+        (``torch._foreach_copy_``: one dispatch for the route, not one per slot).
         Shards cut from this rank's own chunk of a parameter are views of it, resolved once and
         kept (:class:`_Sources`) while the parameter keeps its storage."""
-        slots, offsets, total = self._layout(route)
-        payload = torch.empty(total, dtype=torch.uint8, device=self._device)
-        pieces = torch.split(payload, self._sizes[(route.bucket, route.engine_rank, route.sender)])
-        destinations = [piece[: slot.nbytes].view(slot.dtype).view(slot.shape) for piece, slot in zip(pieces, slots)]
+        if self._ring is None:
+            self._ring = PayloadRing(self.routes, self._device)
+        payload = self._ring.payload(route)
+        key = (route.bucket, route.engine_rank, route.sender)
+        slots = self._layout(route)[0]
+        destinations = self._destinations.get(key)
+        if destinations is None:
+            pieces = torch.split(payload, self._sizes[key])
+            destinations = self._destinations[key] = [piece[: slot.nbytes].view(slot.dtype).view(slot.shape)
+                                                      for piece, slot in zip(pieces, slots)]  # fmt: skip
         sources = self._sources.get(route)
         if sources is None or not sources.valid(self.steps):
             sources = self._sources.resolve(route, self._device)
@@ -345,6 +354,9 @@ class EngineReceiver:
         for route in self.routes.routes:
             self._by_bucket.setdefault(route.bucket, []).append(route)
         self._layouts: dict[tuple[int, int], tuple[list[Slot], list[int]]] = {}
+        self._ring: Optional[PayloadRing] = None
+        #: per bucket, this rank's (slot, shard view into the ring) in plan order (made once)
+        self._items: dict[int, list[tuple[Slot, torch.Tensor]]] = {}
 
     def _engine_plan(self) -> RefitPlan:
         """The plan as this engine rank sees it: its own slots and tensors (other ranks' empty),
@@ -376,16 +388,13 @@ class EngineReceiver:
                 _wait([work for *_, work in received])
                 # the next bucket's payloads travel while this one is checked and written
                 upcoming = self._post_bucket(index + 1, ended, received) if index + 1 < self.setup.buckets else []
-                shards: list[Optional[torch.Tensor]] = [None] * len(slots)
                 for route, header, payload, _ in received:
                     self._check_payload(header, route, payload, slots)
-                    for position, slot, start in zip(route.positions, *self._layout(route, slots)):
-                        shards[position] = payload[start : start + slot.nbytes].view(slot.dtype).view(slot.shape)
                     nbytes += route.nbytes
                 items: list[list[tuple[Slot, torch.Tensor]]] = [[] for _ in range(self.setup.target_tp)]
-                items[self.rank] = [(slot, shard) for slot, shard in zip(slots, shards) if shard is not None]
+                items[self.rank] = self._bucket_items(index, received, slots)
                 sink.load_bucket(RefitBucket(index, items))
-                del shards, items
+                del items
                 received, upcoming = upcoming, []
             for sender in self.routes.senders:
                 header = self._take_header(sender)
@@ -422,9 +431,25 @@ class EngineReceiver:
                     ended.add(route.sender)
                 self._take_payload(route.sender, header)
                 self._check_header(header, route, slots)
-            payload = torch.empty(route.nbytes, dtype=torch.uint8, device=self._device)
+            if self._ring is None:
+                self._ring = PayloadRing(self.routes.routes, self._device)
+            payload = self._ring.payload(route)
             received.append((route, header, payload, self.group.broadcast((route.sender, self.rank), payload)))
         return received
+
+    def _bucket_items(self, index: int, received: list[tuple[Route, list[int], torch.Tensor, Any]],
+                      slots: list[Slot]) -> list[tuple[Slot, torch.Tensor]]:  # fmt: skip
+        """Bucket ``index``'s ``(slot, shard)`` pairs of this rank in plan order: views into the
+        ring's payloads, made at the first refit and the same tensors at every later one (so an
+        engine sink's copy table keyed by them stays valid)."""
+        items = self._items.get(index)
+        if items is None:
+            shards: list[Optional[torch.Tensor]] = [None] * len(slots)
+            for route, _, payload, _ in received:
+                for position, slot, start in zip(route.positions, *self._layout(route, slots)):
+                    shards[position] = payload[start : start + slot.nbytes].view(slot.dtype).view(slot.shape)
+            items = self._items[index] = [(slot, shard) for slot, shard in zip(slots, shards) if shard is not None]
+        return items
 
     def _layout(self, route: Route, slots: list[Slot]) -> tuple[list[Slot], list[int]]:
         """A route's slots and their byte offsets in its payload (cached)."""
@@ -477,6 +502,34 @@ class EngineReceiver:
                 if header[1] == END or header[0] != MAGIC:
                     ended.add(sender)
                 self._take_payload(sender, header)
+
+
+class PayloadRing:
+    """The message payloads of one side of a refit, in two buffers allocated once: bucket ``i``'s
+    routes (this rank's) live in buffer ``i % 2``, each at a fixed offset, so the views cut from
+    them - the sender's packing destinations, the receiver's shards and an engine's copy table
+    keyed by those - are the same tensors at every refit.
+
+    Reuse is safe because two buckets are in flight at most: the sender waits on bucket ``i - 1``'s
+    broadcasts before it packs bucket ``i + 1``, and the receiver writes bucket ``i - 1`` into the
+    engine before it posts bucket ``i + 1``'s receives (ordered on the device's stream with NCCL,
+    on the host with gloo). Memory: the two largest buckets' messages of this rank, as when each
+    payload was allocated for its bucket, but kept between refits."""
+
+    def __init__(self, routes: Iterable[Route], device: torch.device) -> None:
+        self.offsets: dict[tuple[int, int, int], int] = {}
+        ends: dict[int, int] = {}
+        for route in routes:
+            start = ends.get(route.bucket, 0)
+            self.offsets[(route.bucket, route.engine_rank, route.sender)] = start
+            ends[route.bucket] = start + aligned_nbytes(route.nbytes)
+        sizes = [max((end for bucket, end in ends.items() if bucket % 2 == parity), default=0) for parity in (0, 1)]
+        self.buffers = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
+
+    def payload(self, route: Route) -> torch.Tensor:
+        """``route``'s payload: ``route.nbytes`` bytes of its bucket's buffer (contiguous)."""
+        start = self.offsets[(route.bucket, route.engine_rank, route.sender)]
+        return self.buffers[route.bucket % 2][start : start + route.nbytes]
 
 
 def measure_link(group: RefitGroup, key: tuple[int, int], nbytes: int = 2**30, iters: int = 10) -> dict[str, float]:
@@ -534,5 +587,5 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-__all__ = ["DisaggSender", "EngineReceiver", "EngineSetup", "IntegrityError", "engine_plan_rank", "channel_members",
-           "measure_link"]
+__all__ = ["DisaggSender", "EngineReceiver", "EngineSetup", "IntegrityError", "PayloadRing", "engine_plan_rank",
+           "channel_members", "measure_link"]

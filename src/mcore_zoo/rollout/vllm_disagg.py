@@ -46,22 +46,28 @@ DISAGG_EXTENSION = "mcore_zoo.rollout.vllm_disagg.ZooDisaggWorkerExtension"
 
 class WorkerSink(EngineAdapter):
     """One vLLM worker's parameters as the sink of an :class:`EngineReceiver`: the worker
-    extension's binding (direct mode) or ``load_weights`` (a format without pre-split shards)."""
+    extension's binding (direct mode) or ``load_weights`` (a format without pre-split shards).
 
-    def __init__(self, worker: ZooWorkerExtension, rank: int) -> None:
-        self.worker, self.rank = worker, rank
+    ``fused_copies``: in direct mode, write each bucket's plain byte copies with one launch where
+    the worker's device has the kernel (:mod:`mcore_zoo.kernels.copy_runs`), as
+    :class:`~mcore_zoo.rollout.vllm.VLLMAdapter` does colocated. The receiver's shards are the
+    same views of its payload ring at every refit, so the kernel's table is built once."""
+
+    def __init__(self, worker: ZooWorkerExtension, rank: int, *, fused_copies: bool = True) -> None:
+        self.worker, self.rank, self.fused_copies = worker, rank, fused_copies
 
     def begin(self, plan: "RefitPlan") -> None:
         self.engine_format, self.tp_size = plan.engine_format, plan.target_tp
         mode = "direct" if plan.engine_format.presplit else "load_weights"
         self._where = self.rank if mode == "direct" else 0
+        fused = self.fused_copies and mode == "direct"
         if getattr(self.worker, "_zoo_plan", (None,))[0] == id(plan):  # bound on an earlier refit: checked, not re-sent
-            _raise(self.worker.zoo_refit_begin(id(plan), None, mode))
+            _raise(self.worker.zoo_refit_begin(id(plan), None, mode, None, fused))
             return
         manifests: list[Any] = [None] * plan.target_tp
         counts: list[Any] = [None] * plan.target_tp
         manifests[self._where], counts[self._where] = plan.manifest(self._where), plan.bucket_counts(self._where)
-        _raise(self.worker.zoo_refit_begin(id(plan), manifests, mode, counts))
+        _raise(self.worker.zoo_refit_begin(id(plan), manifests, mode, counts, fused))
 
     def load_bucket(self, bucket: RefitBucket) -> None:
         payloads: list[Any] = [None] * len(bucket.items)
@@ -95,13 +101,14 @@ class ZooDisaggWorkerExtension(ZooWorkerExtension):
         except Exception as exc:  # reported through collective_rpc
             return f"join: {type(exc).__name__}: {exc}"
 
-    def zoo_receive_refit(self) -> Optional[str]:
-        """Receive one refit into this worker's parameters (:class:`WorkerSink`)."""
+    def zoo_receive_refit(self, fused_copies: bool = True) -> Optional[str]:
+        """Receive one refit into this worker's parameters (:class:`WorkerSink`; ``fused_copies``
+        as there)."""
         receiver: Optional[EngineReceiver] = getattr(self, "_zoo_receiver", None)
         if receiver is None:
             return "receive: not joined (zoo_join_refit first)"
         try:
-            self._zoo_last_refit = receiver.receive(WorkerSink(self, receiver.rank))
+            self._zoo_last_refit = receiver.receive(WorkerSink(self, receiver.rank, fused_copies=fused_copies))
             return None
         except Exception as exc:
             return f"receive: {type(exc).__name__}: {exc}"
@@ -111,15 +118,18 @@ class ZooDisaggWorkerExtension(ZooWorkerExtension):
         stats = getattr(self, "_zoo_last_refit", None)
         return stats.seconds if stats is not None else 0.0
 
-    def zoo_measure_link(self, sender: int = 0, nbytes: int = 2**30, iters: int = 10) -> Optional[dict]:
-        """:func:`~mcore_zoo.rollout.disagg.measure_link` on the channel from trainer rank
-        ``sender`` to this worker's engine rank (the sender measures at the same time); ``None``
-        on a worker without that channel."""
+    def zoo_measure_link(self, sender: int = 0, nbytes: int = 2**30, iters: int = 10, engine_rank: int = 0) -> Optional[dict]:
+        """:func:`~mcore_zoo.rollout.disagg.measure_link` on the channel ``(sender, engine_rank)``:
+        from trainer rank ``sender`` to engine rank ``engine_rank`` and its DP replicas (the sender
+        and every member call it at the same time). ``None`` on a worker that is not a member.
+
+        Only the named channel's members take part: a worker that measured every channel it holds
+        would wait in broadcasts no trainer rank sends, and its refit messages would then meet
+        those broadcasts (on NCCL, a hang)."""
         receiver: Optional[EngineReceiver] = getattr(self, "_zoo_receiver", None)
-        key = None if receiver is None else (sender, receiver.rank)
-        if key is None or key not in receiver.group.channels:  # type: ignore[union-attr]
+        if receiver is None or receiver.rank != engine_rank or (sender, engine_rank) not in receiver.group.channels:
             return None
-        return measure_link(receiver.group, key, nbytes, iters)  # type: ignore[union-attr]
+        return measure_link(receiver.group, (sender, engine_rank), nbytes, iters)
 
     def zoo_parameter_checksums(self, names: Optional[list[str]] = None) -> dict[str, list[int]]:
         """Per parameter (``names``, default all): :func:`tensor_checksum` of its bytes (exactness
@@ -140,10 +150,11 @@ def tensor_checksum(tensor: torch.Tensor) -> list[int]:
     return [int(words.numel()), int(words.sum()), int((words * weights).sum())]
 
 
-def receive_refit(llm: Any, *, reset_prefix_cache: bool = True) -> list[Optional[str]]:
+def receive_refit(llm: Any, *, reset_prefix_cache: bool = True, fused_copies: bool = True) -> list[Optional[str]]:
     """Receive one refit in every worker of a ``vllm.LLM`` (blocking; the trainer ranks send at
-    the same time), then drop the prefix cache. Raises :class:`ZooError` naming a worker's error."""
-    results = llm.collective_rpc("zoo_receive_refit")
+    the same time), then drop the prefix cache. ``fused_copies``: :class:`WorkerSink`'s. Raises
+    :class:`ZooError` naming a worker's error."""
+    results = llm.collective_rpc("zoo_receive_refit", args=(fused_copies,))
     errors = [r for r in results if r]
     if errors:
         raise ZooError(f"disaggregated refit failed on {len(errors)} vLLM worker(s): " + " | ".join(map(str, errors[:4])))
@@ -152,14 +163,14 @@ def receive_refit(llm: Any, *, reset_prefix_cache: bool = True) -> list[Optional
     return results
 
 
-async def receive_refit_async(engine: Any, *, mode: str = "keep") -> None:
+async def receive_refit_async(engine: Any, *, mode: str = "keep", fused_copies: bool = True) -> None:
     """Receive one refit in a serving ``AsyncLLM``: generation paused (``mode``: ``"keep"``
     freezes requests in flight and resumes them after, ``"wait"`` lets them finish first,
-    ``"abort"`` drops them; the KV and prefix caches cleared), the workers receive, generation
-    resumed. Raises :class:`ZooError` naming a worker's error (generation is resumed first)."""
+    ``"abort"`` drops them; the KV and prefix caches cleared), the workers receive
+    (``fused_copies``: :class:`WorkerSink`'s), generation resumed. Raises :class:`ZooError` naming a worker's error (generation is resumed first)."""
     await engine.pause_generation(mode=mode, clear_cache=True)
     try:
-        results = await engine.collective_rpc("zoo_receive_refit")
+        results = await engine.collective_rpc("zoo_receive_refit", args=(fused_copies,))
     finally:
         await engine.resume_generation()
     errors = [r for r in results if r]
