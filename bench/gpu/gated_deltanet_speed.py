@@ -34,6 +34,10 @@ across ``cu_seqlens`` or a wrong calling convention shows as O(1) differences).
     PYTHONPATH=src python bench/gpu/gated_deltanet_speed.py --out OUT/gated_deltanet_thd.json
     PYTHONPATH=src:FLA_DIR python bench/gpu/gated_deltanet_speed.py --kernel fla --out OUT/gated_deltanet_fla.json
     PYTHONPATH=src python bench/gpu/gated_deltanet_speed.py --device cpu --tiny --iters 1 --out x.json
+
+``--profile``: one more call of the THD and padded forms per case (fla's, else the torch path's
+batch forms) under torch's profiler; each op table goes beside ``--out`` (``STEM-CASE-FORM.txt``),
+and the JSON gets the call's wall time and summed device time.
 """
 
 from __future__ import annotations
@@ -100,8 +104,31 @@ def timed(fn: Callable[[], None], device: str, iters: int, warmup: int) -> float
     return statistics.median(times)
 
 
+def profile_form(fn: Callable[[], None], device: str, path: Path) -> dict[str, float]:
+    """One call of ``fn`` under torch's profiler: the ops' table (top 30 by self device time, or
+    CPU time on the CPU) written to ``path``; returns the wall time and the summed self device
+    time in milliseconds (their gap: host time the device waited on)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    fn()  # warm
+    if device == "cuda":
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) * 1e3
+    events = prof.key_averages()
+    key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    path.write_text(events.table(sort_by=key, row_limit=30) + "\n")
+    busy = sum(getattr(e, "self_device_time_total", 0.0) for e in events) / 1e3 if device == "cuda" else 0.0
+    return {"wall_ms": wall, "device_busy_ms": busy}
+
+
 def run_case(layer: torch.nn.Module, lengths: list[int], device: str, dtype: torch.dtype, iters: int,
-             warmup: int, fla: bool = False) -> dict[str, Any]:  # fmt: skip
+             warmup: int, fla: bool = False, profile_to: Path | None = None) -> dict[str, Any]:  # fmt: skip
     from megatron.core.packed_seq_params import PackedSeqParams
 
     hidden = layer.out_proj.out_features
@@ -156,6 +183,9 @@ def run_case(layer: torch.nn.Module, lengths: list[int], device: str, dtype: tor
     result: dict[str, Any] = {"lengths": lengths, "tokens": sum(lengths), "padded_tokens": longest * len(lengths)}
     for name, fn in forms.items():
         result[f"{name}_ms"] = timed(fn, device, iters, warmup)
+    if profile_to is not None:  # the fla forms (else the torch ones): where the time goes, op by op
+        for name in ("thd_fla", "bshd_padded_fla") if fla else ("thd_batch", "bshd_padded"):
+            result[f"{name}_profile"] = profile_form(forms[name], device, profile_to.with_name(f"{profile_to.name}-{name}.txt"))
     result["thd_vs_padded"] = result["thd_ms"] / result["bshd_padded_ms"]
     result["thd_vs_each"] = result["thd_ms"] / result["bshd_each_ms"]
     result["thd_batch_vs_padded"] = result["thd_batch_ms"] / result["bshd_padded_ms"]
@@ -226,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernel", choices=("torch", "fla", "auto"), default="auto",
                     help="fla: add the fla forms (refused where fla cannot run); auto: where it can; torch: none")
     ap.add_argument("--out", type=Path, required=True, help="JSON path (Markdown beside it)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one call of the THD and padded forms per case (op tables beside --out)")
     args = ap.parse_args(argv)
     from mcore_zoo.families.gated_deltanet import kernels
 
@@ -247,18 +279,20 @@ def main(argv: list[str] | None = None) -> int:
         "cases": {},
     }  # fmt: skip
     status = 0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for name, lengths in CASES:
         if args.tiny:
             lengths = [max(2, n // 16) for n in lengths]
         try:
-            report["cases"][name] = run_case(layer, lengths, args.device, dtype, args.iters, args.warmup, fla=fla)
+            profile_to = args.out.with_name(f"{args.out.stem}-{name}") if args.profile else None
+            report["cases"][name] = run_case(layer, lengths, args.device, dtype, args.iters, args.warmup, fla=fla,
+                                             profile_to=profile_to)  # fmt: skip
             if fla and not report["cases"][name]["fla_within_tolerance"]:
                 status = 1  # fla's pack is not the torch pack's result
         except Exception as exc:  # recorded; the next case runs
             report["cases"][name] = {"lengths": lengths, "error": f"{type(exc).__name__}: {exc}"}
             status = 1
         print(name, json.dumps(report["cases"][name]), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(markdown(report))
     return status

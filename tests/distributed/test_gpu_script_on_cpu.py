@@ -104,10 +104,11 @@ def test_frontier_parity_script_admits_te_and_summarizes_on_cpu(tmp_path):
 def test_gated_deltanet_speed_script_on_cpu(tmp_path):
     """``bench/gpu/gated_deltanet_speed.py`` (the THD vs BSHD timing of the hybrid-gpu phase) on a tiny
     layer on the CPU: every case timed in every form; the pack run one sequence after the other
-    equals the sequences run one by one bitwise, the batched pack equals them within fp32 rounding."""
+    equals the sequences run one by one bitwise, the batched pack equals them within fp32 rounding;
+    ``--profile`` writes each profiled form's op table."""
     out = tmp_path / "thd.json"
     cmd = [sys.executable, "bench/gpu/gated_deltanet_speed.py", "--device", "cpu", "--tiny", "--iters", "1",
-           "--warmup", "0", "--out", str(out)]  # fmt: skip
+           "--warmup", "0", "--profile", "--out", str(out)]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -116,6 +117,9 @@ def test_gated_deltanet_speed_script_on_cpu(tmp_path):
     for name, case in report["cases"].items():
         assert all(case[f"{form}_ms"] > 0 for form in ("thd", "thd_batch", "bshd_padded", "bshd_each")), (name, case)
         assert case["max_abs_diff_each"] == 0.0 and case["max_abs_diff_batch"] <= 1e-5, (name, case)
+        for form in ("thd_batch", "bshd_padded"):
+            assert case[f"{form}_profile"]["wall_ms"] > 0, (name, form)
+            assert "aten::" in (tmp_path / f"thd-{name}-{form}.txt").read_text()
     assert "| mixed |" in out.with_suffix(".md").read_text()
 
 
