@@ -78,8 +78,12 @@ def shape_config(name: str, layers: int, dry_run: bool) -> dict:
 
 
 # ---------------------------------------------------------------------------- trainer side
-def trainer(config: dict, tp: int, port: int, iters: int, bucket: str, dry_run: bool) -> dict:
-    """One trainer rank (launched): build, join, measure the link, refit, compute reference checksums."""
+def trainer(config: dict, tp: int, port: int, iters: int, bucket: str, dry_run: bool, transport: str = "broadcast",
+            wait_for: str = "") -> dict:
+    """One trainer rank (launched): build, join, measure the link (broadcast transport: the engine
+    measures its read of the ring with the shared one), refit, compute reference checksums.
+    ``wait_for``: a file the engine writes once it has started (on shared GPUs the trainer
+    allocates only after the engine's memory profiling)."""
     import torch
     import torch.distributed as dist
 
@@ -92,14 +96,16 @@ def trainer(config: dict, tp: int, port: int, iters: int, bucket: str, dry_run: 
     from mcore_zoo.rollout.vllm_disagg import tensor_checksum
 
     rank = dist.get_rank()
+    while wait_for and not os.path.exists(wait_for):
+        time.sleep(1)
     parallel = Parallelism(tp=tp)
     ensure_model_parallel(parallel)
     device = torch.device("cpu") if dry_run else torch.device("cuda", torch.cuda.current_device())
     model = mcore_zoo.build_model(config, backend="portable" if dry_run else "local", params_dtype=torch.bfloat16,
                                   parallel=parallel, device=device)  # fmt: skip
     group = RefitGroup.join("127.0.0.1", port, rank=rank, trainers=tp, engines=tp, device=device)
-    sender = DisaggSender(model, group, engine_tp=tp, bucket_size=bucket)
-    link = measure_link(group, (0, 0), _LINK_BYTES[dry_run]) if rank == 0 else None
+    sender = DisaggSender(model, group, engine_tp=tp, bucket_size=bucket, transport=transport)
+    link = measure_link(group, (0, 0), _LINK_BYTES[dry_run]) if rank == 0 and transport == "broadcast" else None
     first = sender.send()
     timed = [sender.send() for _ in range(iters)]
     reference = DictAdapter(tp_size=tp, device=str(device)) if rank == 0 else None
@@ -120,14 +126,14 @@ def engine(config: dict, tp: int, port: int, iters: int, out: str, dry_run: bool
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(config, f)
     if dry_run:
-        result = _stand_in_engine(tp, port, iters)
+        result = _stand_in_engine(tp, port, iters, out)
     else:
-        result = _vllm_engine(tmp, tp, port, iters, fused)
+        result = _vllm_engine(tmp, tp, port, iters, fused, out)
     with open(out, "w") as f:
         json.dump(result, f)
 
 
-def _vllm_engine(model_dir: str, tp: int, port: int, iters: int, fused: bool) -> dict:
+def _vllm_engine(model_dir: str, tp: int, port: int, iters: int, fused: bool, out: str) -> dict:
     import vllm
 
     from mcore_zoo.rollout.vllm_disagg import DISAGG_EXTENSION, receive_refit
@@ -137,6 +143,7 @@ def _vllm_engine(model_dir: str, tp: int, port: int, iters: int, fused: bool) ->
                    max_model_len=1024, gpu_memory_utilization=0.6, seed=0, tensor_parallel_size=tp,
                    worker_extension_cls=DISAGG_EXTENSION)  # fmt: skip
     started = time.perf_counter() - t0
+    open(out + ".started", "w").close()  # the trainer may allocate now
     _check(llm.collective_rpc("zoo_join_refit", args=("127.0.0.1", port, tp, tp, tp, 0)))
     links = [r for r in llm.collective_rpc("zoo_measure_link", args=(0, _LINK_BYTES[False], 10, 0)) if r]
     receive_refit(llm, fused_copies=fused)
@@ -157,7 +164,7 @@ def _check(results) -> None:
         raise SystemExit(f"engine: {errors}")
 
 
-def _stand_in_engine(tp: int, port: int, iters: int) -> dict:
+def _stand_in_engine(tp: int, port: int, iters: int, out: str) -> dict:
     """Dry run: each engine rank a thread with an EngineReceiver and a DictAdapter (CPU, gloo)."""
     import threading
 
@@ -169,12 +176,15 @@ def _stand_in_engine(tp: int, port: int, iters: int) -> dict:
     from mcore_zoo.rollout.vllm_disagg import tensor_checksum
 
     results: dict = {}
+    links: dict = {}
+    open(out + ".started", "w").close()
 
     def run(index: int) -> None:
         group = RefitGroup.join("127.0.0.1", port, rank=tp + index, trainers=tp, engines=tp, device=torch.device("cpu"))
         receiver = EngineReceiver(group, index, engine_tp=tp)
         if index == 0:
-            measure_link(group, (0, 0), _LINK_BYTES[True])
+            shared = receiver.transport == "shared"
+            links[index] = receiver.measure_shared_read(0) if shared else measure_link(group, (0, 0), _LINK_BYTES[True])
         sink = DictAdapter(tp_size=tp, engine_rank=receiver.rank)
         receiver.receive(sink)
         seconds = [receiver.receive(sink).seconds for _ in range(iters)]
@@ -187,7 +197,7 @@ def _stand_in_engine(tp: int, port: int, iters: int) -> dict:
         t.join()
     seconds = [max(results[i][0][k] for i in results) for k in range(iters)]
     checksums = {k: v for i in results for k, v in results[i][1].items()}
-    return {"engine_start_seconds": 0.0, "seconds": seconds, "checksums": checksums}
+    return {"engine_start_seconds": 0.0, "seconds": seconds, "checksums": checksums, "link": links.get(0)}
 
 
 # ---------------------------------------------------------------------------- one case, all cases
@@ -197,19 +207,23 @@ def run_case(name: str, tp: int, args) -> dict:
     config = shape_config(name, args.layers, args.dry_run)
     port = _free_port()
     engine_out = os.path.join(args.out, f"engine-{name}-tp{tp}.json")
+    for stale in (engine_out, engine_out + ".started"):
+        if os.path.exists(stale):
+            os.remove(stale)
     env = dict(os.environ)
     if not args.dry_run:  # the trainer on the first tp GPUs, the engine on the next tp
         visible = args.gpus or [str(i) for i in range(2 * tp)]
-        if len(visible) < 2 * tp:
+        if len(visible) < (tp if args.same_gpus else 2 * tp):
             raise SystemExit(f"TP{tp} -> TP{tp} needs {2 * tp} GPUs, {len(visible)} visible")
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[tp : 2 * tp])
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[:tp] if args.same_gpus else visible[tp : 2 * tp])
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible[:tp])
     cmd = [sys.executable, __file__, "--engine-role", json.dumps(config), "--tp", str(tp), "--port", str(port),
            "--iters", str(args.iters), "--engine-out", engine_out] + (["--dry-run"] if args.dry_run else [])
     cmd += ["--unfused"] if args.unfused else []  # fmt: skip
     proc = subprocess.Popen(cmd, env=env)
     try:
-        ranks = launch(trainer, tp, config, tp, port, args.iters, args.bucket_size, args.dry_run,
+        wait_for = engine_out + ".started" if args.same_gpus else ""
+        ranks = launch(trainer, tp, config, tp, port, args.iters, args.bucket_size, args.dry_run, args.transport, wait_for,
                        backend="gloo" if args.dry_run else "nccl", timeout=args.timeout)  # fmt: skip
         if proc.wait(timeout=args.timeout) != 0:
             raise SystemExit(f"engine process exited {proc.returncode}")
@@ -219,6 +233,7 @@ def run_case(name: str, tp: int, args) -> dict:
     with open(engine_out) as f:
         eng = json.load(f)
     head = ranks[0]
+    link = head["link"] or eng["link"]  # broadcast: NCCL's, measured by both; shared: the engine's read of the ring
     want = {k: v for r in ranks for k, v in r["checksums"].items()}
     differ = sorted(k for k in want if eng["checksums"].get(k) != want[k])
     missing = sorted(set(want) - set(eng["checksums"]))
@@ -232,8 +247,8 @@ def run_case(name: str, tp: int, args) -> dict:
         "bytes": sent, "plan_bytes": head["plan_bytes"], "buckets": head["buckets"], "links": sum(r["links"] for r in ranks),
         "first_refit_seconds": max(r["first_seconds"] for r in ranks), "trainer_seconds": trainer_s,
         "engine_seconds": engine_s, "seconds": seconds, "gbps": sent / seconds / 1e9,
-        "gbps_per_link": busiest / seconds / 1e9, "link": head["link"],
-        "of_link": (busiest / seconds / 1e9) / head["link"]["gbps"], "engine_start_seconds": eng["engine_start_seconds"],
+        "gbps_per_link": busiest / seconds / 1e9, "link": link, "transport": args.transport, "same_gpus": args.same_gpus,
+        "of_link": (busiest / seconds / 1e9) / link["gbps"], "engine_start_seconds": eng["engine_start_seconds"],
         "exact": not differ and not missing and bool(want), "tensors": len(want), "differ": differ[:8], "missing": missing[:8],
         "transfer": head["transfer"], "fused_copies": eng.get("fused_copies", False),
     }  # fmt: skip
@@ -249,6 +264,9 @@ def main() -> None:
     ap.add_argument("--bucket-size", default="1GB")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes, gloo, a stand-in engine")
+    ap.add_argument("--transport", choices=("broadcast", "shared"), default="broadcast",
+                    help="shared: the engine reads the trainer's ring (CUDA IPC; one host)")
+    ap.add_argument("--same-gpus", action="store_true", help="the engine on the trainer's GPUs (shared transport)")
     ap.add_argument("--unfused", action="store_true", help="engine writes shard by shard (default: one launch per bucket)")
     ap.add_argument("--engine-role", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -259,6 +277,8 @@ def main() -> None:
         return
     if not args.out:
         ap.error("--out is required")
+    if args.same_gpus and args.transport != "shared":
+        ap.error("--same-gpus needs --transport shared (NCCL takes one rank per GPU)")
     os.makedirs(args.out, exist_ok=True)
     args.gpus = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]  # every case picks from these
     results = []
@@ -275,10 +295,11 @@ def write_results(out: str, dry_run: bool, results: list[dict]) -> None:
     """``OUT/disagg.json`` and ``OUT/disagg.md`` of the cases run so far (the table printed too)."""
     with open(os.path.join(out, "disagg.json"), "w") as f:
         json.dump({"dry_run": dry_run, "cases": results}, f, indent=1)
-    lines = ["| shape | layers | trainer -> engine | GB | refit s (trainer / engine) | GB/s | GB/s per link | link GB/s"
-             " (NCCL broadcast) | of link | exact | engine copies |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | layers | trainer -> engine | transport | GB | refit s (trainer / engine) | GB/s | GB/s per link | link GB/s"
+             " (NCCL broadcast / ring read) | of link | exact | engine copies |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['shape']} | {r['layers']} | TP{r['trainer_tp']} -> TP{r['engine_tp']} | {r['bytes'] / 1e9:.2f} |"
+        where = "shared, same GPUs" if r["same_gpus"] else r["transport"]
+        lines.append(f"| {r['shape']} | {r['layers']} | TP{r['trainer_tp']} -> TP{r['engine_tp']} | {where} | {r['bytes'] / 1e9:.2f} |"
                      f" {r['trainer_seconds']:.3f} / {r['engine_seconds']:.3f} | {r['gbps']:.1f} | {r['gbps_per_link']:.1f} |"
                      f" {r['link']['gbps']:.1f} | {100 * r['of_link']:.0f}% | {'yes' if r['exact'] else 'NO'} |"
                      f" {'fused' if r['fused_copies'] else 'each'} |")  # fmt: skip

@@ -56,8 +56,11 @@ def _selected(names=None):
     return None if os.environ.get("MCORE_ZOO_TEST_ALL_BUILTINS") == "1" else CI_BUILTINS
 
 
-#: (id, engine TP, engine DP replicas)
-ENGINES = [("tp1", 1, 1), ("tp2", 2, 1), ("tp1-dp2", 1, 2)]
+#: (id, engine TP, engine DP replicas); an id ending in "-shared": the shared-buffer transport
+#: (the engine ranks read the senders' rings in shared memory), for SHARED_BUILTINS only
+ENGINES = [("tp1", 1, 1), ("tp2", 2, 1), ("tp1-dp2", 1, 2), ("tp2-shared", 2, 1), ("tp1-dp2-shared", 1, 2)]
+#: the built-ins the shared transport runs (its data path does not depend on the model)
+SHARED_BUILTINS = ("llama", "qwen3-moe", "qwen2.5-vl")
 
 
 def _disagg(trainers: int, cases: list, faults: str | None) -> dict:
@@ -91,14 +94,15 @@ def _disagg(trainers: int, cases: list, faults: str | None) -> dict:
             if rank >= trainers + used:
                 continue
             group = RefitGroup(dist.PrefixStore(key, store), rank, trainers, used, "gloo", torch.device("cpu"), _timeout())
+            transport = "shared" if engine_id.endswith("-shared") else "broadcast"
             if rank < trainers:
-                sender = DisaggSender(model, group, engine_tp=tp, engine_dp=dp, bucket_size="64KB")
+                sender = DisaggSender(model, group, engine_tp=tp, engine_dp=dp, bucket_size="64KB", transport=transport)
                 sent = [sender.send() for _ in range(2)]
                 reference = DictAdapter(tp_size=tp) if rank == 0 else None  # the export, through the colocated refit
                 mcore_zoo.refit(model, reference, target_tp=tp, bucket_size="64KB")
                 found[key] = {"reference": reference.tensors if reference else None, "bytes": [s.nbytes for s in sent],
                               "routes": len(sender.transfer.routes), "exported": sorted(n for v in sender.transfer.exported.values() for n in v)}
-                if engine_id == "tp2" and case_id == faults:
+                if engine_id.startswith("tp2") and case_id == faults:
                     for fault in ("drop", "duplicate", "duplicate-last"):
                         _Faulty(sender, fault).send()
                     _change_parameters(model)
@@ -113,7 +117,7 @@ def _disagg(trainers: int, cases: list, faults: str | None) -> dict:
                 for e in engine:
                     receiver.receive(e)
                 found[key] = {"rank": receiver.rank, "tensors": [e.tensors[receiver.rank] for e in engine]}
-                if engine_id == "tp2" and case_id == faults:
+                if engine_id.startswith("tp2") and case_id == faults:
                     errors = []
                     for _ in range(3):
                         try:
@@ -144,8 +148,11 @@ def _change_parameters(model) -> None:
 
 
 def _engines(case_id: str) -> list:
-    """The engine layouts of a case (a vision-language model built at TP 1 only: no engine TP)."""
-    return [e for e in ENGINES if e[1] == 1] if case_id.endswith("qwen2.5-vl") else ENGINES
+    """The engine layouts of a case (a vision-language model built at TP 1 only: no engine TP; the
+    shared transport for SHARED_BUILTINS only)."""
+    shared = case_id.split("/")[-1] in SHARED_BUILTINS
+    engines = [e for e in ENGINES if shared or not e[0].endswith("-shared")]
+    return [e for e in engines if e[1] == 1] if case_id.endswith("qwen2.5-vl") else engines
 
 
 class _Faulty:
@@ -204,7 +211,7 @@ def _check(found: list, cases: list, trainers: int, faults: str | None) -> None:
                     assert sorted(tensors) == sorted(want[rank]), key
                     for name, ref in want[rank].items():
                         assert torch.equal(tensors[name], ref), (key, index, name)
-                if engine_id == "tp2" and case_id == faults:
+                if engine_id.startswith("tp2") and case_id == faults:
                     drop, duplicate, last = got["errors"]
                     if rank == 0:
                         assert drop and "bucket 0" in drop and "dropped" in drop, drop

@@ -156,12 +156,14 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "distributed/forward.py", "distributed/io.py", "distributed/launch.py", "distributed/load.py",
         "distributed/microbatches.py", "distributed/optimizer.py", "distributed/train.py",
         "distributed/vocab_parallel.py", "families/vision_language/forward.py", "distributed/refit_group.py",
+        "distributed/shared_buffers.py",
     ),
     "rollout": (
         "rollout/__init__.py", "rollout/adapter.py", "rollout/engine_format.py", "rollout/plan.py",
         "rollout/program.py", "rollout/refit.py", "rollout/sglang.py", "rollout/vllm.py",
         "rollout/fp8.py", "rollout/vllm_fp8.py",
-        "rollout/transfer.py", "rollout/disagg.py", "rollout/vllm_disagg.py", "rollout/scale.py",
+        "rollout/transfer.py", "rollout/disagg.py", "rollout/disagg_shared.py", "rollout/vllm_disagg.py",
+        "rollout/scale.py",
     ),
     "tools": (
         "dist_checkpoint.py", "cli.py", "scaffold.py", "numerics/capture.py", "numerics/metrics.py",

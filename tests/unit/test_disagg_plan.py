@@ -107,7 +107,7 @@ def test_a_vllm_worker_measures_only_the_link_it_is_asked_for(monkeypatch):
     workers = []
     for rank in (0, 1):
         worker = vllm_disagg.ZooDisaggWorkerExtension.__new__(vllm_disagg.ZooDisaggWorkerExtension)
-        worker._zoo_receiver = SimpleNamespace(rank=rank, group=SimpleNamespace(channels=channels))
+        worker._zoo_receiver = SimpleNamespace(rank=rank, group=SimpleNamespace(channels=channels), transport="broadcast")
         workers.append(worker)
     assert [w.zoo_measure_link(0, 64, 1, 0) for w in workers] == [{"key": (0, 0)}, None]
     assert calls == [(0, 0)]

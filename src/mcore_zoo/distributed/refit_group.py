@@ -71,14 +71,29 @@ class RefitGroup:
         _broadcast(self.control, buffer, root).wait()
         return value if self.rank == root else _PlanUnpickler(io.BytesIO(buffer.numpy().tobytes())).load()
 
-    def open_channels(self, channels: Sequence[tuple[tuple[int, int], Sequence[int]]]) -> None:
+    def open_channels(self, channels: Sequence[tuple[tuple[int, int], Sequence[int]]], backend: Optional[str] = None) -> None:
         """Open the channels this rank is a member of: ``(key, members)`` with the sender first,
-        given in the same (sorted) order on every rank."""
+        given in the same (sorted) order on every rank. ``backend``: the channels' (default the
+        group's; ``"gloo"`` for channels that carry only small host messages, as the shared-buffer
+        transport's do)."""
         for key, members in channels:
             if self.rank not in members or key in self.channels:
                 continue
             store = dist.PrefixStore(f"zoo-refit/channel/{key[0]}/{key[1]}", self.store)
-            self.channels[key] = _process_group(self.backend, store, list(members).index(self.rank), len(members), self.timeout)
+            rank, size = list(members).index(self.rank), len(members)
+            self.channels[key] = _process_group(backend or self.backend, store, rank, size, self.timeout)
+
+    def share_on(self, key: tuple[int, int], value: Any) -> Any:
+        """``value`` of channel ``key``'s sender on every member of the channel (pickled, on CPU
+        tensors: the channel's backend must be gloo)."""
+        group = self.channels[key]
+        root = self.rank == key[0]  # the sender: the channel's first member
+        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL) if root else b""
+        length = torch.tensor([len(data)], dtype=torch.int64)
+        _broadcast(group, length, 0).wait()
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if root else torch.empty(int(length), dtype=torch.uint8)
+        _broadcast(group, buffer, 0).wait()
+        return value if root else _PlanUnpickler(io.BytesIO(buffer.numpy().tobytes())).load()
 
     def broadcast(self, key: tuple[int, int], tensor: torch.Tensor) -> Any:
         """Broadcast ``tensor`` from the sender of channel ``key`` to its other members; returns
@@ -91,18 +106,20 @@ class RefitGroup:
 
 
 class _PlanUnpickler(pickle.Unpickler):
-    """What :meth:`RefitGroup.share` carries: the zoo's rollout plan types, builtin containers and
-    torch dtypes; anything else is refused."""
+    """What :meth:`RefitGroup.share` / :meth:`RefitGroup.share_on` carry: the zoo's rollout plan
+    types, shared-buffer handles, builtin containers and torch dtypes; anything else is refused."""
 
     def find_class(self, module: str, name: str) -> Any:
         if module.startswith("mcore_zoo.rollout.") or (module == "builtins" and name in _BUILTINS):
+            return super().find_class(module, name)
+        if module == "mcore_zoo.distributed.shared_buffers" and name == "SharedBuffer":
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise ZooError(f"refit group: refused to unpickle {module}.{name} (not a refit plan type)")
 
 
-_BUILTINS = frozenset({"tuple", "list", "dict", "set", "frozenset", "int", "str", "float", "bool", "slice"})
+_BUILTINS = frozenset({"tuple", "list", "dict", "set", "frozenset", "int", "str", "float", "bool", "slice", "bytes"})
 
 
 def group_ranks(group: Any) -> list[int]:

@@ -54,6 +54,7 @@ from .adapter import EngineAdapter, RefitBucket
 from .engine_format import EngineFormat, get_engine_format
 from .plan import EngineTensor, RefitPlan, Slot, expert_piece
 from .refit import Model, RefitStats, get_plan
+from .disagg_shared import TRANSPORTS, SharedReceiver, SharedSender
 from .transfer import EngineRoutes, Route, TransferPlan, holdings_of, packed_offsets, plan_transfer
 
 #: first word of every message header
@@ -81,6 +82,7 @@ class EngineSetup:
     routes: list[EngineRoutes]
     engine_tensors: list[list[EngineTensor]]
     channels: list[tuple[tuple[int, int], tuple[int, ...]]]
+    transport: str = "broadcast"
 
 
 def engine_plan_rank(index: int, target_tp: int, engine_tp: int) -> int:
@@ -111,11 +113,16 @@ class DisaggSender:
             (``engine_tp * engine_dp`` engine processes in the group).
         dtype: cast before sending (``None``: the parameters' dtype).
         bucket_size: bytes per bucket, all engine ranks' shards counted (the plan's).
+        transport: ``"broadcast"`` (the payloads through the channels: NCCL on GPUs, any hosts) or
+            ``"shared"`` (every process on one host: the engine ranks read the payloads out of this
+            rank's ring, CUDA IPC on GPUs - :mod:`~mcore_zoo.rollout.disagg_shared`).
     """
 
     def __init__(self, model: Model, group: RefitGroup, *, engine_format: Union[str, EngineFormat] = "vllm",
                  engine_tp: int = 1, engine_dp: int = 1, dtype: Optional[torch.dtype] = None,
-                 bucket_size: Union[int, str] = "1GB") -> None:  # fmt: skip
+                 bucket_size: Union[int, str] = "1GB", transport: str = "broadcast") -> None:  # fmt: skip
+        if transport not in TRANSPORTS:
+            raise ZooError(f"disaggregated refit: transport {transport!r} (one of {', '.join(TRANSPORTS)})")
         handle = self.handle = handle_of(model)
         handle.check_current()
         refuse_part_of_job(handle.placement, "disaggregated refit")
@@ -127,7 +134,7 @@ class DisaggSender:
             raise ZooError(f"disaggregated refit: the refit group has {group.engines} engine process(es), engine TP"
                            f" {engine_tp} x DP {engine_dp} needs {engine_tp * engine_dp}")  # fmt: skip
         fmt = get_engine_format(engine_format)
-        self.group = group
+        self.group, self.transport = group, transport
         self.plan: RefitPlan = get_plan(handle, engine_format=fmt, target_tp=engine_tp, dtype=dtype, bucket_size=bucket_size)
         self.steps = handle.export_steps()
         copies = hf_copies(handle.weight_map)
@@ -139,9 +146,9 @@ class DisaggSender:
         channels = [(key, (key[0], *members[key[1]])) for key in self.transfer.channels()]
         setup = EngineSetup(self.plan.architecture, self.plan.engine_format.name, self.plan.target_tp, len(self.plan.buckets),
                             [self.transfer.for_engine_rank(r) for r in range(self.plan.target_tp)],
-                            self.plan.engine_tensors, channels)  # fmt: skip
+                            self.plan.engine_tensors, channels, transport)  # fmt: skip
         group.share(setup if group.rank == 0 else None)
-        group.open_channels(channels)
+        group.open_channels(channels, backend="gloo" if transport == "shared" else None)
         self._group_of = {h.step: h.group for h in mine}
         self._exported_steps = self._steps_exported_per_bucket()
         self.routes = self.transfer.sent_by(placement.rank)
@@ -150,6 +157,11 @@ class DisaggSender:
         self._destinations: dict[tuple[int, int, int], list[torch.Tensor]] = {}
         self._ring: Optional[PayloadRing] = None
         self._sources = _Sources(self)
+        self._shared: Optional[SharedSender] = None
+        if transport == "shared":  # the ring now, shared once with the engine ranks (collective per channel)
+            self._ring = PayloadRing(self.routes, self._device)
+            mine = {key: members for key, members in channels if key[0] == placement.rank}
+            self._shared = SharedSender(group, self._ring, self.routes, mine, len(self.plan.buckets))
 
     def _steps_exported_per_bucket(self) -> list[list[int]]:
         """Per bucket, this rank's steps whose rule its TP group exports gathered for that bucket
@@ -178,6 +190,8 @@ class DisaggSender:
         in_flight: deque[list[Any]] = deque()
         nbytes = 0
         for index in range(len(self.plan.buckets)):
+            if self._shared is not None:
+                self._shared.wait_free(index)  # its buffer's last bucket is written by every engine rank
             exported = self._export_bucket(index)
             chunks: dict[int, list[torch.Tensor]] = {}
             posted: list[Any] = []
@@ -192,20 +206,33 @@ class DisaggSender:
             if len(in_flight) > 1:  # the previous bucket was on the wire while this one was packed
                 _wait(in_flight.popleft())
         for key in sorted({(r.sender, r.engine_rank) for r in self.routes}):
-            end = torch.tensor([MAGIC, END, len(self.plan.buckets), 0, 0, 0, key[0], key[1]], dtype=torch.int64, device=self._device)
+            end = torch.tensor([MAGIC, END, len(self.plan.buckets), 0, 0, 0, key[0], key[1]], dtype=torch.int64, device=self._wire)
             in_flight.append([self.group.broadcast(key, end), end])
         while in_flight:
             _wait(in_flight.popleft())
+        if self._shared is not None:
+            self._shared.finish()
         _sync(self.handle.device)
         slots = sum(len(r.positions) for r in self.routes)
         return RefitStats(len(self.plan.buckets), slots, nbytes, time.perf_counter() - t0, False, "disaggregated")
 
     @property
     def _device(self) -> torch.device:
+        """Where payloads are packed."""
         return self.group.device if self.group.backend == "nccl" else torch.device("cpu")
 
+    @property
+    def _wire(self) -> torch.device:
+        """Where channel messages live (host memory on gloo channels)."""
+        return torch.device("cpu") if self.transport == "shared" else self._device
+
     def _post(self, key: tuple[int, int], bucket: int, header: torch.Tensor, payload: torch.Tensor) -> list[Any]:
-        """Put one message on its channel: the header, then the payload (asynchronous)."""
+        """Put one message on its channel: the header, then the payload (asynchronous). Shared
+        transport: the header alone, once the payload is packed (its copy to the host waits for
+        the packing on the device) - the engine ranks read the payload in this rank's ring."""
+        if self.transport == "shared":
+            header = header.cpu()
+            return [self.group.broadcast(key, header), header]
         return [self.group.broadcast(key, header), self.group.broadcast(key, payload)]
 
     def _export_bucket(self, index: int) -> dict[int, dict[str, torch.Tensor]]:
@@ -346,7 +373,8 @@ class EngineReceiver:
             raise ZooError(f"engine receiver: engine process {index} is refit rank {group.trainers + index}, not {group.rank}")
         self.group = group
         self.setup: EngineSetup = group.share(None)
-        group.open_channels(self.setup.channels)
+        self.transport = self.setup.transport
+        group.open_channels(self.setup.channels, backend="gloo" if self.transport == "shared" else None)
         self.rank = engine_plan_rank(index, self.setup.target_tp, engine_tp)
         self.routes = self.setup.routes[self.rank]
         self.plan = self._engine_plan()
@@ -357,6 +385,16 @@ class EngineReceiver:
         self._ring: Optional[PayloadRing] = None
         #: per bucket, this rank's (slot, shard view into the ring) in plan order (made once)
         self._items: dict[int, list[tuple[Slot, torch.Tensor]]] = {}
+        self._shared: Optional[SharedReceiver] = None
+        if self.transport == "shared":  # map each sender's ring (collective per channel, sorted)
+            self._shared = SharedReceiver(group, self.setup.channels, self.setup.buckets)
+
+    def measure_shared_read(self, sender: int, iters: int = 10) -> dict[str, float]:
+        """Shared transport: this rank's read rate of trainer rank ``sender``'s ring
+        (:meth:`~mcore_zoo.rollout.disagg_shared.SharedReceiver.measure_read`; no collective)."""
+        if self._shared is None:
+            raise ZooError("measure_shared_read: this refit uses the broadcast transport (measure_link)")
+        return self._shared.measure_read(sender, iters)
 
     def _engine_plan(self) -> RefitPlan:
         """The plan as this engine rank sees it: its own slots and tensors (other ranks' empty),
@@ -395,6 +433,9 @@ class EngineReceiver:
                 items[self.rank] = self._bucket_items(index, received, slots)
                 sink.load_bucket(RefitBucket(index, items))
                 del items
+                if self._shared is not None:  # the senders may reuse this bucket's buffers
+                    _sync(self.group.device)
+                    self._shared.done(index)
                 received, upcoming = upcoming, []
             for sender in self.routes.senders:
                 header = self._take_header(sender)
@@ -407,15 +448,26 @@ class EngineReceiver:
                                          " (duplicated?)")  # fmt: skip
         except IntegrityError:
             _wait([work for *_, work in received + upcoming])
+            if self._shared is not None:
+                self._shared.release()
             self._drain(ended)
             raise
+        finally:
+            if self._shared is not None:
+                self._shared.finish()
         sink.end()
         slots = sum(len(r.positions) for r in self.routes.routes)
         return RefitStats(self.setup.buckets, slots, nbytes, time.perf_counter() - t0, False, "disaggregated")
 
     @property
     def _device(self) -> torch.device:
+        """Where payloads are received."""
         return self.group.device if self.group.backend == "nccl" else torch.device("cpu")
+
+    @property
+    def _wire(self) -> torch.device:
+        """Where channel messages live (host memory on gloo channels)."""
+        return torch.device("cpu") if self.transport == "shared" else self._device
 
     def _post_bucket(self, index: int, ended: set[int], pending: list[Any]) -> list[tuple[Route, list[int], torch.Tensor, Any]]:
         """Take the headers of bucket ``index``'s messages and post their payloads' receives
@@ -431,6 +483,9 @@ class EngineReceiver:
                     ended.add(route.sender)
                 self._take_payload(route.sender, header)
                 self._check_header(header, route, slots)
+            if self._shared is not None:  # in the sender's ring already
+                received.append((route, header, self._shared.payload(route), None))
+                continue
             if self._ring is None:
                 self._ring = PayloadRing(self.routes.routes, self._device)
             payload = self._ring.payload(route)
@@ -460,7 +515,7 @@ class EngineReceiver:
         return self._layouts[key]
 
     def _take_header(self, sender: int) -> list[int]:
-        header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self._device)
+        header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self._wire)
         self.group.broadcast((sender, self.rank), header).wait()
         return header.tolist()
 
@@ -489,7 +544,7 @@ class EngineReceiver:
 
     def _take_payload(self, sender: int, header: list[int]) -> None:
         """Take (and drop) the payload a header announces, so that the stream stays in step."""
-        if header[0] == MAGIC and header[1] == DATA and header[4] > 0:
+        if header[0] == MAGIC and header[1] == DATA and header[4] > 0 and self.transport != "shared":
             payload = torch.empty(int(header[4]), dtype=torch.uint8, device=self._device)
             self.group.broadcast((sender, self.rank), payload).wait()
 
@@ -578,7 +633,7 @@ def _describe(header: list[int], slots: Sequence[Slot]) -> str:
 
 def _wait(items: list[Any]) -> None:
     for item in items:
-        if not isinstance(item, torch.Tensor):
+        if item is not None and not isinstance(item, torch.Tensor):
             item.wait()
 
 

@@ -125,10 +125,13 @@ class ZooDisaggWorkerExtension(ZooWorkerExtension):
 
         Only the named channel's members take part: a worker that measured every channel it holds
         would wait in broadcasts no trainer rank sends, and its refit messages would then meet
-        those broadcasts (on NCCL, a hang)."""
+        those broadcasts (on NCCL, a hang). With the shared transport the worker alone measures
+        its read of the sender's ring (``nbytes`` is then the ring's first buffer)."""
         receiver: Optional[EngineReceiver] = getattr(self, "_zoo_receiver", None)
         if receiver is None or receiver.rank != engine_rank or (sender, engine_rank) not in receiver.group.channels:
             return None
+        if receiver.transport == "shared":  # the link is this worker's read of the sender's ring
+            return receiver.measure_shared_read(sender, iters)
         return measure_link(receiver.group, (sender, engine_rank), nbytes, iters)
 
     def zoo_parameter_checksums(self, names: Optional[list[str]] = None) -> dict[str, list[int]]:
