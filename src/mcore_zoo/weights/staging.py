@@ -156,7 +156,7 @@ class StagingRing:
         self.pin, self.cpu_destinations = pin, cpu_destinations
         self.bytes_staged = 0  # over the ring's life: every destination byte that went through it
         self.bytes_read = 0  # over the ring's life: every byte read into it (whole rows read more)
-        self._ring: list[torch.Tensor] = []
+        self._ring: list[Optional[torch.Tensor]] = []  # a buffer allocated when first taken
         self._events: list[Optional[torch.cuda.Event]] = []
         self._stream: Optional[torch.cuda.Stream] = None
         self._device: Optional[torch.device] = None
@@ -273,20 +273,25 @@ class StagingRing:
     # ------------------------------------------------------------------ internals
     def _start(self, device: torch.device) -> None:
         """The ring, and for a CUDA ``device`` the side stream, ordered after the device's
-        current stream (allocated at the first read after :meth:`finish`)."""
+        current stream (at the first read after :meth:`finish`). Only the first buffer is
+        allocated here, the others when first taken (:meth:`_take`): pinning host memory takes
+        time, and a later buffer's allocation then overlaps the reads and copies of the ones
+        before it."""
         if self._ring and self._device == device:
             return
         if self._ring:  # another device: its copies first
             self.finish()
         cuda = device.type == "cuda"
         self._pinned = self.pin and cuda
-        self._ring = [torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=self._pinned)
-                      for _ in range(self.buffers)]  # fmt: skip
+        self._ring = [self._allocate()] + [None] * (self.buffers - 1)
         self._events = [None] * self.buffers
         self._device = device
         if cuda:
             self._stream = torch.cuda.Stream(device=device)
             self._stream.wait_stream(torch.cuda.current_stream(device))
+
+    def _allocate(self) -> torch.Tensor:
+        return torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=self._pinned)
 
     def _copy_oldest(self) -> None:
         """Wait for the oldest region's reads, then copy it to its destination (queued on the
@@ -325,6 +330,9 @@ class StagingRing:
                 event.synchronize()
                 self._events[self._current] = None
             self._used = 0
-        slot = self._ring[self._current][self._used : self._used + nbytes]
+        buffer = self._ring[self._current]
+        if buffer is None:
+            buffer = self._ring[self._current] = self._allocate()
+        slot = buffer[self._used : self._used + nbytes]
         self._used += -(-nbytes // ALIGN) * ALIGN
         return slot
