@@ -4,6 +4,9 @@
     python3 bench/gpu/disagg_refit_bench.py --out /tmp/disagg
     # 4 GPUs: also trainer TP2 (GPUs 0, 1) -> engine TP2 (GPUs 2, 3)
     python3 bench/gpu/disagg_refit_bench.py --out /tmp/disagg --tp 1 --tp 2
+    # the shared-buffer transport (the engine reads the trainer's ring over CUDA IPC): on another GPU, on the same one
+    python3 bench/gpu/disagg_refit_bench.py --out /tmp/disagg-shared --transport shared
+    python3 bench/gpu/disagg_refit_bench.py --out /tmp/disagg-same --transport shared --same-gpus
     # CPU, tiny shapes, a CPU stand-in engine (DictAdapter) instead of vLLM: the flow and the result files
     python3 bench/gpu/disagg_refit_bench.py --out /tmp/disagg-dry --dry-run
 
@@ -14,11 +17,15 @@ model; speed does not depend on the values). Both join one refit group (TCP stor
 trainer's rank 0). Then, on the same links:
 
 * ``link``: NCCL's own broadcast from trainer rank 0 to engine rank 0 (one 1 GiB buffer on the
-  refit channel, median of 10): the per-link bandwidth the refit is held against;
+  refit channel, median of 10): the per-link bandwidth the refit is held against; with
+  ``--transport shared``, engine rank 0's copy of trainer rank 0's first ring buffer (what that
+  transport moves: over NVLink from another GPU, within the GPU with ``--same-gpus``, where the
+  trainer builds its model only once the engine has started and vLLM takes 0.3 of the memory);
 * ``refit``: ``--iters`` refits (``DisaggSender.send`` on every trainer rank, ``receive_refit`` in
   the engine), the first one apart (it binds the engine side); time = the trainer's send (first
   pack to the last broadcast done, synchronised) and the engine workers' receive, both reported;
-  GB/s = bytes sent / time, per link = the busiest link's bytes / time;
+  GB/s = bytes sent / time, per link = the busiest link's bytes / time; the engine writes each
+  bucket with one launch (``--unfused``: shard by shard);
 * ``exact``: every engine parameter's checksum (:func:`~mcore_zoo.rollout.vllm_disagg.tensor_checksum`,
   computed in the engine) equal to that of the same tensor from the zoo's export on the trainer
   (the colocated refit into plain tensors: the export stream cut for the engine).
@@ -120,7 +127,8 @@ def trainer(config: dict, tp: int, port: int, iters: int, bucket: str, dry_run: 
 
 
 # ---------------------------------------------------------------------------- engine side
-def engine(config: dict, tp: int, port: int, iters: int, out: str, dry_run: bool, fused: bool = True) -> None:
+def engine(config: dict, tp: int, port: int, iters: int, out: str, dry_run: bool, fused: bool = True,
+           memory: float = 0.6) -> None:
     """The engine process: vLLM (or, dry run, one CPU stand-in per engine rank in threads)."""
     tmp = tempfile.mkdtemp(prefix="disagg-engine-")
     with open(os.path.join(tmp, "config.json"), "w") as f:
@@ -128,19 +136,19 @@ def engine(config: dict, tp: int, port: int, iters: int, out: str, dry_run: bool
     if dry_run:
         result = _stand_in_engine(tp, port, iters, out)
     else:
-        result = _vllm_engine(tmp, tp, port, iters, fused, out)
+        result = _vllm_engine(tmp, tp, port, iters, fused, out, memory)
     with open(out, "w") as f:
         json.dump(result, f)
 
 
-def _vllm_engine(model_dir: str, tp: int, port: int, iters: int, fused: bool, out: str) -> dict:
+def _vllm_engine(model_dir: str, tp: int, port: int, iters: int, fused: bool, out: str, memory: float) -> dict:
     import vllm
 
     from mcore_zoo.rollout.vllm_disagg import DISAGG_EXTENSION, receive_refit
 
     t0 = time.perf_counter()
     llm = vllm.LLM(model=model_dir, dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
-                   max_model_len=1024, gpu_memory_utilization=0.6, seed=0, tensor_parallel_size=tp,
+                   max_model_len=1024, gpu_memory_utilization=memory, seed=0, tensor_parallel_size=tp,
                    worker_extension_cls=DISAGG_EXTENSION)  # fmt: skip
     started = time.perf_counter() - t0
     open(out + ".started", "w").close()  # the trainer may allocate now
@@ -219,7 +227,8 @@ def run_case(name: str, tp: int, args) -> dict:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible[:tp])
     cmd = [sys.executable, __file__, "--engine-role", json.dumps(config), "--tp", str(tp), "--port", str(port),
            "--iters", str(args.iters), "--engine-out", engine_out] + (["--dry-run"] if args.dry_run else [])
-    cmd += ["--unfused"] if args.unfused else []  # fmt: skip
+    cmd += ["--unfused"] if args.unfused else []
+    cmd += ["--engine-memory", str(args.engine_memory or (0.3 if args.same_gpus else 0.6))]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env)
     try:
         wait_for = engine_out + ".started" if args.same_gpus else ""
@@ -267,13 +276,16 @@ def main() -> None:
     ap.add_argument("--transport", choices=("broadcast", "shared"), default="broadcast",
                     help="shared: the engine reads the trainer's ring (CUDA IPC; one host)")
     ap.add_argument("--same-gpus", action="store_true", help="the engine on the trainer's GPUs (shared transport)")
+    ap.add_argument("--engine-memory", type=float, default=0.0,
+                    help="vLLM's gpu_memory_utilization (default 0.6; 0.3 with --same-gpus: the trainer's model and reference export share the GPU)")
     ap.add_argument("--unfused", action="store_true", help="engine writes shard by shard (default: one launch per bucket)")
     ap.add_argument("--engine-role", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--engine-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.engine_role:
-        engine(json.loads(args.engine_role), args.tp[0], args.port, args.iters, args.engine_out, args.dry_run, not args.unfused)
+        engine(json.loads(args.engine_role), args.tp[0], args.port, args.iters, args.engine_out, args.dry_run, not args.unfused,
+               args.engine_memory or 0.6)
         return
     if not args.out:
         ap.error("--out is required")
