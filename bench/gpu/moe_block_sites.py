@@ -21,7 +21,9 @@ order?), ``router.weights``, the shared expert's ``gate_proj`` / ``up_proj`` (tr
 GEMMs against the zoo's fused ``linear_fc1`` halves), ``shared.act``, ``shared.down_proj``,
 ``shared.gate_logits``, ``shared.gated``, each routed expert's input rows, ``experts.fc1``
 (gate+up) output, ``experts.fc2_input`` and ``experts.fc2`` output (per expert: rows routed, max
-|d|), ``experts.combine`` (the weighted sum over a token's experts) and ``block.output``. Every
+|d|), ``experts.combine`` (the weighted sum over a token's experts; its note says which combine summed
+the zoo's rows - the HF-order combine or Megatron-Core's own ``unpermute`` - under which token
+dispatcher, and both sides' dtypes) and ``block.output``. Every
 site gives its max |d| and the shapes, strides and dtypes of the GEMM calls each side ran; the first
 differing site is named, and a differing GEMM site is re-run in isolation both ways (each side's
 call again on its own tensors, and each side's call on the other side's input where the layouts
@@ -189,12 +191,14 @@ class SideRun:
     shared_gated: list[torch.Tensor] = field(default_factory=list)
     output: list[torch.Tensor] = field(default_factory=list)
     index_order: bool = True  # the top-k order is the router's own (False: derived from a routing map)
+    #: the zoo's unpermute calls: (the dispatcher's class, whether the HF-order combine summed them)
+    unpermutes: list[tuple[str, bool]] = field(default_factory=list)
 
     def of(self, role: str) -> list[Gemm]:
         return [g for g in self.gemms if g.role == role]
 
     def extend(self, other: SideRun) -> None:
-        for name in ("gemms", "topk_indices", "topk_weights", "combine", "shared_gated", "output"):
+        for name in ("gemms", "topk_indices", "topk_weights", "combine", "shared_gated", "output", "unpermutes"):
             getattr(self, name).extend(getattr(other, name))
         self.index_order = self.index_order and other.index_order
 
@@ -342,20 +346,27 @@ def run_zoo_block(layer: torch.nn.Module, x: torch.Tensor, packed_seq_params: An
 
         hooks.append(shared.register_forward_hook(on_shared))
     spec._install_hf_order_combine()  # the zoo's combine first: the recorder wraps it, not the reverse
-    original_unpermute = token_dispatcher.unpermute
+    original_unpermute, original_hf_order = token_dispatcher.unpermute, spec.hf_order_unpermute
+    summed_in_hf_order = []
+
+    def hf_order_unpermute(*args: Any, **kwargs: Any) -> torch.Tensor:
+        summed_in_hf_order.append(True)
+        return original_hf_order(*args, **kwargs)
 
     def unpermute(*args: Any, **kwargs: Any) -> torch.Tensor:
+        summed_in_hf_order.clear()
         out = original_unpermute(*args, **kwargs)
         run.combine.append(batch_major(out, out.shape[0] // batch, batch))
+        run.unpermutes.append((type(mlp.token_dispatcher).__name__, bool(summed_in_hf_order)))
         return out
 
-    token_dispatcher.unpermute = unpermute
+    token_dispatcher.unpermute, spec.hf_order_unpermute = unpermute, hf_order_unpermute
     pack = inside_pack(packed_seq_params, seq) if packed_seq_params is not None else contextlib.nullcontext()
     try:
         with torch.no_grad(), recorder.active(), pack:
             out, _ = mlp(x)
     finally:
-        token_dispatcher.unpermute = original_unpermute
+        token_dispatcher.unpermute, spec.hf_order_unpermute = original_unpermute, original_hf_order
         for h in hooks:
             h.remove()
     run.output.append(batch_major(out, seq, batch))
@@ -449,6 +460,18 @@ def isolate(hf: Gemm, zoo: Gemm, hf_part: Callable[[torch.Tensor], torch.Tensor]
     return result
 
 
+def combine_kind(unpermutes: list[tuple[str, bool]]) -> str:
+    """Which combine summed the zoo's rows: ``hf_order_unpermute`` (transformers' order and dtype)
+    or Megatron-Core's own ``unpermute`` (``scatter_add_`` in the rows' dtype: on CUDA, atomics in
+    no fixed order), in how many of the block's unpermute calls, under which token dispatcher."""
+    if not unpermutes:
+        return "no unpermute call"
+    dispatchers = ", ".join(sorted({name for name, _ in unpermutes}))
+    hf_order = sum(1 for _, summed in unpermutes if summed)
+    which = "HF-order combine" if hf_order == len(unpermutes) else "Megatron-Core's unpermute" if not hf_order else "mixed"
+    return f"{which} ({hf_order} of {len(unpermutes)} unpermutes in HF order; {dispatchers})"
+
+
 def compare_runs(hf: SideRun, zoo: SideRun, zoo_shapes: list[tuple[int, int]], num_experts: int) -> dict[str, Any]:
     """Every site of one form: max |d| (``None`` where a side has no such site), the GEMM calls each
     side ran, and the first differing site."""
@@ -521,7 +544,7 @@ def compare_runs(hf: SideRun, zoo: SideRun, zoo_shapes: list[tuple[int, int]], n
         if calls[0] or calls[1]:
             entry["hf_gemms"], entry["zoo_gemms"] = signatures(list(calls[0])), signatures(list(calls[1]))
         sites[f"experts.{key}"] = entry
-    put("experts.combine", cat(hf.combine), cat(zoo.combine))
+    put("experts.combine", cat(hf.combine), cat(zoo.combine), combine_kind=combine_kind(zoo.unpermutes))
     put("block.output", cat(hf.output), cat(zoo.output))
     first = next((name for name in SITES if (sites.get(name) or {}).get("max_abs")), None)
     isolation = None
@@ -753,6 +776,9 @@ def markdown(report: dict[str, Any]) -> str:
                 note = f"{entry['tokens_other_experts']} of {entry['tokens']} tokens other experts, {_fmt(entry['tokens_other_order'])} other order"
             elif "first_expert" in entry and entry["first_expert"] is not None:
                 note = f"first expert {entry['first_expert']}, {entry['experts_differing']} experts differ"
+            elif site == "experts.combine" and "combine_kind" in entry:
+                dtypes = f"; dtype transformers {entry['hf']['dtype']}, zoo {entry['zoo']['dtype']}" if "hf" in entry else ""
+                note = f"zoo: {entry['combine_kind']}{dtypes}"
             lines.append(f"| {site} | {_fmt(entry.get('max_abs'))} | {_gemm_text(entry.get('hf_gemms'))}"
                          f" | {_gemm_text(entry.get('zoo_gemms'))} | {note} |")  # fmt: skip
         iso = form.get("isolation")

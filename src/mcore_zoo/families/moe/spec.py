@@ -402,15 +402,18 @@ def hf_moe_layer_class(experts: str = "grouped_mm", pack: str = "batch") -> type
 
             return tensor_parallel.checkpoint(each_sequence, False, hidden_states, padding_mask)
 
-        # route -> ... -> combine is also what Megatron-Core's MoE recomputation (recompute_modules
-        # "moe") reruns in the backward, outside forward: it starts and ends the HF-order state too
+        # route -> ... -> postprocess is also what Megatron-Core's MoE recomputation
+        # (recompute_modules "moe") reruns in the backward, outside forward: it starts and ends the
+        # HF-order state too. The state lasts until postprocess has run, not just combine: the
+        # all-to-all dispatcher (the zoo's on CUDA) unpermutes in combine_postprocess, which
+        # postprocess calls after combine (the all-gather dispatcher unpermutes before combine)
         def route(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             self._begin(hidden_states.dtype)
             return super().route(hidden_states, *args, **kwargs)
 
-        def combine(self, output: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        def postprocess(self, output: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             try:
-                return super().combine(output, *args, **kwargs)
+                return super().postprocess(output, *args, **kwargs)
             finally:
                 self._end()
 
