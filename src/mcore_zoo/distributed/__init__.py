@@ -1,6 +1,7 @@
 """The only package that issues collectives: launching, loading, the one forward and the one export.
 
-* :func:`launch` - run a function on N fresh processes with a process group (tests, CLI, benches).
+* :func:`launch` - run a function on N fresh processes with a process group (tests, CLI, benches);
+  :func:`rank_threads` - the intra-op thread count each launched rank runs at.
 * :func:`load_hf_weights` - sharded loading under any layout (:mod:`.load`).
 * :func:`packed_forward` / :func:`generic_forward` - the THD-packed forward under TP (+SP) / PP /
   VPP / CP (:mod:`.forward`).
@@ -21,13 +22,14 @@ Every function takes a model (or its handle) and reads this rank's place from th
 from .copy import CopyReport, copy_weights
 from .export import ExportEntry, export_plan, iter_hf_buckets, iter_hf_shards, iter_hf_weights, save_hf_checkpoint
 from .forward import generic_forward, packed_forward
-from .launch import launch
+from .launch import launch, rank_threads
 from .load import load_hf_state_dict, load_hf_weights
 from .optimizer import TrainingSetup, wrap_for_training
 from .vocab_parallel import token_logprobs_and_entropy
 
 __all__ = [
     "launch",
+    "rank_threads",
     "load_hf_weights",
     "load_hf_state_dict",
     "packed_forward",

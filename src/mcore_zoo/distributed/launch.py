@@ -31,6 +31,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_threads(world_size: int) -> int:
+    """The intra-op thread count (``torch.set_num_threads``) each of ``world_size`` launched ranks
+    runs at: this machine's cores shared out, at least one. On the CPU a GEMM's rounding depends on
+    how its work is split over threads, so a single-process reference that is to match the ranks
+    bitwise runs at this count too (:func:`mcore_zoo.testing.common.at_rank_threads`)."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
 def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, backend: str, results: Any, args: Sequence[Any], env: dict) -> None:
     os.environ.update(env)
     os.environ.update(
@@ -39,7 +47,7 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, backen
     )  # fmt: skip
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    torch.set_num_threads(rank_threads(world_size))
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
     try:
         # Pickled to bytes here: through the queue, torch shares tensor storage by file descriptor,

@@ -34,6 +34,7 @@ _LAZY = {
     "LAYOUT_ULPS": "mcore_zoo.testing.common:LAYOUT_ULPS",
     "layout_bound": "mcore_zoo.testing.common:layout_bound",
     "layout_ulps": "mcore_zoo.testing.common:layout_ulps",
+    "at_rank_threads": "mcore_zoo.testing.common:at_rank_threads",
     "LINEAR_ATTENTION_LAYOUT_ULPS": "mcore_zoo.testing.common:LINEAR_ATTENTION_LAYOUT_ULPS",
     "LINEAR_ATTENTION_MOE_LAYOUT_ULPS": "mcore_zoo.testing.common:LINEAR_ATTENTION_MOE_LAYOUT_ULPS",
     "PARITY_LENGTHS": "mcore_zoo.testing.common:PARITY_LENGTHS",

@@ -9,10 +9,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 #: Lengths of the sequences packed by the parity and THD checks: one of them a single token, two of
 #: them longer than the example configs' sliding windows.
@@ -112,6 +113,26 @@ def layout_bound(ref: Any, ulps: int = LAYOUT_ULPS) -> float:
     largest = max([t.detach().abs().max().item() for t in tensors if t.numel()] + [1.0])
     dtype = tensors[0].dtype if tensors and tensors[0].is_floating_point() else torch.float32
     return ulps * torch.finfo(dtype).eps * largest
+
+
+@contextlib.contextmanager
+def at_rank_threads(world_size: int) -> Iterator[int]:
+    """Run the block at the intra-op thread count of a rank of a ``world_size``-rank
+    :func:`~mcore_zoo.distributed.launch` (:func:`~mcore_zoo.distributed.launch.rank_threads`);
+    the previous count is restored after it. A CPU GEMM's rounding depends on its split over
+    threads, so a single-process reference computed here is what the ranks compute for the same
+    GEMMs: a pipeline layout (the same GEMMs on the same shapes, stage by stage) is then bitwise
+    equal to it, and a tensor-parallel one differs by its reordered reductions alone."""
+    import torch
+
+    from ..distributed.launch import rank_threads
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(rank_threads(world_size))
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(previous)
 
 
 def max_abs_diff(got: Any, ref: Any) -> float:
