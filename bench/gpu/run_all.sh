@@ -534,9 +534,7 @@ if [[ " $phases " == *" vl-gpu "* ]]; then
   q3dense=(--config "$cfgs/qwen3-vl-8b-instruct.json" "${q3[@]}")
   q3moe=(--config "$cfgs/qwen3-vl-30b-a3b-instruct.json" "${q3[@]}" --set text_config.num_experts=64)
   exact=(--backend local --numerics hf-exact --no-baseline --invariance --out "$vl/local-hf-exact")
-  # te is not declared by the vision-language plugins yet: admitted for these runs only (frontier_parity.py)
-  vte=($py bench/gpu/frontier_parity.py --admit te --arch-entry Qwen2_5_VLForConditionalGeneration
-       --arch-entry Qwen3VLForConditionalGeneration --arch-entry Qwen3VLMoeForConditionalGeneration -- "${vopts[@]}")
+  vte=("${vrep[@]}")  # te: declared by the vision-language plugins since these runs showed it
   vlrun() {  # vlrun NAME GPU CMD...: one sub-run of a chain on GPU, log, record the exit code
     local name=$1 gpu=$2
     shift 2
@@ -547,10 +545,10 @@ if [[ " $phases " == *" vl-gpu "* ]]; then
     vlrun vl-q25-exact "$(g 0)" "${nosplit[@]}" "${vrep[@]}" --model "$work/q25/reference" "${exact[@]}" --bitwise ) &
   ( vlrun vl-q3 "$(g 1)" "${vte[@]}" "${q3dense[@]}" --backend te --work-dir "$work/q3" --out "$vl/te"
     vlrun vl-q3-exact "$(g 1)" "${nosplit[@]}" "${vrep[@]}" --model "$work/q3/reference" "${exact[@]}" --bitwise ) &
-  # the MoE model: experts as transformers' eager loop; a pack is not bitwise (an expert's GEMM sees the pack's rows)
+  # the MoE model: experts as transformers' eager loop (bitwise, the pack too, on 2026-11-27)
   ( vlrun vl-q3moe "$(g 2)" "${vte[@]}" "${q3moe[@]}" --backend te --work-dir "$work/q3moe" --out "$vl/te"
     vlrun vl-q3moe-exact "$(g 2)" "${nosplit[@]}" "${vrep[@]}" --model "$work/q3moe/reference" "${exact[@]}" \
-        --knob moe_experts=eager ) &
+        --knob moe_experts=eager --bitwise ) &
   if [ -n "${MCORE_ZOO_VLLM_PYTHON:-}" ]; then
     ( VL_TIMEOUT=${VL_REFIT_TIMEOUT:-600} MCORE_ZOO_GPU_RESULTS="$vl" vlrun vl-refit "$(g 3)" $py -m pytest \
         -p mcore_zoo.testing.plugin tests/gpu/test_refit_vision_language_gpu.py -q -s -p no:cacheprovider ) &

@@ -21,7 +21,9 @@ The engine keeps its tower (no ``limit_mm_per_prompt`` of zero, which would drop
 (``mm_encoder_tp_mode="data"``, as the refit plan places it), without the multimodal memory
 profiling (``skip_mm_profiling``: it feeds the tower dummy images made by the processor). The first
 GPU run (2026-11-26) stopped at engine start, before the processor files were written: vLLM 0.26
-sizes its encoder budget from the processor's image settings.
+sizes its encoder budget from the processor's image settings. The engine initialises its tokenizer
+(``skip_tokenizer_init=False``, unlike the text models' refit engines): the processor takes it, and
+without it transformers' Qwen VL processors fail at construction (the second run, 2026-11-27).
 
 Needs CUDA and vLLM (bench/gpu/vllm-setup.sh, then ``source bench/gpu/vllm-env.sh``); one GPU:
 
@@ -49,8 +51,9 @@ CASES = [
 #: the text model's width for the refit (head dimension 128 as published)
 TEXT_SIZES = {"hidden_size": 1024, "intermediate_size": 2048, "num_attention_heads": 8, "num_key_value_heads": 2,
               "head_dim": 128, "moe_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2}  # fmt: skip
-#: ``vllm.LLM`` arguments: the tower replicated, as the refit plan places it; no multimodal profiling
-ENGINE = {"mm_encoder_tp_mode": "data", "skip_mm_profiling": True}
+#: ``vllm.LLM`` arguments: the tower replicated, as the refit plan places it; no multimodal profiling;
+#: the tokenizer initialised (the processor needs it)
+ENGINE = {"mm_encoder_tp_mode": "data", "skip_mm_profiling": True, "skip_tokenizer_init": False}
 #: a two-block tower (head dimension 64; Qwen2.5-VL's second block full attention)
 VISION_SIZES = {"depth": 2, "hidden_size": 128, "intermediate_size": 256, "num_heads": 2}
 

@@ -64,7 +64,7 @@ def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
             weight_rules="mcore_zoo.plugin_api:qwen2_5_vl_weight_map",
             forward="mcore_zoo.plugin_api:vision_language_forward",
             example_config=EXAMPLE_CONFIG,
-            backends=("local", "portable"),
+            backends=("te", "local", "portable"),
             description="Qwen2.5-VL: the vision tower (window / full attention, 2-D rotary, patch merger) before"
                         " Qwen2's decoder with multimodal RoPE; images per sequence in THD packs",
         )

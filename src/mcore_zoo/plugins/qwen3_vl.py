@@ -104,7 +104,7 @@ def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
             weight_rules="mcore_zoo.plugin_api:qwen3_vl_weight_map",
             forward="mcore_zoo.plugin_api:vision_language_forward",
             example_config=EXAMPLE_CONFIG,
-            backends=("local", "portable"),
+            backends=("te", "local", "portable"),
             description="Qwen3-VL: the vision tower (learned position grid, 2-D rotary, patch merger, deepstack"
                         " mergers) before Qwen3's decoder with interleaved multimodal RoPE; images per sequence",
         ),
@@ -115,7 +115,7 @@ def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
             weight_rules="mcore_zoo.plugin_api:qwen3_vl_moe_weight_map",
             forward="mcore_zoo.plugin_api:vision_language_forward",
             example_config=MOE_EXAMPLE_CONFIG,
-            backends=("local", "portable"),
+            backends=("te", "local", "portable"),
             description="Qwen3-VL-MoE: Qwen3-VL's vision tower before Qwen3-MoE's decoder (stacked experts in the"
                         " checkpoint) with interleaved multimodal RoPE; images per sequence",
         ),

@@ -148,9 +148,18 @@ def tensor_checksum(tensor: torch.Tensor) -> list[int]:
     flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     if flat.numel() % 2:
         flat = torch.cat([flat, flat.new_zeros(1)])
-    words = flat.view(torch.int16).to(torch.int64)
-    weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65521 + 1
-    return [int(words.numel()), int(words.sum()), int((words * weights).sum())]
+    words16 = flat.view(torch.int16)
+    total = weighted = 0
+    for start in range(0, words16.numel(), _CHECKSUM_CHUNK):  # chunks: a few int64 temporaries, not the tensor's 4x
+        words = words16[start : start + _CHECKSUM_CHUNK].to(torch.int64)
+        weights = (torch.arange(words.numel(), device=words.device, dtype=torch.int64) + start) % 65521 + 1
+        total += int(words.sum())
+        weighted += int((words * weights).sum())
+    return [int(words16.numel()), total, weighted]
+
+
+#: 16-bit words per step of :func:`tensor_checksum`
+_CHECKSUM_CHUNK = 1 << 26
 
 
 def receive_refit(llm: Any, *, reset_prefix_cache: bool = True, fused_copies: bool = True) -> list[Optional[str]]:
