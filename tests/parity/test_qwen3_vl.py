@@ -161,13 +161,13 @@ def test_deepstack_features_reach_the_decoder(mpu, dense_checkpoint):
 
 @pytest.mark.parametrize("name,backend", [(DENSE, "local"), (DENSE, "portable"), (MOE, "portable")])
 def test_a_pack_of_three_samples_equals_each_alone_and_transformers(mpu, reference_checkpoint, hf_reference, name, backend):
-    """Each sample alone equals transformers bitwise; in the pack it equals itself alone bitwise
-    (dense), or within 1e-6 of the largest logit (MoE: an expert's GEMM sees the pack's rows routed
-    to it, a different row count than the sample alone gives it, and CPU GEMMs round by shape)."""
+    """Each sample alone equals transformers bitwise; in the pack it equals itself alone bitwise,
+    the MoE model's too (``hf-exact`` runs a pack's MoE blocks one sequence at a time, so an
+    expert's GEMM sees the rows it sees when the sample runs alone)."""
     checkpoint = reference_checkpoint(name)
     model = _build(checkpoint, backend)
     hf = hf_reference(name, checkpoint, "eager")
-    check_pack_of_three_samples(model, lambda ids, vision: _hf_logits(hf, ids, vision), exact_pack=name == DENSE)
+    check_pack_of_three_samples(model, lambda ids, vision: _hf_logits(hf, ids, vision))
 
 
 

@@ -30,10 +30,9 @@ def image_sample(seed: int, grids: list[tuple[int, int, int]], text: int = 9) ->
     return ids, {"pixel_values": torch.randn(rows, PATCH_VALUES, generator=g), "image_grid_thw": torch.tensor(grids)}
 
 
-def check_pack_of_three_samples(model: Any, hf_logits: Callable[[torch.Tensor, dict], torch.Tensor],
-                                exact_pack: bool = True) -> None:  # fmt: skip
+def check_pack_of_three_samples(model: Any, hf_logits: Callable[[torch.Tensor, dict], torch.Tensor]) -> None:
     """Three samples (two images, none, one image) packed with alignment 8: each packed sample
-    equals itself run alone (bitwise, or within 1e-6 of the largest logit with ``exact_pack=False``),
+    equals itself run alone bitwise,
     and each alone equals ``hf_logits(ids, vision)`` (transformers on it) bitwise."""
     import mcore_zoo
     from mcore_zoo.testing.common import assert_same
@@ -44,8 +43,8 @@ def check_pack_of_three_samples(model: Any, hf_logits: Callable[[torch.Tensor, d
                                           align=8)  # fmt: skip
         for i, (ids, vision) in enumerate(samples):
             alone = mcore_zoo.packed_forward(model, [ids], vision_inputs=[vision or None])
-            assert_same(packed.logits[i], alone.logits[0], f"sample {i}: packed vs alone", exact=exact_pack)
-            assert_same(packed.logprobs[i], alone.logprobs[0], f"sample {i}: log-probs packed vs alone", exact=exact_pack)
+            assert_same(packed.logits[i], alone.logits[0], f"sample {i}: packed vs alone", exact=True)
+            assert_same(packed.logprobs[i], alone.logprobs[0], f"sample {i}: log-probs packed vs alone", exact=True)
             assert_same(alone.logits[0], hf_logits(ids, vision), f"sample {i}: alone vs transformers", exact=True)
 
 
