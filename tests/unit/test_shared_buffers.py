@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from mcore_zoo.distributed.shared_buffers import AckBoard, open_buffer, share_buffer
+from mcore_zoo.distributed.shared_buffers import AckBoard, open_buffer, share_buffer, shared_empty
 from mcore_zoo.errors import ZooError
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
@@ -32,8 +32,8 @@ READER = textwrap.dedent("""
 
 
 def test_another_process_reads_and_writes_a_shared_buffer_in_place():
-    buffer = torch.arange(64, dtype=torch.uint8)
-    shared = share_buffer(buffer)
+    buffer, shared = shared_empty(64, torch.device("cpu"))
+    buffer.copy_(torch.arange(64, dtype=torch.uint8))
     board, acks = AckBoard.create(2)
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     done = subprocess.run([sys.executable, "-c", READER], input=pickle.dumps((shared, acks)), capture_output=True,
@@ -46,9 +46,18 @@ def test_another_process_reads_and_writes_a_shared_buffer_in_place():
         board.wait([0, 1], 1, timeout=0.05, what="test")
 
 
-def test_only_a_whole_contiguous_byte_buffer_is_shared():
+def test_only_a_whole_contiguous_cuda_byte_buffer_is_shared_as_it_is():
     with pytest.raises(ZooError, match="contiguous uint8"):
         share_buffer(torch.zeros(4, dtype=torch.float32))
     with pytest.raises(ZooError, match="contiguous uint8"):
         share_buffer(torch.zeros(8, dtype=torch.uint8)[2:])
-    assert open_buffer(share_buffer(torch.ones(8, dtype=torch.uint8))).sum() == 8
+    with pytest.raises(ZooError, match="shared_empty"):
+        share_buffer(torch.zeros(8, dtype=torch.uint8))  # a CPU buffer is made shared, not converted
+
+
+def test_a_shared_file_goes_with_its_buffer():
+    buffer, shared = shared_empty(16, torch.device("cpu"))
+    buffer.fill_(3)
+    assert open_buffer(shared).sum() == 48 and os.path.exists(shared.handle)
+    del buffer
+    assert not os.path.exists(shared.handle)

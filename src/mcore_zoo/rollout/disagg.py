@@ -45,6 +45,7 @@ import torch
 
 from ..distributed.export import tp_gather
 from ..distributed.refit_group import RefitGroup, all_gather_objects, group_ranks
+from ..distributed.shared_buffers import SharedBuffer, shared_empty
 from ..errors import ZooError
 from ..handle import handle_of
 from ..model_groups import refuse_part_of_job
@@ -159,7 +160,7 @@ class DisaggSender:
         self._sources = _Sources(self)
         self._shared: Optional[SharedSender] = None
         if transport == "shared":  # the ring now, shared once with the engine ranks (collective per channel)
-            self._ring = PayloadRing(self.routes, self._device)
+            self._ring = PayloadRing(self.routes, self._device, shared=True)
             mine = {key: members for key, members in channels if key[0] == placement.rank}
             self._shared = SharedSender(group, self._ring, self.routes, mine, len(self.plan.buckets))
 
@@ -569,9 +570,10 @@ class PayloadRing:
     broadcasts before it packs bucket ``i + 1``, and the receiver writes bucket ``i - 1`` into the
     engine before it posts bucket ``i + 1``'s receives (ordered on the device's stream with NCCL,
     on the host with gloo). Memory: the two largest buckets' messages of this rank, as when each
-    payload was allocated for its bucket, but kept between refits."""
+    payload was allocated for its bucket, but kept between refits. ``shared``: buffers other
+    processes of the host can map (:func:`~mcore_zoo.distributed.shared_buffers.shared_empty`)."""
 
-    def __init__(self, routes: Iterable[Route], device: torch.device) -> None:
+    def __init__(self, routes: Iterable[Route], device: torch.device, shared: bool = False) -> None:
         self.offsets: dict[tuple[int, int, int], int] = {}
         ends: dict[int, int] = {}
         for route in routes:
@@ -579,7 +581,11 @@ class PayloadRing:
             self.offsets[(route.bucket, route.engine_rank, route.sender)] = start
             ends[route.bucket] = start + aligned_nbytes(route.nbytes)
         sizes = [max((end for bucket, end in ends.items() if bucket % 2 == parity), default=0) for parity in (0, 1)]
-        self.buffers = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
+        made = [shared_empty(size, device) if shared else (torch.empty(size, dtype=torch.uint8, device=device), None)
+                for size in sizes]  # fmt: skip
+        self.buffers = [buffer for buffer, _ in made]
+        #: with ``shared``: each buffer's handle for other processes of the host
+        self.shared: list[Optional[SharedBuffer]] = [handle for _, handle in made]
 
     def payload(self, route: Route) -> torch.Tensor:
         """``route``'s payload: ``route.nbytes`` bytes of its bucket's buffer (contiguous)."""

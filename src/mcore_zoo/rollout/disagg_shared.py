@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from ..distributed.refit_group import RefitGroup
-from ..distributed.shared_buffers import AckBoard, SharedBuffer, open_buffer, share_buffer
+from ..distributed.shared_buffers import AckBoard, SharedBuffer, open_buffer
 from .transfer import Route
 
 #: how a refit's payloads travel: through the channels' broadcasts, or read from the sender's ring
@@ -62,7 +62,7 @@ class SharedSender:
             key = (route.sender, route.engine_rank)
             if key not in self.channels_of.setdefault(route.bucket, []):
                 self.channels_of[route.bucket].append(key)
-        buffers = tuple(share_buffer(b) for b in ring.buffers)
+        buffers = tuple(ring.shared)
         for key in sorted(channels):
             members = channels[key]
             board, shared = AckBoard.create(len(members) - 1)
