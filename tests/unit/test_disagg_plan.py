@@ -140,3 +140,5 @@ def test_payload_ring_places_each_bucket_apart_from_the_one_in_flight_beside_it(
                 (s1, e1), (s2, e2) = span(a), span(b)
                 assert e1 <= s2 or e2 <= s1, (a, b)
     assert [buf.numel() for buf in ring.buffers] == [256, 1024]  # the larger bucket of each parity, 64-byte aligned
+    one_bucket = PayloadRing(routes[:1], torch.device("cpu"), shared=True)
+    assert [buf.numel() for buf in one_bucket.buffers] == [192, 64]  # never an empty buffer (nothing to share)

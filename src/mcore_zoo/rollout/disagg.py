@@ -580,7 +580,9 @@ class PayloadRing:
             start = ends.get(route.bucket, 0)
             self.offsets[(route.bucket, route.engine_rank, route.sender)] = start
             ends[route.bucket] = start + aligned_nbytes(route.nbytes)
-        sizes = [max((end for bucket, end in ends.items() if bucket % 2 == parity), default=0) for parity in (0, 1)]
+        # at least one aligned word each: a buffer of no bytes has no storage to share (a one-bucket refit)
+        sizes = [max((end for bucket, end in ends.items() if bucket % 2 == parity), default=aligned_nbytes(1))
+                 for parity in (0, 1)]  # fmt: skip
         made = [shared_empty(size, device) if shared else (torch.empty(size, dtype=torch.uint8, device=device), None)
                 for size in sizes]  # fmt: skip
         self.buffers = [buffer for buffer, _ in made]
