@@ -16,7 +16,9 @@ import torch
 from mcore_zoo.distributed.shared_buffers import AckBoard, open_buffer, share_buffer, shared_empty
 from mcore_zoo.errors import ZooError
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
+from ..conftest import ROOT
+
+SRC = str(ROOT / "src")
 
 READER = textwrap.dedent("""
     import pickle, sys

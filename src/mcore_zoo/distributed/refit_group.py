@@ -64,12 +64,7 @@ class RefitGroup:
     def share(self, value: Any, root: int = 0) -> Any:
         """``value`` of refit rank ``root`` on every rank (pickled over the control group: what
         the trainer ranks planned, for the engine ranks)."""
-        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == root else b""
-        length = torch.tensor([len(data)], dtype=torch.int64)
-        _broadcast(self.control, length, root).wait()
-        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == root else torch.empty(int(length), dtype=torch.uint8)
-        _broadcast(self.control, buffer, root).wait()
-        return value if self.rank == root else _PlanUnpickler(io.BytesIO(buffer.numpy().tobytes())).load()
+        return _share_object(self.control, value, root, self.rank == root)
 
     def open_channels(self, channels: Sequence[tuple[tuple[int, int], Sequence[int]]], backend: Optional[str] = None) -> None:
         """Open the channels this rank is a member of: ``(key, members)`` with the sender first,
@@ -86,14 +81,7 @@ class RefitGroup:
     def share_on(self, key: tuple[int, int], value: Any) -> Any:
         """``value`` of channel ``key``'s sender on every member of the channel (pickled, on CPU
         tensors: the channel's backend must be gloo)."""
-        group = self.channels[key]
-        root = self.rank == key[0]  # the sender: the channel's first member
-        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL) if root else b""
-        length = torch.tensor([len(data)], dtype=torch.int64)
-        _broadcast(group, length, 0).wait()
-        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if root else torch.empty(int(length), dtype=torch.uint8)
-        _broadcast(group, buffer, 0).wait()
-        return value if root else _PlanUnpickler(io.BytesIO(buffer.numpy().tobytes())).load()
+        return _share_object(self.channels[key], value, 0, self.rank == key[0])  # the sender: member 0
 
     def broadcast(self, key: tuple[int, int], tensor: torch.Tensor) -> Any:
         """Broadcast ``tensor`` from the sender of channel ``key`` to its other members; returns
@@ -125,6 +113,17 @@ _BUILTINS = frozenset({"tuple", "list", "dict", "set", "frozenset", "int", "str"
 def group_ranks(group: Any) -> list[int]:
     """The global ranks of a ``torch.distributed`` group of this process's world, in group-rank order."""
     return list(dist.get_process_group_ranks(group))
+
+
+def _share_object(group: Any, value: Any, root: int, is_root: bool) -> Any:
+    """``value`` of ``group``'s rank ``root`` on every member (its pickle's length, then its bytes,
+    broadcast on CPU tensors; unpickled with :class:`_PlanUnpickler`)."""
+    data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL) if is_root else b""
+    length = torch.tensor([len(data)], dtype=torch.int64)
+    _broadcast(group, length, root).wait()
+    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if is_root else torch.empty(int(length), dtype=torch.uint8)
+    _broadcast(group, buffer, root).wait()
+    return value if is_root else _PlanUnpickler(io.BytesIO(buffer.numpy().tobytes())).load()
 
 
 def _broadcast(group: Any, tensor: torch.Tensor, root: int) -> Any:

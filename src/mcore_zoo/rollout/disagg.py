@@ -55,7 +55,7 @@ from .adapter import EngineAdapter, RefitBucket
 from .engine_format import EngineFormat, get_engine_format
 from .plan import EngineTensor, RefitPlan, Slot, expert_piece
 from .refit import Model, RefitStats, get_plan
-from .disagg_shared import TRANSPORTS, SharedReceiver, SharedSender
+from .disagg_shared import TRANSPORTS, SharedReceiver, SharedSender, link_rate, sync_device
 from .transfer import EngineRoutes, Route, TransferPlan, holdings_of, packed_offsets, plan_transfer
 
 #: first word of every message header
@@ -183,7 +183,7 @@ class DisaggSender:
     def send(self) -> RefitStats:
         """Send every bucket (module docstring); returns what this rank sent."""
         self.handle.check_current()
-        _sync(self.handle.device)
+        sync_device(self.handle.device)
         t0 = time.perf_counter()
         by_bucket: dict[int, list[Route]] = {}
         for route in self.routes:
@@ -213,7 +213,7 @@ class DisaggSender:
             _wait(in_flight.popleft())
         if self._shared is not None:
             self._shared.finish()
-        _sync(self.handle.device)
+        sync_device(self.handle.device)
         slots = sum(len(r.positions) for r in self.routes)
         return RefitStats(len(self.plan.buckets), slots, nbytes, time.perf_counter() - t0, False, "disaggregated")
 
@@ -435,7 +435,7 @@ class EngineReceiver:
                 sink.load_bucket(RefitBucket(index, items))
                 del items
                 if self._shared is not None:  # the senders may reuse this bucket's buffers
-                    _sync(self.group.device)
+                    sync_device(self.group.device)
                     self._shared.done(index)
                 received, upcoming = upcoming, []
             for sender in self.routes.senders:
@@ -601,16 +601,7 @@ def measure_link(group: RefitGroup, key: tuple[int, int], nbytes: int = 2**30, i
     warm-ups). Every member of the channel calls it (collective)."""
     device = group.device if group.backend == "nccl" else torch.device("cpu")
     buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    times = []
-    for i in range(iters + 2):
-        _sync(device)
-        t0 = time.perf_counter()
-        group.broadcast(key, buffer).wait()
-        _sync(device)
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-    seconds = sorted(times)[len(times) // 2]
-    return {"bytes": nbytes, "seconds": seconds, "gbps": nbytes / seconds / 1e9}
+    return link_rate(lambda: group.broadcast(key, buffer).wait(), nbytes, device, iters)
 
 
 def _header(kind: int, bucket: int, count: int, route: Route, payload: torch.Tensor) -> torch.Tensor:
@@ -643,11 +634,6 @@ def _wait(items: list[Any]) -> None:
     for item in items:
         if item is not None and not isinstance(item, torch.Tensor):
             item.wait()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 __all__ = ["DisaggSender", "EngineReceiver", "EngineSetup", "IntegrityError", "PayloadRing", "engine_plan_rank",

@@ -17,10 +17,9 @@ The headers, their integrity checks and the errors are those of the broadcast tr
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -137,19 +136,27 @@ class SharedReceiver:
         broadcast's."""
         source = self.rings[sender][0]
         target = torch.empty_like(source)
-        cuda = source.is_cuda
-        times = []
-        for i in range(iters + 2):
-            if cuda:
-                torch.cuda.synchronize(target.device)
-            t0 = time.perf_counter()
-            target.copy_(source)
-            if cuda:
-                torch.cuda.synchronize(target.device)
-            if i >= 2:
-                times.append(time.perf_counter() - t0)
-        seconds = statistics.median(times)
-        return {"bytes": source.numel(), "seconds": seconds, "gbps": source.numel() / seconds / 1e9}
+        return link_rate(lambda: target.copy_(source), source.numel(), target.device, iters)
 
 
-__all__ = ["RingOffer", "SharedReceiver", "SharedSender", "TRANSPORTS"]
+def link_rate(move: Callable[[], Any], nbytes: int, device: torch.device, iters: int) -> dict[str, float]:
+    """Median seconds and GB/s of ``iters`` calls of ``move`` (moving ``nbytes``), after two
+    warm-ups, each timed between device synchronisations (CUDA; the host clock alone on the CPU)."""
+    times = []
+    for i in range(iters + 2):
+        sync_device(device)
+        t0 = time.perf_counter()
+        move()
+        sync_device(device)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    seconds = sorted(times)[len(times) // 2]
+    return {"bytes": nbytes, "seconds": seconds, "gbps": nbytes / seconds / 1e9}
+
+
+def sync_device(device: torch.device) -> None:
+    """Wait for the CUDA ``device``'s work (nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+__all__ = ["RingOffer", "SharedReceiver", "SharedSender", "TRANSPORTS", "link_rate", "sync_device"]
