@@ -4,10 +4,12 @@
    and with split-K disabled (``CUBLAS_WORKSPACE_CONFIG=:0:0``; measured in a child process since
    cuBLAS reads the variable once).
 2. Model level: a Llama-8B-shaped stack (hidden 4096, FFN 14336, 32/8 heads, head_dim 128; a few
-   layers) - forward and forward+backward time and peak memory for the fast path (``te`` default)
-   and the exact profiles, next to transformers eager / sdpa.
+   layers) or, with ``--shape qwen3-30b-a3b``, Qwen3-30B-A3B's published widths (hidden 2048,
+   32/4 heads of 128, 128 experts of 768, top-8; a few layers) - forward and forward+backward time
+   and peak memory for the fast path (``te`` default) and the exact profiles, next to transformers
+   eager / sdpa (its default experts implementation).
 
-    PYTHONPATH=src python bench/gpu/numerics_speed.py --out OUT [--layers 4]
+    PYTHONPATH=src python bench/gpu/numerics_speed.py --out OUT [--layers 4] [--shape qwen3-30b-a3b]
 
 Writes ``OUT/numerics_speed.json`` and ``.md``.
 """
@@ -59,6 +61,20 @@ def llama_config(layers: int) -> dict[str, Any]:
                 head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0)  # fmt: skip
 
 
+def qwen3_moe_config(layers: int) -> dict[str, Any]:
+    """Qwen3-30B-A3B's published ``config.json`` fields, ``num_hidden_layers`` cut to ``layers``."""
+    return dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+                intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=layers,
+                num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
+                rms_norm_eps=1e-6, rope_theta=1000000.0, attention_bias=False, tie_word_embeddings=False,
+                router_aux_loss_coef=0.001, output_router_logits=False)  # fmt: skip
+
+
+#: ``--shape``: the model-level stack's config builder (layers -> HF config dict)
+MODEL_SHAPES = {"llama-8b": llama_config, "qwen3-30b-a3b": qwen3_moe_config}
+
+
 def time_step(fn: Any, backward: bool, repeat: int = 5) -> tuple[float, float]:
     def step() -> None:
         out = fn()
@@ -100,13 +116,13 @@ def parse_variant(text: str) -> tuple[str, str, Any]:
     return name, backend, built
 
 
-def model_times(layers: int, batch: int, seq: int, variant_specs: list[str]) -> dict[str, Any]:
+def model_times(layers: int, batch: int, seq: int, variant_specs: list[str], shape: str = "llama-8b") -> dict[str, Any]:
     import mcore_zoo
     from mcore_zoo.parallel import ensure_model_parallel
 
     ensure_model_parallel()
-    config = llama_config(layers)
-    ids = torch.randint(0, 32000, (batch, seq), device="cuda")
+    config = MODEL_SHAPES[shape](layers)
+    ids = torch.randint(0, min(config["vocab_size"], 32000), (batch, seq), device="cuda")
     positions = torch.arange(seq, device="cuda").expand(batch, -1)
     results: dict[str, Any] = {}
     variants = [parse_variant(v) for v in variant_specs]
@@ -130,12 +146,12 @@ def model_times(layers: int, batch: int, seq: int, variant_specs: list[str]) -> 
         except Exception as exc:
             results[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-1500:]}
         torch.cuda.empty_cache()
-    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     for attn in ("eager", "sdpa"):
         try:
             hf_config = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
-            hf = LlamaForCausalLM._from_config(hf_config, attn_implementation=attn, dtype=torch.bfloat16).cuda()
+            hf = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn, dtype=torch.bfloat16).cuda()
             entry = {}
             fwd = lambda: hf(ids).logits  # noqa: E731
             with torch.no_grad():
@@ -162,7 +178,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {k} x {n} | " + " | ".join(cells) + " |")
     lines += ["", "Cells: time without split-K / default time (default time in microseconds).", ""]
     m = report["model"]
-    lines += [f"## Model: Llama-8B-shaped, {m['layers']} layers, batch {m['batch']} x {m['seq']} tokens, bf16", ""]
+    lines += [f"## Model: {m.get('shape', 'llama-8b')}-shaped, {m['layers']} layers, batch {m['batch']} x {m['seq']} tokens, bf16", ""]
     lines += ["| variant | BSHD fwd ms | BSHD fwd+bwd ms | THD fwd ms | THD fwd+bwd ms | peak GiB (fwd+bwd) |", "| --- | --- | --- | --- | --- | --- |"]
     for name, e in m["results"].items():
         if "error" in e:
@@ -181,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--shape", choices=sorted(MODEL_SHAPES), default="llama-8b", help="the model-level stack's widths")
     parser.add_argument("--gemm-child", action="store_true")
     parser.add_argument("--variant", action="append", default=None, metavar="NAME=BACKEND:PROFILE[,KNOB=VALUE...]",
                         help="model variants to time (repeatable; default: " + "; ".join(DEFAULT_VARIANTS) + ")")
@@ -202,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         "gpu": torch.cuda.get_device_name(),
         "versions": f"torch {torch.__version__}, megatron-core {megatron.core.__version__}",
         "gemm": gemm,
-        "model": {"layers": args.layers, "batch": args.batch, "seq": args.seq,
-                  "results": model_times(args.layers, args.batch, args.seq, args.variant or DEFAULT_VARIANTS)},  # fmt: skip
+        "model": {"shape": args.shape, "layers": args.layers, "batch": args.batch, "seq": args.seq,
+                  "results": model_times(args.layers, args.batch, args.seq, args.variant or DEFAULT_VARIANTS, args.shape)},  # fmt: skip
     }
     with open(os.path.join(args.out, "numerics_speed.json"), "w") as f:
         json.dump(report, f, indent=1)
