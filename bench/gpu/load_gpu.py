@@ -1,7 +1,14 @@
 """Loading an 8B-shaped HF checkpoint onto the GPU, against the read + host-to-device copy floor.
 
     python bench/gpu/load_gpu.py --out OUT [--ckpt DIR] [--rounds 3] [--no-tp2]
+    python bench/gpu/load_gpu.py --out OUT --shape qwen3-30b-a3b [--layers 4]   # MoE at EP1 and EP2
     python bench/gpu/load_gpu.py --out OUT --device cpu --tiny      # the CPU dry run (tiny shapes)
+
+``--shape qwen3-30b-a3b``: Qwen3-30B-A3B's published widths (128 experts of 768, hidden 2048,
+vocabulary 151936) with ``--layers`` layers (default 4), loaded at EP1 (one GPU) and EP2 (two): an
+EP2 rank's bytes are the shared tensors (embedding, head, attention, norms, routers) and its half
+of the experts, and the load reads the shared ones on every rank (``replicas="read"``), as the
+floor does.
 
 The checkpoint (``--ckpt``, default ``$TMPDIR/mcore-zoo-load-gpu/llama-3.1-8b``) has
 Llama-3.1-8B's shape: hidden 4096, 32 layers, ffn 14336, vocab 128256, untied, bf16, about 16 GB in
@@ -63,27 +70,56 @@ LLAMA31_8B = {
 TINY = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 1024, "max_position_embeddings": 2048}  # fmt: skip
 SHARDS = 4
+#: ``--shape``: (HF config builder (layers -> dict), default layers, two layouts as (name, world, "tp" / "ep"))
+SHAPES = {"llama-8b": (None, 32, (("tp1", 1, "tp"), ("tp2", 2, "tp"))),
+          "qwen3-30b-a3b": ("qwen3_moe_config", 4, (("ep1", 1, "ep"), ("ep2", 2, "ep")))}  # fmt: skip
+TINY_MOE = {"hidden_size": 256, "moe_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024,
+            "num_hidden_layers": 2}  # fmt: skip
 FLOOR_BUFFER = 64 << 20
 FLOOR_BUFFERS = 8
 
 
 # ---------------------------------------------------------------------------- the checkpoint
-def config(tiny: bool) -> dict[str, Any]:
-    return {**LLAMA31_8B, **(TINY if tiny else {})}
+def config(tiny: bool, shape: str = "llama-8b", layers: Optional[int] = None) -> dict[str, Any]:
+    builder, default_layers, _ = SHAPES[shape]
+    if builder is None:
+        cfg = {**LLAMA31_8B, **(TINY if tiny else {})}
+    else:
+        sys.path.insert(0, str(HERE))
+        import numerics_speed
+
+        cfg = {**getattr(numerics_speed, builder)(layers or default_layers), **(TINY_MOE if tiny else {})}
+        cfg["torch_dtype"] = "bfloat16"
+    if layers and not tiny:
+        cfg["num_hidden_layers"] = layers
+    return cfg
 
 
 def tensor_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    h, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    moe = "num_experts" in cfg
+    head = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head, cfg["num_key_value_heads"] * head
     shapes = {"model.embed_tokens.weight": (v, h)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         shapes.update({
-            p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (h, h),
+            p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (q, h),
             p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, h), p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f),
+            p + "self_attn.o_proj.weight": (h, q), p + "post_attention_layernorm.weight": (h,),
         })  # fmt: skip
+        if not moe:
+            f = cfg["intermediate_size"]
+            shapes.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                           p + "mlp.down_proj.weight": (h, f)})  # fmt: skip
+            continue
+        f = cfg["moe_intermediate_size"]
+        shapes.update({p + "self_attn.q_norm.weight": (head,), p + "self_attn.k_norm.weight": (head,),
+                       p + "mlp.gate.weight": (cfg["num_experts"], h)})  # fmt: skip
+        for e in range(cfg["num_experts"]):
+            x = f"{p}mlp.experts.{e}."
+            shapes.update({x + "gate_proj.weight": (f, h), x + "up_proj.weight": (f, h), x + "down_proj.weight": (h, f)})
     shapes.update({"model.norm.weight": (h,), "lm_head.weight": (v, h)})
     return shapes
 
@@ -173,11 +209,20 @@ def _rss() -> dict[str, Any]:
         return {"before": peak(), "peak": peak, "reset": False}
 
 
-def rank_runs(ckpt: str, rank: int, size: int) -> list[tuple[str, int, int]]:
-    """``(file, byte offset, bytes)`` of every contiguous run of the checkpoint this TP rank
-    loads: its chunk of each tensor along the axis the weight map splits it on. A column chunk of
-    narrow rows counts as its whole rows, one range, as the load's staging ring reads it
-    (``mcore_zoo.weights.staging.ROWS_BELOW`` / ``ROWS_SPAN``)."""
+def _expert_owner(name: str, experts: int, size: int) -> Optional[int]:
+    """The EP rank holding the routed expert tensor ``name`` (``None``: not an expert's)."""
+    parts = name.split(".")
+    if "experts" not in parts:
+        return None
+    return int(parts[parts.index("experts") + 1]) // (experts // size)
+
+
+def rank_runs(ckpt: str, rank: int, size: int, parallel: str = "tp") -> list[tuple[str, int, int]]:
+    """``(file, byte offset, bytes)`` of every contiguous run of the checkpoint this rank loads.
+    TP: its chunk of each tensor along the axis the weight map splits it on (a column chunk of
+    narrow rows counts as its whole rows, one range, as the load's staging ring reads it:
+    ``mcore_zoo.weights.staging.ROWS_BELOW`` / ``ROWS_SPAN``). EP: every tensor but the routed
+    experts of other ranks, whole."""
     import mcore_zoo
     from mcore_zoo.weights import pread, staging
     from mcore_zoo.weights.io import HFCheckpoint
@@ -185,10 +230,15 @@ def rank_runs(ckpt: str, rank: int, size: int) -> list[tuple[str, int, int]]:
 
     arch = mcore_zoo.lookup(ckpt)
     axes = {n: a for b in arch.weight_map(arch.config_from_hf(ckpt)).expand_full() for n, a in zip(b.hf, b.tp_axes)}
+    experts = json.loads((Path(ckpt) / "config.json").read_text()).get("num_experts", 0)
     runs = []
     with HFCheckpoint(ckpt) as c:
         for name in sorted(c.keys(), key=lambda n: (c.entry(n).file, c.entry(n).offset)):
             entry = c.entry(name)
+            if parallel == "ep":
+                if _expert_owner(name, experts, size) in (None, rank):
+                    runs.append((entry.file, entry.offset, math.prod(entry.shape) * 2))
+                continue
             axis = axes[name] if size > 1 else None
             box = TPSlice(axis, rank, size).box(entry.shape, name)
             shape = [hi - lo for lo, hi in box]
@@ -232,7 +282,7 @@ def phase_floor(args: argparse.Namespace) -> dict[str, Any]:
     cuda = args.device == "cuda"
     if cuda:
         torch.cuda.set_device(local)
-    runs = rank_runs(args.ckpt, rank, world)
+    runs = rank_runs(args.ckpt, rank, world, args.parallel)
     total = sum(n for _, _, n in runs)
     batches = _batches(runs, FLOOR_BUFFER)
     fds = {f: os.open(os.path.join(args.ckpt, f), os.O_RDONLY) for f in {r[0] for r in runs}}
@@ -325,7 +375,7 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
     rank, world, local = _rank()
     if args.device == "cuda":
         torch.cuda.set_device(local)
-    ensure_model_parallel(Parallelism(tp=world))
+    ensure_model_parallel(Parallelism(tp=world) if args.parallel == "tp" else Parallelism(ep=world))
     backend = args.backend or ("te" if args.device == "cuda" else "local")
     _barrier()
     t0 = time.perf_counter()
@@ -352,7 +402,8 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
     _barrier()
     rss = _rss()
     t0 = time.perf_counter()
-    report = mcore_zoo.load_hf_weights(model, args.ckpt)
+    replicas = "read" if args.parallel == "ep" else "broadcast"  # EP: every rank reads its share, as the floor
+    report = mcore_zoo.load_hf_weights(model, args.ckpt, replicas=replicas)
     _barrier()
     load_s = time.perf_counter() - t0
     above = rss["peak"]() - rss["before"]
@@ -367,7 +418,7 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
         "rank": rank, "backend": backend, "devices": devices, "build_s": build_s, "load_s": load_s,
         "bytes": report.bytes_read, "parameters_bytes": shard, "peak_rss_above_start": above,
         "rss_peak_reset": rss["reset"], "rss_before": rss["before"], "staging_ring_bytes": ring_bytes,
-        "staging_buffer_bytes": staging.BUFFER_BYTES, "torch_threads": torch.get_num_threads(),
+        "staging_buffer_bytes": staging.BUFFER_BYTES, "torch_threads": torch.get_num_threads(), "replicas": replicas,
         "pinned_host_memory": pinned,
     }  # fmt: skip
     if args.verify:  # bitwise against the mapping path (the staging ring refusing every destination)
@@ -376,7 +427,7 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
         mapping.accepts = lambda *a, **k: False  # type: ignore[method-assign]
         t0 = time.perf_counter()
         with HFCheckpoint(args.ckpt, staging=mapping) as ckpt:
-            mcore_zoo.load_hf_weights(model, ckpt)
+            mcore_zoo.load_hf_weights(model, ckpt, replicas=replicas)
         _barrier()
         result["mapping_path_load_s"] = time.perf_counter() - t0
         same = all(torch.equal(a.view(torch.uint8), p.detach().view(torch.uint8)) for a, p in zip(loaded, params))
@@ -386,14 +437,14 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- the rounds
-def _launch(args: argparse.Namespace, phase: str, world: int, tag: str) -> dict[str, Any]:
+def _launch(args: argparse.Namespace, phase: str, world: int, tag: str, parallel: str = "tp") -> dict[str, Any]:
     """Run ``phase`` in fresh process(es); its per-rank results, or the failure."""
     out = Path(args.out)
     result_file = out / "raw" / f"{tag}.json"
     result_file.parent.mkdir(parents=True, exist_ok=True)
     result_file.unlink(missing_ok=True)
     worker = [str(HERE / "load_gpu.py"), "--phase", phase, "--ckpt", args.ckpt, "--device", args.device,
-              "--result", str(result_file)]  # fmt: skip
+              "--result", str(result_file), "--parallel", parallel]  # fmt: skip
     if args.threads:
         worker += ["--threads", str(args.threads)]
     if args.backend:
@@ -431,9 +482,9 @@ def _spread(values: list[float]) -> dict[str, Any]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def summarise(rounds: list[dict[str, Any]], layouts: list[tuple[str, int]]) -> dict[str, Any]:
+def summarise(rounds: list[dict[str, Any]], layouts: list[tuple[str, int, str]]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
-    for name, world in layouts:
+    for name, world, _ in layouts:
         floor_t, read_t, copy_t, load_t, build_t, ratio, gbps, floor_gbps, rss = [], [], [], [], [], [], [], [], []
         verified = []
         for r in rounds:
@@ -525,10 +576,11 @@ def machine(device: str) -> dict[str, Any]:
 def orchestrate(args: argparse.Namespace) -> int:
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    cfg = config(args.tiny)
+    cfg = config(args.tiny, args.shape, args.layers)
     ckpt = Path(args.ckpt)
     t0 = time.perf_counter()
-    write = [sys.executable, str(HERE / "load_gpu.py"), "--phase", "write", "--ckpt", str(ckpt), "--device", args.device]
+    write = [sys.executable, str(HERE / "load_gpu.py"), "--phase", "write", "--ckpt", str(ckpt), "--device", args.device,
+             "--shape", args.shape] + (["--layers", str(args.layers)] if args.layers else [])  # fmt: skip
     with open(out / "logs" / "write.log", "w") as log:
         written = subprocess.run(write + (["--tiny"] if args.tiny else []), stdout=log, stderr=subprocess.STDOUT,
                                  check=False).returncode  # fmt: skip
@@ -542,17 +594,20 @@ def orchestrate(args: argparse.Namespace) -> int:
     import torch
 
     gpus = torch.cuda.device_count() if args.device == "cuda" else 2
-    layouts = [("tp1", 1)] + ([("tp2", 2)] if args.tp2 and gpus >= 2 else [])
-    steps = [(kind, name, world) for name, world in layouts for kind in ("floor", "zoo")]
+    one, two = SHAPES[args.shape][2]
+    layouts = [one] + ([two] if args.tp2 and gpus >= 2 else [])
+    steps = [(kind, name, world, parallel) for name, world, parallel in layouts for kind in ("floor", "zoo")]
     rounds = []
     for r in range(args.rounds):
         args.verify_now = args.verify and r == 0
         order = steps if r % 2 == 0 else steps[::-1]
-        rounds.append({f"{kind}-{name}": _launch(args, kind, world, f"r{r}-{kind}-{name}") for kind, name, world in order})
+        rounds.append({f"{kind}-{name}": _launch(args, kind, world, f"r{r}-{kind}-{name}", parallel)
+                       for kind, name, world, parallel in order})  # fmt: skip
     result = {
         "machine": machine(args.device), "rounds": args.rounds,
         "checkpoint": {"path": str(ckpt), "bytes": nbytes, "shards": SHARDS, "tiny": args.tiny,
-                       "shape": "Llama-3.1-8B" if not args.tiny else "tiny Llama", "write_step_s": write_s, "warm_read_s": warm_s},
+                       "shape": {"llama-8b": "Llama-3.1-8B", "qwen3-30b-a3b": f"Qwen3-30B-A3B, {cfg['num_hidden_layers']} layers"}[args.shape]
+                                + (" (tiny)" if args.tiny else ""), "write_step_s": write_s, "warm_read_s": warm_s},
         "summary": summarise(rounds, layouts), "raw": rounds, "ring": args.ring or "default",
     }  # fmt: skip
     (out / "load_gpu.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -568,7 +623,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--tiny", action="store_true", help="a few-MB Llama-shaped checkpoint (the CPU dry run)")
-    p.add_argument("--no-tp2", dest="tp2", action="store_false", help="TP1 only")
+    p.add_argument("--no-tp2", dest="tp2", action="store_false", help="the one-GPU layout only (TP1 / EP1)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b", help="the checkpoint's widths (module docstring)")
+    p.add_argument("--layers", type=int, default=None, help="num_hidden_layers (default: the shape's: 32 / 4)")
+    p.add_argument("--parallel", choices=("tp", "ep"), default="tp", help=argparse.SUPPRESS)
     p.add_argument("--backend", default=None, help="model backend (default: te on cuda, falling back to local)")
     p.add_argument("--threads", type=int, default=None,
                    help="floor read threads per rank (default: torch.get_num_threads(), as the load's read threads)")
@@ -582,7 +640,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.ckpt is None:
         base = Path(os.environ.get("TMPDIR", "/tmp")) / "mcore-zoo-load-gpu"
-        args.ckpt = str(base / ("llama-tiny" if args.tiny else "llama-3.1-8b"))
+        name = {"llama-8b": "llama-3.1-8b", "qwen3-30b-a3b": f"qwen3-30b-a3b-{args.layers or 4}l"}[args.shape]
+        args.ckpt = str(base / (name + ("-tiny" if args.tiny else "")))
     return args
 
 
@@ -597,7 +656,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise SystemExit("no CUDA device (the CPU dry run: --device cpu --tiny)")
         return orchestrate(args)
     if args.phase == "write":
-        print(json.dumps(write_checkpoint(Path(args.ckpt), config(args.tiny), args.device)), flush=True)
+        print(json.dumps(write_checkpoint(Path(args.ckpt), config(args.tiny, args.shape, args.layers), args.device)), flush=True)
         return 0
     args.verify = args.verify_rank
     result = (phase_floor if args.phase == "floor" else phase_zoo)(args)
