@@ -81,8 +81,8 @@ def fla_standin(monkeypatch):
     return install
 
 
-def _build(checkpoint, kernel, backend="portable"):
-    numerics = mcore_zoo.get_profile("hf-exact").with_knobs(linear_attention_kernel=kernel)
+def _build(checkpoint, kernel, backend="portable", pack="each"):
+    numerics = mcore_zoo.get_profile("hf-exact").with_knobs(linear_attention_kernel=kernel, linear_attention_pack=pack)
     return mcore_zoo.build_model(checkpoint, backend=backend, numerics=numerics, load=checkpoint,
                                  params_dtype=torch.float32)  # fmt: skip
 
@@ -125,7 +125,8 @@ def test_fla_layer_equals_torch_on_a_mixed_thd_pack(mpu, reference_checkpoint, f
     torch layer (each sequence alone) on a pack of 37, 1, 100 and 5 tokens, forward and backward, and
     on a BSHD batch, and on the pack padded for alignment (``cu_seqlens_q_padded``: the padding rows
     segments of their own in fla's varlen call, their outputs zero), within fp32 rounding; a delta
-    rule whose state crosses ``cu_seqlens`` is caught."""
+    rule whose state crosses ``cu_seqlens`` is caught; with ``linear_attention_pack="batch"`` the pack runs
+    as one right-padded batch on fla's kernels, equal too."""
     ckpt = reference_checkpoint(arch_name, overrides)
     torch_layer = _build(ckpt, "torch").decoder.layers[0].self_attention
     fla_layer = _build(ckpt, "fla").decoder.layers[0].self_attention
@@ -139,6 +140,10 @@ def test_fla_layer_equals_torch_on_a_mixed_thd_pack(mpu, reference_checkpoint, f
     got = _forward_backward(fla_layer, aligned, aligned_params)
     assert _max_gap(got, _forward_backward(torch_layer, aligned, aligned_params)) <= 1e-5
     assert got[0][37:40].abs().max() == 0, "padding rows give zeros"
+    # linear_attention_pack="batch": the pack as one right-padded batch on fla's kernels, no cu_seqlens
+    batched = _build(ckpt, "fla", pack="batch").decoder.layers[0].self_attention
+    assert _max_gap(_forward_backward(batched, x, params), want) <= 1e-5
+    assert _max_gap(_forward_backward(batched, aligned, aligned_params), got) <= 1e-5
     fla_standin(leak=True)
     assert _max_gap(_forward_backward(fla_layer, x, params)[:1], want[:1]) > 1e-3, "a leaking state must be caught"
 

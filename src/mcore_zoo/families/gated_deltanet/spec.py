@@ -20,7 +20,8 @@ tokens), one pass of the chunk loop for the whole pack.
 Kernels (numerics knob ``linear_attention_kernel``, :mod:`.kernels`): transformers' torch math above,
 or flash-linear-attention's Triton kernels on CUDA - its causal convolution and chunked gated delta
 rule, a THD pack as one varlen call with ``cu_seqlens`` (each sequence from a zero state and
-window inside the kernels), BSHD batches as they are; the projections, the gated RMSNorm (fla's does
+window inside the kernels; with ``linear_attention_pack="batch"`` as one right-padded batch instead),
+BSHD batches as they are; the projections, the gated RMSNorm (fla's does
 not round as transformers' does) and ``out_proj`` stay the same on both.
 
 Tensor parallelism splits the layer by head as it computes them (each rank a whole group of key
@@ -235,10 +236,10 @@ def gated_deltanet_class() -> type:
             fla = linear_kernels.resolve_kernel(self.kernel, x) == "fla"
             if packed_seq_params is None:
                 out = self._mix(x, fla=fla)
-            elif fla:
+            elif fla and self.pack != "batch":
                 out = self._mix_varlen(x, packed_seq_params)
             else:
-                out = self._mix_packed(x, packed_seq_params)
+                out = self._mix_packed(x, packed_seq_params, fla=fla)
             out = out.transpose(0, 1).contiguous()
             if self.sequence_parallel:
                 out = reduce_scatter_to_sequence_parallel_region(out)
@@ -256,10 +257,11 @@ def gated_deltanet_class() -> type:
                                " or load them at tp=1, or use the HF export (save_hf_checkpoint)")  # fmt: skip
             return super().sharded_state_dict(prefix, sharded_offsets, metadata)
 
-        def _mix_packed(self, x: torch.Tensor, params: Any) -> torch.Tensor:
+        def _mix_packed(self, x: torch.Tensor, params: Any, fla: bool = False) -> torch.Tensor:
             """One THD pack (``[1, t, h]``): every sequence from a zero state and window - alone, one
             after the other (``pack="each"``), or as one right-padded batch (``pack="batch"``; ``"auto"``:
-            a batch on CUDA, alone on the CPU)."""
+            a batch on CUDA, alone on the CPU). ``fla``: on fla's kernels (reached with ``pack="batch"``
+            only: the other values take one varlen call, :meth:`_mix_varlen`)."""
             if x.shape[0] != 1:
                 raise ZooError(f"a THD pack has batch 1, got {x.shape[0]}")
             bounds = params.cu_seqlens_q.tolist()
@@ -269,9 +271,9 @@ def gated_deltanet_class() -> type:
             out = torch.zeros(x.shape[:-1] + (self.out_proj.out_features,), dtype=x.dtype, device=x.device)
             batch = self.pack == "batch" or (self.pack == "auto" and x.is_cuda)  # "auto": batch on the GPU
             if batch and len(spans) > 1:
-                return self._mix_padded_batch(x, spans, out)
+                return self._mix_padded_batch(x, spans, out, fla)
             for start, length in spans:
-                out[:, start:start + length] = self._mix(x[:, start:start + length])
+                out[:, start:start + length] = self._mix(x[:, start:start + length], fla=fla)
             return out
 
         def _mix_varlen(self, x: torch.Tensor, params: Any) -> torch.Tensor:
@@ -289,7 +291,7 @@ def gated_deltanet_class() -> type:
                 return out
             return out * keep.to(device=out.device, dtype=out.dtype).view(1, -1, 1)
 
-        def _mix_padded_batch(self, x: torch.Tensor, spans: list, out: torch.Tensor) -> torch.Tensor:
+        def _mix_padded_batch(self, x: torch.Tensor, spans: list, out: torch.Tensor, fla: bool = False) -> torch.Tensor:
             """The pack's ``spans`` (start row, length) as one right-padded ``[n, longest, h]`` batch
             (rows moved by one gather and one scatter each way), mixed, and written back into ``out``."""
             longest = max(length for _, length in spans)
@@ -297,7 +299,7 @@ def gated_deltanet_class() -> type:
             slots = torch.cat([torch.arange(i * longest, i * longest + length) for i, (_, length) in enumerate(spans)])
             slots = slots.to(x.device)
             batch = x.new_zeros(len(spans) * longest, x.shape[-1]).index_copy(0, slots, x[0].index_select(0, rows))
-            mixed = self._mix(batch.view(len(spans), longest, -1))
+            mixed = self._mix(batch.view(len(spans), longest, -1), fla=fla)
             return out[0].index_copy(0, rows, mixed.reshape(-1, mixed.shape[-1]).index_select(0, slots)).unsqueeze(0)
 
         def _mix(self, x: torch.Tensor, fla: bool = False, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
