@@ -116,7 +116,29 @@ def parse_variant(text: str) -> tuple[str, str, Any]:
     return name, backend, built
 
 
-def model_times(layers: int, batch: int, seq: int, variant_specs: list[str], shape: str = "llama-8b") -> dict[str, Any]:
+def profile_step(fn: Any, path: str) -> dict[str, float]:
+    """One THD forward + backward of ``fn`` under torch's profiler (after one warm call): the op table
+    (top 40 by self device time) written to ``path``; returns the wall and summed device milliseconds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def step() -> None:
+        fn().float().mean().backward()
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) * 1000
+    events = prof.key_averages()
+    with open(path, "w") as f:
+        f.write(events.table(sort_by="self_device_time_total", row_limit=40) + "\n")
+    return {"wall_ms": wall, "device_busy_ms": sum(getattr(e, "self_device_time_total", 0.0) for e in events) / 1e3}
+
+
+def model_times(layers: int, batch: int, seq: int, variant_specs: list[str], shape: str = "llama-8b",
+                profile_dir: str | None = None) -> dict[str, Any]:  # fmt: skip
     import mcore_zoo
     from mcore_zoo.parallel import ensure_model_parallel
 
@@ -141,6 +163,10 @@ def model_times(layers: int, batch: int, seq: int, variant_specs: list[str], sha
                 with torch.no_grad():
                     entry["thd_forward_ms"], entry["thd_forward_gib"] = time_step(thd, False)
                 entry["thd_train_ms"], entry["thd_train_gib"] = time_step(thd, True)
+                if profile_dir:
+                    os.makedirs(profile_dir, exist_ok=True)
+                    table = os.path.join(profile_dir, name.replace("/", "_").replace(" ", "_") + ".txt")
+                    entry["thd_train_profile"] = profile_step(thd, table)
             results[name] = entry
             del model
         except Exception as exc:
@@ -202,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", action="append", default=None, metavar="NAME=BACKEND:PROFILE[,KNOB=VALUE...]",
                         help="model variants to time (repeatable; default: " + "; ".join(DEFAULT_VARIANTS) + ")")
     parser.add_argument("--no-gemm", action="store_true", help="skip the GEMM split-K table")
+    parser.add_argument("--profile", action="store_true",
+                        help="also one THD forward + backward per variant under torch's profiler: op tables in OUT/profile/")
     args = parser.parse_args(argv)
     if args.gemm_child:
         gemm_child()
@@ -220,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         "versions": f"torch {torch.__version__}, megatron-core {megatron.core.__version__}",
         "gemm": gemm,
         "model": {"shape": args.shape, "layers": args.layers, "batch": args.batch, "seq": args.seq,
-                  "results": model_times(args.layers, args.batch, args.seq, args.variant or DEFAULT_VARIANTS, args.shape)},  # fmt: skip
+                  "results": model_times(args.layers, args.batch, args.seq, args.variant or DEFAULT_VARIANTS, args.shape,
+                                         os.path.join(args.out, "profile") if args.profile else None)},  # fmt: skip
     }
     with open(os.path.join(args.out, "numerics_speed.json"), "w") as f:
         json.dump(report, f, indent=1)
