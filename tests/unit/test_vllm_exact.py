@@ -171,7 +171,7 @@ def test_every_moe_op_has_a_correct_backward():
 
     with use_kernels(ReferenceKernels()):
         for renormalize in (True, False):
-            _gradcheck(lambda x: vllm_ops.moe_topk_softmax(x, 2, renormalize=renormalize)[0], rand(5, 6))
+            _gradcheck(lambda x, r=renormalize: vllm_ops.moe_topk_softmax(x, 2, renormalize=r)[0], rand(5, 6))
         routes = torch.tensor([[0, 1], [5, 2], [3, 4], [1, 0], [2, 5]])
         _gradcheck(lambda x: vllm_ops.moe_topk_softmax(x, 2, renormalize=True, routes=routes)[0], rand(5, 6))
         ids = torch.tensor([[0, 2], [3, 1], [2, 0], [1, 3]], dtype=torch.int32)  # 4 experts, top-2
@@ -250,9 +250,8 @@ def test_vllm_exact_refuses_moe_it_does_not_reproduce_by_name(arch, reason, refe
 def test_vllm_exact_moe_refuses_parallel_layouts_and_grouped_experts(reference_checkpoint, mpu):
     from types import SimpleNamespace
 
-    from mcore_zoo.specs.vllm_exact import check_moe_supported
-
     from mcore_zoo.build import prepare
+    from mcore_zoo.specs.vllm_exact import check_moe_supported
 
     arch = prepare(str(reference_checkpoint("Qwen3MoeForCausalLM", {"num_hidden_layers": 2}))).arch_config
     for field in ("tensor_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size"):
@@ -261,3 +260,50 @@ def test_vllm_exact_moe_refuses_parallel_layouts_and_grouped_experts(reference_c
     with pytest.raises(ZooError, match="grouped_experts=False"):
         check_moe_supported(arch, SimpleNamespace(), VLLM_EXACT.with_knobs(grouped_experts=True))
     check_moe_supported(arch, SimpleNamespace(), VLLM_EXACT)  # TP1, sequential experts: accepted
+
+
+def test_routes_from_vllm_request_outputs_replay_the_engines_experts(reference_checkpoint, mpu):
+    """vLLM's returned routes (``enable_return_routed_experts``: per completion ``routed_experts``,
+    numpy ``[prompt + generated - 1, num_hidden_layers, top_k]``, uint8, dense layers' rows zero)
+    -> the zoo's per-sequence routes -> replay: the vllm-exact router takes the engine's experts
+    (here: made-up outputs holding the experts a recorded forward chose, so the replayed forward's
+    log-probs are the recorded ones bit for bit)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from mcore_zoo import routing
+
+    ckpt = reference_checkpoint("Qwen3MoeForCausalLM", {"num_hidden_layers": 3})  # layer 2 (index 1) dense
+    with use_kernels(ReferenceKernels()):
+        model = mcore_zoo.build_model(ckpt, backend="portable", numerics=VLLM_EXACT, load=ckpt,
+                                      overrides={"moe_enable_routing_replay": True})  # fmt: skip
+        vocab = mcore_zoo.handle_of(model).arch_config.vocab_size
+        seqs = random_sequences([9, 14], vocab)
+        with torch.no_grad(), routing.record(model) as rec:
+            recorded = mcore_zoo.packed_forward(model, seqs)
+        moe_layers = routing.moe_layer_numbers(model)
+        assert moe_layers == [1, 3]
+        per_sequence = routing.unpack_routes(rec.routes, [len(s) for s in seqs])
+        prompt = 5
+        outputs = []
+        for s, routes in zip(seqs, per_sequence):
+            engine = np.zeros((len(s) - 1, 3, 2), dtype=np.uint8)  # the last token: never forwarded
+            for i, layer in enumerate(moe_layers):
+                engine[:, layer - 1] = routes[i, : len(s) - 1].numpy()
+            completion = SimpleNamespace(token_ids=s[prompt:].tolist(), routed_experts=engine)
+            outputs.append(SimpleNamespace(prompt_token_ids=s[:prompt].tolist(), outputs=[completion]))
+        got = routing.routes_from_vllm(outputs, moe_layers)
+        assert [tuple(r.shape) for r in got] == [(2, 9, 2), (2, 14, 2)] and got[0].dtype == torch.int64
+        for mine, want in zip(got, per_sequence):
+            assert torch.equal(mine[:, :-1], want[:, :-1]) and mine[:, -1].tolist() == [[0, 1], [0, 1]]
+        with torch.no_grad(), routing.replay(model, routing.pack_routes(got)):
+            replayed = mcore_zoo.packed_forward(model, seqs)
+    # every token but each sequence's last has its recorded experts; the last one's other experts
+    # change the row count of two experts' GEMMs, which on the CPU (the stand-ins' per-expert
+    # matmul) rounds the other rows of those experts differently - vLLM's fused-MoE kernel computes
+    # each row alone: fp32 rounding here, nothing more
+    assert all((a - b).abs().max() <= 1e-5 for a, b in zip(replayed.logprobs, recorded.logprobs))
+    outputs[0].outputs[0].routed_experts = None
+    with pytest.raises(ZooError, match="enable_return_routed_experts=True"):
+        routing.routes_from_vllm(outputs, moe_layers)
