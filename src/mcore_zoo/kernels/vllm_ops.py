@@ -5,7 +5,11 @@ fixed set of kernels whose per-token results do not depend on the batch: a Trito
 (``matmul_persistent``; bias added after), a Triton RMSNorm (no residual), its CUDA fused
 add + RMSNorm (with a residual), RoPE in torch ops (``forward_static``), its CUDA SiLU-and-mul
 kernel, FlashAttention-3 over the paged KV cache with ``num_splits=1``, and for log-probs its GPU
-model runner's fused Triton kernel on the model-dtype logits (``compute_token_logprobs``).
+model runner's fused Triton kernel on the model-dtype logits (``compute_token_logprobs``). An
+unquantized MoE block (Qwen3-MoE, TP1) runs its ``FusedMoE`` layer with the ``topk_softmax`` router
+kernel and ``TritonExperts`` - two Triton fused-MoE GEMMs at a fixed tile config, SiLU-and-mul
+between them, the routing weight applied in the second GEMM's fp32 accumulator, ``moe_sum``
+over the k slots (:func:`moe_topk_softmax`, :func:`fused_experts`).
 (Which implementation each op runs was read from the engine:
 ``bench/gpu/vllm_exact_probe.py`` reports the dispatch and compares layer 0 op by op.)
 This module calls exactly those kernels (imported from the installed vLLM) so that a trainer's
