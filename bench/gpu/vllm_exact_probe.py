@@ -9,7 +9,15 @@ in-process engine from its export; hooks layer 0's modules on both sides (norms,
 zoo's per-group layout re-ordered to vLLM's ``[q | k | v]`` - RoPE'd q / k, attention, output
 projection, MLP) and the decoder layers' outputs, runs one sequence, and writes which match
 bitwise, the max |difference| of those that do not, and how vLLM dispatched (custom-op forward,
-attention backend, FlashAttention version).
+attention backend, FlashAttention version; for an MoE model the ``FusedMoE`` layer's router,
+experts kernel and unquantized backend, and its fused-MoE tile config).
+
+For an MoE layer 0 (``--arch Qwen3MoeForCausalLM``) the MoE block is compared op by op: its input,
+the weights (router, stacked ``w13`` / ``w2``), then router logits, top-k weights and experts,
+the two fused-MoE GEMMs, the activation and the sum over k - the zoo's on its own input and
+weights against vLLM's kernels on the engine's captured input and weights - the chain on the
+engine's input against the engine's block output (which checks that the op list is what the
+engine ran), and the zoo's block output against the engine's.
 """
 
 from __future__ import annotations
@@ -45,6 +53,26 @@ def _keep_inputs(store: dict, name: str):
     return hook
 
 
+def moe_steps(x: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+              renormalize: bool) -> dict:  # fmt: skip
+    """A MoE block's intermediates on vLLM's kernels (``mcore_zoo.kernels.vllm_ops.VLLMKernels``,
+    the ops ``VLLMMoELayer`` calls, in ``TritonExperts``' order) for the block input ``x [n, H]``:
+    router logits, top-k weights and experts, the first GEMM ``h``, the activation, the weighted
+    second GEMM ``y`` and the sum over k."""
+    from mcore_zoo.kernels import vllm_ops
+
+    table = vllm_ops.kernels()
+    n = x.shape[0]
+    logits = table.linear(x, gate_weight)
+    weights, ids = table.moe_topk_softmax(logits, top_k, renormalize)
+    config = table.moe_config(tuple(w13.shape), tuple(w2.shape), top_k, n)
+    h = table.moe_gemm(x, w13, ids, None, False, config)
+    act = table.silu_and_mul(h.reshape(n * top_k, -1))
+    y = table.moe_gemm(act, w2, ids, weights, True, config)
+    return {"router_logits": logits, "topk_weights": weights, "topk_ids": ids, "w13_gemm": h, "act": act,
+            "w2_gemm_weighted": y, "moe_sum": table.moe_sum(y)}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", default="LlamaForCausalLM")
@@ -53,7 +81,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import vllm
-    from test_vllm_exact_gpu import ARCHS, SIZES
+    from test_vllm_exact_gpu import ARCHS, SIZES, moe_dispatch
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -81,10 +109,16 @@ def main() -> None:
         store: dict = {}
         hooks = []
 
+        moe = getattr(layer.mlp, "experts", None)
+        mlp_modules = ((("moe_gate", layer.mlp.gate), ("moe_out", layer.mlp)) if moe is not None else
+                       (("gate_up", layer.mlp.gate_up_proj), ("act", layer.mlp.act_fn), ("down", layer.mlp.down_proj)))  # fmt: skip
         for name, mod in (("input_norm", layer.input_layernorm), ("qkv", layer.self_attn.qkv_proj),
-                          ("o_proj", layer.self_attn.o_proj), ("post_norm", layer.post_attention_layernorm),
-                          ("gate_up", layer.mlp.gate_up_proj), ("act", layer.mlp.act_fn), ("down", layer.mlp.down_proj)):  # fmt: skip
+                          ("o_proj", layer.self_attn.o_proj), ("post_norm", layer.post_attention_layernorm), *mlp_modules):  # fmt: skip
             hooks.append(mod.register_forward_hook(_keep(store, name)))
+        if moe is not None:  # the block's input, and the weights the fused kernels read
+            hooks.append(layer.mlp.register_forward_pre_hook(_keep_inputs(store, "moe_in")))
+            store["moe_weights"] = [layer.mlp.gate.weight.detach().clone(), moe.w13_weight.detach().clone(),
+                                    moe.w2_weight.detach().clone()]  # fmt: skip
         hooks.append(layer.self_attn.attn.register_forward_pre_hook(_keep_inputs(store, "attn_in")))
         hooks.append(layer.self_attn.attn.register_forward_hook(_keep(store, "attn")))
         for i, lyr in enumerate(inner.layers):
@@ -94,7 +128,8 @@ def main() -> None:
         impl = getattr(attn, "impl", None)
         return {
             "input_norm_forward": getattr(getattr(layer.input_layernorm, "_forward_method", None), "__name__", "?"),
-            "act_forward": getattr(getattr(layer.mlp.act_fn, "_forward_method", None), "__name__", "?"),
+            "act_forward": getattr(getattr(getattr(layer.mlp, "act_fn", None), "_forward_method", None), "__name__", "?"),
+            "moe": moe_dispatch(worker),
             "rope_forward": getattr(getattr(layer.self_attn.rotary_emb, "_forward_method", None), "__name__", "?"),
             "attention_impl": type(impl).__name__ if impl is not None else type(attn).__name__,
             "fa_version": getattr(impl, "vllm_flash_attn_version", None),
@@ -115,10 +150,14 @@ def main() -> None:
     zl = model.decoder.layers[0]
     hooks = []
 
+    zoo_moe = hasattr(zl.mlp, "router")
+    mlp_modules = ((("moe_router", zl.mlp.router), ("moe_out", zl.mlp)) if zoo_moe else
+                   (("gate_up", zl.mlp.linear_fc1), ("down", zl.mlp.linear_fc2)))  # fmt: skip
     for name, mod in (("input_norm", zl.input_layernorm), ("qkv", zl.self_attention.linear_qkv),
-                      ("o_proj", zl.self_attention.linear_proj), ("post_norm", zl.pre_mlp_layernorm),
-                      ("gate_up", zl.mlp.linear_fc1), ("down", zl.mlp.linear_fc2)):  # fmt: skip
+                      ("o_proj", zl.self_attention.linear_proj), ("post_norm", zl.pre_mlp_layernorm), *mlp_modules):  # fmt: skip
         hooks.append(mod.register_forward_hook(_keep(mine, name)))
+    if zoo_moe:
+        hooks.append(zl.mlp.register_forward_pre_hook(_keep_inputs(mine, "moe_in")))
     hooks.append(zl.self_attention.core_attention.register_forward_pre_hook(_keep_inputs(mine, "attn_in")))
     hooks.append(zl.self_attention.core_attention.register_forward_hook(_keep(mine, "attn")))
     for i, lyr in enumerate(model.decoder.layers):
@@ -158,8 +197,31 @@ def main() -> None:
     compare("attn", mine["attn"][0], engine["attn"][0].reshape(T, -1))
     compare("o_proj", mine["o_proj"][0], engine["o_proj"][0])
     compare("post_norm", mine["post_norm"][0], engine["post_norm"][0])
-    compare("gate_up", mine["gate_up"][0], engine["gate_up"][0])
-    compare("down", mine["down"][0], engine["down"][0])
+    if not zoo_moe:
+        compare("gate_up", mine["gate_up"][0], engine["gate_up"][0])
+        compare("down", mine["down"][0], engine["down"][0])
+    else:  # the MoE block op by op: the zoo's ops on its input and weights, vLLM's on the engine's
+        moe_cfg = mcore_zoo.handle_of(model).arch_config.moe
+        x_zoo, x_engine = flat(mine["moe_in"][0]), flat(engine["moe_in"][0])
+        w13_zoo, w2_zoo = zl.mlp.stacked_expert_weights()
+        gate_engine, w13_engine, w2_engine = engine["moe_weights"]
+        compare("moe_in", x_zoo, x_engine)
+        compare("moe_gate_weight", zl.mlp.router.weight.detach().to(gate_engine.dtype).reshape(-1), gate_engine.reshape(-1))
+        compare("moe_w13", w13_zoo.detach().reshape(-1), w13_engine.reshape(-1))
+        compare("moe_w2", w2_zoo.detach().reshape(-1), w2_engine.reshape(-1))
+        with torch.no_grad():
+            ours = moe_steps(x_zoo, zl.mlp.router.weight.to(x_zoo.dtype), w13_zoo, w2_zoo, moe_cfg.top_k, moe_cfg.normalize_topk)
+            theirs = moe_steps(x_engine, gate_engine, w13_engine, w2_engine, moe_cfg.top_k, moe_cfg.normalize_topk)
+        for name in ours:  # whole tensors (flat() keeps T rows; these have n * k)
+            compare(f"moe_{name}", ours[name].reshape(-1), theirs[name].reshape(-1))
+        compare("moe_router_logits_vs_engine_gate", ours["router_logits"], flat(engine["moe_gate"][0]))
+        weights, _, ids = mine["moe_router"]
+        compare("moe_router_weights_vs_ops", weights.reshape(-1), ours["topk_weights"].reshape(-1))
+        compare("moe_router_ids_vs_ops", ids.reshape(-1), ours["topk_ids"].reshape(-1))
+        # the chain recomputed on the engine's input is the engine's block (validates the op list),
+        # and the zoo's block output is the engine's
+        compare("moe_ops_on_engine_input_vs_engine_block", theirs["moe_sum"], flat(engine["moe_out"][0]))
+        compare("moe_out", mine["moe_out"][0], engine["moe_out"][0])
     for i in range(len(model.decoder.layers)):
         e = engine.get(f"layer{i}")
         if e:

@@ -25,7 +25,8 @@ router keeps a single target (one forward per block). Replay fails closed: a for
 too few routes left, and routes left unused when the block ends, raise
 :class:`~mcore_zoo.errors.ZooError` naming the layer (and how many of its tokens were left).
 Routes chosen by a rollout engine (per sequence, token and layer) are packed that way by
-:func:`pack_routes` (one forward) or :func:`microbatch_routes` (several); :func:`unpack_routes`
+:func:`pack_routes` (one forward) or :func:`microbatch_routes` (several); :func:`routes_from_vllm`
+reads them from vLLM's request outputs (``enable_return_routed_experts=True``); :func:`unpack_routes`
 splits recorded routes per sequence. Activation recomputation of MoE layers (``"full"``, or
 ``"selective"`` with ``"moe"``): with the zoo's router a forward rerun in the backward routes its
 tokens to the experts of the forward it recomputes, in a record and in a replay alike, and neither
@@ -327,6 +328,45 @@ def unpack_routes(routes: Sequence[torch.Tensor], lengths: Sequence[int], *, ali
     return out
 
 
+def routes_from_vllm(outputs: Sequence[Any], moe_layers: Sequence[int]) -> list[torch.Tensor]:
+    """The experts vLLM routed each token of its requests to, as per-sequence routes for
+    :func:`pack_routes`, :func:`microbatch_routes` or ``train_step(replay_routes=)``: one
+    ``[len(moe_layers), len_i, top_k]`` int64 tensor per completion (the requests in order, each
+    request's completions in order), sequence ``i`` being the request's prompt followed by that
+    completion's tokens.
+
+    ``outputs``: vLLM ``RequestOutput`` objects of an engine started with
+    ``enable_return_routed_experts=True``, each completion carrying ``routed_experts``: a numpy
+    array ``[tokens, num_hidden_layers, top_k]`` (vLLM 0.26; ``uint8`` up to 256 experts, else
+    ``uint16``) indexed by the decoder layer's index, a dense layer's rows zero, one row per token
+    that went through a forward: the prompt and every sampled token but the last. The last
+    token's experts are unknown; its output predicts past the sequence, so it gets experts
+    ``0..top_k-1`` (as padding does). ``moe_layers``: the model's MoE layer numbers, 1-based
+    (:func:`moe_layer_numbers`). Refuses a completion without routes (the engine option off) or
+    whose routes do not start at the prompt's first token (``routed_experts_prompt_start``)."""
+    index = [int(n) - 1 for n in moe_layers]
+    per_sequence = []
+    for r, request in enumerate(outputs):
+        for c, completion in enumerate(request.outputs):
+            experts = getattr(completion, "routed_experts", None)
+            if experts is None:
+                raise ZooError(f"request {r}, completion {c}: no routed_experts; start vLLM with"
+                               " enable_return_routed_experts=True")  # fmt: skip
+            length = len(request.prompt_token_ids) + len(completion.token_ids)
+            routes = torch.as_tensor(experts.astype("int64"))
+            if routes.dim() != 3 or max(index, default=-1) >= routes.shape[1]:
+                raise ZooError(f"request {r}, completion {c}: routed_experts of shape {tuple(routes.shape)} for MoE"
+                               f" layers {list(moe_layers)}; expected [tokens, num_hidden_layers, top_k]")  # fmt: skip
+            if routes.shape[0] not in (length - 1, length):
+                raise ZooError(f"request {r}, completion {c}: routes for {routes.shape[0]} tokens, the sequence has"
+                               f" {length} (routes from the prompt's first token: no routed_experts_prompt_start)")  # fmt: skip
+            routes = routes[:, index].transpose(0, 1)  # [moe_layers, tokens, k]
+            top_k = routes.shape[2]
+            tail = torch.arange(top_k).expand(len(index), length - routes.shape[1], top_k)
+            per_sequence.append(torch.cat([routes, tail], dim=1).contiguous())
+    return per_sequence
+
+
 @dataclass
 class TokenCounts:
     """Per MoE layer, how many tokens each expert received (summed over the forwards counted)."""
@@ -373,4 +413,4 @@ def aux_losses(clear: bool = True) -> dict[str, torch.Tensor]:
 
 __all__ = ["Recording", "TokenCounts", "aux_losses", "context_parallel_routes", "count_tokens",
            "merge_context_parallel_routes", "microbatch_routes", "moe_layer_numbers", "moe_routers", "pack_routes",
-           "record", "replay", "unpack_routes"]
+           "record", "replay", "routes_from_vllm", "unpack_routes"]

@@ -1,6 +1,7 @@
 """``vllm-exact``: the trainer's log-probs bit-identical to vLLM's batch-invariant mode, on the GPU.
 
-For each dense built-in (random weights at a real head size, bf16): the zoo model is built with
+For each dense built-in and Qwen3-MoE (random weights at a real head size, bf16; the MoE with 8
+experts, top-2, and vLLM's MoE dispatch reported): the zoo model is built with
 ``numerics="vllm-exact"`` and exported; an in-process ``vllm.LLM`` (``VLLM_BATCH_INVARIANT=1``,
 ``enforce_eager=True``, FlashAttention, 16-token KV blocks) loads the export and samples
 continuations with their log-probs (decode steps, batched). The zoo then runs one packed forward
@@ -37,6 +38,9 @@ ARCHS = [
     ("Qwen2ForCausalLM", {}),
     ("Qwen3ForCausalLM", {"head_dim": 128}),
     ("MistralForCausalLM", {"sliding_window": None, "head_dim": 128}),
+    # 8 experts, top-2, norm_topk_prob; layer 1 a dense MLP (the example config's mlp_only_layers)
+    ("Qwen3MoeForCausalLM", {"head_dim": 128, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 704,
+                             "norm_topk_prob": True, "output_router_logits": False}),
 ]
 KNOWN_GAPS: dict = {}
 SIZES = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 8, "num_key_value_heads": 2,
@@ -106,6 +110,42 @@ def _probe(llm, model, seq) -> dict:
         report["layers_equal"].append(bool(torch.equal(a, b)))
         report["layers_max_abs"].append(float((a.float() - b.float()).abs().max()))
     return report
+
+
+def moe_dispatch(worker) -> dict:
+    """How the engine runs its first MoE block (a ``collective_rpc`` function): the classes of the
+    ``FusedMoE`` layer's quant method, router, runner, experts kernel and prepare / finalize, the
+    unquantized backend the oracle chose, and the fused-MoE kernel's tile config for this
+    environment (``VLLM_BATCH_INVARIANT=1``: the fixed batch-invariant one). ``{}`` for a dense model."""
+    from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
+
+    inner = getattr(worker._zoo_model(), "model", worker._zoo_model())
+    layer = next((lyr for lyr in inner.layers if hasattr(getattr(lyr, "mlp", None), "experts")), None)
+    if layer is None:
+        return {}
+    moe = layer.mlp.experts
+    found: dict = {"block": type(layer.mlp).__name__, "layer": type(moe).__name__, "gate": type(layer.mlp.gate).__name__}
+    seen: set = set()
+
+    def walk(obj, path, depth):
+        if depth > 4 or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        items = list(vars(obj).items()) if hasattr(obj, "__dict__") else []
+        if isinstance(obj, torch.nn.Module):
+            items += list(obj._modules.items())
+        for name, value in items:
+            kind = type(value).__name__
+            if any(word in kind for word in ("Router", "Experts", "Kernel", "Finalize", "Runner", "Method", "Impl")):
+                found[f"{path}.{name}"] = kind
+                walk(value, f"{path}.{name}", depth + 1)
+
+    walk(moe, "experts", 0)
+    found["unquantized_backend"] = str(getattr(getattr(moe, "quant_method", None), "unquantized_backend", None))
+    w13, w2 = getattr(moe, "w13_weight", None), getattr(moe, "w2_weight", None)
+    if w13 is not None and w2 is not None:
+        found["triton_config"] = try_get_optimal_moe_config(tuple(w13.shape), tuple(w2.shape), int(moe.top_k), None, 64)
+    return found
 
 
 def _fa(q, cache_k, cache_v, cu_q, max_q, seqused, max_k, table, scale):
@@ -211,6 +251,11 @@ def check(ckpt: str, arch: str, out_dir: str) -> dict:
     result.update(generated_tokens=gen_n, generated_bitwise=gen_eq, generated_max_abs=gen_max,
                   prompt_tokens=prompt_n, prompt_bitwise=prompt_eq, prompt_max_abs=prompt_max)  # fmt: skip
     result["engine_runner"] = llm.collective_rpc(lambda w: type(w.model_runner).__module__ + "." + type(w.model_runner).__name__)[0]
+    if mcore_zoo.handle_of(model).arch_config.moe is not None:
+        try:
+            result["moe_dispatch"] = llm.collective_rpc(moe_dispatch)[0]
+        except Exception as exc:  # a diagnostic: never hides the measurement
+            result["moe_dispatch"] = {"error": repr(exc)[:300]}
     # diagnostic: the same logits through vLLM's other log-prob kernel (its GPU model runner's fused one)
     try:
         from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
@@ -236,11 +281,11 @@ def check(ckpt: str, arch: str, out_dir: str) -> dict:
     # gradients against hf-exact's (same weights, same sequences)
     seqs = [s.cuda() for s in full]
     mcore_zoo.train_step(model, seqs, _loss)
-    grads = {n: p.grad.float() for n, p in model.named_parameters()}
+    grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}  # an idle expert has none
     ref = mcore_zoo.build_model(ckpt, backend="local", numerics="hf-exact", params_dtype=torch.bfloat16, load=ckpt)
     mcore_zoo.train_step(ref, seqs, _loss)
     result["grad_rel_l2_vs_hf_exact"], result["grad_rel_l2_worst_param"] = grad_rel_l2(
-        grads, {n: p.grad for n, p in ref.named_parameters()})  # fmt: skip
+        grads, {n: p.grad for n, p in ref.named_parameters() if p.grad is not None and n in grads})  # fmt: skip
     del llm
     return result
 
@@ -291,6 +336,8 @@ def test_vllm_exact_log_probs_equal_vllm_batch_invariant(reference_checkpoint, a
           f" prompt {r['prompt_bitwise']}/{r['prompt_tokens']} (max |d| {r['prompt_max_abs']:.3e});"
           f" gradients vs hf-exact rel L2 {r['grad_rel_l2_vs_hf_exact']:.3e} (worst param {r['grad_rel_l2_worst_param']:.3e})")  # fmt: skip
     print(f"  probe: {r.get('probe')}; runner {r.get('engine_runner')}; fused log-prob kernel fp32 {r.get('fused_logprob_kernel_fp32_bitwise')} bf16 {r.get('fused_logprob_kernel_bf16_bitwise')}")
+    if "moe_dispatch" in r:
+        print(f"  MoE dispatch: {r['moe_dispatch']}")
     out = os.environ.get("MCORE_ZOO_GPU_RESULTS")
     if out:
         with open(os.path.join(out, f"vllm-exact-{arch}.json"), "w") as f:

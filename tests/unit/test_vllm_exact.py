@@ -122,8 +122,8 @@ def test_vllm_exact_refuses_what_it_does_not_reproduce(reference_checkpoint, mpu
         mcore_zoo.build_model(ckpt, backend="portable", numerics=VLLM_EXACT)
     with use_kernels(ReferenceKernels()), pytest.raises(ZooError, match="backend 'local' or 'portable'"):
         mcore_zoo.build_model(ckpt, backend="te", numerics=VLLM_EXACT)
-    moe = reference_checkpoint("Qwen3MoeForCausalLM", {"num_hidden_layers": 2})
-    with use_kernels(ReferenceKernels()), pytest.raises(ZooError, match="dense decoders"):
+    moe = reference_checkpoint("MixtralForCausalLM", {"num_hidden_layers": 2})  # MoE: Qwen3-MoE's block only
+    with use_kernels(ReferenceKernels()), pytest.raises(ZooError, match="MoE block of Qwen3MoeForCausalLM only"):
         mcore_zoo.build_model(moe, backend="portable", numerics=VLLM_EXACT)
     # head size 16: vLLM's decode steps are not its prefill there; refused unless accepted by the knob
     with use_kernels(ReferenceKernels()), pytest.raises(ZooError, match="head size 16.*vllm_decode='prefill'"):
@@ -158,3 +158,152 @@ def test_the_engines_fused_log_prob_kernel_gives_the_value_and_log_softmax_the_g
     assert not torch.allclose(fused[valid], plain[valid])
     assert fused[~valid].abs().sum() == 0
     assert torch.equal(g_fused, g_plain)
+
+
+# ---------------------------------------------------------------------------- mixture of experts
+def test_every_moe_op_has_a_correct_backward():
+    """Router top-k (with and without renormalisation, with replayed routes), the two grouped expert
+    GEMMs with the activation and the routing weight, and the sum over k: fp64 gradcheck."""
+    g = torch.Generator().manual_seed(1)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_(True)
+
+    with use_kernels(ReferenceKernels()):
+        for renormalize in (True, False):
+            _gradcheck(lambda x, r=renormalize: vllm_ops.moe_topk_softmax(x, 2, renormalize=r)[0], rand(5, 6))
+        routes = torch.tensor([[0, 1], [5, 2], [3, 4], [1, 0], [2, 5]])
+        _gradcheck(lambda x: vllm_ops.moe_topk_softmax(x, 2, renormalize=True, routes=routes)[0], rand(5, 6))
+        ids = torch.tensor([[0, 2], [3, 1], [2, 0], [1, 3]], dtype=torch.int32)  # 4 experts, top-2
+        _gradcheck(lambda x, w13, w2, s: vllm_ops.fused_experts(x, w13, w2, s, ids),
+                   rand(4, 6), rand(4, 2 * 3, 6), rand(4, 6, 3), rand(4, 2))  # fmt: skip
+        _gradcheck(vllm_ops.moe_sum, rand(3, 4, 5))
+
+
+def test_the_router_keeps_the_kernels_weights_where_replayed_routes_agree():
+    logits = torch.randn(6, 8, dtype=torch.bfloat16)
+    with use_kernels(ReferenceKernels()):
+        weights, ids = vllm_ops.moe_topk_softmax(logits, 2, renormalize=True)
+        routes = ids.clone()
+        routes[1] = torch.tensor([7, 3]) if ids[1].tolist() != [7, 3] else torch.tensor([0, 1])
+        replayed, replayed_ids = vllm_ops.moe_topk_softmax(logits, 2, renormalize=True, routes=routes.long())
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    assert torch.equal(replayed_ids, routes.to(torch.int32))
+    keep = torch.arange(6) != 1
+    assert torch.equal(replayed[keep], weights[keep])
+    want = torch.softmax(logits[1].float(), -1)[routes[1].long()]
+    assert torch.allclose(replayed[1], want / want.sum())
+    assert torch.all(weights[:, 0] >= weights[:, 1])  # the kernel's slot order: descending weight
+
+
+def test_qwen3_moe_matches_hf_exact_and_every_expert_gets_a_gradient(reference_checkpoint, hf_reference, mpu):
+    """fp32 with the torch stand-ins: the vllm-exact Qwen3-MoE (vLLM's router and fused experts on
+    mcore's router and sequential experts' parameters, a dense MLP layer among the MoE layers) gives
+    HF eager's log-probs and hf-exact's gradients up to fp32 rounding (both compute the same
+    softmax top-k and expert sums in another op order: a few fp32 ulps of the activations; the
+    bounds are the dense decoders' above, 2e-5 on log-probs and 1e-5 of the largest gradient;
+    measured: 1e-6 and 2e-6); every expert's fc1 / fc2 and the router weight get a gradient."""
+    ckpt = reference_checkpoint("Qwen3MoeForCausalLM", {"num_hidden_layers": 3})
+    hf = hf_reference("Qwen3MoeForCausalLM", ckpt)
+    vocab = hf.config.vocab_size
+    seqs = random_sequences([11, 6, 15], vocab)
+    with torch.no_grad():
+        want = [torch.log_softmax(hf(s[None]).logits[0, :-1].float(), -1).gather(-1, s[1:, None]).squeeze(-1) for s in seqs]
+
+    def loss_fn(t):
+        return torch.where(t.mask, -t.logprobs, 0.0).sum(), {}
+
+    grads = {}
+    for numerics in ("vllm-exact", "hf-exact"):
+        with use_kernels(ReferenceKernels()):
+            profile = VLLM_EXACT if numerics == "vllm-exact" else numerics
+            model = mcore_zoo.build_model(ckpt, backend="portable", numerics=profile, load=ckpt)
+            out = mcore_zoo.packed_forward(model, seqs)
+            mcore_zoo.train_step(model, seqs, loss_fn)
+        grads[numerics] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        for got, ref in zip(out.logprobs, want):
+            assert (got - ref).abs().max() <= 2e-5, numerics
+        if numerics == "vllm-exact":
+            layers = model.decoder.layers
+            assert type(layers[0].mlp).__name__ == "VLLMMoELayer" and type(layers[0].mlp.router).__name__ == "VLLMRouter"
+            assert type(layers[1].mlp).__name__ == "VLLMMLP"  # mlp_only_layers: [1]
+            assert type(layers[0].input_layernorm).__name__ == "VLLMRMSNorm"
+            expert_params = [n for n, _ in model.named_parameters() if ".experts." in n or ".router." in n]
+            assert expert_params and all(n in grads[numerics] and grads[numerics][n].abs().sum() > 0 for n in expert_params)
+    assert set(grads["vllm-exact"]) == set(grads["hf-exact"])
+    for name, g in grads["hf-exact"].items():
+        assert (grads["vllm-exact"][name] - g).abs().max() <= 1e-5 * max(1.0, g.abs().max().item()), name
+
+
+@pytest.mark.parametrize("arch, reason", [
+    ("DeepseekV3ForCausalLM", "multi-head latent attention"),
+    ("GptOssForCausalLM", "gpt-oss"),
+    ("Qwen2MoeForCausalLM", "shared-expert"),
+    ("MixtralForCausalLM", "Qwen3MoeForCausalLM only"),
+])  # fmt: skip
+def test_vllm_exact_refuses_moe_it_does_not_reproduce_by_name(arch, reason, reference_checkpoint, mpu):
+    ckpt = reference_checkpoint(arch, {"num_hidden_layers": 2})
+    with use_kernels(ReferenceKernels()), pytest.raises(ZooError, match=reason):
+        mcore_zoo.build_model(ckpt, backend="portable", numerics=VLLM_EXACT)
+
+
+def test_vllm_exact_moe_refuses_parallel_layouts_and_grouped_experts(reference_checkpoint, mpu):
+    from types import SimpleNamespace
+
+    from mcore_zoo.build import prepare
+    from mcore_zoo.specs.vllm_exact import check_moe_supported
+
+    arch = prepare(str(reference_checkpoint("Qwen3MoeForCausalLM", {"num_hidden_layers": 2}))).arch_config
+    for field in ("tensor_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size"):
+        with pytest.raises(ZooError, match=f"{field}=2.*not built"):
+            check_moe_supported(arch, SimpleNamespace(**{field: 2}), VLLM_EXACT)
+    with pytest.raises(ZooError, match="grouped_experts=False"):
+        check_moe_supported(arch, SimpleNamespace(), VLLM_EXACT.with_knobs(grouped_experts=True))
+    check_moe_supported(arch, SimpleNamespace(), VLLM_EXACT)  # TP1, sequential experts: accepted
+
+
+def test_routes_from_vllm_request_outputs_replay_the_engines_experts(reference_checkpoint, mpu):
+    """vLLM's returned routes (``enable_return_routed_experts``: per completion ``routed_experts``,
+    numpy ``[prompt + generated - 1, num_hidden_layers, top_k]``, uint8, dense layers' rows zero)
+    -> the zoo's per-sequence routes -> replay: the vllm-exact router takes the engine's experts
+    (here: made-up outputs holding the experts a recorded forward chose, so the replayed forward's
+    log-probs are the recorded ones bit for bit)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from mcore_zoo import routing
+
+    ckpt = reference_checkpoint("Qwen3MoeForCausalLM", {"num_hidden_layers": 3})  # layer 2 (index 1) dense
+    with use_kernels(ReferenceKernels()):
+        model = mcore_zoo.build_model(ckpt, backend="portable", numerics=VLLM_EXACT, load=ckpt,
+                                      overrides={"moe_enable_routing_replay": True})  # fmt: skip
+        vocab = mcore_zoo.handle_of(model).arch_config.vocab_size
+        seqs = random_sequences([9, 14], vocab)
+        with torch.no_grad(), routing.record(model) as rec:
+            recorded = mcore_zoo.packed_forward(model, seqs)
+        moe_layers = routing.moe_layer_numbers(model)
+        assert moe_layers == [1, 3]
+        per_sequence = routing.unpack_routes(rec.routes, [len(s) for s in seqs])
+        prompt = 5
+        outputs = []
+        for s, routes in zip(seqs, per_sequence):
+            engine = np.zeros((len(s) - 1, 3, 2), dtype=np.uint8)  # the last token: never forwarded
+            for i, layer in enumerate(moe_layers):
+                engine[:, layer - 1] = routes[i, : len(s) - 1].numpy()
+            completion = SimpleNamespace(token_ids=s[prompt:].tolist(), routed_experts=engine)
+            outputs.append(SimpleNamespace(prompt_token_ids=s[:prompt].tolist(), outputs=[completion]))
+        got = routing.routes_from_vllm(outputs, moe_layers)
+        assert [tuple(r.shape) for r in got] == [(2, 9, 2), (2, 14, 2)] and got[0].dtype == torch.int64
+        for mine, want in zip(got, per_sequence):
+            assert torch.equal(mine[:, :-1], want[:, :-1]) and mine[:, -1].tolist() == [[0, 1], [0, 1]]
+        with torch.no_grad(), routing.replay(model, routing.pack_routes(got)):
+            replayed = mcore_zoo.packed_forward(model, seqs)
+    # every token but each sequence's last has its recorded experts; the last one's other experts
+    # change the row count of two experts' GEMMs, which on the CPU (the stand-ins' per-expert
+    # matmul) rounds the other rows of those experts differently - vLLM's fused-MoE kernel computes
+    # each row alone: fp32 rounding here, nothing more
+    assert all((a - b).abs().max() <= 1e-5 for a, b in zip(replayed.logprobs, recorded.logprobs))
+    outputs[0].outputs[0].routed_experts = None
+    with pytest.raises(ZooError, match="enable_return_routed_experts=True"):
+        routing.routes_from_vllm(outputs, moe_layers)

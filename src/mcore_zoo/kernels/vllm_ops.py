@@ -5,7 +5,11 @@ fixed set of kernels whose per-token results do not depend on the batch: a Trito
 (``matmul_persistent``; bias added after), a Triton RMSNorm (no residual), its CUDA fused
 add + RMSNorm (with a residual), RoPE in torch ops (``forward_static``), its CUDA SiLU-and-mul
 kernel, FlashAttention-3 over the paged KV cache with ``num_splits=1``, and for log-probs its GPU
-model runner's fused Triton kernel on the model-dtype logits (``compute_token_logprobs``).
+model runner's fused Triton kernel on the model-dtype logits (``compute_token_logprobs``). An
+unquantized MoE block (Qwen3-MoE, TP1) runs its ``FusedMoE`` layer with the ``topk_softmax`` router
+kernel and ``TritonExperts`` - two Triton fused-MoE GEMMs at a fixed tile config, SiLU-and-mul
+between them, the routing weight applied in the second GEMM's fp32 accumulator, ``moe_sum``
+over the k slots (:func:`moe_topk_softmax`, :func:`fused_experts`).
 (Which implementation each op runs was read from the engine:
 ``bench/gpu/vllm_exact_probe.py`` reports the dispatch and compares layer 0 op by op.)
 This module calls exactly those kernels (imported from the installed vLLM) so that a trainer's
@@ -39,6 +43,9 @@ PAGE_SIZE = 16  # vLLM's KV-cache block size for FlashAttention on CUDA (FA3 til
 #: is not batch-invariant across that boundary. The trainer launches it on at most this many rows,
 #: reproducing every engine step of fewer than 256 tokens (decode steps of < 256 sequences).
 FUSED_NORM_TOKENS = 255
+#: the Triton fused-MoE kernel's tiles under ``VLLM_BATCH_INVARIANT=1`` (vLLM 0.26's
+#: ``fused_moe.get_default_config``; its tuned per-shape configs are skipped in that mode)
+MOE_BATCH_INVARIANT_CONFIG = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 32, "GROUP_SIZE_M": 8, "SPLIT_K": 1}
 
 
 def decode_equals_prefill(head_size: int) -> bool:
@@ -144,6 +151,60 @@ class VLLMKernels:
         )  # fmt: skip
         return out
 
+    # ---- MoE (unquantized, TP1): the path of vLLM's ``FusedMoE`` with ``TritonExperts``
+    def moe_topk_softmax(self, logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights fp32 [n, k], experts int32 [n, k])`` from router logits ``[n, E]`` (the model
+        dtype): vLLM's ``fused_topk`` (its ``FusedTopKRouter``), the CUDA ``topk_softmax`` kernel -
+        softmax over all experts in fp32, the k largest in descending order, divided by their sum
+        when ``renormalize`` (``norm_topk_prob``)."""
+        from vllm.model_executor.layers.fused_moe.router.fused_topk_router import fused_topk
+
+        weights, ids, _ = fused_topk(logits, logits.contiguous(), top_k, renormalize)
+        return weights, ids
+
+    def moe_config(self, w13_shape: tuple, w2_shape: tuple, top_k: int, num_tokens: int) -> dict:
+        """The Triton fused-MoE kernel's tile config as ``TritonExperts`` picks it; under
+        ``VLLM_BATCH_INVARIANT=1`` vLLM's fixed one (``get_default_config``: BLOCK 64 / 64 / 32,
+        GROUP 8, SPLIT_K 1)."""
+        from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
+
+        return try_get_optimal_moe_config(tuple(w13_shape), tuple(w2_shape), top_k, None, num_tokens)
+
+    def moe_gemm(self, a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, weights: Optional[torch.Tensor],
+                 per_slot: bool, config: dict) -> torch.Tensor:  # fmt: skip
+        """One of ``TritonExperts``' two grouped GEMMs on vLLM's Triton ``fused_moe_kernel``:
+        ``out[t, j] = a[row] @ w[ids[t, j]].T`` -> ``[n, k, N]`` in ``a``'s dtype, with ``row = t``
+        (``a [n, K]``, the first GEMM: top_k = k) or ``row = t * k + j`` (``per_slot``: ``a [n * k, K]``,
+        the second GEMM: top_k = 1). fp32 accumulation; ``weights [n, k]`` (fp32): the accumulator
+        is multiplied by the slot's routing weight in fp32 before the one cast (the second GEMM,
+        ``mul_routed_weight``)."""
+        from vllm.model_executor.layers.fused_moe.fused_moe import (
+            _prepare_expert_assignment,
+            invoke_fused_moe_triton_kernel,
+        )
+        from vllm.triton_utils import tl
+
+        n, k = ids.shape
+        sorted_ids, expert_ids, padded = _prepare_expert_assignment(ids, config, n, k, w.shape[0], None)
+        out = a.new_empty(n, k, w.shape[1])
+        compute_type = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[a.dtype]
+        invoke_fused_moe_triton_kernel(
+            a.contiguous(), w.contiguous(), out, None, None, weights, sorted_ids, expert_ids, padded,
+            weights is not None, 1 if per_slot else k, config, compute_type=compute_type, use_fp8_w8a8=False,
+            use_int8_w8a8=False, use_int8_w8a16=False, use_int4_w4a16=False, per_channel_quant=False,
+            block_shape=None, B_bias=None,
+        )  # fmt: skip
+        return out
+
+    def moe_sum(self, y: torch.Tensor) -> torch.Tensor:
+        """``y [n, k, H]`` summed over the k slots (vLLM's CUDA ``moe_sum``, as ``TritonExperts``
+        reduces)."""
+        from vllm import _custom_ops as ops
+
+        out = y.new_empty(y.shape[0], y.shape[2])
+        ops.moe_sum(y.contiguous(), out)
+        return out
+
 
 def _paged(k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Packed ``k / v [T, g, d]`` -> paged caches ``[blocks, PAGE_SIZE, g, d]``, the int32 block table
@@ -207,6 +268,30 @@ class ReferenceKernels:
     def paged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                         scale: float, window: Optional[int]) -> torch.Tensor:  # fmt: skip
         return _reference_attention(q, k, v, lengths, scale, window)
+
+    def moe_topk_softmax(self, logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(_acc(logits), dim=-1)
+        ids = torch.topk(probs, top_k, dim=-1).indices.to(torch.int32)  # descending, as the kernel
+        return _routing_weights(_acc(logits), ids, renormalize), ids
+
+    def moe_config(self, w13_shape: tuple, w2_shape: tuple, top_k: int, num_tokens: int) -> dict:
+        return dict(MOE_BATCH_INVARIANT_CONFIG)
+
+    def moe_gemm(self, a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, weights: Optional[torch.Tensor],
+                 per_slot: bool, config: dict) -> torch.Tensor:  # fmt: skip
+        n, k = ids.shape
+        flat = ids.reshape(-1).long()
+        src = _slot_rows(n, k, per_slot, a.device)
+        out = torch.empty(n * k, w.shape[1], dtype=_acc(a).dtype, device=a.device)
+        for e in flat.unique().tolist():
+            sel = (flat == e).nonzero().squeeze(1)
+            out[sel] = _acc(a[src[sel]]) @ _acc(w[e]).t()
+        if weights is not None:
+            out = out * _acc(weights).reshape(-1, 1)
+        return out.to(a.dtype).view(n, k, w.shape[1])
+
+    def moe_sum(self, y: torch.Tensor) -> torch.Tensor:
+        return _acc(y).sum(dim=1).to(y.dtype)
 
 
 def _reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float,
@@ -490,6 +575,123 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.
     """Causal attention of packed sequences (``q [T, h, d]``, ``k / v [T, g, d]``, ``lengths`` [B])
     with vLLM's FlashAttention prefill; backward by recomputation (see :func:`_differentiable_attention`)."""
     return _Attention.apply(q, k, v, lengths, float(scale), window)
+
+
+# ---------------------------------------------------------------------------- mixture of experts
+def _routing_weights(logits: torch.Tensor, ids: torch.Tensor, renormalize: bool) -> torch.Tensor:
+    """``softmax(logits)`` over all experts at the chosen ``ids [n, k]``, divided by their sum when
+    ``renormalize`` (differentiable; in ``logits``' dtype)."""
+    weights = torch.softmax(logits, dim=-1).gather(1, ids.long())
+    return weights / weights.sum(dim=-1, keepdim=True) if renormalize else weights
+
+
+def _slot_rows(n: int, k: int, per_slot: bool, device: torch.device) -> torch.Tensor:
+    """The input row of each of the ``n * k`` slots of an expert GEMM: its token (``t``) or itself."""
+    rows = torch.arange(n * k, device=device)
+    return rows if per_slot else rows // k
+
+
+class _MoETopK(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, top_k: int, renormalize: bool,
+                routes: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        weights, ids = kernels().moe_topk_softmax(logits, top_k, renormalize)
+        if routes is not None:  # replayed experts: the kernel's weights where it chose the same ones
+            routes = routes.to(device=ids.device, dtype=ids.dtype)
+            same = (ids == routes).all(dim=-1, keepdim=True)
+            weights = torch.where(same, weights, _routing_weights(_acc(logits), routes, renormalize).to(weights.dtype))
+            ids = routes
+        ctx.save_for_backward(logits, ids)
+        ctx.renormalize = renormalize
+        ctx.mark_non_differentiable(ids)
+        return weights, ids
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _ids_grad: Any) -> tuple[Optional[torch.Tensor], ...]:
+        logits, ids = ctx.saved_tensors
+        (gl,) = _fp32_grads(lambda x: _routing_weights(x, ids, ctx.renormalize), (logits,), ctx.needs_input_grad[:1], grad)
+        return gl, None, None, None
+
+
+def moe_topk_softmax(logits: torch.Tensor, top_k: int, *, renormalize: bool,
+                     routes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """vLLM's softmax top-k router on ``logits [n, E]``: ``(weights fp32 [n, k], experts int32 [n, k])``,
+    the experts in the kernel's order (descending weight), the weights divided by their sum when
+    ``renormalize``. ``routes [n, k]``: use these experts (routing replay); a token whose routes are
+    the kernel's own choice keeps the kernel's weights, any other gets the same formula in torch
+    ops (fp32). Differentiable in ``logits`` (softmax over all experts, gathered, renormalised)."""
+    return _MoETopK.apply(logits, int(top_k), bool(renormalize), routes)
+
+
+class _MoEGemm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, weights: Optional[torch.Tensor],
+                per_slot: bool, config: dict) -> torch.Tensor:  # fmt: skip
+        ctx.save_for_backward(a, w, ids, weights)
+        ctx.per_slot = per_slot
+        return kernels().moe_gemm(a, w, ids, weights, per_slot, config)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        a, w, ids, weights = ctx.saved_tensors
+        need_a, need_w, _, need_s = ctx.needs_input_grad[:4]
+        n, k = ids.shape
+        flat = ids.reshape(-1).long()
+        src = _slot_rows(n, k, ctx.per_slot, a.device)
+        g = grad.reshape(n * k, -1)
+        ga = torch.zeros(a.shape, dtype=_acc(a).dtype, device=a.device) if need_a else None
+        gw = torch.zeros_like(w) if need_w else None
+        gs = torch.zeros(n * k, dtype=_acc(weights).dtype, device=a.device) if need_s else None
+        for e in flat.unique().tolist():  # per expert, in fp32: one expert's weight at a time
+            sel = (flat == e).nonzero().squeeze(1)
+            rows, ge, we = _acc(a[src[sel]]), _acc(g[sel]), _acc(w[e])
+            if weights is not None:
+                if need_s:
+                    gs[sel] = (ge * (rows @ we.t())).sum(dim=-1)
+                ge = ge * _acc(weights.reshape(-1)[sel])[:, None]
+            if need_w:
+                gw[e] = (ge.t() @ rows).to(w.dtype)
+            if need_a:
+                ga.index_add_(0, src[sel], ge @ we)
+        return (None if ga is None else ga.to(a.dtype), gw, None,
+                None if gs is None else gs.view(n, k).to(weights.dtype), None, None)  # fmt: skip
+
+
+class _MoESum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor) -> torch.Tensor:
+        ctx.k = y.shape[1]
+        return kernels().moe_sum(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad[:, None, :].expand(-1, ctx.k, -1).contiguous()
+
+
+def moe_sum(y: torch.Tensor) -> torch.Tensor:
+    """``y [n, k, H]`` summed over its k slots (vLLM's ``moe_sum``)."""
+    return _MoESum.apply(y)
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The routed experts of an unquantized MoE block as vLLM's ``TritonExperts`` computes them
+    (batch-invariant mode, TP1), on ``x [n, H]`` (model dtype), ``w13 [E, 2I, H]`` (``[gate; up]``),
+    ``w2 [E, H, I]``, ``weights fp32 [n, k]`` and ``ids [n, k]`` from :func:`moe_topk_softmax`:
+
+    1. ``h [n, k, 2I] = x @ w13[ids].T`` - Triton fused-MoE GEMM, fp32 accumulation, one cast;
+    2. ``a [n * k, I] = silu(h_gate) * h_up`` - vLLM's CUDA ``silu_and_mul`` (as the dense MLP);
+    3. ``y [n, k, H] = (a @ w2[ids].T) * weights`` - the same GEMM, the routing weight multiplied
+       into the fp32 accumulator before the cast to the model dtype;
+    4. ``out [n, H] = sum_k y`` - vLLM's ``moe_sum``.
+
+    Differentiable in ``x``, ``w13``, ``w2`` and ``weights`` (ordinary torch ops in fp32, one expert
+    at a time)."""
+    n, k = ids.shape
+    config = kernels().moe_config(tuple(w13.shape), tuple(w2.shape), k, n)
+    h = _MoEGemm.apply(x, w13, ids, None, False, config)
+    a = silu_and_mul(h.reshape(n * k, -1))
+    return moe_sum(_MoEGemm.apply(a, w2, ids, weights, True, config))
 
 
 # ---------------------------------------------------------------------------- RoPE tables

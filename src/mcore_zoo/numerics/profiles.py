@@ -23,7 +23,8 @@ Built-in profiles:
 * ``vllm-exact`` - vLLM's own batch-invariant kernels (``VLLM_BATCH_INVARIANT=1``) in mcore's
   modules, with a backward: the trainer's log-probs bit-identical to what a vLLM engine in that
   mode computes (:mod:`mcore_zoo.specs.vllm_exact`). Needs vLLM and CUDA in the trainer process;
-  backend ``local`` / ``portable``, dense models, TP / CP 1.
+  backend ``local`` / ``portable``, dense models (any TP) and Qwen3-MoE (TP1, no expert
+  parallelism), CP 1.
 * ``hf-exact`` - reproduce the HF op order: RMSNorm normalises in fp32, casts, then multiplies
   the weight; no fused RoPE / activation / softmax; attention computed as HF ``eager`` (or
   ``sdpa`` with ``attention="sdpa"``) math; a THD pack's GEMMs run one sequence at a time

@@ -165,8 +165,13 @@ def gpt_layer_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile, *,
             from ..families.moe import config as moe_config
 
             moe_config.check_grouped_experts(arch, backend)
-        mlp = moe_mlp_submodule(arch, p, numerics.router, numerics.moe_experts, numerics.grouped_experts,
-                                numerics.pack_gemms, numerics.router_gemm, numerics.shared_expert_gemm)  # fmt: skip
+        if numerics.kernels == "vllm":  # vLLM's fused MoE block on mcore's router and experts
+            from .vllm_exact import moe_submodule
+
+            mlp = moe_submodule(arch, p)
+        else:
+            mlp = moe_mlp_submodule(arch, p, numerics.router, numerics.moe_experts, numerics.grouped_experts,
+                                    numerics.pack_gemms, numerics.router_gemm, numerics.shared_expert_gemm)  # fmt: skip
     else:
         mlp = mlp_submodule(p["linear_fc1"], p["linear_fc2"], module=p.get("mlp"))
     qk_norm = p["qk_norm"] if arch.qk_norm else IdentityOp
@@ -204,19 +209,18 @@ def gpt_layer_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile, *,
     )
 
 
-def _vllm_first_layer(arch: ArchConfig, layer: Any, config: Any, vp_stage: Optional[int], pp_rank: Optional[int],
-                      layers: list, numerics: NumericsProfile) -> list:  # fmt: skip
+def _vllm_first_layer(layers: list, config: Any, vp_stage: Optional[int], pp_rank: Optional[int]) -> list:
     """vLLM normalises the first layer's input without a residual (its Triton norm) and every later
-    norm with the fused add + norm kernel: the model's first layer gets the former."""
+    norm with the fused add + norm kernel: the model's first layer (dense or MoE) gets the former."""
     import dataclasses
 
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from .vllm_exact import check_supported, pieces
+    from .vllm_exact import pieces
 
-    check_supported(arch, config, numerics)
     if not layers or get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank) != 0:
         return layers
+    layer = layers[0]
     first = dataclasses.replace(layer, submodules=dataclasses.replace(
         layer.submodules, input_layernorm=pieces()["first_input_layernorm"]))  # fmt: skip
     return [first, *layers[1:]]
@@ -266,12 +270,16 @@ def gpt_layer_specs(
     if arch.gated_deltanet is not None:  # its layers come from the family's own layer spec
         raise ZooError(f"{arch.architecture} has gated DeltaNet layers: build it with layer_spec="
                        "'mcore_zoo.plugin_api:hybrid_layer_specs' (mcore_zoo.families.gated_deltanet.spec)")  # fmt: skip
+    if numerics.kernels == "vllm":
+        from .vllm_exact import check_supported
+
+        check_supported(arch, config, numerics)
     layer = gpt_layer_spec(arch, backend, numerics)
     indices = stage_layer_indices(config, vp_stage, pp_rank)
     layers = [layer] * len(indices)
-    if numerics.kernels == "vllm":
-        layers = _vllm_first_layer(arch, layer, config, vp_stage, pp_rank, layers, numerics)
     if arch.moe is not None:  # MoE: per global layer index, the MoE or the dense MLP layer
         moe_layer = gpt_layer_spec(arch, backend, numerics, moe=True)
         layers = [moe_layer if arch.moe.is_moe_layer(i) else layer for i in indices]
+    if numerics.kernels == "vllm":
+        layers = _vllm_first_layer(layers, config, vp_stage, pp_rank)
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=_pieces(arch, backend, numerics)["final_norm"])

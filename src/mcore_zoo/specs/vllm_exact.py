@@ -24,8 +24,25 @@ pins it (:class:`VLLMRowParallelLinear`), vocabulary-parallel embedding and LM h
 the log-prob kernel), so at the engine's TP size the trainer computes each token as that engine
 does.
 
+Mixture of experts (Qwen3-MoE): vLLM computes the block with ``FusedMoE`` - unquantized bf16 on
+an SM90 GPU at TP1 in batch-invariant mode the oracle's only kernel that declares batch invariance,
+``TritonExperts`` (FlashInfer's are moved behind Triton on SM90 and do not declare it)::
+
+    logits = linear(x, W_gate)                          # ReplicatedLinear: Triton persistent GEMM, bf16
+    weights, ids = topk_softmax(logits, k, norm_topk)   # CUDA kernel: fp32 softmax, top k, / sum
+    h = fused_moe(x, w13[ids])                          # Triton fused-MoE GEMM, fixed batch-invariant tiles
+    a = silu_and_mul(h)                                 # CUDA kernel, per (token, slot) row
+    y = fused_moe(a, w2[ids]) * weights                 # weight applied to the fp32 accumulator, then bf16
+    out = moe_sum(y)                                    # CUDA kernel: the k slots of a token summed
+
+:class:`VLLMMoELayer` runs exactly these ops (:func:`mcore_zoo.kernels.vllm_ops.fused_experts`) on
+Megatron-Core's own parameters: the router's ``weight`` and the sequential experts'
+``linear_fc1`` (``[gate; up]``) / ``linear_fc2`` weights, so the checkpoint mapping is the
+MoE built-ins' own.
+
 Scope (refused otherwise, naming the reason): dense RMSNorm + SwiGLU + NeoX RoPE decoders (the
-dense built-ins), context parallel size 1, no sequence parallelism.
+dense built-ins) and Qwen3-MoE (softmax top-k router, no shared expert, tensor, expert and expert
+tensor parallel size 1), context parallel size 1, no sequence parallelism.
 """
 
 from __future__ import annotations
@@ -35,6 +52,8 @@ from typing import Any, Optional
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.router import TopKRouter
 
 from ..errors import ZooError
 from ..kernels import vllm_ops
@@ -190,6 +209,93 @@ class VLLMAttention(PortableAttention):
         return f"heads={self.heads}, groups={self.groups}, window={self.window}, kernel=vllm flash-attention (paged)"
 
 
+class VLLMRouter(TopKRouter):
+    """Megatron-Core's ``TopKRouter`` (same ``weight``, same routing replay object) computing the
+    routing as vLLM's ``FusedMoE`` does: the logits by vLLM's GEMM in the model dtype (vLLM's gate
+    is a ``ReplicatedLinear`` in the model dtype; a router weight kept in fp32 is cast to it), the
+    experts and weights by vLLM's ``topk_softmax`` kernel (:func:`vllm_ops.moe_topk_softmax`).
+
+    ``renormalize``: divide the top-k weights by their sum (``norm_topk_prob``, vLLM's
+    ``renormalize``). ``forward(x [n, H]) -> (weights fp32 [n, k], routing_map bool [n, E], experts int32 [n, k])``:
+    the experts in the kernel's slot order, which is the order the block sums them in. With routing
+    replay (``moe_enable_routing_replay``) the router records / replays its experts through
+    Megatron-Core's ``RouterReplay`` (:mod:`mcore_zoo.routing`); replayed experts that are the
+    kernel's own choice keep the kernel's weights bit for bit."""
+
+    def __init__(self, config: Any, pg_collection: Any = None, *, renormalize: bool) -> None:
+        super().__init__(config=config, pg_collection=pg_collection)
+        self.renormalize = bool(renormalize)
+
+    def forward(self, input: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
+        x = input.reshape(-1, input.shape[-1])
+        logits = vllm_ops.linear(x, self.weight.to(x.dtype))
+        renormalize = self.renormalize
+        routes = None
+        replay = getattr(self, "router_replay", None)
+        if replay is not None:
+            def select(scores: torch.Tensor, topk: int, *_: Any, **__: Any) -> tuple[torch.Tensor, torch.Tensor]:
+                weights, ids = vllm_ops.moe_topk_softmax(scores, topk, renormalize=renormalize)
+                return weights, ids.long()
+
+            _, routes = replay.get_replay_topk(logits.detach(), self.topk, None, None, select)
+        weights, ids = vllm_ops.moe_topk_softmax(logits, self.topk, renormalize=renormalize, routes=routes)
+        routing_map = torch.zeros(x.shape[0], self.num_experts, dtype=torch.bool, device=x.device)
+        return weights, routing_map.scatter(1, ids.long(), True), ids
+
+
+class VLLMMoELayer(MoELayer):
+    """Megatron-Core's ``MoELayer`` (router, sequential experts, parameters and checkpoint keys as
+    they are) whose forward is vLLM's fused MoE block (see the module docstring): no token
+    dispatch; every token's k experts in one pair of fused grouped GEMMs.
+
+    Cost: vLLM's kernels take all experts' weights stacked, ``w13 [E, 2I, H]`` and ``w2 [E, H, I]``;
+    the layer stacks the per-expert parameters in every forward (one copy of the layer's expert
+    weights, in the model dtype, alive until the backward), and the backward's per-expert weight
+    gradients flow back through the stack to each expert's own parameters. Tensor, expert and
+    expert tensor parallel size 1 only."""
+
+    def forward(self, hidden_states: torch.Tensor, intermediate_tensors: Any = None,
+                padding_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, None]:  # fmt: skip
+        if intermediate_tensors is not None:
+            raise ZooError("numerics 'vllm-exact': the MoE block runs whole (no partial CUDA-graph capture)")
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        weights, _, ids = self.router(x)
+        w13, w2 = self.stacked_expert_weights()
+        return vllm_ops.fused_experts(x, w13, w2, weights, ids).view(hidden_states.shape), None
+
+    def stacked_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w13 [E, 2I, H], w2 [E, H, I])`` stacked from the experts' ``linear_fc1`` / ``linear_fc2``
+        weights (differentiable)."""
+        experts = getattr(self.experts, "local_experts", None)
+        if experts is None:
+            raise ZooError(f"numerics 'vllm-exact' takes sequential experts, not {type(self.experts).__name__}")
+        w13 = torch.stack([e.linear_fc1.weight for e in experts])
+        w2 = torch.stack([e.linear_fc2.weight for e in experts])
+        return w13, w2
+
+
+def moe_submodule(arch: Any, pieces: dict[str, Any]) -> Any:
+    """The ``TransformerLayerSubmodules.mlp`` of a ``vllm-exact`` MoE layer: :class:`VLLMMoELayer`
+    with :class:`VLLMRouter` and Megatron-Core's sequential experts of ``pieces``' linears (their
+    weights are what the fused kernels read)."""
+    import functools
+
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoESubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from ..compat import patch_moe_utils_without_te
+
+    patch_moe_utils_without_te()
+    linears = MLPSubmodules(linear_fc1=pieces["linear_fc1"], linear_fc2=pieces["linear_fc2"])
+    router = functools.partial(VLLMRouter, renormalize=arch.moe.normalize_topk)
+    submodules = MoESubmodules(experts=ModuleSpec(module=SequentialMLP, submodules=linears), router=router)
+    if hasattr(MLP, "as_mlp_submodule"):  # 0.19: builder partials (see compat.mlp_submodule)
+        return functools.partial(VLLMMoELayer, submodules=submodules)
+    return ModuleSpec(module=VLLMMoELayer, submodules=submodules)
+
+
 def pieces() -> dict[str, Any]:
     """The module classes of a ``vllm-exact`` layer (see :func:`mcore_zoo.specs.gpt._pieces`)."""
     return dict(
@@ -211,8 +317,11 @@ def check_supported(arch: Any, config: Any, numerics: Any) -> None:
     """Refuse, naming the reason, what the ``vllm-exact`` forward does not reproduce with the
     profile ``numerics`` (its ``vllm_decode`` knob)."""
     name = arch.architecture
-    if arch.moe is not None or arch.mla is not None:
-        raise ZooError(f"{name}: numerics 'vllm-exact' covers dense decoders (no MoE / MLA kernels yet)")
+    if arch.mla is not None:
+        raise ZooError(f"{name}: numerics 'vllm-exact' covers dense decoders and Qwen3-MoE: no kernels for"
+                       " multi-head latent attention (MLA, DeepSeek-V3) yet")  # fmt: skip
+    if arch.moe is not None:
+        check_moe_supported(arch, config, numerics)
     if arch.normalization != "RMSNorm":
         raise ZooError(f"{name}: numerics 'vllm-exact' needs RMSNorm, the model uses {arch.normalization}")
     if not getattr(config, "gated_linear_unit", False) or getattr(config, "activation_func", None) is not torch.nn.functional.silu:
@@ -238,6 +347,43 @@ def check_supported(arch: Any, config: Any, numerics: Any) -> None:
         raise ZooError(f"{name}: numerics 'vllm-exact' does not support sequence parallelism")
     if getattr(config, "rotary_interleaved", False):
         raise ZooError(f"{name}: numerics 'vllm-exact' implements NeoX-style RoPE only")
+
+
+#: the MoE architectures whose block :class:`VLLMMoELayer` computes as vLLM does
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+
+
+def check_moe_supported(arch: Any, config: Any, numerics: Any) -> None:
+    """Refuse, naming the reason, an MoE model or layout whose block the ``vllm-exact`` forward does
+    not compute as vLLM does: architectures other than Qwen3-MoE's router and experts, and tensor /
+    expert / expert tensor parallelism (vLLM shards every expert's intermediate dimension over TP
+    and all-reduces the partial sums: not built)."""
+    name, moe = arch.architecture, arch.moe
+    if moe.softmax_over_topk or moe.clamped_swiglu is not None:
+        raise ZooError(f"{name}: numerics 'vllm-exact' has no kernels for gpt-oss's MoE (softmax over the top-k"
+                       " logits, clamped SwiGLU experts with biases) yet")  # fmt: skip
+    if moe.shared_expert_ffn_hidden_size:
+        raise ZooError(f"{name}: numerics 'vllm-exact' has no shared-expert MoE yet (vLLM runs the shared expert"
+                       " beside the fused experts): Qwen3-MoE only")  # fmt: skip
+    if name not in MOE_ARCHITECTURES:
+        raise ZooError(f"{name}: numerics 'vllm-exact' computes the MoE block of {', '.join(MOE_ARCHITECTURES)} only"
+                       " (softmax top-k router, SwiGLU experts, no shared expert)")  # fmt: skip
+    if moe.router_score_function != "softmax" or moe.router_expert_bias or moe.num_groups or moe.topk_scaling_factor:
+        raise ZooError(f"{name}: numerics 'vllm-exact' implements vLLM's plain softmax top-k router only (no"
+                       " sigmoid scores, expert bias, expert groups or scaling)")  # fmt: skip
+    if moe.aux_loss_coeff:
+        raise ZooError(f"{name}: numerics 'vllm-exact' routes as vLLM's inference kernel, which has no"
+                       f" load-balancing loss: set router_aux_loss_coef=0 (got {moe.aux_loss_coeff})")  # fmt: skip
+    if numerics.grouped_experts:
+        raise ZooError(f"{name}: numerics 'vllm-exact' runs vLLM's fused-MoE kernel on the sequential experts'"
+                       " weights: set grouped_experts=False")  # fmt: skip
+    layout = {name_: getattr(config, name_, 1) or 1 for name_ in
+              ("tensor_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size")}  # fmt: skip
+    wider = {k: v for k, v in layout.items() if v != 1}
+    if wider:
+        raise ZooError(f"{name}: numerics 'vllm-exact' computes the MoE block at TP1 without expert parallelism only;"
+                       f" got {', '.join(f'{k}={v}' for k, v in wider.items())} (vLLM's TP shards every expert's"
+                       " intermediate dimension and all-reduces the partial sums: not built yet)")  # fmt: skip
 
 
 def install(model: torch.nn.Module, arch: Any, config: Any, dtype: torch.dtype) -> None:
