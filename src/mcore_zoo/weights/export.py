@@ -159,7 +159,7 @@ class ExportEntry:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def export_entries(stages: Sequence[Sequence[tuple[int, str, tuple[int, ...], str]]], vpp: int) -> list[ExportEntry]:

@@ -90,7 +90,7 @@ class TensorEntry:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 #: Safetensors dtypes of quantized checkpoints: refused by name (never reinterpreted as another dtype).
@@ -446,8 +446,7 @@ class HFCheckpoint:
         last = sum((hi - 1) * st for (_, hi), st in zip(box, strides))
         start, stop = entry.offset + first * itemsize, entry.offset + (last + 1) * itemsize
         nbytes = math.prod(shape) * itemsize
-        full = str(self._full(entry.file))
-        describe = lambda exc: CheckpointFormatError(full, f"reading {name!r}: {exc}")  # noqa: E731
+        describe = lambda exc: CheckpointFormatError(str(self._full(entry.file)), f"reading {name!r}: {exc}")  # noqa: E731
         if self.staging.accepts(out, shape, strides, itemsize):  # a device destination: the pinned ring
             self.staging.read(self._reader, self._fds[entry.file], out, entry.dtype, shape, strides, start, describe)
             torch.autograd.graph.increment_version(out)

@@ -587,8 +587,14 @@ class WeightMap:
 
     # ------------------------------------------------------------------ expansion
     def expand_full(self) -> list[BoundRule]:
-        """Every bound rule of the whole model (global indices on both sides)."""
-        return list(self._expand(range(self.arch.num_layers), None))
+        """Every bound rule of the whole model (global indices on both sides). Expanded once per
+        rule list (a load asks several times: coverage, optional names, the plan; a model with
+        thousands of expert tensors spends tens of milliseconds per expansion)."""
+        key = (id(self.rules), len(self.rules), id(self.arch))
+        cached = self.__dict__.get("_expanded")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_expanded"] = (key, tuple(self._expand(range(self.arch.num_layers), None)))
+        return list(cached[1])
 
     def _expand(self, layers: Iterable[int], layer_to_global: Optional[Mapping[int, int]], experts: Optional[Mapping[int, int]] = None) -> Iterable[BoundRule]:
         layers = list(layers)

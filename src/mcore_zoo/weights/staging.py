@@ -191,7 +191,7 @@ class StagingRing:
         from byte ``file_offset`` of ``fd`` (row-major order; :meth:`accepts` said yes). Its reads
         and copies may still run when it returns: :meth:`wait` waits for them, and raises a read's
         error (``describe(error)`` when given)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         run, starts = _source_runs(shape, strides, itemsize, file_offset)  # type: ignore[misc]
         self._start(out.device)
         whole_rows = self._whole_rows(out, run, starts, itemsize)
@@ -227,7 +227,7 @@ class StagingRing:
                    spacing: int, describe: Optional[Callable[[OSError], BaseException]]) -> None:  # fmt: skip
         """Fill ``out`` (``[rows, run]``) from runs at ``starts`` ``spacing`` bytes apart by reading
         whole rows: as many as a buffer holds per region, one contiguous file range each."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         rows, run = out.shape
         step = spacing // itemsize
         per_piece = self.buffer_bytes // spacing
