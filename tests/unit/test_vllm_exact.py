@@ -307,3 +307,21 @@ def test_routes_from_vllm_request_outputs_replay_the_engines_experts(reference_c
     outputs[0].outputs[0].routed_experts = None
     with pytest.raises(ZooError, match="enable_return_routed_experts=True"):
         routing.routes_from_vllm(outputs, moe_layers)
+
+
+def test_vllm_router_takes_the_arguments_megatron_core_passes_routers(monkeypatch):
+    """megatron-core 0.19's MoELayer builds its router with ``is_mtp_layer=...`` (0.16 does not): the
+    vLLM router hands what it does not use to Megatron-Core's ``TopKRouter``."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from mcore_zoo.specs.vllm_exact import VLLMRouter
+
+    seen = {}
+
+    def init(self, config, pg_collection=None, is_mtp_layer=False):  # 0.19's signature
+        torch.nn.Module.__init__(self)
+        seen.update(config=config, is_mtp_layer=is_mtp_layer)
+
+    monkeypatch.setattr(TopKRouter, "__init__", init)
+    router = VLLMRouter(config="config", pg_collection=None, renormalize=True, is_mtp_layer=True)
+    assert seen == {"config": "config", "is_mtp_layer": True} and router.renormalize

@@ -222,8 +222,9 @@ class VLLMRouter(TopKRouter):
     Megatron-Core's ``RouterReplay`` (:mod:`mcore_zoo.routing`); replayed experts that are the
     kernel's own choice keep the kernel's weights bit for bit."""
 
-    def __init__(self, config: Any, pg_collection: Any = None, *, renormalize: bool) -> None:
-        super().__init__(config=config, pg_collection=pg_collection)
+    def __init__(self, config: Any, pg_collection: Any = None, *, renormalize: bool, **router_kwargs: Any) -> None:
+        # router_kwargs: what the release's MoELayer passes besides (megatron-core 0.19: is_mtp_layer)
+        super().__init__(config=config, pg_collection=pg_collection, **router_kwargs)
         self.renormalize = bool(renormalize)
 
     def forward(self, input: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
