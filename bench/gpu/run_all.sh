@@ -487,7 +487,8 @@ if [[ " $phases " == *" hybrid-fla "* ]]; then
   if [ ! -f "$fla_site/.ready" ]; then
     echo "hybrid-fla skipped: no fla in $fla_site (bash bench/gpu/fla-setup.sh WHEEL_DIR)" >> "$out/logs/status"
   else
-    flpy=(env PYTHONPATH="$fla_site:$(pwd)/src:$(pwd)${PYTHONPATH:+:$PYTHONPATH}" $py)
+    # FLA_TILELANG=0: fla's Triton kernels, not TileLang (vLLM's dependency; it aborted these runs: fla-env.sh)
+    flpy=(env PYTHONPATH="$fla_site:$(pwd)/src:$(pwd)${PYTHONPATH:+:$PYTHONPATH}" FLA_TILELANG="${FLA_TILELANG:-0}" $py)
     flrep=("${flpy[@]}" bench/gpu/hybrid_fla_parity.py --admit te -- --dtype bfloat16 --device cuda -q -v
            --knob linear_attention_kernel=fla --lengths 512,512,300,100)
     flrun() {  # flrun NAME GPU CMD...: one sub-run on GPU, log, record the exit code
