@@ -81,6 +81,25 @@ def test_paged_layout_puts_every_token_in_its_sequences_blocks():
     assert seqused.tolist() == lengths.tolist() and cu.tolist() == [0, 3, 3 + PAGE_SIZE + 2, 4 + PAGE_SIZE + 2]
 
 
+def _against_hf_exact(ckpt, seqs, want, loss_fn, **train_kwargs):
+    """Build ``ckpt`` as ``vllm-exact`` (torch stand-ins) and as ``hf-exact``: each one's packed
+    log-probs within 2e-5 of transformers' (``want``), one ``train_step`` each; returns
+    ``({profile: {parameter: gradient}}, the vllm-exact model)``."""
+    grads, vllm_model = {}, None
+    for numerics in ("vllm-exact", "hf-exact"):
+        with use_kernels(ReferenceKernels()):
+            profile = VLLM_EXACT if numerics == "vllm-exact" else numerics
+            model = mcore_zoo.build_model(ckpt, backend="portable", numerics=profile, load=ckpt)
+            out = mcore_zoo.packed_forward(model, seqs)
+            mcore_zoo.train_step(model, seqs, loss_fn, **train_kwargs)
+        grads[numerics] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        for got, ref in zip(out.logprobs, want):
+            assert (got - ref).abs().max() <= 2e-5, numerics
+        if numerics == "vllm-exact":
+            vllm_model = model
+    return grads, vllm_model
+
+
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "LlamaForCausalLM"])
 def test_the_model_wiring_matches_transformers_and_hf_exact_gradients(arch, reference_checkpoint, hf_reference, mpu):
     """fp32 with the torch stand-ins: every op of the vllm-exact layer is at its place (first-layer
@@ -96,22 +115,13 @@ def test_the_model_wiring_matches_transformers_and_hf_exact_gradients(arch, refe
     def loss_fn(t):
         return torch.where(t.mask, -t.logprobs - 0.1 * t.entropy, 0.0).sum(), {}
 
-    grads = {}
-    for numerics in ("vllm-exact", "hf-exact"):
-        with use_kernels(ReferenceKernels()):
-            profile = VLLM_EXACT if numerics == "vllm-exact" else numerics
-            model = mcore_zoo.build_model(ckpt, backend="portable", numerics=profile, load=ckpt)
-            out = mcore_zoo.packed_forward(model, seqs)
-            mcore_zoo.train_step(model, seqs, loss_fn, compute_entropy=True)
-        grads[numerics] = {n: p.grad.clone() for n, p in model.named_parameters()}
-        for got, ref in zip(out.logprobs, want):
-            assert (got - ref).abs().max() <= 2e-5, numerics
-        if numerics == "vllm-exact":
-            kinds = {type(m).__name__ for m in model.modules()}
-            assert {"VLLMRMSNorm", "VLLMResidualRMSNorm", "VLLMColumnParallelLinear", "VLLMRowParallelLinear",
-                    "VLLMAttention", "VLLMMLP"} <= kinds  # fmt: skip
-            assert type(model.decoder.layers[0].input_layernorm).__name__ == "VLLMRMSNorm"
-            assert type(model.decoder.layers[1].input_layernorm).__name__ == "VLLMResidualRMSNorm"
+    grads, model = _against_hf_exact(ckpt, seqs, want, loss_fn, compute_entropy=True)
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert {"VLLMRMSNorm", "VLLMResidualRMSNorm", "VLLMColumnParallelLinear", "VLLMRowParallelLinear",
+            "VLLMAttention", "VLLMMLP"} <= kinds  # fmt: skip
+    assert type(model.decoder.layers[0].input_layernorm).__name__ == "VLLMRMSNorm"
+    assert type(model.decoder.layers[1].input_layernorm).__name__ == "VLLMResidualRMSNorm"
+    assert set(grads["vllm-exact"]) == {n for n, _ in model.named_parameters()}
     for name, g in grads["hf-exact"].items():
         assert (grads["vllm-exact"][name] - g).abs().max() <= 1e-5 * max(1.0, g.abs().max().item()), name
 
@@ -213,23 +223,13 @@ def test_qwen3_moe_matches_hf_exact_and_every_expert_gets_a_gradient(reference_c
     def loss_fn(t):
         return torch.where(t.mask, -t.logprobs, 0.0).sum(), {}
 
-    grads = {}
-    for numerics in ("vllm-exact", "hf-exact"):
-        with use_kernels(ReferenceKernels()):
-            profile = VLLM_EXACT if numerics == "vllm-exact" else numerics
-            model = mcore_zoo.build_model(ckpt, backend="portable", numerics=profile, load=ckpt)
-            out = mcore_zoo.packed_forward(model, seqs)
-            mcore_zoo.train_step(model, seqs, loss_fn)
-        grads[numerics] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        for got, ref in zip(out.logprobs, want):
-            assert (got - ref).abs().max() <= 2e-5, numerics
-        if numerics == "vllm-exact":
-            layers = model.decoder.layers
-            assert type(layers[0].mlp).__name__ == "VLLMMoELayer" and type(layers[0].mlp.router).__name__ == "VLLMRouter"
-            assert type(layers[1].mlp).__name__ == "VLLMMLP"  # mlp_only_layers: [1]
-            assert type(layers[0].input_layernorm).__name__ == "VLLMRMSNorm"
-            expert_params = [n for n, _ in model.named_parameters() if ".experts." in n or ".router." in n]
-            assert expert_params and all(n in grads[numerics] and grads[numerics][n].abs().sum() > 0 for n in expert_params)
+    grads, model = _against_hf_exact(ckpt, seqs, want, loss_fn)
+    layers = model.decoder.layers
+    assert type(layers[0].mlp).__name__ == "VLLMMoELayer" and type(layers[0].mlp.router).__name__ == "VLLMRouter"
+    assert type(layers[1].mlp).__name__ == "VLLMMLP"  # mlp_only_layers: [1]
+    assert type(layers[0].input_layernorm).__name__ == "VLLMRMSNorm"
+    expert_params = [n for n, _ in model.named_parameters() if ".experts." in n or ".router." in n]
+    assert expert_params and all(n in grads["vllm-exact"] and grads["vllm-exact"][n].abs().sum() > 0 for n in expert_params)
     assert set(grads["vllm-exact"]) == set(grads["hf-exact"])
     for name, g in grads["hf-exact"].items():
         assert (grads["vllm-exact"][name] - g).abs().max() <= 1e-5 * max(1.0, g.abs().max().item()), name
