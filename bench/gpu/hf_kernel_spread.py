@@ -40,29 +40,21 @@ def child(model: str, run: str, lengths: list[int], dtype: str, device: str, see
     transformers resolved its gated DeltaNet entry points to."""
     import contextlib
 
-    sys.path.insert(0, str(HERE))
-    from hybrid_fla_parity import ENTRY_POINTS, MODELING, hidden_packages, implementation
-
-    attn, with_fla = RUNS[run]
-    import importlib
-
     import torch
     from safetensors.torch import save_file
 
+    sys.path.insert(0, str(HERE))
+    from hybrid_fla_parity import hf_kernels, hidden_packages
+
+    attn, with_fla = RUNS[run]
+    config = json.loads((Path(model) / "config.json").read_text())
+    record = hf_kernels(hide=not with_fla)  # transformers' modules imported first, fla hidden or not
     with contextlib.nullcontext() if with_fla else hidden_packages():
-        record = {}
-        for name in MODELING:
-            try:
-                module = importlib.import_module(f"transformers.models.{name}")
-            except ImportError as exc:
-                record[name] = {"error": str(exc)}
-                continue
-            record[name] = {e: implementation(getattr(module, e)) for e in ENTRY_POINTS if hasattr(module, e)}
         import mcore_zoo
         from mcore_zoo.parity.runners import run_hf
 
-        architecture = mcore_zoo.get_registry().get(json.loads((Path(model) / "config.json").read_text())["architectures"][0])
-        vocab = _vocab_size(json.loads((Path(model) / "config.json").read_text()))
+        architecture = mcore_zoo.get_registry().get(config["architectures"][0])
+        vocab = _vocab_size(config)
         gen = torch.Generator().manual_seed(seed)
         sequences = [torch.randint(0, vocab, (n,), generator=gen) for n in lengths]
         result = run_hf(architecture, model, sequences, dtype=getattr(torch, dtype), attn_implementation=attn,

@@ -73,11 +73,11 @@ def implementation(obj: Any) -> str:
     return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', type(target).__name__)}"
 
 
-def hf_kernels() -> dict[str, dict[str, str]]:
-    """Import transformers' gated DeltaNet modeling modules with fla hidden; per module, what each
-    entry point resolved to."""
+def hf_kernels(hide: bool = True) -> dict[str, dict[str, str]]:
+    """Import transformers' gated DeltaNet modeling modules with fla hidden (``hide=False``: as
+    installed); per module, what each entry point resolved to."""
     record = {}
-    with hidden_packages():
+    with hidden_packages() if hide else contextlib.nullcontext():
         for name in MODELING:
             try:
                 module = importlib.import_module(f"transformers.models.{name}")

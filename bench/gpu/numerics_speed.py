@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -116,27 +117,6 @@ def parse_variant(text: str) -> tuple[str, str, Any]:
     return name, backend, built
 
 
-def profile_step(fn: Any, path: str) -> dict[str, float]:
-    """One THD forward + backward of ``fn`` under torch's profiler (after one warm call): the op table
-    (top 40 by self device time) written to ``path``; returns the wall and summed device milliseconds."""
-    from torch.profiler import ProfilerActivity, profile
-
-    def step() -> None:
-        fn().float().mean().backward()
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - start) * 1000
-    events = prof.key_averages()
-    with open(path, "w") as f:
-        f.write(events.table(sort_by="self_device_time_total", row_limit=40) + "\n")
-    return {"wall_ms": wall, "device_busy_ms": sum(getattr(e, "self_device_time_total", 0.0) for e in events) / 1e3}
-
-
 def model_times(layers: int, batch: int, seq: int, variant_specs: list[str], shape: str = "llama-8b",
                 profile_dir: str | None = None) -> dict[str, Any]:  # fmt: skip
     import mcore_zoo
@@ -163,10 +143,12 @@ def model_times(layers: int, batch: int, seq: int, variant_specs: list[str], sha
                 with torch.no_grad():
                     entry["thd_forward_ms"], entry["thd_forward_gib"] = time_step(thd, False)
                 entry["thd_train_ms"], entry["thd_train_gib"] = time_step(thd, True)
-                if profile_dir:
+                if profile_dir:  # one THD forward + backward under torch's profiler, its op table beside
+                    from gated_deltanet_speed import profile_form
+
                     os.makedirs(profile_dir, exist_ok=True)
-                    table = os.path.join(profile_dir, name.replace("/", "_").replace(" ", "_") + ".txt")
-                    entry["thd_train_profile"] = profile_step(thd, table)
+                    table = Path(profile_dir) / (name.replace("/", "_").replace(" ", "_") + ".txt")
+                    entry["thd_train_profile"] = profile_form(lambda: thd().float().mean().backward(), "cuda", table)
             results[name] = entry
             del model
         except Exception as exc:
