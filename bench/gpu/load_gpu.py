@@ -30,7 +30,10 @@ each measurement in a fresh process, alternating the order between rounds:
   load (``VmHWM`` reset through ``/proc/self/clear_refs``) against the staging ring (the rank's
   share on the host is 0: the weights go to the device). In the first round each load is checked
   bitwise against a second load of the same checkpoint through the mapping path (the device path
-  before the staging ring).
+  before the staging ring). Each load also records the CPU time of its main thread
+  (``load_main_thread_cpu_s``: near ``load_s``, the load waits on its own Python, not on the reads
+  or copies) and of the process; ``--profile``: the first round's loads run once more under
+  cProfile, after the timed one, and the statistics go into the raw results (``profile``).
 
 TP2 ranks time between barriers; the job time is the slower rank's. Per round, the ratio is the
 floor's time / the load's time (1.0: the load runs at the floor); medians and min - max over the
@@ -401,9 +404,10 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
     ring_bytes = staging.BUFFERS * staging.BUFFER_BYTES
     _barrier()
     rss = _rss()
-    t0 = time.perf_counter()
+    t0, main_cpu0, cpu0 = time.perf_counter(), time.thread_time(), time.process_time()
     replicas = "read" if args.parallel == "ep" else "broadcast"  # EP: every rank reads its share, as the floor
     report = mcore_zoo.load_hf_weights(model, args.ckpt, replicas=replicas)
+    main_cpu_s, cpu_s = time.thread_time() - main_cpu0, time.process_time() - cpu0  # before the barrier's wait
     _barrier()
     load_s = time.perf_counter() - t0
     above = rss["peak"]() - rss["before"]
@@ -419,8 +423,24 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
         "bytes": report.bytes_read, "parameters_bytes": shard, "peak_rss_above_start": above,
         "rss_peak_reset": rss["reset"], "rss_before": rss["before"], "staging_ring_bytes": ring_bytes,
         "staging_buffer_bytes": staging.BUFFER_BYTES, "torch_threads": torch.get_num_threads(), "replicas": replicas,
-        "pinned_host_memory": pinned,
+        "pinned_host_memory": pinned, "load_main_thread_cpu_s": main_cpu_s, "load_process_cpu_s": cpu_s,
     }  # fmt: skip
+    if args.profile:  # one more load under cProfile (after the timed one): where the host time goes
+        import cProfile
+        import io
+        import pstats
+
+        profiler = cProfile.Profile()
+        t0 = time.perf_counter()
+        profiler.enable()
+        mcore_zoo.load_hf_weights(model, args.ckpt, replicas=replicas)
+        profiler.disable()
+        result["profiled_load_s"] = time.perf_counter() - t0
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("cumulative").print_stats(30)
+        stats.sort_stats("tottime").print_stats(20)
+        result["profile"] = text.getvalue()
     if args.verify:  # bitwise against the mapping path (the staging ring refusing every destination)
         loaded = [p.detach().clone() for p in params]
         mapping = staging.StagingRing()
@@ -453,6 +473,8 @@ def _launch(args: argparse.Namespace, phase: str, world: int, tag: str, parallel
         worker += ["--verify-this"]
     if args.ring:
         worker += ["--ring", args.ring]
+    if args.profile_now and phase == "zoo":  # the first round only
+        worker += ["--profile"]
     env = dict(os.environ)
     if world > 1:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // world)))
@@ -486,7 +508,7 @@ def summarise(rounds: list[dict[str, Any]], layouts: list[tuple[str, int, str]])
     summary: dict[str, Any] = {}
     for name, world, _ in layouts:
         floor_t, read_t, copy_t, load_t, build_t, ratio, gbps, floor_gbps, rss = [], [], [], [], [], [], [], [], []
-        verified = []
+        verified, main_cpu = [], []
         for r in rounds:
             floor, zoo = r.get(f"floor-{name}"), r.get(f"zoo-{name}")
             if floor and floor["ok"]:
@@ -499,6 +521,7 @@ def summarise(rounds: list[dict[str, Any]], layouts: list[tuple[str, int, str]])
                 build_t.append(max(x["build_s"] for x in zoo["ranks"]))
                 gbps.append(sum(x["bytes"] for x in zoo["ranks"]) / load_t[-1] / 1e9)
                 rss += [x["peak_rss_above_start"] for x in zoo["ranks"]]
+                main_cpu.append(max(x.get("load_main_thread_cpu_s", math.nan) for x in zoo["ranks"]))
                 verified += [x["bitwise_equal_to_mapping_path"] for x in zoo["ranks"] if "bitwise_equal_to_mapping_path" in x]
             if floor and floor["ok"] and zoo and zoo["ok"]:
                 ratio.append(floor_t[-1] / load_t[-1])
@@ -506,7 +529,8 @@ def summarise(rounds: list[dict[str, Any]], layouts: list[tuple[str, int, str]])
         floor_ranks = next((r[f"floor-{name}"]["ranks"] for r in rounds if r.get(f"floor-{name}", {}).get("ok")), [])
         summary[name] = {
             "world": world, "floor_s": _spread(floor_t), "read_s": _spread(read_t), "copy_s": _spread(copy_t),
-            "load_s": _spread(load_t), "build_s": _spread(build_t), "floor_over_load": _spread(ratio),
+            "load_s": _spread(load_t), "build_s": _spread(build_t), "load_main_thread_cpu_s": _spread(main_cpu),
+            "floor_over_load": _spread(ratio),
             "load_gbps": _spread(gbps), "floor_gbps": _spread(floor_gbps),
             "peak_rss_above_start_mb": _spread([x / 1e6 for x in rss]),
             "bytes_per_rank": [x["bytes"] for x in zoo_ranks], "floor_bytes_per_rank": [x["bytes"] for x in floor_ranks],
@@ -600,6 +624,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     rounds = []
     for r in range(args.rounds):
         args.verify_now = args.verify and r == 0
+        args.profile_now = args.profile and r == 0
         order = steps if r % 2 == 0 else steps[::-1]
         rounds.append({f"{kind}-{name}": _launch(args, kind, world, f"r{r}-{kind}-{name}", parallel)
                        for kind, name, world, parallel in order})  # fmt: skip
@@ -634,6 +659,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=150.0, help="seconds per measurement process")
     p.add_argument("--ring", default=None,
                    help="the load's staging ring as BUFFERSxMIB (default: mcore_zoo.weights.staging's, 4x64)")
+    p.add_argument("--profile", action="store_true",
+                   help="the first round's zoo processes load once more under cProfile (after the timed load); the"
+                        " statistics go into the raw results ('profile')")
     p.add_argument("--phase", choices=("write", "floor", "zoo"), help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--verify-this", dest="verify_rank", action="store_true", help=argparse.SUPPRESS)
