@@ -164,12 +164,14 @@ def _moe_report(llm) -> dict:
 
 
 def _engine_expert_map(worker):
-    """The ``expert_map`` of the engine model's first fused-MoE layer (a ``collective_rpc`` function)."""
+    """The ``expert_map`` of the engine model's first fused-MoE layer (a ``collective_rpc`` function):
+    a list (global -> local expert, -1 for another rank's), ``None`` (that layer has no map: no
+    expert parallelism), or ``"no fused-MoE layer found"``."""
     for module in worker._zoo_model().modules():
-        mapping = getattr(module, "_expert_map", None)
-        if mapping is not None or hasattr(module, "expert_map_manager"):
+        if hasattr(module, "expert_map_manager"):
+            mapping = getattr(module, "_expert_map", None)
             return None if mapping is None else mapping.tolist()
-    return None
+    return "no fused-MoE layer found"
 
 
 def _allreduce_probe(model, shape: tuple = (398, 1024)) -> dict:
