@@ -322,8 +322,9 @@ def test_moe_block_partials_are_the_engines_at_tp2_and_ep2():
         out = partials[0] + partials[1]
         assert not torch.equal(out, whole)
         assert torch.allclose(out.float(), whole.float(), rtol=2e-2, atol=2e-2)
-    with pytest.raises(ZooError, match="expert_map"):
-        vllm_ops.fused_experts(x, w13[:4], w2[:4], weights, ids, torch.arange(8, dtype=torch.int32))
+    for bad in (torch.arange(8, dtype=torch.int32), torch.tensor([0, 1, 2, 3, -1, -1, -1, -1])):  # indices / dtype
+        with pytest.raises(ZooError, match="expert_map"):
+            vllm_ops.fused_experts(x, w13[:4], w2[:4], weights, ids, bad)
 
 
 def test_the_expert_parallel_moe_ops_have_a_correct_backward():

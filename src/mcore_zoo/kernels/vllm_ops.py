@@ -713,9 +713,13 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     Differentiable in ``x``, ``w13``, ``w2`` and ``weights`` (ordinary torch ops in fp32, one expert
     at a time; another rank's slots get no gradient here)."""
     n, k = ids.shape
-    if expert_map is not None and (expert_map.dim() != 1 or int(expert_map.max()) >= w13.shape[0]):
-        raise ZooError(f"fused_experts: expert_map {tuple(expert_map.shape)} (max {int(expert_map.max())}) does not"
-                       f" index the {w13.shape[0]} local experts of w13 {tuple(w13.shape)}")  # fmt: skip
+    if expert_map is not None:  # no device sync: the values are checked where they are on the CPU
+        bad = expert_map.dim() != 1 or expert_map.dtype != torch.int32
+        if not bad and expert_map.device.type == "cpu":
+            bad = int(expert_map.max()) >= w13.shape[0] or int((expert_map >= 0).sum()) != w13.shape[0]
+        if bad:
+            raise ZooError(f"fused_experts: expert_map {expert_map.dtype} {tuple(expert_map.shape)} is not an int32"
+                           f" map of global experts onto the {w13.shape[0]} local experts of w13 {tuple(w13.shape)}")  # fmt: skip
     config = kernels().moe_config(tuple(w13.shape), tuple(w2.shape), k, n)
     h = _MoEGemm.apply(x, w13, ids, None, False, config, expert_map)
     a = silu_and_mul(h.reshape(n * k, -1))

@@ -346,13 +346,17 @@ class VLLMMoELayer(MoELayer):
 
     def expert_map(self, device: torch.device) -> Optional[torch.Tensor]:
         """vLLM's ``expert_map`` of this rank (int32 ``[E]``: local index of each global expert, -1
-        for another rank's), ``None`` without expert parallelism."""
+        for another rank's), ``None`` without expert parallelism; made once per device."""
         local = list(getattr(self, "local_expert_indices", range(self.config.num_moe_experts)))
         if len(local) == self.config.num_moe_experts:
             return None
-        mapping = torch.full((self.config.num_moe_experts,), -1, dtype=torch.int32, device=device)
-        mapping[torch.tensor(local, dtype=torch.long, device=device)] = torch.arange(len(local), dtype=torch.int32, device=device)
-        return mapping
+        cache = self.__dict__.setdefault("_zoo_expert_maps", {})
+        if device not in cache:
+            mapping = [-1] * self.config.num_moe_experts
+            for i, e in enumerate(local):
+                mapping[e] = i
+            cache[device] = torch.tensor(mapping, dtype=torch.int32, device=device)
+        return cache[device]
 
     def stacked_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w13 [E_local, 2I_local, H], w2 [E_local, H, I_local])`` stacked from the local experts'
