@@ -219,6 +219,18 @@ if [[ " $phases " == *" vllm-exact-tp2 "* ]] && (( ngpu >= 2 )); then
     tr 2 bench/gpu/vllm_exact_tp.py --arch "$arch" --grads "$grads" --out "$out/vllm-exact-tp2/$arch.json" > "$out/logs/vllm-exact-tp2-$arch.log" 2>&1
     echo "vllm-exact-tp2-$arch exit $?" >> "$out/logs/status"
   done
+  # Qwen3-MoE: TP1 (gradient reference), TP2 (experts split by intermediate rows) and TP2 x EP2
+  # (the engine with enable_expert_parallel=True, the trainer at expert-TP 1)
+  arch=Qwen3MoeForCausalLM
+  grads="$out/vllm-exact-tp2/tp1-$arch-grads.safetensors"; rm -f "$grads"
+  timeout "${JOB_TIMEOUT:-420}" $py bench/gpu/vllm_exact_tp.py --tp 1 --arch "$arch" --grads "$grads" \
+      --out "$out/vllm-exact-tp2/tp1-$arch.json" > "$out/logs/vllm-exact-tp1-$arch.log" 2>&1
+  echo "vllm-exact-tp1-$arch exit $?" >> "$out/logs/status"
+  for ep in 1 2; do
+    tr 2 bench/gpu/vllm_exact_tp.py --arch "$arch" --ep "$ep" --grads "$grads" --out "$out/vllm-exact-tp2/$arch-ep$ep.json" \
+        > "$out/logs/vllm-exact-tp2-ep$ep-$arch.log" 2>&1
+    echo "vllm-exact-tp2-ep$ep-$arch exit $?" >> "$out/logs/status"
+  done
 fi
 
 if (( ngpu >= 4 )); then

@@ -23,6 +23,20 @@ names (``iter_hf_weights(grads=True)``), against an ``hf-exact`` model of the sa
 differently) and compares with the saved gradients: run ``--tp 1 --grads F`` first, then TP2 with
 the same ``F`` for the distance of the TP2 backward to the TP1 one (bf16: only the row-parallel
 partial sums and the all-reduces add in another order).
+
+Qwen3-MoE (the GPU test's MoE case: 8 experts, top-2)::
+
+    torchrun --standalone --nproc_per_node 2 bench/gpu/vllm_exact_tp.py --arch Qwen3MoeForCausalLM --out /tmp/tp2-moe.json
+    torchrun --standalone --nproc_per_node 2 bench/gpu/vllm_exact_tp.py --arch Qwen3MoeForCausalLM --ep 2 --out /tmp/ep2-moe.json
+
+At TP2 the engine splits every expert's intermediate dimension over the two ranks and the trainer
+is built with ``Parallelism(tp=2)`` (expert-TP follows TP); ``--ep 2`` starts the engine with
+``enable_expert_parallel=True`` (four whole experts per rank) and builds the trainer with
+``Parallelism(tp=2, ep=2, etp=1)``. The JSON then has ``moe_dispatch`` (the engine's MoE classes,
+as the GPU test reports them at TP1: TritonExperts and the no-DP/EP prepare / finalize are the
+path the zoo reproduces) and ``engine_expert_map`` (each rank's global -> local expert map).
+Megatron-Core's own MoE layer does not train at TP > 1 without sequence parallelism, so the
+``hf-exact`` gradient reference of an MoE model at TP > 1 is built with ``sequence_parallel=True``.
 """
 
 from __future__ import annotations
@@ -42,6 +56,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="LlamaForCausalLM", help="one of the GPU test's dense built-ins (one engine per process)")
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--ep", type=int, default=1, help="expert parallel size of an MoE model: 1, or --tp (the engine with"
+                    " enable_expert_parallel=True, the trainer with Parallelism(tp=TP, ep=TP, etp=1))")
     ap.add_argument("--out")
     ap.add_argument("--kv-heads", type=int, help="num_key_value_heads (the test's 2 by default; at TP4 give 4 to both "
                     "the --tp 1 reference and the TP4 run: Megatron-Core splits whole key-value heads)")
@@ -60,16 +76,20 @@ def main() -> None:
     from mcore_zoo.testing.common import case_config, random_sequences
 
     rank = int(os.environ.get("RANK", "0"))
+    if args.ep not in (1, args.tp):
+        raise SystemExit(f"--ep {args.ep}: vLLM's expert parallelism at data parallel 1 splits the experts over"
+                         f" the TP ranks: give --ep 1 or --ep {args.tp}")  # fmt: skip
+    parallel = Parallelism(tp=args.tp, ep=args.ep, etp=1) if args.ep > 1 else Parallelism(tp=args.tp)
     kv_heads = {"num_key_value_heads": args.kv_heads} if args.kv_heads else {}
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     results = []
     for arch in [args.arch]:
-        tmp = os.path.join(tempfile.gettempdir(), f"vllm-exact-tp{args.tp}-{arch}")
+        tmp = os.path.join(tempfile.gettempdir(), f"vllm-exact-tp{args.tp}-ep{args.ep}-{arch}")
         ckpt = os.path.join(tmp, f"ckpt-rank{rank}")  # the same seed on every rank: the same bytes
         write_reference_checkpoint(mcore_zoo.lookup(arch), case_config(arch, {**SIZES, **dict(ARCHS)[arch], **kv_heads}), ckpt,
                                    seed=0, dtype=torch.bfloat16)  # fmt: skip
         model = mcore_zoo.build_model(ckpt, backend="local", numerics="vllm-exact", params_dtype=torch.bfloat16, load=ckpt,
-                                      parallel=Parallelism(tp=args.tp))  # fmt: skip
+                                      parallel=parallel)  # fmt: skip
         export = os.path.join(tmp, "export")
         mcore_zoo.save_hf_checkpoint(model, export, dtype=torch.bfloat16, overwrite=True)
         if dist.is_initialized():
@@ -80,7 +100,12 @@ def main() -> None:
                       tensor_parallel_size=args.tp)  # fmt: skip
         if args.tp > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
+        if args.ep > 1:
+            kwargs["enable_expert_parallel"] = True
         llm = vllm.LLM(**kwargs)
+        moe = _moe_report(llm) if mcore_zoo.handle_of(model).arch_config.moe is not None else {}
+        if moe and rank == 0:
+            print(json.dumps(moe), flush=True)
         probe = _allreduce_probe(model) if args.tp > 2 else {}
         if probe and rank == 0:
             print(json.dumps({"allreduce_probe": probe}), flush=True)
@@ -89,7 +114,7 @@ def main() -> None:
         sampled = _sample(llm, prompts)
         full = [torch.cat([p, g]) for p, (g, _, _) in zip(prompts, sampled)]
         out = mcore_zoo.packed_forward(model, [s.cuda() for s in full])
-        r = {"arch": arch, "tp": args.tp, "generated": 0, "generated_bitwise": 0, "prompt": 0, "prompt_bitwise": 0,
+        r = {"arch": arch, "tp": args.tp, "ep": args.ep, **moe, "generated": 0, "generated_bitwise": 0, "prompt": 0, "prompt_bitwise": 0,
              "generated_max_abs": 0.0, "prompt_max_abs": 0.0, "generated_mean_abs": 0.0}  # fmt: skip
         diffs = []
         for p, (g, gen_lp, prompt_lp), lp in zip(prompts, sampled, out.logprobs):
@@ -110,7 +135,7 @@ def main() -> None:
             r["allreduce_probe"] = probe
         if rank == 0:
             print(json.dumps(r), flush=True)
-        r.update(_gradients(model, ckpt, [s.cuda() for s in full], args))
+        r.update(_gradients(model, ckpt, [s.cuda() for s in full], args, parallel))
         if rank == 0:
             print(json.dumps({k: v for k, v in r.items() if k.startswith("grad")}), flush=True)
         results.append(r)
@@ -121,6 +146,32 @@ def main() -> None:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(payload, f, indent=1)
+
+
+def _moe_report(llm) -> dict:
+    """The engine's MoE path on this rank: ``moe_dispatch`` (tests/gpu/test_vllm_exact_gpu.py) and
+    ``engine_expert_map`` (the first MoE layer's ``expert_map``: global -> local expert, -1 for
+    another rank's; ``None`` without expert parallelism)."""
+    from test_vllm_exact_gpu import moe_dispatch
+
+    report: dict = {}
+    for key, fn in (("moe_dispatch", moe_dispatch), ("engine_expert_map", _engine_expert_map)):
+        try:
+            report[key] = llm.collective_rpc(fn)[0]
+        except Exception as exc:  # reported, not fatal: the log-prob comparison still runs
+            report[key] = {"error": repr(exc)[:300]}
+    return report
+
+
+def _engine_expert_map(worker):
+    """The ``expert_map`` of the engine model's first fused-MoE layer (a ``collective_rpc`` function):
+    a list (global -> local expert, -1 for another rank's), ``None`` (that layer has no map: no
+    expert parallelism), or ``"no fused-MoE layer found"``."""
+    for module in worker._zoo_model().modules():
+        if hasattr(module, "expert_map_manager"):
+            mapping = getattr(module, "_expert_map", None)
+            return None if mapping is None else mapping.tolist()
+    return "no fused-MoE layer found"
 
 
 def _allreduce_probe(model, shape: tuple = (398, 1024)) -> dict:
@@ -160,16 +211,16 @@ def _allreduce_probe(model, shape: tuple = (398, 1024)) -> dict:
     }  # fmt: skip
 
 
-def _gradients(model, ckpt: str, seqs: list, args) -> dict:
-    """Gradients of ``-sum(log-probs)`` against ``hf-exact``'s at the same TP, and against the saved
-    ones of ``--grads`` (see the module docstring)."""
+def _gradients(model, ckpt: str, seqs: list, args, parallel) -> dict:
+    """Gradients of ``-sum(log-probs)`` against ``hf-exact``'s at the same layout (an MoE model at
+    TP > 1: with sequence parallelism, which Megatron-Core's MoE layer needs to train), and against
+    the saved ones of ``--grads`` (see the module docstring)."""
     import torch
     from safetensors.torch import load_file, save_file
 
     from test_vllm_exact_gpu import _loss, grad_rel_l2
 
     import mcore_zoo
-    from mcore_zoo.placement import Parallelism
 
     def grads(m) -> dict:
         m.zero_grad(set_to_none=True)  # train_step adds to what .grad holds
@@ -181,11 +232,16 @@ def _gradients(model, ckpt: str, seqs: list, args) -> dict:
         saved = load_file(args.grads)  # the reference's sequences too: the engines may sample differently
         seqs = [saved.pop(f"tokens.{i}").cuda() for i in range(sum(k.startswith("tokens.") for k in saved))]
     mine = grads(model)
-    ref = mcore_zoo.build_model(ckpt, backend="local", numerics="hf-exact", params_dtype=torch.bfloat16, load=ckpt,
-                                parallel=Parallelism(tp=args.tp))  # fmt: skip
+    moe = mcore_zoo.handle_of(model).arch_config.moe is not None
+    ref_parallel = parallel.replace(sequence_parallel=True) if moe and args.tp > 1 else parallel
     r: dict = {}
-    r["grad_rel_l2_vs_hf_exact"], r["grad_rel_l2_worst_param"] = grad_rel_l2(mine, grads(ref))
-    del ref
+    try:
+        ref = mcore_zoo.build_model(ckpt, backend="local", numerics="hf-exact", params_dtype=torch.bfloat16, load=ckpt,
+                                    parallel=ref_parallel)  # fmt: skip
+        r["grad_rel_l2_vs_hf_exact"], r["grad_rel_l2_worst_param"] = grad_rel_l2(mine, grads(ref))
+        del ref
+    except Exception as exc:  # the reference is a report, not the comparison this script exists for
+        r["grad_vs_hf_exact_error"] = repr(exc)[:300]
     if args.grads:
         if saved:
             assert set(saved) == set(mine), sorted(set(saved) ^ set(mine))[:5]

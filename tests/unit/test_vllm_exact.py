@@ -247,19 +247,106 @@ def test_vllm_exact_refuses_moe_it_does_not_reproduce_by_name(arch, reason, refe
         mcore_zoo.build_model(ckpt, backend="portable", numerics=VLLM_EXACT)
 
 
-def test_vllm_exact_moe_refuses_parallel_layouts_and_grouped_experts(reference_checkpoint, mpu):
+def test_vllm_exact_moe_takes_the_engines_layouts_and_refuses_others(reference_checkpoint, mpu):
+    """Accepted: vLLM's engine layouts at data parallel 1 - TP N with expert-TP N (also left to
+    follow TP) and TP N with EP N at expert-TP 1. Refused naming the three sizes: any other
+    split of the experts, and sequence parallelism; grouped experts are refused too."""
     from types import SimpleNamespace
 
     from mcore_zoo.build import prepare
     from mcore_zoo.specs.vllm_exact import check_moe_supported
 
     arch = prepare(str(reference_checkpoint("Qwen3MoeForCausalLM", {"num_hidden_layers": 2}))).arch_config
-    for field in ("tensor_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size"):
-        with pytest.raises(ZooError, match=f"{field}=2.*not built"):
-            check_moe_supported(arch, SimpleNamespace(**{field: 2}), VLLM_EXACT)
+
+    def layout(tp, ep=1, etp=None, **more):
+        return SimpleNamespace(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                               expert_tensor_parallel_size=etp, **more)  # fmt: skip
+
+    for tp, ep, etp in [(1, 1, 1), (2, 1, None), (2, 1, 2), (2, 2, 1), (4, 4, 1), (4, 1, 4)]:
+        check_moe_supported(arch, layout(tp, ep, etp), VLLM_EXACT)
+    check_moe_supported(arch, SimpleNamespace(), VLLM_EXACT)  # no sizes at all: TP1
+    for tp, ep, etp in [(1, 2, 1), (1, 1, 2), (2, 1, 1), (2, 2, 2), (4, 2, 1), (2, 4, 1)]:
+        with pytest.raises(ZooError, match=f"got tensor_model_parallel_size={tp}, expert_model_parallel_size={ep},"
+                                           f" expert_tensor_parallel_size={etp}"):  # fmt: skip
+            check_moe_supported(arch, layout(tp, ep, etp), VLLM_EXACT)
+    with pytest.raises(ZooError, match="sequence parallelism"):
+        check_moe_supported(arch, layout(2, sequence_parallel=True), VLLM_EXACT)
     with pytest.raises(ZooError, match="grouped_experts=False"):
         check_moe_supported(arch, SimpleNamespace(), VLLM_EXACT.with_knobs(grouped_experts=True))
-    check_moe_supported(arch, SimpleNamespace(), VLLM_EXACT)  # TP1, sequential experts: accepted
+
+
+def _moe_block_inputs(dtype, n=37, hidden=32, inter=24, experts=8, k=3, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, hidden, generator=g).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.3).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) * 0.3).to(dtype)
+    logits = torch.randn(n, experts, generator=g).to(dtype)
+    return x, w13, w2, logits
+
+
+def test_moe_block_partials_are_the_engines_at_tp2_and_ep2():
+    """bf16, torch stand-ins: the block's partial outputs at the layouts of vLLM's TP2 engine, added
+    as its all-reduce adds two partials (one bf16 rounding).
+
+    EP2: rank r holds experts ``[4r, 4r + 4)`` (vLLM's ``linear`` placement) and computes the k
+    slots of every token with the others' slots 0 (``expert_map`` -1); its ``moe_sum`` is the sum of
+    its own slots, so the block output is ``moe_sum(y of rank 0's slots) + moe_sum(y of rank 1's)``
+    with ``y`` the TP1 per-slot outputs bit for bit. TP2: rank r holds rows ``[rI/2, (r+1)I/2)`` of
+    gate and up (``w13`` = ``[gate shard; up shard]``) and those columns of down. Both differ from
+    the TP1 block in the last bits (the order is observable) and agree with it to bf16 rounding."""
+    from mcore_zoo.kernels.vllm_ops import MOE_BATCH_INVARIANT_CONFIG
+
+    x, w13, w2, logits = _moe_block_inputs(torch.bfloat16)
+    table = ReferenceKernels()
+    with use_kernels(table):
+        weights, ids = vllm_ops.moe_topk_softmax(logits, 3, renormalize=True)
+        whole = vllm_ops.fused_experts(x, w13, w2, weights, ids)
+        n, k = ids.shape
+        h = table.moe_gemm(x, w13, ids, None, False, MOE_BATCH_INVARIANT_CONFIG)
+        y = table.moe_gemm(table.silu_and_mul(h.reshape(n * k, -1)), w2, ids, weights, True, MOE_BATCH_INVARIANT_CONFIG)
+        assert torch.equal(table.moe_sum(y), whole)
+        ep = []
+        for r in range(2):
+            expert_map = torch.full((8,), -1, dtype=torch.int32)
+            expert_map[4 * r : 4 * r + 4] = torch.arange(4, dtype=torch.int32)
+            ep.append(vllm_ops.fused_experts(x, w13[4 * r : 4 * r + 4], w2[4 * r : 4 * r + 4], weights, ids, expert_map))
+            mine = (ids.long() // 4 == r)[..., None]
+            assert torch.equal(ep[r], table.moe_sum(torch.where(mine, y, torch.zeros_like(y))))
+        inter = w2.shape[-1]
+        tp = []
+        for r in range(2):
+            rows = slice(r * inter // 2, (r + 1) * inter // 2)
+            w13_r = torch.cat([w13[:, :inter][:, rows], w13[:, inter:][:, rows]], dim=1)
+            tp.append(vllm_ops.fused_experts(x, w13_r, w2[:, :, rows].contiguous(), weights, ids))
+    for partials in (ep, tp):
+        out = partials[0] + partials[1]
+        assert not torch.equal(out, whole)
+        assert torch.allclose(out.float(), whole.float(), rtol=2e-2, atol=2e-2)
+    for bad in (torch.arange(8, dtype=torch.int32), torch.tensor([0, 1, 2, 3, -1, -1, -1, -1])):  # indices / dtype
+        with pytest.raises(ZooError, match="expert_map"):
+            vllm_ops.fused_experts(x, w13[:4], w2[:4], weights, ids, bad)
+
+
+def test_the_expert_parallel_moe_ops_have_a_correct_backward():
+    """fp64 gradcheck of the fused experts with an ``expert_map`` (this rank's two experts of four):
+    the slots of the other rank's experts get no gradient, and the two ranks' gradients add up to
+    the whole block's."""
+    g = torch.Generator().manual_seed(2)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_(True)
+
+    ids = torch.tensor([[0, 2], [3, 1], [2, 0], [1, 3]], dtype=torch.int32)
+    maps = [torch.tensor([0, 1, -1, -1], dtype=torch.int32), torch.tensor([-1, -1, 0, 1], dtype=torch.int32)]
+    x, w13, w2, s = rand(4, 6), rand(4, 2 * 3, 6), rand(4, 6, 3), rand(4, 2)
+    with use_kernels(ReferenceKernels()):
+        _gradcheck(lambda x, w13, w2, s: vllm_ops.fused_experts(x, w13, w2, s, ids, maps[1]), x, w13[2:], w2[2:], s)
+        whole = torch.autograd.grad(vllm_ops.fused_experts(x, w13, w2, s, ids).sum(), (x, w13, w2, s))
+        parts = [torch.autograd.grad(vllm_ops.fused_experts(x, w13[2 * r : 2 * r + 2], w2[2 * r : 2 * r + 2], s, ids, maps[r]).sum(),
+                                     (x, w13, w2, s)) for r in range(2)]  # fmt: skip
+    for i, name in enumerate(("x", "w13", "w2", "weights")):
+        assert torch.allclose(parts[0][i] + parts[1][i], whole[i], rtol=1e-12, atol=1e-12), name
+    assert parts[0][1][2:].abs().sum() == 0 and parts[1][1][:2].abs().sum() == 0
 
 
 def test_routes_from_vllm_request_outputs_replay_the_engines_experts(reference_checkpoint, mpu):

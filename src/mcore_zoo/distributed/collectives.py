@@ -83,6 +83,22 @@ def chain_all_reduce(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     return ChainAllReduce.apply(tensor, group)
 
 
+def tree_order_all_reduce(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """The sum of ``tensor`` over the ranks of ``group`` with the bits of NCCL's tree all-reduce on
+    one node (``p0 + (p1 + (... + p[n-1]))``, rounding on each hop), differentiable with
+    Megatron-Core's ``reduce_from_tensor_model_parallel_region`` backward (the gradient passes
+    unchanged). Two ranks: Megatron-Core's all-reduce (two partials add the same in any order);
+    from three on: :func:`chain_all_reduce`. A group of one returns ``tensor``."""
+    size = 1 if group is None else group_size(group)
+    if size == 1:
+        return tensor
+    if size == 2:
+        from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+        return reduce_from_tensor_model_parallel_region(tensor, group=group)
+    return ChainAllReduce.apply(tensor, group)
+
+
 def all_true(flags: list[bool], group: Any) -> list[bool]:
     """Element-wise AND of ``flags`` over the ranks of ``group`` (every rank passes a list of the
     same length; each gets the same answer). A decision that must be the same on every rank - which

@@ -400,13 +400,15 @@ def check_batching(num_microbatches: Any, max_tokens_per_microbatch: Any) -> Non
 def check_moe_training_layout(handle: ModelHandle) -> None:
     """Megatron-Core's MoE layer refuses to run in training mode under tensor parallelism without
     sequence parallelism (a raw ``ValueError`` from inside the forward, also under ``no_grad``):
-    say so before the forward, with the two ways out."""
+    say so before the forward, with the two ways out. A layer whose forward is its own and says so
+    (``trains_at_tp_without_sequence_parallel``: the ``vllm-exact`` MoE block) is let through."""
     moe = handle.arch_config.moe
     if moe is None or handle.placement.tp == 1 or handle.placement.sequence_parallel:
         return
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    if any(m.training for chunk in handle.chunks for m in chunk.modules() if isinstance(m, MoELayer)):
+    if any(m.training and not getattr(m, "trains_at_tp_without_sequence_parallel", False)
+           for chunk in handle.chunks for m in chunk.modules() if isinstance(m, MoELayer)):  # fmt: skip
         raise ZooError(f"{handle.arch_config.architecture}: an MoE model at TP={handle.placement.tp} without sequence"
                        " parallelism cannot run in training mode (Megatron-Core's MoE layer refuses it): build it"
                        " with Parallelism(..., sequence_parallel=True), or call model.eval() for forwards"

@@ -6,7 +6,7 @@ fixed set of kernels whose per-token results do not depend on the batch: a Trito
 add + RMSNorm (with a residual), RoPE in torch ops (``forward_static``), its CUDA SiLU-and-mul
 kernel, FlashAttention-3 over the paged KV cache with ``num_splits=1``, and for log-probs its GPU
 model runner's fused Triton kernel on the model-dtype logits (``compute_token_logprobs``). An
-unquantized MoE block (Qwen3-MoE, TP1) runs its ``FusedMoE`` layer with the ``topk_softmax`` router
+unquantized MoE block (Qwen3-MoE) runs its ``FusedMoE`` layer with the ``topk_softmax`` router
 kernel and ``TritonExperts`` - two Triton fused-MoE GEMMs at a fixed tile config, SiLU-and-mul
 between them, the routing weight applied in the second GEMM's fp32 accumulator, ``moe_sum``
 over the k slots (:func:`moe_topk_softmax`, :func:`fused_experts`).
@@ -171,13 +171,15 @@ class VLLMKernels:
         return try_get_optimal_moe_config(tuple(w13_shape), tuple(w2_shape), top_k, None, num_tokens)
 
     def moe_gemm(self, a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, weights: Optional[torch.Tensor],
-                 per_slot: bool, config: dict) -> torch.Tensor:  # fmt: skip
+                 per_slot: bool, config: dict, expert_map: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
         """One of ``TritonExperts``' two grouped GEMMs on vLLM's Triton ``fused_moe_kernel``:
         ``out[t, j] = a[row] @ w[ids[t, j]].T`` -> ``[n, k, N]`` in ``a``'s dtype, with ``row = t``
         (``a [n, K]``, the first GEMM: top_k = k) or ``row = t * k + j`` (``per_slot``: ``a [n * k, K]``,
         the second GEMM: top_k = 1). fp32 accumulation; ``weights [n, k]`` (fp32): the accumulator
         is multiplied by the slot's routing weight in fp32 before the one cast (the second GEMM,
-        ``mul_routed_weight``)."""
+        ``mul_routed_weight``). ``expert_map`` (int32 ``[E_global]``, vLLM's: the local index of a
+        global expert, -1 where another rank holds it): ``ids`` are global and ``w`` holds this
+        rank's experts; the kernel writes zeros for the slots of experts mapped to -1."""
         from vllm.model_executor.layers.fused_moe.fused_moe import (
             _prepare_expert_assignment,
             invoke_fused_moe_triton_kernel,
@@ -185,7 +187,8 @@ class VLLMKernels:
         from vllm.triton_utils import tl
 
         n, k = ids.shape
-        sorted_ids, expert_ids, padded = _prepare_expert_assignment(ids, config, n, k, w.shape[0], None)
+        experts = w.shape[0] if expert_map is None else expert_map.shape[0]  # global_num_experts
+        sorted_ids, expert_ids, padded = _prepare_expert_assignment(ids, config, n, k, experts, expert_map)
         out = a.new_empty(n, k, w.shape[1])
         compute_type = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[a.dtype]
         invoke_fused_moe_triton_kernel(
@@ -278,12 +281,14 @@ class ReferenceKernels:
         return dict(MOE_BATCH_INVARIANT_CONFIG)
 
     def moe_gemm(self, a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, weights: Optional[torch.Tensor],
-                 per_slot: bool, config: dict) -> torch.Tensor:  # fmt: skip
+                 per_slot: bool, config: dict, expert_map: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
         n, k = ids.shape
-        flat = ids.reshape(-1).long()
+        flat = _local_experts(ids, expert_map)
         src = _slot_rows(n, k, per_slot, a.device)
-        out = torch.empty(n * k, w.shape[1], dtype=_acc(a).dtype, device=a.device)
+        out = torch.zeros(n * k, w.shape[1], dtype=_acc(a).dtype, device=a.device)  # slots of other ranks: 0
         for e in flat.unique().tolist():
+            if e < 0:
+                continue
             sel = (flat == e).nonzero().squeeze(1)
             out[sel] = _acc(a[src[sel]]) @ _acc(w[e]).t()
         if weights is not None:
@@ -585,6 +590,13 @@ def _routing_weights(logits: torch.Tensor, ids: torch.Tensor, renormalize: bool)
     return weights / weights.sum(dim=-1, keepdim=True) if renormalize else weights
 
 
+def _local_experts(ids: torch.Tensor, expert_map: Optional[torch.Tensor]) -> torch.Tensor:
+    """``ids [n, k]`` flattened to ``[n * k]`` int64 local expert indices: ``expert_map[ids]``
+    (-1: an expert of another rank) or ``ids`` themselves without a map."""
+    flat = ids.reshape(-1).long()
+    return flat if expert_map is None else expert_map.to(flat.device).long()[flat]
+
+
 def _slot_rows(n: int, k: int, per_slot: bool, device: torch.device) -> torch.Tensor:
     """The input row of each of the ``n * k`` slots of an expert GEMM: its token (``t``) or itself."""
     rows = torch.arange(n * k, device=device)
@@ -626,23 +638,27 @@ def moe_topk_softmax(logits: torch.Tensor, top_k: int, *, renormalize: bool,
 class _MoEGemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, weights: Optional[torch.Tensor],
-                per_slot: bool, config: dict) -> torch.Tensor:  # fmt: skip
-        ctx.save_for_backward(a, w, ids, weights)
+                per_slot: bool, config: dict, expert_map: Optional[torch.Tensor]) -> torch.Tensor:  # fmt: skip
+        ctx.save_for_backward(a, w, ids, weights, expert_map)
         ctx.per_slot = per_slot
-        return kernels().moe_gemm(a, w, ids, weights, per_slot, config)
+        if expert_map is None:  # the call of the single-rank path, as it was
+            return kernels().moe_gemm(a, w, ids, weights, per_slot, config)
+        return kernels().moe_gemm(a, w, ids, weights, per_slot, config, expert_map)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
-        a, w, ids, weights = ctx.saved_tensors
+        a, w, ids, weights, expert_map = ctx.saved_tensors
         need_a, need_w, _, need_s = ctx.needs_input_grad[:4]
         n, k = ids.shape
-        flat = ids.reshape(-1).long()
+        flat = _local_experts(ids, expert_map)
         src = _slot_rows(n, k, ctx.per_slot, a.device)
         g = grad.reshape(n * k, -1)
         ga = torch.zeros(a.shape, dtype=_acc(a).dtype, device=a.device) if need_a else None
         gw = torch.zeros_like(w) if need_w else None
         gs = torch.zeros(n * k, dtype=_acc(weights).dtype, device=a.device) if need_s else None
         for e in flat.unique().tolist():  # per expert, in fp32: one expert's weight at a time
+            if e < 0:  # another rank's expert: its slots' output was 0, so are their gradients here
+                continue
             sel = (flat == e).nonzero().squeeze(1)
             rows, ge, we = _acc(a[src[sel]]), _acc(g[sel]), _acc(w[e])
             if weights is not None:
@@ -654,7 +670,7 @@ class _MoEGemm(torch.autograd.Function):
             if need_a:
                 ga.index_add_(0, src[sel], ge @ we)
         return (None if ga is None else ga.to(a.dtype), gw, None,
-                None if gs is None else gs.view(n, k).to(weights.dtype), None, None)  # fmt: skip
+                None if gs is None else gs.view(n, k).to(weights.dtype), None, None, None)  # fmt: skip
 
 
 class _MoESum(torch.autograd.Function):
@@ -674,9 +690,9 @@ def moe_sum(y: torch.Tensor) -> torch.Tensor:
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                  ids: torch.Tensor, expert_map: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
     """The routed experts of an unquantized MoE block as vLLM's ``TritonExperts`` computes them
-    (batch-invariant mode, TP1), on ``x [n, H]`` (model dtype), ``w13 [E, 2I, H]`` (``[gate; up]``),
+    (batch-invariant mode), on ``x [n, H]`` (model dtype), ``w13 [E, 2I, H]`` (``[gate; up]``),
     ``w2 [E, H, I]``, ``weights fp32 [n, k]`` and ``ids [n, k]`` from :func:`moe_topk_softmax`:
 
     1. ``h [n, k, 2I] = x @ w13[ids].T`` - Triton fused-MoE GEMM, fp32 accumulation, one cast;
@@ -685,13 +701,29 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
        into the fp32 accumulator before the cast to the model dtype;
     4. ``out [n, H] = sum_k y`` - vLLM's ``moe_sum``.
 
+    Under tensor parallelism (vLLM without expert parallelism) ``w13`` / ``w2`` are this rank's
+    shards of every expert (``I`` = the local intermediate size, ``w13`` = ``[gate shard; up shard]``)
+    and ``out`` is this rank's partial sum. Under expert parallelism ``w13`` / ``w2`` hold this
+    rank's whole experts, ``ids`` stay global and ``expert_map`` (int32 ``[E_global]``, vLLM's
+    ``expert_map``: the local index of each global expert, -1 for another rank's) maps them: a slot
+    routed to another rank's expert is 0 in both GEMMs and ``moe_sum`` adds it as 0 - as the engine,
+    whose Triton kernel writes zeros for the blocks of expert -1. The caller all-reduces the partial
+    sums (:class:`mcore_zoo.specs.vllm_exact.VLLMMoELayer`).
+
     Differentiable in ``x``, ``w13``, ``w2`` and ``weights`` (ordinary torch ops in fp32, one expert
-    at a time)."""
+    at a time; another rank's slots get no gradient here)."""
     n, k = ids.shape
+    if expert_map is not None:  # no device sync: the values are checked where they are on the CPU
+        bad = expert_map.dim() != 1 or expert_map.dtype != torch.int32
+        if not bad and expert_map.device.type == "cpu":
+            bad = int(expert_map.max()) >= w13.shape[0] or int((expert_map >= 0).sum()) != w13.shape[0]
+        if bad:
+            raise ZooError(f"fused_experts: expert_map {expert_map.dtype} {tuple(expert_map.shape)} is not an int32"
+                           f" map of global experts onto the {w13.shape[0]} local experts of w13 {tuple(w13.shape)}")  # fmt: skip
     config = kernels().moe_config(tuple(w13.shape), tuple(w2.shape), k, n)
-    h = _MoEGemm.apply(x, w13, ids, None, False, config)
+    h = _MoEGemm.apply(x, w13, ids, None, False, config, expert_map)
     a = silu_and_mul(h.reshape(n * k, -1))
-    return moe_sum(_MoEGemm.apply(a, w2, ids, weights, True, config))
+    return moe_sum(_MoEGemm.apply(a, w2, ids, weights, True, config, expert_map))
 
 
 # ---------------------------------------------------------------------------- RoPE tables

@@ -40,9 +40,26 @@ Megatron-Core's own parameters: the router's ``weight`` and the sequential exper
 ``linear_fc1`` (``[gate; up]``) / ``linear_fc2`` weights, so the checkpoint mapping is the
 MoE built-ins' own.
 
+At ``tensor_parallel_size`` N (data parallel 1) vLLM 0.26 runs the same block on every rank over
+all tokens (the gate is a ``ReplicatedLinear``) and all-reduces the ranks' outputs after
+``moe_sum``: ``MoERunner._maybe_reduce_final_output`` calls ``tensor_model_parallel_all_reduce``
+(``layers/fused_moe/runner/moe_runner.py``, the TP group's ``all_reduce`` that ``RowParallelLinear``
+calls, ``layers/linear.py``; batch-invariant mode turns the custom all-reduce off,
+``config/parallel.py``, and pins NCCL's tree, ``layers/batch_invariant.py``). Without expert
+parallelism each rank holds every expert's intermediate shard (``w13`` = ``[gate rows of rank r;
+up rows of rank r]``, ``w2`` the matching input columns: ``RoutedExperts._load_w13`` / ``_load_w2``);
+the trainer's layout is TP N with expert-TP N, where Megatron-Core's ``linear_fc1`` / ``linear_fc2``
+of each expert hold those shards. With ``enable_expert_parallel=True`` ``FusedMoEParallelConfig.make``
+turns the TP ranks into EP ranks (``ep_size = tp_size``, expert TP 1), the experts are placed
+``linear`` by default (rank r: ``[r * E / N, (r + 1) * E / N)``, ``expert_map_manager.py``), every
+rank routes every token, the Triton kernel writes zeros for the slots of other ranks' experts
+(``expert_map`` -1) and, with no all-to-all at data parallel 1 (``use_all2all_kernels``), the same
+all-reduce sums the ranks; the trainer's layout is TP N x EP N at expert-TP 1.
+
 Scope (refused otherwise, naming the reason): dense RMSNorm + SwiGLU + NeoX RoPE decoders (the
-dense built-ins) and Qwen3-MoE (softmax top-k router, no shared expert, tensor, expert and expert
-tensor parallel size 1), context parallel size 1, no sequence parallelism.
+dense built-ins) at any TP, and Qwen3-MoE (softmax top-k router, no shared expert) at TP1 or at
+the two TP N layouts above; context parallel size 1, no sequence parallelism. Bitwise agreement
+with an engine at TP > 1 is not yet measured for the MoE block (bench/gpu/vllm_exact_tp.py).
 """
 
 from __future__ import annotations
@@ -249,11 +266,35 @@ class VLLMMoELayer(MoELayer):
     they are) whose forward is vLLM's fused MoE block (see the module docstring): no token
     dispatch; every token's k experts in one pair of fused grouped GEMMs.
 
-    Cost: vLLM's kernels take all experts' weights stacked, ``w13 [E, 2I, H]`` and ``w2 [E, H, I]``;
-    the layer stacks the per-expert parameters in every forward (one copy of the layer's expert
-    weights, in the model dtype, alive until the backward), and the backward's per-expert weight
-    gradients flow back through the stack to each expert's own parameters. Tensor, expert and
-    expert tensor parallel size 1 only."""
+    Layouts, each the one of vLLM's engine at ``tensor_parallel_size`` = the trainer's TP (data
+    parallel 1; :func:`check_moe_supported` refuses others):
+
+    - TP1: the whole block on one rank.
+    - TP N, expert tensor parallel N (vLLM without expert parallelism): every rank holds every
+      expert's intermediate shard (``linear_fc1`` = ``[gate shard; up shard]``, ``linear_fc2`` its
+      input columns - what vLLM's ``w13`` / ``w2`` hold on that rank), routes all tokens with the
+      replicated router and computes its partial block output on the shards.
+    - TP N, expert parallel N, expert TP 1 (vLLM's ``enable_expert_parallel=True``): rank r holds
+      the experts ``[r * E / N, (r + 1) * E / N)`` whole (vLLM's default ``linear`` placement, mcore's
+      ``local_expert_indices``), routes all tokens and computes the slots of its own experts;
+      the others' are 0 (vLLM's ``expert_map``, :func:`vllm_ops.fused_experts`).
+
+    The ranks' partial outputs (model dtype) are then summed by the all-reduce vLLM's
+    ``MoERunner`` issues after the combine, ``tensor_model_parallel_all_reduce`` - the one of the
+    dense row-parallel layers (:func:`mcore_zoo.distributed.collectives.tree_order_all_reduce`,
+    see :class:`VLLMRowParallelLinear`). Backward: the input and the routing weights enter the
+    rank's partial through Megatron-Core's ``copy_to_tensor_model_parallel_region`` (their
+    gradients summed over TP), so the replicated router gets the whole gradient on every rank.
+
+    Cost: vLLM's kernels take the local experts' weights stacked, ``w13 [E, 2I, H]`` and
+    ``w2 [E, H, I]``; the layer stacks the per-expert parameters in every forward (one copy of the
+    layer's local expert weights, in the model dtype, alive until the backward), and the
+    backward's per-expert weight gradients flow back through the stack to each expert's own
+    parameters."""
+
+    #: its forward is its own: Megatron-Core's refusal of training at TP > 1 without sequence
+    #: parallelism (its token dispatcher) does not apply (see distributed.forward.check_moe_training_layout)
+    trains_at_tp_without_sequence_parallel = True
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors: Any = None,
                 padding_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, None]:  # fmt: skip
@@ -262,11 +303,64 @@ class VLLMMoELayer(MoELayer):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         weights, _, ids = self.router(x)
         w13, w2 = self.stacked_expert_weights()
-        return vllm_ops.fused_experts(x, w13, w2, weights, ids).view(hidden_states.shape), None
+        group = self.block_reduce_group()
+        if group is None:
+            return vllm_ops.fused_experts(x, w13, w2, weights, ids).view(hidden_states.shape), None
+        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+        from ..distributed.collectives import tree_order_all_reduce
+
+        x = copy_to_tensor_model_parallel_region(x, group=group)
+        weights = copy_to_tensor_model_parallel_region(weights, group=group)
+        partial = vllm_ops.fused_experts(x, w13, w2, weights, ids, expert_map=self.expert_map(ids.device))
+        return tree_order_all_reduce(partial, group).view(hidden_states.shape), None
+
+    def block_reduce_group(self) -> Any:
+        """The group whose partial block outputs are summed: the tensor-parallel group (``None`` at
+        TP1). Its ranks must be those that hold the other expert shards (expert-TP group) or the
+        other experts (expert-parallel group), as in vLLM's engine at data parallel 1; another
+        arrangement of Megatron-Core's groups is refused naming them."""
+        from ..placement import group_size
+
+        tp = getattr(self, "tp_group", None)
+        if tp is None or group_size(tp) == 1:
+            return None
+        cached = getattr(self, "_zoo_reduce_group", None)
+        if cached is not None:
+            return cached
+        import torch.distributed as dist
+
+        experts = getattr(self.experts, "local_experts", None) or []
+        etp = experts[0].linear_fc1.tp_group if experts else None
+        ep = getattr(self, "ep_group", None)
+        ranks = {name: (dist.get_process_group_ranks(g) if g is not None and group_size(g) > 1 else None)
+                 for name, g in (("tp", tp), ("expert-tp", etp), ("ep", ep))}  # fmt: skip
+        split = [name for name in ("expert-tp", "ep") if ranks[name] is not None]
+        if split != ["expert-tp"] and split != ["ep"] or ranks[split[0]] != ranks["tp"]:
+            raise ZooError(f"numerics 'vllm-exact': the MoE block sums its partial outputs over the tensor-parallel"
+                           f" group {ranks['tp']}, which must hold either every expert's shards (expert-TP group,"
+                           f" here {ranks['expert-tp']}) or all the experts (expert-parallel group, here {ranks['ep']}),"
+                           " as vLLM's engine at data parallel 1")  # fmt: skip
+        self._zoo_reduce_group = tp
+        return tp
+
+    def expert_map(self, device: torch.device) -> Optional[torch.Tensor]:
+        """vLLM's ``expert_map`` of this rank (int32 ``[E]``: local index of each global expert, -1
+        for another rank's), ``None`` without expert parallelism; made once per device."""
+        local = list(getattr(self, "local_expert_indices", range(self.config.num_moe_experts)))
+        if len(local) == self.config.num_moe_experts:
+            return None
+        cache = self.__dict__.setdefault("_zoo_expert_maps", {})
+        if device not in cache:
+            mapping = [-1] * self.config.num_moe_experts
+            for i, e in enumerate(local):
+                mapping[e] = i
+            cache[device] = torch.tensor(mapping, dtype=torch.int32, device=device)
+        return cache[device]
 
     def stacked_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(w13 [E, 2I, H], w2 [E, H, I])`` stacked from the experts' ``linear_fc1`` / ``linear_fc2``
-        weights (differentiable)."""
+        """``(w13 [E_local, 2I_local, H], w2 [E_local, H, I_local])`` stacked from the local experts'
+        ``linear_fc1`` / ``linear_fc2`` weights (differentiable)."""
         experts = getattr(self.experts, "local_experts", None)
         if experts is None:
             raise ZooError(f"numerics 'vllm-exact' takes sequential experts, not {type(self.experts).__name__}")
@@ -356,9 +450,9 @@ MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 
 def check_moe_supported(arch: Any, config: Any, numerics: Any) -> None:
     """Refuse, naming the reason, an MoE model or layout whose block the ``vllm-exact`` forward does
-    not compute as vLLM does: architectures other than Qwen3-MoE's router and experts, and tensor /
-    expert / expert tensor parallelism (vLLM shards every expert's intermediate dimension over TP
-    and all-reduces the partial sums: not built)."""
+    not compute as vLLM does: architectures other than Qwen3-MoE's router and experts, and parallel
+    layouts other than vLLM's at data parallel 1 (TP N with expert TP N, or TP N with expert
+    parallel N and expert TP 1; no sequence parallelism)."""
     name, moe = arch.architecture, arch.moe
     if moe.softmax_over_topk or moe.clamped_swiglu is not None:
         raise ZooError(f"{name}: numerics 'vllm-exact' has no kernels for gpt-oss's MoE (softmax over the top-k"
@@ -378,13 +472,19 @@ def check_moe_supported(arch: Any, config: Any, numerics: Any) -> None:
     if numerics.grouped_experts:
         raise ZooError(f"{name}: numerics 'vllm-exact' runs vLLM's fused-MoE kernel on the sequential experts'"
                        " weights: set grouped_experts=False")  # fmt: skip
-    layout = {name_: getattr(config, name_, 1) or 1 for name_ in
-              ("tensor_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size")}  # fmt: skip
-    wider = {k: v for k, v in layout.items() if v != 1}
-    if wider:
-        raise ZooError(f"{name}: numerics 'vllm-exact' computes the MoE block at TP1 without expert parallelism only;"
-                       f" got {', '.join(f'{k}={v}' for k, v in wider.items())} (vLLM's TP shards every expert's"
-                       " intermediate dimension and all-reduces the partial sums: not built yet)")  # fmt: skip
+    tp = getattr(config, "tensor_model_parallel_size", 1) or 1
+    ep = getattr(config, "expert_model_parallel_size", 1) or 1
+    etp = getattr(config, "expert_tensor_parallel_size", None) or tp  # None: the expert split follows TP
+    if (ep, etp) not in ((1, tp), (tp, 1)):
+        raise ZooError(f"{name}: numerics 'vllm-exact' computes the MoE block in the layouts of vLLM's engine at"
+                       f" tensor_parallel_size={tp} (data parallel 1): expert_tensor_parallel_size={tp} without expert"
+                       f" parallelism (every expert's intermediate dimension split over TP), or"
+                       f" expert_model_parallel_size={tp} with expert_tensor_parallel_size=1 (enable_expert_parallel=True:"
+                       f" whole experts split over the TP ranks); got tensor_model_parallel_size={tp},"
+                       f" expert_model_parallel_size={ep}, expert_tensor_parallel_size={etp}")  # fmt: skip
+    if getattr(config, "sequence_parallel", False):
+        raise ZooError(f"{name}: numerics 'vllm-exact' does not support sequence parallelism (vLLM's MoE block"
+                       " at data parallel 1 takes every token on every TP rank)")  # fmt: skip
 
 
 def install(model: torch.nn.Module, arch: Any, config: Any, dtype: torch.dtype) -> None:
