@@ -79,19 +79,21 @@ def host_bounds(cu_seqlens: torch.Tensor) -> list[int]:
     return _derived(cu_seqlens, "host", lambda t: t.tolist())
 
 
-def pack_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Each row's position inside its slot of the pack ``cu_seqlens`` (``[T]`` long on the tensor's
-    device: ``0 .. n_i - 1`` for slot ``i``), what Megatron-Core's THD RoPE takes for row ``j`` of
-    slot ``i`` (``freqs[j]``). Computed once per tensor object (:func:`_derived`)."""
+def pack_positions(cu_seqlens: torch.Tensor, device: Optional[torch.device] = None) -> torch.Tensor:
+    """Each row's position inside its slot of the pack ``cu_seqlens`` (``[T]`` long on ``device``,
+    default the tensor's: ``0 .. n_i - 1`` for slot ``i``), what Megatron-Core's THD RoPE takes for
+    row ``j`` of slot ``i`` (``freqs[j]``). Computed once per tensor object and device
+    (:func:`_derived`)."""
+    device = cu_seqlens.device if device is None else torch.device(device)
 
     def make(t: torch.Tensor) -> torch.Tensor:
         bounds = host_bounds(t)
         starts = torch.tensor(bounds[:-1], dtype=torch.long)
         slots = torch.tensor([b - a for a, b in zip(bounds, bounds[1:])], dtype=torch.long)
         rows = torch.arange(bounds[-1] - bounds[0], dtype=torch.long) + bounds[0]
-        return (rows - torch.repeat_interleave(starts, slots)).to(t.device)
+        return (rows - torch.repeat_interleave(starts, slots)).to(device)
 
-    return _derived(cu_seqlens, "positions", make)
+    return _derived(cu_seqlens, ("positions", device), make)
 
 
 def pack_pieces(num_rows: int, packed_seq_params: Any) -> Optional[list[tuple[int, int, bool]]]:

@@ -282,7 +282,7 @@ class PortableAttention(torch.nn.Module):
                 outs.append(query.new_zeros(end - start, self.heads, self.v_dim))
                 continue
             q, k, v = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))  # [1, h|g, L, d]
-            outs.append(self._attend(q, k, v, "sdpa", None)[0])  # [L, h, d_v]
+            outs.append(self._attend(q, k, v, "sdpa", None).reshape(-1, self.heads, self.v_dim))  # [L, h, d_v]
         return torch.cat(outs).reshape(query.shape[0], -1)
 
     def _thd_fused(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any, kernel: str) -> torch.Tensor:

@@ -59,7 +59,7 @@ def whole_pack_rope(original: Callable[..., torch.Tensor]) -> Callable[..., torc
         if freqs.size(0) != total:  # frequencies by position: row j of a slot takes freqs[j]
             if max((b - a for a, b in zip(bounds, bounds[1:])), default=0) > freqs.size(0):
                 return original(t, cu_seqlens, freqs, cp_group=cp_group, **kwargs)
-            freqs = freqs.index_select(0, pack_positions(cu_seqlens).to(freqs.device))
+            freqs = freqs.index_select(0, pack_positions(cu_seqlens, freqs.device))
         return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs, **kwargs).squeeze(1)
 
     _apply_rotary_pos_emb_thd.zoo_whole_pack = True  # type: ignore[attr-defined]
