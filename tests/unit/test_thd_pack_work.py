@@ -43,6 +43,14 @@ def _mcore_thd():
     return fn
 
 
+def _mla_flag() -> dict:
+    """The MLA-interleave keyword of the installed release (0.19 renamed it)."""
+    import inspect
+
+    params = inspect.signature(_mcore_thd()).parameters
+    return {"mla_rotary_interleaved": False} if "mla_rotary_interleaved" in params else {"multi_latent_attention": False}
+
+
 def _per_sequence_rope(t, cu_seqlens, freqs, cp_group=None, **kwargs):
     """Megatron-Core 0.19's per-sequence form (cp 1): each slot rotated by ``freqs[0:n]`` in its own
     ``_apply_rotary_pos_emb_bshd`` call, copied into an ``empty_like`` output."""
@@ -82,7 +90,7 @@ def test_whole_pack_rope_is_megatron_cores_thd_rope(dtype, rot_dim, align, inter
     freqs = torch.rand(batch.max_seqlen + 3, 1, 1, rot_dim, generator=gen) * 40
     x = torch.randn(batch.total, 3, 16, generator=gen).to(dtype)
     grad = torch.randn(batch.total, 3, 16, generator=gen).to(dtype)
-    kwargs = dict(rotary_interleaved=interleaved, multi_latent_attention=False, mscale=1.25, cp_group=CP1)
+    kwargs = dict(rotary_interleaved=interleaved, mscale=1.25, cp_group=CP1, **_mla_flag())
     got, got_grad = _run(ours, x, grad, cu, freqs, **kwargs)
     assert not calls, "the whole-pack path must not hand the pack to Megatron-Core's function"
     for name, ref_fn in (("mcore", mcore), ("per-sequence", _per_sequence_rope)):
@@ -106,7 +114,7 @@ def test_whole_pack_rope_per_token_freqs_and_what_it_leaves_to_megatron_core():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(batch.total, 2, 8, generator=gen)
     per_token = torch.rand(batch.total, 1, 1, 8, generator=gen) * 40
-    kwargs = dict(rotary_interleaved=False, multi_latent_attention=False, mscale=1.0)
+    kwargs = dict(rotary_interleaved=False, mscale=1.0, **_mla_flag())
     assert torch.equal(ours(x, cu, per_token, cp_group=CP1, **kwargs), mcore(x, cu, per_token, cp_group=CP1, **kwargs))
     assert not calls
     short = per_token[: batch.max_seqlen - 1]  # the longest slot is not covered: Megatron-Core's error
@@ -226,3 +234,41 @@ def test_host_bounds_of_a_dead_tensor_are_dropped():
     del cu
     gc.collect()
     assert key not in pack_rows._HOST
+
+
+def test_training_profile_model_gives_the_per_sequence_forms_bits(mpu, reference_checkpoint, monkeypatch):
+    """A Llama on the ``training`` profile, a padded pack with 1-token sequences, forward +
+    backward: logits and every parameter's gradient equal with the whole-pack forms and with both
+    switched back to the per-sequence forms (Megatron-Core's own THD RoPE; rows gathered per
+    sequence) - and the whole-pack forms are the ones that ran."""
+    import mcore_zoo
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from mcore_zoo.specs.portable import PortableAttention
+
+    ckpt = reference_checkpoint("LlamaForCausalLM")
+    model = mcore_zoo.build_model(ckpt, backend="portable", numerics="training", load=ckpt)
+    assert getattr(rope_utils._apply_rotary_pos_emb_thd, "zoo_whole_pack", False)
+    gen = torch.Generator().manual_seed(3)
+    pack = pack_sequences([torch.randint(0, 256, (n,), generator=gen) for n in (9, 1, 17, 4, 1, 30)], align=4)
+    params = pack.packed_seq_params()
+    taken = []
+    slices = PortableAttention._thd_sdpa_slices
+    monkeypatch.setattr(PortableAttention, "_thd_sdpa_slices",
+                        lambda self, *a: taken.append(1) or slices(self, *a))  # fmt: skip
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        logits = model(pack.input_ids, pack.position_ids, None, packed_seq_params=params)
+        logits.float().sum().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    whole = run()
+    assert len(taken) == model.config.num_layers
+    monkeypatch.setattr(rope_utils, "_apply_rotary_pos_emb_thd", _mcore_thd())
+    monkeypatch.setattr(PortableAttention, "_thd_sdpa_slices", lambda self, *a: None)
+    each = run()
+    assert torch.equal(whole[0], each[0])
+    assert whole[1].keys() == each[1].keys() and whole[1]
+    for name in whole[1]:
+        assert torch.equal(whole[1][name], each[1][name]), name
