@@ -169,6 +169,10 @@ class BuildPlan:
 
             mark_expert_data_parallel(model, self.transformer_config)
         install_rope(model, arch, options.numerics)
+        if getattr(model, "rotary_pos_emb", None) is not None and not self.transformer_config.apply_rope_fusion:
+            from .specs import thd_rope
+
+            thd_rope.install()  # Megatron-Core's unfused THD RoPE over a whole pack at once (same bits)
         if arch.vision is not None:  # the vision tower before the decoder (families/vision_language)
             from .families.vision_language.spec import attach_vision_tower
 

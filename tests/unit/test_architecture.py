@@ -147,7 +147,7 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "placement.py", "model_groups.py", "handle.py", "offload.py", "build.py", "parallel.py", "routing.py",
         "distributed/collectives.py",
         "specs/__init__.py", "specs/gpt.py", "specs/heads.py", "specs/linears.py", "specs/pack_rows.py", "specs/norms.py",
-        "specs/patching.py", "specs/portable.py", "specs/vllm_exact.py",
+        "specs/patching.py", "specs/portable.py", "specs/thd_rope.py", "specs/vllm_exact.py",
         "families/*/spec.py", "families/moe/clamped_swiglu.py", "families/moe/grouped_mm.py", "families/vision_language/vision.py",
         "families/vision_language/rotary.py",
     ),

@@ -14,14 +14,21 @@ for any other tensor (BSHD, a rank holding part of the pack under sequence or co
 parallelism, expert rows in dispatch order). The LM head runs after the layers:
 :func:`install_output_layer` gives it the model's pack (a forward pre-hook on the ``GPTModel``)
 and the same per-sequence GEMM.
+
+A pack's bounds are read to the host (a device sync on CUDA) once per ``cu_seqlens`` tensor, not
+once per layer: :func:`host_bounds` keeps the list it read for that tensor object while the tensor
+lives and is not changed in place, and :func:`pack_positions` the per-token positions derived from
+it (:mod:`mcore_zoo.specs.thd_rope`).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import threading
-from typing import Any, Iterator, Optional
+import weakref
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -29,28 +36,98 @@ import torch.nn.functional as F
 _LOCAL = threading.local()
 
 
-def pack_segments(num_rows: int, packed_seq_params: Any) -> Optional[list[tuple[int, int]]]:
-    """The row ranges ``[(start, end), ...]`` of a THD pack of ``num_rows`` rows that a model run on
-    each sequence alone would see one at a time: every sequence's own tokens
-    (``cu_seqlens_q_padded[i]`` + its length from ``cu_seqlens_q``), each run of alignment padding
-    after it, and any rows after the last sequence, in row order and covering ``[0, num_rows)``.
-    ``None`` when there is no pack (BSHD) or its bounds do not describe these rows."""
+#: how many ``cu_seqlens`` tensors :func:`host_bounds` remembers (the oldest is forgotten first)
+_HOST_ENTRIES = 64
+_HOST: "collections.OrderedDict[int, tuple[Any, int, dict]]" = collections.OrderedDict()
+_HOST_LOCK = threading.Lock()
+
+
+def _forget(key: int, ref: Any) -> None:
+    """Drop the entry of a tensor that died (a weakref callback: no lock, only its own entry)."""
+    entry = _HOST.get(key)
+    if entry is not None and entry[0] is ref:
+        _HOST.pop(key, None)
+
+
+def _derived(tensor: torch.Tensor, what: Any, make: Callable[[torch.Tensor], Any]) -> Any:
+    """``make(tensor)``, computed once for this tensor object: kept while the tensor lives and its
+    version counter (bumped by every in-place change autograd sees) is unchanged, dropped when it
+    dies. Inference tensors, which keep no version counter, are computed every time."""
+    try:
+        version = tensor._version
+    except RuntimeError:  # inference tensors
+        return make(tensor)
+    key = id(tensor)
+    with _HOST_LOCK:
+        entry = _HOST.get(key)
+        if entry is None or entry[0]() is not tensor or entry[1] != version:
+            entry = (weakref.ref(tensor, functools.partial(_forget, key)), version, {})
+            _HOST[key] = entry
+            while len(_HOST) > _HOST_ENTRIES:
+                _HOST.popitem(last=False)
+        else:
+            _HOST.move_to_end(key)
+        values = entry[2]
+    if what not in values:
+        values[what] = make(tensor)
+    return values[what]
+
+
+def host_bounds(cu_seqlens: torch.Tensor) -> list[int]:
+    """``cu_seqlens.tolist()``, read once per tensor object (:func:`_derived`): the first call for a
+    pack syncs with its device, every later layer reuses the list. Callers must not modify it."""
+    return _derived(cu_seqlens, "host", lambda t: t.tolist())
+
+
+def pack_positions(cu_seqlens: torch.Tensor, device: Optional[torch.device] = None) -> torch.Tensor:
+    """Each row's position inside its slot of the pack ``cu_seqlens`` (``[T]`` long on ``device``,
+    default the tensor's: ``0 .. n_i - 1`` for slot ``i``), what Megatron-Core's THD RoPE takes for
+    row ``j`` of slot ``i`` (``freqs[j]``). Computed once per tensor object and device
+    (:func:`_derived`)."""
+    device = cu_seqlens.device if device is None else torch.device(device)
+
+    def make(t: torch.Tensor) -> torch.Tensor:
+        bounds = host_bounds(t)
+        starts = torch.tensor(bounds[:-1], dtype=torch.long)
+        slots = torch.tensor([b - a for a, b in zip(bounds, bounds[1:])], dtype=torch.long)
+        rows = torch.arange(bounds[-1] - bounds[0], dtype=torch.long) + bounds[0]
+        return (rows - torch.repeat_interleave(starts, slots)).to(device)
+
+    return _derived(cu_seqlens, ("positions", device), make)
+
+
+def pack_pieces(num_rows: int, packed_seq_params: Any) -> Optional[list[tuple[int, int, bool]]]:
+    """The row ranges ``[(start, end, is_sequence), ...]`` of a THD pack of ``num_rows`` rows, in
+    row order and covering ``[0, num_rows)``: every sequence's own tokens
+    (``cu_seqlens_q_padded[i]`` + its length from ``cu_seqlens_q``; ``is_sequence`` True), each run
+    of alignment padding after it and any rows after the last sequence (False). ``None`` when there
+    is no pack (BSHD) or its bounds do not describe these rows. The bounds are read to the host once
+    per pack (:func:`host_bounds`)."""
     if packed_seq_params is None or getattr(packed_seq_params, "cu_seqlens_q", None) is None:
         return None
-    lengths = packed_seq_params.cu_seqlens_q.diff().tolist()
+    ends = host_bounds(packed_seq_params.cu_seqlens_q)
+    lengths = [b - a for a, b in zip(ends, ends[1:])]
     starts = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
-    starts = (packed_seq_params.cu_seqlens_q if starts is None else starts).tolist()
+    starts = host_bounds(packed_seq_params.cu_seqlens_q if starts is None else starts)
     if len(starts) != len(lengths) + 1 or starts[-1] > num_rows:
         return None
-    segments, row = [], 0
+    pieces, row = [], 0
     for start, length in zip(starts, lengths):
-        if start < row:
+        if start < row or length < 0:
             return None
-        segments += [(row, start)] if start > row else []
-        segments += [(start, start + length)] if length else []
+        pieces += [(row, start, False)] if start > row else []
+        pieces += [(start, start + length, True)] if length else []
         row = start + length
-    segments += [(row, num_rows)] if num_rows > row else []
-    return segments
+    pieces += [(row, num_rows, False)] if num_rows > row else []
+    return pieces
+
+
+def pack_segments(num_rows: int, packed_seq_params: Any) -> Optional[list[tuple[int, int]]]:
+    """The row ranges ``[(start, end), ...]`` of a THD pack of ``num_rows`` rows that a model run on
+    each sequence alone would see one at a time: :func:`pack_pieces` without the kind of each
+    range. ``None`` when there is no pack (BSHD) or its bounds do not describe these rows."""
+    pieces = pack_pieces(num_rows, packed_seq_params)
+    return None if pieces is None else [(start, end) for start, end, _ in pieces]
 
 
 def sequence_segments(rows: torch.Tensor) -> Optional[list[tuple[int, int]]]:
@@ -167,10 +244,13 @@ def install_output_layer(model: torch.nn.Module) -> None:
 __all__ = [
     "PerSequenceGEMM",
     "gemm_each_sequence",
+    "host_bounds",
     "inside_pack",
     "install_output_layer",
     "linear_each_sequence",
     "outside_pack",
+    "pack_pieces",
+    "pack_positions",
     "pack_segments",
     "sequence_bounds_layer_class",
     "sequence_segments",

@@ -9,7 +9,9 @@ changes and for how long:
   attribute once per process, when the first such layer is built. The wrapper calls the zoo's
   version only while such a layer has said so on the current thread (or, for vLLM's RoPE, for a
   model whose config carries the zoo's RoPE), and the original otherwise: every other model runs
-  Megatron-Core's code unchanged. They stay process-wide: the functions run inside Megatron-Core's
+  Megatron-Core's code unchanged. One computes what the original computes, only with fewer
+  kernels (the unfused THD RoPE over a whole pack at once, :mod:`mcore_zoo.specs.thd_rope`), and
+  runs for every caller where it applies. They stay process-wide: the functions run inside Megatron-Core's
   forward, which a trainer may call outside any zoo entry point, so there is no narrower scope to
   install them in.
 * **CPU patches** (:data:`mcore_zoo.cpu_shim.PATCHES`): only in a process without CUDA, for good.
@@ -40,6 +42,10 @@ WRAPPED: dict[tuple[str, str], str] = {
         " is returned unchanged",
     ("megatron.core.models.common.embeddings.rope_utils", "_apply_rotary_pos_emb_bshd"):
         "DeepSeek-V2's complex (interleaved-pair) RoPE while a zoo MLA layer of that kind runs on this thread",
+    ("megatron.core.models.common.embeddings.rope_utils", "_apply_rotary_pos_emb_thd"):
+        "Megatron-Core's unfused THD RoPE computed over the whole pack at once (mcore_zoo.specs.thd_rope): the"
+        " same elementwise arithmetic per row, bitwise equal, without the per-sequence split and host sync;"
+        " for every caller without context parallelism (the original under it)",
     ("megatron.core.transformer.attention", "apply_rotary_pos_emb"):
         "vLLM's RoPE kernel and cos / sin cache for a model whose config carries zoo_vllm_rope (numerics"
         " 'vllm-exact')",

@@ -11,7 +11,10 @@ BSHD and THD on CPU and GPU with one of these kernels:
 * ``sdpa`` - ``torch.nn.functional.scaled_dot_product_attention`` called the way HF's ``sdpa``
   implementation calls it, one call per packed sequence: SDPA picks its kernel by batch shape, so
   a packed sequence gets what HF sdpa computes for that sequence alone (not what it computes for it
-  inside a batch - HF's own sdpa differs between those two).
+  inside a batch - HF's own sdpa differs between those two). Each call takes a contiguous slice of
+  the pack in HF's layout and the outputs are joined with one ``torch.cat`` (alignment padding
+  gives zero rows); the pack's bounds are read to the host once per pack
+  (:func:`mcore_zoo.specs.pack_rows.host_bounds`), not once per layer.
 * ``varlen`` - ``torch.nn.attention.varlen.varlen_attn`` (CUDA, one call for the whole pack).
 * ``flash`` - the flash-attn package's ``flash_attn_varlen_func`` (CUDA, one call).
 * ``auto`` - ``varlen`` on CUDA when available, else ``flash`` when installed, else ``sdpa``.
@@ -46,6 +49,7 @@ import torch.nn.functional as F
 
 from ..distributed.collectives import all_gather_rows
 from ..placement import group_rank
+from .pack_rows import host_bounds, pack_pieces
 
 KERNELS = ("auto", "eager", "sdpa", "varlen", "flash")
 
@@ -226,16 +230,21 @@ class PortableAttention(torch.nn.Module):
             query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
         if self.cp_group is not None and self.cp_group.size() > 1:
             return self._thd_context_parallel(query, key, value, params, "sdpa" if kernel in ("varlen", "flash") else kernel)
-        starts = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        lengths = params.cu_seqlens_q.diff()
         if kernel in ("varlen", "flash"):
             return self._thd_fused(query, key, value, params, kernel)
+        if kernel == "sdpa":
+            out = self._thd_sdpa_slices(query, key, value, params)
+            if out is not None:
+                return out
+        starts = host_bounds(params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q)
+        ends = host_bounds(params.cu_seqlens_q)
+        lengths = [b - a for a, b in zip(ends, ends[1:])]
         out = query.new_zeros(query.shape[0], self.heads, self.v_dim)
         # eager: sequences of equal length go through one batched call (batched matmuls give each
-        # element the result it gets alone; fewer launches). sdpa: one call per sequence, as HF
-        # sdpa on that sequence alone (SDPA chooses kernels by batch shape).
+        # element the result it gets alone; fewer launches). sdpa (where _thd_sdpa_slices declines):
+        # one call per sequence, as HF sdpa on that sequence alone (SDPA chooses kernels by batch shape).
         groups: dict[Any, list[int]] = {}
-        for start, length in zip(starts.tolist(), lengths.tolist()):
+        for start, length in zip(starts, lengths):
             if length:
                 groups.setdefault(length if kernel == "eager" else (length, start), []).append(start)
         for group_key, group in groups.items():
@@ -247,6 +256,34 @@ class PortableAttention(torch.nn.Module):
             v = value[rows].view(*shape, *value.shape[1:]).transpose(1, 2)
             out[rows] = self._attend(q, k, v, kernel, None).reshape(-1, self.heads, self.v_dim)
         return out.reshape(out.shape[0], -1)
+
+    def _thd_sdpa_slices(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any) -> Optional[torch.Tensor]:
+        """The ``sdpa`` kernel on a THD pack (no context parallelism): one SDPA call per sequence on
+        contiguous slices of the pack, in the layout HF's sdpa implementation passes (``[1, h, L, d]``,
+        a transpose of a contiguous ``[1, L, h, d]``), its output rows joined with one ``torch.cat``
+        (alignment padding: zero rows). Same calls and values as gathering each sequence's rows into
+        a tensor of its own; the backward is one ``cat`` of the input slices' gradients instead of a
+        scatter per sequence. ``None`` (the caller gathers rows instead) where the pack's bounds do
+        not describe the rows or a slice would start off a 16-byte boundary (kernels may pick another
+        path for a misaligned pointer than for the fresh allocation a gather gives)."""
+        pieces = pack_pieces(query.shape[0], params)
+        if pieces is None:
+            return None
+        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+        out_row = self.heads * self.v_dim * query.element_size()  # the output's row: its gradient's slices
+        if out_row % 16 or any(t.data_ptr() % 16 or t.stride(0) * t.element_size() % 16 for t in (query, key, value)):
+            return None
+        if not pieces:
+            return query.new_zeros(0, self.heads * self.v_dim)
+        sizes = [end - start for start, end, _ in pieces]
+        outs = []
+        for (start, end, is_sequence), q, k, v in zip(pieces, query.split(sizes), key.split(sizes), value.split(sizes)):
+            if not is_sequence:
+                outs.append(query.new_zeros(end - start, self.heads, self.v_dim))
+                continue
+            q, k, v = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))  # [1, h|g, L, d]
+            outs.append(self._attend(q, k, v, "sdpa", None).reshape(-1, self.heads, self.v_dim))  # [L, h, d_v]
+        return torch.cat(outs).reshape(query.shape[0], -1)
 
     def _thd_fused(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any, kernel: str) -> torch.Tensor:
         cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
@@ -280,8 +317,9 @@ class PortableAttention(torch.nn.Module):
         keys = all_gather_rows(key.contiguous(), group)  # [cp, t_local, g, d]
         values = all_gather_rows(value.contiguous(), group)
         padded = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        bounds = padded.tolist()
-        lengths = params.cu_seqlens_q.diff().tolist()
+        bounds = host_bounds(padded)
+        ends = host_bounds(params.cu_seqlens_q)
+        lengths = [b - a for a, b in zip(ends, ends[1:])]
         out = query.new_zeros(query.shape[0], self.heads, self.v_dim)
         for i, length in enumerate(lengths):
             slot = bounds[i + 1] - bounds[i]
