@@ -168,6 +168,34 @@ def test_the_engines_fused_log_prob_kernel_gives_the_value_and_log_softmax_the_g
     assert not torch.allclose(fused[valid], plain[valid])
     assert fused[~valid].abs().sum() == 0
     assert torch.equal(g_fused, g_plain)
+    with use_kernels(Fused()):  # an engine on its V1 model runner: the fp32 log-softmax's value
+        v1, _ = vllm_ops.token_logprobs_and_entropy(logits, targets, runner="v1")
+    assert torch.equal(v1, plain)
+    with pytest.raises(ValueError, match="runner"):
+        vllm_ops.token_logprobs_and_entropy(logits, targets, runner="fused")
+
+
+def test_the_head_follows_the_engines_model_runner(monkeypatch, reference_checkpoint):
+    """vLLM 0.26 runs dense models and a few MoE architectures on its V2 model runner and other
+    MoE models (Qwen3-MoE) on V1, unless VLLM_USE_V2_MODEL_RUNNER says otherwise; a vllm-exact
+    model's head follows the runner its engine takes, any other model has none."""
+    from mcore_zoo.distributed.forward import uses_vllm_logprob_head
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    assert vllm_ops.engine_model_runner("LlamaForCausalLM", is_moe=False) == "v2"
+    assert vllm_ops.engine_model_runner("Qwen3MoeForCausalLM", is_moe=True) == "v1"
+    assert vllm_ops.engine_model_runner("Qwen2MoeForCausalLM", is_moe=True) == "v2"
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert vllm_ops.engine_model_runner("Qwen3MoeForCausalLM", is_moe=True) == "v2"
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    assert vllm_ops.engine_model_runner("LlamaForCausalLM", is_moe=False) == "v1"
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    moe = reference_checkpoint("Qwen3MoeForCausalLM", {"num_hidden_layers": 1, "head_dim": 128, "mlp_only_layers": []})
+    dense = reference_checkpoint("Qwen3ForCausalLM", {"num_hidden_layers": 1, "head_dim": 128})
+    with use_kernels(ReferenceKernels()):
+        heads = [uses_vllm_logprob_head(mcore_zoo.handle_of(mcore_zoo.build_model(c, backend="portable", numerics=n)))
+                 for c, n in ((moe, "vllm-exact"), (dense, "vllm-exact"), (moe, "default"))]  # fmt: skip
+    assert heads == ["v1", "v2", None]
 
 
 # ---------------------------------------------------------------------------- mixture of experts

@@ -157,15 +157,22 @@ def _gather_vocab(logits: torch.Tensor, layout: Placement) -> torch.Tensor:
     return gather_from_tensor_model_parallel_region(logits)
 
 
-def uses_vllm_logprob_head(handle: ModelHandle) -> bool:
-    """Whether ``handle``'s model computes log-probs with vLLM's log-softmax kernel on the whole
-    vocabulary (a ``vllm-exact`` build: numerics with ``kernels == "vllm"``). The forward and the
-    training step read it from the handle and pass it down (``vllm_head=``)."""
-    return getattr(handle.numerics, "kernels", None) == "vllm"
+def uses_vllm_logprob_head(handle: ModelHandle) -> Optional[str]:
+    """For a model that computes log-probs as vLLM's engine does, on the whole vocabulary (a
+    ``vllm-exact`` build: numerics with ``kernels == "vllm"``), the engine's model runner whose
+    log-prob kernel it follows (``"v1"`` / ``"v2"``, :func:`~mcore_zoo.kernels.vllm_ops.engine_model_runner`);
+    ``None`` for any other model. The forward and the training step read it from the handle and pass
+    it down (``vllm_head=``)."""
+    if getattr(handle.numerics, "kernels", None) != "vllm":
+        return None
+    from ..kernels import vllm_ops
+
+    arch = handle.arch_config
+    return vllm_ops.engine_model_runner(arch.architecture, arch.moe is not None)
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, layout: Placement, temperature: float = 1.0, *,
-                            vllm_head: bool = False) -> torch.Tensor:  # fmt: skip
+                            vllm_head: Optional[str] = None) -> torch.Tensor:  # fmt: skip
     """``log_softmax(logits / temperature)[label]`` in fp32 where ``logits [..., V / tp]`` is this TP
     rank's vocab slice; positions with ``label < 0`` give 0. TP ranks must call it together.
 
@@ -178,7 +185,8 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, layout: 
         from ..kernels import vllm_ops
 
         whole = _gather_vocab(logits, layout)
-        return vllm_ops.token_logprobs_and_entropy(whole, labels, temperature=temperature, compute_entropy=False)[0]
+        return vllm_ops.token_logprobs_and_entropy(whole, labels, temperature=temperature, compute_entropy=False,
+                                                   runner=vllm_head)[0]  # fmt: skip
     group = layout.groups.tp if layout.tp > 1 else None
     logprobs, _ = token_logprobs_and_entropy(logits, labels, tp_group=group, temperature=temperature, compute_entropy=False)
     return logprobs
@@ -194,7 +202,7 @@ def _gather_cp(local: torch.Tensor, mb: Microbatch, layout: Placement) -> torch.
 
 
 def _mtp_logprobs(mb: Microbatch, parts: Sequence[torch.Tensor], layout: Placement, bshd: bool,
-                  vllm_head: bool = False) -> list[list[torch.Tensor]]:  # fmt: skip
+                  vllm_head: Optional[str] = None) -> list[list[torch.Tensor]]:  # fmt: skip
     """Per MTP depth ``d + 1``, per sequence: ``[len - 2 - d]`` fp32 log-probs of token ``j + d + 2``
     (temperature 1: the MTP training signal) from that depth's vocab-parallel logits."""
     result = []
@@ -217,7 +225,7 @@ def _mtp_logprobs(mb: Microbatch, parts: Sequence[torch.Tensor], layout: Placeme
 
 def _collect(mb: Microbatch, output: torch.Tensor, layout: Placement, want_logits: bool, want_logprobs: bool,
              bshd: bool = False, want_values: bool = False, temperature: float = 1.0, mtp_depths: int = 0,
-             want_mtp: bool = False, vllm_head: bool = False) -> dict:  # fmt: skip
+             want_mtp: bool = False, vllm_head: Optional[str] = None) -> dict:  # fmt: skip
     """Last stage: model output ``[1, T / cp, V / tp]`` (BSHD: ``[B, S, V / tp]``) -> per-sequence
     logits / log-probs; a value head's ``[1, T / cp, 1]`` -> per-sequence values. A model with
     ``mtp_depths`` MTP depths outputs those depths' logits after the main ones
@@ -231,7 +239,7 @@ def _collect(mb: Microbatch, output: torch.Tensor, layout: Placement, want_logit
 
 
 def _collect_main(mb: Microbatch, output: torch.Tensor, layout: Placement, want_logits: bool, want_logprobs: bool,
-                  bshd: bool, want_values: bool, temperature: float, vllm_head: bool) -> dict:  # fmt: skip
+                  bshd: bool, want_values: bool, temperature: float, vllm_head: Optional[str]) -> dict:  # fmt: skip
     """:func:`_collect` of the main model's output."""
     if want_values:
         if bshd:
@@ -262,14 +270,16 @@ def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits if temperature == 1.0 else logits.float() / temperature
 
 
-def _next_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, vllm_head: bool = False) -> torch.Tensor:
+def _next_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                         vllm_head: Optional[str] = None) -> torch.Tensor:
     """One sequence's ``[len - 1]`` next-token log-probs from its full-vocabulary logits (vLLM's
     log-softmax with ``vllm_head``, else ``log_softmax`` in fp32)."""
     if vllm_head:
         from ..kernels import vllm_ops
 
         targets = tokens[1:].to(logits.device)
-        return vllm_ops.token_logprobs_and_entropy(logits[:-1], targets, temperature=temperature, compute_entropy=False)[0]
+        return vllm_ops.token_logprobs_and_entropy(logits[:-1], targets, temperature=temperature, compute_entropy=False,
+                                                   runner=vllm_head)[0]  # fmt: skip
     return next_token_logprobs(_tempered(logits, temperature), tokens)
 
 

@@ -232,12 +232,14 @@ def token_outputs(handle: ModelHandle, mb: Microbatch, output: torch.Tensor, *, 
     if getattr(handle.options, "head", "lm") == "value":
         values = local[:, 0].float()
     else:
-        if uses_vllm_logprob_head(handle):  # vllm-exact: vLLM's log-prob kernel on the gathered logits
+        runner = uses_vllm_logprob_head(handle)
+        if runner:  # vllm-exact: vLLM's log-prob kernel on the gathered logits
             from ..kernels import vllm_ops
 
             logprobs, entropy = vllm_ops.token_logprobs_and_entropy(_gather_vocab(local, layout), targets,
                                                                     temperature=temperature,
-                                                                    compute_entropy=compute_entropy)  # fmt: skip
+                                                                    compute_entropy=compute_entropy,
+                                                                    runner=runner)  # fmt: skip
         else:
             logprobs, entropy = token_logprobs_and_entropy(
                 local, targets, tp_group=layout.groups.tp if layout.tp > 1 else None, temperature=temperature,

@@ -5,7 +5,9 @@ fixed set of kernels whose per-token results do not depend on the batch: a Trito
 (``matmul_persistent``; bias added after), a Triton RMSNorm (no residual), its CUDA fused
 add + RMSNorm (with a residual), RoPE in torch ops (``forward_static``), its CUDA SiLU-and-mul
 kernel, FlashAttention-3 over the paged KV cache with ``num_splits=1``, and for log-probs its GPU
-model runner's fused Triton kernel on the model-dtype logits (``compute_token_logprobs``). An
+model runner's fused Triton kernel on the model-dtype logits (``compute_token_logprobs``) - or,
+where the engine runs its V1 model runner (vLLM 0.26's default for MoE models outside a short
+list: :func:`engine_model_runner`), ``log_softmax`` in fp32 (batch-invariant Triton kernel). An
 unquantized MoE block (Qwen3-MoE) runs its ``FusedMoE`` layer with the ``topk_softmax`` router
 kernel and ``TritonExperts`` - two Triton fused-MoE GEMMs at a fixed tile config, SiLU-and-mul
 between them, the routing weight applied in the second GEMM's fp32 accumulator, ``moe_sum``
@@ -498,12 +500,43 @@ class _LogSoftmax(torch.autograd.Function):
         return grad - out.exp() * grad.sum(-1, keepdim=True)
 
 
+#: vLLM 0.26's ``DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES`` (``vllm/config/vllm.py``): the MoE
+#: architectures its engine runs on the V2 model runner by default (the installed vLLM's own set is
+#: read where it has one)
+DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES = frozenset({
+    "DeepseekV2ForCausalLM", "GraniteMoeForCausalLM", "InklingForCausalLM", "InklingForConditionalGeneration",
+    "LongcatFlashNgramForCausalLM", "Qwen2MoeForCausalLM",
+})  # fmt: skip
+
+
+def engine_model_runner(architecture: str, is_moe: bool) -> str:
+    """Which GPU model runner a vLLM engine serving ``architecture`` runs - ``"v2"`` or ``"v1"`` - as
+    vLLM 0.26 decides it for a generation model (``VllmConfig.use_v2_model_runner``):
+    ``VLLM_USE_V2_MODEL_RUNNER`` when set, else V2 for a model without MoE layers or one of
+    :data:`DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES`, V1 for the other MoE models. The two compute
+    sampled and prompt log-probs differently (V2: its fused Triton kernel on the model-dtype logits;
+    V1: ``log_softmax`` of the logits cast to fp32), and the last bit can differ between them."""
+    forced = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if forced is not None and forced.strip() != "":
+        return "v2" if forced.strip().lower() in ("1", "true") else "v1"
+    try:
+        from vllm.config.vllm import DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES as installed
+    except ImportError:
+        installed = DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES
+    return "v2" if not is_moe or architecture in installed else "v1"
+
+
 def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                               compute_entropy: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:  # fmt: skip
+                               compute_entropy: bool = True,
+                               runner: str = "v2") -> tuple[torch.Tensor, Optional[torch.Tensor]]:  # fmt: skip
     """vLLM's per-token log-probs: ``log_softmax(logits.float() / temperature)[target]`` (fp32, the
     division as vLLM's sampler does it for processed log-probs; temperature 1 = its raw log-probs),
     and the entropy. ``logits [..., V]`` (all of the vocabulary on this rank), ``targets`` int like
-    ``logits[..., 0]``; negative targets give 0."""
+    ``logits[..., 0]``; negative targets give 0. ``runner`` (:func:`engine_model_runner`): at
+    temperature 1, ``"v2"`` gives the value of the V2 model runner's fused kernel on the model-dtype
+    logits, ``"v1"`` that of the fp32 log-softmax (the V1 runner's raw log-probs)."""
+    if runner not in ("v1", "v2"):
+        raise ValueError(f"runner must be 'v1' or 'v2', got {runner!r}")
     shape = targets.shape
     flat = logits.reshape(-1, logits.shape[-1])
     x = _acc(flat)  # bf16 / fp16 -> fp32, as vLLM's sampler
@@ -513,7 +546,7 @@ def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, *, t
     t = targets.reshape(-1).long()
     valid = t >= 0
     lp = lp_all.gather(-1, t.clamp(min=0)[:, None]).squeeze(-1) * valid
-    if temperature == 1.0:
+    if temperature == 1.0 and runner == "v2":
         # the forward value as the engine's fused kernel gives it (on the model-dtype logits);
         # the gradient stays that of the log-softmax above
         exact = kernels().token_logprobs(flat, t.clamp(min=0))
