@@ -17,6 +17,7 @@ Writes ``OUT/numerics_speed.json`` and ``.md``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -129,9 +130,12 @@ def model_times(layers: int, batch: int, seq: int, variant_specs: list[str], sha
     results: dict[str, Any] = {}
     variants = [parse_variant(v) for v in variant_specs]
     for name, backend, profile in variants:
+        gc.collect()  # the previous variant's model and graphs: freed before this one is measured
+        torch.cuda.empty_cache()
+        held = torch.cuda.memory_allocated() / 2**30
         try:
             model = mcore_zoo.build_model(config, backend=backend, numerics=profile, params_dtype=torch.bfloat16)
-            entry = {}
+            entry = {"held_before_gib": held}  # allocated before the build: peaks include it
             fwd = lambda: model(ids, positions, None)  # noqa: E731
             with torch.no_grad():
                 entry["bshd_forward_ms"], entry["bshd_forward_gib"] = time_step(fwd, False)
@@ -150,26 +154,27 @@ def model_times(layers: int, batch: int, seq: int, variant_specs: list[str], sha
                     table = Path(profile_dir) / (name.replace("/", "_").replace(" ", "_") + ".txt")
                     entry["thd_train_profile"] = profile_form(lambda: thd().float().mean().backward(), "cuda", table)
             results[name] = entry
-            del model
         except Exception as exc:
             results[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-1500:]}
-        torch.cuda.empty_cache()
+        model = fwd = thd = None  # noqa: F841 - the closures hold the model
     from transformers import AutoConfig, AutoModelForCausalLM
 
     for attn in ("eager", "sdpa"):
+        gc.collect()
+        torch.cuda.empty_cache()
+        held = torch.cuda.memory_allocated() / 2**30
         try:
             hf_config = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
             hf = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn, dtype=torch.bfloat16).cuda()
-            entry = {}
+            entry = {"held_before_gib": held}
             fwd = lambda: hf(ids).logits  # noqa: E731
             with torch.no_grad():
                 entry["bshd_forward_ms"], entry["bshd_forward_gib"] = time_step(fwd, False)
             entry["bshd_train_ms"], entry["bshd_train_gib"] = time_step(fwd, True)
             results[f"transformers/{attn}"] = entry
-            del hf
         except Exception as exc:
             results[f"transformers/{attn}"] = {"error": f"{type(exc).__name__}: {exc}"}
-        torch.cuda.empty_cache()
+        hf = fwd = None  # noqa: F841
     return results
 
 
@@ -187,14 +192,16 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", "Cells: time without split-K / default time (default time in microseconds).", ""]
     m = report["model"]
     lines += [f"## Model: {m.get('shape', 'llama-8b')}-shaped, {m['layers']} layers, batch {m['batch']} x {m['seq']} tokens, bf16", ""]
-    lines += ["| variant | BSHD fwd ms | BSHD fwd+bwd ms | THD fwd ms | THD fwd+bwd ms | peak GiB (fwd+bwd) |", "| --- | --- | --- | --- | --- | --- |"]
+    lines += ["| variant | BSHD fwd ms | BSHD fwd+bwd ms | THD fwd ms | THD fwd+bwd ms | peak GiB (fwd+bwd) | held before GiB |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, e in m["results"].items():
         if "error" in e:
-            lines.append(f"| {name} | error: `{e['error'][:80]}` | | | | |")
+            lines.append(f"| {name} | error: `{e['error'][:80]}` | | | | | |")
             continue
         thd = [f"{e[k]:.1f}" if k in e else "-" for k in ("thd_forward_ms", "thd_train_ms")]
         lines.append(
             f"| {name} | {e['bshd_forward_ms']:.1f} | {e['bshd_train_ms']:.1f} | {thd[0]} | {thd[1]} | {e['bshd_train_gib']:.1f} |"
+            f" {e.get('held_before_gib', float('nan')):.1f} |"
         )
     return "\n".join(lines) + "\n"
 

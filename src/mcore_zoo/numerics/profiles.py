@@ -15,9 +15,9 @@ Built-in profiles:
   calls ``scaled_dot_product_attention`` (one call per packed sequence). For the dense built-ins
   on ``te`` with a GPU the logits then equal those of transformers' sdpa model run on each
   sequence alone (Transformer Engine's GEMMs matched cuBLAS bit for bit in our runs; TP 1), so the
-  distance to HF eager is transformers' own sdpa-vs-eager distance, at 1.4-1.9x ``default``'s
-  training-step time as measured before the THD attention's per-sequence gathers and scatters and
-  RoPE's per-sequence split were taken out (docs/numerics.md). Meant for RL training on ``te``.
+  distance to HF eager is transformers' own sdpa-vs-eager distance, at 1.3x ``default``'s
+  training-step time (H100, Llama-8B-shaped layers, THD packs of 4 x 2048 and 16 x 512 tokens;
+  docs/numerics.md). Meant for RL training on ``te``.
   ``with_knobs(attention="backend", linear_bias="separate")`` keeps Transformer Engine's fused
   attention (and its context-parallel ring): faster, and as close to HF eager as sdpa only on
   average.
