@@ -119,6 +119,34 @@ def test_a_staged_read_of_a_truncated_file_names_the_tensor(tmp_path):
         assert ring._ring == []
 
 
+def test_small_tensors_of_one_file_are_read_in_batches_and_a_failed_batch_names_its_tensor(tmp_path, monkeypatch):
+    """Consecutive regions of one file go to the read threads together (one submission for several
+    small tensors, up to ``BATCH_BYTES``), land where each belongs, and when a batch's read fails
+    the error names the tensor whose bytes are missing - not the first tensor of the batch."""
+    gen = torch.Generator().manual_seed(3)
+    state = {f"expert{i:02d}": torch.randn(16, 64, generator=gen) for i in range(24)}  # 4 KiB each
+    save_file(state, str(tmp_path / "model.safetensors"))
+    ring = StagingRing(4, 64 << 10, pin=False, cpu_destinations=True)  # batches of up to 16 KiB
+    submits = []
+    with HFCheckpoint(tmp_path, staging=ring) as ckpt:
+        real = ckpt._reader.submit
+        monkeypatch.setattr(ckpt._reader, "submit", lambda *a, **k: submits.append(1) or real(*a, **k))
+        outs = {name: torch.empty(16, 64) for name in state}
+        with ckpt.queued_reads():
+            for name, out in outs.items():
+                ckpt.read_into(name, out)
+    assert all(_same(outs[n], state[n]) for n in state)
+    assert len(submits) == 6  # 24 regions of 4 KiB in batches of 16 KiB
+    names = sorted(state)
+    with HFCheckpoint(tmp_path, staging=ring) as ckpt:
+        with open(tmp_path / "model.safetensors", "r+b") as f:  # the last two tensors' bytes are gone
+            f.truncate(ckpt.entry(names[22]).offset + 100)
+        with pytest.raises(CheckpointFormatError, match=f"'{names[22]}'.*end of file"), ckpt.queued_reads():
+            for name in names:
+                ckpt.read_into(name, torch.empty(16, 64))
+    assert ring._ring == []
+
+
 def test_a_load_through_the_ring_equals_the_default_load(mpu, reference_checkpoint: Callable[..., Path]):
     """``load_hf_weights`` through an unpinned ring of small buffers (every parameter with direct
     views staged; fused ones as before) gives the default load's parameters bitwise."""

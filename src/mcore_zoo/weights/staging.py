@@ -11,7 +11,10 @@ copied to the destination with a ``non_blocking`` host-to-device copy on a side 
 event recorded after the last copy out of a buffer guards its reuse, so reading the next buffer
 runs while the previous one is copied. Small tensors share a buffer; a tensor larger than a
 buffer is streamed through the ring in pieces of whole rows (of its destination's row-major
-order). Host memory grows by the ring, not by the tensors: the destination holds the bytes. A
+order). Consecutive regions of one file are handed to the read threads in batches of up to
+:data:`BATCH_BYTES` (one submission for several small tensors: an MoE checkpoint has thousands of
+expert tensors of a few MB); a failed batch is read again region by region so that the error names
+the tensor whose bytes are missing. Host memory grows by the ring, not by the tensors: the destination holds the bytes. A
 column chunk of narrow rows (a row-parallel weight's TP shard: runs shorter than :data:`ROWS_BELOW`,
 at most :data:`ROWS_SPAN` run lengths apart) is read as whole rows - one contiguous read per region
 instead of one per row - copied to the device as read, and cut there.
@@ -41,7 +44,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
@@ -57,6 +60,10 @@ MIN_RUN_BYTES = 512  # source runs shorter than this on average: the mapping pat
 ROWS_BELOW = 64 << 10
 ROWS_SPAN = 4
 ALIGN = 512  # regions of a buffer start at multiples of this many bytes
+#: consecutive regions of one file are handed to the read threads together, up to this many bytes
+#: (at most a quarter of a buffer): one submission - and one wake-up of the threads - for several
+#: small tensors (an MoE checkpoint's experts) instead of one each
+BATCH_BYTES = 16 << 20
 
 
 def _pieces(out: torch.Tensor, start: int, limit: int) -> Iterator[tuple[torch.Tensor, int]]:
@@ -127,6 +134,21 @@ class _Piece:
     nbytes: int
     describe: Optional[Callable[[OSError], BaseException]]
     rows: Optional[tuple[int, int, int]] = None
+    #: the region's own reads (``fd``, segments) while its futures are shared with other regions of
+    #: a batch: a failed batch is read again region by region, so that the error names its tensor
+    own: Optional[tuple[pread.ReadPool, int, list[pread.Segment]]] = None
+
+
+@dataclass
+class _Batch:
+    """Regions of one file whose reads are not yet handed to the read threads."""
+
+    reader: pread.ReadPool
+    fd: int
+    populate: bool
+    segments: list[pread.Segment] = field(default_factory=list)
+    pieces: list[_Piece] = field(default_factory=list)
+    nbytes: int = 0
 
 
 def _cut(staged: torch.Tensor, rows: Optional[tuple[int, int, int]]) -> torch.Tensor:
@@ -161,6 +183,7 @@ class StagingRing:
         self._stream: Optional[torch.cuda.Stream] = None
         self._device: Optional[torch.device] = None
         self._pending: deque[_Piece] = deque()
+        self._batch: Optional[_Batch] = None  # the newest regions, reads not yet submitted
         self._in_flight = 0
         self._current = self._used = 0
         self._pinned = False
@@ -204,9 +227,10 @@ class StagingRing:
                 self._copy_oldest()
             slot = self._take(nbytes)
             segments = _segments(run, starts, itemsize, first, view.numel(), slot.data_ptr())
-            futures = reader.submit(fd, segments, populate=not self._pinned)  # pinned pages are resident
             staged = slot.view(dtype).view(view.shape)
-            self._pending.append(_Piece(futures, view, staged, self._current, nbytes, describe))
+            piece = _Piece([], view, staged, self._current, nbytes, describe, own=(reader, fd, segments))
+            self._pending.append(piece)
+            self._queue(piece, reader, fd, segments, nbytes)
             self._in_flight += nbytes
             self.bytes_staged += nbytes
             self.bytes_read += nbytes
@@ -237,6 +261,7 @@ class StagingRing:
             while self._pending and self._in_flight > self.buffer_bytes:
                 self._copy_oldest()
             slot = self._take(nbytes)
+            self._submit()  # the regions queued before this one go first
             futures = reader.submit(fd, [(starts[first], slot.data_ptr(), nbytes)], populate=not self._pinned)
             piece = _Piece(futures, out[first : first + count], slot.view(dtype), self._current, nbytes, describe,
                            rows=(count, run, step))  # fmt: skip
@@ -249,9 +274,11 @@ class StagingRing:
         """Return once every read and copy :meth:`read` started is done (the ring stays
         allocated); raises the first failed read's error, after every read has ended."""
         try:
+            self._submit()
             while self._pending:
                 self._copy_oldest()
         finally:
+            self._submit()  # reads queued but never submitted: none runs after the ring is handed back
             for piece in self._pending:  # after a failed read: the others end before the ring is touched
                 for future in piece.futures:
                     future.exception()
@@ -296,10 +323,20 @@ class StagingRing:
     def _copy_oldest(self) -> None:
         """Wait for the oldest region's reads, then copy it to its destination (queued on the
         side stream, an event marking when its buffer is free again)."""
+        if not self._pending[0].futures:  # its reads wait in the open batch
+            self._submit()
         piece = self._pending.popleft()
         self._in_flight -= piece.nbytes
         errors = [future.exception() for future in piece.futures]
         error = next((e for e in errors if e is not None), None)
+        if error is not None and piece.own is not None:
+            # the batch failed somewhere: this region's own reads again, to tell whose error it is
+            reader, fd, segments = piece.own
+            try:
+                reader.read(fd, segments, populate=not self._pinned)
+                error = None
+            except OSError as exc:
+                error = exc
         if error is not None:
             if piece.describe is not None and isinstance(error, OSError):
                 raise piece.describe(error) from error
@@ -317,6 +354,32 @@ class StagingRing:
                     rows.copy_(piece.staged, non_blocking=True)
                     piece.destination.copy_(_cut(rows, piece.rows))
             self._events[piece.buffer] = self._stream.record_event()
+
+    def _queue(self, piece: _Piece, reader: pread.ReadPool, fd: int, segments: list[pread.Segment], nbytes: int) -> None:
+        """Add a region's reads to the open batch (a batch holds one file's reads; a full one, or one of
+        another file, is submitted first)."""
+        batch = self._batch
+        if batch is not None and (batch.fd != fd or batch.reader is not reader):
+            self._submit()
+            batch = None
+        if batch is None:
+            batch = self._batch = _Batch(reader, fd, populate=not self._pinned)  # pinned pages are resident
+        batch.segments += segments
+        batch.pieces.append(piece)
+        batch.nbytes += nbytes
+        if batch.nbytes >= min(BATCH_BYTES, self.buffer_bytes // 4):
+            self._submit()
+
+    def _submit(self) -> None:
+        """Hand the open batch's reads to the read threads (its regions share the futures)."""
+        batch, self._batch = self._batch, None
+        if batch is None:
+            return
+        futures = batch.reader.submit(batch.fd, batch.segments, populate=batch.populate)
+        for piece in batch.pieces:
+            piece.futures = futures
+        if len(batch.pieces) == 1:
+            batch.pieces[0].own = None  # its futures are its own
 
     def _take(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` of the ring, free to be written: the rest of the current buffer, else the
