@@ -168,8 +168,8 @@ def _engine_expert_map(worker):
     a list (global -> local expert, -1 for another rank's), ``None`` (that layer has no map: no
     expert parallelism), or ``"no fused-MoE layer found"``."""
     for module in worker._zoo_model().modules():
-        if hasattr(module, "expert_map_manager"):
-            mapping = getattr(module, "_expert_map", None)
+        if hasattr(module, "expert_map_manager"):  # vLLM 0.26: the MoE runner and its routed experts
+            mapping = module.expert_map_manager.expert_map  # (both forward to the manager's map)
             return None if mapping is None else mapping.tolist()
     return "no fused-MoE layer found"
 
