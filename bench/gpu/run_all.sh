@@ -11,7 +11,8 @@
 # profile at more seeds), moe-exact (hf-exact MoE vs transformers), moe-exact-packs (hf-exact MoE on mixed
 # THD packs vs transformers on each sequence alone), moe-sites (the sites inside one hf-exact MoE block vs
 # transformers' on the same input: the first differing op), grouped (TE grouped-GEMM experts)
-# mla (DeepSeek-V3, te), profile-sdpa (hf-exact-sdpa on te: distance and speed) and two-gpu (refit
+# mla (DeepSeek-V3, te), profile-sdpa (hf-exact-sdpa on te: distance and speed), moe-speed (the profiles at
+# Qwen3-30B-A3B's widths, sequential and grouped experts, both packs) and two-gpu (refit
 # at TP2, DeepSeek-V3 EP2 / TP2; 2 GPUs), hybrid-gpu (Qwen3-Next / Qwen3.5 / Qwen3.5-MoE at full width, 4
 # layers: parity vs HF, hf-exact, THD vs BSHD speed of a gated DeltaNet layer, vLLM parity and refit;
 # 4 GPUs in parallel, fewer serialise), hybrid-fla (the same models on te with the gated DeltaNet layer on
@@ -194,6 +195,17 @@ if [[ " $phases " == *" profile-sdpa "* ]]; then
       --knob attention=varlen --knob linear_bias=fused --lengths 512,512,512,512 --out "$out/parity/te-training-varlen"
   run profile-sdpa-speed-16x512 300 $py bench/gpu/numerics_speed.py --no-gemm --batch 16 --seq 512 \
       --out "$out/training/speed-sdpa-16x512" "${variants[@]}"
+fi
+
+if [[ " $phases " == *" moe-speed "* ]]; then
+  # the numerics profiles at Qwen3-30B-A3B's widths (4 layers, 128 experts of 768, top-8), sequential and
+  # grouped-GEMM experts, THD packs of 4 x 2048 and 16 x 512 tokens, next to transformers (docs/numerics.md)
+  moev=(--variant te/default=te:default --variant "te/default, grouped experts=te:default,grouped_experts=true"
+        --variant te/training=te:training --variant "te/training, grouped experts=te:training,grouped_experts=true"
+        --variant te/hf-exact=te:hf-exact --variant local/hf-exact=local:hf-exact)
+  run moe-speed-4x2048 600 $py bench/gpu/numerics_speed.py --no-gemm --shape qwen3-30b-a3b --out "$out/training/moe-speed-4x2048" "${moev[@]}"
+  run moe-speed-16x512 600 $py bench/gpu/numerics_speed.py --no-gemm --shape qwen3-30b-a3b --batch 16 --seq 512 \
+      --out "$out/training/moe-speed-16x512" "${moev[@]}"
 fi
 
 if [[ " $phases " == *" two-gpu "* ]] && (( ngpu >= 2 )); then
@@ -517,11 +529,14 @@ if [[ " $phases " == *" hybrid-fla "* ]]; then
     }
     ( flreport hybrid-fla-next "$(g 0)" Qwen3NextForCausalLM "${next[@]}"
       # THD varlen vs padded BSHD on fla, and fla vs the torch path (the issue's bound: THD <= 1.05 x BSHD)
-      flrun hybrid-fla-speed "$(g 0)" "${flpy[@]}" bench/gpu/gated_deltanet_speed.py --kernel fla \
+      # FLA_FIRST_TIMEOUT: a fresh machine compiles (and autotunes) fla's backward kernels at first use; on
+      # 2026-11-27 the speed bench and the GPU test printed nothing within 300 s, the forward-only reports
+      # above took 160 s
+      HYBRID_TIMEOUT=${FLA_FIRST_TIMEOUT:-900} flrun hybrid-fla-speed "$(g 0)" "${flpy[@]}" bench/gpu/gated_deltanet_speed.py --kernel fla \
           --out "$hy/gated_deltanet_fla.json" ) &
     flreport hybrid-fla-q35 "$(g 1)" Qwen3_5ForConditionalGeneration "${q35dense[@]}" &
     flreport hybrid-fla-q35moe "$(g 2)" Qwen3_5MoeForConditionalGeneration "${q35moe[@]}" &
-    MCORE_ZOO_GPU_RESULTS="$hy" flrun hybrid-fla-test "$(g 3)" "${flpy[@]}" -m pytest -p mcore_zoo.testing.plugin \
+    HYBRID_TIMEOUT=${FLA_FIRST_TIMEOUT:-900} MCORE_ZOO_GPU_RESULTS="$hy" flrun hybrid-fla-test "$(g 3)" "${flpy[@]}" -m pytest -p mcore_zoo.testing.plugin \
         tests/gpu/test_gated_deltanet_fla_gpu.py -q -s -p no:cacheprovider &
     wait
   fi
