@@ -353,7 +353,10 @@ class StagingRing:
                     rows = torch.empty_like(piece.staged, device=self._device)
                     rows.copy_(piece.staged, non_blocking=True)
                     piece.destination.copy_(_cut(rows, piece.rows))
-            self._events[piece.buffer] = self._stream.record_event()
+            # the buffer's reuse waits for its last copy: a buffer's regions are consecutive in the
+            # queue, so only a region with none of its buffer behind it records the (stream-ordered) event
+            if not self._pending or self._pending[0].buffer != piece.buffer:
+                self._events[piece.buffer] = self._stream.record_event()
 
     def _queue(self, piece: _Piece, reader: pread.ReadPool, fd: int, segments: list[pread.Segment], nbytes: int) -> None:
         """Add a region's reads to the open batch (a batch holds one file's reads; a full one, or one of
