@@ -189,6 +189,9 @@ def test_the_head_follows_the_engines_model_runner(monkeypatch, reference_checkp
     assert vllm_ops.engine_model_runner("Qwen3MoeForCausalLM", is_moe=True) == "v2"
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     assert vllm_ops.engine_model_runner("LlamaForCausalLM", is_moe=False) == "v1"
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "yes")  # vLLM itself fails on it: refused by name
+    with pytest.raises(ZooError, match="VLLM_USE_V2_MODEL_RUNNER"):
+        vllm_ops.engine_model_runner("LlamaForCausalLM", is_moe=False)
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
     moe = reference_checkpoint("Qwen3MoeForCausalLM", {"num_hidden_layers": 1, "head_dim": 128, "mlp_only_layers": []})
     dense = reference_checkpoint("Qwen3ForCausalLM", {"num_hidden_layers": 1, "head_dim": 128})

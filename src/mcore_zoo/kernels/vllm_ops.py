@@ -517,8 +517,11 @@ def engine_model_runner(architecture: str, is_moe: bool) -> str:
     sampled and prompt log-probs differently (V2: its fused Triton kernel on the model-dtype logits;
     V1: ``log_softmax`` of the logits cast to fp32), and the last bit can differ between them."""
     forced = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
-    if forced is not None and forced.strip() != "":
-        return "v2" if forced.strip().lower() in ("1", "true") else "v1"
+    if forced is not None:  # read as vLLM's envs.py reads it: bool(int(value))
+        try:
+            return "v2" if int(forced) else "v1"
+        except ValueError:
+            raise ZooError(f"VLLM_USE_V2_MODEL_RUNNER={forced!r}: vLLM reads it as an integer (0 or 1)") from None
     try:
         from vllm.config.vllm import DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES as installed
     except ImportError:
