@@ -677,8 +677,6 @@ class _MoEGemm(torch.autograd.Function):
                 per_slot: bool, config: dict, expert_map: Optional[torch.Tensor]) -> torch.Tensor:  # fmt: skip
         ctx.save_for_backward(a, w, ids, weights, expert_map)
         ctx.per_slot = per_slot
-        if expert_map is None:  # the call of the single-rank path, as it was
-            return kernels().moe_gemm(a, w, ids, weights, per_slot, config)
         return kernels().moe_gemm(a, w, ids, weights, per_slot, config, expert_map)
 
     @staticmethod
