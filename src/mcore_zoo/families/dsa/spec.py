@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from mcore_zoo.config.arch import ArchConfig, DSASpec
 from mcore_zoo.errors import ZooError
+from mcore_zoo.specs.pack_rows import host_bounds
 from mcore_zoo.specs.portable import PortableAttention, resolve_kernel
 
 
@@ -141,7 +142,8 @@ class LightningIndexer(torch.nn.Module):
             x, q_resid = x.reshape(x.shape[0], -1), q_resid.reshape(q_resid.shape[0], -1)
             starts = packed_seq_params.cu_seqlens_q_padded
             starts = packed_seq_params.cu_seqlens_q if starts is None else starts
-            segments = [(a, n) for a, n in zip(starts.tolist(), packed_seq_params.cu_seqlens_q.diff().tolist()) if n]
+            ends = host_bounds(packed_seq_params.cu_seqlens_q)  # read once per pack, not per layer
+            segments = [(a, b - e) for a, e, b in zip(host_bounds(starts), ends, ends[1:]) if b - e]
             masks = [self.select(x[a : a + n][None], q_resid[a : a + n][None], _causal(n, x.device)[None])
                      for a, n in segments]  # fmt: skip
             return Selection(masks, segments)

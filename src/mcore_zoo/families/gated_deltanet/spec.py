@@ -264,10 +264,7 @@ def gated_deltanet_class() -> type:
             only: the other values take one varlen call, :meth:`_mix_varlen`)."""
             if x.shape[0] != 1:
                 raise ZooError(f"a THD pack has batch 1, got {x.shape[0]}")
-            bounds = params.cu_seqlens_q.tolist()
-            padded = getattr(params, "cu_seqlens_q_padded", None)
-            starts = (padded if padded is not None else params.cu_seqlens_q).tolist()
-            spans = [(starts[i], bounds[i + 1] - bounds[i]) for i in range(len(bounds) - 1) if bounds[i + 1] > bounds[i]]
+            spans = linear_kernels.pack_boundaries(params, x.shape[1])[1]
             out = torch.zeros(x.shape[:-1] + (self.out_proj.out_features,), dtype=x.dtype, device=x.device)
             batch = self.pack == "batch" or (self.pack == "auto" and x.is_cuda)  # "auto": batch on the GPU
             if batch and len(spans) > 1:
