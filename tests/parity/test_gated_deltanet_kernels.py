@@ -151,10 +151,31 @@ def test_fla_layer_equals_torch_on_a_mixed_thd_pack(mpu, reference_checkpoint, f
 def test_pack_boundaries_cut_padding_into_segments_of_their_own():
     from types import SimpleNamespace
 
-    params = SimpleNamespace(cu_seqlens_q=torch.tensor([0, 3, 3, 8]), cu_seqlens_q_padded=torch.tensor([0, 4, 8, 16]))
-    cuts, spans = linear_kernels.pack_boundaries(params, 18)
+    cuts, spans = linear_kernels.pack_boundaries([0, 3, 3, 8], [0, 4, 8, 16], 18)
     assert spans == [(0, 3), (8, 5)]
     assert cuts == [0, 3, 8, 13, 18]
+    assert linear_kernels.pack_boundaries([0, 3, 8], [0, 3, 8], 8) == ([0, 3, 8], [(0, 3), (3, 5)])
+
+
+def test_a_packs_layout_is_made_once_and_shared_by_every_layer():
+    """The varlen layout (fla's ``cu_seqlens`` on the device and the host, the padding mask, the
+    batch gather indices) is read from the pack once: every layer of a forward gets the same tensor
+    objects (fla's own caches are keyed by them), a new pack or an in-place change gets new ones."""
+    from types import SimpleNamespace
+
+    from mcore_zoo.families.gated_deltanet.spec import _varlen_layout
+
+    cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
+    params = SimpleNamespace(cu_seqlens_q=cu, cu_seqlens_q_padded=torch.tensor([0, 4, 8, 16], dtype=torch.int32))
+    first = _varlen_layout(params, 18, torch.device("cpu"))
+    assert _varlen_layout(params, 18, torch.device("cpu")) is first
+    assert first.fla_arguments["cu_seqlens"].tolist() == [0, 3, 8, 13, 18]
+    assert first.keep.tolist() == [True] * 3 + [False] * 5 + [True] * 5 + [False] * 5
+    assert (first.longest, first.rows.tolist(), first.slots.tolist()) == (5, [0, 1, 2, 8, 9, 10, 11, 12], [0, 1, 2, 5, 6, 7, 8, 9])
+    unpadded = _varlen_layout(SimpleNamespace(cu_seqlens_q=cu), 8, torch.device("cpu"))
+    assert unpadded is not first and unpadded.keep is None and unpadded.spans == [(0, 3), (3, 5)]
+    cu[1] = 2  # changed in place: read again
+    assert _varlen_layout(params, 18, torch.device("cpu")).spans == [(0, 2), (4, 1), (8, 5)]
 
 
 def test_fla_is_refused_by_name_where_it_cannot_run(mpu, reference_checkpoint):

@@ -73,6 +73,22 @@ def _derived(tensor: torch.Tensor, what: Any, make: Callable[[torch.Tensor], Any
     return values[what]
 
 
+def per_pack(cu_seqlens: torch.Tensor, what: Any, make: Callable[[torch.Tensor], Any]) -> Any:
+    """``make(cu_seqlens)`` computed once per pack: kept under the key ``what`` for this tensor
+    object while it lives and is not changed in place (:func:`_derived`), so every layer of one
+    forward shares the value (and the tensor objects in it)."""
+    return _derived(cu_seqlens, what, make)
+
+
+def pack_host_layout(packed_seq_params: Any) -> tuple[list[int], list[int]]:
+    """``(bounds, starts)`` of a THD pack on the host: ``cu_seqlens_q`` and ``cu_seqlens_q_padded``
+    (``cu_seqlens_q`` again where the pack has no alignment padding), each read once per tensor
+    (:func:`host_bounds`). Callers must not modify the lists."""
+    bounds = host_bounds(packed_seq_params.cu_seqlens_q)
+    padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+    return bounds, (host_bounds(padded) if padded is not None else bounds)
+
+
 def host_bounds(cu_seqlens: torch.Tensor) -> list[int]:
     """``cu_seqlens.tolist()``, read once per tensor object (:func:`_derived`): the first call for a
     pack syncs with its device, every later layer reuses the list. Callers must not modify it."""

@@ -161,15 +161,13 @@ def resolve_kernel(choice: str, x: torch.Tensor) -> str:
     return choice
 
 
-def pack_boundaries(params: Any, total_rows: int) -> tuple[list, list]:
-    """A THD pack's varlen layout for fla: ``(cu_seqlens, spans)``. ``spans``: each non-empty
-    sequence's ``(start row, length)``; ``cu_seqlens``: the segment starts of the pack's rows - each
-    sequence's rows one segment, its alignment padding (``cu_seqlens_q_padded``) and rows past the
-    last sequence segments of their own - so no state or window crosses a sequence start; the
-    padding rows' outputs are dropped by the caller."""
-    bounds = params.cu_seqlens_q.tolist()
-    padded = getattr(params, "cu_seqlens_q_padded", None)
-    starts = (padded if padded is not None else params.cu_seqlens_q).tolist()
+def pack_boundaries(bounds: list[int], starts: list[int], total_rows: int) -> tuple[list, list]:
+    """A THD pack's varlen layout for fla: ``(cu_seqlens, spans)`` from the pack's bounds on the host
+    (``bounds``: ``cu_seqlens_q``; ``starts``: ``cu_seqlens_q_padded``, or ``bounds`` again for a pack
+    without alignment padding). ``spans``: each non-empty sequence's ``(start row, length)``;
+    ``cu_seqlens``: the segment starts of the pack's rows - each sequence's rows one segment, its
+    alignment padding and rows past the last sequence segments of their own - so no state or
+    window crosses a sequence start; the padding rows' outputs are dropped by the caller."""
     spans = [(starts[i], bounds[i + 1] - bounds[i]) for i in range(len(bounds) - 1) if bounds[i + 1] > bounds[i]]
     cuts = sorted({0, total_rows, *(start for start, _ in spans), *(start + n for start, n in spans)})
     return [c for c in cuts if c <= total_rows], spans

@@ -54,6 +54,7 @@ from mcore_zoo.config.arch import ArchConfig, GatedDeltaNetSpec
 from mcore_zoo.errors import ZooError
 from mcore_zoo.families.gated_deltanet import kernels as linear_kernels
 from mcore_zoo.numerics.profiles import NumericsProfile
+from mcore_zoo.specs import pack_rows
 
 #: the backends the gated DeltaNet layer is built on
 BACKENDS = ("local", "portable", "te")
@@ -157,6 +158,49 @@ def rank_heads(spec: GatedDeltaNetSpec, tp: int) -> GatedDeltaNetSpec:
     if tp == 1:
         return spec
     return dataclasses.replace(spec, num_key_heads=spec.num_key_heads // tp, num_value_heads=spec.num_value_heads // tp)
+
+
+@dataclasses.dataclass(frozen=True)
+class VarlenLayout:
+    """A THD pack's layout for the gated DeltaNet layer, made once per pack (every layer of one
+    forward gets the same objects, so fla's caches keyed by its ``cu_seqlens`` tensor hit after the
+    first layer). ``spans``: each non-empty sequence's ``(start row, length)``; ``fla_arguments``:
+    ``cu_seqlens`` (``[segments + 1]`` long, on the pack's device) and ``cu_seqlens_cpu`` (the
+    same on the host) as fla takes them (:func:`~.kernels.pack_boundaries`); ``keep``: ``[t]``
+    bool on the device, False on alignment-padding rows (whose outputs are zeroed), ``None`` when
+    every row is a sequence's. ``longest``, ``rows``, ``slots``: the pack as a right-padded batch of
+    ``len(spans)`` rows of ``longest`` - the pack rows of the sequences in order and their slots in
+    the flattened batch (``[tokens]`` long each, on the device)."""
+
+    spans: list
+    fla_arguments: dict
+    keep: Optional[torch.Tensor]
+    longest: int
+    rows: torch.Tensor
+    slots: torch.Tensor
+
+
+def _varlen_layout(params: Any, total_rows: int, device: torch.device) -> VarlenLayout:
+    """The pack ``params``'s :class:`VarlenLayout` for ``total_rows`` rows on ``device``."""
+    bounds, starts = pack_rows.pack_host_layout(params)
+
+    def make(_: torch.Tensor) -> VarlenLayout:
+        cuts, spans = linear_kernels.pack_boundaries(bounds, starts, total_rows)
+        cpu = torch.tensor(cuts, dtype=torch.long)
+        keep = None
+        if sum(length for _, length in spans) != total_rows:
+            mask = torch.zeros(total_rows, dtype=torch.bool)
+            for start, length in spans:
+                mask[start:start + length] = True
+            keep = mask.to(device)
+        longest = max((length for _, length in spans), default=0)
+        rows = torch.cat([torch.arange(start, start + length) for start, length in spans] or [torch.zeros(0, dtype=torch.long)])
+        slots = torch.cat([torch.arange(i * longest, i * longest + length) for i, (_, length) in enumerate(spans)]
+                          or [torch.zeros(0, dtype=torch.long)])  # fmt: skip
+        return VarlenLayout(spans, {"cu_seqlens": cpu.to(device), "cu_seqlens_cpu": cpu}, keep, longest,
+                            rows.to(device), slots.to(device))  # fmt: skip
+
+    return pack_rows.per_pack(params.cu_seqlens_q, ("gated_deltanet_varlen", total_rows, str(device), tuple(starts)), make)
 
 
 @functools.lru_cache(maxsize=None)
@@ -264,11 +308,12 @@ def gated_deltanet_class() -> type:
             only: the other values take one varlen call, :meth:`_mix_varlen`)."""
             if x.shape[0] != 1:
                 raise ZooError(f"a THD pack has batch 1, got {x.shape[0]}")
-            spans = linear_kernels.pack_boundaries(params, x.shape[1])[1]
+            layout = _varlen_layout(params, x.shape[1], x.device)
+            spans = layout.spans
             out = torch.zeros(x.shape[:-1] + (self.out_proj.out_features,), dtype=x.dtype, device=x.device)
             batch = self.pack == "batch" or (self.pack == "auto" and x.is_cuda)  # "auto": batch on the GPU
             if batch and len(spans) > 1:
-                return self._mix_padded_batch(x, spans, out, fla)
+                return self._mix_padded_batch(x, layout, out, fla)
             for start, length in spans:
                 out[:, start:start + length] = self._mix(x[:, start:start + length], fla=fla)
             return out
@@ -279,36 +324,29 @@ def gated_deltanet_class() -> type:
             padding rows give zeros."""
             if x.shape[0] != 1:
                 raise ZooError(f"a THD pack has batch 1, got {x.shape[0]}")
-            cuts, spans = linear_kernels.pack_boundaries(params, x.shape[1])
-            out = self._mix(x, fla=True, cu_seqlens=torch.tensor(cuts, dtype=torch.long))
-            keep = torch.zeros(x.shape[1], dtype=torch.bool)
-            for start, length in spans:
-                keep[start:start + length] = True
-            if bool(keep.all()):
-                return out
-            return out * keep.to(device=out.device, dtype=out.dtype).view(1, -1, 1)
+            layout = _varlen_layout(params, x.shape[1], x.device)
+            out = self._mix(x, fla=True, varlen=layout.fla_arguments)
+            return out if layout.keep is None else out * layout.keep.to(out.dtype).view(1, -1, 1)
 
-        def _mix_padded_batch(self, x: torch.Tensor, spans: list, out: torch.Tensor, fla: bool = False) -> torch.Tensor:
-            """The pack's ``spans`` (start row, length) as one right-padded ``[n, longest, h]`` batch
-            (rows moved by one gather and one scatter each way), mixed, and written back into ``out``."""
-            longest = max(length for _, length in spans)
-            rows = torch.cat([torch.arange(start, start + length) for start, length in spans]).to(x.device)
-            slots = torch.cat([torch.arange(i * longest, i * longest + length) for i, (_, length) in enumerate(spans)])
-            slots = slots.to(x.device)
-            batch = x.new_zeros(len(spans) * longest, x.shape[-1]).index_copy(0, slots, x[0].index_select(0, rows))
-            mixed = self._mix(batch.view(len(spans), longest, -1), fla=fla)
+        def _mix_padded_batch(self, x: torch.Tensor, layout: VarlenLayout, out: torch.Tensor, fla: bool = False) -> torch.Tensor:
+            """The pack's sequences as one right-padded ``[n, longest, h]`` batch (rows moved by one
+            gather and one scatter each way, :class:`VarlenLayout`), mixed, and written back into ``out``."""
+            rows, slots, longest = layout.rows, layout.slots, layout.longest
+            batch = x.new_zeros(len(layout.spans) * longest, x.shape[-1]).index_copy(0, slots, x[0].index_select(0, rows))
+            mixed = self._mix(batch.view(len(layout.spans), longest, -1), fla=fla)
             return out[0].index_copy(0, rows, mixed.reshape(-1, mixed.shape[-1]).index_select(0, slots)).unsqueeze(0)
 
-        def _mix(self, x: torch.Tensor, fla: bool = False, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        def _mix(self, x: torch.Tensor, fla: bool = False, varlen: Optional[dict] = None) -> torch.Tensor:
             """transformers' ``Qwen3NextGatedDeltaNet.forward`` (``Qwen3_5GatedDeltaNet.forward`` for the
             split projections) without a cache, ``[b, s, h]`` in and out; ``fla``: the convolution and
-            the delta rule on flash-linear-attention's kernels (:mod:`.kernels`), ``cu_seqlens``
-            (``[n + 1]``, on the CPU) the varlen segments of a ``[1, t, h]`` pack."""
+            the delta rule on flash-linear-attention's kernels (:mod:`.kernels`), ``varlen`` the
+            varlen segments of a ``[1, t, h]`` pack as fla's keyword arguments
+            (:attr:`VarlenLayout.fla_arguments`)."""
             spec = self.spec
             batch, seq_len = x.shape[:2]
             mixed, z, b, a = self._project(x) if spec.projections == "split" else self._project_fused(x)
             kernels = linear_kernels.load_fla() if fla else None
-            varlen = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens.to(x.device), "cu_seqlens_cpu": cu_seqlens}
+            varlen = varlen or {}
             if kernels is not None:
                 mixed = kernels.causal_conv1d(mixed.transpose(1, 2), self.conv1d.weight.squeeze(1),
                                               activation=spec.activation, **varlen)[0]  # fmt: skip
