@@ -202,3 +202,22 @@ def test_column_chunks_of_narrow_rows_are_read_as_whole_rows(tmp_path):
         transposed = torch.empty(want.shape[::-1], dtype=want.dtype).t()  # any strides: the cut is copied into it
         staged.read_into("o_proj", transposed, axis=1, rank=1, size=2)
         assert torch.equal(transposed, want)
+
+
+def test_run_starts_of_one_outer_dimension_are_a_range_equal_to_the_listed_starts():
+    """A row or column chunk's run starts come as a ``range`` (no list of one start per row); its
+    values are the general formula's, and a layout of two outer dimensions still lists them."""
+    import itertools
+
+    from mcore_zoo.weights import pread
+
+    def listed(shape, strides, base, scale):
+        return [base + scale * sum(i * s for i, s in zip(index, strides)) for index in itertools.product(*map(range, shape))]
+
+    starts = pread._starts([4096], [14336], 1000, 2)
+    assert isinstance(starts, range) and list(starts) == listed([4096], [14336], 1000, 2)
+    assert starts[1:][0] == starts[1] and len(starts) == 4096
+    assert pread._starts([3, 4], [100, 10], 8, 4) == listed([3, 4], [100, 10], 8, 4)
+    assert pread._starts([], [], 8, 4) == [8]
+    shard = pread._runs((4096, 7168), (14336, 1))  # a TP2 row-parallel shard of down_proj
+    assert shard == (7168, [4096], [14336])

@@ -70,10 +70,15 @@ def _runs(shape: Sequence[int], strides: Sequence[int]) -> Optional[tuple[int, l
     return run, [n for n, _ in merged[:-1]], [s for _, s in merged[:-1]]
 
 
-def _starts(outer_shape: list[int], outer_strides: list[int], base: int, scale: int) -> list[int]:
-    """Start of every run in row-major order (``base + scale * element offset``)."""
+def _starts(outer_shape: list[int], outer_strides: list[int], base: int, scale: int) -> Sequence[int]:
+    """Start of every run in row-major order (``base + scale * element offset``). One outer
+    dimension (a row or column chunk of a matrix: every run the same distance apart) gives a
+    ``range`` - no list of one start per row (a TP2 row-parallel shard of an 8B model has 262 144)."""
     if not outer_shape:
         return [base]
+    if len(outer_shape) == 1:
+        step = scale * outer_strides[0]
+        return range(base, base + step * outer_shape[0], step)
     return [base + scale * sum(i * s for i, s in zip(index, outer_strides))
             for index in itertools.product(*(range(n) for n in outer_shape))]  # fmt: skip
 

@@ -85,7 +85,7 @@ def _pieces(out: torch.Tensor, start: int, limit: int) -> Iterator[tuple[torch.T
 
 
 def _source_runs(shape: Sequence[int], strides: Sequence[int], itemsize: int,
-                 file_offset: int) -> Optional[tuple[int, list[int]]]:  # fmt: skip
+                 file_offset: int) -> Optional[tuple[int, Sequence[int]]]:  # fmt: skip
     """The chunk as contiguous file runs in row-major order: ``(elements per run, file offset of
     each run)``; ``None`` when its innermost dimension is not contiguous."""
     runs = pread._runs(shape, strides)
@@ -95,7 +95,7 @@ def _source_runs(shape: Sequence[int], strides: Sequence[int], itemsize: int,
     return run, pread._starts(outer_shape, outer_strides, file_offset, itemsize)
 
 
-def _segments(run: int, starts: list[int], itemsize: int, first: int, count: int, address: int) -> list[pread.Segment]:
+def _segments(run: int, starts: Sequence[int], itemsize: int, first: int, count: int, address: int) -> list[pread.Segment]:
     """The reads of elements ``[first, first + count)`` of a chunk (``run`` elements per file run
     starting at ``starts``) into consecutive memory at ``address``."""
     segments: list[pread.Segment] = []
@@ -108,7 +108,7 @@ def _segments(run: int, starts: list[int], itemsize: int, first: int, count: int
     return segments
 
 
-def _row_spacing(run: int, starts: list[int], itemsize: int) -> Optional[int]:
+def _row_spacing(run: int, starts: Sequence[int], itemsize: int) -> Optional[int]:
     """The byte distance between consecutive runs when the chunk is best read as whole rows (short
     runs at one spacing of at most :data:`ROWS_SPAN` run lengths), else ``None``."""
     if len(starts) < 2 or run * itemsize >= ROWS_BELOW:
@@ -116,8 +116,8 @@ def _row_spacing(run: int, starts: list[int], itemsize: int) -> Optional[int]:
     spacing = starts[1] - starts[0]
     if spacing % itemsize or not run * itemsize < spacing <= ROWS_SPAN * run * itemsize:
         return None
-    if any(b - a != spacing for a, b in zip(starts, starts[1:])):
-        return None
+    if not isinstance(starts, range) and any(b - a != spacing for a, b in zip(starts, starts[1:])):
+        return None  # (a range is evenly spaced)
     return spacing
 
 
@@ -235,7 +235,7 @@ class StagingRing:
             self.bytes_staged += nbytes
             self.bytes_read += nbytes
 
-    def _whole_rows(self, out: torch.Tensor, run: int, starts: list[int],
+    def _whole_rows(self, out: torch.Tensor, run: int, starts: Sequence[int],
                     itemsize: int) -> Optional[tuple[torch.Tensor, int]]:  # fmt: skip
         """``(out as [rows, run], row spacing in bytes)`` when the chunk is read as whole rows:
         :func:`_row_spacing` says so, a row fits a buffer and ``out`` is a view of its rows in order."""
@@ -247,7 +247,7 @@ class StagingRing:
         except RuntimeError:
             return None
 
-    def _read_rows(self, reader: pread.ReadPool, fd: int, out: torch.Tensor, dtype: torch.dtype, starts: list[int],
+    def _read_rows(self, reader: pread.ReadPool, fd: int, out: torch.Tensor, dtype: torch.dtype, starts: Sequence[int],
                    spacing: int, describe: Optional[Callable[[OSError], BaseException]]) -> None:  # fmt: skip
         """Fill ``out`` (``[rows, run]``) from runs at ``starts`` ``spacing`` bytes apart by reading
         whole rows: as many as a buffer holds per region, one contiguous file range each."""
