@@ -5,6 +5,8 @@ must give what the positional-read / mapping path gives, bit for bit. The CUDA c
 
 from __future__ import annotations
 
+import itertools
+import math
 from pathlib import Path
 from typing import Callable
 
@@ -202,6 +204,92 @@ def test_column_chunks_of_narrow_rows_are_read_as_whole_rows(tmp_path):
         transposed = torch.empty(want.shape[::-1], dtype=want.dtype).t()  # any strides: the cut is copied into it
         staged.read_into("o_proj", transposed, axis=1, rank=1, size=2)
         assert torch.equal(transposed, want)
+
+
+def _merged(segments: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """``segments`` with file- and memory-adjacent neighbours joined: the bytes they move."""
+    out: list[tuple[int, int, int]] = []
+    for offset, address, n in segments:
+        if out and out[-1][0] + out[-1][2] == offset and out[-1][1] + out[-1][2] == address:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
+        else:
+            out.append((offset, address, n))
+    return out
+
+
+def test_the_one_run_layout_reads_what_the_general_layout_reads():
+    """A chunk of one contiguous file run (a whole tensor, whole rows, one expert of a stacked
+    tensor) takes a shortcut - one run, one read per region - that must plan the same bytes as the
+    general run arithmetic (``pread._runs`` / ``_starts``), for every box of a small 3-D tensor."""
+    from mcore_zoo.weights import pread
+    from mcore_zoo.weights.io import _box_layout
+
+    full, itemsize = (3, 4, 5), 2
+    ring = StagingRing(2, 4096, pin=False, cpu_destinations=True)
+    ranges = [[(lo, hi) for lo in range(n) for hi in range(lo + 1, n + 1)] for n in full]
+    shortcut = 0
+    for box in itertools.product(*ranges):
+        shape, strides, first, last = _box_layout(full, box)
+        assert strides == [20, 5, 1] and first == sum(lo * st for (lo, _), st in zip(box, strides))
+        assert last == sum((hi - 1) * st for (_, hi), st in zip(box, strides))
+        one = staging._one_run(shape, strides)
+        layout = ring.layout(torch.empty(shape, dtype=torch.bfloat16), shape, strides, itemsize)
+        runs = pread._runs(shape, strides)
+        if runs is None:  # a strided innermost dimension: the mapping path
+            assert not one and layout is None, box
+            continue
+        run, outer_shape, outer_strides = runs
+        starts = pread._starts(outer_shape, outer_strides, 0, itemsize)
+        assert one == (len(starts) == 1), box
+        if layout is None:  # short runs: the mapping path
+            assert not one and run * itemsize < staging.MIN_RUN_BYTES
+            continue
+        if layout.rows is None:
+            assert (layout.run, layout.starts) == (run, starts), box
+        shortcut += one
+        total = math.prod(shape)
+        for first_element in range(0, total, 7):  # a region's elements from any element on
+            count = min(7, total - first_element)
+            got = staging._segments(layout.run, layout.starts, itemsize, first_element, count, 1 << 20, 100)
+            if one:  # the general arithmetic, one run per innermost row
+                general = staging._segments(shape[-1], [k * itemsize for k in range(0, total, shape[-1])], itemsize,
+                                            first_element, count, 1 << 20, 100)  # fmt: skip
+                assert len(got) == 1
+            else:
+                general = staging._segments(run, starts, itemsize, first_element, count, 1 << 20, 100)
+            assert _merged(got) == _merged(general), (box, first_element)
+    assert shortcut > 20
+
+
+def test_stacked_expert_slices_read_through_the_ring_bitwise(tmp_path):
+    """One expert's slice of a stacked ``[experts, rows, cols]`` tensor (a ``select`` of the
+    leading axis: one run), whole and TP-chunked by rows (one run) or columns (many), into
+    contiguous, strided and casting destinations, including slices larger than a buffer (several
+    regions) and many slices queued together (batched reads, copies of a batch together): the
+    same bytes as the reference path."""
+    gen = torch.Generator().manual_seed(4)
+    state = {"experts": torch.randn(6, 48, 80, generator=gen).bfloat16()}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    ring = StagingRing(3, 8192, pin=False, cpu_destinations=True)  # a slice (7680 bytes) nearly fills a buffer
+    reads = [dict(select=(0, e, e + 1)) for e in range(6)]
+    reads += [dict(select=(0, e, e + 1), axis=a, rank=r, size=2) for e in (0, 5) for a in (1, 2) for r in (0, 1)]
+    with HFCheckpoint(tmp_path) as plain, HFCheckpoint(tmp_path, staging=ring) as staged:
+        wants = [plain.read("experts", **kw) for kw in reads]
+        outs = []
+        with staged.queued_reads():
+            for kw, want in zip(reads, wants):
+                contiguous = torch.full(want.shape[1:], 7, dtype=want.dtype)
+                holes = torch.zeros(want.shape[1] * 2, want.shape[2], dtype=want.dtype)
+                cast = torch.empty(want.shape, dtype=torch.float32)
+                for out in (contiguous, holes[1::2], cast):
+                    staged.read_into("experts", out, **kw)
+                outs.append((contiguous, holes, cast))
+        for want, (contiguous, holes, cast) in zip(wants, outs):
+            assert _same(contiguous, want[0]) and _same(holes[1::2], want[0]) and not holes[0::2].any()
+            assert torch.equal(cast, want.float())
+        big = torch.empty(3, 48, 80, dtype=torch.bfloat16)  # 23 KiB: three buffers' worth of regions
+        staged.read_into("experts", big, select=(0, 2, 5))
+        assert _same(big, state["experts"][2:5])
 
 
 def test_run_starts_of_one_outer_dimension_are_a_range_equal_to_the_listed_starts():

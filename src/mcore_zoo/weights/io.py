@@ -93,6 +93,21 @@ def _itemsize(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
 
+def _box_layout(full: Sequence[int], box: Sequence[tuple[int, int]]) -> tuple[tuple[int, ...], list[int], int, int]:
+    """A ``box`` (``[(start, stop)]`` per dimension) of a row-major tensor of shape ``full``:
+    ``(its shape, the tensor's element strides, element offset of its first and of its last
+    element)`` (for a box of elements)."""
+    strides = [1] * len(full)
+    for d in range(len(full) - 1, 0, -1):
+        strides[d - 1] = strides[d] * full[d]
+    shape = tuple(hi - lo for lo, hi in box)
+    first = last = 0
+    for (lo, hi), stride in zip(box, strides):
+        first += lo * stride
+        last += (hi - 1) * stride
+    return shape, strides, first, last
+
+
 #: Safetensors dtypes of quantized checkpoints: refused by name (never reinterpreted as another dtype).
 _QUANTIZED = ("F8_", "F6_", "F4", "E8M0", "I4", "U4", "MXF")
 
@@ -437,18 +452,17 @@ class HFCheckpoint:
         """Copy the ``box`` of tensor ``name`` into ``out``: positional reads (queued unless
         ``wait``, see :meth:`queued_reads`), else through a mapping of just its bytes."""
         entry = self._entries[name]
-        shape = tuple(hi - lo for lo, hi in box)
-        if math.prod(shape) == 0:
+        shape, strides, first, last = _box_layout(entry.shape, box)
+        if 0 in shape:
             return 0
         itemsize = _itemsize(entry.dtype)
-        strides = [math.prod(entry.shape[d + 1 :]) for d in range(len(entry.shape))]
-        first = sum(lo * st for (lo, _), st in zip(box, strides))
-        last = sum((hi - 1) * st for (_, hi), st in zip(box, strides))
         start, stop = entry.offset + first * itemsize, entry.offset + (last + 1) * itemsize
         nbytes = math.prod(shape) * itemsize
         describe = lambda exc: CheckpointFormatError(str(self._full(entry.file)), f"reading {name!r}: {exc}")  # noqa: E731
-        if self.staging.accepts(out, shape, strides, itemsize):  # a device destination: the pinned ring
-            self.staging.read(self._reader, self._fds[entry.file], out, entry.dtype, shape, strides, start, describe)
+        layout = self.staging.layout(out, shape, strides, itemsize)
+        if layout is not None:  # a device destination: the pinned ring
+            self.staging.read(self._reader, self._fds[entry.file], out, entry.dtype, shape, strides, start, describe,
+                              layout=layout)  # fmt: skip
             torch.autograd.graph.increment_version(out)
             self.bytes_read += nbytes
             return nbytes

@@ -25,6 +25,7 @@ source along its axis and fuses the chunks with the same transform as at TP=1.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -272,14 +273,20 @@ class Concat(Transform):
         self.parts = parts
 
 
+@functools.lru_cache(maxsize=None)
+def _views_mean_fuse(cls: type) -> bool:
+    """Whether ``cls.views`` is defined where ``cls.fuse`` is, or in a subclass of that class."""
+
+    def owner(attr: str) -> type:
+        return next(c for c in cls.__mro__ if attr in c.__dict__)
+
+    return issubclass(owner("views"), owner("fuse"))
+
+
 def direct_views(transform: Transform, out: torch.Tensor, ctx: TransformContext) -> Optional[list[torch.Tensor]]:
     """``transform.views(out, ctx)`` if they can be trusted to mean ``fuse``: a subclass that
     overrides ``fuse`` without overriding ``views`` too gets ``None`` (pieces are then fused)."""
-
-    def owner(attr: str) -> type:
-        return next(c for c in type(transform).__mro__ if attr in c.__dict__)
-
-    if not issubclass(owner("views"), owner("fuse")):
+    if not _views_mean_fuse(type(transform)):
         return None
     return transform.views(out, ctx)
 

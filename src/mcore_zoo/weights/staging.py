@@ -45,7 +45,7 @@ import math
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -84,28 +84,40 @@ def _pieces(out: torch.Tensor, start: int, limit: int) -> Iterator[tuple[torch.T
         yield from _pieces(out[i], start + i * row, limit)
 
 
-def _source_runs(shape: Sequence[int], strides: Sequence[int], itemsize: int,
-                 file_offset: int) -> Optional[tuple[int, Sequence[int]]]:  # fmt: skip
-    """The chunk as contiguous file runs in row-major order: ``(elements per run, file offset of
-    each run)``; ``None`` when its innermost dimension is not contiguous."""
-    runs = pread._runs(shape, strides)
-    if runs is None:
-        return None
-    run, outer_shape, outer_strides = runs
-    return run, pread._starts(outer_shape, outer_strides, file_offset, itemsize)
+def _one_run(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether elements of ``shape`` at element ``strides`` lie in row-major order without gaps
+    (a whole tensor, a chunk of whole rows): one contiguous run."""
+    expected = 1
+    for n, stride in zip(reversed(shape), reversed(strides)):
+        if n != 1:
+            if stride != expected:
+                return False
+            expected *= n
+    return True
 
 
-def _segments(run: int, starts: Sequence[int], itemsize: int, first: int, count: int, address: int) -> list[pread.Segment]:
+def _segments(run: int, starts: Sequence[int], itemsize: int, first: int, count: int, address: int,
+              base: int = 0) -> list[pread.Segment]:  # fmt: skip
     """The reads of elements ``[first, first + count)`` of a chunk (``run`` elements per file run
-    starting at ``starts``) into consecutive memory at ``address``."""
+    starting at byte ``base + starts[k]``) into consecutive memory at ``address``."""
+    if len(starts) == 1:  # one run: one read
+        return [(base + starts[0] + first * itemsize, address, count * itemsize)]
     segments: list[pread.Segment] = []
     k, skip, done = first // run, first % run, 0
     while done < count:
         n = min(run - skip, count - done)
-        segments.append((starts[k] + skip * itemsize, address + done * itemsize, n * itemsize))
+        segments.append((base + starts[k] + skip * itemsize, address + done * itemsize, n * itemsize))
         done += n
         k, skip = k + 1, 0
     return segments
+
+
+def _contiguous_strides(shape: Sequence[int]) -> list[int]:
+    """Row-major element strides of ``shape``."""
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 1, 0, -1):
+        strides[d - 1] = strides[d] * shape[d]
+    return strides
 
 
 def _row_spacing(run: int, starts: Sequence[int], itemsize: int) -> Optional[int]:
@@ -121,7 +133,18 @@ def _row_spacing(run: int, starts: Sequence[int], itemsize: int) -> Optional[int
     return spacing
 
 
-@dataclass
+class SourceLayout(NamedTuple):
+    """How :meth:`StagingRing.read` reads a chunk (:meth:`StagingRing.layout`): ``run`` elements
+    per contiguous file run, the byte offset of each run from the chunk's first byte
+    (``starts``), and for a chunk read as whole rows ``rows``: ``(the destination as [rows,
+    run], row spacing in bytes)``."""
+
+    run: int
+    starts: Sequence[int]
+    rows: Optional[tuple[torch.Tensor, int]]
+
+
+@dataclass(slots=True)
 class _Piece:
     """A region of the ring being read into: the reads' futures, where its bytes go next.
     ``rows``: the region holds whole rows, ``(rows, run, spacing)`` in elements, of which the
@@ -139,7 +162,7 @@ class _Piece:
     own: Optional[tuple[pread.ReadPool, int, list[pread.Segment]]] = None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Batch:
     """Regions of one file whose reads are not yet handed to the read threads."""
 
@@ -179,6 +202,8 @@ class StagingRing:
         self.bytes_staged = 0  # over the ring's life: every destination byte that went through it
         self.bytes_read = 0  # over the ring's life: every byte read into it (whole rows read more)
         self._ring: list[Optional[torch.Tensor]] = []  # a buffer allocated when first taken
+        self._addresses: list[int] = []  # each allocated buffer's address
+        self._views: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (buffer, dtype): the buffer as that dtype
         self._events: list[Optional[torch.cuda.Event]] = []
         self._stream: Optional[torch.cuda.Stream] = None
         self._device: Optional[torch.device] = None
@@ -191,43 +216,61 @@ class StagingRing:
     def accepts(self, out: torch.Tensor, shape: Sequence[int], strides: Sequence[int], itemsize: int) -> bool:
         """Whether :meth:`read` takes this chunk (``shape`` at element ``strides`` in the file)
         into ``out``."""
+        return self.layout(out, shape, strides, itemsize) is not None
+
+    def layout(self, out: torch.Tensor, shape: Sequence[int], strides: Sequence[int],
+               itemsize: int) -> Optional[SourceLayout]:  # fmt: skip
+        """How :meth:`read` reads this chunk into ``out`` (pass it on to :meth:`read`: nothing is
+        computed twice), or ``None`` when :meth:`accepts` says no."""
         kind = out.device.type
         if not (kind == "cuda" or (kind == "cpu" and self.cpu_destinations)):
-            return False
+            return None
         if out.layout != torch.strided or out.numel() == 0:
-            return False
-        if any(st == 0 and n > 1 for n, st in zip(out.shape, out.stride())):
-            return False  # elements sharing memory: torch's copy refuses them on the mapping path
+            return None
+        out_strides = out.stride()
+        if 0 in out_strides and any(st == 0 and n > 1 for n, st in zip(out.shape, out_strides)):
+            return None  # elements sharing memory: torch's copy refuses them on the mapping path
+        if _one_run(shape, strides):
+            return SourceLayout(math.prod(shape), [0], None)
         runs = pread._runs(shape, strides)
         if runs is None:
-            return False
-        count = math.prod(runs[1])
-        if count == 1 or runs[0] * itemsize >= MIN_RUN_BYTES:
-            return True
-        run, starts = _source_runs(shape, strides, itemsize, 0)  # type: ignore[misc]
-        return self._whole_rows(out, run, starts, itemsize) is not None
+            return None
+        run, outer_shape, outer_strides = runs
+        starts = pread._starts(outer_shape, outer_strides, 0, itemsize)
+        rows = self._whole_rows(out, run, starts, itemsize)
+        if rows is None and len(starts) > 1 and run * itemsize < MIN_RUN_BYTES:
+            return None
+        return SourceLayout(run, starts, rows)
 
     def read(self, reader: pread.ReadPool, fd: int, out: torch.Tensor, dtype: torch.dtype, shape: Sequence[int],
-             strides: Sequence[int], file_offset: int,
-             describe: Optional[Callable[[OSError], BaseException]] = None) -> None:  # fmt: skip
+             strides: Sequence[int], file_offset: int, describe: Optional[Callable[[OSError], BaseException]] = None,
+             layout: Optional[SourceLayout] = None) -> None:  # fmt: skip
         """Fill ``out`` with the chunk of ``dtype`` elements of ``shape`` at element ``strides``
-        from byte ``file_offset`` of ``fd`` (row-major order; :meth:`accepts` said yes). Its reads
+        from byte ``file_offset`` of ``fd`` (row-major order; :meth:`accepts` said yes;
+        ``layout``: what :meth:`layout` returned for it, computed here when not given). Its reads
         and copies may still run when it returns: :meth:`wait` waits for them, and raises a read's
         error (``describe(error)`` when given)."""
         itemsize = dtype.itemsize
-        run, starts = _source_runs(shape, strides, itemsize, file_offset)  # type: ignore[misc]
+        if layout is None:
+            layout = self.layout(out, shape, strides, itemsize)
+            assert layout is not None, "read of a chunk the ring does not accept"
         self._start(out.device)
-        whole_rows = self._whole_rows(out, run, starts, itemsize)
-        if whole_rows is not None:
-            self._read_rows(reader, fd, whole_rows[0], dtype, starts, whole_rows[1], describe)
+        if layout.rows is not None:
+            rows, spacing = layout.rows
+            self._read_rows(reader, fd, rows, dtype, [file_offset + start for start in layout.starts], spacing, describe)
             return
-        for view, first in _pieces(out, 0, self.buffer_bytes // itemsize):
-            nbytes = view.numel() * itemsize
+        limit = self.buffer_bytes // itemsize
+        pieces = ((out, 0),) if out.numel() <= limit else _pieces(out, 0, limit)
+        for view, first in pieces:
+            count = view.numel()
+            nbytes = count * itemsize
             while self._pending and self._in_flight > self.buffer_bytes:
                 self._copy_oldest()
-            slot = self._take(nbytes)
-            segments = _segments(run, starts, itemsize, first, view.numel(), slot.data_ptr())
-            staged = slot.view(dtype).view(view.shape)
+            offset = self._take(nbytes)
+            address = self._addresses[self._current] + offset
+            segments = _segments(layout.run, layout.starts, itemsize, first, count, address, file_offset)
+            shape_ = view.shape
+            staged = self._typed(dtype).as_strided(shape_, _contiguous_strides(shape_), offset // itemsize)
             piece = _Piece([], view, staged, self._current, nbytes, describe, own=(reader, fd, segments))
             self._pending.append(piece)
             self._queue(piece, reader, fd, segments, nbytes)
@@ -260,10 +303,12 @@ class StagingRing:
             nbytes = (count - 1) * spacing + run * itemsize
             while self._pending and self._in_flight > self.buffer_bytes:
                 self._copy_oldest()
-            slot = self._take(nbytes)
+            offset = self._take(nbytes)
             self._submit()  # the regions queued before this one go first
-            futures = reader.submit(fd, [(starts[first], slot.data_ptr(), nbytes)], populate=not self._pinned)
-            piece = _Piece(futures, out[first : first + count], slot.view(dtype), self._current, nbytes, describe,
+            address = self._addresses[self._current] + offset
+            futures = reader.submit(fd, [(starts[first], address, nbytes)], populate=not self._pinned)
+            staged = self._typed(dtype).as_strided((nbytes // itemsize,), (1,), offset // itemsize)
+            piece = _Piece(futures, out[first : first + count], staged, self._current, nbytes, describe,
                            rows=(count, run, step))  # fmt: skip
             self._pending.append(piece)
             self._in_flight += nbytes
@@ -295,6 +340,7 @@ class StagingRing:
             self.wait()
         finally:
             self._ring, self._events, self._stream, self._device = [], [], None, None
+            self._addresses, self._views = [], {}
             self._current = self._used = 0
 
     # ------------------------------------------------------------------ internals
@@ -310,53 +356,87 @@ class StagingRing:
             self.finish()
         cuda = device.type == "cuda"
         self._pinned = self.pin and cuda
-        self._ring = [self._allocate()] + [None] * (self.buffers - 1)
+        self._ring = [None] * self.buffers
+        self._addresses, self._views = [0] * self.buffers, {}
+        self._allocate(0)
         self._events = [None] * self.buffers
         self._device = device
         if cuda:
             self._stream = torch.cuda.Stream(device=device)
             self._stream.wait_stream(torch.cuda.current_stream(device))
 
-    def _allocate(self) -> torch.Tensor:
-        return torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=self._pinned)
+    def _allocate(self, index: int) -> None:
+        """Allocate buffer ``index`` of the ring."""
+        buffer = torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=self._pinned)
+        self._ring[index], self._addresses[index] = buffer, buffer.data_ptr()
+
+    def _typed(self, dtype: torch.dtype) -> torch.Tensor:
+        """The current buffer viewed as ``dtype`` elements (regions start at multiples of
+        :data:`ALIGN` bytes, so at whole elements)."""
+        key = (self._current, dtype)
+        typed = self._views.get(key)
+        if typed is None:
+            typed = self._views[key] = self._ring[self._current].view(dtype)  # type: ignore[union-attr]
+        return typed
 
     def _copy_oldest(self) -> None:
         """Wait for the oldest region's reads, then copy it to its destination (queued on the
-        side stream, an event marking when its buffer is free again)."""
+        side stream, an event marking when its buffer is free again) - and with it the regions
+        right behind it that share its reads (the rest of its batch: read too, by then)."""
         if not self._pending[0].futures:  # its reads wait in the open batch
             self._submit()
+        futures = self._pending[0].futures
+        error = next((e for e in [future.exception() for future in futures] if e is not None), None)
+        if error is not None:
+            self._copy_failed(error)
+            return
+        ready = [self._pending.popleft()]
+        while self._pending and self._pending[0].futures is futures:
+            ready.append(self._pending.popleft())
+        self._in_flight -= sum(piece.nbytes for piece in ready)
+        self._copy(ready)
+
+    def _copy_failed(self, error: BaseException) -> None:
+        """The oldest region, whose reads failed: when its reads were part of a batch, its own
+        reads again (to tell whose error it is) and its copy if they succeed; else the error (as
+        the region's ``describe`` makes it, when given)."""
         piece = self._pending.popleft()
         self._in_flight -= piece.nbytes
-        errors = [future.exception() for future in piece.futures]
-        error = next((e for e in errors if e is not None), None)
-        if error is not None and piece.own is not None:
-            # the batch failed somewhere: this region's own reads again, to tell whose error it is
+        if piece.own is not None:  # the batch failed somewhere: this region's own reads again
             reader, fd, segments = piece.own
             try:
                 reader.read(fd, segments, populate=not self._pinned)
-                error = None
             except OSError as exc:
                 error = exc
-        if error is not None:
-            if piece.describe is not None and isinstance(error, OSError):
-                raise piece.describe(error) from error
-            raise error
+            else:
+                self._copy([piece])
+                return
+        if piece.describe is not None and isinstance(error, OSError):
+            raise piece.describe(error) from error
+        raise error
+
+    def _copy(self, pieces: list[_Piece]) -> None:
+        """Copy regions whose reads are done to their destinations (oldest first; on the side stream,
+        an event recorded after the last copy out of each buffer)."""
         with torch.no_grad():
             if self._stream is None:
-                piece.destination.copy_(_cut(piece.staged, piece.rows))
+                for piece in pieces:
+                    piece.destination.copy_(_cut(piece.staged, piece.rows))
                 return
             with torch.cuda.stream(self._stream):
-                if piece.rows is None:
-                    piece.destination.copy_(piece.staged, non_blocking=True)
-                else:  # whole rows to the device as they are, cut there (a strided host source would
-                    # be made contiguous on the host first, synchronously)
-                    rows = torch.empty_like(piece.staged, device=self._device)
-                    rows.copy_(piece.staged, non_blocking=True)
-                    piece.destination.copy_(_cut(rows, piece.rows))
-            # the buffer's reuse waits for its last copy: a buffer's regions are consecutive in the
-            # queue, so only a region with none of its buffer behind it records the (stream-ordered) event
-            if not self._pending or self._pending[0].buffer != piece.buffer:
-                self._events[piece.buffer] = self._stream.record_event()
+                for i, piece in enumerate(pieces):
+                    if piece.rows is None:
+                        piece.destination.copy_(piece.staged, non_blocking=True)
+                    else:  # whole rows to the device as they are, cut there (a strided host source
+                        # would be made contiguous on the host first, synchronously)
+                        rows = torch.empty_like(piece.staged, device=self._device)
+                        rows.copy_(piece.staged, non_blocking=True)
+                        piece.destination.copy_(_cut(rows, piece.rows))
+                    # the buffer's reuse waits for its last copy: a buffer's regions are consecutive in
+                    # the queue, so only a region with none of its buffer behind it records the event
+                    after = pieces[i + 1] if i + 1 < len(pieces) else (self._pending[0] if self._pending else None)
+                    if after is None or after.buffer != piece.buffer:
+                        self._events[piece.buffer] = self._stream.record_event()
 
     def _queue(self, piece: _Piece, reader: pread.ReadPool, fd: int, segments: list[pread.Segment], nbytes: int) -> None:
         """Add a region's reads to the open batch (a batch holds one file's reads; a full one, or one of
@@ -384,9 +464,10 @@ class StagingRing:
         if len(batch.pieces) == 1:
             batch.pieces[0].own = None  # its futures are its own
 
-    def _take(self, nbytes: int) -> torch.Tensor:
+    def _take(self, nbytes: int) -> int:
         """``nbytes`` of the ring, free to be written: the rest of the current buffer, else the
-        next buffer once every copy out of it is done."""
+        next buffer once every copy out of it is done. Returns their byte offset in the (then)
+        current buffer."""
         if self._used + nbytes > self.buffer_bytes:
             self._current = (self._current + 1) % self.buffers
             while any(piece.buffer == self._current for piece in self._pending):
@@ -396,9 +477,8 @@ class StagingRing:
                 event.synchronize()
                 self._events[self._current] = None
             self._used = 0
-        buffer = self._ring[self._current]
-        if buffer is None:
-            buffer = self._ring[self._current] = self._allocate()
-        slot = buffer[self._used : self._used + nbytes]
+        if self._ring[self._current] is None:
+            self._allocate(self._current)
+        offset = self._used
         self._used += -(-nbytes // ALIGN) * ALIGN
-        return slot
+        return offset
