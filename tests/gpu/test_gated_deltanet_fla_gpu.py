@@ -8,10 +8,27 @@
   Triton's fp32 dots at ``TRITON_F32_DEFAULT=tf32x3`` (at TF32, Triton's default, fla's gradients of
   ``A_log``, ``dt_bias`` and the ``a`` projection are wrong by their own size, and the layer refuses
   fla for fp32 training: :func:`mcore_zoo.families.gated_deltanet.kernels.fp32_gradient_problem`);
+* the criterion: each path against the truth, the torch path on a float64 copy of the layer (the
+  layer computes in float64 throughout for float64 inputs); per tensor (output, input gradient,
+  every parameter's gradient by name) fla's distance to the truth, relative to the truth's largest
+  entry, may be at most ``RATIO`` times the torch path's own distance plus ``FLOOR[dtype]``. A direct
+  fla-vs-torch gap per tensor is not a criterion: the gradients of ``A_log``, ``dt_bias`` and the
+  ``a`` projection are sums of nearly cancelling terms (their largest entries 1e-4 .. 1e-3 of the
+  others' on Qwen3-Next's tiny layer), so two bf16 computations of another op order differ by more
+  than such a gradient's largest entry while each lies as close to the truth as bf16 allows. On the
+  CPU (fla 0.6.0 under Triton's interpreter, bf16 dots with exact products and fp32 sums, every
+  tensor of both tiny layers, THD and BSHD, three random initialisations) fla's bf16 distance to
+  the truth was 0.2 .. 3.5e-2 per tensor and at most 3.4 times the torch path's (0.3 .. 2.4e-2);
+  in fp32 (exact dots) Qwen3-Next's ``A_log`` / ``dt_bias`` gradients were 0.8 .. 3.0e-2 from the
+  truth on fla and 0.3 .. 0.9e-2 on torch (at most 3.5 times), every other tensor within 3e-5
+  (``bench/cpu/gated_deltanet_fla_truth.py``). A wrong scale moves every tensor by O(1); a state
+  leaking across sequences moved the ``A_log`` / ``dt_bias`` gradients to 0.10 (torch 2e-3) in
+  one initialisation, but the decays are strong, so the direct leak check below stays;
 * the whole model on ``te`` (Transformer Engine around the zoo's gated DeltaNet layer on fla;
   ``te`` admitted for this process as ``bench/gpu/frontier_parity.py`` does, the plugins not
-  declaring it yet) vs ``local`` on torch from one bf16 checkpoint: log-probs of a THD pack with
-  alignment padding within bf16 distance, and a ``train_step`` that reaches every parameter.
+  declaring it yet) vs ``portable`` on torch (``local`` cannot run THD packs: Megatron-Core's
+  attention rejects them) from one bf16 checkpoint: log-probs of a THD pack with alignment padding
+  within bf16 distance, and a ``train_step`` that reaches every parameter.
 
 Needs CUDA and fla (``bash bench/gpu/fla-setup.sh WHEEL_DIR``, then ``source bench/gpu/fla-env.sh``).
 With ``MCORE_ZOO_GPU_RESULTS`` set, the measured gaps are written there (``gated_deltanet_fla.json``).
@@ -37,9 +54,12 @@ if importlib.util.find_spec("fla") is None:
 
 ROOT = Path(__file__).resolve().parents[2]
 LENGTHS = [37, 1, 100, 5]
-#: the largest difference accepted, relative to the largest entry of each tensor (fla's Triton dots
-#: take fp32 inputs as tf32; a state leaking across sequences is an O(1) difference)
+#: the packed-vs-alone difference accepted, relative to the output's largest entry
 TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 5e-2}
+#: per tensor, fla's distance to the float64 truth may be at most RATIO x the torch path's + FLOOR
+#: (module docstring: fla's bf16 distance measured at most 3.4 x torch's, and at most 3.5e-2)
+RATIO = 4.0
+FLOOR = {torch.float32: 5e-3, torch.bfloat16: 3e-2}
 RESULTS: dict = {}
 
 
@@ -77,19 +97,43 @@ def _pack(lengths, hidden, dtype, seed=0):
     return torch.randn(sum(lengths), 1, hidden, generator=gen).to("cuda", dtype), params
 
 
-def _run(layer, kernel, x, params):
-    """Output, input gradient and parameter gradients of the layer on ``kernel``."""
+def _run(layer, kernel, x, params, seed_dtype=None):
+    """Output, input gradient and parameter gradients of the layer on ``kernel`` (float64), the
+    output's gradient a ramp rounded to ``seed_dtype`` (default: the output's dtype)."""
     layer.kernel = kernel
     for p in layer.parameters():
         p.grad = None
     x = x.detach().clone().requires_grad_(True)
     out, _ = layer(x, None, packed_seq_params=params)
-    out.backward(torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out).to(out.dtype))
-    return [out.detach().float(), x.grad.float(), *(p.grad.float() for p in layer.parameters())]
+    ramp = torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)
+    out.backward(ramp.to(seed_dtype or out.dtype).to(out.dtype))
+    return [out.detach().double(), x.grad.double(), *(p.grad.double() for p in layer.parameters())]
 
 
-def _gap(a, b) -> float:
-    return max(float((x - y).abs().max() / y.abs().max().clamp_min(1e-12)) for x, y in zip(a, b))
+def _names(layer) -> list:
+    return ["output", "input_grad", *(f"grad:{n}" for n, _ in layer.named_parameters())]
+
+
+def _distance(got, want) -> float:
+    """``max |got - want|`` relative to ``max |want|``."""
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def _against_truth(layer, x, params, dtype) -> dict:
+    """Per tensor: fla's and the torch path's distances to the truth (the torch path on a float64
+    copy of the layer, the same inputs and output gradient), and fla's to the torch path's."""
+    import copy
+
+    truth_layer = copy.deepcopy(layer).double()
+    truth = _run(truth_layer, "torch", x.double(), params, seed_dtype=dtype)
+    torch_path, fla = _run(layer, "torch", x, params), _run(layer, "fla", x, params)
+    return {name: dict(fla=_distance(f, t), torch=_distance(w, t), fla_vs_torch=_distance(f, w))
+            for name, f, w, t in zip(_names(layer), fla, torch_path, truth)}  # fmt: skip
+
+
+def _too_far(gaps: dict, dtype) -> dict:
+    """The tensors whose fla distance to the truth exceeds ``RATIO`` x the torch path's + ``FLOOR``."""
+    return {name: g for name, g in gaps.items() if g["fla"] > RATIO * g["torch"] + FLOOR[dtype]}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -99,10 +143,8 @@ def test_fla_layer_matches_the_torch_layer(mpu, monkeypatch, name, dtype):
         monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32x3")
     layer = _layer(name, dtype)
     x, params = _pack(LENGTHS, layer.out_proj.out_features, dtype)
-    want, got = _run(layer, "torch", x, params), _run(layer, "fla", x, params)
-    gap = _gap(got, want)
-    bshd = x[:64].view(32, 2, -1)
-    bshd_gap = _gap(_run(layer, "fla", bshd, None), _run(layer, "torch", bshd, None))
+    thd = _against_truth(layer, x, params, dtype)
+    bshd = _against_truth(layer, x[:64].view(32, 2, -1), None, dtype)
     with torch.no_grad():  # each packed sequence vs the same sequence alone, both on fla
         layer.kernel = "fla"
         packed = layer(x, None, packed_seq_params=params)[0]
@@ -113,9 +155,9 @@ def test_fla_layer_matches_the_torch_layer(mpu, monkeypatch, name, dtype):
         after = layer(moved, None, packed_seq_params=params)[0]
         others = float((after[starts[1]:] - packed[starts[1]:]).abs().max())
         own = float((after[:starts[1]] - packed[:starts[1]]).abs().max())
-    _record(f"{name}-{str(dtype).replace('torch.', '')}", dict(fla_vs_torch=gap, bshd_fla_vs_torch=bshd_gap,
+    _record(f"{name}-{str(dtype).replace('torch.', '')}", dict(thd_distance_to_fp64=thd, bshd_distance_to_fp64=bshd,
             pack_vs_alone=alone, other_sequences_moved=others, own_sequence_moved=own))  # fmt: skip
-    assert gap <= TOLERANCE[dtype] and bshd_gap <= TOLERANCE[dtype], (gap, bshd_gap)
+    assert not _too_far(thd, dtype) and not _too_far(bshd, dtype), (_too_far(thd, dtype), _too_far(bshd, dtype))
     assert alone <= TOLERANCE[dtype] * float(packed.abs().max()), alone
     # the rows of other sequences are computed apart from sequence 0's (row-wise GEMMs, per-sequence kernels)
     assert others <= 1e-3 * float(packed.abs().max()) and own > 10 * others, (others, own)
@@ -135,7 +177,7 @@ def te_admitted():
 
 
 @pytest.mark.parametrize("name", ["Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM"])
-def test_te_with_fla_matches_local_torch(mpu, te_admitted, tmp_path, name):
+def test_te_with_fla_matches_portable_torch(mpu, te_admitted, tmp_path, name):
     pytest.importorskip("transformer_engine.pytorch")
     from mcore_zoo.parity.reference import write_reference_checkpoint
 
@@ -143,12 +185,13 @@ def test_te_with_fla_matches_local_torch(mpu, te_admitted, tmp_path, name):
     write_reference_checkpoint(architecture, architecture.example_config(), tmp_path, dtype=torch.bfloat16)
     fla = mcore_zoo.get_profile("default").with_knobs(linear_attention_kernel="fla")
     te = mcore_zoo.build_model(tmp_path, backend="te", numerics=fla, load=tmp_path, params_dtype=torch.bfloat16)
-    local = mcore_zoo.build_model(tmp_path, backend="local", numerics=mcore_zoo.get_profile("default").with_knobs(
+    # the reference on ``portable``: ``local``'s attention (Megatron-Core's DotProductAttention) refuses THD packs
+    portable = mcore_zoo.build_model(tmp_path, backend="portable", numerics=mcore_zoo.get_profile("default").with_knobs(
         linear_attention_kernel="torch"), load=tmp_path, params_dtype=torch.bfloat16)  # fmt: skip
     seqs = [torch.randint(0, 200, (n,), generator=torch.Generator().manual_seed(n)) for n in LENGTHS]
     with torch.no_grad():
         got = mcore_zoo.packed_forward(te.eval(), seqs, seq_format="thd", align=8).logprobs
-        want = mcore_zoo.packed_forward(local.eval(), seqs, seq_format="thd", align=8).logprobs
+        want = mcore_zoo.packed_forward(portable.eval(), seqs, seq_format="thd", align=8).logprobs
     gaps = [float((a.float() - b.float()).abs().max()) for a, b in zip(got, want) if a.numel()]
     means = [float((a.float() - b.float()).abs().mean()) for a, b in zip(got, want) if a.numel()]
     te.train()
@@ -156,8 +199,8 @@ def test_te_with_fla_matches_local_torch(mpu, te_admitted, tmp_path, name):
     # the layers te and fla build (routed experts a tiny batch may leave without tokens are not asked)
     missing = [n for n, p in te.named_parameters() if p.requires_grad and ("self_attention" in n or "layernorm" in n)
                and p.grad is None and getattr(p, "main_grad", None) is None]  # fmt: skip
-    _record(f"te-fla-vs-local-torch-{name}", dict(max_abs_dlogp=max(gaps), mean_abs_dlogp=sum(means) / len(means),
+    _record(f"te-fla-vs-portable-torch-{name}", dict(max_abs_dlogp=max(gaps), mean_abs_dlogp=sum(means) / len(means),
                                                   params_without_grad=missing))  # fmt: skip
-    # bf16 kernels of another op order (TE, fla) vs local + torch; a broken layer is an O(1) mean gap
+    # bf16 kernels of another op order (TE, fla) vs portable + torch; a broken layer is an O(1) mean gap
     assert max(gaps) <= 1.0 and sum(means) / len(means) <= 0.1, (gaps, means)
     assert not missing, missing

@@ -90,7 +90,8 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
     if num_k_heads != num_v_heads:
         query = query.repeat_interleave(num_v_heads // num_k_heads, dim=2)
         key = key.repeat_interleave(num_v_heads // num_k_heads, dim=2)
-    query, key, value, beta, decay = [x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+    compute = torch.promote_types(query.dtype, torch.float32)  # fp32 as transformers; fp64 stays fp64 (a truth)
+    query, key, value, beta, decay = [x.transpose(1, 2).to(compute, memory_format=torch.contiguous_format)
                                       for x in (query, key, value, beta, g)]  # fmt: skip
     query = l2norm(query, dim=-1, eps=1e-6)
     key = l2norm(key, dim=-1, eps=1e-6)
@@ -144,11 +145,12 @@ class GatedRMSNorm(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype
         weight = self.weight if self.shared_weight is None else self.shared_weight(self.weight)
-        hidden_states = hidden_states.to(torch.float32)
+        compute = torch.promote_types(input_dtype, torch.float32)  # fp32 as transformers; fp64 stays fp64
+        hidden_states = hidden_states.to(compute)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
         hidden_states = weight * hidden_states.to(input_dtype)
-        hidden_states = hidden_states * F.silu(gate.to(torch.float32))
+        hidden_states = hidden_states * F.silu(gate.to(compute))
         return hidden_states.to(input_dtype)
 
 
@@ -357,7 +359,8 @@ def gated_deltanet_class() -> type:
             key = key.reshape(batch, seq_len, -1, spec.key_head_dim)
             value = value.reshape(batch, seq_len, -1, spec.value_head_dim)
             beta = b.sigmoid()
-            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+            compute = torch.promote_types(a.dtype, torch.float32)  # fp32 as transformers; fp64 stays fp64
+            g = -self.A_log.to(compute).exp() * F.softplus(a.to(compute) + self.dt_bias)
             if kernels is not None:
                 core = kernels.chunk_gated_delta_rule(query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True,
                                                       **varlen)[0]  # fmt: skip
