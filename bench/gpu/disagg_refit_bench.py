@@ -30,6 +30,11 @@ trainer's rank 0). Then, on the same links:
   computed in the engine) equal to that of the same tensor from the zoo's export on the trainer
   (the colocated refit into plain tensors: the export stream cut for the engine).
 
+``--trace``: one more refit after the timed ones, under torch's profiler on both sides (every
+trainer rank, every engine worker; CUDA activity on GPUs): ``OUT/trace-<shape>-tp<N>-<side><rank>.txt``
+(the ops by self device time, or CPU time on the CPU) and ``.json`` (a Chrome trace) - where a
+bucket's time goes (packing, checksums, the broadcasts, the engine's writes) and what overlaps.
+
 Results: ``OUT/disagg.json`` and ``OUT/disagg.md``, rewritten after every case (a case that hangs
 leaves the ones before it); the run fails (exit 1) when a case is not exact. Needs vLLM (bench/gpu/vllm-setup.sh; ``source bench/gpu/vllm-env.sh``) except with
 ``--dry-run``.
@@ -76,6 +81,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def traced(fn, stem: str, cuda: bool):
+    """``fn()`` under torch's profiler, its table and trace written to ``stem`` + ``.txt`` / ``.json``
+    (:func:`mcore_zoo.rollout.vllm_disagg.write_profile`); returns what ``fn`` returns."""
+    from mcore_zoo.rollout.vllm_disagg import profiled, write_profile
+
+    result, prof = profiled(fn, cuda)
+    write_profile(prof, stem)
+    return result
+
+
 def shape_config(name: str, layers: int, dry_run: bool) -> dict:
     config, default_layers = SHAPES[name]
     config = dict(config, num_hidden_layers=layers or default_layers)
@@ -86,7 +101,7 @@ def shape_config(name: str, layers: int, dry_run: bool) -> dict:
 
 # ---------------------------------------------------------------------------- trainer side
 def trainer(config: dict, tp: int, port: int, iters: int, bucket: str, dry_run: bool, transport: str = "broadcast",
-            wait_for: str = "") -> dict:
+            wait_for: str = "", trace: str = "") -> dict:
     """One trainer rank (launched): build, join, measure the link (broadcast transport: the engine
     measures its read of the ring with the shared one), refit, compute reference checksums.
     ``wait_for``: a file the engine writes once it has started (on shared GPUs the trainer
@@ -115,6 +130,8 @@ def trainer(config: dict, tp: int, port: int, iters: int, bucket: str, dry_run: 
     link = measure_link(group, (0, 0), _LINK_BYTES[dry_run]) if rank == 0 and transport == "broadcast" else None
     first = sender.send()
     timed = [sender.send() for _ in range(iters)]
+    if trace:  # one more refit, profiled (the engine receives it profiled too)
+        traced(sender.send, f"{trace}-trainer{rank}", not dry_run)
     reference = DictAdapter(tp_size=tp, device=str(device)) if rank == 0 else None
     mcore_zoo.refit(model, reference, target_tp=tp, bucket_size=bucket)
     checksums = ({f"{r}/{name}": tensor_checksum(t) for r, per in enumerate(reference.tensors) for name, t in per.items()}
@@ -128,20 +145,21 @@ def trainer(config: dict, tp: int, port: int, iters: int, bucket: str, dry_run: 
 
 # ---------------------------------------------------------------------------- engine side
 def engine(config: dict, tp: int, port: int, iters: int, out: str, dry_run: bool, fused: bool = True,
-           memory: float = 0.6) -> None:
+           memory: float = 0.6, trace: str = "") -> None:
     """The engine process: vLLM (or, dry run, one CPU stand-in per engine rank in threads)."""
     tmp = tempfile.mkdtemp(prefix="disagg-engine-")
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(config, f)
     if dry_run:
-        result = _stand_in_engine(tp, port, iters, out)
+        result = _stand_in_engine(tp, port, iters, out, trace)
     else:
-        result = _vllm_engine(tmp, tp, port, iters, fused, out, memory)
+        result = _vllm_engine(tmp, tp, port, iters, fused, out, memory, trace)
     with open(out, "w") as f:
         json.dump(result, f)
 
 
-def _vllm_engine(model_dir: str, tp: int, port: int, iters: int, fused: bool, out: str, memory: float) -> dict:
+def _vllm_engine(model_dir: str, tp: int, port: int, iters: int, fused: bool, out: str, memory: float,
+                 trace: str = "") -> dict:  # fmt: skip
     import vllm
 
     from mcore_zoo.rollout.vllm_disagg import DISAGG_EXTENSION, receive_refit
@@ -159,6 +177,8 @@ def _vllm_engine(model_dir: str, tp: int, port: int, iters: int, fused: bool, ou
     for _ in range(iters):
         receive_refit(llm, reset_prefix_cache=False, fused_copies=fused)
         seconds.append(max(llm.collective_rpc("zoo_refit_seconds")))
+    if trace:
+        _check(llm.collective_rpc("zoo_receive_refit_profiled", args=(trace, fused)))
     checksums = {}
     for rank, per in enumerate(llm.collective_rpc("zoo_parameter_checksums")):
         checksums.update({f"{rank}/{name}": value for name, value in per.items()})
@@ -172,7 +192,7 @@ def _check(results) -> None:
         raise SystemExit(f"engine: {errors}")
 
 
-def _stand_in_engine(tp: int, port: int, iters: int, out: str) -> dict:
+def _stand_in_engine(tp: int, port: int, iters: int, out: str, trace: str = "") -> dict:
     """Dry run: each engine rank a thread with an EngineReceiver and a DictAdapter (CPU, gloo)."""
     import threading
 
@@ -196,6 +216,10 @@ def _stand_in_engine(tp: int, port: int, iters: int, out: str) -> dict:
         sink = DictAdapter(tp_size=tp, engine_rank=receiver.rank)
         receiver.receive(sink)
         seconds = [receiver.receive(sink).seconds for _ in range(iters)]
+        if trace and index == 0:  # the profiler traces one thread at a time: engine rank 0's receive
+            traced(lambda: receiver.receive(sink), f"{trace}-engine0", False)
+        elif trace:
+            receiver.receive(sink)
         results[index] = (seconds, {f"{receiver.rank}/{n}": tensor_checksum(t) for n, t in sink.tensors[receiver.rank].items()})
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(tp)]
@@ -228,12 +252,14 @@ def run_case(name: str, tp: int, args) -> dict:
     cmd = [sys.executable, __file__, "--engine-role", json.dumps(config), "--tp", str(tp), "--port", str(port),
            "--iters", str(args.iters), "--engine-out", engine_out] + (["--dry-run"] if args.dry_run else [])
     cmd += ["--unfused"] if args.unfused else []
+    trace = os.path.join(os.path.abspath(args.out), f"trace-{name}-tp{tp}") if args.trace else ""
+    cmd += ["--trace-prefix", trace] if trace else []
     cmd += ["--engine-memory", str(args.engine_memory or (0.3 if args.same_gpus else 0.6))]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env)
     try:
         wait_for = engine_out + ".started" if args.same_gpus else ""
         ranks = launch(trainer, tp, config, tp, port, args.iters, args.bucket_size, args.dry_run, args.transport, wait_for,
-                       backend="gloo" if args.dry_run else "nccl", timeout=args.timeout)  # fmt: skip
+                       trace, backend="gloo" if args.dry_run else "nccl", timeout=args.timeout)  # fmt: skip
         if proc.wait(timeout=args.timeout) != 0:
             raise SystemExit(f"engine process exited {proc.returncode}")
     finally:
@@ -279,13 +305,15 @@ def main() -> None:
     ap.add_argument("--engine-memory", type=float, default=0.0,
                     help="vLLM's gpu_memory_utilization (default 0.6; 0.3 with --same-gpus: the trainer's model and reference export share the GPU)")
     ap.add_argument("--unfused", action="store_true", help="engine writes shard by shard (default: one launch per bucket)")
+    ap.add_argument("--trace", action="store_true", help="one more refit under torch's profiler on both sides (module docstring)")
+    ap.add_argument("--trace-prefix", default="", help=argparse.SUPPRESS)
     ap.add_argument("--engine-role", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--engine-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.engine_role:
         engine(json.loads(args.engine_role), args.tp[0], args.port, args.iters, args.engine_out, args.dry_run, not args.unfused,
-               args.engine_memory or 0.6)
+               args.engine_memory or 0.6, args.trace_prefix)
         return
     if not args.out:
         ap.error("--out is required")

@@ -279,8 +279,9 @@ if [[ " $phases " == *" disagg "* ]] && (( ngpu >= 2 )); then
   # broadcast bandwidth on the same link; with 4 GPUs also trainer TP2 (g0, g1) -> engine TP2 (g2, g3)
   tps=(--tp 1); (( ngpu >= 4 )) && tps=(--tp 1 --tp 2)
   gpus=$(g 0),$(g 1); (( ngpu >= 4 )) && gpus=$(g 0),$(g 1),$(g 2),$(g 3)
+  # (one more refit per case under torch's profiler on both sides: where a bucket's time goes)
   CUDA_VISIBLE_DEVICES=$gpus timeout "${DISAGG_TIMEOUT:-1500}" $py bench/gpu/disagg_refit_bench.py "${tps[@]}" \
-      --out "$out/rollout/disagg" > "$out/logs/disagg.log" 2>&1
+      --trace --out "$out/rollout/disagg" > "$out/logs/disagg.log" 2>&1
   echo "disagg exit $?" >> "$out/logs/status"
 fi
 

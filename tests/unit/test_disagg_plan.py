@@ -142,3 +142,23 @@ def test_payload_ring_places_each_bucket_apart_from_the_one_in_flight_beside_it(
     assert [buf.numel() for buf in ring.buffers] == [256, 1024]  # the larger bucket of each parity, 64-byte aligned
     one_bucket = PayloadRing(routes[:1], torch.device("cpu"), shared=True)
     assert [buf.numel() for buf in one_bucket.buffers] == [192, 64]  # never an empty buffer (nothing to share)
+
+
+def test_a_profiled_receive_writes_its_table_and_trace_and_passes_the_receive_result_on(tmp_path, monkeypatch):
+    """``zoo_receive_refit_profiled`` runs the worker's receive under torch's profiler, writes the op
+    table and the Chrome trace named by the worker's TP rank, and returns what the receive returned
+    (None, or its error); a failure of the profiling itself comes back as an error string."""
+    import torch
+
+    from mcore_zoo.rollout import vllm_disagg
+
+    worker = vllm_disagg.ZooDisaggWorkerExtension.__new__(vllm_disagg.ZooDisaggWorkerExtension)
+    monkeypatch.setattr(worker, "_zoo_tp_rank", lambda: 1, raising=False)
+    monkeypatch.setattr(worker, "zoo_receive_refit", lambda fused: torch.ones(64).sum() and None, raising=False)
+    stem = tmp_path / "trace-case"
+    assert worker.zoo_receive_refit_profiled(str(stem)) is None
+    assert "aten::sum" in (tmp_path / "trace-case-engine1.txt").read_text()
+    assert (tmp_path / "trace-case-engine1.json").stat().st_size > 0
+    monkeypatch.setattr(worker, "zoo_receive_refit", lambda fused: "receive: IntegrityError: bucket 3", raising=False)
+    assert worker.zoo_receive_refit_profiled(str(stem)) == "receive: IntegrityError: bucket 3"
+    assert worker.zoo_receive_refit_profiled(str(tmp_path / "missing" / "x")).startswith("profiled receive: FileNotFoundError")

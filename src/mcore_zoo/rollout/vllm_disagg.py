@@ -113,6 +113,18 @@ class ZooDisaggWorkerExtension(ZooWorkerExtension):
         except Exception as exc:
             return f"receive: {type(exc).__name__}: {exc}"
 
+    def zoo_receive_refit_profiled(self, path: str, fused_copies: bool = True) -> Optional[str]:
+        """:meth:`zoo_receive_refit` under torch's profiler (CPU and, on CUDA, device activity) - a
+        diagnosis of where a refit's time goes on the engine side: the ops by self device time to
+        ``<path>-engine<rank>.txt`` and a Chrome trace to ``<path>-engine<rank>.json`` (``rank``: the
+        worker's tensor-parallel rank)."""
+        try:
+            error, prof = profiled(lambda: self.zoo_receive_refit(fused_copies), torch.cuda.is_available())
+            write_profile(prof, f"{path}-engine{self._zoo_tp_rank()}")
+            return error
+        except Exception as exc:
+            return f"profiled receive: {type(exc).__name__}: {exc}"
+
     def zoo_refit_seconds(self) -> float:
         """Seconds of this worker's last receive (first header to the last write, synchronised)."""
         stats = getattr(self, "_zoo_last_refit", None)
@@ -139,6 +151,29 @@ class ZooDisaggWorkerExtension(ZooWorkerExtension):
         checks across processes)."""
         params = dict(self._zoo_model().named_parameters())
         return {name: tensor_checksum(p.data) for name, p in params.items() if names is None or name in names}
+
+
+def profiled(fn: Any, cuda: bool) -> tuple[Any, Any]:
+    """``(fn(), the finished torch.profiler.profile)``: ``fn`` run under torch's profiler with CPU
+    activity, and CUDA activity when ``cuda`` (the device synchronised before the profile ends)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        result = fn()
+        if cuda:
+            torch.cuda.synchronize()
+    return result, prof
+
+
+def write_profile(prof: Any, stem: str) -> None:
+    """A finished profile's op table (40 rows by self device time; by CPU time without device
+    activity) to ``stem + ".txt"`` and its Chrome trace to ``stem + ".json"``."""
+    events = prof.key_averages()
+    on_device = any(getattr(e, "self_device_time_total", 0) for e in events)
+    with open(stem + ".txt", "w") as f:
+        f.write(events.table(sort_by="self_device_time_total" if on_device else "self_cpu_time_total", row_limit=40) + "\n")
+    prof.export_chrome_trace(stem + ".json")
 
 
 def tensor_checksum(tensor: torch.Tensor) -> list[int]:
