@@ -371,9 +371,11 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
     from mcore_zoo.weights import staging
     from mcore_zoo.weights.io import HFCheckpoint
 
-    if args.ring:  # the staging ring's shape for this load: BUFFERSxMIB
-        count, mib = (int(v) for v in args.ring.lower().split("x"))
+    if args.ring:  # the staging ring's shape for this load: BUFFERSxMIB[/IN_FLIGHT]
+        shape, _, in_flight = args.ring.lower().partition("/")
+        count, mib = (int(v) for v in shape.split("x"))
         staging.BUFFERS, staging.BUFFER_BYTES = count, mib << 20
+        staging.IN_FLIGHT_BUFFERS = int(in_flight) if in_flight else staging.IN_FLIGHT_BUFFERS
 
     rank, world, local = _rank()
     if args.device == "cuda":
@@ -658,7 +660,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the first round's bitwise check")
     p.add_argument("--timeout", type=float, default=150.0, help="seconds per measurement process")
     p.add_argument("--ring", default=None,
-                   help="the load's staging ring as BUFFERSxMIB (default: mcore_zoo.weights.staging's, 4x64)")
+                   help="the load's staging ring as BUFFERSxMIB[/IN_FLIGHT] (default: mcore_zoo.weights.staging's, 4x64/1;"
+                        " IN_FLIGHT: buffers of reads in flight besides the newest region's)")
     p.add_argument("--profile", action="store_true",
                    help="the first round's zoo processes load once more under cProfile (after the timed load); the"
                         " statistics go into the raw results ('profile')")

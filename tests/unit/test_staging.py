@@ -309,3 +309,21 @@ def test_run_starts_of_one_outer_dimension_are_a_range_equal_to_the_listed_start
     assert pread._starts([], [], 8, 4) == [8]
     shard = pread._runs((4096, 7168), (14336, 1))  # a TP2 row-parallel shard of down_proj
     assert shard == (7168, [4096], [14336])
+
+
+def test_the_ring_takes_the_module_defaults_when_made_and_any_in_flight_depth_reads_the_same_bytes(tmp_path, monkeypatch):
+    """``StagingRing()`` reads ``BUFFERS`` / ``BUFFER_BYTES`` / ``IN_FLIGHT_BUFFERS`` when it is made
+    (a bench sets them for its process), refuses an in-flight depth the ring cannot hold, and reads
+    the same bytes at every depth."""
+    from mcore_zoo.weights import staging
+
+    monkeypatch.setattr(staging, "BUFFERS", 3)
+    monkeypatch.setattr(staging, "BUFFER_BYTES", 8192)
+    monkeypatch.setattr(staging, "IN_FLIGHT_BUFFERS", 2)
+    ring = StagingRing(pin=False, cpu_destinations=True)
+    assert (ring.buffers, ring.buffer_bytes, ring.in_flight_bytes) == (3, 8192, 2 * 8192)
+    with pytest.raises(ValueError, match="keeps 1 to 2 of them in flight"):
+        StagingRing(3, 8192, in_flight=3)
+    for depth in (1, 2, 3):
+        (tmp_path / str(depth)).mkdir()
+        check_staged_reads(tmp_path / str(depth), "cpu", StagingRing(4, 4096, pin=False, cpu_destinations=True, in_flight=depth))

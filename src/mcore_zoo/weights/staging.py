@@ -53,6 +53,9 @@ from . import pread
 
 BUFFERS = 4
 BUFFER_BYTES = 64 << 20
+#: how many buffers' worth of reads may be in flight besides the newest region's (at most
+#: ``buffers - 1``: the ring's own size bounds them anyway)
+IN_FLIGHT_BUFFERS = 1
 MIN_RUN_BYTES = 512  # source runs shorter than this on average: the mapping path
 #: source runs shorter than this, evenly spaced at most ROWS_SPAN times their length apart (a column
 #: chunk of narrow rows: a row-parallel weight's TP shard), are read as whole rows - one read per
@@ -188,16 +191,23 @@ class StagingRing:
     through which :meth:`read` fills device destinations (module docstring); with
     ``cpu_destinations``, CPU destinations too (the CPU test of the pipeline).
 
-    The reads of a region run on the read threads while the caller goes on: up to about one
-    buffer's bytes are in flight besides the newest region's, and the oldest region is copied
-    (queued on the side stream) once its reads are done - so the threads read the next region
-    while the previous one is read to its end and copied."""
+    The reads of a region run on the read threads while the caller goes on: up to ``in_flight``
+    buffers' bytes (default :data:`IN_FLIGHT_BUFFERS`) are in flight besides the newest region's,
+    and the oldest region is copied (queued on the side stream) once its reads are done - so the
+    threads read the next regions while the oldest one is read to its end and copied."""
 
-    def __init__(self, buffers: int = BUFFERS, buffer_bytes: int = BUFFER_BYTES, *, pin: bool = True,
-                 cpu_destinations: bool = False) -> None:  # fmt: skip
+    def __init__(self, buffers: Optional[int] = None, buffer_bytes: Optional[int] = None, *, pin: bool = True,
+                 cpu_destinations: bool = False, in_flight: Optional[int] = None) -> None:  # fmt: skip
+        # defaults: the module's values when the ring is made (a bench may set them for a process)
+        buffers = BUFFERS if buffers is None else buffers
+        buffer_bytes = BUFFER_BYTES if buffer_bytes is None else buffer_bytes
         if buffers < 2 or buffer_bytes < ALIGN:
             raise ValueError(f"a staging ring needs >= 2 buffers of >= {ALIGN} bytes (got {buffers} x {buffer_bytes})")
+        in_flight = IN_FLIGHT_BUFFERS if in_flight is None else in_flight
+        if not 1 <= in_flight <= buffers - 1:
+            raise ValueError(f"a staging ring of {buffers} buffers keeps 1 to {buffers - 1} of them in flight (got {in_flight})")
         self.buffers, self.buffer_bytes = buffers, buffer_bytes - buffer_bytes % ALIGN
+        self.in_flight_bytes = in_flight * self.buffer_bytes
         self.pin, self.cpu_destinations = pin, cpu_destinations
         self.bytes_staged = 0  # over the ring's life: every destination byte that went through it
         self.bytes_read = 0  # over the ring's life: every byte read into it (whole rows read more)
@@ -264,7 +274,7 @@ class StagingRing:
         for view, first in pieces:
             count = view.numel()
             nbytes = count * itemsize
-            while self._pending and self._in_flight > self.buffer_bytes:
+            while self._pending and self._in_flight > self.in_flight_bytes:
                 self._copy_oldest()
             offset = self._take(nbytes)
             address = self._addresses[self._current] + offset
@@ -301,7 +311,7 @@ class StagingRing:
         for first in range(0, rows, per_piece):
             count = min(per_piece, rows - first)
             nbytes = (count - 1) * spacing + run * itemsize
-            while self._pending and self._in_flight > self.buffer_bytes:
+            while self._pending and self._in_flight > self.in_flight_bytes:
                 self._copy_oldest()
             offset = self._take(nbytes)
             self._submit()  # the regions queued before this one go first
