@@ -389,6 +389,13 @@ if [[ " $phases " == *" load-gpu "* ]]; then
   CUDA_VISIBLE_DEVICES=$gpus timeout "${LOAD_GPU_TIMEOUT:-420}" $py bench/gpu/load_gpu.py --out "$out/load-gpu" \
       ${LOAD_GPU_CKPT:+--ckpt "$LOAD_GPU_CKPT"} ${LOAD_GPU_ARGS:-} > "$out/logs/load-gpu.log" 2>&1
   echo "load-gpu exit $?" >> "$out/logs/status"
+  # a Qwen3-30B-A3B-shaped MoE checkpoint (4 layers, 1 536 expert tensors) at EP1 / EP2, with the staging
+  # ring's default depth of reads in flight (one buffer) and with three buffers in flight
+  for ring in 4x64/1 4x64/3; do
+    CUDA_VISIBLE_DEVICES=$gpus timeout "${LOAD_GPU_TIMEOUT:-420}" $py bench/gpu/load_gpu.py --shape qwen3-30b-a3b \
+        --ring "$ring" --out "$out/load-gpu-moe-ring${ring//\//-}" ${LOAD_GPU_ARGS:-} > "$out/logs/load-gpu-moe-${ring//\//-}.log" 2>&1
+    echo "load-gpu-moe $ring exit $?" >> "$out/logs/status"
+  done
 fi
 
 if [[ " $phases " == *" frontier-gpu "* ]]; then
