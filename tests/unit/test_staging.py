@@ -327,3 +327,14 @@ def test_the_ring_takes_the_module_defaults_when_made_and_any_in_flight_depth_re
     for depth in (1, 2, 3):
         (tmp_path / str(depth)).mkdir()
         check_staged_reads(tmp_path / str(depth), "cpu", StagingRing(4, 4096, pin=False, cpu_destinations=True, in_flight=depth))
+
+
+def test_whole_row_reads_keep_the_run_starts_a_range():
+    """A column chunk read as whole rows hands its row starts on as a ``range`` shifted to the
+    tensor's file offset (no list of one start per row), equal to the listed starts."""
+    from mcore_zoo.weights.staging import _shifted
+
+    starts = range(0, 4096 * 28672, 28672)
+    moved = _shifted(starts, 1000)
+    assert isinstance(moved, range) and list(moved) == [1000 + s for s in starts]
+    assert _shifted([0, 10, 30], 5) == [5, 15, 35]

@@ -115,6 +115,13 @@ def _segments(run: int, starts: Sequence[int], itemsize: int, first: int, count:
     return segments
 
 
+def _shifted(starts: Sequence[int], offset: int) -> Sequence[int]:
+    """``starts`` each plus ``offset`` (a range stays a range: no list of one start per row)."""
+    if isinstance(starts, range):
+        return range(starts.start + offset, starts.stop + offset, starts.step)
+    return [offset + start for start in starts]
+
+
 def _contiguous_strides(shape: Sequence[int]) -> list[int]:
     """Row-major element strides of ``shape``."""
     strides = [1] * len(shape)
@@ -267,7 +274,7 @@ class StagingRing:
         self._start(out.device)
         if layout.rows is not None:
             rows, spacing = layout.rows
-            self._read_rows(reader, fd, rows, dtype, [file_offset + start for start in layout.starts], spacing, describe)
+            self._read_rows(reader, fd, rows, dtype, _shifted(layout.starts, file_offset), spacing, describe)
             return
         limit = self.buffer_bytes // itemsize
         pieces = ((out, 0),) if out.numel() <= limit else _pieces(out, 0, limit)
