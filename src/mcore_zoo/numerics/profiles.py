@@ -26,7 +26,7 @@ Built-in profiles:
   mode computes (:mod:`mcore_zoo.specs.vllm_exact`). Needs vLLM and CUDA in the trainer process;
   backend ``local`` / ``portable``, dense models (any TP) and Qwen3-MoE at the layouts of vLLM's
   engine at data parallel 1 (TP N with expert-TP N, or with ``enable_expert_parallel`` TP N x EP N
-  at expert-TP 1; on the GPU every log-prob bitwise or one fp32 ulp apart at TP1, TP2 and
+  at expert-TP 1; on the GPU every sampled and prompt log-prob bitwise at TP1, TP2 and
   TP2 x EP2, docs/rollout.md), CP 1, no sequence parallelism.
 * ``hf-exact`` - reproduce the HF op order: RMSNorm normalises in fp32, casts, then multiplies
   the weight; no fused RoPE / activation / softmax; attention computed as HF ``eager`` (or

@@ -59,9 +59,9 @@ all-reduce sums the ranks; the trainer's layout is TP N x EP N at expert-TP 1.
 Scope (refused otherwise, naming the reason): dense RMSNorm + SwiGLU + NeoX RoPE decoders (the
 dense built-ins) at any TP, and Qwen3-MoE (softmax top-k router, no shared expert) at TP1 or at
 the two TP N layouts above; context parallel size 1, no sequence parallelism. Measured against
-engines of the same layout (four H100s, 2026-11-27, bench/gpu/vllm_exact_tp.py): every decoder
-layer bitwise at TP1; at TP1, TP2 and TP2 x EP2 every log-prob bitwise or one fp32 ulp apart, the
-ulps from the log-prob head (docs/rollout.md).
+engines of the same layout (H100s, 2026-11-27, bench/gpu/vllm_exact_tp.py): every decoder layer
+bitwise at TP1; at TP1, TP2 and TP2 x EP2 every sampled and prompt log-prob bitwise, with the
+log-prob head following the engine's model runner (docs/rollout.md).
 """
 
 from __future__ import annotations

@@ -97,9 +97,7 @@ def _box_layout(full: Sequence[int], box: Sequence[tuple[int, int]]) -> tuple[tu
     """A ``box`` (``[(start, stop)]`` per dimension) of a row-major tensor of shape ``full``:
     ``(its shape, the tensor's element strides, element offset of its first and of its last
     element)`` (for a box of elements)."""
-    strides = [1] * len(full)
-    for d in range(len(full) - 1, 0, -1):
-        strides[d - 1] = strides[d] * full[d]
+    strides = pread.row_major_strides(full)
     shape = tuple(hi - lo for lo, hi in box)
     first = last = 0
     for (lo, hi), stride in zip(box, strides):

@@ -51,6 +51,14 @@ def available() -> bool:
     return hasattr(os, "preadv")
 
 
+def row_major_strides(shape: Sequence[int]) -> list[int]:
+    """Element strides of a contiguous (row-major) tensor of ``shape``."""
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 1, 0, -1):
+        strides[d - 1] = strides[d] * shape[d]
+    return strides
+
+
 def _runs(shape: Sequence[int], strides: Sequence[int]) -> Optional[tuple[int, list[int], list[int]]]:
     """Coalesce a strided layout (element units) into contiguous runs: ``(run length, outer
     shape, outer strides)``, or ``None`` when the innermost dimension is not contiguous."""

@@ -122,14 +122,6 @@ def _shifted(starts: Sequence[int], offset: int) -> Sequence[int]:
     return [offset + start for start in starts]
 
 
-def _contiguous_strides(shape: Sequence[int]) -> list[int]:
-    """Row-major element strides of ``shape``."""
-    strides = [1] * len(shape)
-    for d in range(len(shape) - 1, 0, -1):
-        strides[d - 1] = strides[d] * shape[d]
-    return strides
-
-
 def _row_spacing(run: int, starts: Sequence[int], itemsize: int) -> Optional[int]:
     """The byte distance between consecutive runs when the chunk is best read as whole rows (short
     runs at one spacing of at most :data:`ROWS_SPAN` run lengths), else ``None``."""
@@ -287,7 +279,7 @@ class StagingRing:
             address = self._addresses[self._current] + offset
             segments = _segments(layout.run, layout.starts, itemsize, first, count, address, file_offset)
             shape_ = view.shape
-            staged = self._typed(dtype).as_strided(shape_, _contiguous_strides(shape_), offset // itemsize)
+            staged = self._typed(dtype).as_strided(shape_, pread.row_major_strides(shape_), offset // itemsize)
             piece = _Piece([], view, staged, self._current, nbytes, describe, own=(reader, fd, segments))
             self._pending.append(piece)
             self._queue(piece, reader, fd, segments, nbytes)
