@@ -372,7 +372,7 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
     from mcore_zoo.weights.io import HFCheckpoint
 
     if args.ring:  # the staging ring's shape for this load: BUFFERSxMIB[/IN_FLIGHT]
-        shape, _, in_flight = args.ring.lower().partition("/")
+        shape, _, in_flight = args.ring[0].lower().partition("/")
         count, mib = (int(v) for v in shape.split("x"))
         staging.BUFFERS, staging.BUFFER_BYTES = count, mib << 20
         staging.IN_FLIGHT_BUFFERS = int(in_flight) if in_flight else staging.IN_FLIGHT_BUFFERS
@@ -446,7 +446,7 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
     if args.verify:  # bitwise against the mapping path (the staging ring refusing every destination)
         loaded = [p.detach().clone() for p in params]
         mapping = staging.StagingRing()
-        mapping.accepts = lambda *a, **k: False  # type: ignore[method-assign]
+        mapping.layout = lambda *a, **k: None  # type: ignore[method-assign]  # (the load asks layout(), not accepts())
         t0 = time.perf_counter()
         with HFCheckpoint(args.ckpt, staging=mapping) as ckpt:
             mcore_zoo.load_hf_weights(model, ckpt, replicas=replicas)
@@ -459,7 +459,8 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- the rounds
-def _launch(args: argparse.Namespace, phase: str, world: int, tag: str, parallel: str = "tp") -> dict[str, Any]:
+def _launch(args: argparse.Namespace, phase: str, world: int, tag: str, parallel: str = "tp",
+            ring: Optional[str] = None) -> dict[str, Any]:  # fmt: skip
     """Run ``phase`` in fresh process(es); its per-rank results, or the failure."""
     out = Path(args.out)
     result_file = out / "raw" / f"{tag}.json"
@@ -471,10 +472,10 @@ def _launch(args: argparse.Namespace, phase: str, world: int, tag: str, parallel
         worker += ["--threads", str(args.threads)]
     if args.backend:
         worker += ["--backend", args.backend]
-    if args.verify_now:
+    if args.verify_now and ring == getattr(args, "rings", [None])[0]:  # the first ring's loads only
         worker += ["--verify-this"]
-    if args.ring:
-        worker += ["--ring", args.ring]
+    if ring:
+        worker += ["--ring", ring]
     if args.profile_now and phase == "zoo":  # the first round only
         worker += ["--profile"]
     env = dict(os.environ)
@@ -506,13 +507,23 @@ def _spread(values: list[float]) -> dict[str, Any]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def summarise(rounds: list[dict[str, Any]], layouts: list[tuple[str, int, str]]) -> dict[str, Any]:
+def _zoo_tag(name: str, ring: Optional[str], rings: list[Optional[str]]) -> str:
+    """A zoo measurement's key: ``zoo-LAYOUT``, with ``@RING`` when several rings are measured."""
+    return f"zoo-{name}" if len(rings) == 1 else f"zoo-{name}@{ring or 'default'}"
+
+
+def summarise(rounds: list[dict[str, Any]], layouts: list[tuple[str, int, str]],
+              rings: Optional[list[Optional[str]]] = None) -> dict[str, Any]:  # fmt: skip
+    """Per layout (and per ring when several: ``LAYOUT ring RING``) medians and spreads over the
+    rounds; the floor of a layout is shared by its rings."""
+    rings = rings or [None]
     summary: dict[str, Any] = {}
-    for name, world, _ in layouts:
+    for (name, world, _), ring in [(layout, ring) for layout in layouts for ring in rings]:
         floor_t, read_t, copy_t, load_t, build_t, ratio, gbps, floor_gbps, rss = [], [], [], [], [], [], [], [], []
         verified, main_cpu = [], []
+        zoo_tag = _zoo_tag(name, ring, rings)
         for r in rounds:
-            floor, zoo = r.get(f"floor-{name}"), r.get(f"zoo-{name}")
+            floor, zoo = r.get(f"floor-{name}"), r.get(zoo_tag)
             if floor and floor["ok"]:
                 floor_t.append(max(x["floor_s"] for x in floor["ranks"]))
                 read_t.append(max(x["read_s"] for x in floor["ranks"]))
@@ -527,10 +538,10 @@ def summarise(rounds: list[dict[str, Any]], layouts: list[tuple[str, int, str]])
                 verified += [x["bitwise_equal_to_mapping_path"] for x in zoo["ranks"] if "bitwise_equal_to_mapping_path" in x]
             if floor and floor["ok"] and zoo and zoo["ok"]:
                 ratio.append(floor_t[-1] / load_t[-1])
-        zoo_ranks = next((r[f"zoo-{name}"]["ranks"] for r in rounds if r.get(f"zoo-{name}", {}).get("ok")), [])
+        zoo_ranks = next((r[zoo_tag]["ranks"] for r in rounds if r.get(zoo_tag, {}).get("ok")), [])
         floor_ranks = next((r[f"floor-{name}"]["ranks"] for r in rounds if r.get(f"floor-{name}", {}).get("ok")), [])
-        summary[name] = {
-            "world": world, "floor_s": _spread(floor_t), "read_s": _spread(read_t), "copy_s": _spread(copy_t),
+        summary[name if len(rings) == 1 else f"{name} ring {ring or 'default'}"] = {
+            "world": world, "ring": ring or "default", "floor_s": _spread(floor_t), "read_s": _spread(read_t), "copy_s": _spread(copy_t),
             "load_s": _spread(load_t), "build_s": _spread(build_t), "load_main_thread_cpu_s": _spread(main_cpu),
             "floor_over_load": _spread(ratio),
             "load_gbps": _spread(gbps), "floor_gbps": _spread(floor_gbps),
@@ -622,20 +633,24 @@ def orchestrate(args: argparse.Namespace) -> int:
     gpus = torch.cuda.device_count() if args.device == "cuda" else 2
     one, two = SHAPES[args.shape][2]
     layouts = [one] + ([two] if args.tp2 and gpus >= 2 else [])
-    steps = [(kind, name, world, parallel) for name, world, parallel in layouts for kind in ("floor", "zoo")]
+    rings: list[Optional[str]] = [None if ring == "default" else ring for ring in args.ring or ["default"]]
+    args.rings = rings
+    steps = [step for name, world, parallel in layouts
+             for step in [(f"floor-{name}", "floor", world, parallel, None)]
+             + [(_zoo_tag(name, ring, rings), "zoo", world, parallel, ring) for ring in rings]]  # fmt: skip
     rounds = []
     for r in range(args.rounds):
         args.verify_now = args.verify and r == 0
         args.profile_now = args.profile and r == 0
         order = steps if r % 2 == 0 else steps[::-1]
-        rounds.append({f"{kind}-{name}": _launch(args, kind, world, f"r{r}-{kind}-{name}", parallel)
-                       for kind, name, world, parallel in order})  # fmt: skip
+        rounds.append({key: _launch(args, kind, world, f"r{r}-{key.replace('@', '-ring-').replace('/', '-')}", parallel, ring)
+                       for key, kind, world, parallel, ring in order})  # fmt: skip
     result = {
         "machine": machine(args.device), "rounds": args.rounds,
         "checkpoint": {"path": str(ckpt), "bytes": nbytes, "shards": SHARDS, "tiny": args.tiny,
                        "shape": {"llama-8b": "Llama-3.1-8B", "qwen3-30b-a3b": f"Qwen3-30B-A3B, {cfg['num_hidden_layers']} layers"}[args.shape]
                                 + (" (tiny)" if args.tiny else ""), "write_step_s": write_s, "warm_read_s": warm_s},
-        "summary": summarise(rounds, layouts), "raw": rounds, "ring": args.ring or "default",
+        "summary": summarise(rounds, layouts, rings), "raw": rounds, "rings": [ring or "default" for ring in rings],
     }  # fmt: skip
     (out / "load_gpu.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "load_gpu.md").write_text(markdown(result))
@@ -659,9 +674,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="floor read threads per rank (default: torch.get_num_threads(), as the load's read threads)")
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the first round's bitwise check")
     p.add_argument("--timeout", type=float, default=150.0, help="seconds per measurement process")
-    p.add_argument("--ring", default=None,
-                   help="the load's staging ring as BUFFERSxMIB[/IN_FLIGHT] (default: mcore_zoo.weights.staging's, 4x64/1;"
-                        " IN_FLIGHT: buffers of reads in flight besides the newest region's)")
+    p.add_argument("--ring", action="append", default=None,
+                   help="the load's staging ring as BUFFERSxMIB[/IN_FLIGHT] (default: mcore_zoo.weights.staging's;"
+                        " IN_FLIGHT: buffers of reads in flight besides the newest region's); repeatable: each ring's"
+                        " load is measured in every round against the same floor ('default': the package's)")
     p.add_argument("--profile", action="store_true",
                    help="the first round's zoo processes load once more under cProfile (after the timed load); the"
                         " statistics go into the raw results ('profile')")
