@@ -13,10 +13,10 @@ zoo, whose layers load fla lazily (``linear_attention_kernel``). What each side 
 writes under ``--out`` (JSON key and a Markdown section) and to ``OUT/hybrid_fla_kernels.json``. The
 run fails (exit 3) if transformers resolved any entry point to fla or causal-conv1d.
 
-Backends the plugins do not declare yet (``te`` for these models) are admitted for this process
-only, as ``frontier_parity.py`` does (``--admit te``).
+``--admit BACKEND`` admits a backend a plugin does not declare for this process only, as
+``frontier_parity.py`` does (the plugins declare ``te`` for these models since 2026-11-27).
 
-    PYTHONPATH=src:$FLA_DIR python bench/gpu/hybrid_fla_parity.py --admit te -- \\
+    PYTHONPATH=src:$FLA_DIR python bench/gpu/hybrid_fla_parity.py -- \\
         --config tests/fixtures/configs/qwen3-next-80b-a3b.json --random-weights --set num_hidden_layers=4 \\
         --backend te --knob linear_attention_kernel=fla --dtype bfloat16 --device cuda --out OUT
 

@@ -505,8 +505,7 @@ if [[ " $phases " == *" hybrid-gpu "* ]]; then
 fi
 
 if [[ " $phases " == *" hybrid-fla "* ]]; then
-  # The gated DeltaNet models above on te (Transformer Engine linears, attention and zero-centred norms; not
-  # declared by the plugins yet, admitted for these runs) with the gated DeltaNet layer on flash-linear-
+  # The gated DeltaNet models above on te (Transformer Engine linears, attention and zero-centred norms) with the gated DeltaNet layer on flash-linear-
   # attention's kernels (linear_attention_kernel=fla: refused, never replaced, where fla cannot run), default
   # profile, bf16, vs HF eager on transformers' torch fallbacks with HF's own sdpa-vs-eager spread:
   # bench/gpu/hybrid_fla_parity.py imports transformers with fla hidden and records the kernels of both sides
@@ -521,7 +520,7 @@ if [[ " $phases " == *" hybrid-fla "* ]]; then
   else
     # FLA_TILELANG=0: fla's Triton kernels, not TileLang (vLLM's dependency; it aborted these runs: fla-env.sh)
     flpy=(env PYTHONPATH="$fla_site:$(pwd)/src:$(pwd)${PYTHONPATH:+:$PYTHONPATH}" FLA_TILELANG="${FLA_TILELANG:-0}" $py)
-    flrep=("${flpy[@]}" bench/gpu/hybrid_fla_parity.py --admit te -- --dtype bfloat16 --device cuda -q -v
+    flrep=("${flpy[@]}" bench/gpu/hybrid_fla_parity.py -- --dtype bfloat16 --device cuda -q -v
            --knob linear_attention_kernel=fla --lengths 512,512,300,100)
     flrun() {  # flrun NAME GPU CMD...: one sub-run on GPU, log, record the exit code
       local name=$1 gpu=$2

@@ -73,15 +73,15 @@ def test_parallel_parity_script_expert_layouts_on_four_cpu_ranks(tmp_path):
 
 def test_frontier_parity_script_admits_te_and_summarizes_on_cpu(tmp_path):
     """``bench/gpu/frontier_parity.py`` (the frontier-gpu phase): with ``--admit te`` its process sees an
-    architecture offering ``te`` beside its declared backends (Qwen3-Next, whose plugin declares ``local``
-    and ``portable``; the frontier plugins declare ``te`` since their GPU run), runs ``parity-report`` with the rest of the arguments (here on the CPU,
+    architecture offering ``te`` beside its declared backends (DeepSeek-V2, whose plugin declares ``local``
+    and ``portable``; the frontier and gated DeltaNet plugins declare ``te`` since their GPU runs), runs ``parity-report`` with the rest of the arguments (here on the CPU,
     ``local``), and ``--summarize`` tabulates the reports it finds with transformers' own sdpa-vs-eager row."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     probe = ("import sys; sys.path.insert(0, 'bench/gpu'); import frontier_parity as f;"
              " from mcore_zoo.registry import get_registry;"
-             " print(get_registry().get('Qwen3NextForCausalLM').entry.backends);"
-             " get_registry().register(f.admitting_plugin(['Qwen3NextForCausalLM'], ['te']), 'admit');"
-             " print(get_registry().get('Qwen3NextForCausalLM').entry.backends)")  # fmt: skip
+             " print(get_registry().get('DeepseekV2ForCausalLM').entry.backends);"
+             " get_registry().register(f.admitting_plugin(['DeepseekV2ForCausalLM'], ['te']), 'admit');"
+             " print(get_registry().get('DeepseekV2ForCausalLM').entry.backends)")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.split("\n")[:2] == ["('local', 'portable')", "('local', 'portable', 'te')"], done.stdout

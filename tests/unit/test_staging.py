@@ -324,6 +324,8 @@ def test_the_ring_takes_the_module_defaults_when_made_and_any_in_flight_depth_re
     assert (ring.buffers, ring.buffer_bytes, ring.in_flight_bytes) == (3, 8192, 2 * 8192)
     with pytest.raises(ValueError, match="keeps 1 to 2 of them in flight"):
         StagingRing(3, 8192, in_flight=3)
+    # the default depth fits a smaller ring: all its buffers but one
+    assert StagingRing(2, 8192, pin=False, cpu_destinations=True).in_flight_bytes == 8192
     for depth in (1, 2, 3):
         (tmp_path / str(depth)).mkdir()
         check_staged_reads(tmp_path / str(depth), "cpu", StagingRing(4, 4096, pin=False, cpu_destinations=True, in_flight=depth))

@@ -183,7 +183,7 @@ def convert_moe_vl(reader):  # type: ignore[no-untyped-def]
 @hookimpl
 def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
     common = dict(weight_rules="mcore_zoo.plugin_api:gated_deltanet_weight_map",
-                  layer_spec="mcore_zoo.plugin_api:hybrid_layer_specs", backends=("local", "portable"))  # fmt: skip
+                  layer_spec="mcore_zoo.plugin_api:hybrid_layer_specs", backends=("te", "local", "portable"))  # fmt: skip
     vision_language = dict(common, weight_rules="mcore_zoo.plugin_api:gated_deltanet_vision_language_weight_map",
                            forward="mcore_zoo.plugin_api:vision_language_forward")  # fmt: skip
     return [

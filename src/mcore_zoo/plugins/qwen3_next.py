@@ -96,7 +96,7 @@ def mcore_zoo_architectures():  # type: ignore[no-untyped-def]
             weight_rules="mcore_zoo.plugin_api:gated_deltanet_weight_map",
             layer_spec="mcore_zoo.plugin_api:hybrid_layer_specs",
             example_config=EXAMPLE_CONFIG,
-            backends=("local", "portable"),
+            backends=("te", "local", "portable"),
             description="Qwen3-Next (gated DeltaNet among gated attention, partial RoPE, 1 + weight RMSNorm;"
                         " softmax top-k MoE with a sigmoid-gated shared expert)",
         )

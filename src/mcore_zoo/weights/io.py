@@ -219,7 +219,7 @@ class HFCheckpoint:
         allow_fp8: read ``F8_E4M3`` / ``F8_E5M2`` tensors as float8 (an FP8 block-quantized
             checkpoint, dequantized by :mod:`mcore_zoo.weights.fp8`); refused by default.
         staging: the ring of host buffers through which device destinations are read
-            (:class:`~mcore_zoo.weights.staging.StagingRing`; default: 4 pinned buffers of 64 MiB).
+            (:class:`~mcore_zoo.weights.staging.StagingRing`; default: 4 pinned buffers of 16 MiB).
     """
 
     def __init__(

@@ -51,11 +51,16 @@ import torch
 
 from . import pread
 
+#: the default ring: 4 buffers of 16 MiB (64 MiB of pinned host memory), 3 of them in flight. On
+#: an H100 host (2026-11-27, ``bench/gpu/load_gpu.py``, 8B-shaped checkpoint) it loaded at 0.90 /
+#: 0.93 of the read + copy floor at TP1 / TP2 where 4 x 64 MiB with one in flight reached 0.88 /
+#: 0.82 (and 4 x 64 MiB with three 0.82 - 1.06), with a quarter of the host memory; smaller
+#: buffers (8 x 8, 16 x 4 MiB) loaded the MoE checkpoint slower
 BUFFERS = 4
-BUFFER_BYTES = 64 << 20
+BUFFER_BYTES = 16 << 20
 #: how many buffers' worth of reads may be in flight besides the newest region's (at most
 #: ``buffers - 1``: the ring's own size bounds them anyway)
-IN_FLIGHT_BUFFERS = 1
+IN_FLIGHT_BUFFERS = 3
 MIN_RUN_BYTES = 512  # source runs shorter than this on average: the mapping path
 #: source runs shorter than this, evenly spaced at most ROWS_SPAN times their length apart (a column
 #: chunk of narrow rows: a row-parallel weight's TP shard), are read as whole rows - one read per
@@ -191,7 +196,7 @@ class StagingRing:
     ``cpu_destinations``, CPU destinations too (the CPU test of the pipeline).
 
     The reads of a region run on the read threads while the caller goes on: up to ``in_flight``
-    buffers' bytes (default :data:`IN_FLIGHT_BUFFERS`) are in flight besides the newest region's,
+    buffers' bytes (default :data:`IN_FLIGHT_BUFFERS`, at most ``buffers - 1``) are in flight besides the newest region's,
     and the oldest region is copied (queued on the side stream) once its reads are done - so the
     threads read the next regions while the oldest one is read to its end and copied."""
 
@@ -202,7 +207,7 @@ class StagingRing:
         buffer_bytes = BUFFER_BYTES if buffer_bytes is None else buffer_bytes
         if buffers < 2 or buffer_bytes < ALIGN:
             raise ValueError(f"a staging ring needs >= 2 buffers of >= {ALIGN} bytes (got {buffers} x {buffer_bytes})")
-        in_flight = IN_FLIGHT_BUFFERS if in_flight is None else in_flight
+        in_flight = min(IN_FLIGHT_BUFFERS, buffers - 1) if in_flight is None else in_flight  # (a smaller ring: all but one)
         if not 1 <= in_flight <= buffers - 1:
             raise ValueError(f"a staging ring of {buffers} buffers keeps 1 to {buffers - 1} of them in flight (got {in_flight})")
         self.buffers, self.buffer_bytes = buffers, buffer_bytes - buffer_bytes % ALIGN
