@@ -467,8 +467,11 @@ if [[ " $phases " == *" hybrid-gpu "* ]]; then
   # reference checkpoints (several GB each) in HYBRID_WORK, default a fresh temporary folder, removed at the end
   hy="$out/parity/gpu-hybrid"; work=${HYBRID_WORK:-$(mktemp -d)}; mkdir -p "$hy"
   hrep=($py -m mcore_zoo.cli parity-report --dtype bfloat16 --device cuda -q -v --backend local --lengths 512,512,300,100)
-  # bitwise needs equal lengths on BSHD (no padding rows: the GEMMs see the reference's row counts), as moe-exact
+  # bitwise needs equal lengths on BSHD (no padding rows: the GEMMs see the reference's row counts), as moe-exact;
+  # the MoE models on a THD pack (transformers runs each sequence alone: a BSHD batch's experts would multiply
+  # four sequences' rows per GEMM where transformers' see one sequence's)
   exact=(--numerics hf-exact --bitwise --no-baseline --lengths 512,512,512,512 --seq-format bshd --out "$hy/local-hf-exact")
+  exact_thd=(--numerics hf-exact --bitwise --no-baseline --lengths 512,300,100,37 --out "$hy/local-hf-exact-thd")
   vllm=(--no-baseline --vllm --vllm-arg gpu_memory_utilization=0.5 --vllm-arg gdn_prefill_backend=triton --out "$hy/local-vllm")
   hyrun() {  # hyrun NAME GPU CMD...: one sub-run of a chain on GPU, log, record the exit code
     local name=$1 gpu=$2
@@ -486,15 +489,17 @@ if [[ " $phases " == *" hybrid-gpu "* ]]; then
   # the zoo (default profile) vs HF eager with HF's sdpa-vs-eager spread; then hf-exact (split-K off) on the
   # same reference checkpoint, bitwise vs HF eager or the measured gap; vLLM 0.26 on the zoo's export
   hychain 1 && ( hyrun hybrid-next "$(g 0)" "${hrep[@]}" "${next[@]}" --work-dir "$work/next" --out "$hy/local"
-    # the experts as transformers' eager loop (on CUDA its grouped_mm default runs other GEMMs: moe-exact's finding)
-    hyrun hybrid-next-exact "$(g 0)" "${nosplit[@]}" "${hrep[@]}" --model "$work/next/reference" "${exact[@]}" \
-        --knob moe_experts=eager
+    hyrun hybrid-next-exact "$(g 0)" "${nosplit[@]}" "${hrep[@]}" --model "$work/next/reference" "${exact_thd[@]}"
     # THD vs BSHD forward + backward time of one gated DeltaNet layer (the issue's bound: THD <= 1.05 x BSHD)
     hyrun hybrid-thd-speed "$(g 0)" $py bench/gpu/gated_deltanet_speed.py --out "$hy/gated_deltanet_thd.json" ) &
   hychain 2 && ( hyrun hybrid-q35 "$(g 1)" "${hrep[@]}" "${q35dense[@]}" --work-dir "$work/q35" --out "$hy/local"
     hyrun hybrid-q35-exact "$(g 1)" "${nosplit[@]}" "${hrep[@]}" --model "$work/q35/reference" "${exact[@]}" ) &
-  hychain 3 && ( hyrun hybrid-q35moe "$(g 2)" "${hrep[@]}" "${q35moe[@]}" --out "$hy/local"
-    hyvllm hybrid-next-vllm "$(g 2)" "${hrep[@]}" "${next[@]}" "${vllm[@]}" ) &
+  hychain 3 && ( hyrun hybrid-q35moe "$(g 2)" "${hrep[@]}" "${q35moe[@]}" --work-dir "$work/q35moe" --out "$hy/local"
+    hyrun hybrid-q35moe-exact "$(g 2)" "${nosplit[@]}" "${hrep[@]}" --model "$work/q35moe/reference" --images 0 "${exact_thd[@]}"
+    hyvllm hybrid-next-vllm "$(g 2)" "${hrep[@]}" "${next[@]}" "${vllm[@]}"
+    # (full width, random weights: the report builds for minutes before vLLM starts)
+    HYBRID_TIMEOUT=${HYBRID_VLLM_TIMEOUT:-600} hyvllm hybrid-q35moe-vllm "$(g 2)" "${hrep[@]}" --model "$work/q35moe/reference" --images 0 \
+        "${vllm[@]}" --vllm-arg language_model_only=true ) &
   # refit into an in-process vLLM engine bit for bit (Qwen3-Next, Qwen3.5; token_mult_prob_error after it),
   # then vLLM on Qwen3.5's full-width export
   hychain 4 && ( HYBRID_TIMEOUT=${HYBRID_REFIT_TIMEOUT:-360} MCORE_ZOO_GPU_RESULTS="$hy" hyvllm hybrid-refit "$(g 3)" $py -m pytest -p mcore_zoo.testing.plugin \
