@@ -382,20 +382,20 @@ fi
 
 if [[ " $phases " == *" load-gpu "* ]]; then
   # an HF checkpoint of Llama-3.1-8B's shape (16 GB bf16, written once under LOAD_GPU_CKPT) loaded
-  # onto one GPU and at TP2 (2 GPUs) against the read + host-to-device copy floor, 3 alternated
-  # rounds, each measurement a fresh process (bench/gpu/load_gpu.py); about 3-4 minutes. The CPU dry
+  # onto one GPU and at TP2 (2 GPUs) against the read + host-to-device copy floor, 2 alternated
+  # rounds, each measurement a fresh process (bench/gpu/load_gpu.py); about 4 + 3 minutes. The CPU dry
   # run of the same phase: LOAD_GPU_ARGS="--device cpu --tiny"
   gpus=$(g 0); (( ngpu >= 2 )) && gpus=$(g 0),$(g 1)
-  CUDA_VISIBLE_DEVICES=$gpus timeout "${LOAD_GPU_TIMEOUT:-420}" $py bench/gpu/load_gpu.py --out "$out/load-gpu" \
-      ${LOAD_GPU_CKPT:+--ckpt "$LOAD_GPU_CKPT"} ${LOAD_GPU_ARGS:-} > "$out/logs/load-gpu.log" 2>&1
+  # the staging ring's default (4 x 16 MiB, three in flight) and the previous one (4 x 64 MiB, one in flight),
+  # each load against the same floor in every round
+  rings=(--ring default --ring 4x64/1)
+  CUDA_VISIBLE_DEVICES=$gpus timeout "${LOAD_GPU_TIMEOUT:-600}" $py bench/gpu/load_gpu.py --out "$out/load-gpu" --rounds 2 \
+      "${rings[@]}" ${LOAD_GPU_CKPT:+--ckpt "$LOAD_GPU_CKPT"} ${LOAD_GPU_ARGS:-} > "$out/logs/load-gpu.log" 2>&1
   echo "load-gpu exit $?" >> "$out/logs/status"
-  # a Qwen3-30B-A3B-shaped MoE checkpoint (4 layers, 1 536 expert tensors) at EP1 / EP2, with the staging
-  # ring's default depth of reads in flight (one buffer) and with three buffers in flight
-  for ring in 4x64/1 4x64/3; do
-    CUDA_VISIBLE_DEVICES=$gpus timeout "${LOAD_GPU_TIMEOUT:-420}" $py bench/gpu/load_gpu.py --shape qwen3-30b-a3b \
-        --ring "$ring" --out "$out/load-gpu-moe-ring${ring//\//-}" ${LOAD_GPU_ARGS:-} > "$out/logs/load-gpu-moe-${ring//\//-}.log" 2>&1
-    echo "load-gpu-moe $ring exit $?" >> "$out/logs/status"
-  done
+  # a Qwen3-30B-A3B-shaped MoE checkpoint (4 layers, 1 536 expert tensors) at EP1 / EP2
+  CUDA_VISIBLE_DEVICES=$gpus timeout "${LOAD_GPU_TIMEOUT:-600}" $py bench/gpu/load_gpu.py --shape qwen3-30b-a3b --rounds 2 \
+      "${rings[@]}" --out "$out/load-gpu-moe" ${LOAD_GPU_ARGS:-} > "$out/logs/load-gpu-moe.log" 2>&1
+  echo "load-gpu-moe exit $?" >> "$out/logs/status"
 fi
 
 if [[ " $phases " == *" frontier-gpu "* ]]; then

@@ -45,10 +45,10 @@ def _logprobs(model, seqs):
 
 def test_dense_form_matches_transformers_on_bshd_and_thd(mpu, reference_checkpoint, hf_reference):
     """``num_experts: 0`` (a dense MLP on every layer): ``local`` ``hf-exact`` BSHD equals transformers
-    bit for bit; each sequence of a ``portable`` ``hf-exact`` THD pack within ``REL_TOL`` (the pack's
-    projections are GEMMs over all its rows, whose CPU kernels may round a row differently from a
-    GEMM over one sequence's rows; the pack equals each sequence run alone bit for bit:
-    :func:`test_thd_pack_leaks_nothing_across_sequences`)."""
+    bit for bit, and so does each sequence of a ``portable`` ``hf-exact`` THD pack - the one-token
+    sequence too (``hf-exact`` runs each sequence's GEMMs on its own rows; transformers' reference
+    runs without its cache, with which it would take a one-token input as a decode step:
+    :func:`mcore_zoo.parity.reference.load_reference`)."""
     ckpt = reference_checkpoint(ARCH, DENSE)
     hf = hf_reference(ARCH, ckpt, "eager")
     ids = torch.stack(random_sequences([40, 40, 40], 256, seed=1))
@@ -58,7 +58,22 @@ def test_dense_form_matches_transformers_on_bshd_and_thd(mpu, reference_checkpoi
         seqs = random_sequences(LENGTHS, 256, seed=3)
         packed = mcore_zoo.packed_forward(_build(ckpt), seqs, seq_format="thd", align=1).logits
         for seq, logits in zip(seqs, packed):
-            assert_same(logits, hf(seq[None]).logits[0], f"THD pack, {seq.numel()}-token sequence", exact=False)
+            assert_same(logits, hf(seq[None]).logits[0], f"THD pack, {seq.numel()}-token sequence", exact=True)
+
+
+@pytest.mark.parametrize("arch_name", [ARCH, "Qwen3_5MoeForCausalLM"])
+def test_moe_hf_exact_pack_matches_transformers_on_each_sequence_bitwise(mpu, reference_checkpoint, hf_reference,
+                                                                          arch_name):  # fmt: skip
+    """The MoE forms (Qwen3-Next's example, Qwen3.5-MoE's): every sequence of a ``local``
+    ``hf-exact`` THD pack - a one-token sequence included - equals transformers on that sequence
+    alone bit for bit (each sequence's GEMMs, experts included, on its own rows)."""
+    ckpt = reference_checkpoint(arch_name)
+    hf = hf_reference(arch_name, ckpt, "eager")
+    seqs = random_sequences(LENGTHS, 256, seed=5)
+    with torch.no_grad():
+        packed = mcore_zoo.packed_forward(_build(ckpt, backend="local"), seqs, seq_format="thd", align=1).logits
+        for seq, logits in zip(seqs, packed):
+            assert_same(logits, hf(seq[None]).logits[0], f"THD pack, {seq.numel()}-token sequence", exact=True)
 
 
 @LAYOUTS

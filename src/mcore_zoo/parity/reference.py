@@ -158,7 +158,11 @@ def load_reference(
     device: Optional[Union[str, torch.device]] = None,
     experts_implementation: Optional[str] = None,
 ) -> torch.nn.Module:
-    """Load the HF reference model the way users do: ``from_pretrained(dtype=...)``.
+    """Load the HF reference model the way users do: ``from_pretrained(dtype=...)``, with
+    ``config.use_cache = False``: a forward is the whole-sequence computation a trainer's is. (With
+    its cache, transformers runs a one-token input of a gated DeltaNet model as a decode step - the
+    recurrent rule and the convolution's update, another op order than the chunked rule of any longer
+    input - so its logits for that token depend on ``use_cache``.)
     ``experts_implementation`` (MoE models, transformers 5): ``"grouped_mm"`` (its default) or
     ``"eager"``; ``None`` leaves transformers' default."""
     cls = architecture.reference_model_class()
@@ -174,6 +178,9 @@ def load_reference(
 
         raise MissingTensorsError(missing, source=f"{checkpoint} (transformers' {cls.__name__} would leave these at"
                                                   " random init, so it is no reference)")  # fmt: skip
+    for sub in (model.config, getattr(model.config, "text_config", None)):
+        if sub is not None and hasattr(sub, "use_cache"):
+            sub.use_cache = False
     if device is not None:
         model = model.to(device)
     return own_aligned_storage(model).eval()
