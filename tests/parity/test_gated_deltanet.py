@@ -61,12 +61,13 @@ def test_dense_form_matches_transformers_on_bshd_and_thd(mpu, reference_checkpoi
             assert_same(logits, hf(seq[None]).logits[0], f"THD pack, {seq.numel()}-token sequence", exact=True)
 
 
-@pytest.mark.parametrize("arch_name", [ARCH, "Qwen3_5MoeForCausalLM"])
-def test_moe_hf_exact_pack_matches_transformers_on_each_sequence_bitwise(mpu, reference_checkpoint, hf_reference,
-                                                                          arch_name):  # fmt: skip
-    """The MoE forms (Qwen3-Next's example, Qwen3.5-MoE's): every sequence of a ``local``
-    ``hf-exact`` THD pack - a one-token sequence included - equals transformers on that sequence
-    alone bit for bit (each sequence's GEMMs, experts included, on its own rows)."""
+@pytest.mark.parametrize("arch_name", [ARCH, "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"])
+def test_hf_exact_pack_matches_transformers_on_each_sequence_bitwise(mpu, reference_checkpoint, hf_reference,
+                                                                     arch_name):  # fmt: skip
+    """The three architectures' examples (Qwen3-Next's and Qwen3.5-MoE's with their MoE blocks):
+    every sequence of a ``local`` ``hf-exact`` THD pack - a one-token sequence included - equals
+    transformers on that sequence alone bit for bit (each sequence's GEMMs, experts included, on its
+    own rows)."""
     ckpt = reference_checkpoint(arch_name)
     hf = hf_reference(arch_name, ckpt, "eager")
     seqs = random_sequences(LENGTHS, 256, seed=5)
