@@ -57,7 +57,10 @@ job() {  # job NAME GPU CMD...: run on one GPU in the background, log, record th
 # g I: the I-th GPU, round robin; within the GPUs CUDA_VISIBLE_DEVICES names, when set (two run_all.sh
 # invocations may share one machine: CUDA_VISIBLE_DEVICES=0,1 ... & CUDA_VISIBLE_DEVICES=2,3 ... &)
 cvd=${CUDA_VISIBLE_DEVICES:-}; visible=(${cvd//,/ })
-g() { if (( ${#visible[@]} )); then echo "${visible[$(( $1 % ngpu ))]}"; else echo $(( $1 % ngpu )); fi; }
+g() {  # (no GPU - a CPU dry run of a phase - counts as one)
+  local n=$(( ngpu > 0 ? ngpu : 1 ))
+  if (( ${#visible[@]} )); then echo "${visible[$(( $1 % n ))]}"; else echo $(( $1 % n )); fi
+}
 if [[ " $phases " == *" reports "* ]]; then
   # te (the fast path) vs HF eager for every architecture: B=4 x 512, invariance matrix, ablation
   job te-bf16 "$(g 0)" "${report[@]}" --arch all --backend te --lengths 512,512,512,512 --invariance --ablation \
