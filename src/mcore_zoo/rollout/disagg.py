@@ -21,8 +21,8 @@ them.
 
 Integrity: every message is a header - ``[magic, kind, bucket, slots, bytes, checksum, sender,
 engine rank]`` (int64; the checksum is the sum of the payload's 64-bit words modulo 2^64, computed
-where the payload is, no host sync on the sender, one read of the payload) - then its payload; after its last bucket every sender
-sends an end header on each of its channels. The receiver knows from the plan which messages come
+where the payload is, no host sync on the sender, one read of the payload) - then its payload;
+after its last bucket every sender sends an end header on each of its channels. The receiver knows from the plan which messages come
 in which order, so a dropped, duplicated or reordered message, or a damaged payload, fails with
 an :class:`IntegrityError` naming the bucket, the sender and the slots. The receiver drains the
 rest of the stream before it raises, so that the senders do not wait on it.
@@ -617,8 +617,8 @@ def _checksum(payload: torch.Tensor) -> torch.Tensor:
     not depend on the order of the additions, so sender and receiver agree on any device). The
     payload is a multiple of 64 bytes. The words are summed as they are: asking ``sum`` for another
     dtype (``view(int32).sum(dtype=int64)``) first writes a converted copy of the whole payload -
-    on an H100 that copy and its sum cost about 1.7 ms per GB bucket on each side, more than the
-    sum itself (2026-11-27 trace of ``bench/gpu/disagg_refit_bench.py``)."""
+    on an H100 that copy and its sum took 2.0 - 2.4 ms per GB on each side, 1.2 - 1.6 ms of it the
+    copy (2026-11-27 trace of ``bench/gpu/disagg_refit_bench.py``)."""
     return payload.view(torch.int64).sum()
 
 

@@ -52,10 +52,11 @@ import torch
 from . import pread
 
 #: the default ring: 4 buffers of 16 MiB (64 MiB of pinned host memory), 3 of them in flight. On
-#: an H100 host (2026-11-27, ``bench/gpu/load_gpu.py``, 8B-shaped checkpoint) it loaded at 0.90 /
-#: 0.93 of the read + copy floor at TP1 / TP2 where 4 x 64 MiB with one in flight reached 0.88 /
-#: 0.82 (and 4 x 64 MiB with three 0.82 - 1.06), with a quarter of the host memory; smaller
-#: buffers (8 x 8, 16 x 4 MiB) loaded the MoE checkpoint slower
+#: an H100 host (2026-11-27, ``bench/gpu/load_gpu.py``, 8B-shaped checkpoint, host otherwise idle)
+#: it loaded at 0.90 / 0.93 of the read + copy floor at TP1 / TP2 where 4 x 64 MiB with one in
+#: flight reached 0.88 / 0.82, with a quarter of the host memory; in a sweep on a shared host
+#: 4 x 64 MiB with three in flight reached 0.82 / 1.06 against this ring's 0.94 / 1.15, and smaller
+#: buffers (8 x 8, 16 x 4 MiB) loaded the MoE checkpoint slower (docs/benchmarks.md)
 BUFFERS = 4
 BUFFER_BYTES = 16 << 20
 #: how many buffers' worth of reads may be in flight besides the newest region's (at most
