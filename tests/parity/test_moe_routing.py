@@ -1,5 +1,6 @@
 """Routing replay (RL): a replayed forward equals the recorded one bit for bit, keeps the recorded
-experts when the router changes, and its backward reaches the router; expert token counts."""
+experts when the router changes (Qwen3-MoE, GLM-4.5, and the gated DeltaNet models' MoE blocks:
+Qwen3-Next, Qwen3.5-MoE), and its backward reaches the router; expert token counts."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from mcore_zoo.numerics.profiles import get_profile
 
 from ..conftest import random_sequences
 
-ARCHS = ["Qwen3MoeForCausalLM", "Glm4MoeForCausalLM"]
+ARCHS = ["Qwen3MoeForCausalLM", "Glm4MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM"]
 
 
 def _model(ckpt):
