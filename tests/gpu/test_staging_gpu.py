@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_zoo.weights.staging import StagingRing
+from mcore_zoo.weights.staging import MappingPath, StagingRing
 
 from ..unit.test_staging import check_staged_reads
 
@@ -35,8 +35,7 @@ def test_a_load_onto_the_gpu_equals_the_mapping_path(mpu, reference_checkpoint):
     ring = StagingRing(3, 8192)
     with HFCheckpoint(ckpt, staging=ring) as source:
         mcore_zoo.load_hf_weights(staged, source)
-    refusing = StagingRing()
-    refusing.layout = lambda *a, **k: None  # refuses every chunk (what accepts() asks)
+    refusing = MappingPath()  # refuses every chunk: the mapping path
     with HFCheckpoint(ckpt, staging=refusing) as source:
         mcore_zoo.load_hf_weights(mapped, source)
     assert ring.bytes_staged > 0 and refusing.bytes_staged == 0

@@ -108,6 +108,14 @@ def test_the_ring_packs_small_tensors_and_refuses_what_it_cannot_stage(tmp_path,
     assert not default.accepts(torch.empty(4), (4,), (1,), 4)  # CPU destinations: positional reads
     with pytest.raises(ValueError):
         StagingRing(1, 4096)
+    # the mapping path's ring takes nothing a staging ring takes, and a read through it is the same
+    mapping = staging.MappingPath(2, 1 << 20, pin=False, cpu_destinations=True)
+    chunk = (torch.empty(2, 256), (2, 256), (256, 1), 4)
+    assert ring.accepts(*chunk) and not mapping.accepts(*chunk)
+    with HFCheckpoint(tmp_path, staging=mapping) as ckpt:
+        out = torch.empty(2, 256)
+        ckpt.read_into("small", out)
+    assert mapping.bytes_staged == 0 and _same(out, state["small"])
 
 
 def test_a_staged_read_of_a_truncated_file_names_the_tensor(tmp_path):

@@ -22,10 +22,11 @@ them.
 Integrity: every message is a header - ``[magic, kind, bucket, slots, bytes, checksum, sender,
 engine rank]`` (int64; the checksum is the sum of the payload's 64-bit words modulo 2^64, computed
 where the payload is, no host sync on the sender, one read of the payload) - then its payload;
-after its last bucket every sender sends an end header on each of its channels. The receiver knows from the plan which messages come
-in which order, so a dropped, duplicated or reordered message, or a damaged payload, fails with
-an :class:`IntegrityError` naming the bucket, the sender and the slots. The receiver drains the
-rest of the stream before it raises, so that the senders do not wait on it.
+after its last bucket every sender sends an end header on each of its channels. The receiver
+knows from the plan which messages come in which order, so a dropped, duplicated or reordered
+message, or a damaged payload, fails with an :class:`IntegrityError` naming the bucket, the sender
+and the slots. The receiver drains the rest of the stream before it raises, so that the senders do
+not wait on it.
 
 The engine side hands each bucket to an engine sink with the
 :class:`~mcore_zoo.rollout.adapter.EngineAdapter` interface (``begin`` / ``load_bucket`` /

@@ -197,9 +197,10 @@ class StagingRing:
     ``cpu_destinations``, CPU destinations too (the CPU test of the pipeline).
 
     The reads of a region run on the read threads while the caller goes on: up to ``in_flight``
-    buffers' bytes (default :data:`IN_FLIGHT_BUFFERS`, at most ``buffers - 1``) are in flight besides the newest region's,
-    and the oldest region is copied (queued on the side stream) once its reads are done - so the
-    threads read the next regions while the oldest one is read to its end and copied."""
+    buffers' bytes (default :data:`IN_FLIGHT_BUFFERS`, at most ``buffers - 1``) are in flight
+    besides the newest region's, and the oldest region is copied (queued on the side stream) once
+    its reads are done - so the threads read the next regions while the oldest one is read to its
+    end and copied."""
 
     def __init__(self, buffers: Optional[int] = None, buffer_bytes: Optional[int] = None, *, pin: bool = True,
                  cpu_destinations: bool = False, in_flight: Optional[int] = None) -> None:  # fmt: skip
@@ -208,7 +209,8 @@ class StagingRing:
         buffer_bytes = BUFFER_BYTES if buffer_bytes is None else buffer_bytes
         if buffers < 2 or buffer_bytes < ALIGN:
             raise ValueError(f"a staging ring needs >= 2 buffers of >= {ALIGN} bytes (got {buffers} x {buffer_bytes})")
-        in_flight = min(IN_FLIGHT_BUFFERS, buffers - 1) if in_flight is None else in_flight  # (a smaller ring: all but one)
+        if in_flight is None:  # the module's depth, or all buffers but one of a smaller ring
+            in_flight = min(IN_FLIGHT_BUFFERS, buffers - 1)
         if not 1 <= in_flight <= buffers - 1:
             raise ValueError(f"a staging ring of {buffers} buffers keeps 1 to {buffers - 1} of them in flight (got {in_flight})")
         self.buffers, self.buffer_bytes = buffers, buffer_bytes - buffer_bytes % ALIGN
@@ -497,3 +499,14 @@ class StagingRing:
         offset = self._used
         self._used += -(-nbytes // ALIGN) * ALIGN
         return offset
+
+
+class MappingPath(StagingRing):
+    """A ring that takes no chunk: every destination an :class:`~mcore_zoo.weights.io.HFCheckpoint`
+    reads with it goes the mapping path (``HFCheckpoint(path, staging=MappingPath())``) - the
+    reference the ring's loads are compared with bit for bit. Refuses in :meth:`layout`, which both
+    :meth:`accepts` and the checkpoint's reads ask."""
+
+    def layout(self, out: torch.Tensor, shape: Sequence[int], strides: Sequence[int],
+               itemsize: int) -> Optional[SourceLayout]:  # fmt: skip
+        return None
