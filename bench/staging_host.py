@@ -22,7 +22,9 @@ each also per tensor; the best and median over ``--rounds``.
 ``--device cpu`` (default) stages CPU destinations through an unpinned ring
 (``StagingRing(pin=False, cpu_destinations=True)``, copies synchronous); ``--device cuda`` uses the
 default pinned ring and CUDA destinations (copies on a side stream). ``--profile N`` prints the
-``N`` most expensive functions (cProfile timed by the main thread's CPU time, one extra round).
+``N`` most expensive functions (cProfile timed by the main thread's CPU time, one extra round);
+``--breakdown``: one extra round with wall-clock timers around the load's steps on the main thread
+(``bench/gpu/load_gpu.py``'s ``timed_load``).
 """
 
 from __future__ import annotations
@@ -133,6 +135,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--profile", type=int, default=0, help="print this many cProfile rows (one extra round)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="one extra round with timers around the load's steps (bench/gpu/load_gpu.py's timed_load)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="staging-host-") as tmp:
@@ -154,6 +158,12 @@ def main() -> None:
             result.update(count=args.count, kib=args.kib)
         else:
             result.update(experts=args.experts, layers=args.layers)
+        if args.breakdown:
+            sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+            from load_gpu import timed_load
+
+            with HFCheckpoint(path, staging=ring_for(args.device)) as ckpt:
+                result["breakdown"] = timed_load(lambda: (load(ckpt), sync(args.device)))
         print(json.dumps(result, indent=1))
         if args.json is not None:
             args.json.write_text(json.dumps(result, indent=1) + "\n")

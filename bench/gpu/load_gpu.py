@@ -33,7 +33,10 @@ each measurement in a fresh process, alternating the order between rounds:
   before the staging ring). Each load also records the CPU time of its main thread
   (``load_main_thread_cpu_s``: near ``load_s``, the load waits on its own Python, not on the reads
   or copies) and of the process; ``--profile``: the first round's loads run once more under
-  cProfile, after the timed one, and the statistics go into the raw results (``profile``).
+  cProfile, after the timed one, and the statistics go into the raw results (``profile``);
+  ``--breakdown``: they run once more with timers around the load's steps on the main thread
+  (:func:`timed_load`: wall time inside the weight map, the staging ring's calls, waits on reads and
+  on CUDA events, and outside all of them), into ``breakdown``.
 
 TP2 ranks time between barriers; the job time is the slower rank's. Per round, the ratio is the
 floor's time / the load's time (1.0: the load runs at the floor); medians and min - max over the
@@ -371,11 +374,20 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
     from mcore_zoo.weights import staging
     from mcore_zoo.weights.io import HFCheckpoint
 
-    if args.ring:  # the staging ring's shape for this load: BUFFERSxMIB[/IN_FLIGHT]
-        shape, _, in_flight = args.ring[0].lower().partition("/")
-        count, mib = (int(v) for v in shape.split("x"))
-        staging.BUFFERS, staging.BUFFER_BYTES = count, mib << 20
-        staging.IN_FLIGHT_BUFFERS = int(in_flight) if in_flight else staging.IN_FLIGHT_BUFFERS
+    if args.ring:  # the staging ring's shape for this load: BUFFERSxMIB[/IN_FLIGHT][:tTHREADS][:bSHARE]
+        spec, *options = args.ring[0].lower().split(":")
+        if spec != "default":
+            shape, _, in_flight = spec.partition("/")
+            count, mib = (int(v) for v in shape.split("x"))
+            staging.BUFFERS, staging.BUFFER_BYTES = count, mib << 20
+            staging.IN_FLIGHT_BUFFERS = int(in_flight) if in_flight else staging.IN_FLIGHT_BUFFERS
+        for option in options:
+            if option.startswith("t"):  # the load's read threads (torch's thread count)
+                torch.set_num_threads(int(option[1:]))
+            elif option.startswith("b"):  # a batch of reads holds at most 1 / SHARE of a buffer
+                staging.BATCH_SHARE = int(option[1:])
+            else:
+                raise SystemExit(f"unknown ring option {option!r} in {args.ring[0]!r}")
 
     rank, world, local = _rank()
     if args.device == "cuda":
@@ -443,6 +455,8 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
         stats.sort_stats("cumulative").print_stats(30)
         stats.sort_stats("tottime").print_stats(20)
         result["profile"] = text.getvalue()
+    if args.breakdown:
+        result["breakdown"] = timed_load(lambda: mcore_zoo.load_hf_weights(model, args.ckpt, replicas=replicas))
     if args.verify:  # bitwise against the mapping path (the staging ring refusing every destination)
         loaded = [p.detach().clone() for p in params]
         mapping = staging.MappingPath()
@@ -455,6 +469,76 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
         result["bitwise_equal_to_mapping_path"] = same
         del loaded
     return result
+
+
+#: ``(module, owner, attribute, label)``: what :func:`timed_load` times on the main thread
+TIMED = (
+    ("mcore_zoo.weights.io", "HFCheckpoint", "read_into", "checkpoint.read_into"),
+    ("mcore_zoo.weights.staging", "StagingRing", "layout", "ring.layout"),
+    ("mcore_zoo.weights.staging", "StagingRing", "read", "ring.read"),
+    ("mcore_zoo.weights.staging", "StagingRing", "_take", "ring.take"),
+    ("mcore_zoo.weights.staging", "StagingRing", "_queue", "ring.queue"),
+    ("mcore_zoo.weights.staging", "StagingRing", "_submit", "ring.submit"),
+    ("mcore_zoo.weights.staging", "StagingRing", "_copy_oldest", "ring.copy_oldest"),
+    ("mcore_zoo.weights.staging", "StagingRing", "_copy", "ring.copy (dispatch)"),
+    ("mcore_zoo.weights.staging", "StagingRing", "wait", "ring.wait"),
+    ("mcore_zoo.weights.staging", "StagingRing", "finish", "ring.finish"),
+    ("mcore_zoo.weights.pread", "ReadPool", "submit", "pool.submit"),
+    ("concurrent.futures", "Future", "exception", "wait: read futures"),
+    ("torch.cuda", "Event", "synchronize", "wait: CUDA events"),
+    ("torch.cuda", "Stream", "synchronize", "wait: side stream"),
+)
+
+
+def timed_load(load: Any) -> dict[str, Any]:
+    """Run ``load()`` with wall-clock timers around :data:`TIMED` (main thread only; other
+    threads' calls run untimed): per label its calls, inclusive and exclusive seconds (exclusive:
+    less the timed calls inside it); ``outside`` is the load's time in none of them (the weight
+    map's own Python: rules, views, checks). The wrappers cost about a microsecond per call."""
+    import importlib
+    import threading
+
+    main = threading.get_ident()
+    stats: dict[str, list[float]] = {}
+    stack: list[float] = []
+    saved = []
+
+    def wrap(owner: Any, attribute: str, label: str) -> None:
+        original = getattr(owner, attribute)
+        saved.append((owner, attribute, original))
+        entry = stats.setdefault(label, [0, 0.0, 0.0])
+
+        def timed(*a: Any, **k: Any) -> Any:
+            if threading.get_ident() != main:
+                return original(*a, **k)
+            stack.append(0.0)
+            t0 = time.perf_counter()
+            try:
+                return original(*a, **k)
+            finally:
+                dt = time.perf_counter() - t0
+                inner = stack.pop()
+                entry[0] += 1
+                entry[1] += dt
+                entry[2] += dt - inner
+                if stack:
+                    stack[-1] += dt
+
+        setattr(owner, attribute, timed)
+
+    for module, owner, attribute, label in TIMED:
+        wrap(getattr(importlib.import_module(module), owner), attribute, label)
+    try:
+        stack.append(0.0)
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        load()
+        total, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+        timed_s = stack.pop()
+    finally:
+        for owner, attribute, original in reversed(saved):
+            setattr(owner, attribute, original)
+    calls = {label: {"calls": int(n), "inclusive_s": inc, "exclusive_s": exc} for label, (n, inc, exc) in stats.items() if n}
+    return {"load_s": total, "main_thread_cpu_s": cpu, "outside_s": total - timed_s, "timed": calls}
 
 
 # ---------------------------------------------------------------------------- the rounds
@@ -477,6 +561,8 @@ def _launch(args: argparse.Namespace, phase: str, world: int, tag: str, parallel
         worker += ["--ring", ring]
     if args.profile_now and phase == "zoo":  # the first round only
         worker += ["--profile"]
+    if args.breakdown_now and phase == "zoo":
+        worker += ["--breakdown"]
     env = dict(os.environ)
     if world > 1:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // world)))
@@ -583,6 +669,15 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", "Bytes per rank (load / floor): " + "; ".join(
         f"{n}: {[round(b / 1e9, 3) for b in s['bytes_per_rank']]} / {[round(b / 1e9, 3) for b in s['floor_bytes_per_rank']]} GB"
         for n, s in result["summary"].items())]  # fmt: skip
+    for tag, r in result["raw"][0].items():  # --breakdown: the first round's extra timed loads
+        for rank in r["ranks"]:
+            b = rank.get("breakdown")
+            if not b:
+                continue
+            parts = sorted(b["timed"].items(), key=lambda kv: -kv[1]["exclusive_s"])
+            lines += ["", f"Main thread of {tag}, rank {rank['rank']} (timed load {b['load_s']:.3f} s, main-thread CPU "
+                      f"{b['main_thread_cpu_s']:.3f} s): outside the timed calls {b['outside_s']:.3f} s; exclusive s (calls): "
+                      + ", ".join(f"{label} {v['exclusive_s']:.3f} ({v['calls']})" for label, v in parts)]  # fmt: skip
     failed = [f"{tag} (rc {r['rc']})" for rnd in result["raw"] for tag, r in rnd.items() if not r["ok"]]
     if failed:
         lines += ["", "Failed: " + ", ".join(failed) + " (logs under logs/)."]
@@ -641,8 +736,9 @@ def orchestrate(args: argparse.Namespace) -> int:
     for r in range(args.rounds):
         args.verify_now = args.verify and r == 0
         args.profile_now = args.profile and r == 0
+        args.breakdown_now = args.breakdown and r == 0
         order = steps if r % 2 == 0 else steps[::-1]
-        rounds.append({key: _launch(args, kind, world, f"r{r}-{key.replace('@', '-ring-').replace('/', '-')}", parallel, ring)
+        rounds.append({key: _launch(args, kind, world, f"r{r}-{key.replace('@', '-ring-').replace('/', '-').replace(':', '-')}", parallel, ring)
                        for key, kind, world, parallel, ring in order})  # fmt: skip
     result = {
         "machine": machine(args.device), "rounds": args.rounds,
@@ -674,12 +770,17 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the first round's bitwise check")
     p.add_argument("--timeout", type=float, default=150.0, help="seconds per measurement process")
     p.add_argument("--ring", action="append", default=None,
-                   help="the load's staging ring as BUFFERSxMIB[/IN_FLIGHT] (default: mcore_zoo.weights.staging's;"
-                        " IN_FLIGHT: buffers of reads in flight besides the newest region's); repeatable: each ring's"
-                        " load is measured in every round against the same floor ('default': the package's)")
+                   help="the load's staging ring as BUFFERSxMIB[/IN_FLIGHT][:tTHREADS][:bSHARE] (default:"
+                        " mcore_zoo.weights.staging's; IN_FLIGHT: buffers of reads in flight besides the newest"
+                        " region's; tTHREADS: the load's read threads; bSHARE: a batch of reads holds at most"
+                        " 1 / SHARE of a buffer); repeatable: each ring's load is measured in every round against"
+                        " the same floor ('default': the package's, also with options: 'default:t16')")
     p.add_argument("--profile", action="store_true",
                    help="the first round's zoo processes load once more under cProfile (after the timed load); the"
                         " statistics go into the raw results ('profile')")
+    p.add_argument("--breakdown", action="store_true",
+                   help="the first round's zoo processes load once more with timers around the load's steps on the"
+                        " main thread (timed_load); into the raw results ('breakdown')")
     p.add_argument("--phase", choices=("write", "floor", "zoo"), help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--verify-this", dest="verify_rank", action="store_true", help=argparse.SUPPRESS)

@@ -70,9 +70,10 @@ ROWS_BELOW = 64 << 10
 ROWS_SPAN = 4
 ALIGN = 512  # regions of a buffer start at multiples of this many bytes
 #: consecutive regions of one file are handed to the read threads together, up to this many bytes
-#: (at most a quarter of a buffer): one submission - and one wake-up of the threads - for several
-#: small tensors (an MoE checkpoint's experts) instead of one each
+#: (and at most ``1 / BATCH_SHARE`` of a buffer): one submission - and one wake-up of the threads -
+#: for several small tensors (an MoE checkpoint's experts) instead of one each
 BATCH_BYTES = 16 << 20
+BATCH_SHARE = 4
 
 
 def _pieces(out: torch.Tensor, start: int, limit: int) -> Iterator[tuple[torch.Tensor, int]]:
@@ -467,7 +468,7 @@ class StagingRing:
         batch.segments += segments
         batch.pieces.append(piece)
         batch.nbytes += nbytes
-        if batch.nbytes >= min(BATCH_BYTES, self.buffer_bytes // 4):
+        if batch.nbytes >= min(BATCH_BYTES, self.buffer_bytes // BATCH_SHARE):
             self._submit()
 
     def _submit(self) -> None:
