@@ -374,7 +374,7 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
     from mcore_zoo.weights import staging
     from mcore_zoo.weights.io import HFCheckpoint
 
-    if args.ring:  # the staging ring's shape for this load: BUFFERSxMIB[/IN_FLIGHT][:tTHREADS][:bSHARE]
+    if args.ring:  # the staging ring's shape for this load: BUFFERSxMIB[/IN_FLIGHT][:tTHREADS][:bSHARE][:m]
         spec, *options = args.ring[0].lower().split(":")
         if spec != "default":
             shape, _, in_flight = spec.partition("/")
@@ -386,6 +386,8 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
                 torch.set_num_threads(int(option[1:]))
             elif option.startswith("b"):  # a batch of reads holds at most 1 / SHARE of a buffer
                 staging.BATCH_SHARE = int(option[1:])
+            elif option == "m":  # copies issued by the loading thread (the ring before 2026-11-27's sixth run)
+                staging.COPY_ON_READ_THREADS = False
             else:
                 raise SystemExit(f"unknown ring option {option!r} in {args.ring[0]!r}")
 
@@ -479,12 +481,12 @@ TIMED = (
     ("mcore_zoo.weights.staging", "StagingRing", "_take", "ring.take"),
     ("mcore_zoo.weights.staging", "StagingRing", "_queue", "ring.queue"),
     ("mcore_zoo.weights.staging", "StagingRing", "_submit", "ring.submit"),
-    ("mcore_zoo.weights.staging", "StagingRing", "_copy_oldest", "ring.copy_oldest"),
+    ("mcore_zoo.weights.staging", "StagingRing", "_retire_oldest", "ring.retire_oldest"),
     ("mcore_zoo.weights.staging", "StagingRing", "_copy", "ring.copy (dispatch)"),
     ("mcore_zoo.weights.staging", "StagingRing", "wait", "ring.wait"),
     ("mcore_zoo.weights.staging", "StagingRing", "finish", "ring.finish"),
     ("mcore_zoo.weights.pread", "ReadPool", "submit", "pool.submit"),
-    ("concurrent.futures", "Future", "exception", "wait: read futures"),
+    ("concurrent.futures", "Future", "exception", "wait: reads (and copies issued)"),
     ("torch.cuda", "Event", "synchronize", "wait: CUDA events"),
     ("torch.cuda", "Stream", "synchronize", "wait: side stream"),
 )
@@ -770,10 +772,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the first round's bitwise check")
     p.add_argument("--timeout", type=float, default=150.0, help="seconds per measurement process")
     p.add_argument("--ring", action="append", default=None,
-                   help="the load's staging ring as BUFFERSxMIB[/IN_FLIGHT][:tTHREADS][:bSHARE] (default:"
+                   help="the load's staging ring as BUFFERSxMIB[/IN_FLIGHT][:tTHREADS][:bSHARE][:m] (default:"
                         " mcore_zoo.weights.staging's; IN_FLIGHT: buffers of reads in flight besides the newest"
                         " region's; tTHREADS: the load's read threads; bSHARE: a batch of reads holds at most"
-                        " 1 / SHARE of a buffer); repeatable: each ring's load is measured in every round against"
+                        " 1 / SHARE of a buffer; m: copies issued by the loading thread); repeatable: each ring's load is measured in every round against"
                         " the same floor ('default': the package's, also with options: 'default:t16')")
     p.add_argument("--profile", action="store_true",
                    help="the first round's zoo processes load once more under cProfile (after the timed load); the"

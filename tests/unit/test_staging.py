@@ -77,10 +77,56 @@ def check_staged_reads(directory: Path, device: str, ring: StagingRing) -> None:
         assert _same(part.cpu(), state["rows"][4:20].chunk(2)[1])
 
 
-def test_staged_reads_equal_the_reference_path_bitwise(tmp_path):
+@pytest.fixture(params=[True, False], ids=["copies-on-read-threads", "copies-on-loading-thread"])
+def copy_mode(request, monkeypatch):
+    """Both places a batch's copies can be issued from (``staging.COPY_ON_READ_THREADS``)."""
+    monkeypatch.setattr(staging, "COPY_ON_READ_THREADS", request.param)
+    return request.param
+
+
+def test_staged_reads_equal_the_reference_path_bitwise(tmp_path, copy_mode):
     """Small buffers: tensors span many buffers and rows span several pieces; regions of a buffer
     are reused only once the ring has come round."""
-    check_staged_reads(tmp_path, "cpu", StagingRing(3, 4096, pin=False, cpu_destinations=True))
+    ring = StagingRing(3, 4096, pin=False, cpu_destinations=True)
+    assert ring.copy_on_read_threads is copy_mode
+    check_staged_reads(tmp_path, "cpu", ring)
+
+
+def test_copies_are_issued_by_the_read_threads_and_a_failed_copy_is_raised(tmp_path, monkeypatch):
+    """With reads still running when a batch is submitted, its copies are issued by the read thread
+    that finishes it (not by the loading thread); a copy that fails there is raised by the load,
+    and the ring is handed back."""
+    import threading
+    import time
+
+    from mcore_zoo.weights import pread
+
+    gen = torch.Generator().manual_seed(5)
+    state = {f"expert{i:02d}": torch.randn(16, 64, generator=gen) for i in range(12)}  # 4 KiB each
+    save_file(state, str(tmp_path / "model.safetensors"))
+    slow_run = pread.ReadPool._run
+    monkeypatch.setattr(pread.ReadPool, "_run", lambda self, *a, **k: time.sleep(0.02) or slow_run(self, *a, **k))
+    copied_by = []
+    real_copy = StagingRing._copy
+    monkeypatch.setattr(StagingRing, "_copy", lambda self, pieces: copied_by.append(threading.get_ident()) or real_copy(self, pieces))
+    ring = StagingRing(4, 64 << 10, pin=False, cpu_destinations=True)
+    outs = {name: torch.empty(16, 64) for name in state}
+    with HFCheckpoint(tmp_path, staging=ring) as ckpt, ckpt.queued_reads():
+        for name, out in outs.items():
+            ckpt.read_into(name, out)
+    assert all(_same(outs[n], state[n]) for n in state)
+    assert len(copied_by) == 3  # 3 batches of 16 KiB
+    assert copied_by.count(threading.get_ident()) <= 1  # (a batch read before its callback is set: copied here)
+
+    def broken(self, pieces):
+        raise RuntimeError("copy failed on purpose")
+
+    monkeypatch.setattr(StagingRing, "_copy", broken)
+    with HFCheckpoint(tmp_path, staging=ring) as ckpt:
+        with pytest.raises(RuntimeError, match="copy failed on purpose"), ckpt.queued_reads():
+            for name, out in outs.items():
+                ckpt.read_into(name, out)
+    assert ring._ring == [] and not ring._pending
 
 
 def test_the_ring_packs_small_tensors_and_refuses_what_it_cannot_stage(tmp_path, monkeypatch):
@@ -129,7 +175,7 @@ def test_a_staged_read_of_a_truncated_file_names_the_tensor(tmp_path):
         assert ring._ring == []
 
 
-def test_small_tensors_of_one_file_are_read_in_batches_and_a_failed_batch_names_its_tensor(tmp_path, monkeypatch):
+def test_small_tensors_of_one_file_are_read_in_batches_and_a_failed_batch_names_its_tensor(tmp_path, monkeypatch, copy_mode):
     """Consecutive regions of one file go to the read threads together (one submission for several
     small tensors, up to ``BATCH_BYTES``), land where each belongs, and when a batch's read fails
     the error names the tensor whose bytes are missing - not the first tensor of the batch."""
