@@ -18,12 +18,15 @@ each measurement in a fresh process, alternating the order between rounds:
 
 * **floor** (TP1: one process; TP2: two, ``torch.distributed.run``): the bytes the rank needs (TP2:
   its tensor-parallel slices, along the axes the weight map splits on) read with ``os.preadv`` on
-  as many threads as the load reads with (``torch.get_num_threads()``; TP2: ``OMP_NUM_THREADS`` =
-  the CPUs / 2 unless set) into a ring of pinned 64 MiB buffers and copied to the device with
-  ``non_blocking`` copies on a side stream into one device buffer: ``read_s`` (the reads alone),
-  ``copy_s`` (the host-to-device copies alone, from pinned memory) and ``floor_s`` (both,
-  overlapped: each buffer is copied as soon as it is read, and read into again once its copy is
-  done). The floor of a load is ``floor_s``.
+  as many threads as the staging ring reads with (``mcore_zoo.weights.staging.READ_THREADS``;
+  ``--threads`` sets another count) into a ring of 8 pinned 64 MiB buffers, each buffer read in
+  pieces of 8 MiB spread over the threads, and copied to the device with ``non_blocking`` copies
+  on a side stream into one device buffer: ``read_s`` (the reads alone), ``copy_s`` (the
+  host-to-device copies alone, from pinned memory) and ``floor_s`` (both, overlapped: each buffer
+  is copied as soon as all its pieces are read, and read into again once its copy is done). The
+  floor of a load is ``floor_s``. (Before 2026-11-27's sixth run each buffer was read by one thread
+  and the threads were ``torch.get_num_threads()``: a floor that a load reading with 8 threads beat
+  by 1.2x on the 8B-shaped checkpoint.)
 * **zoo**: ``mcore_zoo.model_provider(ckpt, perform_initialization=False)`` builds the model on the
   device (``build_s``), then ``mcore_zoo.load_hf_weights(model, ckpt)`` (``load_s``: the pinned
   staging ring of :mod:`mcore_zoo.weights.staging`). Peak host RSS above the RSS just before the
@@ -84,6 +87,7 @@ TINY_MOE = {"hidden_size": 256, "moe_intermediate_size": 128, "num_experts": 8, 
             "num_hidden_layers": 2}  # fmt: skip
 FLOOR_BUFFER = 64 << 20
 FLOOR_BUFFERS = 8
+FLOOR_PIECE = 8 << 20  # a buffer's reads are cut into pieces of this many bytes, read by any thread
 
 
 # ---------------------------------------------------------------------------- the checkpoint
@@ -281,10 +285,11 @@ def phase_floor(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from mcore_zoo.parallel import ensure_process_group
+    from mcore_zoo.weights import staging
 
     rank, world, local = _rank()
     ensure_process_group("gloo")
-    args.threads = args.threads or torch.get_num_threads()
+    args.threads = args.threads or staging.READ_THREADS
     cuda = args.device == "cuda"
     if cuda:
         torch.cuda.set_device(local)
@@ -293,23 +298,37 @@ def phase_floor(args: argparse.Namespace) -> dict[str, Any]:
     batches = _batches(runs, FLOOR_BUFFER)
     fds = {f: os.open(os.path.join(args.ckpt, f), os.O_RDONLY) for f in {r[0] for r in runs}}
     ring = [torch.empty(FLOOR_BUFFER, dtype=torch.uint8, pin_memory=cuda) for _ in range(FLOOR_BUFFERS)]
+    views = [memoryview(buffer.numpy()) for buffer in ring]
     device_buffer = torch.empty(total, dtype=torch.uint8, device=args.device)
     stream = torch.cuda.Stream() if cuda else None
     pool = ThreadPoolExecutor(args.threads)
 
-    def read(batch: tuple[str, list[tuple[int, int, int]]], buffer: torch.Tensor, wait: Any = None) -> int:
-        if wait is not None:
-            wait.synchronize()
-        (file, segments), view, at = batch, memoryview(buffer.numpy()), 0
+    def pieces(batch: tuple[str, list[tuple[int, int, int]]]) -> list[tuple[int, int, int, int]]:
+        """The batch's reads as ``(fd, file offset, position in its buffer, bytes)`` of at most FLOOR_PIECE."""
+        file, segments = batch
+        out, at = [], 0
         for offset, _, n in segments:
-            done = 0
-            while done < n:
-                got = os.preadv(fds[file], [view[at + done : at + n]], offset + done)
-                if got <= 0:
-                    raise OSError("unexpected end of file")
-                done += got
+            for done in range(0, n, FLOOR_PIECE):
+                out.append((fds[file], offset + done, at + done, min(FLOOR_PIECE, n - done)))
             at += n
-        return at
+        return out
+
+    plan = [pieces(batch) for batch in batches]
+
+    def read_piece(view: memoryview, fd: int, offset: int, at: int, n: int, wait: Any = None) -> None:
+        if wait is not None:  # the copy out of this buffer is done
+            wait.synchronize()
+        done = 0
+        while done < n:
+            got = os.preadv(fd, [view[at + done : at + n]], offset + done)
+            if got <= 0:
+                raise OSError("unexpected end of file")
+            done += got
+
+    def read(k: int, wait: Any = None) -> list[Any]:
+        """Start the reads of batch ``k`` into its buffer; their futures."""
+        view = views[k % FLOOR_BUFFERS]
+        return [pool.submit(read_piece, view, *piece, wait) for piece in plan[k]]
 
     def copy(k: int, size: int, position: int) -> None:
         source = ring[k % FLOOR_BUFFERS][:size]
@@ -329,7 +348,9 @@ def phase_floor(args: argparse.Namespace) -> dict[str, Any]:
     # the reads alone (into the ring, overwritten)
     _barrier()
     t0 = time.perf_counter()
-    list(pool.map(lambda k: read(batches[k], ring[k % FLOOR_BUFFERS]), range(len(batches))))
+    for futures in [read(k) for k in range(len(batches))]:
+        for future in futures:
+            future.result()
     _barrier()
     result["read_s"] = time.perf_counter() - t0
     # the copies alone (the same bytes, from the ring)
@@ -345,15 +366,16 @@ def phase_floor(args: argparse.Namespace) -> dict[str, Any]:
     events: list[Any] = [None] * FLOOR_BUFFERS
     _barrier()
     t0 = time.perf_counter()
-    futures = {k: pool.submit(read, batches[k], ring[k]) for k in range(min(FLOOR_BUFFERS, len(batches)))}
+    futures = {k: read(k) for k in range(min(FLOOR_BUFFERS, len(batches)))}
     for k in range(len(batches)):
-        futures.pop(k).result()
+        for future in futures.pop(k):
+            future.result()
         copy(k, sizes[k], positions[k])
         if cuda:
             events[k % FLOOR_BUFFERS] = stream.record_event()
         nxt = k + FLOOR_BUFFERS
         if nxt < len(batches):
-            futures[nxt] = pool.submit(read, batches[nxt], ring[nxt % FLOOR_BUFFERS], events[k % FLOOR_BUFFERS])
+            futures[nxt] = read(nxt, events[k % FLOOR_BUFFERS])
     sync()
     _barrier()
     result["floor_s"] = time.perf_counter() - t0
@@ -374,7 +396,7 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
     from mcore_zoo.weights import staging
     from mcore_zoo.weights.io import HFCheckpoint
 
-    if args.ring:  # the staging ring's shape for this load: BUFFERSxMIB[/IN_FLIGHT][:tTHREADS][:bSHARE][:m]
+    if args.ring:  # the staging ring's shape for this load: BUFFERSxMIB[/IN_FLIGHT][:rREAD][:tTHREADS][:bSHARE]
         spec, *options = args.ring[0].lower().split(":")
         if spec != "default":
             shape, _, in_flight = spec.partition("/")
@@ -382,12 +404,12 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
             staging.BUFFERS, staging.BUFFER_BYTES = count, mib << 20
             staging.IN_FLIGHT_BUFFERS = int(in_flight) if in_flight else staging.IN_FLIGHT_BUFFERS
         for option in options:
-            if option.startswith("t"):  # the load's read threads (torch's thread count)
+            if option.startswith("r"):  # the ring's read threads
+                staging.READ_THREADS = int(option[1:])
+            elif option.startswith("t"):  # torch's thread count in the loading process
                 torch.set_num_threads(int(option[1:]))
             elif option.startswith("b"):  # a batch of reads holds at most 1 / SHARE of a buffer
                 staging.BATCH_SHARE = int(option[1:])
-            elif option == "m":  # copies issued by the loading thread (the ring before 2026-11-27's sixth run)
-                staging.COPY_ON_READ_THREADS = False
             else:
                 raise SystemExit(f"unknown ring option {option!r} in {args.ring[0]!r}")
 
@@ -481,12 +503,12 @@ TIMED = (
     ("mcore_zoo.weights.staging", "StagingRing", "_take", "ring.take"),
     ("mcore_zoo.weights.staging", "StagingRing", "_queue", "ring.queue"),
     ("mcore_zoo.weights.staging", "StagingRing", "_submit", "ring.submit"),
-    ("mcore_zoo.weights.staging", "StagingRing", "_retire_oldest", "ring.retire_oldest"),
+    ("mcore_zoo.weights.staging", "StagingRing", "_copy_oldest", "ring.copy_oldest"),
     ("mcore_zoo.weights.staging", "StagingRing", "_copy", "ring.copy (dispatch)"),
     ("mcore_zoo.weights.staging", "StagingRing", "wait", "ring.wait"),
     ("mcore_zoo.weights.staging", "StagingRing", "finish", "ring.finish"),
     ("mcore_zoo.weights.pread", "ReadPool", "submit", "pool.submit"),
-    ("concurrent.futures", "Future", "exception", "wait: reads (and copies issued)"),
+    ("concurrent.futures", "Future", "exception", "wait: read futures"),
     ("torch.cuda", "Event", "synchronize", "wait: CUDA events"),
     ("torch.cuda", "Stream", "synchronize", "wait: side stream"),
 )
@@ -768,14 +790,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--parallel", choices=("tp", "ep"), default="tp", help=argparse.SUPPRESS)
     p.add_argument("--backend", default=None, help="model backend (default: te on cuda, falling back to local)")
     p.add_argument("--threads", type=int, default=None,
-                   help="floor read threads per rank (default: torch.get_num_threads(), as the load's read threads)")
+                   help="floor read threads per rank (default: mcore_zoo.weights.staging.READ_THREADS, as the ring's)")
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the first round's bitwise check")
     p.add_argument("--timeout", type=float, default=150.0, help="seconds per measurement process")
     p.add_argument("--ring", action="append", default=None,
-                   help="the load's staging ring as BUFFERSxMIB[/IN_FLIGHT][:tTHREADS][:bSHARE][:m] (default:"
+                   help="the load's staging ring as BUFFERSxMIB[/IN_FLIGHT][:rREAD][:tTHREADS][:bSHARE] (default:"
                         " mcore_zoo.weights.staging's; IN_FLIGHT: buffers of reads in flight besides the newest"
-                        " region's; tTHREADS: the load's read threads; bSHARE: a batch of reads holds at most"
-                        " 1 / SHARE of a buffer; m: copies issued by the loading thread); repeatable: each ring's load is measured in every round against"
+                        " region's; rREAD: the ring's read threads; tTHREADS: torch's thread count in the loading"
+                        " process (before 2026-11-27's sixth run also the ring's read threads); bSHARE: a batch of reads holds at most"
+                        " 1 / SHARE of a buffer); repeatable: each ring's load is measured in every round against"
                         " the same floor ('default': the package's, also with options: 'default:t16')")
     p.add_argument("--profile", action="store_true",
                    help="the first round's zoo processes load once more under cProfile (after the timed load); the"

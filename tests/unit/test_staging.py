@@ -77,56 +77,10 @@ def check_staged_reads(directory: Path, device: str, ring: StagingRing) -> None:
         assert _same(part.cpu(), state["rows"][4:20].chunk(2)[1])
 
 
-@pytest.fixture(params=[True, False], ids=["copies-on-read-threads", "copies-on-loading-thread"])
-def copy_mode(request, monkeypatch):
-    """Both places a batch's copies can be issued from (``staging.COPY_ON_READ_THREADS``)."""
-    monkeypatch.setattr(staging, "COPY_ON_READ_THREADS", request.param)
-    return request.param
-
-
-def test_staged_reads_equal_the_reference_path_bitwise(tmp_path, copy_mode):
+def test_staged_reads_equal_the_reference_path_bitwise(tmp_path):
     """Small buffers: tensors span many buffers and rows span several pieces; regions of a buffer
     are reused only once the ring has come round."""
-    ring = StagingRing(3, 4096, pin=False, cpu_destinations=True)
-    assert ring.copy_on_read_threads is copy_mode
-    check_staged_reads(tmp_path, "cpu", ring)
-
-
-def test_copies_are_issued_by_the_read_threads_and_a_failed_copy_is_raised(tmp_path, monkeypatch):
-    """With reads still running when a batch is submitted, its copies are issued by the read thread
-    that finishes it (not by the loading thread); a copy that fails there is raised by the load,
-    and the ring is handed back."""
-    import threading
-    import time
-
-    from mcore_zoo.weights import pread
-
-    gen = torch.Generator().manual_seed(5)
-    state = {f"expert{i:02d}": torch.randn(16, 64, generator=gen) for i in range(12)}  # 4 KiB each
-    save_file(state, str(tmp_path / "model.safetensors"))
-    slow_run = pread.ReadPool._run
-    monkeypatch.setattr(pread.ReadPool, "_run", lambda self, *a, **k: time.sleep(0.02) or slow_run(self, *a, **k))
-    copied_by = []
-    real_copy = StagingRing._copy
-    monkeypatch.setattr(StagingRing, "_copy", lambda self, pieces: copied_by.append(threading.get_ident()) or real_copy(self, pieces))
-    ring = StagingRing(4, 64 << 10, pin=False, cpu_destinations=True)
-    outs = {name: torch.empty(16, 64) for name in state}
-    with HFCheckpoint(tmp_path, staging=ring) as ckpt, ckpt.queued_reads():
-        for name, out in outs.items():
-            ckpt.read_into(name, out)
-    assert all(_same(outs[n], state[n]) for n in state)
-    assert len(copied_by) == 3  # 3 batches of 16 KiB
-    assert copied_by.count(threading.get_ident()) <= 1  # (a batch read before its callback is set: copied here)
-
-    def broken(self, pieces):
-        raise RuntimeError("copy failed on purpose")
-
-    monkeypatch.setattr(StagingRing, "_copy", broken)
-    with HFCheckpoint(tmp_path, staging=ring) as ckpt:
-        with pytest.raises(RuntimeError, match="copy failed on purpose"), ckpt.queued_reads():
-            for name, out in outs.items():
-                ckpt.read_into(name, out)
-    assert ring._ring == [] and not ring._pending
+    check_staged_reads(tmp_path, "cpu", StagingRing(3, 4096, pin=False, cpu_destinations=True))
 
 
 def test_the_ring_packs_small_tensors_and_refuses_what_it_cannot_stage(tmp_path, monkeypatch):
@@ -175,7 +129,7 @@ def test_a_staged_read_of_a_truncated_file_names_the_tensor(tmp_path):
         assert ring._ring == []
 
 
-def test_small_tensors_of_one_file_are_read_in_batches_and_a_failed_batch_names_its_tensor(tmp_path, monkeypatch, copy_mode):
+def test_small_tensors_of_one_file_are_read_in_batches_and_a_failed_batch_names_its_tensor(tmp_path, monkeypatch):
     """Consecutive regions of one file go to the read threads together (one submission for several
     small tensors, up to ``BATCH_BYTES``), land where each belongs, and when a batch's read fails
     the error names the tensor whose bytes are missing - not the first tensor of the batch."""
@@ -394,3 +348,36 @@ def test_whole_row_reads_keep_the_run_starts_a_range():
     moved = _shifted(starts, 1000)
     assert isinstance(moved, range) and list(moved) == [1000 + s for s in starts]
     assert _shifted([0, 10, 30], 5) == [5, 15, 35]
+
+
+def test_the_ring_reads_on_its_own_pool_of_read_threads(tmp_path, monkeypatch):
+    """The ring's reads run on ``read_threads`` threads of a pool of their own (default
+    ``READ_THREADS``), whatever torch's thread count, and read the same bytes at any count."""
+    import threading
+
+    from mcore_zoo.weights import pread
+
+    monkeypatch.setattr(staging, "READ_THREADS", 3)
+    assert StagingRing(pin=False, cpu_destinations=True).read_threads == 3
+    with pytest.raises(ValueError, match=">= 1 thread"):
+        StagingRing(read_threads=0)
+    gen = torch.Generator().manual_seed(7)
+    state = {f"expert{i:02d}": torch.randn(64, 256, generator=gen) for i in range(40)}  # 64 KiB each
+    save_file(state, str(tmp_path / "model.safetensors"))
+    readers: set[str] = set()
+    real_run = pread.ReadPool._run
+    monkeypatch.setattr(pread.ReadPool, "_run", lambda self, *a, **k: readers.add(threading.current_thread().name) or real_run(self, *a, **k))
+    torch_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(6)
+        for threads in (1, 2):
+            readers.clear()
+            ring = StagingRing(4, 256 << 10, pin=False, cpu_destinations=True, read_threads=threads)  # batches of 64 KiB
+            outs = {name: torch.empty(64, 256) for name in state}
+            with HFCheckpoint(tmp_path, staging=ring) as ckpt, ckpt.queued_reads():
+                for name, out in outs.items():
+                    ckpt.read_into(name, out)
+            assert all(_same(outs[n], state[n]) for n in state)
+            assert 1 <= len(readers) <= threads and all(name.startswith(f"mcore-zoo-read{threads}") for name in readers), readers
+    finally:
+        torch.set_num_threads(torch_threads)

@@ -146,9 +146,11 @@ def _split(segments: list[Segment], parts: int) -> list[list[Segment]]:
     return groups
 
 
-def _parts(total: int) -> int:
-    """How many threads a read of ``total`` bytes is split over."""
-    return min(torch.get_num_threads(), max(1, total // (SPLIT_MIN // 2))) if total >= SPLIT_MIN else 1
+def _parts(total: int, threads: Optional[int] = None) -> int:
+    """How many of ``threads`` (default ``torch.get_num_threads()``) threads a read of ``total``
+    bytes is split over."""
+    threads = torch.get_num_threads() if threads is None else threads
+    return min(threads, max(1, total // (SPLIT_MIN // 2))) if total >= SPLIT_MIN else 1
 
 
 class ReadPool:
@@ -162,6 +164,7 @@ class ReadPool:
     def __init__(self) -> None:
         self._pool: Optional[ThreadPoolExecutor] = None
         self._workers = 0
+        self._sized: dict[int, ThreadPoolExecutor] = {}  # submit(threads=N)'s pools of exactly N threads
         self._populate = sys.platform.startswith("linux")
         self._madvise = None
         self._queue = False
@@ -188,14 +191,22 @@ class ReadPool:
                 raise
             raise describe(exc) from exc
 
-    def submit(self, fd: int, segments: list[Segment], *, populate: bool = True) -> list[Future]:
+    def submit(self, fd: int, segments: list[Segment], *, populate: bool = True,
+               threads: Optional[int] = None) -> list[Future]:  # fmt: skip
         """Start copying the segments on the pool's threads, cut into parts as :meth:`read` cuts
         them; returns the parts' futures (each raises its read's ``OSError``). The caller keeps
-        the destination alive until every future is done."""
+        the destination alive until every future is done. ``threads``: on a pool of exactly that
+        many threads (its own, kept for later submissions of the same size) instead of the
+        pool of ``torch.get_num_threads()``."""
         total = sum(n for _, _, n in segments)
-        parts = _parts(total)
+        parts = _parts(total, threads)
         groups = _split(segments, parts) if parts > 1 else [segments]
-        pool = self._executor(torch.get_num_threads())
+        if threads is None:
+            pool = self._executor(torch.get_num_threads())
+        else:
+            pool = self._sized.get(threads)
+            if pool is None:
+                pool = self._sized[threads] = ThreadPoolExecutor(threads, thread_name_prefix=f"mcore-zoo-read{threads}")
         return [pool.submit(self._run, fd, group, populate) for group in groups if group]
 
     def _read_now(self, fd: int, segments: list[Segment], total: int, populate: bool = True) -> None:
@@ -307,3 +318,6 @@ class ReadPool:
             self._pool.shutdown()
             self._pool = None
             self._workers = 0
+        for pool in self._sized.values():
+            pool.shutdown()
+        self._sized.clear()

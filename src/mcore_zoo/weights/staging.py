@@ -3,16 +3,13 @@
 A parameter on the GPU cannot be the destination of a positional read. Copying it from a memory
 map of the file (``out.copy_(mapping view)``) is a synchronous copy from pageable memory: the
 driver stages it through its own bounce buffer, one tensor at a time, and nothing overlaps.
-:class:`StagingRing` instead reads the chunk's bytes with the read threads of
+:class:`StagingRing` instead reads the chunk's bytes with :data:`READ_THREADS` read threads of
 :class:`~mcore_zoo.weights.pread.ReadPool` into a small ring of **pinned** host buffers
 (:data:`BUFFERS` of :data:`BUFFER_BYTES`, allocated at the first device read of a load and handed
 back to torch's pinned-memory cache by :meth:`StagingRing.finish`), and each filled region is
-copied to the destination with a ``non_blocking`` host-to-device copy on a side CUDA stream. The
-copies of a batch of reads are issued by the read thread that finishes the batch's last read (not
-by the loading thread: on a GPU host, a copy issued from the loading thread cost it 60 - 100 us
-each while the read threads ran - mostly waiting to take the interpreter lock back - against 10 us
-alone); an event recorded after a batch's copies guards its buffer's reuse, so reading the next
-buffer runs while the previous one is copied. Small tensors share a buffer; a tensor larger than a
+copied to the destination with a ``non_blocking`` host-to-device copy on a side CUDA stream. An
+event recorded after the last copy out of a buffer guards its reuse, so reading the next buffer
+runs while the previous one is copied. Small tensors share a buffer; a tensor larger than a
 buffer is streamed through the ring in pieces of whole rows (of its destination's row-major
 order). Consecutive regions of one file are handed to the read threads in batches of up to
 :data:`BATCH_BYTES` (one submission for several small tensors: an MoE checkpoint has thousands of
@@ -45,7 +42,6 @@ stages CPU destinations through an unpinned ring and copies them synchronously.
 from __future__ import annotations
 
 import math
-import threading
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -73,14 +69,18 @@ MIN_RUN_BYTES = 512  # source runs shorter than this on average: the mapping pat
 ROWS_BELOW = 64 << 10
 ROWS_SPAN = 4
 ALIGN = 512  # regions of a buffer start at multiples of this many bytes
+#: how many threads read into the ring (a pool of its own): on a 64-vCPU H100 host (2026-11-27,
+#: ``bench/gpu/load_gpu.py``) loads read with 8 threads instead of 64 (torch's thread count there)
+#: took the MoE checkpoint from 0.70 to 0.82 of the floor and the 8B-shaped one from 0.88 to 1.22
+#: (docs/benchmarks.md): each read thread's Python between its reads (futures, wake-ups) competes
+#: with the loading thread for the interpreter lock, and 8 threads read the ring's bytes faster
+#: than they are copied
+READ_THREADS = 8
 #: consecutive regions of one file are handed to the read threads together, up to this many bytes
 #: (and at most ``1 / BATCH_SHARE`` of a buffer): one submission - and one wake-up of the threads -
 #: for several small tensors (an MoE checkpoint's experts) instead of one each
 BATCH_BYTES = 16 << 20
 BATCH_SHARE = 4
-#: whether a batch's copies are issued by the read thread that finishes its reads (``False``: by the
-#: loading thread, when it retires the batch - the ring before 2026-11-27's sixth GPU run)
-COPY_ON_READ_THREADS = True
 
 
 def _pieces(out: torch.Tensor, start: int, limit: int) -> Iterator[tuple[torch.Tensor, int]]:
@@ -162,44 +162,20 @@ class SourceLayout(NamedTuple):
 
 @dataclass(slots=True)
 class _Piece:
-    """A region of the ring being read into, and where its bytes go next. ``group``: the reads it
-    was submitted with (``None`` while they wait in the open batch). ``rows``: the region holds
-    whole rows, ``(rows, run, spacing)`` in elements, of which the destination takes the first
-    ``run`` of each."""
+    """A region of the ring being read into: the reads' futures, where its bytes go next.
+    ``rows``: the region holds whole rows, ``(rows, run, spacing)`` in elements, of which the
+    destination takes the first ``run`` of each."""
 
-    group: Optional["_Group"]
+    futures: list[Future]
     destination: torch.Tensor
     staged: torch.Tensor
     buffer: int
     nbytes: int
     describe: Optional[Callable[[OSError], BaseException]]
     rows: Optional[tuple[int, int, int]] = None
-    #: the region's own reads (``fd``, segments) while its group holds other regions too: a failed
-    #: batch is read again region by region, so that the error names its tensor
+    #: the region's own reads (``fd``, segments) while its futures are shared with other regions of
+    #: a batch: a failed batch is read again region by region, so that the error names its tensor
     own: Optional[tuple[pread.ReadPool, int, list[pread.Segment]]] = None
-
-
-class _Group:
-    """Regions submitted to the read threads together (a batch, or one region of whole rows), the
-    futures of their reads, and ``copied``: done once the reads are done and the regions' copies
-    issued - its result the CUDA event recorded after those copies (``None`` on the CPU), its
-    exception the first failed read's (no region of the group is copied then) or the copy's."""
-
-    __slots__ = ("pieces", "futures", "copied", "_remaining", "_lock")
-
-    def __init__(self, pieces: list[_Piece], futures: list[Future]) -> None:
-        self.pieces, self.futures = pieces, futures
-        self.copied: Future = Future()
-        self._remaining = len(futures)
-        self._lock = threading.Lock()
-        for piece in pieces:
-            piece.group = self
-
-    def part_done(self) -> bool:
-        """One of the futures is done; whether it was the last."""
-        with self._lock:
-            self._remaining -= 1
-            return self._remaining == 0
 
 
 @dataclass(slots=True)
@@ -228,14 +204,16 @@ class StagingRing:
     through which :meth:`read` fills device destinations (module docstring); with
     ``cpu_destinations``, CPU destinations too (the CPU test of the pipeline).
 
-    The reads of a region run on the read threads while the caller goes on: up to ``in_flight``
+    The reads of a region run on ``read_threads`` threads (default :data:`READ_THREADS`; a pool of
+    their own) while the caller goes on: up to ``in_flight``
     buffers' bytes (default :data:`IN_FLIGHT_BUFFERS`, at most ``buffers - 1``) are in flight
     besides the newest region's, and the oldest region is copied (queued on the side stream) once
     its reads are done - so the threads read the next regions while the oldest one is read to its
     end and copied."""
 
     def __init__(self, buffers: Optional[int] = None, buffer_bytes: Optional[int] = None, *, pin: bool = True,
-                 cpu_destinations: bool = False, in_flight: Optional[int] = None) -> None:  # fmt: skip
+                 cpu_destinations: bool = False, in_flight: Optional[int] = None,
+                 read_threads: Optional[int] = None) -> None:  # fmt: skip
         # defaults: the module's values when the ring is made (a bench may set them for a process)
         buffers = BUFFERS if buffers is None else buffers
         buffer_bytes = BUFFER_BYTES if buffer_bytes is None else buffer_bytes
@@ -243,18 +221,21 @@ class StagingRing:
             raise ValueError(f"a staging ring needs >= 2 buffers of >= {ALIGN} bytes (got {buffers} x {buffer_bytes})")
         if in_flight is None:  # the module's depth, or all buffers but one of a smaller ring
             in_flight = min(IN_FLIGHT_BUFFERS, buffers - 1)
+        read_threads = READ_THREADS if read_threads is None else read_threads
+        if read_threads < 1:
+            raise ValueError(f"a staging ring reads with >= 1 thread (got {read_threads})")
         if not 1 <= in_flight <= buffers - 1:
             raise ValueError(f"a staging ring of {buffers} buffers keeps 1 to {buffers - 1} of them in flight (got {in_flight})")
         self.buffers, self.buffer_bytes = buffers, buffer_bytes - buffer_bytes % ALIGN
         self.in_flight_bytes = in_flight * self.buffer_bytes
+        self.read_threads = read_threads
         self.pin, self.cpu_destinations = pin, cpu_destinations
-        self.copy_on_read_threads = COPY_ON_READ_THREADS
         self.bytes_staged = 0  # over the ring's life: every destination byte that went through it
         self.bytes_read = 0  # over the ring's life: every byte read into it (whole rows read more)
         self._ring: list[Optional[torch.Tensor]] = []  # a buffer allocated when first taken
         self._addresses: list[int] = []  # each allocated buffer's address
         self._views: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (buffer, dtype): the buffer as that dtype
-        self._events: list[list[torch.cuda.Event]] = []  # per buffer: recorded after copies out of it
+        self._events: list[Optional[torch.cuda.Event]] = []
         self._stream: Optional[torch.cuda.Stream] = None
         self._device: Optional[torch.device] = None
         self._pending: deque[_Piece] = deque()
@@ -315,13 +296,13 @@ class StagingRing:
             count = view.numel()
             nbytes = count * itemsize
             while self._pending and self._in_flight > self.in_flight_bytes:
-                self._retire_oldest()
+                self._copy_oldest()
             offset = self._take(nbytes)
             address = self._addresses[self._current] + offset
             segments = _segments(layout.run, layout.starts, itemsize, first, count, address, file_offset)
             shape_ = view.shape
             staged = self._typed(dtype).as_strided(shape_, pread.row_major_strides(shape_), offset // itemsize)
-            piece = _Piece(None, view, staged, self._current, nbytes, describe, own=(reader, fd, segments))
+            piece = _Piece([], view, staged, self._current, nbytes, describe, own=(reader, fd, segments))
             self._pending.append(piece)
             self._queue(piece, reader, fd, segments, nbytes)
             self._in_flight += nbytes
@@ -352,15 +333,16 @@ class StagingRing:
             count = min(per_piece, rows - first)
             nbytes = (count - 1) * spacing + run * itemsize
             while self._pending and self._in_flight > self.in_flight_bytes:
-                self._retire_oldest()
+                self._copy_oldest()
             offset = self._take(nbytes)
             self._submit()  # the regions queued before this one go first
             address = self._addresses[self._current] + offset
+            futures = reader.submit(fd, [(starts[first], address, nbytes)], populate=not self._pinned,
+                                    threads=self.read_threads)  # fmt: skip
             staged = self._typed(dtype).as_strided((nbytes // itemsize,), (1,), offset // itemsize)
-            piece = _Piece(None, out[first : first + count], staged, self._current, nbytes, describe,
+            piece = _Piece(futures, out[first : first + count], staged, self._current, nbytes, describe,
                            rows=(count, run, step))  # fmt: skip
             self._pending.append(piece)
-            self._launch([piece], reader.submit(fd, [(starts[first], address, nbytes)], populate=not self._pinned))
             self._in_flight += nbytes
             self.bytes_staged += count * run * itemsize
             self.bytes_read += nbytes
@@ -371,18 +353,17 @@ class StagingRing:
         try:
             self._submit()
             while self._pending:
-                self._retire_oldest()
+                self._copy_oldest()
         finally:
             self._submit()  # reads queued but never submitted: none runs after the ring is handed back
             for piece in self._pending:  # after a failed read: the others end before the ring is touched
-                if piece.group is not None:
-                    self._settle(piece.group)
-                    piece.group.copied.exception()
+                for future in piece.futures:
+                    future.exception()
             self._pending.clear()
             self._in_flight = 0
             if self._stream is not None:
                 self._stream.synchronize()
-            self._events = [[] for _ in self._ring]
+            self._events = [None] * len(self._ring)
 
     def finish(self) -> None:
         """:meth:`wait`, then hand the buffers back (to torch's pinned-memory cache: the next
@@ -410,7 +391,7 @@ class StagingRing:
         self._ring = [None] * self.buffers
         self._addresses, self._views = [0] * self.buffers, {}
         self._allocate(0)
-        self._events = [[] for _ in range(self.buffers)]
+        self._events = [None] * self.buffers
         self._device = device
         if cuda:
             self._stream = torch.cuda.Stream(device=device)
@@ -430,90 +411,52 @@ class StagingRing:
             typed = self._views[key] = self._ring[self._current].view(dtype)  # type: ignore[union-attr]
         return typed
 
-    def _launch(self, pieces: list[_Piece], futures: list[Future]) -> None:
-        """Group regions with the futures of their reads; with :attr:`copy_on_read_threads`, the
-        thread that finishes the last read issues the group's copies."""
-        group = _Group(pieces, futures)
-        if not self.copy_on_read_threads:
-            return
-        if not futures:  # nothing to read (not made by read(): every region has bytes)
-            self._copy_group(group)
-            return
-        for future in futures:
-            future.add_done_callback(lambda _, group=group: group.part_done() and self._copy_group(group))
-
-    def _copy_group(self, group: _Group) -> None:
-        """Once every read of ``group`` is done: its regions' copies (or the first read's error)
-        into ``group.copied``. Runs on a read thread (or on the loading thread, see :meth:`_settle`)."""
-        error = next((e for e in [future.exception() for future in group.futures] if e is not None), None)
-        if error is not None:
-            group.copied.set_exception(error)
-            return
-        try:
-            event = self._copy(group.pieces)
-        except BaseException as exc:  # a failed copy: raised by the loading thread when it retires the group
-            group.copied.set_exception(exc)
-        else:
-            group.copied.set_result(event)
-
-    def _settle(self, group: _Group) -> None:
-        """Without :attr:`copy_on_read_threads`: wait for the group's reads and copy it from this
-        thread (once). With them, the read threads do it."""
-        if not self.copy_on_read_threads and not group.copied.done():
-            self._copy_group(group)
-
-    def _retire_oldest(self) -> None:
-        """Wait for the oldest region's group to be read and copied (queued on the side stream), and
-        retire its regions: their buffers' events noted, their bytes no longer in flight. A failed
-        read is handled region by region (:meth:`_copy_failed`)."""
-        if self._pending[0].group is None:  # its reads wait in the open batch
+    def _copy_oldest(self) -> None:
+        """Wait for the oldest region's reads, then copy it to its destination (queued on the
+        side stream, an event marking when its buffer is free again) - and with it the regions
+        right behind it that share its reads (the rest of its batch: read too, by then)."""
+        if not self._pending[0].futures:  # its reads wait in the open batch
             self._submit()
-        group = self._pending[0].group
-        assert group is not None
-        self._settle(group)
-        error = group.copied.exception()
+        futures = self._pending[0].futures
+        error = next((e for e in [future.exception() for future in futures] if e is not None), None)
         if error is not None:
             self._copy_failed(error)
             return
-        event = group.copied.result()
-        while self._pending and self._pending[0].group is group:
-            piece = self._pending.popleft()
-            self._in_flight -= piece.nbytes
-            if event is not None and (not self._events[piece.buffer] or self._events[piece.buffer][-1] is not event):
-                self._events[piece.buffer].append(event)
+        ready = [self._pending.popleft()]
+        while self._pending and self._pending[0].futures is futures:
+            ready.append(self._pending.popleft())
+        self._in_flight -= sum(piece.nbytes for piece in ready)
+        self._copy(ready)
 
     def _copy_failed(self, error: BaseException) -> None:
-        """The oldest region, whose group failed: when it shares the group with other regions, its
-        own reads again (to tell whose error it is) and its copy if they succeed; else the error
-        (as the region's ``describe`` makes it, when given)."""
+        """The oldest region, whose reads failed: when its reads were part of a batch, its own
+        reads again (to tell whose error it is) and its copy if they succeed; else the error (as
+        the region's ``describe`` makes it, when given)."""
         piece = self._pending.popleft()
         self._in_flight -= piece.nbytes
-        if piece.own is not None and isinstance(error, OSError):  # a batch's read failed somewhere
+        if piece.own is not None:  # the batch failed somewhere: this region's own reads again
             reader, fd, segments = piece.own
             try:
                 reader.read(fd, segments, populate=not self._pinned)
             except OSError as exc:
                 error = exc
             else:
-                event = self._copy([piece])
-                if event is not None:
-                    self._events[piece.buffer].append(event)
+                self._copy([piece])
                 return
         if piece.describe is not None and isinstance(error, OSError):
             raise piece.describe(error) from error
         raise error
 
-    def _copy(self, pieces: list[_Piece]) -> Optional[torch.cuda.Event]:
-        """Copy regions whose reads are done to their destinations, in order: on the side stream
-        (from any thread: the stream and ``no_grad`` are set here, for this thread), returning the
-        event recorded after the copies; on the CPU synchronously, returning ``None``."""
+    def _copy(self, pieces: list[_Piece]) -> None:
+        """Copy regions whose reads are done to their destinations (oldest first; on the side stream,
+        an event recorded after the last copy out of each buffer)."""
         with torch.no_grad():
             if self._stream is None:
                 for piece in pieces:
                     piece.destination.copy_(_cut(piece.staged, piece.rows))
-                return None
+                return
             with torch.cuda.stream(self._stream):
-                for piece in pieces:
+                for i, piece in enumerate(pieces):
                     if piece.rows is None:
                         piece.destination.copy_(piece.staged, non_blocking=True)
                     else:  # whole rows to the device as they are, cut there (a strided host source
@@ -521,7 +464,11 @@ class StagingRing:
                         rows = torch.empty_like(piece.staged, device=self._device)
                         rows.copy_(piece.staged, non_blocking=True)
                         piece.destination.copy_(_cut(rows, piece.rows))
-                return self._stream.record_event()
+                    # the buffer's reuse waits for its last copy: a buffer's regions are consecutive in
+                    # the queue, so only a region with none of its buffer behind it records the event
+                    after = pieces[i + 1] if i + 1 < len(pieces) else (self._pending[0] if self._pending else None)
+                    if after is None or after.buffer != piece.buffer:
+                        self._events[piece.buffer] = self._stream.record_event()
 
     def _queue(self, piece: _Piece, reader: pread.ReadPool, fd: int, segments: list[pread.Segment], nbytes: int) -> None:
         """Add a region's reads to the open batch (a batch holds one file's reads; a full one, or one of
@@ -543,9 +490,11 @@ class StagingRing:
         batch, self._batch = self._batch, None
         if batch is None:
             return
+        futures = batch.reader.submit(batch.fd, batch.segments, populate=batch.populate, threads=self.read_threads)
+        for piece in batch.pieces:
+            piece.futures = futures
         if len(batch.pieces) == 1:
-            batch.pieces[0].own = None  # its reads are its own
-        self._launch(batch.pieces, batch.reader.submit(batch.fd, batch.segments, populate=batch.populate))
+            batch.pieces[0].own = None  # its futures are its own
 
     def _take(self, nbytes: int) -> int:
         """``nbytes`` of the ring, free to be written: the rest of the current buffer, else the
@@ -554,10 +503,11 @@ class StagingRing:
         if self._used + nbytes > self.buffer_bytes:
             self._current = (self._current + 1) % self.buffers
             while any(piece.buffer == self._current for piece in self._pending):
-                self._retire_oldest()
-            for event in self._events[self._current]:  # recorded from several threads: each waited for
+                self._copy_oldest()
+            event = self._events[self._current]
+            if event is not None:
                 event.synchronize()
-            self._events[self._current] = []
+                self._events[self._current] = None
             self._used = 0
         if self._ring[self._current] is None:
             self._allocate(self._current)
