@@ -55,6 +55,11 @@ class NumericsProfile:
 
     Attributes:
         norm: ``"mcore"`` (the backend's RMSNorm kernel) or ``"hf"`` (HF op order).
+        norm_kernel: with ``norm="hf"``: ``"torch"`` (transformers' ops, autograd's backward) or
+            ``"triton"`` (:mod:`mcore_zoo.kernels.hf_rmsnorm`: the same forward bits in three
+            passes instead of six, a fused backward whose gradients are not autograd's bits;
+            CUDA, Triton). Applies to the norms the GPT layer spec builds (input, pre-MLP, q / k
+            and final norms); zero-centred norms (``1 + weight``) are refused with it.
         rope_freqs: ``"hf"`` (inv_freq computed on the CPU as transformers does, then moved) or
             ``"mcore"`` (Megatron-Core's own computation; only plain RoPE without scaling).
         rope_fusion: TE fused RoPE kernel (``te`` backend, CUDA only).
@@ -139,6 +144,7 @@ class NumericsProfile:
 
     name: str
     norm: str = "mcore"
+    norm_kernel: str = "torch"
     rope_freqs: str = "hf"
     rope_fusion: bool = True
     bias_activation_fusion: bool = True
@@ -161,6 +167,7 @@ class NumericsProfile:
     def __post_init__(self) -> None:
         checks = {
             "norm": ("mcore", "hf"),
+            "norm_kernel": ("torch", "triton"),
             "rope_freqs": ("hf", "mcore"),
             "attention": ("backend", "auto", "sdpa", "eager", "varlen", "flash"),
             "linear_bias": ("separate", "fused"),
@@ -177,6 +184,9 @@ class NumericsProfile:
         for knob, allowed in checks.items():
             if getattr(self, knob) not in allowed:
                 raise ZooError(f"numerics profile {self.name!r}: {knob}={getattr(self, knob)!r} not in {allowed}")
+        if self.norm_kernel != "torch" and self.norm != "hf":
+            raise ZooError(f"numerics profile {self.name!r}: norm_kernel={self.norm_kernel!r} is a kernel for norm='hf'"
+                           f" (HF's op order), not norm={self.norm!r}")  # fmt: skip
         if not isinstance(self.grouped_experts, bool):
             raise ZooError(f"numerics profile {self.name!r}: grouped_experts={self.grouped_experts!r} must be true or false")
         if self.grouped_experts and self.name.split("+")[0] in HF_EXACT_PROFILES:

@@ -45,10 +45,19 @@ def _pieces(arch: ArchConfig, backend: str, numerics: NumericsProfile) -> dict[s
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.identity_op import IdentityOp
 
-    from .norms import HFRMSNorm
+    from .norms import HFRMSNorm, HFRMSNormTriton
 
     if arch.normalization != "RMSNorm" and numerics.norm == "hf":
         raise ZooError(f"{arch.architecture}: the hf norm order is implemented for RMSNorm only")
+    if numerics.norm_kernel == "triton":
+        from ..kernels import hf_rmsnorm
+
+        if arch.zero_centered_norm:
+            raise ZooError(f"{arch.architecture}: norm_kernel='triton' implements HF's RMSNorm (x * weight), not the"
+                           " zero-centred one (1 + weight) this architecture uses; use norm_kernel='torch'")  # fmt: skip
+        if not hf_rmsnorm.available():
+            raise ZooError("norm_kernel='triton' needs Triton (it ships with CUDA builds of torch); use norm_kernel='torch'")
+    hf_norm = HFRMSNormTriton if numerics.norm_kernel == "triton" else HFRMSNorm
     if numerics.kernels == "vllm":  # vLLM's batch-invariant kernels in mcore's modules
         if backend not in ("local", "portable"):
             raise ZooError(f"numerics {numerics.name!r} (vLLM's kernels) needs backend 'local' or 'portable', not {backend!r}")
@@ -58,7 +67,7 @@ def _pieces(arch: ArchConfig, backend: str, numerics: NumericsProfile) -> dict[s
     if backend in ("local", "portable"):
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-        norm = HFRMSNorm if numerics.norm == "hf" else WrappedTorchNorm
+        norm = hf_norm if numerics.norm == "hf" else WrappedTorchNorm
         if arch.zero_centered_norm:  # 1 + weight: HF's op order under every profile
             from .norms import ZeroCenteredRMSNorm as norm
         core = _core_attention(backend, numerics, DotProductAttention)
@@ -95,7 +104,7 @@ def _pieces(arch: ArchConfig, backend: str, numerics: NumericsProfile) -> dict[s
             TERowParallelLinear,
         )
 
-        norm = HFRMSNorm if numerics.norm == "hf" else TENorm
+        norm = hf_norm if numerics.norm == "hf" else TENorm
         if arch.zero_centered_norm and numerics.norm == "hf":  # 1 + weight in transformers' op order
             from .norms import ZeroCenteredRMSNorm as norm
         # norm="mcore": TE's norms with zero_centered_gamma (1 + weight) where arch.zero_centered_norm

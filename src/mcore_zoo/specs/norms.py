@@ -41,6 +41,24 @@ class HFRMSNorm(torch.nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, op_order=hf"
 
 
+class HFRMSNormTriton(HFRMSNorm):
+    """:class:`HFRMSNorm` through :func:`mcore_zoo.kernels.hf_rmsnorm.hf_rms_norm` (numerics knob
+    ``norm_kernel="triton"``): the same output bits in three passes, a fused backward. CUDA tensors
+    (or the CPU under Triton's interpreter); anything else is refused by name."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        from ..errors import ZooError
+        from ..kernels import hf_rmsnorm
+
+        if not hf_rmsnorm.runs_on(hidden_states):
+            raise ZooError(f"norm_kernel='triton' runs on CUDA tensors, not on {hidden_states.device}"
+                           " (use norm_kernel='torch')")  # fmt: skip
+        return hf_rmsnorm.hf_rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", kernel=triton"
+
+
 class ZeroCenteredRMSNorm(HFRMSNorm):
     """RMSNorm whose weight is stored zero-centred: ``norm(x) * (1 + weight)``, in the op order of
     transformers' ``Qwen3NextRMSNorm``: normalise in fp32, scale by ``1 + weight`` in fp32, then
