@@ -12,8 +12,8 @@
 # THD packs vs transformers on each sequence alone), moe-sites (the sites inside one hf-exact MoE block vs
 # transformers' on the same input: the first differing op), grouped (TE grouped-GEMM experts)
 # mla (DeepSeek-V3, te), profile-sdpa (hf-exact-sdpa on te: distance and speed), moe-speed (the profiles at
-# Qwen3-30B-A3B's widths, sequential and grouped experts, both packs), norm-kernel (the training profile with
-# norm_kernel=triton: its GPU test and its speed beside default and training at both packs) and two-gpu (refit
+# Qwen3-30B-A3B's widths, sequential and grouped experts, both packs), exact-kernels (the training profile with
+# norm_kernel / rope_kernel = triton: their GPU tests and speed beside default and training, both packs) and two-gpu (refit
 # at TP2, DeepSeek-V3 EP2 / TP2; 2 GPUs), hybrid-gpu (Qwen3-Next / Qwen3.5 / Qwen3.5-MoE at full width, 4
 # layers: parity vs HF, hf-exact, THD vs BSHD speed of a gated DeltaNet layer, vLLM parity and refit;
 # 4 GPUs in parallel, fewer serialise), hybrid-fla (the same models on te with the gated DeltaNet layer on
@@ -201,15 +201,18 @@ if [[ " $phases " == *" profile-sdpa "* ]]; then
       --out "$out/training/speed-sdpa-16x512" "${variants[@]}"
 fi
 
-if [[ " $phases " == *" norm-kernel "* ]]; then
-  # RMSNorm in HF's op order through Triton (mcore_zoo.kernels.hf_rmsnorm): bitwise forward, gradients vs fp64,
-  # the training profile's logits kept; then its forward + backward time beside default and training
-  run norm-kernel-test 300 $py -m pytest -q -s -p no:cacheprovider tests/gpu/test_hf_rmsnorm_gpu.py
-  nkv=(--variant te/default=te:default --variant te/training=te:training
-       --variant "te/training, triton norm=te:training,norm_kernel=triton")
-  run norm-kernel-speed-4x2048 300 $py bench/gpu/numerics_speed.py --no-gemm --profile --out "$out/training/norm-kernel-4x2048" "${nkv[@]}"
-  run norm-kernel-speed-16x512 300 $py bench/gpu/numerics_speed.py --no-gemm --profile --batch 16 --seq 512 \
-      --out "$out/training/norm-kernel-16x512" "${nkv[@]}"
+if [[ " $phases " == *" exact-kernels "* ]]; then
+  # HF-order RMSNorm and Megatron-Core's unfused RoPE through Triton (mcore_zoo.kernels.hf_rmsnorm / rope): bitwise
+  # forward (and RoPE's gradients), the training profile's logits kept; then the forward + backward time of
+  # training with them beside default and training (docs/numerics.md, "Where the 1.30x goes")
+  run exact-kernels-test 420 $py -m pytest -q -s -p no:cacheprovider tests/gpu/test_hf_rmsnorm_gpu.py tests/gpu/test_rope_kernel_gpu.py
+  ekv=(--variant te/default=te:default --variant te/training=te:training
+       --variant "te/training, triton norm=te:training,norm_kernel=triton"
+       --variant "te/training, triton rope=te:training,rope_kernel=triton"
+       --variant "te/training, triton norm + rope=te:training,norm_kernel=triton,rope_kernel=triton")
+  run exact-kernels-speed-4x2048 300 $py bench/gpu/numerics_speed.py --no-gemm --profile --out "$out/training/exact-kernels-4x2048" "${ekv[@]}"
+  run exact-kernels-speed-16x512 300 $py bench/gpu/numerics_speed.py --no-gemm --profile --batch 16 --seq 512 \
+      --out "$out/training/exact-kernels-16x512" "${ekv[@]}"
 fi
 
 if [[ " $phases " == *" moe-speed "* ]]; then

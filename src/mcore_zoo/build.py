@@ -169,6 +169,8 @@ class BuildPlan:
 
             mark_expert_data_parallel(model, self.transformer_config)
         install_rope(model, arch, options.numerics)
+        if options.numerics.rope_kernel == "triton":
+            enable_rope_kernel(model, arch)
         if getattr(model, "rotary_pos_emb", None) is not None and not self.transformer_config.apply_rope_fusion:
             from .specs import thd_rope
 
@@ -322,6 +324,25 @@ def install_rope(model: torch.nn.Module, arch: ArchConfig, numerics: NumericsPro
     cached = getattr(type(rotary).forward, "cache_clear", None)  # multimodal RoPE computes per call
     if cached is not None:
         cached()
+
+
+def enable_rope_kernel(model: torch.nn.Module, arch: ArchConfig) -> None:
+    """Numerics knob ``rope_kernel="triton"``: the model's attention rotates through
+    :mod:`mcore_zoo.kernels.rope` (``config.zoo_rope_kernel``, read by
+    :mod:`mcore_zoo.specs.rope_dispatch`). Refused for RoPE it does not compute and without Triton."""
+    from .kernels import rope as kernel
+    from .specs import rope_dispatch
+
+    config = getattr(model, "config", None)
+    if arch.rope.interleaved or arch.rope.mrope_section is not None or arch.mla is not None:
+        raise ZooError(f"{arch.architecture}: rope_kernel='triton' computes the plain half-rotation RoPE, not this"
+                       " architecture's (interleaved, multimodal or MLA); use rope_kernel='torch'")  # fmt: skip
+    if getattr(model, "rotary_pos_emb", None) is None or config is None:
+        raise ZooError(f"{arch.architecture}: rope_kernel='triton' - this model applies no RoPE through Megatron-Core's attention")
+    if not kernel.available():
+        raise ZooError("rope_kernel='triton' needs Triton (it ships with CUDA builds of torch); use rope_kernel='torch'")
+    config.zoo_rope_kernel = "triton"
+    rope_dispatch.install()
 
 
 def rope_frequency_device(built_on: torch.device) -> torch.device:

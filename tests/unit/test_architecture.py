@@ -132,7 +132,8 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "weights/io.py", "weights/pread.py", "weights/staging.py", "weights/load.py", "weights/export.py",
         "weights/tied.py", "weights/fp8.py", "weights/fp8_quantize.py", "weights/mxfp4.py",
         "packing.py", "numerics/gemm.py", "kernels/__init__.py", "kernels/copy_runs.py", "kernels/logprob_rows.py",
-        "kernels/vllm_ops.py", "families/vision_language/positions.py", "families/gated_deltanet/kernels.py",
+        "kernels/vllm_ops.py", "kernels/hf_rmsnorm.py", "kernels/_hf_rmsnorm_triton.py", "kernels/rope.py",
+        "kernels/_rope_triton.py", "families/vision_language/positions.py", "families/gated_deltanet/kernels.py",
     ),
     "registration": (
         "__init__.py", "entry.py", "hookspecs.py", "registry.py", "architecture.py", "plugin_api.py",
@@ -147,7 +148,7 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "placement.py", "model_groups.py", "handle.py", "offload.py", "build.py", "parallel.py", "routing.py",
         "distributed/collectives.py",
         "specs/__init__.py", "specs/gpt.py", "specs/heads.py", "specs/linears.py", "specs/pack_rows.py", "specs/norms.py",
-        "specs/patching.py", "specs/portable.py", "specs/thd_rope.py", "specs/vllm_exact.py",
+        "specs/patching.py", "specs/portable.py", "specs/thd_rope.py", "specs/rope_dispatch.py", "specs/vllm_exact.py",
         "families/*/spec.py", "families/moe/clamped_swiglu.py", "families/moe/grouped_mm.py", "families/vision_language/vision.py",
         "families/vision_language/rotary.py",
     ),
@@ -170,7 +171,7 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "parity/__init__.py", "parity/cli.py", "parity/environment.py", "parity/harness.py", "parity/inputs.py",
         "parity/processor_files.py", "parity/reference.py", "parity/report.py", "parity/runners.py",
         "parity/vllm_worker.py",
-        "testing/__init__.py", "testing/checks.py", "testing/common.py", "testing/contracts.py", "testing/plugin.py",
+        "testing/__init__.py", "testing/checks.py", "testing/common.py", "testing/rmsnorm.py", "testing/contracts.py", "testing/plugin.py",
         "testing/suite.py",
     ),
 }  # fmt: skip

@@ -63,6 +63,10 @@ class NumericsProfile:
         rope_freqs: ``"hf"`` (inv_freq computed on the CPU as transformers does, then moved) or
             ``"mcore"`` (Megatron-Core's own computation; only plain RoPE without scaling).
         rope_fusion: TE fused RoPE kernel (``te`` backend, CUDA only).
+        rope_kernel: with ``rope_fusion`` off: ``"torch"`` (Megatron-Core's unfused ops) or
+            ``"triton"`` (:mod:`mcore_zoo.kernels.rope`: the same arithmetic and bits, forward and
+            backward, in one pass each; CUDA, Triton; no context parallelism, interleaved or MLA
+            RoPE).
         bias_activation_fusion: fused (bias +) SwiGLU/GeLU kernel.
         masked_softmax_fusion: fused scale-mask-softmax (``local`` attention, CUDA only).
         attention: the core attention. ``"backend"``: the backend's own (mcore
@@ -147,6 +151,7 @@ class NumericsProfile:
     norm_kernel: str = "torch"
     rope_freqs: str = "hf"
     rope_fusion: bool = True
+    rope_kernel: str = "torch"
     bias_activation_fusion: bool = True
     masked_softmax_fusion: bool = True
     attention: str = "backend"
@@ -168,6 +173,7 @@ class NumericsProfile:
         checks = {
             "norm": ("mcore", "hf"),
             "norm_kernel": ("torch", "triton"),
+            "rope_kernel": ("torch", "triton"),
             "rope_freqs": ("hf", "mcore"),
             "attention": ("backend", "auto", "sdpa", "eager", "varlen", "flash"),
             "linear_bias": ("separate", "fused"),
@@ -187,6 +193,9 @@ class NumericsProfile:
         if self.norm_kernel != "torch" and self.norm != "hf":
             raise ZooError(f"numerics profile {self.name!r}: norm_kernel={self.norm_kernel!r} is a kernel for norm='hf'"
                            f" (HF's op order), not norm={self.norm!r}")  # fmt: skip
+        if self.rope_kernel != "torch" and self.rope_fusion:
+            raise ZooError(f"numerics profile {self.name!r}: rope_kernel={self.rope_kernel!r} replaces the unfused RoPE;"
+                           " it needs rope_fusion=False")  # fmt: skip
         if not isinstance(self.grouped_experts, bool):
             raise ZooError(f"numerics profile {self.name!r}: grouped_experts={self.grouped_experts!r} must be true or false")
         if self.grouped_experts and self.name.split("+")[0] in HF_EXACT_PROFILES:

@@ -48,7 +48,9 @@ WRAPPED: dict[tuple[str, str], str] = {
         " for every caller without context parallelism (the original under it)",
     ("megatron.core.transformer.attention", "apply_rotary_pos_emb"):
         "vLLM's RoPE kernel and cos / sin cache for a model whose config carries zoo_vllm_rope (numerics"
-        " 'vllm-exact')",
+        " 'vllm-exact'); Megatron-Core's unfused RoPE in one Triton pass (the same bits) for a model whose"
+        " config says zoo_rope_kernel='triton' (knob rope_kernel); the original for every other model"
+        " (mcore_zoo.specs.rope_dispatch)",
 }  # fmt: skip
 
 _LOCK = threading.Lock()

@@ -492,9 +492,7 @@ def check_moe_supported(arch: Any, config: Any, numerics: Any) -> None:
 def install(model: torch.nn.Module, arch: Any, config: Any, dtype: torch.dtype) -> None:
     """Finish a ``vllm-exact`` GPTModel: its output layer on vLLM's GEMM and its RoPE on vLLM's
     kernel and cos / sin cache (``config.zoo_vllm_rope``, read by the RoPE hook)."""
-    from megatron.core.transformer import attention as mcore_attention
-
-    from .patching import wrap_once
+    from .rope_dispatch import install as install_rope_dispatch
 
     reference = vllm_ops.using_reference()  # tests: torch kernels, no vLLM
     if not reference:
@@ -512,17 +510,4 @@ def install(model: torch.nn.Module, arch: Any, config: Any, dtype: torch.dtype) 
             config.zoo_vllm_rope = vllm_ops.VLLMRope.from_hf_config(
                 dict(arch.hf_config), arch.head_dim, dtype, torch.device("cuda", torch.cuda.current_device())
             )
-    wrap_once(mcore_attention, "apply_rotary_pos_emb", _rope_hook)
-
-
-def _rope_hook(original: Any) -> Any:
-    """mcore's ``apply_rotary_pos_emb`` in ``megatron.core.transformer.attention``: vLLM's RoPE for
-    models whose config carries ``zoo_vllm_rope``, the original for every other model."""
-
-    def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config: Any, cu_seqlens: Any = None, *args: Any, **kwargs: Any) -> torch.Tensor:
-        rope = getattr(config, "zoo_vllm_rope", None)
-        if rope is None:
-            return original(t, freqs, config, cu_seqlens, *args, **kwargs)
-        return rope.apply(t, cu_seqlens)
-
-    return apply_rotary_pos_emb
+    install_rope_dispatch()  # vLLM's RoPE for a config carrying zoo_vllm_rope
