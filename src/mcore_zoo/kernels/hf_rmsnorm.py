@@ -66,6 +66,11 @@ def _block(n_cols: int) -> int:
     return max(16, triton.next_power_of_2(n_cols))
 
 
+def _warps(block: int) -> int:
+    """Warps of a program holding rows of ``block`` elements (about 8 fp32 per thread and tensor)."""
+    return min(16, max(1, block // 256))
+
+
 def _tl(dtype: torch.dtype) -> Any:
     import triton.language as tl
 
@@ -87,7 +92,9 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.T
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     rows = n // n_cols if n_cols else 0
     if rows:
-        normalize[(rows,)](x, r, weight, out, n_cols, BLOCK=_block(n_cols), MID=_tl(x.dtype), OUT=_tl(out_dtype))
+        block = _block(n_cols)
+        normalize[(rows,)](x, r, weight, out, n_cols, BLOCK=block, MID=_tl(x.dtype), OUT=_tl(out_dtype),
+                           num_warps=_warps(block))  # fmt: skip
     return out, r.reshape(rows)
 
 
@@ -114,8 +121,9 @@ class _HFRMSNorm(torch.autograd.Function):
         programs = max(1, _cdiv(rows, ROWS_PER_PROGRAM))
         partial = torch.zeros(programs, n_cols, dtype=torch.float32, device=x.device)
         if rows:
+            block = _block(n_cols)
             backward[(programs,)](x, r, weight, grad, dx, partial, rows, n_cols, 1.0 / n_cols, ROWS=ROWS_PER_PROGRAM,
-                                  BLOCK=_block(n_cols), MID=_tl(x.dtype), OUT=_tl(ctx.out_dtype))  # fmt: skip
+                                  BLOCK=block, MID=_tl(x.dtype), OUT=_tl(ctx.out_dtype), num_warps=_warps(block))  # fmt: skip
         dw = partial.sum(0).to(weight.dtype)
         return dx, dw, None
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .hf_rmsnorm import _tl, runs_on  # noqa: F401 - runs_on: the same devices as the norm's kernels
+from .hf_rmsnorm import _tl, _warps, runs_on  # noqa: F401 - runs_on: the same devices as the norm's kernels
 from .logprob_rows import available  # noqa: F401
 
 
@@ -63,7 +63,8 @@ class _Rope(torch.autograd.Function):
         block, rest = _blocks(half, d)
         if out.numel():
             kernel[(s * b * h,)](t, cos, sin, out, h, b, t.stride(0), t.stride(1), t.stride(2), d, HALF=half, BLOCK=block,
-                                 PASS_BLOCK=rest, DT=_tl(t.dtype), BACKWARD=False, enable_fp_fusion=False)  # fmt: skip
+                                 PASS_BLOCK=rest, DT=_tl(t.dtype), BACKWARD=False, enable_fp_fusion=False,
+                                 num_warps=_warps(2 * block))  # fmt: skip
         ctx.save_for_backward(cos, sin)
         return out
 
@@ -78,7 +79,7 @@ class _Rope(torch.autograd.Function):
         block, rest = _blocks(half, d)
         if dt.numel():
             kernel[(s * b * h,)](grad, cos, sin, dt, h, b, b * h * d, h * d, d, d, HALF=half, BLOCK=block, PASS_BLOCK=rest,
-                                 DT=_tl(grad.dtype), BACKWARD=True, enable_fp_fusion=False)  # fmt: skip
+                                 DT=_tl(grad.dtype), BACKWARD=True, enable_fp_fusion=False, num_warps=_warps(2 * block))  # fmt: skip
         return dt, None, None
 
 
