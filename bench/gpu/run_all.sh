@@ -13,7 +13,7 @@
 # transformers' on the same input: the first differing op), grouped (TE grouped-GEMM experts)
 # mla (DeepSeek-V3, te), profile-sdpa (hf-exact-sdpa on te: distance and speed), moe-speed (the profiles at
 # Qwen3-30B-A3B's widths, sequential and grouped experts, both packs), exact-kernels (the training profile with
-# norm_kernel / rope_kernel = triton: their GPU tests and speed beside default and training, both packs) and two-gpu (refit
+# norm_kernel / rope_kernel / swiglu_kernel = triton: their GPU tests and speed beside default and training, both packs) and two-gpu (refit
 # at TP2, DeepSeek-V3 EP2 / TP2; 2 GPUs), hybrid-gpu (Qwen3-Next / Qwen3.5 / Qwen3.5-MoE at full width, 4
 # layers: parity vs HF, hf-exact, THD vs BSHD speed of a gated DeltaNet layer, vLLM parity and refit;
 # 4 GPUs in parallel, fewer serialise), hybrid-fla (the same models on te with the gated DeltaNet layer on
@@ -202,14 +202,16 @@ if [[ " $phases " == *" profile-sdpa "* ]]; then
 fi
 
 if [[ " $phases " == *" exact-kernels "* ]]; then
-  # HF-order RMSNorm and Megatron-Core's unfused RoPE through Triton (mcore_zoo.kernels.hf_rmsnorm / rope): bitwise
-  # forward (and RoPE's gradients), the training profile's logits kept; then the forward + backward time of
+  # HF-order RMSNorm, Megatron-Core's unfused RoPE and SwiGLU through Triton (mcore_zoo.kernels.hf_rmsnorm / rope /
+  # swiglu): bitwise forward (and RoPE's and SwiGLU's gradients), the training profile's logits kept; then the time of
   # training with them beside default and training (docs/numerics.md, "Where the 1.30x goes")
-  run exact-kernels-test 420 $py -m pytest -q -s -p no:cacheprovider tests/gpu/test_hf_rmsnorm_gpu.py tests/gpu/test_rope_kernel_gpu.py
+  run exact-kernels-test 420 $py -m pytest -q -s -p no:cacheprovider tests/gpu/test_hf_rmsnorm_gpu.py tests/gpu/test_rope_kernel_gpu.py \
+      tests/gpu/test_swiglu_kernel_gpu.py tests/gpu/test_exact_kernels_gpu.py
   ekv=(--variant te/default=te:default --variant te/training=te:training
        --variant "te/training, triton norm=te:training,norm_kernel=triton"
        --variant "te/training, triton rope=te:training,rope_kernel=triton"
-       --variant "te/training, triton norm + rope=te:training,norm_kernel=triton,rope_kernel=triton")
+       --variant "te/training, triton swiglu=te:training,swiglu_kernel=triton"
+       --variant "te/training, triton norm + rope + swiglu=te:training,norm_kernel=triton,rope_kernel=triton,swiglu_kernel=triton")
   run exact-kernels-speed-4x2048 300 $py bench/gpu/numerics_speed.py --no-gemm --profile --out "$out/training/exact-kernels-4x2048" "${ekv[@]}"
   run exact-kernels-speed-16x512 300 $py bench/gpu/numerics_speed.py --no-gemm --profile --batch 16 --seq 512 \
       --out "$out/training/exact-kernels-16x512" "${ekv[@]}"

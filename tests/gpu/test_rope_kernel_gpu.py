@@ -1,17 +1,13 @@
 """CUDA: Megatron-Core's unfused RoPE through Triton (numerics knob ``rope_kernel="triton"``) gives
-its output and gradients bit for bit at the built-ins' head widths, and the ``training`` profile
-with it (and with ``norm_kernel="triton"``) keeps its logits and gradients.
+its output and gradients bit for bit at the built-ins' head widths (the ``training`` profile with
+it: ``tests/gpu/test_exact_kernels_gpu.py``).
 
 CPU counterpart: ``tests/unit/test_rope_kernel.py`` (the same kernels under Triton's interpreter)."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
-
-import mcore_zoo
 
 pytestmark = pytest.mark.gpu
 
@@ -40,36 +36,3 @@ def test_output_and_gradient_bits(shape, dtype):
     oa.backward(g)
     ob.backward(g)
     assert torch.equal(_bits(ta.grad), _bits(tb.grad))
-
-
-@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None, reason="Transformer Engine is not installed")
-def test_the_training_profile_with_both_kernels_keeps_its_logits_and_gradients(tmp_path):
-    """``training`` on ``te`` with ``rope_kernel="triton"``: logits and every parameter's gradient
-    bitwise the ``training`` profile's; with ``norm_kernel="triton"`` (alone or with it): the logits
-    bitwise (that kernel's gradients are not autograd's bits)."""
-    from mcore_zoo.parallel import ensure_model_parallel
-    from mcore_zoo.registry import get_registry
-    from mcore_zoo.testing.common import ReferenceCheckpoints, case_config
-
-    ensure_model_parallel()
-    arch = "Qwen3ForCausalLM"
-    path = ReferenceCheckpoints(lambda name: tmp_path / name)(
-        get_registry().get(arch), case_config(arch, {"hidden_size": 1024, "intermediate_size": 2816,
-                                                     "num_attention_heads": 8, "num_key_value_heads": 4,
-                                                     "head_dim": 128, "num_hidden_layers": 2}))  # fmt: skip
-    gen = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(0, 1000, (n,), generator=gen).cuda() for n in (512, 300, 100, 37, 1)]
-    runs = {}
-    for name, knobs in (("torch", {}), ("rope", {"rope_kernel": "triton"}), ("norm", {"norm_kernel": "triton"}),
-                        ("both", {"rope_kernel": "triton", "norm_kernel": "triton"})):  # fmt: skip
-        numerics = mcore_zoo.get_profile("training").with_knobs(**knobs)
-        model = mcore_zoo.build_model(path, backend="te", numerics=numerics, params_dtype=torch.bfloat16, load=path)
-        logits = mcore_zoo.packed_forward(model, seqs).logits
-        sum(x.float().sum() for x in logits).backward()
-        runs[name] = ([x.detach() for x in logits], {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-        del model
-    (lt, gt), (lr, gr) = runs["torch"], runs["rope"]
-    assert all(torch.equal(a, b) for a, b in zip(lt, lr))
-    assert gt.keys() == gr.keys() and all(torch.equal(_bits(gt[n]), _bits(gr[n])) for n in gt)
-    for name in ("norm", "both"):
-        assert all(torch.equal(a, b) for a, b in zip(lt, runs[name][0])), name

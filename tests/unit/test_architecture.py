@@ -133,7 +133,7 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "weights/tied.py", "weights/fp8.py", "weights/fp8_quantize.py", "weights/mxfp4.py",
         "packing.py", "numerics/gemm.py", "kernels/__init__.py", "kernels/copy_runs.py", "kernels/logprob_rows.py",
         "kernels/vllm_ops.py", "kernels/hf_rmsnorm.py", "kernels/_hf_rmsnorm_triton.py", "kernels/rope.py",
-        "kernels/_rope_triton.py", "families/vision_language/positions.py", "families/gated_deltanet/kernels.py",
+        "kernels/_rope_triton.py", "kernels/swiglu.py", "kernels/_swiglu_triton.py", "families/vision_language/positions.py", "families/gated_deltanet/kernels.py",
     ),
     "registration": (
         "__init__.py", "entry.py", "hookspecs.py", "registry.py", "architecture.py", "plugin_api.py",
@@ -148,7 +148,7 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "placement.py", "model_groups.py", "handle.py", "offload.py", "build.py", "parallel.py", "routing.py",
         "distributed/collectives.py",
         "specs/__init__.py", "specs/gpt.py", "specs/heads.py", "specs/linears.py", "specs/pack_rows.py", "specs/norms.py",
-        "specs/patching.py", "specs/portable.py", "specs/thd_rope.py", "specs/rope_dispatch.py", "specs/vllm_exact.py",
+        "specs/patching.py", "specs/portable.py", "specs/thd_rope.py", "specs/rope_dispatch.py", "specs/swiglu_mlp.py", "specs/vllm_exact.py",
         "families/*/spec.py", "families/moe/clamped_swiglu.py", "families/moe/grouped_mm.py", "families/vision_language/vision.py",
         "families/vision_language/rotary.py",
     ),

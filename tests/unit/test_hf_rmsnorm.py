@@ -6,10 +6,6 @@ CPU wheel of torch does not ship it); ``tests/gpu/test_hf_rmsnorm_gpu.py`` runs 
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -63,11 +59,9 @@ def test_forward_bits_and_gradients_under_the_interpreter():
     fp32 weights; widths that are not powers of two; a row of zeros), their gradients are within
     1.5x autograd's distance to a float64 gradient, and a model built with the knob gives the
     torch ops' logits bit for bit."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("Triton is not installed (CUDA builds of torch ship it; the CPU wheel does not)")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr[-3000:]
+    from mcore_zoo.testing.common import run_under_triton_interpreter
+
+    run_under_triton_interpreter(_INTERPRETED)
 
 
 def test_the_knob_is_refused_where_it_cannot_run(monkeypatch):

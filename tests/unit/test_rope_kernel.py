@@ -5,10 +5,6 @@ where Triton is not installed); ``tests/gpu/test_rope_kernel_gpu.py`` runs them 
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -67,11 +63,9 @@ def test_forward_and_gradient_bits_under_the_interpreter():
     """Output and gradient equal Megatron-Core's unfused RoPE bit for bit (bf16, fp16, fp32; partial
     rotary; ``mscale``; a strided input; zeros in the gradient), and a Qwen3 model built with the
     knob gives the torch ops' logits and parameter gradients bit for bit on a THD pack."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("Triton is not installed (CUDA builds of torch ship it; the CPU wheel does not)")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr[-3000:]
+    from mcore_zoo.testing.common import run_under_triton_interpreter
+
+    run_under_triton_interpreter(_INTERPRETED)
 
 
 def test_the_knob_is_refused_where_it_cannot_run(monkeypatch, reference_checkpoint):

@@ -68,6 +68,10 @@ class NumericsProfile:
             backward, in one pass each; CUDA, Triton; no context parallelism, interleaved or MLA
             RoPE).
         bias_activation_fusion: fused (bias +) SwiGLU/GeLU kernel.
+        swiglu_kernel: with ``bias_activation_fusion`` off: ``"torch"`` (Megatron-Core's unfused
+            ``silu(gate) * (up + offset)``) or ``"triton"`` (:mod:`mcore_zoo.kernels.swiglu`: the same
+            arithmetic, each op rounded as torch rounds it, in one pass each way; dense MLPs of
+            SwiGLU models only - MoE models are refused; CUDA, Triton).
         masked_softmax_fusion: fused scale-mask-softmax (``local`` attention, CUDA only).
         attention: the core attention. ``"backend"``: the backend's own (mcore
             ``DotProductAttention`` for ``local``, ``TEDotProductAttention`` for ``te``, the
@@ -153,6 +157,7 @@ class NumericsProfile:
     rope_fusion: bool = True
     rope_kernel: str = "torch"
     bias_activation_fusion: bool = True
+    swiglu_kernel: str = "torch"
     masked_softmax_fusion: bool = True
     attention: str = "backend"
     fuse_norm_into_linear: bool = True
@@ -174,6 +179,7 @@ class NumericsProfile:
             "norm": ("mcore", "hf"),
             "norm_kernel": ("torch", "triton"),
             "rope_kernel": ("torch", "triton"),
+            "swiglu_kernel": ("torch", "triton"),
             "rope_freqs": ("hf", "mcore"),
             "attention": ("backend", "auto", "sdpa", "eager", "varlen", "flash"),
             "linear_bias": ("separate", "fused"),
@@ -196,6 +202,9 @@ class NumericsProfile:
         if self.rope_kernel != "torch" and self.rope_fusion:
             raise ZooError(f"numerics profile {self.name!r}: rope_kernel={self.rope_kernel!r} replaces the unfused RoPE;"
                            " it needs rope_fusion=False")  # fmt: skip
+        if self.swiglu_kernel != "torch" and self.bias_activation_fusion:
+            raise ZooError(f"numerics profile {self.name!r}: swiglu_kernel={self.swiglu_kernel!r} replaces the unfused"
+                           " activation; it needs bias_activation_fusion=False")  # fmt: skip
         if not isinstance(self.grouped_experts, bool):
             raise ZooError(f"numerics profile {self.name!r}: grouped_experts={self.grouped_experts!r} must be true or false")
         if self.grouped_experts and self.name.split("+")[0] in HF_EXACT_PROFILES:

@@ -46,6 +46,7 @@ def _pieces(arch: ArchConfig, backend: str, numerics: NumericsProfile) -> dict[s
     from megatron.core.transformer.identity_op import IdentityOp
 
     from .norms import HFRMSNorm, HFRMSNormTriton
+    from .swiglu_mlp import mlp_piece
 
     if arch.normalization != "RMSNorm" and numerics.norm == "hf":
         raise ZooError(f"{arch.architecture}: the hf norm order is implemented for RMSNorm only")
@@ -83,6 +84,7 @@ def _pieces(arch: ArchConfig, backend: str, numerics: NumericsProfile) -> dict[s
 
             column, row = FusedBiasColumnParallelLinear, FusedBiasRowParallelLinear
         return dict(
+            **mlp_piece(arch, numerics),
             input_layernorm=norm,
             pre_mlp_layernorm=norm,
             linear_qkv=column,
@@ -118,6 +120,7 @@ def _pieces(arch: ArchConfig, backend: str, numerics: NumericsProfile) -> dict[s
 
             core = functools.partial(PortableAttention, kernel="eager")
         return dict(
+            **mlp_piece(arch, numerics),
             input_layernorm=IdentityOp if fused else norm,
             pre_mlp_layernorm=IdentityOp if fused else norm,
             linear_qkv=TELayerNormColumnParallelLinear if fused else TEColumnParallelLinear,

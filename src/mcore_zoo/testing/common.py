@@ -209,3 +209,21 @@ class ReferenceCheckpoints:
             write_reference_checkpoint(architecture, dict(config), out, seed=seed)
             self._cache[key] = out
         return self._cache[key]
+
+
+def run_under_triton_interpreter(script: str, timeout: float = 900) -> None:
+    """Run ``script`` (Python source that prints ``ok`` first on success) in a subprocess with
+    ``TRITON_INTERPRET=1``, so Triton kernels run on the CPU; skip the calling test where Triton is
+    not installed (the CPU wheel of torch does not ship it), fail with the script's output otherwise."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed (CUDA builds of torch ship it; the CPU wheel does not)")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr[-3000:]
