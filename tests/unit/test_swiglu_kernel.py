@@ -79,6 +79,9 @@ def test_the_knob_is_refused_where_it_cannot_run(monkeypatch, reference_checkpoi
 
     with pytest.raises(ZooError, match="needs bias_activation_fusion=False"):
         mcore_zoo.get_profile("default").with_knobs(swiglu_kernel="triton")
+    for knob in ("swiglu_kernel", "rope_kernel"):  # vllm-exact runs vLLM's kernels for these ops
+        with pytest.raises(ZooError, match="kernels='vllm' both replace"):
+            mcore_zoo.get_profile("vllm-exact").with_knobs(**{knob: "triton"})
     ensure_model_parallel()
     numerics = mcore_zoo.get_profile("hf-exact").with_knobs(swiglu_kernel="triton")
     monkeypatch.setattr(swiglu, "available", lambda: False)

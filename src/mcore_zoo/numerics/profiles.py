@@ -202,6 +202,10 @@ class NumericsProfile:
         if self.rope_kernel != "torch" and self.rope_fusion:
             raise ZooError(f"numerics profile {self.name!r}: rope_kernel={self.rope_kernel!r} replaces the unfused RoPE;"
                            " it needs rope_fusion=False")  # fmt: skip
+        triton = [k for k in ("norm_kernel", "rope_kernel", "swiglu_kernel") if getattr(self, k) != "torch"]
+        if triton and self.kernels == "vllm":
+            raise ZooError(f"numerics profile {self.name!r}: {triton[0]}={getattr(self, triton[0])!r} and kernels='vllm'"
+                           " both replace that op (vLLM's kernels); choose one")  # fmt: skip
         if self.swiglu_kernel != "torch" and self.bias_activation_fusion:
             raise ZooError(f"numerics profile {self.name!r}: swiglu_kernel={self.swiglu_kernel!r} replaces the unfused"
                            " activation; it needs bias_activation_fusion=False")  # fmt: skip

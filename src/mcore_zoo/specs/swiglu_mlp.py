@@ -43,8 +43,6 @@ def mlp_piece(arch: Any, numerics: Any) -> dict[str, Any]:
     if arch.activation != "silu" or not arch.gated_linear_unit:
         raise ZooError(f"{arch.architecture}: swiglu_kernel='triton' computes SwiGLU, not activation={arch.activation!r}"
                        f" (gated {arch.gated_linear_unit})")  # fmt: skip
-    if numerics.kernels == "vllm":
-        raise ZooError("swiglu_kernel='triton' and numerics kernels='vllm' both replace the activation; choose one")
     if not swiglu.available():
         raise ZooError("swiglu_kernel='triton' needs Triton (it ships with CUDA builds of torch); use swiglu_kernel='torch'")
     return {"mlp": TritonSwiGLUMLP}

@@ -69,12 +69,12 @@ MIN_RUN_BYTES = 512  # source runs shorter than this on average: the mapping pat
 ROWS_BELOW = 64 << 10
 ROWS_SPAN = 4
 ALIGN = 512  # regions of a buffer start at multiples of this many bytes
-#: how many threads read into the ring (a pool of its own): on a 64-vCPU H100 host (2026-11-27,
+#: how many threads read into the ring (a pool of its own): on 64-vCPU H100 hosts (2026-11-27,
 #: ``bench/gpu/load_gpu.py``) loads read with 8 threads instead of 64 (torch's thread count there)
-#: took the MoE checkpoint from 0.70 to 0.82 of the floor and the 8B-shaped one from 0.88 to 1.22
-#: (docs/benchmarks.md): each read thread's Python between its reads (futures, wake-ups) competes
-#: with the loading thread for the interpreter lock, and 8 threads read the ring's bytes faster
-#: than they are copied
+#: took the MoE checkpoint from 0.70 to 0.82 of the floor (one round; 0.49 to 0.59 over two rounds
+#: on another host) and the 8B-shaped one from 0.88 to 1.22 (docs/benchmarks.md): each read
+#: thread's Python between its reads (futures, wake-ups) competes with the loading thread for the
+#: interpreter lock, and 8 threads read the ring's bytes faster than they are copied
 READ_THREADS = 8
 #: consecutive regions of one file are handed to the read threads together, up to this many bytes
 #: (and at most ``1 / BATCH_SHARE`` of a buffer): one submission - and one wake-up of the threads -
