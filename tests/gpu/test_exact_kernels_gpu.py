@@ -13,11 +13,9 @@ import torch
 
 import mcore_zoo
 
+from mcore_zoo.testing.common import same_bits
+
 pytestmark = pytest.mark.gpu
-
-
-def _bits(a):
-    return a.contiguous().view(torch.int32 if a.dtype == torch.float32 else torch.int16)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None, reason="Transformer Engine is not installed")
@@ -50,4 +48,4 @@ def test_the_training_profile_with_the_triton_kernels_keeps_its_logits_and_gradi
         assert all(torch.equal(a, b) for a, b in zip(want_logits, logits)), name
         if "norm" not in variants[name] and name != "torch":
             assert grads.keys() == want_grads.keys(), name
-            assert all(torch.equal(_bits(want_grads[n]), _bits(grads[n])) for n in grads), name
+            assert all(same_bits(want_grads[n], grads[n]) for n in grads), name

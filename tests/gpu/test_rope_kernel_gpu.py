@@ -9,11 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mcore_zoo.testing.common import same_bits
+
 pytestmark = pytest.mark.gpu
-
-
-def _bits(a):
-    return a.contiguous().view(torch.int32 if a.dtype == torch.float32 else torch.int16)
 
 
 @pytest.mark.parametrize("shape", [(2048, 4, 32, 128, 128), (512, 1, 8, 128, 128), (8192, 1, 40, 128, 64), (300, 1, 16, 64, 64)])
@@ -30,9 +28,9 @@ def test_output_and_gradient_bits(shape, dtype):
     freqs = freqs.repeat(1, 2).reshape(s, 1, 1, rot)
     ta, tb = base[..., d : 2 * d].clone().requires_grad_(), base[..., d : 2 * d].clone().requires_grad_()
     oa, ob = rope(ta, freqs), reference(tb, freqs)
-    assert torch.equal(_bits(oa), _bits(ob))
-    assert torch.equal(_bits(rope(base[..., d : 2 * d], freqs)), _bits(ob))  # a strided input
+    assert same_bits(oa, ob)
+    assert same_bits(rope(base[..., d : 2 * d], freqs), ob)  # a strided input
     g = torch.randn(oa.shape, generator=gen, device="cuda").to(dtype)
     oa.backward(g)
     ob.backward(g)
-    assert torch.equal(_bits(ta.grad), _bits(tb.grad))
+    assert same_bits(ta.grad, tb.grad)

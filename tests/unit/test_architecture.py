@@ -133,7 +133,8 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "weights/tied.py", "weights/fp8.py", "weights/fp8_quantize.py", "weights/mxfp4.py",
         "packing.py", "numerics/gemm.py", "kernels/__init__.py", "kernels/copy_runs.py", "kernels/logprob_rows.py",
         "kernels/vllm_ops.py", "kernels/hf_rmsnorm.py", "kernels/_hf_rmsnorm_triton.py", "kernels/rope.py",
-        "kernels/_rope_triton.py", "kernels/swiglu.py", "kernels/_swiglu_triton.py", "families/vision_language/positions.py", "families/gated_deltanet/kernels.py",
+        "kernels/_rope_triton.py", "kernels/swiglu.py", "kernels/_swiglu_triton.py",
+        "kernels/triton_rows.py", "kernels/_triton_rounding.py", "families/vision_language/positions.py", "families/gated_deltanet/kernels.py",
     ),
     "registration": (
         "__init__.py", "entry.py", "hookspecs.py", "registry.py", "architecture.py", "plugin_api.py",

@@ -16,8 +16,7 @@ import mcore_zoo
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd as reference
 from mcore_zoo.kernels.rope import rope
 
-def bits(a):
-    return a.contiguous().view(torch.int32 if a.dtype == torch.float32 else torch.int16)
+from mcore_zoo.testing.common import same_bits
 
 gen = torch.Generator().manual_seed(0)
 for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -26,14 +25,14 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
         freqs = (torch.randn(s, 1, 1, rot // 2, generator=gen) * 3).repeat(1, 1, 1, 2)
         ta, tb = base[..., d:2 * d].clone().requires_grad_(), base[..., d:2 * d].clone().requires_grad_()
         strided = base[..., d:2 * d]  # a view with a unit last stride (as q / k split from a fused projection)
-        assert torch.equal(bits(rope(strided, freqs, mscale)), bits(reference(strided, freqs, mscale=mscale)))
+        assert same_bits(rope(strided, freqs, mscale), reference(strided, freqs, mscale=mscale))
         oa, ob = rope(ta, freqs, mscale), reference(tb, freqs, mscale=mscale)
-        assert oa.dtype == ob.dtype and torch.equal(bits(oa), bits(ob)), (dtype, s, b, h, d, rot)
+        assert oa.dtype == ob.dtype and same_bits(oa, ob), (dtype, s, b, h, d, rot)
         g = torch.randn(oa.shape, generator=gen).to(dtype)
         g[0, 0, 0, :4] = 0
         oa.backward(g)
         ob.backward(g)
-        assert torch.equal(bits(ta.grad), bits(tb.grad)), (dtype, s, b, h, d, rot, "grad")
+        assert same_bits(ta.grad, tb.grad), (dtype, s, b, h, d, rot, "grad")
 
 # the knob in a model: logits and every parameter's gradient bitwise those of the torch ops, on a THD pack
 from mcore_zoo.parallel import ensure_model_parallel
@@ -54,7 +53,7 @@ with tempfile.TemporaryDirectory() as tmp:
         results[kernel] = (out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     (lt, gt), (lx, gx) = results["torch"], results["triton"]
     assert all(torch.equal(a, b) for a, b in zip(lt, lx))
-    assert gt.keys() == gx.keys() and all(torch.equal(bits(gt[n]), bits(gx[n])) for n in gt), [n for n in gt if not torch.equal(gt[n], gx[n])]
+    assert gt.keys() == gx.keys() and all(same_bits(gt[n], gx[n]) for n in gt), [n for n in gt if not torch.equal(gt[n], gx[n])]
 print("ok")
 """
 

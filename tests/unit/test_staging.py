@@ -18,6 +18,7 @@ import mcore_zoo
 from mcore_zoo.errors import CheckpointFormatError
 from mcore_zoo.weights import staging
 from mcore_zoo.weights.io import HFCheckpoint
+from mcore_zoo.testing.common import same_bits
 from mcore_zoo.weights.staging import StagingRing
 
 
@@ -31,10 +32,6 @@ def staged_state() -> dict[str, torch.Tensor]:
         "vector": torch.randn(5000, generator=gen).bfloat16(),
         "small": torch.randn(2, 256, generator=gen),  # 512-byte column chunks: staged
     }  # fmt: skip
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def check_staged_reads(directory: Path, device: str, ring: StagingRing) -> None:
@@ -52,14 +49,14 @@ def check_staged_reads(directory: Path, device: str, ring: StagingRing) -> None:
                     before = ring.bytes_staged
                     got = torch.full(want.shape, 7, dtype=t.dtype, device=device)
                     staged.read_into(name, got, axis=axis, rank=rank, size=2)
-                    assert _same(got.cpu(), want), (name, axis, rank)
+                    assert same_bits(got.cpu(), want), (name, axis, rank)
                     assert ring.bytes_staged - before == want.numel() * want.element_size()
                     for dtype in (torch.float64, torch.bfloat16, torch.float16):
                         cast = torch.empty(want.shape, dtype=dtype, device=device)
                         staged.read_into(name, cast, axis=axis, rank=rank, size=2)
                         reference = torch.empty(want.shape, dtype=dtype)
                         plain.read_into(name, reference, axis=axis, rank=rank, size=2)  # the mapping path's cast
-                        assert _same(cast.cpu(), reference), (name, axis, rank, dtype)
+                        assert same_bits(cast.cpu(), reference), (name, axis, rank, dtype)
                     holes = torch.zeros(want.shape[0] * 2, *want.shape[1:], dtype=t.dtype, device=device)
                     grouped = torch.zeros(want.numel() // want.shape[-1], want.shape[-1] + 3, dtype=t.dtype, device=device)
                     flipped = tuple(reversed(range(want.dim())))
@@ -68,13 +65,13 @@ def check_staged_reads(directory: Path, device: str, ring: StagingRing) -> None:
                         staged.read_into(name, holes[1::2], axis=axis, rank=rank, size=2)
                         staged.read_into(name, grouped[:, 1:-2], axis=axis, rank=rank, size=2)
                         staged.read_into(name, transposed, axis=axis, rank=rank, size=2)
-                    assert _same(holes[1::2].cpu(), want) and not holes[0::2].any()
-                    assert _same(grouped[:, 1:-2].reshape(want.shape).cpu(), want)
+                    assert same_bits(holes[1::2].cpu(), want) and not holes[0::2].any()
+                    assert same_bits(grouped[:, 1:-2].reshape(want.shape).cpu(), want)
                     assert not grouped[:, :1].any() and not grouped[:, -2:].any()
-                    assert _same(transposed.cpu(), want)
+                    assert same_bits(transposed.cpu(), want)
         part = torch.empty(8, 1000, device=device)
         staged.read_into("rows", part, axis=0, rank=1, size=2, select=(0, 4, 20))
-        assert _same(part.cpu(), state["rows"][4:20].chunk(2)[1])
+        assert same_bits(part.cpu(), state["rows"][4:20].chunk(2)[1])
 
 
 def test_staged_reads_equal_the_reference_path_bitwise(tmp_path):
@@ -93,15 +90,15 @@ def test_the_ring_packs_small_tensors_and_refuses_what_it_cannot_stage(tmp_path,
             for out in small:
                 ckpt.read_into("small", out)
             assert ring._current == 0 and ring._used == 5 * 2048  # one buffer, five regions
-        assert all(_same(out, state["small"]) for out in small)
+        assert all(same_bits(out, state["small"]) for out in small)
         assert ring._ring == []  # handed back when the block exits
         before = ring.bytes_staged
         narrow = torch.empty(2, 2)
         ckpt.read_into("narrow", narrow, axis=1, rank=0, size=8)  # 8-byte runs 64 bytes apart: the mapping path
-        assert ring.bytes_staged == before and _same(narrow, state["narrow"][:, :2])
+        assert ring.bytes_staged == before and same_bits(narrow, state["narrow"][:, :2])
         monkeypatch.setattr(staging, "MIN_RUN_BYTES", 0)
         ckpt.read_into("narrow", narrow, axis=1, rank=1, size=8)
-        assert ring.bytes_staged == before + narrow.numel() * 4 and _same(narrow, state["narrow"][:, 2:4])
+        assert ring.bytes_staged == before + narrow.numel() * 4 and same_bits(narrow, state["narrow"][:, 2:4])
         with pytest.raises(RuntimeError, match="single memory location"):  # shared elements: torch refuses
             ckpt.read_into("rows", torch.empty(1, 1000).expand(20, 1000), axis=0, rank=0, size=2)
     default = StagingRing()
@@ -115,7 +112,7 @@ def test_the_ring_packs_small_tensors_and_refuses_what_it_cannot_stage(tmp_path,
     with HFCheckpoint(tmp_path, staging=mapping) as ckpt:
         out = torch.empty(2, 256)
         ckpt.read_into("small", out)
-    assert mapping.bytes_staged == 0 and _same(out, state["small"])
+    assert mapping.bytes_staged == 0 and same_bits(out, state["small"])
 
 
 def test_a_staged_read_of_a_truncated_file_names_the_tensor(tmp_path):
@@ -145,7 +142,7 @@ def test_small_tensors_of_one_file_are_read_in_batches_and_a_failed_batch_names_
         with ckpt.queued_reads():
             for name, out in outs.items():
                 ckpt.read_into(name, out)
-    assert all(_same(outs[n], state[n]) for n in state)
+    assert all(same_bits(outs[n], state[n]) for n in state)
     assert len(submits) == 6  # 24 regions of 4 KiB in batches of 16 KiB
     names = sorted(state)
     with HFCheckpoint(tmp_path, staging=ring) as ckpt:
@@ -169,7 +166,7 @@ def test_a_load_through_the_ring_equals_the_default_load(mpu, reference_checkpoi
     assert ring.bytes_staged > 0 and report.bytes_read >= ring.bytes_staged
     want = dict(reference.named_parameters())
     for name, param in model.named_parameters():
-        assert _same(param.detach(), want[name].detach()), name
+        assert same_bits(param.detach(), want[name].detach()), name
 
 
 def test_column_chunks_of_narrow_rows_are_read_as_whole_rows(tmp_path):
@@ -293,11 +290,11 @@ def test_stacked_expert_slices_read_through_the_ring_bitwise(tmp_path):
                     staged.read_into("experts", out, **kw)
                 outs.append((contiguous, holes, cast))
         for want, (contiguous, holes, cast) in zip(wants, outs):
-            assert _same(contiguous, want[0]) and _same(holes[1::2], want[0]) and not holes[0::2].any()
+            assert same_bits(contiguous, want[0]) and same_bits(holes[1::2], want[0]) and not holes[0::2].any()
             assert torch.equal(cast, want.float())
         big = torch.empty(3, 48, 80, dtype=torch.bfloat16)  # 23 KiB: three buffers' worth of regions
         staged.read_into("experts", big, select=(0, 2, 5))
-        assert _same(big, state["experts"][2:5])
+        assert same_bits(big, state["experts"][2:5])
 
 
 def test_run_starts_of_one_outer_dimension_are_a_range_equal_to_the_listed_starts():
@@ -377,7 +374,7 @@ def test_the_ring_reads_on_its_own_pool_of_read_threads(tmp_path, monkeypatch):
             with HFCheckpoint(tmp_path, staging=ring) as ckpt, ckpt.queued_reads():
                 for name, out in outs.items():
                     ckpt.read_into(name, out)
-            assert all(_same(outs[n], state[n]) for n in state)
+            assert all(same_bits(outs[n], state[n]) for n in state)
             assert 1 <= len(readers) <= threads and all(name.startswith(f"mcore-zoo-read{threads}") for name in readers), readers
     finally:
         torch.set_num_threads(torch_threads)

@@ -5,7 +5,7 @@ contracted into one FMA would round once where torch rounds twice."""
 import triton
 import triton.language as tl
 
-from ._hf_rmsnorm_triton import rounded
+from ._triton_rounding import rounded
 
 
 @triton.jit

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._hf_rmsnorm_triton import rounded
+from ._triton_rounding import rounded
 
 
 @triton.jit

@@ -35,23 +35,15 @@ interpreter (``TRITON_INTERPRET=1`` set before Triton is imported; the CPU tests
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
 
 from .logprob_rows import available  # noqa: F401 - one answer for every Triton kernel of the package
+from .triton_rows import block, cdiv, runs_on, tl_dtype, warps  # noqa: F401 - runs_on: the layer's device check
 
 #: rows of the backward one program walks (its weight-gradient partial sums them)
 ROWS_PER_PROGRAM = 64
-
-_TL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def runs_on(x: torch.Tensor) -> bool:
-    """Whether the kernels take ``x``'s device: CUDA, or the CPU under Triton's interpreter."""
-    return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
-
 
 @functools.lru_cache(maxsize=None)
 def _kernels():  # type: ignore[no-untyped-def]
@@ -60,46 +52,23 @@ def _kernels():  # type: ignore[no-untyped-def]
     return k.square_kernel, k.normalize_kernel, k.backward_kernel
 
 
-def _block(n_cols: int) -> int:
-    import triton
-
-    return max(16, triton.next_power_of_2(n_cols))
-
-
-def _warps(block: int) -> int:
-    """Warps of a program holding rows of ``block`` elements (about 8 fp32 per thread and tensor)."""
-    return min(16, max(1, block // 256))
-
-
-def _tl(dtype: torch.dtype) -> Any:
-    import triton.language as tl
-
-    if dtype not in _TL_DTYPES:
-        raise TypeError(f"hf_rms_norm takes float32 / bfloat16 / float16 tensors, not {dtype}")
-    return getattr(tl, _TL_DTYPES[dtype])
-
-
 def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, r)``: the norm's output and each row's ``rsqrt(variance + eps)`` ``[rows]`` fp32."""
     square, normalize, _ = _kernels()
     n_cols = x.shape[-1]
     squares = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     n = x.numel()
-    square[(_cdiv(n, 4096),)](x, squares, n, BLOCK=4096)
+    square[(cdiv(n, 4096),)](x, squares, n, BLOCK=4096)
     r = torch.rsqrt(squares.mean(-1, keepdim=True) + eps)  # transformers' reduction and rsqrt
     del squares
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     rows = n // n_cols if n_cols else 0
     if rows:
-        block = _block(n_cols)
-        normalize[(rows,)](x, r, weight, out, n_cols, BLOCK=block, MID=_tl(x.dtype), OUT=_tl(out_dtype),
-                           num_warps=_warps(block))  # fmt: skip
+        width = block(n_cols)
+        normalize[(rows,)](x, r, weight, out, n_cols, BLOCK=width, MID=tl_dtype(x.dtype), OUT=tl_dtype(out_dtype),
+                           num_warps=warps(width))  # fmt: skip
     return out, r.reshape(rows)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class _HFRMSNorm(torch.autograd.Function):
@@ -118,12 +87,12 @@ class _HFRMSNorm(torch.autograd.Function):
         n_cols = x.shape[-1]
         rows = x.numel() // n_cols if n_cols else 0
         dx = torch.empty_like(x)
-        programs = max(1, _cdiv(rows, ROWS_PER_PROGRAM))
+        programs = max(1, cdiv(rows, ROWS_PER_PROGRAM))
         partial = torch.zeros(programs, n_cols, dtype=torch.float32, device=x.device)
         if rows:
-            block = _block(n_cols)
+            width = block(n_cols)
             backward[(programs,)](x, r, weight, grad, dx, partial, rows, n_cols, 1.0 / n_cols, ROWS=ROWS_PER_PROGRAM,
-                                  BLOCK=block, MID=_tl(x.dtype), OUT=_tl(ctx.out_dtype), num_warps=_warps(block))  # fmt: skip
+                                  BLOCK=width, MID=tl_dtype(x.dtype), OUT=tl_dtype(ctx.out_dtype), num_warps=warps(width))  # fmt: skip
         dw = partial.sum(0).to(weight.dtype)
         return dx, dw, None
 

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from .hf_rmsnorm import _tl, _warps, runs_on  # noqa: F401 - runs_on: the same devices as the norm's kernels
 from .logprob_rows import available  # noqa: F401
+from .triton_rows import block, runs_on, tl_dtype, warps  # noqa: F401 - runs_on: the dispatch's device check
 
 
 @functools.lru_cache(maxsize=None)
@@ -38,10 +38,9 @@ def _kernel():  # type: ignore[no-untyped-def]
 
 
 def _blocks(half: int, dim: int) -> tuple[int, int]:
-    import triton
-
+    """Elements a program loads for each rotary half, and for the tail past them (0: none)."""
     rest = dim - 2 * half
-    return max(16, triton.next_power_of_2(half)), (max(16, triton.next_power_of_2(rest)) if rest else 0)
+    return block(half), (block(rest) if rest else 0)
 
 
 def takes(t: torch.Tensor, freqs: torch.Tensor) -> bool:
@@ -60,11 +59,11 @@ class _Rope(torch.autograd.Function):
         s, b, h, d = t.shape
         half = cos.shape[-1] // 2
         out = torch.empty((s, b, h, d), dtype=t.dtype, device=t.device)
-        block, rest = _blocks(half, d)
+        width, rest = _blocks(half, d)
         if out.numel():
-            kernel[(s * b * h,)](t, cos, sin, out, h, b, t.stride(0), t.stride(1), t.stride(2), d, HALF=half, BLOCK=block,
-                                 PASS_BLOCK=rest, DT=_tl(t.dtype), BACKWARD=False, enable_fp_fusion=False,
-                                 num_warps=_warps(2 * block))  # fmt: skip
+            kernel[(s * b * h,)](t, cos, sin, out, h, b, t.stride(0), t.stride(1), t.stride(2), d, HALF=half, BLOCK=width,
+                                 PASS_BLOCK=rest, DT=tl_dtype(t.dtype), BACKWARD=False, enable_fp_fusion=False,
+                                 num_warps=warps(2 * width))  # fmt: skip
         ctx.save_for_backward(cos, sin)
         return out
 
@@ -76,10 +75,10 @@ class _Rope(torch.autograd.Function):
         s, b, h, d = grad.shape
         half = cos.shape[-1] // 2
         dt = torch.empty_like(grad)
-        block, rest = _blocks(half, d)
+        width, rest = _blocks(half, d)
         if dt.numel():
-            kernel[(s * b * h,)](grad, cos, sin, dt, h, b, b * h * d, h * d, d, d, HALF=half, BLOCK=block, PASS_BLOCK=rest,
-                                 DT=_tl(grad.dtype), BACKWARD=True, enable_fp_fusion=False, num_warps=_warps(2 * block))  # fmt: skip
+            kernel[(s * b * h,)](grad, cos, sin, dt, h, b, b * h * d, h * d, d, d, HALF=half, BLOCK=width, PASS_BLOCK=rest,
+                                 DT=tl_dtype(grad.dtype), BACKWARD=True, enable_fp_fusion=False, num_warps=warps(2 * width))  # fmt: skip
         return dt, None, None
 
 

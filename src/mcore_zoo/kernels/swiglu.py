@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from .hf_rmsnorm import _tl, _warps, runs_on  # noqa: F401 - runs_on: the same devices as the norm's kernels
 from .logprob_rows import available  # noqa: F401
+from .triton_rows import cdiv, runs_on, tl_dtype, warps  # noqa: F401 - runs_on: the MLP's device check
 
 #: columns of a row one program takes
 BLOCK = 1024
@@ -53,8 +53,8 @@ class _SwiGLU(torch.autograd.Function):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         out = torch.empty(*x.shape[:-1], ffn, dtype=x.dtype, device=x.device)
         if out.numel():
-            forward[(rows, -(-ffn // BLOCK))](x, out, ffn, float(offset), BLOCK=BLOCK, DT=_tl(x.dtype),
-                                              ACCURATE=_accurate(x), enable_fp_fusion=False, num_warps=_warps(BLOCK))  # fmt: skip
+            forward[(rows, cdiv(ffn, BLOCK))](x, out, ffn, float(offset), BLOCK=BLOCK, DT=tl_dtype(x.dtype),
+                                              ACCURATE=_accurate(x), enable_fp_fusion=False, num_warps=warps(BLOCK))  # fmt: skip
         ctx.save_for_backward(x)
         ctx.offset = float(offset)
         return out
@@ -68,8 +68,8 @@ class _SwiGLU(torch.autograd.Function):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         dx = torch.empty_like(x)
         if dx.numel():
-            backward[(rows, -(-ffn // BLOCK))](x, grad, dx, ffn, ctx.offset, BLOCK=BLOCK, DT=_tl(x.dtype),
-                                               ACCURATE=_accurate(x), enable_fp_fusion=False, num_warps=_warps(BLOCK))  # fmt: skip
+            backward[(rows, cdiv(ffn, BLOCK))](x, grad, dx, ffn, ctx.offset, BLOCK=BLOCK, DT=tl_dtype(x.dtype),
+                                               ACCURATE=_accurate(x), enable_fp_fusion=False, num_warps=warps(BLOCK))  # fmt: skip
         return dx, None
 
 

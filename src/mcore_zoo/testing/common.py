@@ -211,6 +211,15 @@ class ReferenceCheckpoints:
         return self._cache[key]
 
 
+def same_bits(a: Any, b: Any) -> bool:
+    """Whether two tensors are equal bit for bit: the same dtype and shape and the same bytes (a
+    signed zero or a NaN payload counts, unlike ``torch.equal``)."""
+    import torch
+
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.detach().contiguous().view(torch.uint8), b.detach().contiguous().view(torch.uint8)))  # fmt: skip
+
+
 def run_under_triton_interpreter(script: str, timeout: float = 900) -> None:
     """Run ``script`` (Python source that prints ``ok`` first on success) in a subprocess with
     ``TRITON_INTERPRET=1``, so Triton kernels run on the CPU; skip the calling test where Triton is
