@@ -10,10 +10,12 @@ three kernels and two temporaries forward, more backward. :func:`swiglu` reads `
 writes ``out`` once: ``silu`` as torch's CUDA kernel computes it (``x / (1 + expf(-x))`` in fp32:
 the accurate ``expf`` and an IEEE division, not Triton's fast ones), the offset added and the
 product taken, each rounded to ``x.dtype``; its backward reads ``x`` and the gradient once and
-writes ``dx`` once, as autograd's chain rounds (``silu_backward``: ``dy * s * (1 + x * (1 - s))``).
-The bits equal torch's where Triton's ``expf`` is CUDA's (checked on the GPU:
-``tests/gpu/test_swiglu_kernel_gpu.py``); Triton's CPU interpreter takes numpy's ``exp``, so the CPU
-test bounds the difference to one unit in the last place instead.
+writes ``dx`` once, as autograd's chain rounds (``silu_backward``: ``dy * s * (1 + x * (1 - s))``,
+whose ``1 + x * (1 - s)`` nvcc compiles into one fused multiply-add: the kernel takes ``fma`` there
+and contracts nothing else). Output and gradients bitwise equal to torch's on an H100 (float32,
+bfloat16, float16: ``tests/gpu/test_swiglu_kernel_gpu.py``, 2026-11-27; without that ``fma`` the
+float16 / float32 gradients differed); Triton's CPU interpreter takes numpy's ``exp`` (and computes
+``fma`` as two roundings), so the CPU test bounds the difference to one unit in the last place instead.
 
 Contract: ``x [..., 2 * ffn]`` contiguous, float32 / bfloat16 / float16; CUDA tensors, or CPU tensors
 under Triton's interpreter. Output ``[..., ffn]``, ``x``'s dtype.
