@@ -119,7 +119,7 @@ def parse_variant(text: str) -> tuple[str, str, Any]:
 
 
 def model_times(layers: int, batch: int, seq: int, variant_specs: list[str], shape: str = "llama-8b",
-                profile_dir: str | None = None) -> dict[str, Any]:  # fmt: skip
+                profile_dir: str | None = None, transformers_rows: bool = True) -> dict[str, Any]:  # fmt: skip
     import mcore_zoo
     from mcore_zoo.parallel import ensure_model_parallel
 
@@ -159,7 +159,7 @@ def model_times(layers: int, batch: int, seq: int, variant_specs: list[str], sha
         model = fwd = thd = None  # noqa: F841 - the closures hold the model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    for attn in ("eager", "sdpa"):
+    for attn in ("eager", "sdpa") if transformers_rows else ():
         gc.collect()
         torch.cuda.empty_cache()
         held = torch.cuda.memory_allocated() / 2**30
@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", action="append", default=None, metavar="NAME=BACKEND:PROFILE[,KNOB=VALUE...]",
                         help="model variants to time (repeatable; default: " + "; ".join(DEFAULT_VARIANTS) + ")")
     parser.add_argument("--no-gemm", action="store_true", help="skip the GEMM split-K table")
+    parser.add_argument("--no-transformers", action="store_true", help="skip transformers' own eager / sdpa rows")
     parser.add_argument("--profile", action="store_true",
                         help="also one THD forward + backward per variant under torch's profiler: op tables in OUT/profile/")
     args = parser.parse_args(argv)
@@ -238,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         "gemm": gemm,
         "model": {"shape": args.shape, "layers": args.layers, "batch": args.batch, "seq": args.seq,
                   "results": model_times(args.layers, args.batch, args.seq, args.variant or DEFAULT_VARIANTS, args.shape,
-                                         os.path.join(args.out, "profile") if args.profile else None)},  # fmt: skip
+                                         os.path.join(args.out, "profile") if args.profile else None,
+                                         transformers_rows=not args.no_transformers)},  # fmt: skip
     }
     with open(os.path.join(args.out, "numerics_speed.json"), "w") as f:
         json.dump(report, f, indent=1)

@@ -332,3 +332,36 @@ def test_remote_code_model_type_checkpoint_works_in_every_command(mpu, reference
     a, b = load_file(str(kimi / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert main(["parity-report", "--model", str(kimi), "-q", "--no-layers", "--no-baseline"]) == 0
+
+
+def test_a_packs_sequences_share_one_stack_of_expert_weights(mpu, reference_checkpoint, monkeypatch):
+    """``hf-exact`` runs a THD pack's MoE block one sequence at a time; transformers' ``grouped_mm``
+    experts take the experts' weights stacked (a copy of them all, kept for the backward): one stack
+    per projection and layer for the whole pack, not one per sequence - with the same logits and
+    parameter gradients, bit for bit, as stacking per sequence."""
+    import contextlib
+
+    from mcore_zoo.families.moe import grouped_mm, spec
+
+    ckpt = reference_checkpoint("Qwen3MoeForCausalLM")
+    model = mcore_zoo.build_model(ckpt, backend="local", numerics="hf-exact", load=ckpt, params_dtype=torch.bfloat16)
+    layers = sum(1 for m in model.modules() if type(m).__name__ == "HFOrderSequentialMLP")
+    seqs = random_sequences([9, 1, 5, 12, 3], 200, seed=4)
+    stacks = []
+    stack = torch.stack
+    monkeypatch.setattr(grouped_mm.torch, "stack", lambda *a, **k: stacks.append(1) or stack(*a, **k))
+
+    def run():
+        stacks.clear()
+        model.zero_grad(set_to_none=True)
+        logits = mcore_zoo.packed_forward(model, seqs).logits
+        sum(x.float().sum() for x in logits).backward()
+        return ([x.detach() for x in logits], {n: p.grad.clone() for n, p in model.named_parameters()}, len(stacks))
+
+    shared = run()
+    monkeypatch.setattr(spec, "shared_expert_stacks", contextlib.nullcontext)
+    each = run()
+    assert layers > 0 and shared[2] == 2 * layers and each[2] == 2 * layers * len(seqs), (layers, shared[2], each[2])
+    assert all(torch.equal(a, b) for a, b in zip(shared[0], each[0]))
+    assert shared[1].keys() == each[1].keys()
+    assert all(torch.equal(shared[1][n].view(torch.int16), each[1][n].view(torch.int16)) for n in shared[1])

@@ -10,11 +10,18 @@ products in another order (measured on the GPU: Mixtral-8x22B's experts not bitw
 tokens). :func:`grouped_experts` runs the same call on the same tensors - the zoo's expert weights
 stacked as transformers stores them, the rows in its order (``run_in_reference_order``), its
 offsets - through transformers' own dispatcher when this transformers has one.
+
+The stacked weights are a copy of every local expert's weights (at Qwen3-30B-A3B's widths 1.2 GB per
+layer), and autograd keeps it for the backward. Where one MoE block runs a THD pack one sequence at
+a time (``hf-exact``), :func:`shared_expert_stacks` makes the stacks once per block call and every
+sequence's GEMMs use them: one copy per layer, not one per layer and sequence.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import contextlib
+import threading
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -48,6 +55,43 @@ def reference_grouped_mm() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor
     return _grouped_mm
 
 
+_STACKS = threading.local()
+
+
+@contextlib.contextmanager
+def shared_expert_stacks() -> Iterator[None]:
+    """Inside the block, :func:`grouped_experts_apply`'s ``run`` stacks each experts module's
+    weights at its first call and reuses them at the next ones (same tensors, same grad mode), so
+    the sequences of one pack share one stacked copy (and its one node in the autograd graph, whose
+    backward hands each expert the sum of the sequences' gradients). The weights must not change
+    inside the block; nested blocks share the outer one's stacks."""
+    outer = getattr(_STACKS, "cache", None)
+    if outer is None:
+        _STACKS.cache = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _STACKS.cache = None
+
+
+def _stacked(local: list, parameter: str) -> torch.Tensor:
+    """``torch.stack`` of every local expert's ``parameter`` (``linear_fc1`` / ``linear_fc2``)
+    weight, made once per :func:`shared_expert_stacks` block (keyed on the weights themselves and
+    the grad mode), else at every call."""
+    weights = [getattr(e, parameter).weight for e in local]
+    cache = getattr(_STACKS, "cache", None)
+    if cache is None:
+        return torch.stack(weights)
+    key = (tuple(id(w) for w in weights), torch.is_grad_enabled())
+    hit = cache.get(key)
+    if hit is not None and all(w._version == v for w, v in zip(weights, hit[1])):
+        return hit[0]
+    stacked = torch.stack(weights)
+    cache[key] = (stacked, [w._version for w in weights], weights)  # the weights kept: their ids stay theirs
+    return stacked
+
+
 def grouped_experts_apply(experts: Any) -> Optional[Callable[[torch.Tensor, list[int]], torch.Tensor]]:
     """``run(rows, counts) -> output`` computing Megatron-Core's ``local_experts`` (expert ``MLP``\\ s
     of gated linears without biases, on one tensor-parallel rank) as transformers' ``grouped_mm``
@@ -69,8 +113,8 @@ def grouped_experts_apply(experts: Any) -> Optional[Callable[[torch.Tensor, list
     grouped_mm = reference_grouped_mm()
 
     def run(rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        gate_up_proj = torch.stack([e.linear_fc1.weight for e in local])  # [E, 2I, H], transformers' layout
-        down_proj = torch.stack([e.linear_fc2.weight for e in local])  # [E, H, I]
+        gate_up_proj = _stacked(local, "linear_fc1")  # [E, 2I, H], transformers' layout
+        down_proj = _stacked(local, "linear_fc2")  # [E, H, I]
         offsets = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
         gate_up = grouped_mm(rows, gate_up_proj.transpose(-2, -1), offsets)
         gate, up = gate_up.chunk(2, dim=-1)
@@ -79,4 +123,4 @@ def grouped_experts_apply(experts: Any) -> Optional[Callable[[torch.Tensor, list
     return run
 
 
-__all__ = ["GROUPED_MM_DTYPES", "grouped_experts_apply", "reference_grouped_mm"]
+__all__ = ["GROUPED_MM_DTYPES", "grouped_experts_apply", "reference_grouped_mm", "shared_expert_stacks"]

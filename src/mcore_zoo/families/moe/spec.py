@@ -36,6 +36,7 @@ import torch
 
 from mcore_zoo.config.arch import ArchConfig, ClampedSwiGLU, MoESpec
 from mcore_zoo.errors import ZooError
+from mcore_zoo.families.moe.grouped_mm import shared_expert_stacks
 from mcore_zoo.specs.pack_rows import outside_pack, sequence_segments
 from mcore_zoo.specs.patching import wrap_once
 
@@ -384,7 +385,9 @@ def hf_moe_layer_class(experts: str = "grouped_mm", pack: str = "batch") -> type
                 outputs, bias = [], None
                 recompute, self.moe_layer_recompute = self.moe_layer_recompute, False
                 try:
-                    with outside_pack():  # the block's own GEMMs see one sequence: nothing left to split
+                    # the block's own GEMMs see one sequence: nothing left to split; the experts'
+                    # stacked weights (grouped_mm) made once for all the sequences
+                    with outside_pack(), shared_expert_stacks():
                         for start, end in segments:
                             if padding_mask is not None:
                                 kwargs["padding_mask"] = padding_mask[:, start:end]
