@@ -92,19 +92,27 @@ def _stacked(local: list, parameter: str) -> torch.Tensor:
     return stacked
 
 
+def _adds_bias(linear: Any) -> bool:
+    """Whether ``linear`` adds a bias: a tensor with elements. Megatron-Core's linears without one
+    hold ``None``, Transformer Engine's an empty tensor."""
+    bias = getattr(linear, "bias", None)
+    return isinstance(bias, torch.Tensor) and bias.numel() > 0
+
+
 def grouped_experts_apply(experts: Any) -> Optional[Callable[[torch.Tensor, list[int]], torch.Tensor]]:
     """``run(rows, counts) -> output`` computing Megatron-Core's ``local_experts`` (expert ``MLP``\\ s
     of gated linears without biases, on one tensor-parallel rank) as transformers' ``grouped_mm``
     experts: ``rows [R, H]`` grouped by expert (``counts[e]`` rows of expert ``e``, in order) ->
     ``[R, H]`` before the routing weights. ``None`` where the experts are not of that form (biases,
     experts split over tensor-parallel ranks, no gated linear unit): they then run one by one.
+    Megatron-Core's and Transformer Engine's linears alike (the ``te`` backend's experts too).
     Differentiable."""
     local = list(experts)
     if not local:
         return None
     for expert in local:
         fc1, fc2 = expert.linear_fc1, expert.linear_fc2
-        if not expert.config.gated_linear_unit or getattr(fc1, "bias", None) is not None or getattr(fc2, "bias", None) is not None:
+        if not expert.config.gated_linear_unit or _adds_bias(fc1) or _adds_bias(fc2):
             return None
         group = getattr(fc1, "tp_group", None)
         if group is not None and group.size() != 1:
