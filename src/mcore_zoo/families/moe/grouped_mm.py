@@ -7,7 +7,7 @@ transformers 5's default experts implementation (``grouped_mm_experts_forward``)
 (``[E, out, in]``, transposed views) with the experts' row offsets. On CUDA that is a grouped GEMM
 kernel of its own, not the cuBLAS GEMM a per-expert ``F.linear`` runs: the two can sum a row's
 products in another order (measured on the GPU: Mixtral-8x22B's experts not bitwise at 4 x 512
-tokens). :func:`grouped_experts` runs the same call on the same tensors - the zoo's expert weights
+tokens). :func:`grouped_experts_apply` runs the same call on the same tensors - the zoo's expert weights
 stacked as transformers stores them, the rows in its order (``run_in_reference_order``), its
 offsets - through transformers' own dispatcher when this transformers has one.
 
