@@ -94,7 +94,7 @@ def run_model(name: str, args: argparse.Namespace, packs: dict[str, tuple[int, .
                      experts_implementation=experts)  # fmt: skip
         release()
         profile = get_profile("hf-exact").with_knobs(moe_experts=experts)
-        spec = McoreSpec(str(source.checkpoint), "local", profile, dtype, "thd", 1, args.device)
+        spec = McoreSpec(str(source.checkpoint), args.backend, profile, dtype, "thd", 1, args.device)
         alone = run_mcore(dataclasses.replace(spec, per_sequence=True), sequences)
         release()
         start = 0
@@ -134,7 +134,8 @@ def _slice(result: Any, part: slice) -> Any:
 
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"# hf-exact MoE on THD packs vs transformers on each sequence alone ({report['device_name']})", "",
-             f"bf16, 2 layers, random weights with sharp attention; {report['versions']}.", "",
+             f"bf16, 2 layers, random weights with sharp attention, backend `{report.get('backend', 'local')}`;"
+             f" {report['versions']}.", "",
              "| model | experts | pack | form | bitwise | max abs dlogit | max abs dlogp | first divergent site |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in report["rows"]:
@@ -153,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experts", nargs="+", default=list(EXPERTS), choices=list(EXPERTS))
     parser.add_argument("--packs", nargs="+", type=parse_pack, default=None, help="NAME=L1,L2 or NAME=NxL")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", default="local", choices=("local", "te"), help="the zoo model's backend")
     args = parser.parse_args(argv)
     packs = dict(args.packs) if args.packs else dict(PACKS)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -168,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(args.device)
     report = {"device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "environment": env, "versions": ", ".join(f"{k} {v}" for k, v in env["versions"].items()),
-              "tiny": args.tiny, "rows": rows, "all_bitwise": all(r["bitwise"] for r in rows)}  # fmt: skip
+              "tiny": args.tiny, "backend": args.backend, "rows": rows,
+              "all_bitwise": all(r["bitwise"] for r in rows)}  # fmt: skip
     (args.out / "moe_exact_packs.json").write_text(json.dumps(report, indent=2))
     (args.out / "moe_exact_packs.md").write_text(markdown(report))
     return 0 if report["all_bitwise"] else 1

@@ -406,10 +406,10 @@ if [[ " $phases " == *" load-gpu "* ]]; then
   # rounds, each measurement a fresh process (bench/gpu/load_gpu.py); about 4 + 3 minutes. The CPU dry
   # run of the same phase: LOAD_GPU_ARGS="--device cpu --tiny"
   gpus=$(g 0); (( ngpu >= 2 )) && gpus=$(g 0),$(g 1)
-  # the staging ring's default (4 x 16 MiB, three in flight, 8 read threads of its own) and other read-thread
-  # counts (4, 16), each load against the same floor (read on 8 threads) in every round; the first round's
-  # loads also timed step by step on their main thread (--breakdown)
-  rings=(--ring default --ring default:r4 --ring default:r16 --breakdown)
+  # the staging ring's default (4 x 16 MiB, three in flight, 8 read threads of its own), the same with
+  # staging.RAW_COPIES (:x, experimental) and with 4 read threads, each load against the same floor (read on
+  # 8 threads) in every round; the first round's loads also timed step by step on their main thread (--breakdown)
+  rings=(--ring default --ring default:x --ring default:r4 --breakdown)
   CUDA_VISIBLE_DEVICES=$gpus timeout "${LOAD_GPU_TIMEOUT:-600}" $py bench/gpu/load_gpu.py --out "$out/load-gpu" --rounds 2 \
       "${rings[@]}" ${LOAD_GPU_CKPT:+--ckpt "$LOAD_GPU_CKPT"} ${LOAD_GPU_ARGS:-} > "$out/logs/load-gpu.log" 2>&1
   echo "load-gpu exit $?" >> "$out/logs/status"

@@ -1,6 +1,7 @@
 """bf16 on CUDA: ``hf-exact`` MoE on mixed THD packs at the full width of Qwen3-30B-A3B, Mixtral-8x7B
 and DeepSeek-V3 (64 of the 256 routed experts), 2 layers, each sequence packed and alone bitwise
-equal to transformers on it alone with either experts implementation
+equal to transformers on it alone with either experts implementation, on the ``local`` backend and
+on ``te`` (its experts' Transformer Engine linears through the same ``grouped_mm`` call)
 (``bench/gpu/moe_exact_packs.py``, the moe-exact-packs phase; its report lands under the test's
 temporary folder and is printed on failure).
 
@@ -9,6 +10,7 @@ CPU counterparts: ``tests/parity/test_moe_parity.py`` and ``tests/parity/test_ml
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -22,11 +24,14 @@ pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.parametrize("backend", ["local", "te"])
 @pytest.mark.parametrize("model", ["qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3"])
-def test_hf_exact_moe_packs_bitwise(tmp_path, model):
+def test_hf_exact_moe_packs_bitwise(tmp_path, model, backend):
+    if backend == "te" and importlib.util.find_spec("transformer_engine") is None:
+        pytest.skip("Transformer Engine is not installed")
     env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":0:0", CUBLASLT_WORKSPACE_SIZE="0",  # split-K off
                PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))  # fmt: skip
-    cmd = [sys.executable, "bench/gpu/moe_exact_packs.py", "--models", model, "--out", str(tmp_path)]
+    cmd = [sys.executable, "bench/gpu/moe_exact_packs.py", "--models", model, "--backend", backend, "--out", str(tmp_path)]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     report_path = tmp_path / "moe_exact_packs.json"
     assert report_path.exists(), done.stderr[-4000:]

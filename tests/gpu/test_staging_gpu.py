@@ -24,6 +24,24 @@ def test_device_destinations_through_the_default_ring(tmp_path):
     check_staged_reads(tmp_path, "cuda", StagingRing())
 
 
+def test_raw_copies_on_the_device(tmp_path, monkeypatch):
+    """``RAW_COPIES``: contiguous destinations of the file's dtype copied by ``cudaMemcpyAsync``
+    through ctypes (the libcudart torch loaded), the others as before - the same bits, and raw
+    copies were made. Fails where this process maps no libcudart (the option would then copy as
+    before, silently)."""
+    from mcore_zoo.weights import staging
+
+    memcpy = staging._cuda_memcpy_async()
+    assert memcpy is not None, "no libcudart mapped in this process"
+    copied = []
+    monkeypatch.setattr(staging, "RAW_COPIES", True)
+    monkeypatch.setattr(staging, "_cuda_memcpy_async", lambda: lambda *args: copied.append(args[2]) or memcpy(*args))
+    check_staged_reads(tmp_path, "cuda", StagingRing(3, 4096))
+    (tmp_path / "default").mkdir()
+    check_staged_reads(tmp_path / "default", "cuda", StagingRing())
+    assert len(copied) > 10 and all(n > 0 for n in copied)
+
+
 def test_a_load_onto_the_gpu_equals_the_mapping_path(mpu, reference_checkpoint):
     import mcore_zoo
     from mcore_zoo.weights.io import HFCheckpoint

@@ -80,6 +80,28 @@ def test_staged_reads_equal_the_reference_path_bitwise(tmp_path):
     check_staged_reads(tmp_path, "cpu", StagingRing(3, 4096, pin=False, cpu_destinations=True))
 
 
+def test_raw_copies_equal_the_reference_path_bitwise(tmp_path, monkeypatch):
+    """``RAW_COPIES`` (experimental, off by default): regions whose destination is contiguous and of
+    the file's dtype are copied by their bytes (on the CPU ring ``ctypes.memmove``, on CUDA
+    ``cudaMemcpyAsync``), the others (casts, strided destinations, whole rows cut) as before - the
+    same bits as the reference path, and raw copies were made."""
+    monkeypatch.setattr(staging, "RAW_COPIES", True)
+    copied = []
+    memmove = staging._host_memmove
+    monkeypatch.setattr(staging, "_host_memmove", lambda *args: copied.append(args[2]) or memmove(*args))
+    check_staged_reads(tmp_path, "cpu", StagingRing(3, 4096, pin=False, cpu_destinations=True))
+    assert len(copied) > 10 and all(n > 0 for n in copied)
+
+
+def test_a_failed_raw_copy_raises(tmp_path, monkeypatch):
+    save_file({"w": torch.ones(4, 8)}, str(tmp_path / "model.safetensors"))
+    monkeypatch.setattr(staging, "RAW_COPIES", True)
+    monkeypatch.setattr(staging, "_host_memmove", lambda *args: 700)
+    with HFCheckpoint(tmp_path, staging=StagingRing(2, 4096, pin=False, cpu_destinations=True)) as ckpt:
+        with pytest.raises(RuntimeError, match=r"cudaMemcpyAsync of a staged region \(128 bytes into \(4, 8\)\) failed: cudaError_t 700"):
+            ckpt.read_into("w", torch.empty(4, 8))
+
+
 def test_the_ring_packs_small_tensors_and_refuses_what_it_cannot_stage(tmp_path, monkeypatch):
     state = {**staged_state(), "narrow": torch.randn(2, 16)}
     save_file(state, str(tmp_path / "model.safetensors"))

@@ -41,6 +41,7 @@ stages CPU destinations through an unpinned ring and copies them synchronously.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from concurrent.futures import Future
@@ -81,6 +82,15 @@ READ_THREADS = 8
 #: for several small tensors (an MoE checkpoint's experts) instead of one each
 BATCH_BYTES = 16 << 20
 BATCH_SHARE = 4
+#: experimental, off by default (not yet measured on a GPU): a region whose destination is a
+#: contiguous tensor of the file's dtype is copied by its bytes - on CUDA one ``cudaMemcpyAsync``
+#: on the side stream, called through ctypes with the interpreter lock held
+#: (:func:`_cuda_memcpy_async`), on the CPU (the test ring) ``ctypes.memmove`` - instead of a staged
+#: view and ``Tensor.copy_``: two torch calls, each of which gives the lock up to the read threads and
+#: waits to get it back (an H100 host: a 3 MB copy's dispatch 5 us alone, 24 us beside 8 read
+#: threads; the MoE load's copies 97 - 143 us each; docs/benchmarks.md). Where this process maps no
+#: libcudart, a CUDA ring copies as before.
+RAW_COPIES = False
 
 
 def _pieces(out: torch.Tensor, start: int, limit: int) -> Iterator[tuple[torch.Tensor, int]]:
@@ -168,7 +178,7 @@ class _Piece:
 
     futures: list[Future]
     destination: torch.Tensor
-    staged: torch.Tensor
+    staged: Optional[torch.Tensor]  # None: a raw copy (RAW_COPIES) from ``address``
     buffer: int
     nbytes: int
     describe: Optional[Callable[[OSError], BaseException]]
@@ -176,6 +186,8 @@ class _Piece:
     #: the region's own reads (``fd``, segments) while its futures are shared with other regions of
     #: a batch: a failed batch is read again region by region, so that the error names its tensor
     own: Optional[tuple[pread.ReadPool, int, list[pread.Segment]]] = None
+    #: a raw copy's host address (the region's bytes in the pinned buffer); 0 otherwise
+    address: int = 0
 
 
 @dataclass(slots=True)
@@ -188,6 +200,41 @@ class _Batch:
     segments: list[pread.Segment] = field(default_factory=list)
     pieces: list[_Piece] = field(default_factory=list)
     nbytes: int = 0
+
+
+_HOST_TO_DEVICE = 1  # cudaMemcpyKind cudaMemcpyHostToDevice
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_memcpy_async() -> Optional[Callable[[int, int, int, int, int], int]]:
+    """``cudaMemcpyAsync(dst, src, count, kind, stream) -> cudaError_t`` of the CUDA runtime torch
+    loaded (found among the process's mapped libraries), called with the interpreter lock held
+    (``ctypes.PyDLL``: a few microseconds, no hand-over to the read threads); ``None`` where this
+    process maps no ``libcudart`` (a torch that links it statically, or no CUDA)."""
+    import ctypes
+    import os
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+    except OSError:
+        return None
+    path = next((p for p in sorted(paths) if os.path.basename(p).startswith("libcudart.so")), None)
+    if path is None:
+        return None
+    lib = ctypes.PyDLL(path)
+    fn = lib.cudaMemcpyAsync
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _host_memmove(dst: int, src: int, count: int, kind: int, stream: int) -> int:
+    """:func:`_cuda_memcpy_async`'s signature on host memory (a CPU ring's raw copies)."""
+    import ctypes
+
+    ctypes.memmove(dst, src, count)
+    return 0
 
 
 def _cut(staged: torch.Tensor, rows: Optional[tuple[int, int, int]]) -> torch.Tensor:
@@ -237,6 +284,7 @@ class StagingRing:
         self._views: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (buffer, dtype): the buffer as that dtype
         self._events: list[Optional[torch.cuda.Event]] = []
         self._stream: Optional[torch.cuda.Stream] = None
+        self._raw: Optional[Callable[[int, int, int, int, int], int]] = None  # RAW_COPIES' cudaMemcpyAsync
         self._device: Optional[torch.device] = None
         self._pending: deque[_Piece] = deque()
         self._batch: Optional[_Batch] = None  # the newest regions, reads not yet submitted
@@ -300,9 +348,12 @@ class StagingRing:
             offset = self._take(nbytes)
             address = self._addresses[self._current] + offset
             segments = _segments(layout.run, layout.starts, itemsize, first, count, address, file_offset)
-            shape_ = view.shape
-            staged = self._typed(dtype).as_strided(shape_, pread.row_major_strides(shape_), offset // itemsize)
-            piece = _Piece([], view, staged, self._current, nbytes, describe, own=(reader, fd, segments))
+            if self._raw and view.dtype == dtype and view.is_contiguous():  # copied by its bytes (RAW_COPIES)
+                piece = _Piece([], view, None, self._current, nbytes, describe, own=(reader, fd, segments), address=address)
+            else:
+                shape_ = view.shape
+                staged = self._typed(dtype).as_strided(shape_, pread.row_major_strides(shape_), offset // itemsize)
+                piece = _Piece([], view, staged, self._current, nbytes, describe, own=(reader, fd, segments))
             self._pending.append(piece)
             self._queue(piece, reader, fd, segments, nbytes)
             self._in_flight += nbytes
@@ -371,7 +422,7 @@ class StagingRing:
         try:
             self.wait()
         finally:
-            self._ring, self._events, self._stream, self._device = [], [], None, None
+            self._ring, self._events, self._stream, self._device, self._raw = [], [], None, None, None
             self._addresses, self._views = [], {}
             self._current = self._used = 0
 
@@ -396,6 +447,12 @@ class StagingRing:
         if cuda:
             self._stream = torch.cuda.Stream(device=device)
             self._stream.wait_stream(torch.cuda.current_stream(device))
+        if not RAW_COPIES:
+            self._raw = None
+        elif cuda:  # from pinned buffers only (a pageable source would make the copy synchronous)
+            self._raw = _cuda_memcpy_async() if self._pinned else None
+        else:
+            self._raw = _host_memmove
 
     def _allocate(self, index: int) -> None:
         """Allocate buffer ``index`` of the ring."""
@@ -453,11 +510,16 @@ class StagingRing:
         with torch.no_grad():
             if self._stream is None:
                 for piece in pieces:
-                    piece.destination.copy_(_cut(piece.staged, piece.rows))
+                    if piece.staged is None:
+                        self._raw_copy(piece, 0)
+                    else:
+                        piece.destination.copy_(_cut(piece.staged, piece.rows))
                 return
             with torch.cuda.stream(self._stream):
                 for i, piece in enumerate(pieces):
-                    if piece.rows is None:
+                    if piece.staged is None:  # a raw copy (RAW_COPIES): the interpreter lock kept
+                        self._raw_copy(piece, self._stream.cuda_stream)
+                    elif piece.rows is None:
                         piece.destination.copy_(piece.staged, non_blocking=True)
                     else:  # whole rows to the device as they are, cut there (a strided host source
                         # would be made contiguous on the host first, synchronously)
@@ -469,6 +531,14 @@ class StagingRing:
                     after = pieces[i + 1] if i + 1 < len(pieces) else (self._pending[0] if self._pending else None)
                     if after is None or after.buffer != piece.buffer:
                         self._events[piece.buffer] = self._stream.record_event()
+
+    def _raw_copy(self, piece: _Piece, stream: int) -> None:
+        """Copy a raw region (:data:`RAW_COPIES`) by its bytes, queued on ``stream`` on CUDA."""
+        assert self._raw is not None
+        error = self._raw(piece.destination.data_ptr(), piece.address, piece.nbytes, _HOST_TO_DEVICE, stream)
+        if error:
+            raise RuntimeError(f"cudaMemcpyAsync of a staged region ({piece.nbytes} bytes into"
+                               f" {tuple(piece.destination.shape)}) failed: cudaError_t {error}")  # fmt: skip
 
     def _queue(self, piece: _Piece, reader: pread.ReadPool, fd: int, segments: list[pread.Segment], nbytes: int) -> None:
         """Add a region's reads to the open batch (a batch holds one file's reads; a full one, or one of
