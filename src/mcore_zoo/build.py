@@ -331,6 +331,7 @@ def enable_rope_kernel(model: torch.nn.Module, arch: ArchConfig) -> None:
     :mod:`mcore_zoo.kernels.rope` (``config.zoo_rope_kernel``, read by
     :mod:`mcore_zoo.specs.rope_dispatch`). Refused for RoPE it does not compute and without Triton."""
     from .kernels import rope as kernel
+    from .kernels.triton_rows import refuse_without_triton
     from .specs import rope_dispatch
 
     config = getattr(model, "config", None)
@@ -339,8 +340,7 @@ def enable_rope_kernel(model: torch.nn.Module, arch: ArchConfig) -> None:
                        " architecture's (interleaved, multimodal or MLA); use rope_kernel='torch'")  # fmt: skip
     if getattr(model, "rotary_pos_emb", None) is None or config is None:
         raise ZooError(f"{arch.architecture}: rope_kernel='triton' - this model applies no RoPE through Megatron-Core's attention")
-    if not kernel.available():
-        raise ZooError("rope_kernel='triton' needs Triton (it ships with CUDA builds of torch); use rope_kernel='torch'")
+    refuse_without_triton("rope_kernel", kernel.available())
     config.zoo_rope_kernel = "triton"
     rope_dispatch.install()
 

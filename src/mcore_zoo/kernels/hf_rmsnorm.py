@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from .logprob_rows import available  # noqa: F401 - one answer for every Triton kernel of the package
-from .triton_rows import block, cdiv, runs_on, tl_dtype, warps  # noqa: F401 - runs_on: the layer's device check
+from .triton_rows import block, cdiv, runs_on, tl_dtype, warps  # noqa: F401 - runs_on: where the kernels run
 
 #: rows of the backward one program walks (its weight-gradient partial sums them)
 ROWS_PER_PROGRAM = 64
@@ -97,11 +97,16 @@ class _HFRMSNorm(torch.autograd.Function):
         return dx, dw, None
 
 
+def transformers_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' ``LlamaRMSNorm.forward``, op for op (torch's kernels, autograd's backward):
+    what :class:`~mcore_zoo.specs.norms.HFRMSNorm` computes and :func:`hf_rms_norm` reproduces."""
+    xf = x.to(torch.float32)
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm of ``x`` (module docstring): the same output bits; the fused backward
-    where ``x`` is contiguous, transformers' ops and autograd otherwise."""
+    where ``x`` is contiguous, :func:`transformers_rms_norm` otherwise."""
     if not x.is_contiguous() or x.numel() == 0:
-        xf = x.to(torch.float32)
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * y.to(x.dtype)
+        return transformers_rms_norm(x, weight, eps)
     return _HFRMSNorm.apply(x, weight.contiguous(), eps)

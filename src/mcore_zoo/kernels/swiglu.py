@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from .logprob_rows import available  # noqa: F401
-from .triton_rows import cdiv, runs_on, tl_dtype, warps  # noqa: F401 - runs_on: the MLP's device check
+from .triton_rows import cdiv, tl_dtype, warps
 
 #: columns of a row one program takes
 BLOCK = 1024

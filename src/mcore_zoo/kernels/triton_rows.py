@@ -17,6 +17,23 @@ def runs_on(x: torch.Tensor) -> bool:
     return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
+def refuse_without_triton(knob: str, available: bool) -> None:
+    """Refuse the numerics knob ``knob="triton"`` by name where Triton is not ``available``."""
+    if not available:
+        from ..errors import ZooError
+
+        raise ZooError(f"{knob}='triton' needs Triton (it ships with CUDA builds of torch); use {knob}='torch'")
+
+
+def refuse_off_device(knob: str, x: torch.Tensor) -> None:
+    """Refuse the numerics knob ``knob="triton"`` by name for a tensor the kernels do not take
+    (:func:`runs_on`)."""
+    if not runs_on(x):
+        from ..errors import ZooError
+
+        raise ZooError(f"{knob}='triton' runs on CUDA tensors, not on {x.device} (use {knob}='torch')")
+
+
 def tl_dtype(dtype: torch.dtype) -> Any:
     """Triton's dtype for a float32 / bfloat16 / float16 tensor (``TypeError`` for any other)."""
     import triton.language as tl

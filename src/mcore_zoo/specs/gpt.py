@@ -52,12 +52,12 @@ def _pieces(arch: ArchConfig, backend: str, numerics: NumericsProfile) -> dict[s
         raise ZooError(f"{arch.architecture}: the hf norm order is implemented for RMSNorm only")
     if numerics.norm_kernel == "triton":
         from ..kernels import hf_rmsnorm
+        from ..kernels.triton_rows import refuse_without_triton
 
         if arch.zero_centered_norm:
             raise ZooError(f"{arch.architecture}: norm_kernel='triton' implements HF's RMSNorm (x * weight), not the"
                            " zero-centred one (1 + weight) this architecture uses; use norm_kernel='torch'")  # fmt: skip
-        if not hf_rmsnorm.available():
-            raise ZooError("norm_kernel='triton' needs Triton (it ships with CUDA builds of torch); use norm_kernel='torch'")
+        refuse_without_triton("norm_kernel", hf_rmsnorm.available())
     hf_norm = HFRMSNormTriton if numerics.norm_kernel == "triton" else HFRMSNorm
     if numerics.kernels == "vllm":  # vLLM's batch-invariant kernels in mcore's modules
         if backend not in ("local", "portable"):

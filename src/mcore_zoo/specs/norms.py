@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ..kernels.hf_rmsnorm import transformers_rms_norm
+
 
 class HFRMSNorm(torch.nn.Module):
     """RMSNorm with HF's op order. Input ``[..., hidden]`` of any float dtype; output same shape.
@@ -31,11 +33,7 @@ class HFRMSNorm(torch.nn.Module):
         setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
+        return transformers_rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, op_order=hf"
@@ -47,13 +45,11 @@ class HFRMSNormTriton(HFRMSNorm):
     (or the CPU under Triton's interpreter); anything else is refused by name."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        from ..errors import ZooError
-        from ..kernels import hf_rmsnorm
+        from ..kernels.hf_rmsnorm import hf_rms_norm
+        from ..kernels.triton_rows import refuse_off_device
 
-        if not hf_rmsnorm.runs_on(hidden_states):
-            raise ZooError(f"norm_kernel='triton' runs on CUDA tensors, not on {hidden_states.device}"
-                           " (use norm_kernel='torch')")  # fmt: skip
-        return hf_rmsnorm.hf_rms_norm(hidden_states, self.weight, self.variance_epsilon)
+        refuse_off_device("norm_kernel", hidden_states)
+        return hf_rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", kernel=triton"

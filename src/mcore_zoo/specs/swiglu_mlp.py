@@ -11,6 +11,7 @@ import torch
 from megatron.core.transformer.mlp import MLP
 
 from ..errors import ZooError
+from ..kernels.triton_rows import refuse_off_device, refuse_without_triton
 
 
 class TritonSwiGLUMLP(MLP):
@@ -25,8 +26,7 @@ class TritonSwiGLUMLP(MLP):
         x, bias = self.linear_fc1(hidden_states)
         if bias is not None:  # as Megatron-Core's unfused path: the bias first
             x = x + bias
-        if not swiglu.runs_on(x):
-            raise ZooError(f"swiglu_kernel='triton' runs on CUDA tensors, not on {x.device} (use swiglu_kernel='torch')")
+        refuse_off_device("swiglu_kernel", x)
         return self.linear_fc2(swiglu.swiglu(x, getattr(self.config, "glu_linear_offset", 0.0)))
 
 
@@ -43,6 +43,5 @@ def mlp_piece(arch: Any, numerics: Any) -> dict[str, Any]:
     if arch.activation != "silu" or not arch.gated_linear_unit:
         raise ZooError(f"{arch.architecture}: swiglu_kernel='triton' computes SwiGLU, not activation={arch.activation!r}"
                        f" (gated {arch.gated_linear_unit})")  # fmt: skip
-    if not swiglu.available():
-        raise ZooError("swiglu_kernel='triton' needs Triton (it ships with CUDA builds of torch); use swiglu_kernel='torch'")
+    refuse_without_triton("swiglu_kernel", swiglu.available())
     return {"mlp": TritonSwiGLUMLP}

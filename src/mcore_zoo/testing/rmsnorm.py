@@ -5,19 +5,13 @@ from __future__ import annotations
 
 import torch
 
-
-def transformers_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' ``LlamaRMSNorm.forward``, op for op."""
-    xf = x.to(torch.float32)
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+from ..kernels.hf_rmsnorm import hf_rms_norm, transformers_rms_norm
 
 
 def check_hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, grad_seed: int = 0) -> dict[str, float]:
     """Assert that ``hf_rms_norm`` gives transformers' output bit for bit and gradients (``x`` and
     ``weight``) within 1.5x autograd's distance to a float64 gradient (plus 1e-6 of its largest
     entry); returns each gradient's ratio of the two distances."""
-    from ..kernels.hf_rmsnorm import hf_rms_norm
-
     ours, theirs = hf_rms_norm(x, weight, eps), transformers_rms_norm(x, weight, eps)
     assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), (x.dtype, weight.dtype, tuple(x.shape))
     gen = torch.Generator(device=x.device).manual_seed(grad_seed)
