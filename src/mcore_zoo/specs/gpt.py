@@ -8,7 +8,9 @@ classes, core attention and fusions under the numerics profile's control.
 Backends:
 
 * ``te`` - Transformer Engine linears and fused attention. With the ``default`` profile the input
-  and pre-MLP norms are fused into ``linear_qkv`` / ``linear_fc1`` (``layer_norm_weight``).
+  and pre-MLP norms are fused into ``linear_qkv`` / ``linear_fc1`` (``layer_norm_weight``). Under
+  ``pack_gemms="each"`` (``hf-exact``) the linears are the ``local`` backend's (torch's GEMM per
+  sequence: TE's GEMM is not torch's bits at every row count).
   Zero-centred RMSNorm (``1 + weight``, Qwen3-Next / Qwen3.5) is TE's ``zero_centered_gamma`` under
   ``norm="mcore"`` and the zoo's :class:`~mcore_zoo.specs.norms.ZeroCenteredRMSNorm` under ``norm="hf"``.
   Attention sinks (gpt-oss) and DeepSeek sparse attention keep the zoo's own core attention
@@ -41,7 +43,6 @@ def have_transformer_engine() -> bool:
 
 def _pieces(arch: ArchConfig, backend: str, numerics: NumericsProfile) -> dict[str, Any]:
     """The module classes for one backend and profile."""
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.identity_op import IdentityOp
 
@@ -78,11 +79,7 @@ def _pieces(arch: ArchConfig, backend: str, numerics: NumericsProfile) -> dict[s
             from .portable import PortableAttention
 
             core = functools.partial(PortableAttention, kernel="eager")
-        column, row = ColumnParallelLinear, RowParallelLinear
-        if numerics.linear_bias == "fused":
-            from .linears import FusedBiasColumnParallelLinear, FusedBiasRowParallelLinear
-
-            column, row = FusedBiasColumnParallelLinear, FusedBiasRowParallelLinear
+        column, row = _zoo_linears(numerics)
         return dict(
             **mlp_piece(arch, numerics),
             input_layernorm=norm,
@@ -111,7 +108,16 @@ def _pieces(arch: ArchConfig, backend: str, numerics: NumericsProfile) -> dict[s
             from .norms import ZeroCenteredRMSNorm as norm
         # norm="mcore": TE's norms with zero_centered_gamma (1 + weight) where arch.zero_centered_norm
         # (transformer_config_kwargs sets layernorm_zero_centered_gamma)
-        fused = numerics.fuse_norm_into_linear and numerics.norm == "mcore"
+        column, row = TEColumnParallelLinear, TERowParallelLinear
+        own_gemms = numerics.pack_gemms == "each"
+        if own_gemms:
+            # a pack's GEMMs one sequence at a time, each torch's F.linear as transformers calls
+            # it: the zoo's linears. TE's GEMM runs cuBLASLt with a workspace of its own, free to
+            # split the reduction at small row counts: not torch's bits for every row count
+            # (measured on an H100: Qwen3-30B-A3B's layers on sequences of 37 - 512 tokens run
+            # alone, max |dlogit| 0.84 against transformers; docs/numerics.md)
+            column, row = _zoo_linears(numerics)
+        fused = numerics.fuse_norm_into_linear and numerics.norm == "mcore" and not own_gemms
         core = _core_attention(backend, numerics, TEDotProductAttention)
         if arch.attention_sinks and core is TEDotProductAttention:
             # the sink logits as transformers adds them (its softmax op order): the zoo's eager
@@ -123,15 +129,28 @@ def _pieces(arch: ArchConfig, backend: str, numerics: NumericsProfile) -> dict[s
             **mlp_piece(arch, numerics),
             input_layernorm=IdentityOp if fused else norm,
             pre_mlp_layernorm=IdentityOp if fused else norm,
-            linear_qkv=TELayerNormColumnParallelLinear if fused else TEColumnParallelLinear,
-            linear_proj=TERowParallelLinear,
+            linear_qkv=TELayerNormColumnParallelLinear if fused else column,
+            linear_proj=row,
             core_attention=core,
-            linear_fc1=TELayerNormColumnParallelLinear if fused else TEColumnParallelLinear,
-            linear_fc2=TERowParallelLinear,
+            linear_fc1=TELayerNormColumnParallelLinear if fused else column,
+            linear_fc2=row,
             qk_norm=norm,
             final_norm=norm,
         )
     raise ZooError(f"unknown backend {backend!r}; known: te, local, portable")
+
+
+def _zoo_linears(numerics: NumericsProfile) -> tuple[type, type]:
+    """The column- and row-parallel linears of the ``local`` / ``portable`` backends (and of ``te``
+    under ``pack_gemms="each"``): Megatron-Core's own, or with ``linear_bias="fused"`` the zoo's,
+    whose GEMM adds the bias as ``F.linear`` does and runs a pack one sequence at a time."""
+    if numerics.linear_bias == "fused":
+        from .linears import FusedBiasColumnParallelLinear, FusedBiasRowParallelLinear
+
+        return FusedBiasColumnParallelLinear, FusedBiasRowParallelLinear
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    return ColumnParallelLinear, RowParallelLinear
 
 
 def _core_attention(backend: str, numerics: NumericsProfile, own: Any) -> Any:

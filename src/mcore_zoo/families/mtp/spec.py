@@ -63,7 +63,7 @@ def mtp_block_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile) ->
     if not arch.mtp_num_layers:
         raise ZooError(f"{arch.architecture}: no multi-token-prediction layers to build")
     norm = _pieces(arch, backend, numerics)["final_norm"]
-    if backend == "te":
+    if backend == "te" and numerics.pack_gemms != "each":  # (pack_gemms="each": the zoo's linears, specs/gpt.py)
         from megatron.core.extensions.transformer_engine import TEColumnParallelLinear as column
     else:
         column = ColumnParallelLinear
