@@ -37,6 +37,7 @@ the engine's tensors in its names and TP shards) or the vLLM worker's own
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -50,8 +51,8 @@ from ..distributed.shared_buffers import SharedBuffer, shared_empty
 from ..errors import ZooError
 from ..handle import handle_of
 from ..model_groups import refuse_part_of_job
-from ..weights.export import aligned_nbytes, export_rule, hf_copies
-from ..weights.rules import narrow
+from ..weights.export import aligned_nbytes, export_rule, export_views, hf_copies
+from ..weights.rules import narrow, narrow_view
 from .adapter import EngineAdapter, RefitBucket
 from .engine_format import EngineFormat, get_engine_format
 from .plan import EngineTensor, RefitPlan, Slot, expert_piece
@@ -270,6 +271,9 @@ class DisaggSender:
             sources = self._sources.resolve(route, self._device)
         shards = [self._shard(self.transfer.assignments[(route.bucket, route.engine_rank, position)], slot, exported, chunks)
                   if shard is None else shard for position, slot, shard in zip(route.positions, slots, sources.shards)]  # fmt: skip
+        # a shard keeps its own shape (a strided cut reshaped would be a copy made at every
+        # refit): its slot's contiguous bytes viewed in that shape take the same row-major order
+        destinations = [d if d.shape == t.shape else d.view(t.shape) for d, t in zip(destinations, shards)]
         torch._foreach_copy_(destinations, shards)
         return payload
 
@@ -293,7 +297,27 @@ class DisaggSender:
             if how.step not in chunks:
                 chunks[how.step] = list(step.bound.transform.split(step.tensor().detach(), step.ctx))
             piece = _cut_chunk(step, chunks[how.step][how.source], how.cuts, slot)
-        return piece.reshape(slot.shape).to(device=self._device)
+        _check_size(piece, slot)
+        return piece.to(device=self._device)
+
+
+def _chunk_views(step: Any, tensor: torch.Tensor) -> Optional[list[tuple[torch.Tensor, tuple[int, ...]]]]:
+    """This rank's chunk of each HF piece of ``step``'s rule as a view of ``tensor`` with the
+    piece's shape (``transform.split``'s, computed on a meta tensor), where the transform has
+    trusted views (:func:`~mcore_zoo.weights.export.export_views`): QKV's q as ``[groups, q_rows,
+    ...]``, which ``split`` reshapes into a copy. ``None`` where it has none."""
+    views = export_views(step.bound, tensor, step.ctx, chunk=True)
+    if views is None:
+        return None
+    meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+    shapes = [tuple(piece.shape) for piece in step.bound.transform.split(meta, step.ctx)]
+    return [(view, shape) for (_, _, view), shape in zip(views, shapes)] if len(shapes) == len(views) else None
+
+
+def _check_size(piece: torch.Tensor, slot: Slot) -> None:
+    """A shard is copied in its own shape into its slot's bytes: it must have the slot's size."""
+    if piece.numel() != math.prod(slot.shape):
+        raise ZooError(f"refit: {_slot_name(slot)} is {tuple(slot.shape)}, its shard {tuple(piece.shape)}")
 
 
 def _cut_chunk(step: Any, chunk: torch.Tensor, cuts: Any, slot: Slot) -> torch.Tensor:
@@ -327,15 +351,24 @@ class _Sources:
         shards: list[Optional[torch.Tensor]] = []
         fingerprints: dict[int, tuple] = {}
         chunks: dict[int, list[torch.Tensor]] = {}
+        views: dict[int, Optional[list[tuple[torch.Tensor, tuple[int, ...]]]]] = {}
         for position, slot in zip(route.positions, slots):
             how = sender.transfer.assignments[(route.bucket, route.engine_rank, position)]
             shard = None
             if how.cuts is not None:
                 step = sender.steps[how.step]
                 tensor = step.tensor().detach()
-                if how.step not in chunks:
-                    chunks[how.step] = list(step.bound.transform.split(tensor, step.ctx))
-                piece = _cut_chunk(step, chunks[how.step][how.source], how.cuts, slot).reshape(slot.shape)
+                if how.step not in views:
+                    views[how.step] = _chunk_views(step, tensor)
+                piece = None
+                if views[how.step] is not None and not slot.expert_slice:  # a strided view where the transform has one
+                    view, shape = views[how.step][how.source]
+                    piece = narrow_view(view, shape, how.cuts)
+                if piece is None:
+                    if how.step not in chunks:
+                        chunks[how.step] = list(step.bound.transform.split(tensor, step.ctx))
+                    piece = _cut_chunk(step, chunks[how.step][how.source], how.cuts, slot)
+                _check_size(piece, slot)
                 if piece.device == device and _same_storage(piece, tensor):
                     shard = piece
                     fingerprints[how.step] = _fingerprint(tensor)
