@@ -639,9 +639,15 @@ def measure_link(group: RefitGroup, key: tuple[int, int], nbytes: int = 2**30, i
 
 
 def _header(kind: int, bucket: int, count: int, route: Route, payload: torch.Tensor) -> torch.Tensor:
-    """A message header on the payload's device, its checksum computed there (no host sync)."""
-    header = torch.tensor([MAGIC, kind, bucket, count, payload.numel(), 0, route.sender, route.engine_rank],
-                          dtype=torch.int64, device=payload.device)  # fmt: skip
+    """A message header on the payload's device, its checksum computed there (no host sync: on
+    CUDA the fields go up from pinned memory without waiting for the stream, where a copy from
+    pageable memory - ``torch.tensor(..., device=...)`` - first waits for the packing before it,
+    0.6 ms per 1 GB bucket in an H100 trace)."""
+    header = torch.tensor([MAGIC, kind, bucket, count, payload.numel(), 0, route.sender, route.engine_rank], dtype=torch.int64)
+    if payload.device.type == "cuda":
+        header = header.pin_memory().to(payload.device, non_blocking=True)
+    else:
+        header = header.to(payload.device)
     header[5:6].copy_(_checksum(payload).reshape(1))
     return header
 
