@@ -74,6 +74,15 @@ def hf_reference(zoo_hf_reference: Callable[..., torch.nn.Module]) -> Callable[.
     return zoo_hf_reference
 
 
+@pytest.fixture
+def te_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``have_transformer_engine()`` true: the ``te`` branch of the layer specs assembles its specs
+    from Transformer Engine's class names (absent on the CPU: nothing is built)."""
+    from mcore_zoo.specs import gpt
+
+    monkeypatch.setattr(gpt, "have_transformer_engine", lambda: True)
+
+
 # ---------------------------------------------------------------------------- plugin packages
 def pip_install_target(source: Path, target: Path, workdir: Path) -> None:
     """``pip install --no-deps --target target source``, building from a copy of ``source`` (pip

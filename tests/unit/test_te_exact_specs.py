@@ -17,14 +17,6 @@ import mcore_zoo
 pytest.importorskip("megatron.core")
 
 
-@pytest.fixture
-def te_named(monkeypatch):
-    """``have_transformer_engine()`` true: the te branch assembles its specs from the class names."""
-    from mcore_zoo.specs import gpt
-
-    monkeypatch.setattr(gpt, "have_transformer_engine", lambda: True)
-
-
 def _arch(name, **fields):
     architecture = mcore_zoo.lookup(name)
     return architecture.config_from_hf({**architecture.example_config(), **fields})

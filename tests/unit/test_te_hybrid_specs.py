@@ -13,14 +13,6 @@ import mcore_zoo
 pytest.importorskip("megatron.core")
 
 
-@pytest.fixture
-def te_named(monkeypatch):
-    """``have_transformer_engine()`` true: the te branch assembles its specs from the class names."""
-    from mcore_zoo.specs import gpt
-
-    monkeypatch.setattr(gpt, "have_transformer_engine", lambda: True)
-
-
 def _layer_specs(name, profile):
     from mcore_zoo.config.transformer import BuildOptions, transformer_config_class, transformer_config_kwargs
     from mcore_zoo.families.gated_deltanet.spec import hybrid_layer_specs
