@@ -36,22 +36,30 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import torch
 
 
-def trial(name: str, dests: list[torch.Tensor], source: torch.Tensor, stream: torch.cuda.Stream, k: int = 20) -> None:
+def issue_times(issue: Callable[[int], None], stream: torch.cuda.Stream, k: int, reps: int) -> list[tuple[float, bool, float]]:
+    """``reps`` times: ``issue(i)`` for ``i < k`` on ``stream`` from an idle device ->
+    ``(host us per issue, stream done when all were issued, ms until it was)``."""
     res = []
-    for _ in range(4):
+    for _ in range(reps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.no_grad(), torch.cuda.stream(stream):
             for i in range(k):
-                dests[i % len(dests)].copy_(source, non_blocking=True)
+                issue(i)
         t1 = time.perf_counter()
         done = stream.query()
         stream.synchronize()
         res.append(((t1 - t0) / k * 1e6, done, (time.perf_counter() - t0) * 1e3))
+    return res
+
+
+def trial(name: str, dests: list[torch.Tensor], source: torch.Tensor, stream: torch.cuda.Stream, k: int = 20) -> None:
+    res = issue_times(lambda i: dests[i % len(dests)].copy_(source, non_blocking=True), stream, k, 4)
     print(f"{name}: us per copy issued {[round(r[0], 1) for r in res]}, stream done when issued {[r[1] for r in res]}, "
           f"ms to done {[round(r[2], 2) for r in res]}")  # fmt: skip
 
@@ -158,23 +166,15 @@ def main() -> None:
 def foreach_trials(dsts: list[torch.Tensor], srcs: list[torch.Tensor], stream: torch.cuda.Stream, label: str,
                    k: int = 40) -> None:  # fmt: skip
     """Host microseconds to issue ``len(dsts)`` copies: one ``copy_`` each, then one ``_foreach_copy_``."""
-    def each() -> None:
+    def each(_: int) -> None:
         for d, x in zip(dsts, srcs):
             d.copy_(x, non_blocking=True)
 
-    def foreach() -> None:
+    def foreach(_: int) -> None:
         torch._foreach_copy_(dsts, srcs, non_blocking=True)
 
     for name, issue in (("copy_ each", each), ("_foreach_copy_", foreach)):
-        res = []
-        for _ in range(3):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            with torch.no_grad(), torch.cuda.stream(stream):
-                for _ in range(k):
-                    issue()
-            res.append(round((time.perf_counter() - t0) / k * 1e6, 1))
-            stream.synchronize()
+        res = [round(r[0], 1) for r in issue_times(issue, stream, k, 3)]
         print(f"{len(dsts)} x 3 MB, {name}, {label}: us per {len(dsts)} copies issued {res}")
 
 
