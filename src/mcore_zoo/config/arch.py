@@ -82,6 +82,13 @@ class MoESpec:
         softmax_over_topk: route by the top-k logits, weights ``softmax`` over them (see above).
         clamped_swiglu: the experts' clamped SwiGLU (gpt-oss; their linears carry biases), or
             ``None`` for the plain gated activation.
+        topk_sorted: whether the reference takes the top k sorted (``torch.topk``'s default) or not
+            (``sorted=False``: DeepSeek-V2 / V3, GLM-4.5). Unsorted, the order of a token's experts
+            is the kernel's, and it sets the order of each expert's rows (transformers' eager
+            experts) and of the combine's sum (``grouped_mm``): the zoo takes the top k the same way.
+        group_mask_value: what the experts of the groups not chosen are masked with before the
+            top k (``-inf``; DeepSeek-V2's ``group_limited_greedy``: 0.0) - an unsorted top k's
+            order can depend on the masked values.
         router_weight_dtype: ``"fp32"`` when the installed transformers model keeps the router's
             gate weight in fp32 whatever the load dtype (``_keep_in_fp32_modules_strict`` names
             ``gate.weight`` from transformers 5.2x on for GLM-4.5 and DeepSeek-V2 / V3); the zoo's
@@ -99,6 +106,8 @@ class MoESpec:
     num_groups: Optional[int] = None
     group_topk: Optional[int] = None
     group_score_topk: int = 2
+    topk_sorted: bool = True
+    group_mask_value: float = float("-inf")
     normalize_topk: bool = False
     normalize_eps: float = 0.0
     topk_scaling_factor: Optional[float] = None

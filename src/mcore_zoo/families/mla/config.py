@@ -103,8 +103,9 @@ def read_v2_router(reader: ConfigReader, experts: int, topk: int, expert_ffn_hid
                    shared_expert_ffn_hidden_size: Any) -> MoESpec:  # fmt: skip
     """DeepSeek-V2's router: softmax scores in fp32; ``topk_method`` ``greedy`` (top-k of all
     experts) or ``group_limited_greedy`` (within the best ``topk_group`` of ``n_group`` groups, a
-    group scoring its best expert); the chosen scores times ``routed_scaling_factor``, never
-    renormalised; the remote-only fields checked or ignored."""
+    group scoring its best expert; the others masked with 0.0), the top k unsorted either way; the
+    chosen scores times ``routed_scaling_factor``, never renormalised; the remote-only fields
+    checked or ignored."""
     method = reader.map_checked("topk_method", "greedy: top-k of the softmax scores; group_limited_greedy: within"
                                 " the best topk_group of n_group groups (a group scores its best expert)",
                                 ("greedy", "group_limited_greedy"), default="greedy",
@@ -131,7 +132,8 @@ def read_v2_router(reader: ConfigReader, experts: int, topk: int, expert_ffn_hid
     return MoESpec(num_experts=experts, top_k=topk, expert_ffn_hidden_size=expert_ffn_hidden_size,
                    shared_expert_ffn_hidden_size=shared_expert_ffn_hidden_size, router_score_function="softmax",
                    router_logits_fp32=True, router_expert_bias=False, num_groups=groups if grouped else None,
-                   group_topk=group_topk if grouped else None, group_score_topk=1, normalize_topk=False,
+                   group_topk=group_topk if grouped else None, group_score_topk=1, topk_sorted=False,
+                   group_mask_value=0.0, normalize_topk=False,
                    normalize_eps=0.0, topk_scaling_factor=float(scale), probs_dtype="fp32", layer_pattern=pattern)  # fmt: skip
 
 
@@ -150,7 +152,7 @@ def read_deepseek(reader: ConfigReader, *, v3: bool) -> ArchConfig:
     if v3:
         read_remote_only(reader, score="sigmoid", topk_method=("noaux_tc",))
         moe = read_grouped_sigmoid_router(reader, experts, topk, ffn, shared_expert_ffn_hidden_size=shared)
-        if moe.num_groups == 1:  # one group of all experts: plain top-k
+        if moe.num_groups == 1:  # one group of all experts: plain top-k (unsorted, as transformers takes it)
             moe = dataclasses.replace(moe, num_groups=None, group_topk=None)
     else:
         moe = read_v2_router(reader, experts, topk, ffn, shared_expert_ffn_hidden_size=shared)

@@ -176,7 +176,8 @@ def read_grouped_sigmoid_router(reader: ConfigReader, experts: int, topk: int, e
                                 shared_expert_ffn_hidden_size: Optional[int]) -> MoESpec:  # fmt: skip
     """The GLM-4.5 / DeepSeek-V3 router as transformers computes it: router logits in fp32, sigmoid
     scores; experts chosen by ``scores + e_score_correction_bias`` within the best ``topk_group`` of
-    ``n_group`` groups (a group scores the sum of its best two); weights = the unbiased scores,
+    ``n_group`` groups (a group scores the sum of its best two; the others masked with ``-inf``), the
+    top k unsorted; weights = the unbiased scores,
     renormalised (``norm_topk_prob``, +1e-20) and times ``routed_scaling_factor``, kept in fp32;
     dense MLPs in the first ``first_k_dense_replace`` layers. Reads ``n_group``, ``topk_group``,
     ``norm_topk_prob``, ``routed_scaling_factor`` and ``first_k_dense_replace``; the counts and the
@@ -189,7 +190,7 @@ def read_grouped_sigmoid_router(reader: ConfigReader, experts: int, topk: int, e
     return MoESpec(num_experts=experts, top_k=topk, expert_ffn_hidden_size=expert_ffn_hidden_size,
                    shared_expert_ffn_hidden_size=shared_expert_ffn_hidden_size, router_score_function="sigmoid",
                    router_logits_fp32=True, router_expert_bias=True, num_groups=groups, group_topk=group_topk,
-                   group_score_topk=2, normalize_topk=norm, normalize_eps=1e-20 if norm else 0.0,
+                   group_score_topk=2, topk_sorted=False, normalize_topk=norm, normalize_eps=1e-20 if norm else 0.0,
                    topk_scaling_factor=float(scale), probs_dtype="fp32", layer_pattern=pattern)  # fmt: skip
 
 

@@ -76,9 +76,9 @@ def hf_topk_routing(logits: torch.Tensor, moe: MoESpec,
             group_mask = torch.zeros_like(group_scores)
             group_mask.scatter_(1, group_idx, 1)
             score_mask = group_mask.unsqueeze(-1).expand(-1, moe.num_groups, per_group).reshape(-1, num_experts)
-            values = values.masked_fill(~score_mask.bool(), float("-inf"))
-            return torch.topk(values, k=topk, dim=-1, sorted=False)
-        return torch.topk(values, topk, dim=-1)
+            values = values.masked_fill(~score_mask.bool(), moe.group_mask_value)
+            return torch.topk(values, k=topk, dim=-1, sorted=moe.topk_sorted)
+        return torch.topk(values, topk, dim=-1, sorted=moe.topk_sorted)
 
     if router_replay is None:
         _, top_indices = select(choice, moe.top_k)
