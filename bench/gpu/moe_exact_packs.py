@@ -45,7 +45,13 @@ MODELS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "mixtral-8x7b": ("mixtral-8x7b-v0.1.json", {"num_hidden_layers": 2}, {}),
     "deepseek-v3": ("deepseek-v3.json", {"num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": 64},
                     {"n_routed_experts": 16}),
+    # the wider widths: Qwen3-235B-A22B (all 128 experts), Kimi-K2 (64 of its 384 routed experts)
+    "qwen3-235b-a22b": ("qwen3-235b-a22b.json", {"num_hidden_layers": 2}, {"num_experts": 16}),
+    "kimi-k2": ("kimi-k2-instruct.json", {"num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": 64},
+                {"n_routed_experts": 16}),
 }
+#: the models run when ``--models`` is not given (the wider widths on request)
+DEFAULT_MODELS = ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3")
 PACKS = {"mixed": (512, 300, 100, 37), "16x64": (64,) * 16}
 EXPERTS = ("grouped_mm", "eager")
 
@@ -150,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--tiny", action="store_true", help="the tiny scale of the configs (the CPU dry run)")
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=list(MODELS))
     parser.add_argument("--experts", nargs="+", default=list(EXPERTS), choices=list(EXPERTS))
     parser.add_argument("--packs", nargs="+", type=parse_pack, default=None, help="NAME=L1,L2 or NAME=NxL")
     parser.add_argument("--seed", type=int, default=0)

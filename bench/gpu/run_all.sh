@@ -368,11 +368,12 @@ fi
 
 if [[ " $phases " == *" moe-exact-packs "* ]]; then
   # hf-exact MoE on local (split-K off) on mixed THD packs (512, 300, 100, 37 and 16 x 64) at the full
-  # width of Qwen3-30B-A3B, Mixtral-8x7B and DeepSeek-V3 (64 of the 256 routed experts), 2 layers, bf16:
+  # width of Qwen3-30B-A3B, Mixtral-8x7B, DeepSeek-V3 (64 of the 256 routed experts), Qwen3-235B-A22B
+  # and Kimi-K2 (64 of the 384 routed experts), 2 layers, bf16:
   # each sequence packed and alone against transformers (grouped_mm and eager experts) on it alone,
   # bit for bit, first divergent site and max |dlogit| where not (bench/gpu/moe_exact_packs.py; one
   # report per model). The CPU dry run: MOE_PACKS_ARGS="--device cpu --tiny"
-  for m in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
+  for m in qwen3-30b-a3b mixtral-8x7b deepseek-v3 qwen3-235b-a22b kimi-k2; do
     run "moe-exact-packs-$m" "${MOE_PACKS_TIMEOUT:-600}" "${nosplit[@]}" $py bench/gpu/moe_exact_packs.py --models "$m" \
         --out "$out/moe-exact-packs/$m" ${MOE_PACKS_ARGS:-}
   done
@@ -406,10 +407,11 @@ if [[ " $phases " == *" load-gpu "* ]]; then
   # rounds, each measurement a fresh process (bench/gpu/load_gpu.py); about 4 + 3 minutes. The CPU dry
   # run of the same phase: LOAD_GPU_ARGS="--device cpu --tiny"
   gpus=$(g 0); (( ngpu >= 2 )) && gpus=$(g 0),$(g 1)
-  # the staging ring's default (4 x 16 MiB, three in flight, 8 read threads of its own), the same with
-  # staging.RAW_COPIES (:x, experimental) and with 4 read threads, each load against the same floor (read on
-  # 8 threads) in every round; the first round's loads also timed step by step on their main thread (--breakdown)
-  rings=(--ring default --ring default:x --ring default:r4 --breakdown)
+  # the staging ring's default (4 x 16 MiB, three in flight, 8 read threads of its own, raw copies), the same
+  # with every region copied through torch (:c, staging.RAW_COPIES off) and with 4 read threads, each load
+  # against the same floor (read on 8 threads) in every round; the first round's loads also timed step by
+  # step on their main thread (--breakdown)
+  rings=(--ring default --ring default:c --ring default:r4 --breakdown)
   CUDA_VISIBLE_DEVICES=$gpus timeout "${LOAD_GPU_TIMEOUT:-600}" $py bench/gpu/load_gpu.py --out "$out/load-gpu" --rounds 2 \
       "${rings[@]}" ${LOAD_GPU_CKPT:+--ckpt "$LOAD_GPU_CKPT"} ${LOAD_GPU_ARGS:-} > "$out/logs/load-gpu.log" 2>&1
   echo "load-gpu exit $?" >> "$out/logs/status"

@@ -1,5 +1,6 @@
-"""bf16 on CUDA: ``hf-exact`` MoE on mixed THD packs at the full width of Qwen3-30B-A3B, Mixtral-8x7B
-and DeepSeek-V3 (64 of the 256 routed experts), 2 layers, each sequence packed and alone bitwise
+"""bf16 on CUDA: ``hf-exact`` MoE on mixed THD packs at the full width of Qwen3-30B-A3B, Mixtral-8x7B,
+DeepSeek-V3 (64 of the 256 routed experts), Qwen3-235B-A22B and Kimi-K2 (64 of the 384 routed
+experts), 2 layers, each sequence packed and alone bitwise
 equal to transformers on it alone with either experts implementation, on the ``local`` backend and
 on ``te`` (its experts' Transformer Engine linears through the same ``grouped_mm`` call)
 (``bench/gpu/moe_exact_packs.py``, the moe-exact-packs phase; its report lands under the test's
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("backend", ["local", "te"])
-@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3"])
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3", "qwen3-235b-a22b", "kimi-k2"])
 def test_hf_exact_moe_packs_bitwise(tmp_path, model, backend):
     if backend == "te" and importlib.util.find_spec("transformer_engine") is None:
         pytest.skip("Transformer Engine is not installed")
