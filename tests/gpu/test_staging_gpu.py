@@ -16,7 +16,11 @@ from ..unit.test_staging import check_staged_reads
 pytestmark = pytest.mark.gpu
 
 
-def test_device_destinations_through_small_pinned_buffers(tmp_path):
+@pytest.mark.parametrize("raw_copies", [True, False], ids=["raw-copies", "torch-copies"])
+def test_device_destinations_through_small_pinned_buffers(tmp_path, monkeypatch, raw_copies):
+    from mcore_zoo.weights import staging
+
+    monkeypatch.setattr(staging, "RAW_COPIES", raw_copies)
     check_staged_reads(tmp_path, "cuda", StagingRing(3, 4096))
 
 
@@ -25,7 +29,7 @@ def test_device_destinations_through_the_default_ring(tmp_path):
 
 
 def test_raw_copies_on_the_device(tmp_path, monkeypatch):
-    """``RAW_COPIES``: contiguous destinations of the file's dtype copied by ``cudaMemcpyAsync``
+    """``RAW_COPIES`` (the default): contiguous destinations of the file's dtype copied by ``cudaMemcpyAsync``
     through ctypes (the libcudart torch loaded), the others as before - the same bits, and raw
     copies were made. Fails where this process maps no libcudart (the option would then copy as
     before, silently)."""

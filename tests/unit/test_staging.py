@@ -74,18 +74,21 @@ def check_staged_reads(directory: Path, device: str, ring: StagingRing) -> None:
         assert same_bits(part.cpu(), state["rows"][4:20].chunk(2)[1])
 
 
-def test_staged_reads_equal_the_reference_path_bitwise(tmp_path):
+def test_staged_reads_copied_through_torch_equal_the_reference_path_bitwise(tmp_path, monkeypatch):
     """Small buffers: tensors span many buffers and rows span several pieces; regions of a buffer
-    are reused only once the ring has come round."""
+    are reused only once the ring has come round. Every region copied through torch
+    (``RAW_COPIES`` off): no raw copy made."""
+    monkeypatch.setattr(staging, "RAW_COPIES", False)
+    monkeypatch.setattr(staging, "_host_memmove", lambda *args: pytest.fail("a raw copy with RAW_COPIES off"))
     check_staged_reads(tmp_path, "cpu", StagingRing(3, 4096, pin=False, cpu_destinations=True))
 
 
-def test_raw_copies_equal_the_reference_path_bitwise(tmp_path, monkeypatch):
-    """``RAW_COPIES`` (experimental, off by default): regions whose destination is contiguous and of
-    the file's dtype are copied by their bytes (on the CPU ring ``ctypes.memmove``, on CUDA
-    ``cudaMemcpyAsync``), the others (casts, strided destinations, whole rows cut) as before - the
-    same bits as the reference path, and raw copies were made."""
-    monkeypatch.setattr(staging, "RAW_COPIES", True)
+def test_raw_copies_are_the_default_and_equal_the_reference_path_bitwise(tmp_path, monkeypatch):
+    """``RAW_COPIES`` (on by default): regions whose destination is contiguous and of the file's
+    dtype are copied by their bytes (on the CPU ring ``ctypes.memmove``, on CUDA
+    ``cudaMemcpyAsync``), the others (casts, strided destinations, whole rows cut) through torch -
+    the same bits as the reference path, and raw copies were made."""
+    assert staging.RAW_COPIES is True
     copied = []
     memmove = staging._host_memmove
     monkeypatch.setattr(staging, "_host_memmove", lambda *args: copied.append(args[2]) or memmove(*args))

@@ -82,15 +82,16 @@ READ_THREADS = 8
 #: for several small tensors (an MoE checkpoint's experts) instead of one each
 BATCH_BYTES = 16 << 20
 BATCH_SHARE = 4
-#: experimental, off by default (not yet measured on a GPU): a region whose destination is a
-#: contiguous tensor of the file's dtype is copied by its bytes - on CUDA one ``cudaMemcpyAsync``
-#: on the side stream, called through ctypes with the interpreter lock held
-#: (:func:`_cuda_memcpy_async`), on the CPU (the test ring) ``ctypes.memmove`` - instead of a staged
-#: view and ``Tensor.copy_``: two torch calls, each of which gives the lock up to the read threads and
-#: waits to get it back (an H100 host: a 3 MB copy's dispatch 5 us alone, 24 us beside 8 read
-#: threads; the MoE load's copies 97 - 143 us each; docs/benchmarks.md). Where this process maps no
-#: libcudart, a CUDA ring copies as before.
-RAW_COPIES = False
+#: a region whose destination is a contiguous tensor of the file's dtype is copied by its bytes - on
+#: CUDA one ``cudaMemcpyAsync`` on the side stream, called through ctypes with the interpreter lock
+#: held (:func:`_cuda_memcpy_async`), on the CPU (the test ring) ``ctypes.memmove`` - instead of a
+#: staged view and ``Tensor.copy_``: two torch calls, each of which gives the lock up to the read
+#: threads and waits to get it back (an H100 host: a 3 MB copy's dispatch 5 us alone, 24 us beside
+#: 8 read threads; the MoE load's copies 97 - 143 us each). On by default since measured on H100s
+#: (docs/benchmarks.md): floor / load 0.59 -> 0.99 (8B-shaped, TP1), 0.52 -> 0.78 (Qwen3-30B-A3B
+#: widths, EP1), 0.48 -> 0.64 (EP2); set ``False`` to copy every region through torch. Where this
+#: process maps no libcudart, a CUDA ring copies through torch.
+RAW_COPIES = True
 
 
 def _pieces(out: torch.Tensor, start: int, limit: int) -> Iterator[tuple[torch.Tensor, int]]:
