@@ -5,8 +5,8 @@ eager experts) and of the combine's sum (``grouped_mm``), so a bf16 model whose 
 permutes a token's experts is not bitwise (Kimi-K2 at full width, one group of 64 experts: max
 |dlogit| 0.0156, found on the GPU and reproduced on the CPU). DeepSeek-V2 / V3 take the top k
 unsorted (``torch.topk(sorted=False)``, whose order on the CPU is not the sorted one from 64
-experts on) - also when V3 has a single group (Kimi-K2) - and V2's group-limited top k masks the
-other groups with 0.0."""
+experts on) - also when V3's router has a single group (Kimi-K2, GLM-5) - and V2's group-limited
+top k masks the other groups with 0.0."""
 
 from __future__ import annotations
 
@@ -20,9 +20,17 @@ from ..conftest import require_current_deepseek_v2_reference
 
 TOKENS, EXPERTS = 97, 64
 
-V3_CASES = {  # the routing fields of published configs, experts cut to 64
-    "kimi-k2 (one group)": {"n_group": 1, "topk_group": 1, "num_experts_per_tok": 8, "routed_scaling_factor": 2.827},
-    "deepseek-v3 (8 groups)": {"n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "routed_scaling_factor": 2.5},
+V3_CASES = {  # (architecture, routing fields of a published config, experts cut to 64)
+    "kimi-k2 (one group)": ("DeepseekV3ForCausalLM", {"n_group": 1, "topk_group": 1, "num_experts_per_tok": 8,
+                                                      "routed_scaling_factor": 2.827}),
+    "deepseek-v3 (8 groups)": ("DeepseekV3ForCausalLM", {"n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+                                                         "routed_scaling_factor": 2.5}),
+    "glm-5 (one group)": ("GlmMoeDsaForCausalLM", {"n_group": 1, "topk_group": 1, "num_experts_per_tok": 8,
+                                                   "routed_scaling_factor": 2.5}),
+}
+_V3_ROUTERS = {  # architecture -> (transformers' config class, its router module), by module name
+    "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3Config", "DeepseekV3TopkRouter"),
+    "GlmMoeDsaForCausalLM": ("glm_moe_dsa", "GlmMoeDsaConfig", "GlmMoeDsaTopkRouter"),
 }
 V2_CASES = {
     "greedy": {"topk_method": "greedy", "num_experts_per_tok": 6},
@@ -55,14 +63,16 @@ def _logits(seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("case", list(V3_CASES))
 def test_v3_router_takes_transformers_experts_in_transformers_order(case, monkeypatch):
-    from transformers import DeepseekV3Config
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    import importlib
 
-    arch = "DeepseekV3ForCausalLM"
-    fields = V3_CASES[case]
-    config = DeepseekV3Config(**{**get_registry().get(arch).entry.example_config, "n_routed_experts": EXPERTS,
-                                 "hidden_size": EXPERTS, **fields})  # fmt: skip
-    router = _logits_router(DeepseekV3TopkRouter, config)
+    import transformers
+
+    arch, fields = V3_CASES[case]
+    module, config_class, router_class = _V3_ROUTERS[arch]
+    routers = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    config = getattr(transformers, config_class)(**{**get_registry().get(arch).entry.example_config,
+                                                    "n_routed_experts": EXPERTS, "hidden_size": EXPERTS, **fields})  # fmt: skip
+    router = _logits_router(getattr(routers, router_class), config)
     bias = torch.randn(EXPERTS, generator=torch.Generator().manual_seed(1)) * 0.1
     router.e_score_correction_bias.copy_(bias)
     logits = _logits(0)
