@@ -103,6 +103,23 @@ def test_wrong_shape_is_named_before_anything_is_copied(mpu, reference_checkpoin
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
+def test_a_wrong_shape_in_one_expert_of_many_is_named(mpu, reference_checkpoint, tmp_path):
+    """The load's checks keep the expected shapes once per transform and shape (an MoE model's
+    experts share them): an expert that is not the first checked still has its own shape checked."""
+    ckpt = _copy(reference_checkpoint("Qwen3MoeForCausalLM"), tmp_path / "c")
+    name = "model.layers.0.mlp.experts.2.up_proj.weight"
+
+    def shrink(state):
+        assert "model.layers.0.mlp.experts.3.up_proj.weight" in state  # not the last expert either
+        state[name] = state[name][:-1]
+
+    _rewrite(ckpt, shrink)
+    model = mcore_zoo.build_model(ckpt, backend="local")
+    with pytest.raises(ShapeMismatchError) as err:
+        mcore_zoo.load_hf_weights(model, ckpt)
+    assert err.value.name == name
+
+
 def test_unexpected_tensor_is_named(mpu, reference_checkpoint, tmp_path):
     ckpt = _copy(reference_checkpoint("MistralForCausalLM"), tmp_path / "c")
     _rewrite(ckpt, lambda s: s.__setitem__("model.layers.0.self_attn.mystery.weight", torch.zeros(2)))

@@ -67,8 +67,19 @@ def _region_shape(full: Sequence[int], select: Optional[tuple[int, int, int]]) -
     return tuple(shape)
 
 
-def _check_bound_shapes(bound: BoundRule, param_shape: Sequence[int], ctx: TransformContext, shape_of: Any) -> None:
-    expected = expected_hf_shapes(bound, param_shape, ctx)
+def _check_bound_shapes(bound: BoundRule, param_shape: Sequence[int], ctx: TransformContext, shape_of: Any,
+                        expected_cache: Optional[dict] = None) -> None:  # fmt: skip
+    """Raise unless the rule's HF sources have the shapes ``param_shape`` needs. ``expected_cache``:
+    :func:`expected_hf_shapes` kept per (transform, context, shape, TP axes) object identities, for
+    callers that check many rules sharing them (an MoE model's experts: one transform and context
+    for all of them) while those objects are alive."""
+    if expected_cache is None:
+        expected = expected_hf_shapes(bound, param_shape, ctx)
+    else:
+        key = (id(bound.transform), id(ctx), tuple(param_shape), tuple(bound.tp_axes), len(bound.hf))
+        expected = expected_cache.get(key)
+        if expected is None:
+            expected = expected_cache[key] = expected_hf_shapes(bound, param_shape, ctx)
     extent: dict[str, int] = {}
     for name, want, select, stacked in zip(bound.hf, expected, bound.selects, bound.stacked):
         got = tuple(shape_of(name))
@@ -130,13 +141,14 @@ def plan_load(weight_map: WeightMap, checkpoint: HFCheckpoint,
     check_copies(weight_map, checkpoint)
     plan = []
     unmapped: list[str] = []
+    expected: dict = {}  # the steps (and their transforms and contexts) are alive throughout
     for index, (chunk, steps) in enumerate(chunks):
         covered = {s.bound.mcore for s in steps}
         prefix = f"chunk{index}." if len(chunks) > 1 else ""
         unmapped += [prefix + n for n, _ in chunk.named_parameters() if n not in covered]
         steps = [s for s in steps if not any(n in absent for n in s.bound.hf)]
         for s in steps:
-            _check_bound_shapes(s.bound, s.tensor().shape, s.ctx, checkpoint.shape)
+            _check_bound_shapes(s.bound, s.tensor().shape, s.ctx, checkpoint.shape, expected)
         plan.append(steps)
     if unmapped:
         raise UnmappedParametersError(unmapped)
