@@ -21,6 +21,9 @@ trainer's rank 0). Then, on the same links:
   ``--transport shared``, engine rank 0's copy of trainer rank 0's first ring buffer (what that
   transport moves: over NVLink from another GPU, within the GPU with ``--same-gpus``, where the
   trainer builds its model only once the engine has started and vLLM takes 0.3 of the memory);
+* ``links_together`` (trainer TP > 1, broadcast): the same broadcast on every pair's channel at once
+  (trainer rank ``r`` to engine rank ``r``), as a refit keeps them all busy: the slowest pair's
+  GB/s, and the refit's per-link GB/s against it (``of_links_together``), beside ``of_link``;
 * ``refit``: ``--iters`` refits (``DisaggSender.send`` on every trainer rank, ``receive_refit`` in
   the engine), the first one apart (it binds the engine side); time = the trainer's send (first
   pack to the last broadcast done, synchronised) and the engine workers' receive, both reported;
@@ -128,6 +131,9 @@ def trainer(config: dict, tp: int, port: int, iters: int, bucket: str, dry_run: 
     group = RefitGroup.join("127.0.0.1", port, rank=rank, trainers=tp, engines=tp, device=device)
     sender = DisaggSender(model, group, engine_tp=tp, bucket_size=bucket, transport=transport)
     link = measure_link(group, (0, 0), _LINK_BYTES[dry_run]) if rank == 0 and transport == "broadcast" else None
+    # then every pair's link at once (each trainer rank to the engine rank of its index), as the refit runs them
+    paired = (rank, rank) in group.channels and transport == "broadcast" and tp > 1
+    together = measure_link(group, (rank, rank), _LINK_BYTES[dry_run]) if paired else None
     first = sender.send()
     timed = [sender.send() for _ in range(iters)]
     if trace:  # one more refit, profiled (the engine receives it profiled too)
@@ -137,7 +143,7 @@ def trainer(config: dict, tp: int, port: int, iters: int, bucket: str, dry_run: 
     checksums = ({f"{r}/{name}": tensor_checksum(t) for r, per in enumerate(reference.tensors) for name, t in per.items()}
                  if reference else {})  # fmt: skip
     per_link = sender.transfer.bytes_per_link()
-    return {"rank": rank, "link": link, "first_seconds": first.seconds, "seconds": [s.seconds for s in timed],
+    return {"rank": rank, "link": link, "link_together": together, "first_seconds": first.seconds, "seconds": [s.seconds for s in timed],
             "bytes": timed[0].nbytes, "plan_bytes": sender.plan.nbytes, "busiest_link_bytes": max(per_link.values()),
             "links": len(per_link), "buckets": len(sender.plan.buckets), "checksums": checksums,
             "transfer": sender.transfer.describe()}  # fmt: skip
@@ -172,6 +178,8 @@ def _vllm_engine(model_dir: str, tp: int, port: int, iters: int, fused: bool, ou
     open(out + ".started", "w").close()  # the trainer may allocate now
     _check(llm.collective_rpc("zoo_join_refit", args=("127.0.0.1", port, tp, tp, tp, 0)))
     links = [r for r in llm.collective_rpc("zoo_measure_link", args=(0, _LINK_BYTES[False], 10, 0)) if r]
+    if tp > 1:  # every pair's link at once, with the trainer ranks (trainer())
+        llm.collective_rpc("zoo_measure_paired_link", args=(_LINK_BYTES[False], 10))
     receive_refit(llm, fused_copies=fused)
     seconds = []
     for _ in range(iters):
@@ -210,9 +218,11 @@ def _stand_in_engine(tp: int, port: int, iters: int, out: str, trace: str = "") 
     def run(index: int) -> None:
         group = RefitGroup.join("127.0.0.1", port, rank=tp + index, trainers=tp, engines=tp, device=torch.device("cpu"))
         receiver = EngineReceiver(group, index, engine_tp=tp)
+        shared = receiver.transport == "shared"
         if index == 0:
-            shared = receiver.transport == "shared"
             links[index] = receiver.measure_shared_read(0) if shared else measure_link(group, (0, 0), _LINK_BYTES[True])
+        if tp > 1 and not shared and (index, index) in group.channels:  # every pair at once, with the trainer ranks
+            measure_link(group, (index, index), _LINK_BYTES[True])
         sink = DictAdapter(tp_size=tp, engine_rank=receiver.rank)
         receiver.receive(sink)
         seconds = [receiver.receive(sink).seconds for _ in range(iters)]
@@ -277,13 +287,17 @@ def run_case(name: str, tp: int, args) -> dict:
     seconds = max(trainer_s, engine_s)
     sent = sum(r["bytes"] for r in ranks)
     busiest = max(r["busiest_link_bytes"] for r in ranks)
+    paired = [r["link_together"] for r in ranks if r.get("link_together")]
+    together = min(paired, key=lambda x: x["gbps"]) if paired else None  # the slowest pair, all pairs busy
     return {
         "shape": name, "layers": config["num_hidden_layers"], "trainer_tp": tp, "engine_tp": tp,
         "bytes": sent, "plan_bytes": head["plan_bytes"], "buckets": head["buckets"], "links": sum(r["links"] for r in ranks),
         "first_refit_seconds": max(r["first_seconds"] for r in ranks), "trainer_seconds": trainer_s,
         "engine_seconds": engine_s, "seconds": seconds, "gbps": sent / seconds / 1e9,
         "gbps_per_link": busiest / seconds / 1e9, "link": link, "transport": args.transport, "same_gpus": args.same_gpus,
-        "of_link": (busiest / seconds / 1e9) / link["gbps"], "engine_start_seconds": eng["engine_start_seconds"],
+        "of_link": (busiest / seconds / 1e9) / link["gbps"], "links_together": together, "links_together_pairs": len(paired),
+        "of_links_together": (busiest / seconds / 1e9) / together["gbps"] if together else None,
+        "engine_start_seconds": eng["engine_start_seconds"],
         "exact": not differ and not missing and bool(want), "tensors": len(want), "differ": differ[:8], "missing": missing[:8],
         "transfer": head["transfer"], "fused_copies": eng.get("fused_copies", False),
     }  # fmt: skip
@@ -336,12 +350,16 @@ def write_results(out: str, dry_run: bool, results: list[dict]) -> None:
     with open(os.path.join(out, "disagg.json"), "w") as f:
         json.dump({"dry_run": dry_run, "cases": results}, f, indent=1)
     lines = ["| shape | layers | trainer -> engine | transport | GB | refit s (trainer / engine) | GB/s | GB/s per link | link GB/s"
-             " (NCCL broadcast / ring read) | of link | exact | engine copies |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             " (NCCL broadcast / ring read) | of link | every pair at once: slowest link GB/s | of it | exact | engine copies |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
         where = "shared, same GPUs" if r["same_gpus"] else r["transport"]
+        together = r.get("links_together")
+        paired = (f" {together['gbps']:.1f} ({r['links_together_pairs']} pairs) | {100 * r['of_links_together']:.0f}% |"
+                  if together else " - | - |")  # fmt: skip
         lines.append(f"| {r['shape']} | {r['layers']} | TP{r['trainer_tp']} -> TP{r['engine_tp']} | {where} | {r['bytes'] / 1e9:.2f} |"
                      f" {r['trainer_seconds']:.3f} / {r['engine_seconds']:.3f} | {r['gbps']:.1f} | {r['gbps_per_link']:.1f} |"
-                     f" {r['link']['gbps']:.1f} | {100 * r['of_link']:.0f}% | {'yes' if r['exact'] else 'NO'} |"
+                     f" {r['link']['gbps']:.1f} | {100 * r['of_link']:.0f}% |{paired} {'yes' if r['exact'] else 'NO'} |"
                      f" {'fused' if r['fused_copies'] else 'each'} |")  # fmt: skip
     with open(os.path.join(out, "disagg.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

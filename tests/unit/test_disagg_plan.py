@@ -113,6 +113,13 @@ def test_a_vllm_worker_measures_only_the_link_it_is_asked_for(monkeypatch):
     assert calls == [(0, 0)]
     assert [w.zoo_measure_link(1, 64, 1, 1) for w in workers] == [None, {"key": (1, 1)}]
     assert [w.zoo_measure_link(1, 64, 1, 0) for w in workers] == [None, None]  # no such channel
+    calls.clear()  # every pair at once: each worker its own trainer rank's channel, none other
+    assert [w.zoo_measure_paired_link(64, 1) for w in workers] == [{"key": (0, 0)}, {"key": (1, 1)}]
+    assert calls == [(0, 0), (1, 1)]
+    del channels[(1, 1)]
+    assert [w.zoo_measure_paired_link(64, 1) for w in workers] == [{"key": (0, 0)}, None]
+    workers[0]._zoo_receiver.transport = "shared"
+    assert workers[0].zoo_measure_paired_link(64, 1) is None
 
 
 def test_payload_ring_places_each_bucket_apart_from_the_one_in_flight_beside_it():

@@ -146,6 +146,18 @@ class ZooDisaggWorkerExtension(ZooWorkerExtension):
             return receiver.measure_shared_read(sender, iters)
         return measure_link(receiver.group, (sender, engine_rank), nbytes, iters)
 
+    def zoo_measure_paired_link(self, nbytes: int = 2**30, iters: int = 10) -> Optional[dict]:
+        """:func:`~mcore_zoo.rollout.disagg.measure_link` on the channel from the trainer rank of
+        this worker's index (``(rank, rank)``: trainer TP = engine TP), called on every worker at
+        once while each trainer rank measures its own: every pair's link with all of them busy, as
+        a refit uses them. ``None`` where this worker has no such channel or the transport is
+        shared."""
+        receiver: Optional[EngineReceiver] = getattr(self, "_zoo_receiver", None)
+        key = None if receiver is None else (receiver.rank, receiver.rank)
+        if receiver is None or receiver.transport == "shared" or key not in receiver.group.channels:
+            return None
+        return measure_link(receiver.group, key, nbytes, iters)
+
     def zoo_parameter_checksums(self, names: Optional[list[str]] = None) -> dict[str, list[int]]:
         """Per parameter (``names``, default all): :func:`tensor_checksum` of its bytes (exactness
         checks across processes)."""
