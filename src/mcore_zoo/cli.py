@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import shlex
 import sys
 import warnings
@@ -214,6 +215,11 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def _jsonable(value: Any) -> Any:
+    """``value`` as strict JSON takes it: containers as lists / objects, a float that is not finite
+    as its name (``"-inf"``; ``json.dumps`` would write ``-Infinity``, which JSON has no word for),
+    anything else as its string."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     if isinstance(value, (list, tuple)):

@@ -32,6 +32,28 @@ def test_show_json_classifies_every_field(capsys):
     assert any(r["transform"] == "qkv-interleave" for r in shown["weight_rules"])
 
 
+def _strict_json(text: str):
+    """``json.loads`` that refuses ``NaN`` / ``Infinity`` (not JSON: jq and browsers reject them)."""
+
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_show_json_is_strict_json_for_every_builtin(capsys):
+    """Every built-in's ``show --json`` parses as strict JSON - a MoE spec holds ``-inf`` (the
+    mask value of the expert groups not chosen), written as ``"-inf"``."""
+    from mcore_zoo.registry import get_registry
+
+    registry = get_registry()
+    for name in registry.architectures():
+        assert main(["show", name, "--json"]) == 0, name
+        shown = _strict_json(capsys.readouterr().out)
+        if name == "DeepseekV3ForCausalLM":
+            assert shown["moe"]["group_mask_value"] == "-inf" and shown["moe"]["topk_sorted"] is False
+
+
 def test_show_published_config_with_layout(capsys):
     from ..conftest import CONFIGS
 
