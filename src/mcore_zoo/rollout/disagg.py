@@ -52,7 +52,7 @@ from ..errors import ZooError
 from ..handle import handle_of
 from ..model_groups import refuse_part_of_job
 from ..weights.export import aligned_nbytes, export_rule, export_views, hf_copies
-from ..weights.rules import narrow, narrow_view
+from ..weights.rules import narrow, narrow_view, split_shapes
 from .adapter import EngineAdapter, RefitBucket
 from .engine_format import EngineFormat, get_engine_format
 from .plan import EngineTensor, RefitPlan, Slot, expert_piece
@@ -309,8 +309,7 @@ def _chunk_views(step: Any, tensor: torch.Tensor) -> Optional[list[tuple[torch.T
     views = export_views(step.bound, tensor, step.ctx, chunk=True)
     if views is None:
         return None
-    meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-    shapes = [tuple(piece.shape) for piece in step.bound.transform.split(meta, step.ctx)]
+    shapes = split_shapes(step.bound.transform, tensor.shape, step.ctx, tensor.dtype)
     return [(view, shape) for (_, _, view), shape in zip(views, shapes)] if len(shapes) == len(views) else None
 
 

@@ -61,7 +61,7 @@ from ..distributed.export import tp_gather
 from ..errors import ZooError
 from ..handle import ModelHandle
 from ..weights.export import check_planned_shape, export_rule, export_views
-from ..weights.rules import Cut, RuleStep, TPSlice, narrow, narrow_view, strided_layout
+from ..weights.rules import Cut, RuleStep, TPSlice, narrow, narrow_view, split_shapes, strided_layout
 from .plan import RefitPlan, Slot, stacked_expert_tensors
 
 #: one bucket: per engine rank, ``[(slot, shard)]`` in plan order
@@ -275,7 +275,7 @@ class RefitProgram:
             shapes = {name: tuple(piece.shape) for name, piece in pieces}
             wanted = param.planned
         else:  # this rank's chunks, before any gather
-            shapes = {k: tuple(piece.shape) for k, piece in enumerate(step.bound.transform.split(meta, step.ctx))}
+            shapes = dict(enumerate(split_shapes(step.bound.transform, base.shape, step.ctx, base.dtype)))
             wanted = {k: shape for k, shape in param.chunk_shapes.items() if not param.gathered}
         for key, shape in wanted.items():
             what = key if isinstance(key, str) else f"{step.bound.hf[key]} (this rank's chunk)"

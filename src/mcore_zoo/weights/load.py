@@ -26,7 +26,7 @@ import torch
 
 from ..errors import MissingTensorsError, ShapeMismatchError, UnexpectedTensorsError, UnmappedParametersError
 from .io import HFCheckpoint, copy_into
-from .rules import BoundRule, RuleStep, TPSlice, TransformContext, WeightMap, direct_views
+from .rules import BoundRule, RuleStep, TPSlice, TransformContext, WeightMap, direct_views, split_shapes
 from .tied import check_copies, check_tied_output
 
 
@@ -48,11 +48,9 @@ def expected_hf_shapes(bound: BoundRule, param_shape: Sequence[int], ctx: Transf
     mcore parameter of ``param_shape``: the whole tensor, or its ``select`` range."""
     if getattr(bound.transform, "reads_whole", False):  # e.g. a padded vocabulary: whole HF tensors
         return [tuple(bound.transform.hf_shape(param_shape, ctx))] * len(bound.hf)
-    meta = torch.empty(tuple(param_shape), device="meta")
-    pieces = bound.transform.split(meta, ctx)
     shapes = []
-    for piece, axis in zip(pieces, bound.tp_axes):
-        shape = list(piece.shape)
+    for piece, axis in zip(split_shapes(bound.transform, param_shape, ctx), bound.tp_axes):
+        shape = list(piece)
         if axis is not None:
             shape[axis] *= ctx.tp_size
         shapes.append(tuple(shape))

@@ -283,6 +283,14 @@ def _views_mean_fuse(cls: type) -> bool:
     return issubclass(owner("views"), owner("fuse"))
 
 
+def split_shapes(transform: Transform, shape: Sequence[int], ctx: TransformContext,
+                 dtype: torch.dtype = torch.float32) -> list[tuple[int, ...]]:  # fmt: skip
+    """The shape of each piece ``transform.split`` cuts from an mcore tensor of ``shape`` (this
+    rank's chunk of each HF tensor), worked out on a meta tensor: no data is touched."""
+    meta = torch.empty(tuple(shape), dtype=dtype, device="meta")
+    return [tuple(piece.shape) for piece in transform.split(meta, ctx)]
+
+
 def direct_views(transform: Transform, out: torch.Tensor, ctx: TransformContext) -> Optional[list[torch.Tensor]]:
     """``transform.views(out, ctx)`` if they can be trusted to mean ``fuse``: a subclass that
     overrides ``fuse`` without overriding ``views`` too gets ``None`` (pieces are then fused)."""
