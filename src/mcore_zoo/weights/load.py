@@ -66,18 +66,15 @@ def _region_shape(full: Sequence[int], select: Optional[tuple[int, int, int]]) -
 
 
 def _check_bound_shapes(bound: BoundRule, param_shape: Sequence[int], ctx: TransformContext, shape_of: Any,
-                        expected_cache: Optional[dict] = None) -> None:  # fmt: skip
+                        expected_cache: dict) -> None:  # fmt: skip
     """Raise unless the rule's HF sources have the shapes ``param_shape`` needs. ``expected_cache``:
-    :func:`expected_hf_shapes` kept per (transform, context, shape, TP axes) object identities, for
-    callers that check many rules sharing them (an MoE model's experts: one transform and context
-    for all of them) while those objects are alive."""
-    if expected_cache is None:
-        expected = expected_hf_shapes(bound, param_shape, ctx)
-    else:
-        key = (id(bound.transform), id(ctx), tuple(param_shape), tuple(bound.tp_axes), len(bound.hf))
-        expected = expected_cache.get(key)
-        if expected is None:
-            expected = expected_cache[key] = expected_hf_shapes(bound, param_shape, ctx)
+    :func:`expected_hf_shapes` kept per (transform, context, shape, TP axes) object identities -
+    many rules share them (an MoE model's experts: one transform and context for all of them) - for
+    as long as those objects are alive (one :func:`plan_load`)."""
+    key = (id(bound.transform), id(ctx), tuple(param_shape), tuple(bound.tp_axes), len(bound.hf))
+    expected = expected_cache.get(key)
+    if expected is None:
+        expected = expected_cache[key] = expected_hf_shapes(bound, param_shape, ctx)
     extent: dict[str, int] = {}
     for name, want, select, stacked in zip(bound.hf, expected, bound.selects, bound.stacked):
         got = tuple(shape_of(name))
