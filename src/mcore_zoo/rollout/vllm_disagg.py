@@ -153,10 +153,9 @@ class ZooDisaggWorkerExtension(ZooWorkerExtension):
         a refit uses them. ``None`` where this worker has no such channel or the transport is
         shared."""
         receiver: Optional[EngineReceiver] = getattr(self, "_zoo_receiver", None)
-        key = None if receiver is None else (receiver.rank, receiver.rank)
-        if receiver is None or receiver.transport == "shared" or key not in receiver.group.channels:
+        if receiver is None or receiver.transport == "shared":
             return None
-        return measure_link(receiver.group, key, nbytes, iters)
+        return self.zoo_measure_link(receiver.rank, nbytes, iters, receiver.rank)
 
     def zoo_parameter_checksums(self, names: Optional[list[str]] = None) -> dict[str, list[int]]:
         """Per parameter (``names``, default all): :func:`tensor_checksum` of its bytes (exactness
