@@ -42,6 +42,11 @@ def run_check(script: str, *args: str, env: Any = None, timeout: int = 900) -> d
     output unless it exits 0, and returns the JSON of its last stdout line."""
     proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **(env or {})})  # fmt: skip
+    results = os.environ.get("MCORE_ZOO_GPU_RESULTS")
+    if proc.returncode != 0 and results:  # kept where a batch's results go: a run cut short prints no report
+        tag = "-".join([os.path.splitext(os.path.basename(script))[0], *(a for a in args[1:] if "/" not in a)])
+        with open(os.path.join(results, f"failed-{tag}.log"), "w") as f:
+            f.write(f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-20000:]}\n--- stderr\n{proc.stderr[-40000:]}\n")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -10,6 +10,10 @@ through CUDA IPC and load them with ``load_weights``. A refit that skips one buc
 leave the engine off the reference. token_mult_prob_error of SGLang vs the mcore model is printed
 per architecture (``-s``).
 
+``broadcast`` (two GPUs): the engine runs on GPU 1 and the same checks go through
+``SGLangBroadcastAdapter`` - SGLang's ``update_weights_from_distributed``, one NCCL broadcast per
+bucket from the trainer on GPU 0 into a weight-update group the engine joins.
+
 Needs CUDA and SGLang (``STACK=sglang bench/gpu/vllm-setup.sh``, then ``source
 bench/gpu/sglang-env.sh``); one GPU:
 
@@ -52,6 +56,16 @@ def _logprobs(engine, seqs) -> list[torch.Tensor]:
     return [torch.tensor([e[0] for e in o["meta_info"]["input_token_logprobs"][1:]], dtype=torch.float64) for o in outs]
 
 
+def _readable(names: list[str], config: dict) -> list[str]:
+    """The tensors SGLang 0.5.17's ``get_weights_by_name`` reads right: it cuts q / k / v out of
+    ``qkv_proj`` with a head size of ``hidden_size // num_attention_heads``, so where the config
+    sets another ``head_dim`` (the Mistral case's 16 against 256 / 8) their reads are other rows."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if head_dim == config["hidden_size"] // config["num_attention_heads"]:
+        return names
+    return [n for n in names if not any(f".{p}_proj." in n for p in "qkv")]
+
+
 def _weights(engine, names: list[str]) -> dict[str, torch.Tensor]:
     """The engine's values of HF tensors (fp32: exact for bf16), q / k / v and gate / up read from
     their fused parameters by SGLang; ``None`` where SGLang cannot read one."""
@@ -72,15 +86,36 @@ def _equal(engine_value, hf_tensor: torch.Tensor) -> bool:
     return w.shape == t.shape and torch.equal(w, t)
 
 
-def check(ckpt: str, arch: str, out_dir: str) -> dict:
-    """One architecture, in a fresh process (one SGLang engine per process)."""
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check(ckpt: str, arch: str, out_dir: str, transport: str = "ipc") -> dict:
+    """One architecture, in a fresh process (one SGLang engine per process). ``transport``:
+    ``ipc`` (``SGLangAdapter``, the engine on this GPU) or ``broadcast``
+    (``SGLangBroadcastAdapter``, the engine on GPU 1)."""
     import sglang
     from safetensors.torch import load_file
 
-    from mcore_zoo.rollout import SGLangAdapter
+    from mcore_zoo.rollout import SGLangAdapter, SGLangBroadcastAdapter
     from mcore_zoo.testing.common import random_sequences
 
-    result: dict = {"arch": arch, "sglang": sglang.__version__}
+    result: dict = {"arch": arch, "sglang": sglang.__version__, "transport": transport}
+    adapters: list = []
+
+    def adapter(cls=None):
+        """A new adapter of the transport (``cls``: a subclass of its adapter class)."""
+        if transport == "ipc":
+            return (cls or SGLangAdapter)(engine)
+        made = (cls or SGLangBroadcastAdapter)(engine, host="127.0.0.1", port=_free_port(),
+                                               group_name=f"zoo-refit-{len(adapters)}", timeout=300)  # fmt: skip
+        adapters.append(made)
+        return made
+
     model = mcore_zoo.build_model(ckpt, backend="local", params_dtype=torch.bfloat16, load=ckpt)
     export = os.path.join(out_dir, "export")
     mcore_zoo.save_hf_checkpoint(model, export, dtype=torch.bfloat16)
@@ -91,64 +126,88 @@ def check(ckpt: str, arch: str, out_dir: str) -> dict:
     vocab = mcore_zoo.handle_of(model).arch_config.vocab_size
     seqs = random_sequences([37, 64, 100], vocab, seed=3)
     engine = sglang.Engine(model_path=export, dtype="bfloat16", skip_tokenizer_init=True, random_seed=0, context_length=256,
-                           mem_fraction_static=0.3, disable_cuda_graph=True, log_level="error")  # fmt: skip
+                           mem_fraction_static=0.3, disable_cuda_graph=True, log_level="error",
+                           base_gpu_id=1 if transport == "broadcast" else 0)  # fmt: skip
     try:
         readable = arch in READABLE
         want_lp = _logprobs(engine, seqs)
-        want_w = _weights(engine, sorted(hf)) if readable else {}
+        with open(os.path.join(ckpt, "config.json")) as f:
+            readable_names = _readable(sorted(hf), json.load(f))
+        result["weights_not_readable"] = sorted(set(hf) - set(readable_names)) if readable else sorted(hf)
+        want_w = _weights(engine, readable_names) if readable else {}
         result["weights_read"] = len(want_w)
         result["weights_unequal_export"] = [n for n, w in want_w.items() if not _equal(w, hf[n])]
 
         def scramble(seed: int) -> None:
-            gen = torch.Generator(device="cuda").manual_seed(seed)
-            noise = [(n, torch.randn(t.shape, generator=gen, device="cuda").to(t.dtype)) for n, t in hf.items()]
+            # on another GPU than the engine's, the noise goes as CPU tensors (no CUDA IPC across devices)
+            device = "cuda" if transport == "ipc" else "cpu"
+            gen = torch.Generator(device=device).manual_seed(seed)
+            noise = [(n, torch.randn(t.shape, generator=gen, device=device).to(t.dtype)) for n, t in hf.items()]
             ok, msg = engine.update_weights_from_tensor(noise, flush_cache=True)
             assert ok, msg
 
         scramble(1)
         result["scrambled_differs"] = any(not torch.equal(a, b) for a, b in zip(_logprobs(engine, seqs), want_lp))
-        stats = mcore_zoo.refit(model, SGLangAdapter(engine), dtype=torch.bfloat16, bucket_size="2MB")
+        main = adapter()
+        stats = mcore_zoo.refit(model, main, dtype=torch.bfloat16, bucket_size="2MB")
         result["buckets"] = stats.buckets
         result["logprobs_bitwise"] = all(torch.equal(a, b) for a, b in zip(_logprobs(engine, seqs), want_lp))
         got_w = _weights(engine, sorted(want_w))
         result["params_differ"] = [n for n in want_w if got_w[n] is None or not torch.equal(got_w[n], want_w[n])]
 
-        class Skipping(SGLangAdapter):
+        class Skipping(SGLangAdapter if transport == "ipc" else SGLangBroadcastAdapter):
             def load_bucket(self, bucket):
                 if bucket.index != 1:
                     super().load_bucket(bucket)
 
         scramble(2)
         try:
-            mcore_zoo.refit(model, Skipping(engine), dtype=torch.bfloat16, bucket_size="2MB")
+            mcore_zoo.refit(model, adapter(Skipping), dtype=torch.bfloat16, bucket_size="2MB")
             result["skipped_bucket_error"] = None
         except ZooError as exc:
             result["skipped_bucket_error"] = str(exc)
         result["skipped_bucket_logprobs_differ"] = any(not torch.equal(a, b) for a, b in zip(_logprobs(engine, seqs), want_lp))
 
         # parity after refit: SGLang vs the mcore model, per token
-        stats = mcore_zoo.refit(model, SGLangAdapter(engine), dtype=torch.bfloat16, bucket_size="2MB")
+        stats = mcore_zoo.refit(model, main, dtype=torch.bfloat16, bucket_size="2MB")
         lp = _logprobs(engine, seqs)
         out = mcore_zoo.packed_forward(model, [s.cuda() for s in seqs], seq_format="bshd")  # local: no THD
         d = torch.cat([(a - b.double().cpu()).abs() for a, b in zip(lp, out.logprobs)])
         result["token_mult_prob_error"] = float(d.exp().mean())
         result["max_abs_dlogp"] = float(d.max())
         result["refit_mb"], result["refit_ms"] = stats.nbytes / 1e6, stats.seconds * 1e3
+        big = mcore_zoo.refit(model, main, dtype=torch.bfloat16, bucket_size="1GB")  # one bucket: the rate
+        result["refit_1gb_bucket_ms"] = big.seconds * 1e3
     finally:
+        for made in adapters:
+            made.close()
         engine.shutdown()
     return result
 
 
-@pytest.mark.parametrize("arch,overrides", ARCHS, ids=[a for a, _ in ARCHS])
-def test_refit_into_sglang_is_bitwise(reference_checkpoint, arch, overrides, tmp_path):
+#: (transport, architectures): the engine-side GPU path is the same for every model, so the
+#: broadcast transport runs a dense and an MoE model
+TRANSPORTS = [("ipc", [a for a, _ in ARCHS]), ("broadcast", ["LlamaForCausalLM", "Qwen3MoeForCausalLM"])]
+CASES = [(t, a, o) for t, archs in TRANSPORTS for a, o in ARCHS if a in archs]
+
+
+@pytest.mark.parametrize("transport,arch,overrides", CASES, ids=[f"{t}-{a}" for t, a, _ in CASES])
+def test_refit_into_sglang_is_bitwise(reference_checkpoint, transport, arch, overrides, tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    if transport == "broadcast" and torch.cuda.device_count() < 2:
+        pytest.skip("the broadcast transport needs two GPUs (trainer on GPU 0, engine on GPU 1)")
     ckpt = reference_checkpoint(arch, {**SIZES, **overrides})
     from .conftest import run_check  # here: this file also runs as a script
 
-    r = run_check(__file__, str(ckpt), arch, str(tmp_path))
-    print(f"\n{arch}: SGLang {r['sglang']} after refit vs mcore local bf16: token_mult_prob_error {r['token_mult_prob_error']:.6f},"
-          f" max |dlogp| {r['max_abs_dlogp']:.3e}; refit {r['refit_mb']:.1f} MB in {r['refit_ms']:.1f} ms")  # fmt: skip
+    r = run_check(__file__, str(ckpt), arch, str(tmp_path), transport)
+    results = os.environ.get("MCORE_ZOO_GPU_RESULTS")
+    if results:
+        with open(os.path.join(results, f"refit-sglang-{transport}-{arch}.json"), "w") as f:
+            json.dump(r, f, indent=1)
+    print(f"\n{arch} ({transport}): SGLang {r['sglang']} after refit vs mcore local bf16: token_mult_prob_error"
+          f" {r['token_mult_prob_error']:.6f}, max |dlogp| {r['max_abs_dlogp']:.3e}; refit {r['refit_mb']:.1f} MB in"
+          f" {r['refit_ms']:.1f} ms (2 MB buckets), {r['refit_1gb_bucket_ms']:.1f} ms (one bucket)")  # fmt: skip
     assert r["scrambled_differs"] and r["buckets"] > 2
     assert r["logprobs_bitwise"]
     if arch in READABLE:
@@ -159,4 +218,4 @@ def test_refit_into_sglang_is_bitwise(reference_checkpoint, arch, overrides, tmp
 
 
 if __name__ == "__main__":
-    print(json.dumps(check(*sys.argv[1:4])))
+    print(json.dumps(check(*sys.argv[1:5])))

@@ -9,6 +9,8 @@
   ``load_bucket`` / ``end``) and a reference :class:`DictAdapter`;
 * :mod:`~mcore_zoo.rollout.vllm` - :class:`VLLMAdapter` and the worker extension for ``vllm.LLM``;
 * :mod:`~mcore_zoo.rollout.sglang` - :class:`SGLangAdapter` (``update_weights_from_tensor``);
+  :mod:`~mcore_zoo.rollout.sglang_broadcast` - :class:`SGLangBroadcastAdapter` (SGLang engines in
+  other processes, ``update_weights_from_distributed``) and :class:`SGLangServer` (one over HTTP);
 * :mod:`~mcore_zoo.rollout.fp8` / :mod:`~mcore_zoo.rollout.vllm_fp8` - refit into an engine serving
   FP8 block-quantized weights (:class:`Fp8BlockAdapter`, :class:`VLLMFp8Adapter`), quantized on
   the trainer's device;
@@ -40,6 +42,7 @@ from .plan import EngineTensor, RefitPlan, Slot, plan_refit
 from .refit import RefitStats, get_plan, refit
 from .fp8 import Fp8BlockAdapter, fp8_refit_plan
 from .sglang import SGLangAdapter
+from .sglang_broadcast import SGLangBroadcastAdapter, SGLangServer
 from .transfer import TransferPlan, plan_transfer
 from .vllm import EXTENSION as VLLM_WORKER_EXTENSION
 from .vllm import VLLMAdapter, ZooWorkerExtension
@@ -48,6 +51,7 @@ from .vllm_fp8 import FP8_WORKER_EXTENSION, VLLMFp8Adapter, ZooFp8WorkerExtensio
 __all__ = [
     "refit", "get_plan", "plan_refit", "RefitPlan", "RefitStats", "Slot", "EngineTensor",
     "EngineAdapter", "RefitBucket", "DictAdapter", "VLLMAdapter", "ZooWorkerExtension", "SGLangAdapter",
+    "SGLangBroadcastAdapter", "SGLangServer",
     "VLLM_WORKER_EXTENSION", "EngineFormat", "Fusion", "ExpertFusion", "StackedExpertLayout", "VLLM", "HF_NAMES",
     "get_engine_format",
     "Fp8BlockAdapter", "fp8_refit_plan", "VLLMFp8Adapter", "ZooFp8WorkerExtension", "FP8_WORKER_EXTENSION",

@@ -16,7 +16,7 @@ its ``update_weights_from_tensor`` signature.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 from ..errors import ZooError
 from .adapter import EngineAdapter, RefitBucket
@@ -49,15 +49,11 @@ class SGLangAdapter(EngineAdapter):
     def load_bucket(self, bucket: RefitBucket) -> None:
         named = bucket.named(0)
         result = self.engine.update_weights_from_tensor(named, flush_cache=self.flush_cache and bucket.index == self._last)
-        if isinstance(result, tuple):  # (success, message), as SGLang's engine answers; or more / fewer parts
-            if not result or not isinstance(result[0], bool):
-                raise ZooError(f"SGLang answered bucket {bucket.index} with {result!r}: expected (success, message)")
-            success, message = result[0], " ".join(str(part) for part in result[1:])
-        else:
-            success, message = result is not False, str(result)
-        if not success:
-            raise ZooError(f"SGLang refused bucket {bucket.index} ({len(named)} tensor(s), first {named[0][0] if named else '-'!r}): {message}")
-        for name, _ in named:
+        check_answer(result, f"bucket {bucket.index} ({len(named)} tensor(s), first {named[0][0] if named else '-'!r})")
+        self._count_sent(name for name, _ in named)
+
+    def _count_sent(self, names: Iterable[str]) -> None:
+        for name in names:
             self._sent[name] = self._sent.get(name, 0) + 1
 
     def end(self) -> None:
@@ -69,4 +65,17 @@ class SGLangAdapter(EngineAdapter):
                            f" {len(twice)} sent more than once {twice[:8]}, {len(extra)} not in the plan {extra[:8]}")  # fmt: skip
 
 
-__all__ = ["SGLangAdapter"]
+def check_answer(result: Any, what: str) -> None:
+    """Raise :class:`~mcore_zoo.errors.ZooError` naming ``what`` unless ``result`` - an SGLang
+    weight-update call's answer, ``(success, message)`` - says it succeeded."""
+    if isinstance(result, tuple):  # (success, message), as SGLang's engine answers; or more / fewer parts
+        if not result or not isinstance(result[0], bool):
+            raise ZooError(f"SGLang answered {what} with {result!r}: expected (success, message)")
+        success, message = result[0], " ".join(str(part) for part in result[1:])
+    else:
+        success, message = result is not False, str(result)
+    if not success:
+        raise ZooError(f"SGLang refused {what}: {message}")
+
+
+__all__ = ["SGLangAdapter", "check_answer"]
