@@ -132,9 +132,9 @@ def _export(model) -> dict[str, torch.Tensor]:
     return {name: t.clone() for name, t in mcore_zoo.iter_hf_weights(model)}
 
 
-@pytest.mark.parametrize("arch,engines", [("LlamaForCausalLM", [2]), ("Qwen3MoeForCausalLM", [1, 2])],
-                         ids=["llama-tp2", "qwen3-moe-two-replicas"])  # fmt: skip
-def test_sglang_broadcast_refit_is_the_export_bitwise(mpu, reference_checkpoint, arch, engines):
+@pytest.mark.parametrize("arch,engines,overlap", [("LlamaForCausalLM", [2], False), ("Qwen3MoeForCausalLM", [1, 2], True)],
+                         ids=["llama-tp2", "qwen3-moe-two-replicas-overlapped"])  # fmt: skip
+def test_sglang_broadcast_refit_is_the_export_bitwise(mpu, reference_checkpoint, arch, engines, overlap):
     from mcore_zoo.rollout import SGLangBroadcastAdapter
 
     ckpt = reference_checkpoint(arch, {})
@@ -143,7 +143,7 @@ def test_sglang_broadcast_refit_is_the_export_bitwise(mpu, reference_checkpoint,
     fleet = [StandInEngine(tp) for tp in engines]
     try:
         adapter = SGLangBroadcastAdapter(fleet if len(fleet) > 1 else fleet[0], host="127.0.0.1", port=_free_port(),
-                                         engine_tp=engines, timeout=120)  # fmt: skip
+                                         engine_tp=engines, timeout=120, overlap=overlap)  # fmt: skip
         for _ in range(2):  # the plan and the group reused
             stats = mcore_zoo.refit(model, adapter, bucket_size="64KB")
             assert stats.buckets > 1
@@ -160,7 +160,8 @@ def test_sglang_broadcast_refit_is_the_export_bitwise(mpu, reference_checkpoint,
             engine.stop()
 
 
-def test_sglang_broadcast_refit_fails_naming_the_bucket(mpu, reference_checkpoint):
+@pytest.mark.parametrize("overlap", [False, True], ids=["inline", "overlapped"])
+def test_sglang_broadcast_refit_fails_naming_the_bucket(mpu, reference_checkpoint, overlap):
     from mcore_zoo.errors import ZooError
     from mcore_zoo.rollout import SGLangBroadcastAdapter
 
@@ -168,7 +169,7 @@ def test_sglang_broadcast_refit_fails_naming_the_bucket(mpu, reference_checkpoin
     model = mcore_zoo.build_model(ckpt, backend="local", load=ckpt)
     engine = StandInEngine(1, refuse="layers.1.mlp")
     try:
-        adapter = SGLangBroadcastAdapter(engine, host="127.0.0.1", port=_free_port(), timeout=120)
+        adapter = SGLangBroadcastAdapter(engine, host="127.0.0.1", port=_free_port(), timeout=120, overlap=overlap)
         with pytest.raises(ZooError, match=r"SGLang refused bucket \d+ \(\d+ tensor\(s\), \d+ bytes.*engine 0.*layers.1.mlp unknown"):
             mcore_zoo.refit(model, adapter, bucket_size="64KB")
         with pytest.raises(ZooError, match="unusable after bucket"):
@@ -188,7 +189,7 @@ def test_sglang_broadcast_refit_fails_naming_the_bucket(mpu, reference_checkpoin
 
     engine = StandInEngine(1)
     try:
-        adapter = SkipsOne(engine, host="127.0.0.1", port=_free_port(), timeout=120)
+        adapter = SkipsOne(engine, host="127.0.0.1", port=_free_port(), timeout=120, overlap=overlap)
         with pytest.raises(ZooError, match=r"refit incomplete: [1-9][0-9]* tensor\(s\) never sent"):
             mcore_zoo.refit(model, adapter, bucket_size="64KB")
         adapter.close()
@@ -312,3 +313,55 @@ def test_sglang_server_posts_the_requests_and_reads_refusals():
     assert [p for p, _, _ in seen] == ["/init_weights_update_group", "/update_weights_from_distributed",
                                        "/update_weights_from_distributed", "/destroy_weights_update_group"]  # fmt: skip
     assert seen[1][1] == request and all(auth == "Bearer k" for _, _, auth in seen)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["inline", "overlapped"])
+def test_overlap_packs_the_next_bucket_while_the_engine_loads(mpu, reference_checkpoint, monkeypatch, overlap):
+    """With ``overlap`` the next bucket is packed while the engines still load the one before (one
+    request in flight); without it, every bucket's answer comes before the next is packed."""
+    import mcore_zoo.rollout.sglang_broadcast as sb
+    from mcore_zoo.rollout import SGLangBroadcastAdapter
+
+    events = []
+    lock = threading.Lock()
+    flatten = sb.flatten_bucket
+
+    def recorded(named):
+        with lock:
+            events.append("packed")
+        return flatten(named)
+
+    monkeypatch.setattr(sb, "flatten_bucket", recorded)
+
+    class Work:
+        def wait(self):
+            return True
+
+    class Group:
+        def broadcast(self, flat):
+            return Work()
+
+        def close(self, abort=False):
+            pass
+
+    class Engine:
+        def update_weights_from_distributed(self, **request):
+            with lock:
+                events.append("asked")
+            time.sleep(0.25 if overlap else 0.02)  # the engine's receive and load_weights (long: a loaded CI machine)
+            with lock:
+                events.append("answered")
+            return True, "Succeeded to update parameter online."
+
+    ckpt = reference_checkpoint("LlamaForCausalLM", {})
+    model = mcore_zoo.build_model(ckpt, backend="local", load=ckpt)
+    adapter = SGLangBroadcastAdapter(Engine(), host="127.0.0.1", port=0, overlap=overlap)
+    adapter.group = Group()
+    stats = mcore_zoo.refit(model, adapter, bucket_size="64KB")
+    assert stats.buckets > 2 and events.count("answered") == events.count("packed") == stats.buckets
+    asked = [i for i, e in enumerate(events) if e == "asked"]
+    answered = [i for i, e in enumerate(events) if e == "answered"]
+    assert all(a < b for a, b in zip(asked, answered)) and all(b < a for b, a in zip(answered, asked[1:])), events
+    packed = [i for i, e in enumerate(events) if e == "packed"]
+    next_packed_first = sum(p < b for p, b in zip(packed[1:], answered))  # bucket k + 1 packed before k's answer
+    assert next_packed_first == (stats.buckets - 1 if overlap else 0), events

@@ -139,15 +139,19 @@ class SGLangBroadcastAdapter(SGLangAdapter):
     engine once. After a failed bucket the group holds a broadcast no engine takes: :meth:`close`,
     then connect again (another ``group_name`` or port) before the next refit.
 
-    Each bucket's broadcast is posted from a thread of its own while the caller's thread
-    asks the engines for the bucket (NCCL makes the group's communicator at the first collective,
-    which blocks until the engine ranks join it - inside that request); the caller's stream waits
-    for the broadcast before the bucket's bytes are freed."""
+    Each bucket's broadcast is posted from a thread of its own while the request asks the engines
+    for the bucket (NCCL makes the group's communicator at the first collective, which blocks until
+    the engine ranks join it - inside that request); the caller's stream waits for the broadcast
+    before the bucket's bytes are freed. ``overlap`` (default: on when every engine is an
+    :class:`SGLangServer`): the request runs on a thread too, and ``load_bucket`` returns once the
+    bucket is packed - the next bucket's export and packing run while the engines receive and
+    load this one (one request in flight: SGLang takes them one at a time). Off, the request runs
+    in the caller's thread (an in-process ``sglang.Engine`` runs its asyncio loop there)."""
 
     def __init__(self, engines: Union[Any, Sequence[Any]], *, host: str, port: int, engine_tp: Union[int, Sequence[int]] = 1,
                  group_name: str = "mcore-zoo-refit", backend: Optional[str] = None,
                  device: Optional[Union[str, torch.device]] = None, flush_cache: bool = True,
-                 timeout: float = 600.0) -> None:  # fmt: skip
+                 timeout: float = 600.0, overlap: Optional[bool] = None) -> None:  # fmt: skip
         self.engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
         if not self.engines:
             raise ZooError("SGLangBroadcastAdapter needs at least one engine")
@@ -168,6 +172,13 @@ class SGLangBroadcastAdapter(SGLangAdapter):
         self.group: Optional[UpdateGroup] = None
         self._broken: Optional[str] = None
         self._pool = ThreadPoolExecutor(len(self.engines)) if len(self.engines) > 1 else None
+        if overlap is None:  # an in-process sglang.Engine runs its asyncio loop in the caller's thread
+            overlap = all(isinstance(engine, SGLangServer) for engine in self.engines)
+        self.overlap = overlap
+        #: with ``overlap``: the thread that sends each bucket's request while the caller prepares the next
+        self._requests = ThreadPoolExecutor(1, thread_name_prefix="mcore-zoo-sglang-request") if overlap else None
+        #: the bucket whose request and broadcast may still run: (what, names, request, broadcast)
+        self._in_flight: Optional[tuple[str, list[str], Future, Future]] = None
 
     # ------------------------------------------------------------------ the group
     def connect(self) -> None:
@@ -211,6 +222,7 @@ class SGLangBroadcastAdapter(SGLangAdapter):
 
     # ------------------------------------------------------------------ a refit
     def begin(self, plan: "RefitPlan") -> None:
+        self._finish_in_flight()  # a refit that raised before its end: its last bucket first
         if self._broken:
             raise ZooError(f"SGLang weight-update group {self.group_name!r} is unusable after {self._broken}:"
                            " close() and connect to a new group first")  # fmt: skip
@@ -224,23 +236,50 @@ class SGLangBroadcastAdapter(SGLangAdapter):
         what = f"bucket {bucket.index} ({len(names)} tensor(s), {flat.numel()} bytes, first {names[0]!r})"
         flush = self.flush_cache and bucket.index == self._last
         packed = torch.cuda.current_stream(flat.device).record_event() if flat.is_cuda else None
+        self._finish_in_flight()  # packed while it ran; one request in flight: SGLang takes them one at a time
         # posted from a thread of its own: NCCL makes the communicator at the first collective, and
         # that call blocks until every rank makes it - the engine ranks only do once asked for the
-        # bucket, which this thread does meanwhile (a daemon thread: one left blocked by an engine
+        # bucket, which the request does meanwhile (a daemon thread: one left blocked by an engine
         # that refused before receiving does not keep the process from exiting)
         posted: Future = Future()
         threading.Thread(target=self._post, args=(flat, packed, posted), name="mcore-zoo-sglang-send", daemon=True).start()
-        try:
-            answers = self._call_all(lambda engine, i: engine.update_weights_from_distributed(
+
+        def request() -> list[Any]:
+            return self._call_all(lambda engine, i: engine.update_weights_from_distributed(
                 names=names, dtypes=dtypes, shapes=shapes, group_name=self.group_name, flush_cache=flush,
                 load_format=FLATTENED_BUCKET))  # fmt: skip
-            for i, answer in enumerate(answers):
+
+        if self._requests is not None:  # answered while the caller prepares the next bucket
+            asked = self._requests.submit(request)
+        else:
+            asked = Future()
+            try:
+                asked.set_result(request())
+            except BaseException as exc:  # noqa: BLE001 - raised by _finish_in_flight, below
+                asked.set_exception(exc)
+        self._in_flight = (what, names, asked, posted)
+        if self._requests is None:
+            self._finish_in_flight()
+
+    def end(self) -> None:
+        self._finish_in_flight()
+        super().end()
+
+    def _finish_in_flight(self) -> None:
+        """Wait for the bucket in flight: every engine's answer checked, its broadcast done (NCCL:
+        the caller's stream waits for it before the bucket's bytes are freed)."""
+        if self._in_flight is None:
+            return
+        what, names, asked, posted = self._in_flight
+        self._in_flight = None
+        try:
+            for i, answer in enumerate(asked.result()):
                 check_answer(answer, f"{what} (engine {i})")
             work = posted.result(self.timeout.total_seconds())
         except BaseException:
             self._broken = what
             raise
-        work.wait()  # (NCCL: this stream waits for the broadcast before ``flat`` is freed)
+        work.wait()
         self._count_sent(names)
 
     def _post(self, flat: torch.Tensor, packed: Optional[torch.cuda.Event], posted: Future) -> None:
