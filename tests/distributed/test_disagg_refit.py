@@ -3,7 +3,9 @@ layout) and engine processes (no world of their own) joined by a refit group fro
 port. One process launch for the two-trainer layouts (TP2, PP2, EP2, in turn) and one for TP2 x EP2
 run the built-ins (a CI run: one of each kind, ``CI_BUILTINS``; every built-in with
 ``MCORE_ZOO_TEST_ALL_BUILTINS=1``) and every engine layout in them:
-engine TP1, engine TP2 and an engine of two DP replicas (TP1, every byte through one broadcast).
+engine TP1, engine TP2, an engine of two DP replicas (TP1, every byte through one broadcast) and,
+for MoE built-ins with per-expert tensors, an engine with expert parallelism over TP2 (each engine
+rank's experts whole: the ``vllm-ep`` format).
 Each engine rank's tensors (the CPU stand-in engine: a dict per rank in vLLM's names and TP
 shards) must be bitwise those of an engine loaded from the zoo's export (the colocated refit
 through the export stream, on trainer rank 0). A dropped or a duplicated message fails with an
@@ -58,7 +60,11 @@ def _selected(names=None):
 
 #: (id, engine TP, engine DP replicas); an id ending in "-shared": the shared-buffer transport
 #: (the engine ranks read the senders' rings in shared memory), for SHARED_BUILTINS only
-ENGINES = [("tp1", 1, 1), ("tp2", 2, 1), ("tp1-dp2", 1, 2), ("tp2-shared", 2, 1), ("tp1-dp2-shared", 1, 2)]
+ENGINES = [("tp1", 1, 1), ("tp2", 2, 1), ("tp1-dp2", 1, 2), ("tp2-shared", 2, 1), ("tp1-dp2-shared", 1, 2), ("ep2", 2, 1)]
+#: the built-ins the "ep2" engine runs (vLLM's ``enable_expert_parallel`` over TP2: each engine rank
+#: holds its experts whole, the ``vllm-ep`` engine format): MoE with per-expert HF tensors
+EP_ENGINE_BUILTINS = ("qwen3-moe", "qwen2-moe", "mixtral", "glm4-moe", "deepseek-v2", "deepseek-v3", "deepseek-v3.2",
+                      "glm-5", "qwen3-next", "qwen3.5-moe")  # fmt: skip
 #: the built-ins the shared transport runs (its data path does not depend on the model)
 SHARED_BUILTINS = ("llama", "qwen3-moe", "qwen2.5-vl")
 
@@ -71,7 +77,7 @@ def _disagg(trainers: int, cases: list, faults: str | None) -> dict:
     import mcore_zoo
     from mcore_zoo.distributed.refit_group import RefitGroup
     from mcore_zoo.parallel import ensure_model_parallel
-    from mcore_zoo.rollout import DictAdapter, DisaggSender, EngineReceiver, IntegrityError
+    from mcore_zoo.rollout import DictAdapter, DisaggSender, EngineReceiver, IntegrityError, get_engine_format
 
     rank, world = dist.get_rank(), dist.get_world_size()
     store = dist.distributed_c10d._get_default_store()  # the launch's store, kept past its world
@@ -95,10 +101,12 @@ def _disagg(trainers: int, cases: list, faults: str | None) -> dict:
                 continue
             group = RefitGroup(dist.PrefixStore(key, store), rank, trainers, used, "gloo", torch.device("cpu"), _timeout())
             transport = "shared" if engine_id.endswith("-shared") else "broadcast"
+            fmt = get_engine_format("vllm-ep" if engine_id == "ep2" else "vllm")
             if rank < trainers:
-                sender = DisaggSender(model, group, engine_tp=tp, engine_dp=dp, bucket_size="64KB", transport=transport)
+                sender = DisaggSender(model, group, engine_tp=tp, engine_dp=dp, bucket_size="64KB", transport=transport,
+                                      engine_format=fmt)  # fmt: skip
                 sent = [sender.send() for _ in range(2)]
-                reference = DictAdapter(tp_size=tp) if rank == 0 else None  # the export, through the colocated refit
+                reference = DictAdapter(tp_size=tp, engine_format=fmt) if rank == 0 else None  # the export, through the colocated refit
                 mcore_zoo.refit(model, reference, target_tp=tp, bucket_size="64KB")
                 found[key] = {"reference": reference.tensors if reference else None, "bytes": [s.nbytes for s in sent],
                               "routes": len(sender.transfer.routes), "exported": sorted(n for v in sender.transfer.exported.values() for n in v),
@@ -171,6 +179,7 @@ def _engines(case_id: str) -> list:
     shared transport for SHARED_BUILTINS only)."""
     shared = case_id.split("/")[-1] in SHARED_BUILTINS
     engines = [e for e in ENGINES if shared or not e[0].endswith("-shared")]
+    engines = [e for e in engines if e[0] != "ep2" or case_id.split("/")[-1] in EP_ENGINE_BUILTINS]
     return [e for e in engines if e[1] == 1] if case_id.endswith("qwen2.5-vl") else engines
 
 

@@ -154,7 +154,7 @@ def _refit_tp_local(ckpts: dict) -> dict:
     from megatron.core import parallel_state as ps
 
     from mcore_zoo.parallel import ensure_model_parallel
-    from mcore_zoo.rollout import DictAdapter
+    from mcore_zoo.rollout import VLLM_EP, DictAdapter
     from mcore_zoo.rollout.vllm import VLLMAdapter
 
     from ..unit.test_refit import FakeLLM, FakeWorker
@@ -181,8 +181,24 @@ def _refit_tp_local(ckpts: dict) -> dict:
         found[name] = {"sources": [r.source for r in runs + raw_runs], "tensors": mine.tensors[rank],
                        "raw": {k: p.data for k, p in worker.model_runner.model.named_parameters()},
                        "gathered": gathered, "voted": voted.source, "mixed": mixed.tensors}  # fmt: skip
+        if name in EP_ENGINE_CASES:  # an engine with expert parallelism: this rank's experts whole
+            want_ep = vllm_engine_tensors(load_file(str(Path(ckpt) / "model.safetensors")),
+                                          json.loads((Path(ckpt) / "config.json").read_text()), 2, ep="linear")  # fmt: skip
+            ep = DictAdapter(tp_size=2, engine_rank=rank, engine_format=VLLM_EP)
+            ep_runs = [mcore_zoo.refit(model, ep, receiver="all", bucket_size="32KB") for _ in range(2)]
+            ep_worker = FakeWorker({k: torch.zeros_like(v) for k, v in want_ep[rank].items()}, rank)
+            ep_llm = FakeLLM([ep_worker], parallel={"enable_expert_parallel": True, "tensor_parallel_size": 2})
+            ep_raw = VLLMAdapter(ep_llm, transport="inproc", engine_rank=rank)
+            ep_runs += [mcore_zoo.refit(model, ep_raw, receiver="all", bucket_size="32KB") for _ in range(2)]
+            found[name]["ep"] = {"sources": [r.source for r in ep_runs], "tensors": ep.tensors[rank],
+                                 "raw": {k: p.data for k, p in ep_worker.model_runner.model.named_parameters()}}  # fmt: skip
         ps.destroy_model_parallel()
     return found
+
+
+#: the trainer-TP-equals-engine-TP cases also refit into an engine with expert parallelism over
+#: its TP2 (vLLM's ``enable_expert_parallel``): each rank's experts whole
+EP_ENGINE_CASES = ("qwen3-moe", "qwen3-moe-etp1", "deepseek-v3")
 
 
 def model_programs(model):
@@ -211,6 +227,15 @@ def test_refit_from_tp_chunks_when_trainer_tp_equals_engine_tp(reference_checkpo
                 assert sorted(got[key]) == sorted(want[rank]), (name, rank, key)
                 for tensor, ref in ((got[key][t], want[rank][t]) for t in want[rank]):
                     assert torch.equal(tensor, ref), (name, rank, key)
+        if name in EP_ENGINE_CASES:  # into an expert-parallel engine: experts whole on their rank
+            want_ep = vllm_engine_tensors(load_file(str(ckpt / "model.safetensors")), config, 2, ep="linear")
+            for rank in (0, 1):
+                got = found[rank][name]["ep"]
+                assert got["sources"] == ["tp-local"] * 4, (name, rank, got["sources"])
+                for key in ("tensors", "raw"):
+                    assert sorted(got[key]) == sorted(want_ep[rank]), (name, rank, key)
+                    for t in want_ep[rank]:
+                        assert torch.equal(got[key][t], want_ep[rank][t]), (name, rank, key, t)
         vocab_rules = {"embedding.word_embeddings.weight", "output_layer.weight"}
         assert set(found[0][name]["gathered"]) == set(found[1][name]["gathered"])
         if name.startswith("llama-vocab"):

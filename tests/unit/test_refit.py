@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 import mcore_zoo
 from mcore_zoo.errors import LayoutError, ZooError
-from mcore_zoo.rollout import HF_NAMES, VLLM, DictAdapter, VLLMAdapter, ZooWorkerExtension, get_plan, plan_refit
+from mcore_zoo.rollout import HF_NAMES, VLLM, DictAdapter, VLLMAdapter, ZooWorkerExtension, get_engine_format, get_plan, plan_refit
 from mcore_zoo.rollout.adapter import RefitBucket
 
 # ---------------------------------------------------------------- vLLM 0.26's tables, as data
@@ -61,8 +61,22 @@ ROW_PARALLEL = re.compile(r".*\.(o_proj|down_proj)\.weight")  # RowParallelLinea
 VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def vllm_engine_tensors(hf: dict[str, torch.Tensor], config: dict, tp: int) -> list[dict[str, torch.Tensor]]:
-    """What vLLM's load_weights leaves in the model's parameters on each TP rank."""
+def vllm_expert_map(experts: int, ep: int, rank: int, placement: str) -> list[int]:
+    """vLLM 0.26's ``determine_expert_map``: global expert -> local index on ``rank`` (-1: not held)."""
+    base, remainder = divmod(experts, ep)
+    local = base + 1 if rank < remainder else base
+    held = range(rank * base + min(rank, remainder), rank * base + min(rank, remainder) + local) if placement == "linear" \
+        else range(rank, experts, ep)  # fmt: skip
+    out = [-1] * experts
+    for k, e in enumerate(held):
+        out[e] = k
+    return out
+
+
+def vllm_engine_tensors(hf: dict[str, torch.Tensor], config: dict, tp: int, ep: str | None = None) -> list[dict[str, torch.Tensor]]:
+    """What vLLM's load_weights leaves in the model's parameters on each TP rank; ``ep``: with
+    ``enable_expert_parallel`` over the TP group and that ``expert_placement_strategy`` (experts whole
+    on the rank holding them, FusedMoE's weight loader skipping the others)."""
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
     hd = config.get("head_dim") or config["hidden_size"] // heads
     gate, down, up = EXPERT_CKPT_NAMES["mixtral" if config["model_type"] == "mixtral" else "default"]
@@ -79,15 +93,21 @@ def vllm_engine_tensors(hf: dict[str, torch.Tensor], config: dict, tp: int) -> l
                 pname = m.group(1) + VLLM_EXPERT_PARAM[shard_id] + "weight"
                 n_exp = sum(1 for k in hf if k.startswith(m.group(1) + "experts.") and k.endswith(f".{gate}.weight"))
                 inter = w.shape[0] if shard_id != "w2" else w.shape[1]
-                per = inter // tp
+                etp, erank = (1, 0) if ep else (tp, rank)  # FusedMoE: expert TP 1 under expert parallelism
+                per = inter // etp
+                expert_map = vllm_expert_map(n_exp, tp, rank, ep) if ep else list(range(n_exp))
                 if pname not in params:
-                    shape = (n_exp, 2 * per, w.shape[1]) if shard_id != "w2" else (n_exp, w.shape[0], per)
+                    local = sum(k >= 0 for k in expert_map)
+                    shape = (local, 2 * per, w.shape[1]) if shard_id != "w2" else (local, w.shape[0], per)
                     params[pname] = torch.full(shape, float("nan"), dtype=w.dtype)
+                if expert_map[e] < 0:  # weight_loader: not this rank's expert
+                    continue
+                e = expert_map[e]
                 if shard_id == "w2":  # _load_w2: shard_dim 1
-                    params[pname][e].copy_(w.narrow(1, rank * per, per))
+                    params[pname][e].copy_(w.narrow(1, erank * per, per))
                 else:  # _load_w13: w1 first half, w3 second half
                     half = 0 if shard_id == "w1" else per
-                    params[pname][e].narrow(0, half, per).copy_(w.narrow(0, rank * per, per))
+                    params[pname][e].narrow(0, half, per).copy_(w.narrow(0, erank * per, per))
                 continue
             stem, leaf = name.rsplit(".", 1)
             mla = "kv_lora_rank" in config  # deepseek_v2.py: DeepSeek-V2 / V3 / V3.2, GLM-5
@@ -180,6 +200,70 @@ def test_refit_reproduces_the_engine_loaders_bitwise(mpu, reference_checkpoint, 
     stats = mcore_zoo.refit(model, adapter, bucket_size="64KB")
     assert stats.buckets > 1 and stats.tensors == len(get_plan(model, target_tp=tp, bucket_size="64KB").hf)
     assert_same(adapter.tensors, vllm_engine_tensors(hf, config, tp))
+
+
+EP_CASES = [c for c in CASES if c[0] in ("qwen3-moe", "qwen2-moe", "mixtral", "glm4-moe", "deepseek-v3")] + [
+    ("qwen3-moe-5-experts", "Qwen3MoeForCausalLM", {"num_experts": 5, "num_experts_per_tok": 2}),  # uneven: 3 + 2
+]
+
+
+@pytest.mark.parametrize("placement", ["linear", "round_robin"])
+@pytest.mark.parametrize("case,arch,overrides", EP_CASES, ids=[c[0] for c in EP_CASES])
+def test_refit_into_an_expert_parallel_engine(mpu, reference_checkpoint, case, arch, overrides, placement):
+    """vLLM with ``enable_expert_parallel`` over its TP group (2 ranks): each rank holds its experts
+    whole, as ``expert_placement_strategy`` places them (5 experts: an uneven split), the rest
+    TP-split as without it."""
+    _, model, config, hf = _setup(reference_checkpoint, arch, overrides)
+    fmt = "vllm-ep" if placement == "linear" else "vllm-ep-round-robin"
+    adapter = DictAdapter(tp_size=2, engine_format=get_engine_format(fmt))
+    mcore_zoo.refit(model, adapter, bucket_size="64KB")
+    want = vllm_engine_tensors(hf, config, 2, ep=placement)
+    assert_same(adapter.tensors, want)
+    w13 = [n for n in want[0] if n.endswith("w13_weight")]
+    assert w13 and want[0][w13[0]].shape[0] + want[1][w13[0]].shape[0] == model_experts(config)
+
+
+def model_experts(config: dict) -> int:
+    return config.get("num_experts") or config.get("num_local_experts") or config["n_routed_experts"]
+
+
+@pytest.mark.parametrize("placement", ["linear", "round_robin"])
+def test_vllm_adapter_writes_an_expert_parallel_engine(mpu, reference_checkpoint, placement):
+    """An engine started with ``enable_expert_parallel``: the adapter reads it (and the placement)
+    from the engine's config, and the worker extension writes each rank's own experts in place."""
+    _, model, config, hf = _setup(reference_checkpoint, "Qwen3MoeForCausalLM", {"num_experts": 5, "num_experts_per_tok": 2})
+    want = vllm_engine_tensors(hf, config, 2, ep=placement)
+    workers = [FakeWorker({k: torch.zeros_like(v) for k, v in want[r].items()}, r) for r in range(2)]
+    llm = FakeLLM(workers, parallel={"enable_expert_parallel": True, "expert_placement_strategy": placement})
+    adapter = VLLMAdapter(llm, transport="inproc")
+    assert adapter.engine_format.expert_parallel == placement and adapter.tp_size == 2
+    mcore_zoo.refit(model, adapter, bucket_size="64KB")
+    assert_same(_engine_params(workers), want)
+    # an engine without expert parallelism has other shapes: the plan for it is refused, nothing written
+    flat = [FakeWorker({k: torch.zeros_like(v) for k, v in vllm_engine_tensors(hf, config, 2)[r].items()}, r) for r in range(2)]
+    with pytest.raises(ZooError, match="begin failed"):
+        mcore_zoo.refit(model, VLLMAdapter(FakeLLM(flat), tp_size=2, transport="inproc", engine_format=adapter.engine_format),
+                        bucket_size="64KB")  # fmt: skip
+
+
+@pytest.mark.parametrize("parallel,match", [({"enable_eplb": True}, "EPLB"), ({"data_parallel_size": 2}, "data-parallel ranks"),
+                                            ({"expert_placement_strategy": "other"}, "expert_placement_strategy 'other'")])  # fmt: skip
+def test_vllm_adapter_refuses_expert_layouts_it_cannot_plan(parallel, match):
+    llm = FakeLLM([object(), object()], parallel={"enable_expert_parallel": True, **parallel})
+    with pytest.raises(ZooError, match=match):
+        VLLMAdapter(llm)
+    assert VLLMAdapter(llm, mode="load_weights").engine_format.presplit is False  # whole tensors: vLLM places them
+
+
+def test_expert_parallel_engine_refuses_stacked_experts_and_too_few_experts(mpu, reference_checkpoint):
+    from mcore_zoo.rollout import VLLM_EP
+
+    _, model, _, _ = _setup(reference_checkpoint, "GptOssForCausalLM", {})
+    with pytest.raises(ZooError, match="stacks every routed expert.*'vllm-ep'.*per-expert tensors only"):
+        mcore_zoo.refit(model, DictAdapter(tp_size=2, engine_format=VLLM_EP), bucket_size="64KB")
+    _, model, _, _ = _setup(reference_checkpoint, "Qwen3MoeForCausalLM", {"num_experts": 1, "num_experts_per_tok": 1})
+    with pytest.raises(LayoutError, match="has 1 routed experts, fewer than the engine's 2 expert-parallel ranks"):
+        mcore_zoo.refit(model, DictAdapter(tp_size=2, engine_format=VLLM_EP), bucket_size="64KB")
 
 
 def test_qkv_shard_of_rank_1_is_q1_k1_v1(mpu, reference_checkpoint):
@@ -306,13 +390,14 @@ class FakeWorker(ZooWorkerExtension):
 
 
 class FakeLLM:
-    def __init__(self, workers, prefix_caching=None):
+    def __init__(self, workers, prefix_caching=None, parallel=None):
         self.workers = workers
         self.prefix_cache_resets = 0
         self.calls = []
-        if prefix_caching is not None:  # as vLLM exposes it: llm.llm_engine.vllm_config.cache_config
-            cache = type("CacheConfig", (), {"enable_prefix_caching": prefix_caching})()
-            config = type("VllmConfig", (), {"cache_config": cache})()
+        if prefix_caching is not None or parallel is not None:  # as vLLM exposes them: llm.llm_engine.vllm_config
+            cache = type("CacheConfig", (), {"enable_prefix_caching": bool(prefix_caching)})()
+            parallel_config = type("ParallelConfig", (), {"tensor_parallel_size": len(workers), **(parallel or {})})()
+            config = type("VllmConfig", (), {"cache_config": cache, "parallel_config": parallel_config})()
             self.llm_engine = type("Engine", (), {"vllm_config": config})()
 
     def reset_prefix_cache(self):

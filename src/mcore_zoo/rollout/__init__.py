@@ -32,6 +32,8 @@ from .disagg import DisaggSender, EngineReceiver, IntegrityError
 from .engine_format import (
     HF_NAMES,
     VLLM,
+    VLLM_EP,
+    VLLM_EP_ROUND_ROBIN,
     EngineFormat,
     ExpertFusion,
     Fusion,
@@ -52,7 +54,7 @@ __all__ = [
     "refit", "get_plan", "plan_refit", "RefitPlan", "RefitStats", "Slot", "EngineTensor",
     "EngineAdapter", "RefitBucket", "DictAdapter", "VLLMAdapter", "ZooWorkerExtension", "SGLangAdapter",
     "SGLangBroadcastAdapter", "SGLangServer",
-    "VLLM_WORKER_EXTENSION", "EngineFormat", "Fusion", "ExpertFusion", "StackedExpertLayout", "VLLM", "HF_NAMES",
+    "VLLM_WORKER_EXTENSION", "EngineFormat", "Fusion", "ExpertFusion", "StackedExpertLayout", "VLLM", "VLLM_EP", "VLLM_EP_ROUND_ROBIN", "HF_NAMES",
     "get_engine_format",
     "Fp8BlockAdapter", "fp8_refit_plan", "VLLMFp8Adapter", "ZooFp8WorkerExtension", "FP8_WORKER_EXTENSION",
     "DisaggSender", "EngineReceiver", "IntegrityError", "TransferPlan", "plan_transfer",

@@ -32,7 +32,7 @@ Two layouts ship:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Container, Iterable, Optional, Union
 
 
@@ -121,6 +121,11 @@ class EngineFormat:
             :attr:`prefixes` for every tensor of such a model (the first pair that matches; vLLM's
             ``orig_to_new_prefix`` of ``qwen2_5_vl.py``, whose checkpoints keep the language model
             under ``model.`` and the tower under ``visual.``).
+        expert_parallel: routed experts are split over the engine's ranks whole - vLLM's
+            ``enable_expert_parallel`` over its TP group (expert TP 1) - instead of by rows, placed
+            ``"linear"`` (contiguous runs, the first ``E % N`` ranks one more) or ``"round_robin"``
+            (expert ``e`` on rank ``e % N``) as vLLM's ``expert_placement_strategy``
+            (:func:`expert_owner`); ``None``: every rank holds every expert's row shard.
     """
 
     name: str
@@ -134,6 +139,7 @@ class EngineFormat:
     stacked_experts: Optional[StackedExpertLayout] = None
     architecture_renames: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
     architecture_prefixes: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+    expert_parallel: Optional[str] = None
 
     def prefixes_for(self, architecture: str, hf_names: Iterable[str]) -> tuple[tuple[str, str], ...]:
         """The ``(HF prefix, engine prefix)`` pairs that name a model's engine tensors: the
@@ -210,6 +216,26 @@ class EngineFormat:
         return None
 
 
+EXPERT_PLACEMENTS = ("linear", "round_robin")
+
+
+def expert_owner(expert: int, experts: int, ranks: int, placement: str) -> tuple[int, int]:
+    """``(engine rank, local index)`` of routed expert ``expert`` of ``experts`` split whole over
+    ``ranks`` engine ranks (vLLM 0.26's ``determine_expert_map``: ``"linear"`` gives rank ``r`` a
+    contiguous run of ``E // N`` experts, one more for the first ``E % N`` ranks; ``"round_robin"``
+    gives it experts ``r, r + N, ...``)."""
+    if placement == "linear":
+        base, extra = divmod(experts, ranks)
+        big = extra * (base + 1)  # the first ``extra`` ranks' experts
+        if expert < big:
+            return expert // (base + 1), expert % (base + 1)
+        rank = extra + (expert - big) // base
+        return rank, expert - (rank * base + min(rank, extra))
+    if placement == "round_robin":
+        return expert % ranks, expert // ranks
+    raise ValueError(f"expert placement {placement!r} (one of {', '.join(EXPERT_PLACEMENTS)})")
+
+
 _EXPERT = re.compile(r"(?P<prefix>.*\.)experts\.(?P<expert>\d+)\.(?P<proj>[A-Za-z0-9_]+)\.weight")
 
 _QKV = ("q", "k", "v")
@@ -272,7 +298,13 @@ VLLM = EngineFormat(
 #: HF names, whole tensors (the engine fuses and splits: SGLang, vLLM ``load_weights``)
 HF_NAMES = EngineFormat(name="hf", presplit=False)
 
-ENGINE_FORMATS = {"vllm": VLLM, "hf": HF_NAMES}
+#: :data:`VLLM` with ``enable_expert_parallel=True`` over the engine's TP group: each engine rank
+#: holds its experts whole (``w13_weight [E_r, 2I, H]``), placed as vLLM's default ``linear``
+#: strategy places them (``round_robin``: :data:`VLLM_EP_ROUND_ROBIN`)
+VLLM_EP = replace(VLLM, name="vllm-ep", expert_parallel="linear")
+VLLM_EP_ROUND_ROBIN = replace(VLLM, name="vllm-ep-round-robin", expert_parallel="round_robin")
+
+ENGINE_FORMATS = {"vllm": VLLM, "vllm-ep": VLLM_EP, "vllm-ep-round-robin": VLLM_EP_ROUND_ROBIN, "hf": HF_NAMES}
 
 
 def get_engine_format(engine_format: Union[str, EngineFormat]) -> EngineFormat:
@@ -284,4 +316,5 @@ def get_engine_format(engine_format: Union[str, EngineFormat]) -> EngineFormat:
         raise ValueError(f"unknown engine format {engine_format!r} (known: {', '.join(sorted(ENGINE_FORMATS))})") from None
 
 
-__all__ = ["EngineFormat", "Fusion", "ExpertFusion", "StackedExpertLayout", "VLLM", "HF_NAMES", "ENGINE_FORMATS", "get_engine_format"]
+__all__ = ["EngineFormat", "Fusion", "ExpertFusion", "StackedExpertLayout", "VLLM", "VLLM_EP", "VLLM_EP_ROUND_ROBIN", "HF_NAMES",
+           "ENGINE_FORMATS", "get_engine_format", "expert_owner", "EXPERT_PLACEMENTS"]

@@ -29,7 +29,7 @@ from ..errors import LayoutError, ZooError
 from ..handle import ModelHandle
 from ..weights.io import parse_size
 from ..weights.rules import STACKED_GATE_UP_HALVES, Cut, TPSlice, narrow
-from .engine_format import EngineFormat, StackedExpertLayout
+from .engine_format import EngineFormat, StackedExpertLayout, expert_owner
 
 #: mcore parameters whose rows are the vocabulary (the engine may pad them)
 VOCAB_PARAMETERS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -199,6 +199,28 @@ def _stacked_expert_cuts(layout: StackedExpertLayout, shape: Sequence[int], part
     return (*TPSlice(select=part.select).cuts(shape, what), (row_axis, 0, 0)), shape[row_axis]
 
 
+def _routed_experts(architecture: str, engine_format: EngineFormat, hf_names: set[str], roles: dict[str, str],
+                    stacked: frozenset[str], tp: int) -> dict[str, int]:  # fmt: skip
+    """For an engine format with expert parallelism: the routed experts of each stacked engine
+    tensor (before renames; empty otherwise). Refuses, naming the tensor or layer, what it cannot
+    place: HF tensors that stack every expert of a layer, and a layer with fewer experts than engine
+    ranks."""
+    if not (engine_format.presplit and engine_format.expert_parallel):
+        return {}
+    if stacked:
+        raise ZooError(f"refit: {architecture}'s {sorted(stacked)[0]!r} stacks every routed expert of a layer; the"
+                       f" {engine_format.name!r} engine format (expert parallelism) places per-expert tensors only")  # fmt: skip
+    counts: dict[str, int] = {}
+    for name in hf_names:
+        hit = engine_format.expert_for(name, roles)
+        if hit is not None:
+            counts[hit[0]] = max(counts.get(hit[0], 0), hit[1] + 1)
+    few = sorted(target for target, n in counts.items() if n < tp)
+    if few:
+        raise LayoutError(f"refit: {few[0]!r} has {counts[few[0]]} routed experts, fewer than the engine's {tp} expert-parallel ranks")
+    return counts
+
+
 def plan_refit(
     handle: ModelHandle,
     engine_format: EngineFormat,
@@ -229,7 +251,8 @@ def plan_refit(
     roles = handle.weight_map.expert_roles()
     needed = set(handle.weight_map.export_names())
     if engine_format.presplit and tp > 1:  # before any data moves (the engine splits experts with biases itself)
-        validate_layout(handle.arch_config, default_expert_tp(handle.arch_config, Parallelism(tp=tp)))
+        engine = Parallelism(tp=tp, etp=1) if engine_format.expert_parallel else Parallelism(tp=tp)  # EP: experts whole
+        validate_layout(handle.arch_config, default_expert_tp(handle.arch_config, engine))
     vocab = {name for name, items in specs.items() if any(b.rule.mcore in VOCAB_PARAMETERS for b, _ in items)}
     hf = [(e.name, tuple(e.shape), e.dtype) for e in entries]
     hf_names = {name for name, _, _ in hf}
@@ -241,6 +264,7 @@ def plan_refit(
                        f" {sorted(hf_names - needed)[:8]}")  # fmt: skip
 
     renamed = engine_format.prefixes_for(handle.arch_config.architecture, hf_names) if engine_format.presplit else ()
+    layer_experts = _routed_experts(handle.arch_config.architecture, engine_format, hf_names, roles, stacked, tp)
     substrings = engine_format.renames_for(handle.arch_config.architecture) if engine_format.presplit else ()
     # 1. every HF piece: (engine name, expert, shard id, order) and its cuts per rank
     pieces: dict[str, list[list[tuple[str, Optional[int], Any, tuple[Any, ...], tuple[Cut, ...], tuple[int, ...], int, int]]]] = {}
@@ -250,12 +274,15 @@ def plan_refit(
         per_rank: list[list[Any]] = [[] for _ in range(tp)]
         target, expert, shard, order = name, None, None, (None,)
         in_stack = engine_format.presplit and name in stacked
+        owner: Optional[tuple[int, int]] = None  # engine expert parallelism: (rank, local index) of a routed expert
         if in_stack:
             target = engine_format.stacked_expert_name(name)  # type: ignore[assignment]
         elif engine_format.presplit:
             hit = engine_format.expert_for(name, roles)
             if hit is not None:
                 target, expert, shard, order = hit
+                if engine_format.expert_parallel:
+                    owner = expert_owner(expert, layer_experts[target], tp, engine_format.expert_parallel)
             else:
                 fused = engine_format.fusion_for(name, hf_names)
                 if fused is not None:
@@ -273,12 +300,16 @@ def plan_refit(
             parts = [b.tp_slice(k) for b, k in specs[name]]
         padding = engine_format.vocab_padding if name in vocab and engine_format.presplit else 0
         for rank in range(tp):
+            if owner is not None and rank != owner[0]:  # an expert lives whole on one engine rank
+                continue
             for k, part in enumerate(parts):
                 what = name if part.select is None else f"{name}[{part.select[1]}:{part.select[2]}]"
                 if padding:
                     cuts, pad = _padded_vocab_cuts(shape, part, padding, tp, rank)
                 elif in_stack:
                     cuts, pad = _stacked_expert_cuts(engine_format.stacked_experts, shape, part, tp, rank, what)  # type: ignore[arg-type]
+                elif owner is not None:
+                    cuts, pad, expert = TPSlice(part.axis, 0, 1, part.select).cuts(shape, what), 0, owner[1]
                 else:
                     cuts, pad = TPSlice(part.axis, rank, tp, part.select).cuts(shape, what), 0
                 piece = narrow(torch.empty(shape, device="meta"), cuts)

@@ -63,7 +63,7 @@ import torch
 
 from ..errors import ZooError
 from .adapter import EngineAdapter, RefitBucket
-from .engine_format import HF_NAMES, VLLM, EngineFormat
+from .engine_format import HF_NAMES, VLLM, VLLM_EP, VLLM_EP_ROUND_ROBIN, EngineFormat
 
 if TYPE_CHECKING:  # pragma: no cover
     from .plan import RefitPlan
@@ -94,8 +94,12 @@ class VLLMAdapter(EngineAdapter):
             (:mod:`mcore_zoo.kernels.copy_runs`: CUDA with Triton; elsewhere, or for a cast, a
             reshape or padding rows, ``copy_``). The kernel's table is built on the first refit
             and kept while the trainer's and the engine's tensors stay where they were.
-        engine_format: the engine's fusion map in direct mode (default :data:`VLLM`); a plugin
-            whose vLLM model class fuses or replicates tensors otherwise passes its own
+        engine_format: the engine's fusion map in direct mode (default :data:`VLLM`, or for an
+            engine started with ``enable_expert_parallel=True`` :data:`VLLM_EP` /
+            :data:`VLLM_EP_ROUND_ROBIN` after its ``expert_placement_strategy``: each engine rank's
+            experts whole; refused with EPLB or data-parallel ranks, whose experts move or spread
+            beyond the TP group - ``mode="load_weights"`` takes those); a plugin whose vLLM model
+            class fuses or replicates tensors otherwise passes its own
             :class:`~mcore_zoo.rollout.engine_format.EngineFormat`.
         engine_rank: the one engine TP rank this adapter feeds (``refit(..., receiver="all")``
             with one engine rank per trainer rank: a trainer of the same TP then sends that rank's
@@ -113,7 +117,7 @@ class VLLMAdapter(EngineAdapter):
             raise ValueError("engine_format applies to mode='direct' only, and must be pre-split (presplit=True)")
         self.llm = llm
         self.mode = mode
-        self.engine_format: EngineFormat = (engine_format or VLLM) if mode == "direct" else HF_NAMES
+        self.engine_format: EngineFormat = (engine_format or _engine_format_of(llm)) if mode == "direct" else HF_NAMES
         self.tp_size = tp_size if tp_size is not None else _engine_tp(llm)
         self.transport = _transport(llm) if transport == "auto" else transport
         self.reset_prefix_cache = reset_prefix_cache and _prefix_caching(llm)
@@ -149,6 +153,30 @@ class VLLMAdapter(EngineAdapter):
         if self.reset_prefix_cache and hasattr(self.llm, "reset_prefix_cache"):
             self.llm.reset_prefix_cache()
         _check(self.llm.collective_rpc("zoo_refit_end"), "end")
+
+
+def _engine_format_of(llm: Any) -> EngineFormat:
+    """The direct mode's engine format for ``llm``: :data:`VLLM`, or with the engine's expert
+    parallelism over its TP group the format placing experts as its ``expert_placement_strategy``
+    does. Refuses expert layouts a plan cannot know: EPLB (redundant experts, moved while serving),
+    expert parallelism across data-parallel ranks."""
+    try:
+        parallel = llm.llm_engine.vllm_config.parallel_config
+    except AttributeError:  # no config to read (a stand-in engine): vLLM's default
+        return VLLM
+    if not getattr(parallel, "enable_expert_parallel", False):
+        return VLLM
+    if getattr(parallel, "enable_eplb", False):
+        raise ZooError("VLLMAdapter: the engine runs EPLB (redundant experts, moved while it serves): a direct refit"
+                       " cannot know where each expert is - use mode='load_weights'")  # fmt: skip
+    if int(getattr(parallel, "data_parallel_size", 1)) != 1:
+        raise ZooError(f"VLLMAdapter: the engine splits experts over {parallel.data_parallel_size} data-parallel ranks"
+                       " too (expert parallelism beyond the TP group): not planned - use mode='load_weights'")  # fmt: skip
+    placement = getattr(parallel, "expert_placement_strategy", "linear")
+    formats = {"linear": VLLM_EP, "round_robin": VLLM_EP_ROUND_ROBIN}
+    if placement not in formats:
+        raise ZooError(f"VLLMAdapter: expert_placement_strategy {placement!r} (known: {', '.join(formats)})")
+    return formats[placement]
 
 
 def _engine_tp(llm: Any) -> int:
