@@ -62,11 +62,16 @@ def _vllm():
 
 
 def _params(llm) -> dict[str, torch.Tensor]:
+    """Every engine parameter (CPU copies; with several workers ``"<rank>:<name>"``)."""
+
     def read(worker):
         model = worker._zoo_model()  # the zoo's worker extension (either model runner)
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
+        return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
-    return llm.collective_rpc(read)[0]
+    per_worker = llm.collective_rpc(read)
+    if len(per_worker) == 1:
+        return per_worker[0]
+    return {f"{rank}:{n}": t for rank, params in enumerate(per_worker) for n, t in params.items()}
 
 
 def _scramble(llm, seed: int) -> None:
@@ -108,6 +113,7 @@ def check(ckpt: str, arch: str, out_dir: str, llm_kwargs: str = "{}") -> dict:
     want_lp = _logprobs(llm, seqs)
     adapter = VLLMAdapter(llm)
     result["transport"], result["tp"] = adapter.transport, adapter.tp_size
+    result["engine_format"] = adapter.engine_format.name
 
     _scramble(llm, 1)
     result["scrambled_differs"] = any(not torch.equal(p, want[n]) for n, p in _params(llm).items())
@@ -118,7 +124,7 @@ def check(ckpt: str, arch: str, out_dir: str, llm_kwargs: str = "{}") -> dict:
     result["params_differ"] = [n for n in want if not torch.equal(got[n], want[n])]
     got_lp = _logprobs(llm, seqs)
     result["logprobs_bitwise"] = all(torch.equal(a, b) for a, b in zip(got_lp, want_lp))
-    result["fused"] = bool(llm.collective_rpc("zoo_refit_fused")[0])  # one launch per bucket (Triton)
+    result["fused"] = all(llm.collective_rpc("zoo_refit_fused"))  # one launch per bucket (Triton)
     _scramble(llm, 3)  # the same refit with one copy_ per shard
     mcore_zoo.refit(model, VLLMAdapter(llm, fused_copies=False), dtype=torch.bfloat16, bucket_size="2MB")
     result["per_shard_params_differ"] = [n for n, p in _params(llm).items() if not torch.equal(p, want[n])]
@@ -160,6 +166,36 @@ def test_refit_into_vllm_is_bitwise(reference_checkpoint, arch, overrides, tmp_p
     check_vllm_refit(r, arch)
     assert r["fused"], "the refit did not run the fused copies (Triton missing?)"
     assert r["skipped_bucket_params_differ"] > 0
+
+
+#: vLLM with expert parallelism over TP2 (``enable_expert_parallel``): each rank's experts whole
+EP_ARCHS = [a for a in ARCHS if a[0] in ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")]
+
+
+@pytest.mark.parametrize("arch,overrides", EP_ARCHS, ids=[a for a, _ in EP_ARCHS])
+def test_refit_into_an_expert_parallel_vllm_engine_is_bitwise(reference_checkpoint, arch, overrides, tmp_path):
+    """The same checks into an engine of TP2 with ``enable_expert_parallel=True`` (two GPUs; its
+    workers in their own processes: CUDA IPC): the adapter plans with the ``vllm-ep`` format and
+    every parameter of both ranks and every prompt log-prob comes back bitwise."""
+    _vllm()
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (an engine of TP2)")
+    ckpt = reference_checkpoint(arch, {**SIZES, **overrides})
+    from .conftest import run_check
+
+    r = run_check(__file__, str(ckpt), arch, str(tmp_path), json.dumps({"tensor_parallel_size": 2, "enable_expert_parallel": True}))
+    results = os.environ.get("MCORE_ZOO_GPU_RESULTS")
+    if results:
+        with open(os.path.join(results, f"refit-ep2-{arch}.json"), "w") as f:
+            json.dump(r, f, indent=1)
+    print(f"\n{arch} (engine TP2, expert parallel): token_mult_prob_error {r['token_mult_prob_error']:.6f};"
+          f" refit {r['refit_mb']:.1f} MB in {r['refit_ms']:.1f} ms")  # fmt: skip
+    assert r["tp"] == 2 and r["engine_format"] == "vllm-ep"
+    assert r["scrambled_differs"] and r["buckets"] > 2
+    assert r["names_equal"] and r["params_differ"] == []
+    assert r["logprobs_bitwise"]
+    assert r["per_shard_params_differ"] == [] and r["reused_tables_params_differ"] == []
+    assert r["skipped_bucket_error"] is not None and "refit incomplete" in r["skipped_bucket_error"]
 
 
 if __name__ == "__main__":
