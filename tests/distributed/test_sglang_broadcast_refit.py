@@ -365,3 +365,20 @@ def test_overlap_packs_the_next_bucket_while_the_engine_loads(mpu, reference_che
     packed = [i for i, e in enumerate(events) if e == "packed"]
     next_packed_first = sum(p < b for p, b in zip(packed[1:], answered))  # bucket k + 1 packed before k's answer
     assert next_packed_first == (stats.buckets - 1 if overlap else 0), events
+
+
+def test_a_refused_join_is_raised_at_once():
+    """An engine that refuses to join the group: the refusal, naming the engine, without waiting
+    for the group's timeout."""
+    from mcore_zoo.errors import ZooError
+    from mcore_zoo.rollout import SGLangBroadcastAdapter
+
+    class Refusing:
+        def init_weights_update_group(self, **request):
+            return False, "Failed to initialize custom process group: no route."
+
+    adapter = SGLangBroadcastAdapter(Refusing(), host="127.0.0.1", port=_free_port(), timeout=300)
+    start = time.monotonic()
+    with pytest.raises(ZooError, match=r"SGLang refused joining weight-update group 'mcore-zoo-refit' \(engine 0, rank offset 1\).*no route"):
+        adapter.connect()
+    assert time.monotonic() - start < 30 and adapter.group is None

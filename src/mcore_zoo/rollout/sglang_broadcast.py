@@ -194,16 +194,16 @@ class SGLangBroadcastAdapter(SGLangAdapter):
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
                 made["error"] = exc
 
+        # a daemon thread: after an engine's refusal it is left waiting for ranks that never come
+        # (until the timeout), and the refusal is raised at once
         maker = threading.Thread(target=make, name="mcore-zoo-sglang-group", daemon=True)
         maker.start()
-        try:
-            answers = self._call_all(lambda engine, i: engine.init_weights_update_group(
-                master_address=self.host, master_port=self.port, rank_offset=self.rank_offsets[i],
-                world_size=self.world_size, group_name=self.group_name, backend=self.backend))  # fmt: skip
-        finally:
-            maker.join(self.timeout.total_seconds())
+        answers = self._call_all(lambda engine, i: engine.init_weights_update_group(
+            master_address=self.host, master_port=self.port, rank_offset=self.rank_offsets[i],
+            world_size=self.world_size, group_name=self.group_name, backend=self.backend))  # fmt: skip
         for i, answer in enumerate(answers):
             check_answer(answer, f"joining weight-update group {self.group_name!r} (engine {i}, rank offset {self.rank_offsets[i]})")
+        maker.join(self.timeout.total_seconds())
         if "error" in made:
             raise ZooError(f"SGLang weight-update group {self.group_name!r} at {self.host}:{self.port}: {made['error']}") from made["error"]
         if "group" not in made:
