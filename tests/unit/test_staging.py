@@ -403,3 +403,31 @@ def test_the_ring_reads_on_its_own_pool_of_read_threads(tmp_path, monkeypatch):
             assert 1 <= len(readers) <= threads and all(name.startswith(f"mcore-zoo-read{threads}") for name in readers), readers
     finally:
         torch.set_num_threads(torch_threads)
+
+
+def test_regions_that_follow_each_other_go_as_one_raw_copy(tmp_path, monkeypatch):
+    """Two tensors read one after the other into the two halves of one destination (an expert's
+    gate and up rows into its ``linear_fc1``): one raw copy of both; into halves in the other
+    order, or apart, a copy each - the same bits every time."""
+    gen = torch.Generator().manual_seed(1)
+    state = {"a.gate": torch.randn(4, 128, generator=gen).bfloat16(), "a.up": torch.randn(4, 128, generator=gen).bfloat16()}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    copied = []
+    memmove = staging._host_memmove
+    monkeypatch.setattr(staging, "_host_memmove", lambda *args: copied.append(args[2]) or memmove(*args))
+    want = torch.cat([state["a.gate"], state["a.up"]])
+    for order, runs in (((0, 1), [2048]), ((1, 0), [1024, 1024])):
+        copied.clear()
+        out = torch.zeros(8, 128, dtype=torch.bfloat16)
+        with HFCheckpoint(tmp_path, staging=StagingRing(2, 1 << 20, pin=False, cpu_destinations=True)) as ckpt:
+            with ckpt.queued_reads():
+                for k in order:
+                    ckpt.read_into(("a.gate", "a.up")[k], out[4 * k : 4 * (k + 1)])
+        assert same_bits(out, want) and copied == runs, (order, copied)
+    copied.clear()
+    apart = torch.zeros(9, 128, dtype=torch.bfloat16)  # a row between the halves
+    with HFCheckpoint(tmp_path, staging=StagingRing(2, 1 << 20, pin=False, cpu_destinations=True)) as ckpt:
+        with ckpt.queued_reads():
+            ckpt.read_into("a.gate", apart[:4])
+            ckpt.read_into("a.up", apart[5:])
+    assert same_bits(apart[:4], state["a.gate"]) and same_bits(apart[5:], state["a.up"]) and copied == [1024, 1024]

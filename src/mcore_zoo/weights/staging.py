@@ -90,7 +90,9 @@ BATCH_SHARE = 4
 #: 8 read threads; the MoE load's copies 97 - 143 us each). On by default since measured on H100s
 #: (docs/benchmarks.md): floor / load 0.59 -> 0.99 (8B-shaped, TP1), 0.52 -> 0.78 (Qwen3-30B-A3B
 #: widths, EP1), 0.48 -> 0.64 (EP2); set ``False`` to copy every region through torch. Where this
-#: process maps no libcudart, a CUDA ring copies through torch.
+#: process maps no libcudart, a CUDA ring copies through torch. Raw regions that follow each other
+#: in a buffer and in device memory go as one copy (an MoE checkpoint's gate and up rows of each
+#: expert: on the CPU test ring, Qwen3-MoE with 4 x 128 experts, 1 563 copies -> 1 059)
 RAW_COPIES = True
 
 
@@ -245,6 +247,28 @@ def _cut(staged: torch.Tensor, rows: Optional[tuple[int, int, int]]) -> torch.Te
         return staged
     count, run, step = rows
     return staged.as_strided((count, run), (step, 1))
+
+
+def _raw_runs(pieces: Sequence[_Piece]) -> list[tuple[_Piece, int]]:
+    """``pieces`` as ``(first region, bytes)`` copies: consecutive raw regions whose bytes follow
+    each other in one buffer and whose destinations follow each other in device memory join the
+    run before them (its destination's pointer and the run's bytes are then the whole copy's);
+    every other region is a copy of its own (``bytes``: its own)."""
+    runs: list[tuple[_Piece, int]] = []
+    end_address = end_pointer = -1
+    for piece in pieces:
+        if piece.staged is None:
+            pointer = piece.destination.data_ptr()
+            if runs and piece.address == end_address and pointer == end_pointer and runs[-1][0].buffer == piece.buffer:
+                first, nbytes = runs[-1]
+                runs[-1] = (first, nbytes + piece.nbytes)
+            else:
+                runs.append((piece, piece.nbytes))
+            end_address, end_pointer = piece.address + piece.nbytes, pointer + piece.nbytes
+        else:
+            runs.append((piece, piece.nbytes))
+            end_address = end_pointer = -1
+    return runs
 
 
 class StagingRing:
@@ -507,19 +531,22 @@ class StagingRing:
 
     def _copy(self, pieces: list[_Piece]) -> None:
         """Copy regions whose reads are done to their destinations (oldest first; on the side stream,
-        an event recorded after the last copy out of each buffer)."""
+        an event recorded after the last copy out of each buffer). Raw regions that follow each
+        other both in the buffer and in device memory (an expert's gate and up rows, read one after
+        the other into the halves of its ``linear_fc1``) go as one copy."""
         with torch.no_grad():
             if self._stream is None:
-                for piece in pieces:
+                for piece, nbytes in _raw_runs(pieces):
                     if piece.staged is None:
-                        self._raw_copy(piece, 0)
+                        self._raw_copy(piece, 0, nbytes)
                     else:
                         piece.destination.copy_(_cut(piece.staged, piece.rows))
                 return
             with torch.cuda.stream(self._stream):
-                for i, piece in enumerate(pieces):
+                runs = _raw_runs(pieces)
+                for i, (piece, nbytes) in enumerate(runs):
                     if piece.staged is None:  # a raw copy (RAW_COPIES): the interpreter lock kept
-                        self._raw_copy(piece, self._stream.cuda_stream)
+                        self._raw_copy(piece, self._stream.cuda_stream, nbytes)
                     elif piece.rows is None:
                         piece.destination.copy_(piece.staged, non_blocking=True)
                     else:  # whole rows to the device as they are, cut there (a strided host source
@@ -529,16 +556,18 @@ class StagingRing:
                         piece.destination.copy_(_cut(rows, piece.rows))
                     # the buffer's reuse waits for its last copy: a buffer's regions are consecutive in
                     # the queue, so only a region with none of its buffer behind it records the event
-                    after = pieces[i + 1] if i + 1 < len(pieces) else (self._pending[0] if self._pending else None)
+                    # (a run of raw regions lies in one buffer: its last region's is its own)
+                    after = runs[i + 1][0] if i + 1 < len(runs) else (self._pending[0] if self._pending else None)
                     if after is None or after.buffer != piece.buffer:
                         self._events[piece.buffer] = self._stream.record_event()
 
-    def _raw_copy(self, piece: _Piece, stream: int) -> None:
-        """Copy a raw region (:data:`RAW_COPIES`) by its bytes, queued on ``stream`` on CUDA."""
+    def _raw_copy(self, piece: _Piece, stream: int, nbytes: int) -> None:
+        """Copy ``nbytes`` from a raw region (:data:`RAW_COPIES`) on by its bytes - the region, or a
+        run of regions after it (:func:`_raw_runs`) - queued on ``stream`` on CUDA."""
         assert self._raw is not None
-        error = self._raw(piece.destination.data_ptr(), piece.address, piece.nbytes, _HOST_TO_DEVICE, stream)
+        error = self._raw(piece.destination.data_ptr(), piece.address, nbytes, _HOST_TO_DEVICE, stream)
         if error:
-            raise RuntimeError(f"cudaMemcpyAsync of a staged region ({piece.nbytes} bytes into"
+            raise RuntimeError(f"cudaMemcpyAsync of a staged region ({nbytes} bytes into"
                                f" {tuple(piece.destination.shape)}) failed: cudaError_t {error}")  # fmt: skip
 
     def _queue(self, piece: _Piece, reader: pread.ReadPool, fd: int, segments: list[pread.Segment], nbytes: int) -> None:
