@@ -431,3 +431,29 @@ def test_regions_that_follow_each_other_go_as_one_raw_copy(tmp_path, monkeypatch
             ckpt.read_into("a.gate", apart[:4])
             ckpt.read_into("a.up", apart[5:])
     assert same_bits(apart[:4], state["a.gate"]) and same_bits(apart[5:], state["a.up"]) and copied == [1024, 1024]
+
+
+def test_raw_runs_never_span_two_allocations():
+    """Destinations that follow each other in memory but lie in two storages (two parameters the
+    allocator placed side by side) are copied apart; in one storage, and from one buffer, as one."""
+    from mcore_zoo.weights.staging import _Piece, _raw_runs
+
+    class Dest:
+        def __init__(self, pointer, storage):
+            self.pointer, self.storage = pointer, storage
+
+        def data_ptr(self):
+            return self.pointer
+
+        def untyped_storage(self):
+            return type("Storage", (), {"data_ptr": lambda _: self.storage})()
+
+    def piece(address, pointer, storage, buffer=0, nbytes=512):
+        return _Piece([], Dest(pointer, storage), None, buffer, nbytes, None, address=address)
+
+    one = [piece(0, 1000, 1000), piece(512, 1512, 1000)]
+    two = [piece(0, 1000, 1000), piece(512, 1512, 1512)]
+    buffers = [piece(0, 1000, 1000), piece(512, 1512, 1000, buffer=1)]
+    assert [n for _, n in _raw_runs(one)] == [1024]
+    assert [n for _, n in _raw_runs(two)] == [512, 512]
+    assert [n for _, n in _raw_runs(buffers)] == [512, 512]

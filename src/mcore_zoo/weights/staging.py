@@ -251,23 +251,26 @@ def _cut(staged: torch.Tensor, rows: Optional[tuple[int, int, int]]) -> torch.Te
 
 def _raw_runs(pieces: Sequence[_Piece]) -> list[tuple[_Piece, int]]:
     """``pieces`` as ``(first region, bytes)`` copies: consecutive raw regions whose bytes follow
-    each other in one buffer and whose destinations follow each other in device memory join the
-    run before them (its destination's pointer and the run's bytes are then the whole copy's);
-    every other region is a copy of its own (``bytes``: its own)."""
+    each other in one buffer and whose destinations follow each other in one storage (views of one
+    parameter: never a copy across two allocations) join the run before them (its destination's
+    pointer and the run's bytes are then the whole copy's); every other region is a copy of its
+    own (``bytes``: its own)."""
     runs: list[tuple[_Piece, int]] = []
-    end_address = end_pointer = -1
+    end_address = end_pointer = storage = -1
     for piece in pieces:
         if piece.staged is None:
             pointer = piece.destination.data_ptr()
-            if runs and piece.address == end_address and pointer == end_pointer and runs[-1][0].buffer == piece.buffer:
+            base = piece.destination.untyped_storage().data_ptr()
+            if (runs and piece.address == end_address and pointer == end_pointer and base == storage
+                    and runs[-1][0].buffer == piece.buffer):  # fmt: skip
                 first, nbytes = runs[-1]
                 runs[-1] = (first, nbytes + piece.nbytes)
             else:
                 runs.append((piece, piece.nbytes))
-            end_address, end_pointer = piece.address + piece.nbytes, pointer + piece.nbytes
+            end_address, end_pointer, storage = piece.address + piece.nbytes, pointer + piece.nbytes, base
         else:
             runs.append((piece, piece.nbytes))
-            end_address = end_pointer = -1
+            end_address = end_pointer = storage = -1
     return runs
 
 
