@@ -162,7 +162,7 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
     ),
     "rollout": (
         "rollout/__init__.py", "rollout/adapter.py", "rollout/engine_format.py", "rollout/plan.py",
-        "rollout/program.py", "rollout/refit.py", "rollout/sglang.py", "rollout/vllm.py",
+        "rollout/program.py", "rollout/refit.py", "rollout/sglang.py", "rollout/sglang_broadcast.py", "rollout/vllm.py",
         "rollout/fp8.py", "rollout/vllm_fp8.py",
         "rollout/transfer.py", "rollout/disagg.py", "rollout/disagg_shared.py", "rollout/vllm_disagg.py",
         "rollout/scale.py",
