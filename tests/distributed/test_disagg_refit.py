@@ -79,11 +79,10 @@ def _disagg(trainers: int, cases: list, faults: str | None) -> dict:
     from mcore_zoo.parallel import ensure_model_parallel
     from mcore_zoo.rollout import DictAdapter, DisaggSender, EngineReceiver, IntegrityError, get_engine_format
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     store = dist.distributed_c10d._get_default_store()  # the launch's store, kept past its world
     trainer_port = _shared_port(store, rank)
     dist.destroy_process_group()
-    engines = world - trainers
     if rank < trainers:
         import os
 
