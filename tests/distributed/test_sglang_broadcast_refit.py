@@ -32,6 +32,19 @@ def _free_port() -> int:
 
 
 # ---------------------------------------------------------------- the stand-in engine rank
+def _unflatten(flat: torch.Tensor, names, dtypes, shapes) -> dict[str, torch.Tensor]:
+    """SGLang's ``FlattenedTensorBucket.reconstruct_tensors``: each tensor's bytes in order, as views
+    of ``flat``; asserts the bucket holds nothing more."""
+    out, offset = {}, 0
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        dt = getattr(torch, dtype)
+        n = torch.Size(shape).numel() * dt.itemsize
+        out[name] = flat[offset : offset + n].view(dt).reshape(shape)
+        offset += n
+    assert offset == flat.numel(), (offset, flat.numel())
+    return out
+
+
 def _init_custom_process_group(backend, init_method, world_size, rank, group_name, timeout):
     """SGLang 0.5.17's ``init_custom_process_group`` (no store passed, torch >= 2.6)."""
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
@@ -72,15 +85,12 @@ def _engine_rank(conn: Any, tp_rank: int, refuse: str) -> None:
             conn.send((True, "Succeeded to destroy custom process group."))
         elif method == "update_weights_from_distributed":
             assert kwargs["load_format"] == "flattened_bucket"
-            named = [(n, torch.empty(s, dtype=getattr(torch, d))) for n, d, s in zip(kwargs["names"], kwargs["dtypes"], kwargs["shapes"])]
-            flat = torch.cat([t.flatten().view(torch.uint8) for _, t in named])  # FlattenedTensorBucket
+            names, dtypes, shapes = kwargs["names"], kwargs["dtypes"], kwargs["shapes"]
+            named = [torch.empty(s, dtype=getattr(torch, d)) for d, s in zip(dtypes, shapes)]
+            flat = torch.cat([t.flatten().view(torch.uint8) for t in named])  # FlattenedTensorBucket
             dist.broadcast(flat, src=0, group=groups[kwargs["group_name"]])
-            offset = 0
-            for name, t in named:  # reconstruct_tensors
-                n = t.numel() * t.element_size()
-                loaded[name] = flat[offset : offset + n].view(t.dtype).reshape(t.shape).clone()
-                offset += n
-            if refuse and any(refuse in n for n, _ in named):
+            loaded.update({n: t.clone() for n, t in _unflatten(flat, names, dtypes, shapes).items()})
+            if refuse and any(refuse in n for n in names):
                 conn.send((False, f"Failed to update parameter online: {refuse} unknown"))
             else:
                 conn.send((True, "Succeeded to update parameter online."))
@@ -261,13 +271,7 @@ def test_each_broadcast_is_posted_while_the_engine_is_asked(mpu, reference_check
     assert stats.buckets == len(group.sent) == len(engine.buckets) > 1
     got = {}
     for flat, (names, dtypes, shapes) in zip(group.sent, engine.buckets):
-        offset = 0
-        for name, dtype, shape in zip(names, dtypes, shapes):
-            t = torch.empty(shape, dtype=getattr(torch, dtype))
-            n = t.numel() * t.element_size()
-            got[name] = flat[offset : offset + n].view(t.dtype).reshape(shape)
-            offset += n
-        assert offset == flat.numel()
+        got.update(_unflatten(flat, names, dtypes, shapes))
     want = _export(model)
     assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
 

@@ -269,9 +269,8 @@ class RefitProgram:
         layout = (base.dtype, base.shape, base.stride())
         if layout == param.layout:
             return
-        meta = torch.empty(base.shape, dtype=base.dtype, device="meta")
         if self.source == "local":
-            pieces = export_rule(step.bound, meta, step.ctx)
+            pieces = export_rule(step.bound, torch.empty(base.shape, dtype=base.dtype, device="meta"), step.ctx)
             shapes = {name: tuple(piece.shape) for name, piece in pieces}
             wanted = param.planned
         else:  # this rank's chunks, before any gather
