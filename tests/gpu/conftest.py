@@ -48,7 +48,11 @@ def run_check(script: str, *args: str, env: Any = None, timeout: int = 900) -> d
         with open(os.path.join(results, f"failed-{tag}.log"), "w") as f:
             f.write(f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-20000:]}\n--- stderr\n{proc.stderr[-40000:]}\n")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    # the check's JSON line; an engine's worker processes may print after it while they shut down
+    for line in reversed(proc.stdout.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise AssertionError("the check printed no JSON result: " + proc.stdout[-3000:] + proc.stderr[-3000:])
 
 
 def refit_checkpoint_into_vllm(tmp_path: Any, config: dict, fixture: str, arch: str, llm_kwargs: dict) -> dict:

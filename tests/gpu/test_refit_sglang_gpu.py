@@ -41,7 +41,9 @@ ARCHS = [
     ("Qwen2ForCausalLM", {}),
     ("Qwen3ForCausalLM", {}),
     ("MistralForCausalLM", {"sliding_window": None}),
-    ("Qwen3MoeForCausalLM", {"moe_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2}),
+    # head_dim 64: SGLang's Qwen3-MoE writes the KV cache inside its fused RoPE kernel, which it has
+    # for head sizes 64 / 128 / 256 / 512 only (another size asserts in the forward)
+    ("Qwen3MoeForCausalLM", {"moe_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2, "head_dim": 64}),
 ]
 #: SGLang's model classes with ``get_weights_by_name`` (the others: log-probs only)
 READABLE = {"LlamaForCausalLM", "MistralForCausalLM"}
