@@ -88,6 +88,27 @@ def _equal(engine_value, hf_tensor: torch.Tensor) -> bool:
     return w.shape == t.shape and torch.equal(w, t)
 
 
+def _distance(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[float, float]:
+    """``(token_mult_prob_error, max |dlogp|)`` of two sets of per-sequence log-probs."""
+    d = torch.cat([(x.double() - y.double()).abs() for x, y in zip(a, b)])
+    return float(d.exp().mean()), float(d.max())
+
+
+def _hf_logprobs(arch: str, checkpoint: str, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Prompt log-probs (the first token has none) of transformers' model of ``checkpoint``, fp32,
+    eager attention, on the CPU."""
+    from mcore_zoo.parity.reference import load_reference
+    from mcore_zoo.registry import get_registry
+
+    model = load_reference(get_registry().get(arch), checkpoint)
+    out = []
+    with torch.no_grad():
+        for s in seqs:
+            logp = model(s[None]).logits[0].double().log_softmax(-1)
+            out.append(logp[:-1].gather(-1, s[1:, None])[:, 0])
+    return out
+
+
 def _free_port() -> int:
     import socket
 
@@ -174,9 +195,11 @@ def check(ckpt: str, arch: str, out_dir: str, transport: str = "ipc") -> dict:
         stats = mcore_zoo.refit(model, main, dtype=torch.bfloat16, bucket_size="2MB")
         lp = _logprobs(engine, seqs)
         out = mcore_zoo.packed_forward(model, [s.cuda() for s in seqs], seq_format="bshd")  # local: no THD
-        d = torch.cat([(a - b.double().cpu()).abs() for a, b in zip(lp, out.logprobs)])
-        result["token_mult_prob_error"] = float(d.exp().mean())
-        result["max_abs_dlogp"] = float(d.max())
+        trainer = [b.double().cpu() for b in out.logprobs]
+        result["token_mult_prob_error"], result["max_abs_dlogp"] = _distance(lp, trainer)
+        # which side a distance is on: both against transformers in fp32 (the export, on the CPU)
+        hf = _hf_logprobs(arch, export, seqs)
+        result["sglang_vs_hf_fp32"], result["mcore_vs_hf_fp32"] = _distance(lp, hf)[0], _distance(trainer, hf)[0]
         result["refit_mb"], result["refit_ms"] = stats.nbytes / 1e6, stats.seconds * 1e3
         big = mcore_zoo.refit(model, main, dtype=torch.bfloat16, bucket_size="1GB")  # one bucket: the rate
         result["refit_1gb_bucket_ms"] = big.seconds * 1e3
@@ -209,7 +232,8 @@ def test_refit_into_sglang_is_bitwise(reference_checkpoint, transport, arch, ove
             json.dump(r, f, indent=1)
     print(f"\n{arch} ({transport}): SGLang {r['sglang']} after refit vs mcore local bf16: token_mult_prob_error"
           f" {r['token_mult_prob_error']:.6f}, max |dlogp| {r['max_abs_dlogp']:.3e}; refit {r['refit_mb']:.1f} MB in"
-          f" {r['refit_ms']:.1f} ms (2 MB buckets), {r['refit_1gb_bucket_ms']:.1f} ms (one bucket)")  # fmt: skip
+          f" {r['refit_ms']:.1f} ms (2 MB buckets), {r['refit_1gb_bucket_ms']:.1f} ms (one bucket); against transformers"
+          f" fp32: SGLang {r['sglang_vs_hf_fp32']:.6f}, mcore {r['mcore_vs_hf_fp32']:.6f}")  # fmt: skip
     assert r["scrambled_differs"] and r["buckets"] > 2
     assert r["logprobs_bitwise"]
     if arch in READABLE:
