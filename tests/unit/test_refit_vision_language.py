@@ -82,7 +82,7 @@ def vllm_vision_language_tensors(arch: str, hf: dict[str, torch.Tensor], config:
             if hit is None:
                 params[name] = w.clone()  # replicated tower (disable_tp)
                 continue
-            (old, (new, shard)), target = hit, name.replace(hit[0], hit[1][0])
+            (_, (_, shard)), target = hit, name.replace(hit[0], hit[1][0])
             if target not in params:
                 params[target] = torch.full((2 * w.shape[0], *w.shape[1:]), float("nan"), dtype=w.dtype)
             params[target].narrow(0, shard * w.shape[0], w.shape[0]).copy_(w)

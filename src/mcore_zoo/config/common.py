@@ -16,7 +16,7 @@ quantized checkpoint format the zoo loads (FP8 blocks, dequantized on load) befo
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Mapping, Optional
 
 from .arch import ArchConfig
 from .reader import ConfigReader, positive_int

@@ -111,6 +111,7 @@ class UpdateGroup:
                 except Exception:  # noqa: BLE001 - closing: a backend already torn down is fine
                     pass
         self.backends = {}
+        self.store = None  # the TCPStore (and its port) goes with the last reference to it
 
 
 def flatten_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[str], list[str], list[list[int]]]:
