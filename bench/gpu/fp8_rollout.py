@@ -263,6 +263,7 @@ def _run_stage(stage: str, family: str, work: str, timeout: int) -> dict:
                                   stdout=subprocess.PIPE, stderr=f, text=True, timeout=timeout)  # fmt: skip
         except subprocess.TimeoutExpired:
             return {"error": f"stage {stage} timed out after {timeout} s (its output: {log})"}
+        f.seek(0, os.SEEK_END)  # after what the stage wrote to the file itself
         f.write("\n--- stdout ---\n" + proc.stdout)
     if proc.returncode != 0:
         with open(log) as f:

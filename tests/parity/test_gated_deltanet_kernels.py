@@ -149,7 +149,6 @@ def test_fla_layer_equals_torch_on_a_mixed_thd_pack(mpu, reference_checkpoint, f
 
 
 def test_pack_boundaries_cut_padding_into_segments_of_their_own():
-
     cuts, spans = linear_kernels.pack_boundaries([0, 3, 3, 8], [0, 4, 8, 16], 18)
     assert spans == [(0, 3), (8, 5)]
     assert cuts == [0, 3, 8, 13, 18]
