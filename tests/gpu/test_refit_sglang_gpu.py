@@ -88,27 +88,6 @@ def _equal(engine_value, hf_tensor: torch.Tensor) -> bool:
     return w.shape == t.shape and torch.equal(w, t)
 
 
-def _distance(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[float, float]:
-    """``(token_mult_prob_error, max |dlogp|)`` of two sets of per-sequence log-probs."""
-    d = torch.cat([(x.double() - y.double()).abs() for x, y in zip(a, b)])
-    return float(d.exp().mean()), float(d.max())
-
-
-def _hf_logprobs(arch: str, checkpoint: str, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Prompt log-probs (the first token has none) of transformers' model of ``checkpoint``, fp32,
-    eager attention, on the CPU."""
-    from mcore_zoo.parity.reference import load_reference
-    from mcore_zoo.registry import get_registry
-
-    model = load_reference(get_registry().get(arch), checkpoint)
-    out = []
-    with torch.no_grad():
-        for s in seqs:
-            logp = model(s[None]).logits[0].double().log_softmax(-1)
-            out.append(logp[:-1].gather(-1, s[1:, None])[:, 0])
-    return out
-
-
 def _free_port() -> int:
     import socket
 
@@ -124,6 +103,9 @@ def check(ckpt: str, arch: str, out_dir: str, transport: str = "ipc") -> dict:
     import sglang
     from safetensors.torch import load_file
 
+    from mcore_zoo.numerics.metrics import Predictions, logprob_metrics
+    from mcore_zoo.parity.runners import run_hf
+    from mcore_zoo.registry import get_registry
     from mcore_zoo.rollout import SGLangAdapter, SGLangBroadcastAdapter
     from mcore_zoo.testing.common import random_sequences
 
@@ -195,11 +177,14 @@ def check(ckpt: str, arch: str, out_dir: str, transport: str = "ipc") -> dict:
         stats = mcore_zoo.refit(model, main, dtype=torch.bfloat16, bucket_size="2MB")
         lp = _logprobs(engine, seqs)
         out = mcore_zoo.packed_forward(model, [s.cuda() for s in seqs], seq_format="bshd")  # local: no THD
-        trainer = [b.double().cpu() for b in out.logprobs]
-        result["token_mult_prob_error"], result["max_abs_dlogp"] = _distance(lp, trainer)
-        # which side a distance is on: both against transformers in fp32 (the export, on the CPU)
-        hf = _hf_logprobs(arch, export, seqs)
-        result["sglang_vs_hf_fp32"], result["mcore_vs_hf_fp32"] = _distance(lp, hf)[0], _distance(trainer, hf)[0]
+        engine_lp, trainer_lp = Predictions(tokens=seqs, logprobs=lp), Predictions(tokens=seqs, logprobs=[b.cpu() for b in out.logprobs])
+        m = logprob_metrics(trainer_lp, engine_lp)
+        result["token_mult_prob_error"], result["max_abs_dlogp"] = m["token_mult_prob_error"], m["max_abs_dlogp"]
+        # which side a distance is on: both against transformers in fp32 (the export, each sequence
+        # alone, on the CPU - the parity harness's reference run)
+        hf = run_hf(get_registry().get(arch), export, seqs, dtype=torch.float32, capture=False).predictions
+        result["sglang_vs_hf_fp32"] = logprob_metrics(hf, engine_lp)["token_mult_prob_error"]
+        result["mcore_vs_hf_fp32"] = logprob_metrics(hf, trainer_lp)["token_mult_prob_error"]
         result["refit_mb"], result["refit_ms"] = stats.nbytes / 1e6, stats.seconds * 1e3
         big = mcore_zoo.refit(model, main, dtype=torch.bfloat16, bucket_size="1GB")  # one bucket: the rate
         result["refit_1gb_bucket_ms"] = big.seconds * 1e3
