@@ -97,6 +97,7 @@ def check(ckpt: str, arch: str, out_dir: str, llm_kwargs: str = "{}") -> dict:
     further ``vllm.LLM`` arguments (``{"language_model_only": true}`` for a vision-language export)."""
     import vllm
 
+    from mcore_zoo.numerics.metrics import Predictions, logprob_metrics
     from mcore_zoo.rollout import VLLM_WORKER_EXTENSION, VLLMAdapter
     from mcore_zoo.testing.common import random_sequences
 
@@ -148,9 +149,9 @@ def check(ckpt: str, arch: str, out_dir: str, llm_kwargs: str = "{}") -> dict:
     result["reused_tables_params_differ"] = [n for n, p in _params(llm).items() if not torch.equal(p, want[n])]
     lp = _logprobs(llm, seqs)
     out = mcore_zoo.packed_forward(model, [s.cuda() for s in seqs], seq_format="bshd")  # local: no THD
-    d = torch.cat([(a - b.float().cpu()).abs() for a, b in zip(lp, out.logprobs)])
-    result["token_mult_prob_error"] = float(d.double().exp().mean())
-    result["max_abs_dlogp"] = float(d.max())
+    trainer_lp = Predictions(tokens=seqs, logprobs=[b.cpu() for b in out.logprobs])
+    m = logprob_metrics(trainer_lp, Predictions(tokens=seqs, logprobs=lp))
+    result["token_mult_prob_error"], result["max_abs_dlogp"] = m["token_mult_prob_error"], m["max_abs_dlogp"]
     result["refit_mb"], result["refit_ms"] = stats.nbytes / 1e6, stats.seconds * 1e3
     return result
 
