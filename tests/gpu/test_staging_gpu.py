@@ -1,7 +1,7 @@
 """CUDA: device destinations read through the pinned staging ring (``mcore_zoo.weights.staging``)
 equal the reference path's reads bitwise - every chunk, destination layout and dtype of the CPU
 test (``tests/unit/test_staging.py``), with pinned buffers, ``non_blocking`` copies on the side
-stream (or on the read threads' own streams) and events guarding buffer reuse - and a model on the GPU loads the same parameters through
+stream and events guarding buffer reuse - and a model on the GPU loads the same parameters through
 the ring as through the mapping path."""
 
 from __future__ import annotations
@@ -16,13 +16,11 @@ from ..unit.test_staging import check_staged_reads
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("raw_copies, reader_copies", [(True, True), (True, False), (False, False)],
-                         ids=["raw-copies-by-read-threads", "raw-copies-by-loading-thread", "torch-copies"])
-def test_device_destinations_through_small_pinned_buffers(tmp_path, monkeypatch, raw_copies, reader_copies):
+@pytest.mark.parametrize("raw_copies", [True, False], ids=["raw-copies", "torch-copies"])
+def test_device_destinations_through_small_pinned_buffers(tmp_path, monkeypatch, raw_copies):
     from mcore_zoo.weights import staging
 
     monkeypatch.setattr(staging, "RAW_COPIES", raw_copies)
-    monkeypatch.setattr(staging, "READER_COPIES", reader_copies)
     check_staged_reads(tmp_path, "cuda", StagingRing(3, 4096))
 
 
@@ -30,36 +28,22 @@ def test_device_destinations_through_the_default_ring(tmp_path):
     check_staged_reads(tmp_path, "cuda", StagingRing())
 
 
-@pytest.mark.parametrize("reader_copies", [True, False], ids=["by-read-threads", "by-loading-thread"])
-def test_raw_copies_on_the_device(tmp_path, monkeypatch, reader_copies):
+def test_raw_copies_on_the_device(tmp_path, monkeypatch):
     """``RAW_COPIES`` (the default): contiguous destinations of the file's dtype copied by ``cudaMemcpyAsync``
     through ctypes (the libcudart torch loaded), the others as before - the same bits, and raw
-    copies were made: by the read threads (``READER_COPIES``, the default; the interpreter lock
-    released, each thread on a stream of its own) or by the loading thread. Fails where this
-    process maps no libcudart (the option would then copy as before, silently)."""
-    import threading
-
+    copies were made. Fails where this process maps no libcudart (the option would then copy as
+    before, silently)."""
     from mcore_zoo.weights import staging
 
-    memcpy = {keep: staging._cuda_memcpy_async(keep) for keep in (True, False)}
-    assert memcpy[True] is not None, "no libcudart mapped in this process"
-    copied: list[tuple[str, bool, int]] = []
-
-    def counted(keep_lock: bool = True):
-        return lambda *args: copied.append((threading.current_thread().name, keep_lock, args[2])) or memcpy[keep_lock](*args)
-
+    memcpy = staging._cuda_memcpy_async()
+    assert memcpy is not None, "no libcudart mapped in this process"
+    copied = []
     monkeypatch.setattr(staging, "RAW_COPIES", True)
-    monkeypatch.setattr(staging, "READER_COPIES", reader_copies)
-    monkeypatch.setattr(staging, "_cuda_memcpy_async", counted)
+    monkeypatch.setattr(staging, "_cuda_memcpy_async", lambda: lambda *args: copied.append(args[2]) or memcpy(*args))
     check_staged_reads(tmp_path, "cuda", StagingRing(3, 4096))
     (tmp_path / "default").mkdir()
     check_staged_reads(tmp_path / "default", "cuda", StagingRing())
-    assert len(copied) > 10 and all(n > 0 for _, _, n in copied)
-    main = threading.current_thread().name
-    if reader_copies:
-        assert all(name.startswith("mcore-zoo-read") and not keep for name, keep, _ in copied), copied[:5]
-    else:
-        assert all(name == main and keep for name, keep, _ in copied), copied[:5]
+    assert len(copied) > 10 and all(n > 0 for n in copied)
 
 
 def test_a_load_onto_the_gpu_equals_the_mapping_path(mpu, reference_checkpoint):

@@ -31,7 +31,7 @@ import math
 import os
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -44,9 +44,7 @@ PIECE = 8 << 20  # bytes of one queued read job (a queued read of more is cut in
 _IOV_MAX = 1024
 _MADV_POPULATE_WRITE = 23
 
-#: (file offset, destination address, bytes); a read with an ``after`` step (:meth:`ReadPool.submit`)
-#: may carry more fields, for that step, after these three
-Segment = tuple[int, int, int]
+Segment = tuple[int, int, int]  # (file offset, destination address, bytes)
 
 
 def available() -> bool:
@@ -131,21 +129,19 @@ def plan_segments(
 
 
 def _split(segments: list[Segment], parts: int) -> list[list[Segment]]:
-    """``segments`` cut into at most ``parts`` groups of about equal bytes. A segment's fields after
-    the first three (what a read's ``after`` step needs, e.g. the region it belongs to) go with
-    every part it is cut into."""
-    total = sum(segment[2] for segment in segments)
+    """``segments`` cut into at most ``parts`` groups of about equal bytes."""
+    total = sum(n for _, _, n in segments)
     share = -(-total // parts)
     share += -share % SPLIT_ALIGN
     groups: list[list[Segment]] = [[]]
     room = share
-    for offset, address, n, *extra in segments:
+    for offset, address, n in segments:
         while n:
             if room == 0:
                 groups.append([])
                 room = share
             take = min(n, room)
-            groups[-1].append((offset, address, take, *extra))  # type: ignore[arg-type]
+            groups[-1].append((offset, address, take))
             offset, address, n, room = offset + take, address + take, n - take, room - take
     return groups
 
@@ -196,16 +192,13 @@ class ReadPool:
             raise describe(exc) from exc
 
     def submit(self, fd: int, segments: list[Segment], *, populate: bool = True,
-               threads: Optional[int] = None,
-               after: Optional[Callable[[list[Segment]], Any]] = None) -> list[Future]:  # fmt: skip
+               threads: Optional[int] = None) -> list[Future]:  # fmt: skip
         """Start copying the segments on the pool's threads, cut into parts as :meth:`read` cuts
         them; returns the parts' futures (each raises its read's ``OSError``). The caller keeps
         the destination alive until every future is done. ``threads``: on a pool of exactly that
         many threads (its own, kept for later submissions of the same size) instead of the
-        pool of ``torch.get_num_threads()``. ``after``: called on the thread that read a part, with
-        the part's segments, once they are read; its result is the part's future's (which raises
-        its error)."""
-        total = sum(segment[2] for segment in segments)
+        pool of ``torch.get_num_threads()``."""
+        total = sum(n for _, _, n in segments)
         parts = _parts(total, threads)
         groups = _split(segments, parts) if parts > 1 else [segments]
         if threads is None:
@@ -214,7 +207,7 @@ class ReadPool:
             pool = self._sized.get(threads)
             if pool is None:
                 pool = self._sized[threads] = ThreadPoolExecutor(threads, thread_name_prefix=f"mcore-zoo-read{threads}")
-        return [pool.submit(self._run, fd, group, populate, after) for group in groups if group]
+        return [pool.submit(self._run, fd, group, populate) for group in groups if group]
 
     def _read_now(self, fd: int, segments: list[Segment], total: int, populate: bool = True) -> None:
         parts = _parts(total)
@@ -294,30 +287,27 @@ class ReadPool:
         if failed and ctypes.get_errno() == errno.EINVAL:
             self._populate = False  # a kernel without it (< 5.14): the read faults the pages in
 
-    def _run(self, fd: int, segments: list[Segment], populate: bool = True,
-             after: Optional[Callable[[list[Segment]], Any]] = None) -> Any:  # fmt: skip
-        """Read ``segments`` from ``fd``; then ``after(segments)``, whose result is returned."""
-        for _, address, n, *_ in segments if populate else ():
+    def _run(self, fd: int, segments: list[Segment], populate: bool = True) -> None:
+        for _, address, n in segments if populate else ():
             self._prefault(address, n)
         k = 0
         while k < len(segments):  # one preadv per run of file-contiguous segments
-            first, _, want, *_ = segments[k]
+            first, _, want = segments[k]
             end = k + 1
             while end < len(segments) and end - k < _IOV_MAX and segments[end][0] == first + want:
                 want += segments[end][2]
                 end += 1
             batch, k = segments[k:end], end
-            buffers = [(ctypes.c_char * s[2]).from_address(s[1]) for s in batch]
+            buffers = [(ctypes.c_char * n).from_address(address) for _, address, n in batch]
             done = os.preadv(fd, buffers, first)
             while done < want:  # a short read: the rest, one segment at a time
-                offset, address, n, *_ = next(s for s in batch if s[0] - first + s[2] > done)
+                offset, address, n = next(s for s in batch if s[0] - first + s[2] > done)
                 skip = first + done - offset
                 rest = (ctypes.c_char * (n - skip)).from_address(address + skip)
                 got = os.preadv(fd, [rest], offset + skip)
                 if got == 0:
                     raise OSError(errno.EIO, "unexpected end of file")
                 done += got
-        return None if after is None else after(segments)
 
     def close(self) -> None:
         """Finish the queued reads (their errors are dropped: the caller is closing) and stop the pool."""

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -95,15 +94,6 @@ BATCH_SHARE = 4
 #: in a buffer and in device memory go as one copy (an MoE checkpoint's gate and up rows of each
 #: expert: on the CPU test ring, Qwen3-MoE with 4 x 128 experts, 1 563 copies -> 1 059)
 RAW_COPIES = True
-#: raw regions (:data:`RAW_COPIES`) are copied to the device by the read thread that read them, right
-#: after its reads (``cudaMemcpyAsync`` on a CUDA stream of that thread, called without the
-#: interpreter lock, and an event recorded after them that the loading thread waits for before the
-#: buffer is reused), instead of by the loading thread once their reads are done: the loading thread
-#: only plans regions and hands them out. An MoE load's
-#: thousands of expert tensors made the loading thread's copy dispatches a third of its time (an
-#: H200 host, Qwen3-30B-A3B widths, EP1: 871 dispatches, 0.062 s of a 0.27 s main thread). Set
-#: ``False`` to copy from the loading thread (as before 2026-11-28)
-READER_COPIES = True
 
 
 def _pieces(out: torch.Tensor, start: int, limit: int) -> Iterator[tuple[torch.Tensor, int]]:
@@ -201,21 +191,6 @@ class _Piece:
     own: Optional[tuple[pread.ReadPool, int, list[pread.Segment]]] = None
     #: a raw copy's host address (the region's bytes in the pinned buffer); 0 otherwise
     address: int = 0
-    #: a raw copy's destination: its address, and that of the storage (allocation) it lies in
-    pointer: int = 0
-    storage: int = 0
-    #: a raw copy made by the read thread that reads the region (:data:`READER_COPIES`)
-    by_reader: bool = False
-
-
-class _Copy(NamedTuple):
-    """A raw copy of ``nbytes`` from host ``address`` to device ``pointer``: (part of) a raw region
-    ``piece``, or a run of raw regions from that one on (:func:`_raw_runs`)."""
-
-    piece: _Piece
-    address: int
-    pointer: int
-    nbytes: int
 
 
 @dataclass(slots=True)
@@ -226,7 +201,6 @@ class _Batch:
     fd: int
     populate: bool
     segments: list[pread.Segment] = field(default_factory=list)
-    by_reader: bool = False  # some regions are copied by the read threads (READER_COPIES)
     pieces: list[_Piece] = field(default_factory=list)
     nbytes: int = 0
 
@@ -235,9 +209,12 @@ _HOST_TO_DEVICE = 1  # cudaMemcpyKind cudaMemcpyHostToDevice
 
 
 @functools.lru_cache(maxsize=None)
-def _cudart_path() -> Optional[str]:
-    """The CUDA runtime torch loaded (found among the process's mapped libraries); ``None`` where
-    this process maps no ``libcudart`` (a torch that links it statically, or no CUDA)."""
+def _cuda_memcpy_async() -> Optional[Callable[[int, int, int, int, int], int]]:
+    """``cudaMemcpyAsync(dst, src, count, kind, stream) -> cudaError_t`` of the CUDA runtime torch
+    loaded (found among the process's mapped libraries), called with the interpreter lock held
+    (``ctypes.PyDLL``: a few microseconds, no hand-over to the read threads); ``None`` where this
+    process maps no ``libcudart`` (a torch that links it statically, or no CUDA)."""
+    import ctypes
     import os
 
     try:
@@ -245,22 +222,10 @@ def _cudart_path() -> Optional[str]:
             paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
     except OSError:
         return None
-    return next((p for p in sorted(paths) if os.path.basename(p).startswith("libcudart.so")), None)
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_memcpy_async(keep_lock: bool = True) -> Optional[Callable[[int, int, int, int, int], int]]:
-    """``cudaMemcpyAsync(dst, src, count, kind, stream) -> cudaError_t`` of :func:`_cudart_path`'s
-    runtime, or ``None`` without one. ``keep_lock``: called with the interpreter lock held
-    (``ctypes.PyDLL``: a few microseconds, no hand-over to the read threads) - the loading thread's
-    copies; else released during the call (``ctypes.CDLL``) - a read thread's, which may wait there
-    for room in the copy queue while the loading thread goes on."""
-    import ctypes
-
-    path = _cudart_path()
+    path = next((p for p in sorted(paths) if os.path.basename(p).startswith("libcudart.so")), None)
     if path is None:
         return None
-    lib = ctypes.PyDLL(path) if keep_lock else ctypes.CDLL(path)
+    lib = ctypes.PyDLL(path)
     fn = lib.cudaMemcpyAsync
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     fn.restype = ctypes.c_int
@@ -284,19 +249,28 @@ def _cut(staged: torch.Tensor, rows: Optional[tuple[int, int, int]]) -> torch.Te
     return staged.as_strided((count, run), (step, 1))
 
 
-def _raw_runs(copies: Sequence[_Copy]) -> list[_Copy]:
-    """``copies`` (raw, in order) with each one whose bytes follow the copy before it in one buffer
-    and whose destination follows that copy's in one storage (views of one parameter: never a copy
-    across two allocations) joined to it: one copy of their bytes together."""
-    runs: list[_Copy] = []
-    for copy in copies:
-        if runs:
-            last = runs[-1]
-            if (copy.address == last.address + last.nbytes and copy.pointer == last.pointer + last.nbytes
-                    and copy.piece.storage == last.piece.storage and copy.piece.buffer == last.piece.buffer):  # fmt: skip
-                runs[-1] = last._replace(nbytes=last.nbytes + copy.nbytes)
-                continue
-        runs.append(copy)
+def _raw_runs(pieces: Sequence[_Piece]) -> list[tuple[_Piece, int]]:
+    """``pieces`` as ``(first region, bytes)`` copies: consecutive raw regions whose bytes follow
+    each other in one buffer and whose destinations follow each other in one storage (views of one
+    parameter: never a copy across two allocations) join the run before them (its destination's
+    pointer and the run's bytes are then the whole copy's); every other region is a copy of its
+    own (``bytes``: its own)."""
+    runs: list[tuple[_Piece, int]] = []
+    end_address = end_pointer = storage = -1
+    for piece in pieces:
+        if piece.staged is None:
+            pointer = piece.destination.data_ptr()
+            base = piece.destination.untyped_storage().data_ptr()
+            if (runs and piece.address == end_address and pointer == end_pointer and base == storage
+                    and runs[-1][0].buffer == piece.buffer):  # fmt: skip
+                first, nbytes = runs[-1]
+                runs[-1] = (first, nbytes + piece.nbytes)
+            else:
+                runs.append((piece, piece.nbytes))
+            end_address, end_pointer, storage = piece.address + piece.nbytes, pointer + piece.nbytes, base
+        else:
+            runs.append((piece, piece.nbytes))
+            end_address = end_pointer = storage = -1
     return runs
 
 
@@ -336,15 +310,9 @@ class StagingRing:
         self._ring: list[Optional[torch.Tensor]] = []  # a buffer allocated when first taken
         self._addresses: list[int] = []  # each allocated buffer's address
         self._views: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (buffer, dtype): the buffer as that dtype
-        self._events: list[list[torch.cuda.Event]] = []  # per buffer: copies out of it its reuse waits for
+        self._events: list[Optional[torch.cuda.Event]] = []
         self._stream: Optional[torch.cuda.Stream] = None
         self._raw: Optional[Callable[[int, int, int, int, int], int]] = None  # RAW_COPIES' cudaMemcpyAsync
-        # READER_COPIES: the read threads' copy function (None: the loading thread copies), each read
-        # thread's CUDA stream (thread-local), ordered after the event recorded at the load's start
-        self._reader_raw: Optional[Callable[[int, int, int, int, int], int]] = None
-        self._local = threading.local()
-        self._start_event: Optional[torch.cuda.Event] = None
-        self._generation = 0
         self._device: Optional[torch.device] = None
         self._pending: deque[_Piece] = deque()
         self._batch: Optional[_Batch] = None  # the newest regions, reads not yet submitted
@@ -409,9 +377,7 @@ class StagingRing:
             address = self._addresses[self._current] + offset
             segments = _segments(layout.run, layout.starts, itemsize, first, count, address, file_offset)
             if self._raw and view.dtype == dtype and view.is_contiguous():  # copied by its bytes (RAW_COPIES)
-                piece = _Piece([], view, None, self._current, nbytes, describe, own=(reader, fd, segments), address=address,
-                               pointer=view.data_ptr(), storage=view.untyped_storage().data_ptr(),
-                               by_reader=self._reader_raw is not None)  # fmt: skip
+                piece = _Piece([], view, None, self._current, nbytes, describe, own=(reader, fd, segments), address=address)
             else:
                 shape_ = view.shape
                 staged = self._typed(dtype).as_strided(shape_, pread.row_major_strides(shape_), offset // itemsize)
@@ -471,16 +437,12 @@ class StagingRing:
             self._submit()  # reads queued but never submitted: none runs after the ring is handed back
             for piece in self._pending:  # after a failed read: the others end before the ring is touched
                 for future in piece.futures:
-                    if future.exception() is None and future.result() is not None:
-                        future.result().synchronize()  # a read thread's copies out of the ring
+                    future.exception()
             self._pending.clear()
             self._in_flight = 0
             if self._stream is not None:
                 self._stream.synchronize()
-            for events in self._events:
-                for event in events:
-                    event.synchronize()
-            self._events = [[] for _ in self._ring]
+            self._events = [None] * len(self._ring)
 
     def finish(self) -> None:
         """:meth:`wait`, then hand the buffers back (to torch's pinned-memory cache: the next
@@ -489,7 +451,6 @@ class StagingRing:
             self.wait()
         finally:
             self._ring, self._events, self._stream, self._device, self._raw = [], [], None, None, None
-            self._reader_raw, self._start_event = None, None
             self._addresses, self._views = [], {}
             self._current = self._used = 0
 
@@ -509,21 +470,17 @@ class StagingRing:
         self._ring = [None] * self.buffers
         self._addresses, self._views = [0] * self.buffers, {}
         self._allocate(0)
-        self._events = [[] for _ in range(self.buffers)]
+        self._events = [None] * self.buffers
         self._device = device
         if cuda:
             self._stream = torch.cuda.Stream(device=device)
             self._stream.wait_stream(torch.cuda.current_stream(device))
-            self._start_event = torch.cuda.current_stream(device).record_event()  # the read threads' streams wait for it
-            self._generation += 1
-        self._raw = self._reader_raw = None
-        if RAW_COPIES and cuda:  # from pinned buffers only (a pageable source would make the copy synchronous)
+        if not RAW_COPIES:
+            self._raw = None
+        elif cuda:  # from pinned buffers only (a pageable source would make the copy synchronous)
             self._raw = _cuda_memcpy_async() if self._pinned else None
-            if self._raw is not None and READER_COPIES:
-                self._reader_raw = _cuda_memcpy_async(keep_lock=False)
-        elif RAW_COPIES:
+        else:
             self._raw = _host_memmove
-            self._reader_raw = _host_memmove if READER_COPIES else None
 
     def _allocate(self, index: int) -> None:
         """Allocate buffer ``index`` of the ring."""
@@ -553,9 +510,6 @@ class StagingRing:
         ready = [self._pending.popleft()]
         while self._pending and self._pending[0].futures is futures:
             ready.append(self._pending.popleft())
-        events = [future.result() for future in futures if future.result() is not None]
-        for buffer in {piece.buffer for piece in ready} if events else ():
-            self._events[buffer] += events  # the read threads' copies out of these buffers
         self._in_flight -= sum(piece.nbytes for piece in ready)
         self._copy(ready)
 
@@ -565,8 +519,6 @@ class StagingRing:
         the region's ``describe`` makes it, when given)."""
         piece = self._pending.popleft()
         self._in_flight -= piece.nbytes
-        # the parts of its batch that were read were copied on by their threads: the buffer waits for them
-        self._events[piece.buffer] += [f.result() for f in piece.futures if f.exception() is None and f.result() is not None]
         if piece.own is not None:  # the batch failed somewhere: this region's own reads again
             reader, fd, segments = piece.own
             try:
@@ -574,7 +526,6 @@ class StagingRing:
             except OSError as exc:
                 error = exc
             else:
-                piece.by_reader = False  # copied here, whether or not its read thread had copied it
                 self._copy([piece])
                 return
         if piece.describe is not None and isinstance(error, OSError):
@@ -582,76 +533,45 @@ class StagingRing:
         raise error
 
     def _copy(self, pieces: list[_Piece]) -> None:
-        """Copy regions whose reads are done to their destinations (on the side stream; one event
-        recorded after them marks each buffer they were copied out of as free again), but for those
-        their read threads copied (:data:`READER_COPIES`). Raw regions that follow each other both
-        in the buffer and in device memory (an expert's gate and up rows, read one after the other
-        into the halves of its ``linear_fc1``) go as one copy."""
-        raw = _raw_runs([_Copy(p, p.address, p.pointer, p.nbytes) for p in pieces if p.staged is None and not p.by_reader])
-        staged = [piece for piece in pieces if piece.staged is not None]
-        if not raw and not staged:
-            return
+        """Copy regions whose reads are done to their destinations (oldest first; on the side stream,
+        an event recorded after the last copy out of each buffer). Raw regions that follow each
+        other both in the buffer and in device memory (an expert's gate and up rows, read one after
+        the other into the halves of its ``linear_fc1``) go as one copy."""
         with torch.no_grad():
             if self._stream is None:
-                for copy in raw:
-                    self._raw_copy(copy, 0, self._raw)
-                for piece in staged:
-                    piece.destination.copy_(_cut(piece.staged, piece.rows))
+                for piece, nbytes in _raw_runs(pieces):
+                    if piece.staged is None:
+                        self._raw_copy(piece, 0, nbytes)
+                    else:
+                        piece.destination.copy_(_cut(piece.staged, piece.rows))
                 return
             with torch.cuda.stream(self._stream):
-                for copy in raw:  # raw copies (RAW_COPIES): the interpreter lock kept
-                    self._raw_copy(copy, self._stream.cuda_stream, self._raw)
-                for piece in staged:
-                    if piece.rows is None:
+                runs = _raw_runs(pieces)
+                for i, (piece, nbytes) in enumerate(runs):
+                    if piece.staged is None:  # a raw copy (RAW_COPIES): the interpreter lock kept
+                        self._raw_copy(piece, self._stream.cuda_stream, nbytes)
+                    elif piece.rows is None:
                         piece.destination.copy_(piece.staged, non_blocking=True)
                     else:  # whole rows to the device as they are, cut there (a strided host source
                         # would be made contiguous on the host first, synchronously)
                         rows = torch.empty_like(piece.staged, device=self._device)
                         rows.copy_(piece.staged, non_blocking=True)
                         piece.destination.copy_(_cut(rows, piece.rows))
-                event = self._stream.record_event()
-        for buffer in {copy.piece.buffer for copy in raw} | {piece.buffer for piece in staged}:
-            self._events[buffer].append(event)  # the buffer's reuse waits for these copies
+                    # the buffer's reuse waits for its last copy: a buffer's regions are consecutive in
+                    # the queue, so only a region with none of its buffer behind it records the event
+                    # (a run of raw regions lies in one buffer: its last region's is its own)
+                    after = runs[i + 1][0] if i + 1 < len(runs) else (self._pending[0] if self._pending else None)
+                    if after is None or after.buffer != piece.buffer:
+                        self._events[piece.buffer] = self._stream.record_event()
 
-    def _raw_copy(self, copy: _Copy, stream: int, memcpy: Optional[Callable[[int, int, int, int, int], int]]) -> None:
-        """Copy a raw region (:data:`RAW_COPIES`) by its bytes - the region or a part of it, or a run
-        of regions (:func:`_raw_runs`) - with ``memcpy`` (``cudaMemcpyAsync``'s signature), queued
-        on ``stream`` on CUDA."""
-        assert memcpy is not None
-        error = memcpy(copy.pointer, copy.address, copy.nbytes, _HOST_TO_DEVICE, stream)
+    def _raw_copy(self, piece: _Piece, stream: int, nbytes: int) -> None:
+        """Copy ``nbytes`` from a raw region (:data:`RAW_COPIES`) on by its bytes - the region, or a
+        run of regions after it (:func:`_raw_runs`) - queued on ``stream`` on CUDA."""
+        assert self._raw is not None
+        error = self._raw(piece.destination.data_ptr(), piece.address, nbytes, _HOST_TO_DEVICE, stream)
         if error:
-            raise RuntimeError(f"cudaMemcpyAsync of a staged region ({copy.nbytes} bytes into"
-                               f" {tuple(copy.piece.destination.shape)}) failed: cudaError_t {error}")  # fmt: skip
-
-    def _copy_in_reader(self, segments: list[pread.Segment]) -> Optional[torch.cuda.Event]:
-        """On a read thread, once it has read ``segments`` (a batch's, or a part of one): copy the
-        bytes of its raw regions (segments that name their region, :data:`READER_COPIES`) to their
-        destinations, queued on this thread's CUDA stream (the interpreter lock released during
-        each call); returns an event recorded after them (``None`` on the CPU, where the copies are
-        done on return), which the loading thread waits for before the buffer is reused."""
-        copies = [_Copy(s[3], s[1], s[3].pointer + (s[1] - s[3].address), s[2]) for s in segments if len(s) > 3]
-        if not copies:
-            return None
-        stream = self._reader_stream()
-        for copy in _raw_runs(copies):
-            self._raw_copy(copy, 0 if stream is None else stream.cuda_stream, self._reader_raw)
-        return None if stream is None else stream.record_event()
-
-    def _reader_stream(self) -> Optional[torch.cuda.Stream]:
-        """This read thread's CUDA stream on the ring's device (``None`` on the CPU), made at its
-        first copy and ordered after the load's start (the device's current stream then) at the
-        first copy of every load."""
-        if self._stream is None:
-            return None
-        local = self._local
-        if getattr(local, "generation", None) != self._generation:
-            stream = getattr(local, "stream", None)
-            if stream is None or stream.device != self._device:
-                torch.cuda.set_device(self._device)  # this thread's runtime calls: no context on another device
-                stream = local.stream = torch.cuda.Stream(device=self._device)
-            stream.wait_event(self._start_event)
-            local.generation = self._generation
-        return local.stream
+            raise RuntimeError(f"cudaMemcpyAsync of a staged region ({nbytes} bytes into"
+                               f" {tuple(piece.destination.shape)}) failed: cudaError_t {error}")  # fmt: skip
 
     def _queue(self, piece: _Piece, reader: pread.ReadPool, fd: int, segments: list[pread.Segment], nbytes: int) -> None:
         """Add a region's reads to the open batch (a batch holds one file's reads; a full one, or one of
@@ -662,11 +582,7 @@ class StagingRing:
             batch = None
         if batch is None:
             batch = self._batch = _Batch(reader, fd, populate=not self._pinned)  # pinned pages are resident
-        if piece.by_reader:  # the segments name their region: the read thread copies it on
-            batch.segments += [(*segment, piece) for segment in segments]  # type: ignore[misc]
-            batch.by_reader = True
-        else:
-            batch.segments += segments
+        batch.segments += segments
         batch.pieces.append(piece)
         batch.nbytes += nbytes
         if batch.nbytes >= min(BATCH_BYTES, self.buffer_bytes // BATCH_SHARE):
@@ -677,8 +593,7 @@ class StagingRing:
         batch, self._batch = self._batch, None
         if batch is None:
             return
-        futures = batch.reader.submit(batch.fd, batch.segments, populate=batch.populate, threads=self.read_threads,
-                                      after=self._copy_in_reader if batch.by_reader else None)  # fmt: skip
+        futures = batch.reader.submit(batch.fd, batch.segments, populate=batch.populate, threads=self.read_threads)
         for piece in batch.pieces:
             piece.futures = futures
         if len(batch.pieces) == 1:
@@ -692,9 +607,10 @@ class StagingRing:
             self._current = (self._current + 1) % self.buffers
             while any(piece.buffer == self._current for piece in self._pending):
                 self._copy_oldest()
-            for event in self._events[self._current]:
+            event = self._events[self._current]
+            if event is not None:
                 event.synchronize()
-            self._events[self._current] = []
+                self._events[self._current] = None
             self._used = 0
         if self._ring[self._current] is None:
             self._allocate(self._current)
