@@ -194,6 +194,29 @@ def test_a_load_through_the_ring_equals_the_default_load(mpu, reference_checkpoi
         assert same_bits(param.detach(), want[name].detach()), name
 
 
+def test_a_load_makes_every_read_view_before_its_first_read(mpu, reference_checkpoint: Callable[..., Path], monkeypatch):
+    """``load_hf_weights`` makes the views its parameters' sources are read into (QKV groups, gate
+    and up halves: ``rule_views``) for every parameter before the first read is queued - making a
+    view releases the interpreter lock, which the read threads hold while reads run - and the load
+    equals the default one bitwise."""
+    from mcore_zoo.weights import load as weights_load
+
+    ckpt = reference_checkpoint("Qwen3MoeForCausalLM")
+    reference = mcore_zoo.build_model(ckpt, backend="local", load=ckpt)
+    model = mcore_zoo.build_model(ckpt, backend="local")
+    ring = StagingRing(3, 8192, pin=False, cpu_destinations=True)
+    with HFCheckpoint(ckpt, staging=ring) as source:
+        made: list[bool] = []  # per view made: whether reads were being queued then
+        views = weights_load.rule_views
+        monkeypatch.setattr(weights_load, "rule_views", lambda *a: made.append(source._reader.queuing) or views(*a))
+        monkeypatch.setattr("mcore_zoo.distributed.load.rule_views", weights_load.rule_views)
+        mcore_zoo.load_hf_weights(model, source)
+    assert made and not any(made)
+    want = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        assert same_bits(param.detach(), want[name].detach()), name
+
+
 def test_column_chunks_of_narrow_rows_are_read_as_whole_rows(tmp_path):
     """A TP column chunk of narrow rows (a row-parallel weight's shard) is read as whole rows, one
     contiguous read per region, and cut after: the same bytes land as on the reference path; a wide

@@ -31,7 +31,7 @@ from ..progress import progress
 from ..weights.io import HFCheckpoint
 from ..weights.load import (
     DictCheckpoint, LoadReport, absent_tensors, dequantizing_view, finish_reads, open_hf_checkpoint, plan_load,
-    queued_reads, read_rule_into,
+    queued_reads, read_rule_into, rule_views,
 )  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -77,14 +77,17 @@ def load_hf_weights(
         plan, ignored = plan_load(handle.weight_map, ckpt, chunks)
         rank = handle.placement.rank
         report = LoadReport(ignored=ignored, absent=absent_tensors(handle.weight_map, ckpt.keys()))
+        # every parameter and the views its sources are read into, made before the first read (rule_views)
+        targets = [[(step, param, rule_views(step.bound, param, step.ctx)) for step in steps for param in (step.tensor(),)]
+                   for steps in plan]  # fmt: skip
         with queued_reads(ckpt):  # the next parameter is planned while this one's bytes are copied
-            for steps in plan:
-                for step in progress(steps, total=len(steps), desc="loading HF weights", unit="param", rank=rank):
-                    param = step.tensor()
+            for chunk_targets in targets:
+                for step, param, views in progress(chunk_targets, total=len(chunk_targets), desc="loading HF weights",
+                                                   unit="param", rank=rank):  # fmt: skip
                     group = _replica_group(param, handle.placement) if replicas == "broadcast" else None
                     source = None if group is None else dist.get_process_group_ranks(group)[0]
                     if group is None or rank == source:
-                        report.bytes_read += read_rule_into(ckpt, step.bound, param, step.ctx)
+                        report.bytes_read += read_rule_into(ckpt, step.bound, param, step.ctx, views)
                         report.tensors_read += len(step.bound.hf)
                     if group is not None:
                         finish_reads(ckpt)  # the parameter is complete before it is sent

@@ -150,14 +150,29 @@ def plan_load(weight_map: WeightMap, checkpoint: HFCheckpoint,
     return plan, ignored
 
 
-def read_rule_into(ckpt: HFCheckpoint, b: BoundRule, param: torch.Tensor, ctx: TransformContext) -> int:
+def rule_views(b: BoundRule, param: torch.Tensor, ctx: TransformContext) -> Optional[list[torch.Tensor]]:
+    """The views of ``param`` that :func:`read_rule_into` reads the rule's sources straight into
+    (:func:`~mcore_zoo.weights.rules.direct_views`), or ``None`` when its pieces are fused first.
+    :func:`~mcore_zoo.distributed.load.load_hf_weights` makes them for every parameter before its
+    first read: making a view releases the interpreter lock, which the read threads then hold
+    while reads run, so the loading thread waits to get it back."""
+    return direct_views(b.transform, param.data, ctx)
+
+
+_MAKE_VIEWS: Any = object()  # read_rule_into's default: make the views when called
+
+
+def read_rule_into(ckpt: HFCheckpoint, b: BoundRule, param: torch.Tensor, ctx: TransformContext,
+                   views: Optional[list[torch.Tensor]] = _MAKE_VIEWS) -> int:  # fmt: skip
     """Fill ``param`` (a parameter or any tensor of its shape) from the rule's HF sources - this
     TP rank's chunks - and return the bytes read. Inside :func:`queued_reads` the bytes may land
-    after it returns (when the block exits, or at :func:`finish_reads`)."""
+    after it returns (when the block exits, or at :func:`finish_reads`). ``views``: what
+    :func:`rule_views` returns for this parameter, made beforehand (default: made here)."""
     tp_rank, tp_size = ctx.tp_rank, ctx.tp_size
     if getattr(b.transform, "reads_whole", False):  # the transform takes this rank's part itself
         tp_rank, tp_size = 0, 1
-    views = direct_views(b.transform, param.data, ctx)
+    if views is _MAKE_VIEWS:
+        views = rule_views(b, param, ctx)
     if views is not None:
         return sum(
             ckpt.read_into(n, view, axis=a, rank=tp_rank, size=tp_size, select=sel)
