@@ -41,3 +41,31 @@ def test_tp2_matches_transformers_and_exports_bitwise(reference_checkpoint, hf_r
             ref = hf(seq[None]).logits[0]
             # row-parallel layers sum partial products across ranks: another summation order
             assert (logits - ref).abs().max() <= 1e-5
+
+
+def _world_size_and_store() -> tuple[int, str]:
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return dist.get_world_size(), type(store).__name__
+
+
+def test_launch_does_not_depend_on_its_rendezvous_port_staying_free(monkeypatch):
+    """The ranks meet through a file store, not a TCP port: a port found free and then taken by
+    another process before rank 0 listens on it (here: held open, listening) does not fail the
+    run with ``EADDRINUSE``."""
+    import importlib
+    import socket
+
+    launch_module = importlib.import_module("mcore_zoo.distributed.launch")  # the package exports its function
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setattr(launch_module, "_free_port", lambda: port)
+        results = launch(_world_size_and_store, 2)
+    assert [world for world, _ in results] == [2, 2]
+    assert all("FileStore" in store for _, store in results), results

@@ -5,6 +5,12 @@ processes, initialises the default process group (gloo on CPU; NCCL when every r
 own GPU), calls ``fn(*args)`` on each and returns every rank's return value (rank order). An
 exception on any rank is re-raised here with that rank's traceback.
 
+The ranks meet through a file store in a fresh temporary directory, not a TCP port: a port found
+free here can be taken by another process's connection (an ephemeral port of a concurrent job's
+gloo pair, say) in the seconds before rank 0 listens on it, and the run then fails with
+``EADDRINUSE``. ``MASTER_ADDR`` / ``MASTER_PORT`` are still set in every rank (a free port),
+for code that starts a world of its own from the environment.
+
 Inside a launched function, set up Megatron's groups with
 :func:`mcore_zoo.parallel.ensure_model_parallel` as usual.
 """
@@ -13,7 +19,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import socket
+import tempfile
 import time
 import traceback
 from typing import Any, Callable, Optional, Sequence
@@ -39,7 +47,8 @@ def rank_threads(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, backend: str, results: Any, args: Sequence[Any], env: dict) -> None:
+def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, backend: str, results: Any, args: Sequence[Any],
+           env: dict, store: str) -> None:  # fmt: skip
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -48,7 +57,7 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, backen
     if backend == "nccl":
         torch.cuda.set_device(rank)
     torch.set_num_threads(rank_threads(world_size))
-    dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+    dist.init_process_group(backend=backend, init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
         # Pickled to bytes here: through the queue, torch shares tensor storage by file descriptor,
         # which the parent can no longer fetch once this process has exited.
@@ -86,9 +95,19 @@ def launch(
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = _free_port()
+    rendezvous = tempfile.mkdtemp(prefix="mcore-zoo-launch-")  # the file store's directory (module docstring)
+    try:
+        return _run(fn, world_size, args, backend, env, timeout, results, port, os.path.join(rendezvous, "store"))
+    finally:
+        shutil.rmtree(rendezvous, ignore_errors=True)
+
+
+def _run(fn: Callable[..., Any], world_size: int, args: Sequence[Any], backend: str, env: Optional[dict], timeout: float,
+         results: Any, port: int, store: str) -> list[Any]:  # fmt: skip
+    """:func:`launch`'s processes, meeting through the file store at ``store``."""
     context = mp.start_processes(
         _entry,
-        args=(fn, world_size, port, backend, results, args, dict(env or {})),
+        args=(fn, world_size, port, backend, results, args, dict(env or {}), store),
         nprocs=world_size,
         join=False,
         start_method="spawn",
