@@ -396,7 +396,7 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
     from mcore_zoo.weights import staging
     from mcore_zoo.weights.io import HFCheckpoint
 
-    if args.ring:  # the staging ring's shape for this load: BUFFERSxMIB[/IN_FLIGHT][:rREAD][:tTHREADS][:bSHARE][:x|:c][:v]
+    if args.ring:  # the staging ring's shape for this load: BUFFERSxMIB[/IN_FLIGHT][:rREAD][:tTHREADS][:bSHARE][:sUS][:x|:c][:v]
         spec, *options = args.ring[0].lower().split(":")
         if spec != "default":
             shape, _, in_flight = spec.partition("/")
@@ -414,6 +414,8 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
                 staging.RAW_COPIES = True
             elif option == "c":  # every region copied through torch (Tensor.copy_; the default before)
                 staging.RAW_COPIES = False
+            elif option.startswith("s"):  # the interpreter's switch interval in us during the load process
+                sys.setswitchinterval(int(option[1:]) * 1e-6)  # (default 5000: a read thread waits up to 5 ms for the lock)
             elif option == "v":  # read views made in the loading loop, between reads (the load before 2026-11-28)
                 import mcore_zoo.distributed.load as job_load
                 from mcore_zoo.weights import load as weights_load
@@ -806,13 +808,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the first round's bitwise check")
     p.add_argument("--timeout", type=float, default=150.0, help="seconds per measurement process")
     p.add_argument("--ring", action="append", default=None,
-                   help="the load's staging ring as BUFFERSxMIB[/IN_FLIGHT][:rREAD][:tTHREADS][:bSHARE][:x|:c][:v] (default:"
+                   help="the load's staging ring as BUFFERSxMIB[/IN_FLIGHT][:rREAD][:tTHREADS][:bSHARE][:sUS][:x|:c][:v] (default:"
                         " mcore_zoo.weights.staging's; IN_FLIGHT: buffers of reads in flight besides the newest"
                         " region's; rREAD: the ring's read threads; tTHREADS: torch's thread count in the loading"
                         " process (before 2026-11-27's sixth run also the ring's read threads); bSHARE: a batch of reads holds at most"
                         " 1 / SHARE of a buffer; x: staging.RAW_COPIES on, regions copied by their bytes - the default since"
                         " 2026-11-27; c: RAW_COPIES off, every region copied through torch; v: read views made in"
-                        " the loading loop between reads, as before 2026-11-28); repeatable: each"
+                        " the loading loop between reads, as before 2026-11-28; sUS: sys.setswitchinterval(US"
+                        " microseconds) in the loading process); repeatable: each"
                         " ring's load is measured in every round against"
                         " the same floor ('default': the package's, also with options: 'default:t16')")
     p.add_argument("--profile", action="store_true",
