@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import shutil
 import socket
 import tempfile
 import time
@@ -95,23 +94,6 @@ def launch(
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = _free_port()
-    rendezvous = tempfile.mkdtemp(prefix="mcore-zoo-launch-")  # the file store's directory (module docstring)
-    try:
-        return _run(fn, world_size, args, backend, env, timeout, results, port, os.path.join(rendezvous, "store"))
-    finally:
-        shutil.rmtree(rendezvous, ignore_errors=True)
-
-
-def _run(fn: Callable[..., Any], world_size: int, args: Sequence[Any], backend: str, env: Optional[dict], timeout: float,
-         results: Any, port: int, store: str) -> list[Any]:  # fmt: skip
-    """:func:`launch`'s processes, meeting through the file store at ``store``."""
-    context = mp.start_processes(
-        _entry,
-        args=(fn, world_size, port, backend, results, args, dict(env or {}), store),
-        nprocs=world_size,
-        join=False,
-        start_method="spawn",
-    )
     collected: dict[int, Any] = {}
     failures: list[str] = []
 
@@ -123,22 +105,31 @@ def _run(fn: Callable[..., Any], world_size: int, args: Sequence[Any], backend: 
             else:
                 failures.append(f"rank {rank}: {value}")
 
-    deadline = time.monotonic() + timeout
-    while True:
-        drain()
-        try:
-            if context.join(timeout=0.2):
-                break
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+    # the file store's directory (module docstring), removed once every rank has ended
+    with tempfile.TemporaryDirectory(prefix="mcore-zoo-launch-", ignore_cleanup_errors=True) as rendezvous:
+        context = mp.start_processes(
+            _entry,
+            args=(fn, world_size, port, backend, results, args, dict(env or {}), os.path.join(rendezvous, "store")),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        while True:
             drain()
-            for process in context.processes:
-                if process.is_alive():
+            try:
+                if context.join(timeout=0.2):
+                    break
+            except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+                drain()
+                for process in context.processes:
+                    if process.is_alive():
+                        process.terminate()
+                raise ZooError("distributed run failed:\n" + ("\n".join(failures) or str(exc))) from None
+            if time.monotonic() > deadline:
+                for process in context.processes:
                     process.terminate()
-            raise ZooError("distributed run failed:\n" + ("\n".join(failures) or str(exc))) from None
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.terminate()
-            raise ZooError(f"distributed run timed out after {timeout:.0f} s")
+                raise ZooError(f"distributed run timed out after {timeout:.0f} s")
     drain()
     if failures:
         raise ZooError("distributed run failed:\n" + "\n".join(failures))
