@@ -396,8 +396,9 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
     from mcore_zoo.weights import staging
     from mcore_zoo.weights.io import HFCheckpoint
 
-    if args.ring:  # the staging ring's shape for this load: BUFFERSxMIB[/IN_FLIGHT][:rREAD][:tTHREADS][:bSHARE][:sUS][:x|:c][:v]
-        spec, *options = args.ring[0].lower().split(":")
+    if args.ring:  # the staging ring's shape for this load: BUFFERSxMIB[/IN_FLIGHT][:rREAD][:tTHREADS][:bSHARE][:sUS][:x|:c][:v][:B][:o]
+        spec, *options = args.ring[0].split(":")
+        spec, options = spec.lower(), [o if o == "B" else o.lower() for o in options]
         if spec != "default":
             shape, _, in_flight = spec.partition("/")
             count, mib = (int(v) for v in shape.split("x"))
@@ -416,6 +417,10 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
                 staging.RAW_COPIES = False
             elif option.startswith("s"):  # the interpreter's switch interval in us during the load process
                 sys.setswitchinterval(int(option[1:]) * 1e-6)  # (default 5000: a read thread waits up to 5 ms for the lock)
+            elif option == "B":  # the raw copies of a batch of reads in one cudaMemcpyBatchAsync (staging.BATCH_COPIES)
+                staging.BATCH_COPIES = True
+            elif option == "o":  # the other source tree's load (LOAD_GPU_BASE_SRC, set by the orchestrator)
+                pass
             elif option == "v":  # read views made in the loading loop, between reads (the load before 2026-11-28)
                 import mcore_zoo.distributed.load as job_load
                 from mcore_zoo.weights import load as weights_load
@@ -453,12 +458,26 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
     ring_bytes = staging.BUFFERS * staging.BUFFER_BYTES
     _barrier()
     rss = _rss()
+    collections: list[list[float]] = []  # the cyclic collector's runs inside the load: [generation, seconds]
+
+    def collected(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            collections.append([info["generation"], time.perf_counter()])
+        elif collections:
+            collections[-1][1] = time.perf_counter() - collections[-1][1]
+
+    import gc
+
+    gc.callbacks.append(collected)
     t0, main_cpu0, cpu0 = time.perf_counter(), time.thread_time(), time.process_time()
     replicas = "read" if args.parallel == "ep" else "broadcast"  # EP: every rank reads its share, as the floor
     report = mcore_zoo.load_hf_weights(model, args.ckpt, replicas=replicas)
     main_cpu_s, cpu_s = time.thread_time() - main_cpu0, time.process_time() - cpu0  # before the barrier's wait
+    gc.callbacks.remove(collected)
     _barrier()
     load_s = time.perf_counter() - t0
+    load_gc = {f"gen{g}": {"runs": sum(1 for c in collections if c[0] == g),
+                           "s": sum(c[1] for c in collections if c[0] == g)} for g in range(3)}  # fmt: skip
     above = rss["peak"]() - rss["before"]
     host_stats = getattr(torch.cuda, "host_memory_stats", None)
     pinned = {}
@@ -473,6 +492,7 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
         "rss_peak_reset": rss["reset"], "rss_before": rss["before"], "staging_ring_bytes": ring_bytes,
         "staging_buffer_bytes": staging.BUFFER_BYTES, "torch_threads": torch.get_num_threads(), "replicas": replicas,
         "pinned_host_memory": pinned, "load_main_thread_cpu_s": main_cpu_s, "load_process_cpu_s": cpu_s,
+        "load_gc": load_gc, "mcore_zoo_source": str(Path(mcore_zoo.__file__).resolve().parent),
     }  # fmt: skip
     if args.profile:  # one more load under cProfile (after the timed one): where the host time goes
         import cProfile
@@ -592,7 +612,9 @@ def _launch(args: argparse.Namespace, phase: str, world: int, tag: str, parallel
         worker += ["--backend", args.backend]
     # the first ring's loads, and those that set the copies' kind (":x" raw, ":c" through torch) or where
     # the read views are made (":v"), which no earlier ring's check may cover
-    copies = ring is not None and bool({"x", "c", "v"} & set(ring.lower().split(":")[1:]))
+    # (":B" batch copies, ":o" the other source tree's load: each a load of its own kind too)
+    options = ring.split(":")[1:] if ring is not None else []
+    copies = bool({"x", "c", "v"} & {o.lower() for o in options} or {"B", "o"} & set(options))
     if args.verify_now and (ring == getattr(args, "rings", [None])[0] or copies):
         worker += ["--verify-this"]
     if ring:
@@ -602,6 +624,11 @@ def _launch(args: argparse.Namespace, phase: str, world: int, tag: str, parallel
     if args.breakdown_now and phase == "zoo":
         worker += ["--breakdown"]
     env = dict(os.environ)
+    if "o" in options:  # the load of another source tree (its src/ first on the path), measured in the same run
+        base = os.environ.get("LOAD_GPU_BASE_SRC")
+        if not base:
+            raise SystemExit(f"ring {ring!r}: ':o' needs LOAD_GPU_BASE_SRC (the other tree's src directory)")
+        env["PYTHONPATH"] = os.pathsep.join([base, env.get("PYTHONPATH", "")])
     if world > 1:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // world)))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), *worker]
@@ -808,14 +835,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the first round's bitwise check")
     p.add_argument("--timeout", type=float, default=150.0, help="seconds per measurement process")
     p.add_argument("--ring", action="append", default=None,
-                   help="the load's staging ring as BUFFERSxMIB[/IN_FLIGHT][:rREAD][:tTHREADS][:bSHARE][:sUS][:x|:c][:v] (default:"
+                   help="the load's staging ring as BUFFERSxMIB[/IN_FLIGHT][:rREAD][:tTHREADS][:bSHARE][:sUS][:x|:c][:v][:B][:o] (default:"
                         " mcore_zoo.weights.staging's; IN_FLIGHT: buffers of reads in flight besides the newest"
                         " region's; rREAD: the ring's read threads; tTHREADS: torch's thread count in the loading"
                         " process (before 2026-11-27's sixth run also the ring's read threads); bSHARE: a batch of reads holds at most"
                         " 1 / SHARE of a buffer; x: staging.RAW_COPIES on, regions copied by their bytes - the default since"
                         " 2026-11-27; c: RAW_COPIES off, every region copied through torch; v: read views made in"
                         " the loading loop between reads, as before 2026-11-28; sUS: sys.setswitchinterval(US"
-                        " microseconds) in the loading process); repeatable: each"
+                        " microseconds) in the loading process; B: staging.BATCH_COPIES on, a batch of reads' raw"
+                        " copies in one cudaMemcpyBatchAsync; o: the load of the source tree whose src directory"
+                        " LOAD_GPU_BASE_SRC names, e.g. an earlier commit's, for a same-run comparison); repeatable: each"
                         " ring's load is measured in every round against"
                         " the same floor ('default': the package's, also with options: 'default:t16')")
     p.add_argument("--profile", action="store_true",

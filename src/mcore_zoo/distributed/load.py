@@ -30,8 +30,8 @@ from ..placement import Placement
 from ..progress import progress
 from ..weights.io import HFCheckpoint
 from ..weights.load import (
-    DictCheckpoint, LoadReport, absent_tensors, dequantizing_view, finish_reads, open_hf_checkpoint, plan_load,
-    queued_reads, read_rule_into, rule_views,
+    DictCheckpoint, LoadReport, absent_tensors, collector_paused, dequantizing_view, finish_reads, open_hf_checkpoint,
+    plan_load, queued_reads, read_rule_into, rule_views,
 )  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -73,35 +73,42 @@ def load_hf_weights(
     if quantization is not None and quantization.get("quant_method") == "fp8":
         handle.fp8_source = ckpt  # which tensors were quantized, and their scales (export)
     try:
-        chunks = [(chunk, handle.rule_steps(chunk)) for chunk in handle.chunks]
-        plan, ignored = plan_load(handle.weight_map, ckpt, chunks)
-        rank = handle.placement.rank
-        report = LoadReport(ignored=ignored, absent=absent_tensors(handle.weight_map, ckpt.keys()))
-        # every parameter and the views its sources are read into, made before the first read (rule_views)
-        targets = [[(step, param, rule_views(step.bound, param, step.ctx)) for step in steps for param in (step.tensor(),)]
-                   for steps in plan]  # fmt: skip
-        with queued_reads(ckpt):  # the next parameter is planned while this one's bytes are copied
-            for chunk_targets in targets:
-                for step, param, views in progress(chunk_targets, total=len(chunk_targets), desc="loading HF weights",
-                                                   unit="param", rank=rank):  # fmt: skip
-                    group = _replica_group(param, handle.placement) if replicas == "broadcast" else None
-                    source = None if group is None else dist.get_process_group_ranks(group)[0]
-                    if group is None or rank == source:
-                        report.bytes_read += read_rule_into(ckpt, step.bound, param, step.ctx, views)
-                        report.tensors_read += len(step.bound.hf)
-                    if group is not None:
-                        finish_reads(ckpt)  # the parameter is complete before it is sent
-                        dist.broadcast(param.data, src=source, group=group)
-                        if rank != source:
-                            report.bytes_received += param.numel() * param.element_size()
-                    report.parameters += 1
-        if own and os.path.isdir(ckpt.path):
-            handle.hf_source = os.path.realpath(ckpt.path)  # save_hf_checkpoint copies its tokenizer files
-        logger.info("loaded %d parameters from %s (%.1f MB read)", report.parameters, ckpt.path, report.bytes_read / 1e6)
-        return report
+        with collector_paused():  # no collection of the whole process's objects inside the load
+            return _load(handle, ckpt, own, replicas)
     finally:
         if own:
             ckpt.close()
+
+
+def _load(handle: ModelHandle, ckpt: Any, own: bool, replicas: str) -> LoadReport:
+    """:func:`load_hf_weights`' plan and reads, from the opened checkpoint ``ckpt`` (``own``:
+    opened by the load from a path)."""
+    chunks = [(chunk, handle.rule_steps(chunk)) for chunk in handle.chunks]
+    plan, ignored = plan_load(handle.weight_map, ckpt, chunks)
+    rank = handle.placement.rank
+    report = LoadReport(ignored=ignored, absent=absent_tensors(handle.weight_map, ckpt.keys()))
+    # every parameter and the views its sources are read into, made before the first read (rule_views)
+    targets = [[(step, param, rule_views(step.bound, param, step.ctx)) for step in steps for param in (step.tensor(),)]
+               for steps in plan]  # fmt: skip
+    with queued_reads(ckpt):  # the next parameter is planned while this one's bytes are copied
+        for chunk_targets in targets:
+            for step, param, views in progress(chunk_targets, total=len(chunk_targets), desc="loading HF weights",
+                                               unit="param", rank=rank):  # fmt: skip
+                group = _replica_group(param, handle.placement) if replicas == "broadcast" else None
+                source = None if group is None else dist.get_process_group_ranks(group)[0]
+                if group is None or rank == source:
+                    report.bytes_read += read_rule_into(ckpt, step.bound, param, step.ctx, views)
+                    report.tensors_read += len(step.bound.hf)
+                if group is not None:
+                    finish_reads(ckpt)  # the parameter is complete before it is sent
+                    dist.broadcast(param.data, src=source, group=group)
+                    if rank != source:
+                        report.bytes_received += param.numel() * param.element_size()
+                report.parameters += 1
+    if own and os.path.isdir(ckpt.path):
+        handle.hf_source = os.path.realpath(ckpt.path)  # save_hf_checkpoint copies its tokenizer files
+    logger.info("loaded %d parameters from %s (%.1f MB read)", report.parameters, ckpt.path, report.bytes_read / 1e6)
+    return report
 
 
 def load_hf_state_dict(

@@ -409,14 +409,22 @@ class HFCheckpoint:
         (:mod:`~mcore_zoo.weights.staging`), anything else copied from a mapping of the chunk.
         """
         file = self._file_of(name)
-        box = TPSlice(axis, rank, size, select).box(self.shape(name), f"tensor {name!r}")
-        shape = tuple(hi - lo for lo, hi in box)
-        if out.numel() != math.prod(shape):
-            raise ShapeMismatchError(name, tuple(out.shape), shape, context="destination of read_into")
         if file in self._bin:
+            box = TPSlice(axis, rank, size, select).box(self.shape(name), f"tensor {name!r}")
+            shape = tuple(hi - lo for lo, hi in box)
+            if out.numel() != math.prod(shape):
+                raise ShapeMismatchError(name, tuple(out.shape), shape, context="destination of read_into")
             tensor = self.read(name, axis=axis, rank=rank, size=size, select=select)
             copy_into(name, out, tensor)
             return tensor.numel() * tensor.element_size()
+        entry = self._entries[name]
+        if select is None and (axis is None or size <= 1):  # the whole tensor (TPSlice.box's bounds, without it)
+            box, shape = None, entry.shape
+        else:
+            box = TPSlice(axis, rank, size, select).box(entry.shape, f"tensor {name!r}")
+            shape = tuple(hi - lo for lo, hi in box)
+        if out.numel() != math.prod(shape):
+            raise ShapeMismatchError(name, tuple(out.shape), shape, context="destination of read_into")
         try:
             return self._read_box(name, box, out, wait=False)
         finally:
@@ -446,11 +454,15 @@ class HFCheckpoint:
         self._reader.wait()
         self.staging.wait()
 
-    def _read_box(self, name: str, box: Sequence[tuple[int, int]], out: torch.Tensor, wait: bool = True) -> int:
-        """Copy the ``box`` of tensor ``name`` into ``out``: positional reads (queued unless
-        ``wait``, see :meth:`queued_reads`), else through a mapping of just its bytes."""
+    def _read_box(self, name: str, box: Optional[Sequence[tuple[int, int]]], out: torch.Tensor, wait: bool = True) -> int:
+        """Copy the ``box`` of tensor ``name`` (``None``: all of it) into ``out``: positional reads
+        (queued unless ``wait``, see :meth:`queued_reads`), else through a mapping of just its bytes."""
         entry = self._entries[name]
-        shape, strides, first, last = _box_layout(entry.shape, box)
+        if box is None:
+            shape, strides, first = entry.shape, pread.row_major_strides(entry.shape), 0
+            last = math.prod(shape) - 1
+        else:
+            shape, strides, first, last = _box_layout(entry.shape, box)
         if 0 in shape:
             return 0
         itemsize = _itemsize(entry.dtype)

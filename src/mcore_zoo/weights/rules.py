@@ -442,7 +442,7 @@ class Rule:
     note: str = ""
     absent: str = ""
 
-    @property
+    @functools.cached_property
     def tp_axes(self) -> tuple[Optional[int], ...]:
         return tuple(s.tp_axis for s in self.sources)
 
@@ -536,7 +536,9 @@ class BoundRule:
     def tp_axes(self) -> tuple[Optional[int], ...]:
         return self.rule.tp_axes
 
-    @property
+    # selects / stacked: computed once per bound rule (a load asks each several times per
+    # parameter; the dataclass is frozen, its fields never change)
+    @functools.cached_property
     def selects(self) -> tuple[Optional[tuple[int, int, int]], ...]:
         """Per source, its range of the HF tensor: ``Source.select``, or the bound expert's slice
         of a stacked-experts tensor (``Source.expert_axis``)."""
@@ -546,7 +548,7 @@ class BoundRule:
             for s in self.rule.sources
         )  # fmt: skip
 
-    @property
+    @functools.cached_property
     def stacked(self) -> tuple[bool, ...]:
         """Per source, whether it is one expert's slice of a stacked-experts HF tensor."""
         return tuple(s.expert_axis is not None for s in self.rule.sources)
