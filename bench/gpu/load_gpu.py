@@ -396,9 +396,8 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
     from mcore_zoo.weights import staging
     from mcore_zoo.weights.io import HFCheckpoint
 
-    if args.ring:  # the staging ring's shape for this load: BUFFERSxMIB[/IN_FLIGHT][:rREAD][:tTHREADS][:bSHARE][:sUS][:x|:c][:v][:B][:o]
-        spec, *options = args.ring[0].split(":")
-        spec, options = spec.lower(), [o if o == "B" else o.lower() for o in options]
+    if args.ring:  # the staging ring's shape for this load: BUFFERSxMIB[/IN_FLIGHT][:rREAD][:tTHREADS][:bSHARE][:sUS][:x|:c][:v][:o]
+        spec, *options = args.ring[0].lower().split(":")
         if spec != "default":
             shape, _, in_flight = spec.partition("/")
             count, mib = (int(v) for v in shape.split("x"))
@@ -417,8 +416,6 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
                 staging.RAW_COPIES = False
             elif option.startswith("s"):  # the interpreter's switch interval in us during the load process
                 sys.setswitchinterval(int(option[1:]) * 1e-6)  # (default 5000: a read thread waits up to 5 ms for the lock)
-            elif option == "B":  # the raw copies of a batch of reads in one cudaMemcpyBatchAsync (staging.BATCH_COPIES)
-                staging.BATCH_COPIES = True
             elif option == "o":  # the other source tree's load (LOAD_GPU_BASE_SRC, set by the orchestrator)
                 pass
             elif option == "v":  # read views made in the loading loop, between reads (the load before 2026-11-28)
@@ -612,9 +609,9 @@ def _launch(args: argparse.Namespace, phase: str, world: int, tag: str, parallel
         worker += ["--backend", args.backend]
     # the first ring's loads, and those that set the copies' kind (":x" raw, ":c" through torch) or where
     # the read views are made (":v"), which no earlier ring's check may cover
-    # (":B" batch copies, ":o" the other source tree's load: each a load of its own kind too)
-    options = ring.split(":")[1:] if ring is not None else []
-    copies = bool({"x", "c", "v"} & {o.lower() for o in options} or {"B", "o"} & set(options))
+    # (":o", the other source tree's load, too)
+    options = ring.lower().split(":")[1:] if ring is not None else []
+    copies = bool({"x", "c", "v", "o"} & set(options))
     if args.verify_now and (ring == getattr(args, "rings", [None])[0] or copies):
         worker += ["--verify-this"]
     if ring:
@@ -835,15 +832,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the first round's bitwise check")
     p.add_argument("--timeout", type=float, default=150.0, help="seconds per measurement process")
     p.add_argument("--ring", action="append", default=None,
-                   help="the load's staging ring as BUFFERSxMIB[/IN_FLIGHT][:rREAD][:tTHREADS][:bSHARE][:sUS][:x|:c][:v][:B][:o] (default:"
+                   help="the load's staging ring as BUFFERSxMIB[/IN_FLIGHT][:rREAD][:tTHREADS][:bSHARE][:sUS][:x|:c][:v][:o] (default:"
                         " mcore_zoo.weights.staging's; IN_FLIGHT: buffers of reads in flight besides the newest"
                         " region's; rREAD: the ring's read threads; tTHREADS: torch's thread count in the loading"
                         " process (before 2026-11-27's sixth run also the ring's read threads); bSHARE: a batch of reads holds at most"
                         " 1 / SHARE of a buffer; x: staging.RAW_COPIES on, regions copied by their bytes - the default since"
                         " 2026-11-27; c: RAW_COPIES off, every region copied through torch; v: read views made in"
                         " the loading loop between reads, as before 2026-11-28; sUS: sys.setswitchinterval(US"
-                        " microseconds) in the loading process; B: staging.BATCH_COPIES on, a batch of reads' raw"
-                        " copies in one cudaMemcpyBatchAsync; o: the load of the source tree whose src directory"
+                        " microseconds) in the loading process; o: the load of the source tree whose src directory"
                         " LOAD_GPU_BASE_SRC names, e.g. an earlier commit's, for a same-run comparison); repeatable: each"
                         " ring's load is measured in every round against"
                         " the same floor ('default': the package's, also with options: 'default:t16')")

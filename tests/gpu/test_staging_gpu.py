@@ -46,24 +46,6 @@ def test_raw_copies_on_the_device(tmp_path, monkeypatch):
     assert len(copied) > 10 and all(n > 0 for n in copied)
 
 
-def test_batch_copies_on_the_device(tmp_path, monkeypatch):
-    """``BATCH_COPIES``: the raw copies of a batch of reads go in one ``cudaMemcpyBatchAsync`` (CUDA
-    runtime 12.8 or later) - the same bits as the reference path, and batches of several regions
-    were dispatched. Skips on an older runtime, where the ring copies region by region."""
-    from mcore_zoo.weights import staging
-
-    batch = staging._cuda_memcpy_batch_async()
-    if batch is None:
-        pytest.skip("no cudaMemcpyBatchAsync in this process's CUDA runtime (needs 12.8 or later)")
-    sizes: list[int] = []
-    monkeypatch.setattr(staging, "BATCH_COPIES", True)
-    monkeypatch.setattr(staging, "_cuda_memcpy_batch_async", lambda: lambda copies, stream: sizes.append(len(copies)) or batch(copies, stream))
-    check_staged_reads(tmp_path, "cuda", StagingRing(3, 4096))
-    (tmp_path / "default").mkdir()
-    check_staged_reads(tmp_path / "default", "cuda", StagingRing())
-    assert sizes and max(sizes) > 1, sizes
-
-
 def test_a_load_onto_the_gpu_equals_the_mapping_path(mpu, reference_checkpoint):
     import mcore_zoo
     from mcore_zoo.weights.io import HFCheckpoint

@@ -217,36 +217,6 @@ def test_a_load_makes_every_read_view_before_its_first_read(mpu, reference_check
         assert same_bits(param.detach(), want[name].detach()), name
 
 
-def test_batch_copies_equal_the_reference_path_and_carry_several_regions(tmp_path, monkeypatch):
-    """``BATCH_COPIES``: the raw copies of one batch of reads are dispatched together (on CUDA one
-    ``cudaMemcpyBatchAsync``; on the CPU test ring the same code path, copying each region in
-    turn) - the same bits as the reference path, every region copied once, and batches of more
-    than one region made; a failed batch raises naming its regions."""
-    monkeypatch.setattr(staging, "BATCH_COPIES", True)
-    batches: list[int] = []
-    batch_copy = staging._host_memmove_batch
-    monkeypatch.setattr(staging, "_host_memmove_batch", lambda copies, stream: batches.append(len(copies)) or batch_copy(copies, stream))
-    check_staged_reads(tmp_path, "cpu", StagingRing(3, 4096, pin=False, cpu_destinations=True))
-    gen = torch.Generator().manual_seed(2)
-    small = {f"e{i}": torch.randn(4, 64, generator=gen).bfloat16() for i in range(12)}
-    (tmp_path / "small").mkdir()
-    save_file(small, str(tmp_path / "small" / "model.safetensors"))
-    batches.clear()
-    outs = {name: torch.zeros(4, 64, dtype=torch.bfloat16) for name in small}
-    with HFCheckpoint(tmp_path / "small", staging=StagingRing(3, 4096, pin=False, cpu_destinations=True)) as ckpt:
-        with ckpt.queued_reads():
-            for name, out in outs.items():
-                ckpt.read_into(name, out)
-    assert all(same_bits(outs[n], small[n]) for n in small)
-    assert batches and max(batches) > 1 and sum(batches) <= len(small), batches
-    monkeypatch.setattr(staging, "_host_memmove_batch", lambda copies, stream: 700)
-    with HFCheckpoint(tmp_path / "small", staging=StagingRing(3, 4096, pin=False, cpu_destinations=True)) as ckpt:
-        with pytest.raises(RuntimeError, match=r"cudaMemcpyBatchAsync of \d+ staged regions \(\d+ bytes\) failed: cudaError_t 700"):
-            with ckpt.queued_reads():
-                for name, out in outs.items():
-                    ckpt.read_into(name, out)
-
-
 def test_a_load_runs_with_the_cyclic_collector_paused(mpu, reference_checkpoint: Callable[..., Path]):
     """``load_hf_weights`` pauses Python's cyclic garbage collector while it plans and reads (a full
     collection inside a load walks every object of the process with the interpreter lock held)

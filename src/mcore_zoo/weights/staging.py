@@ -41,13 +41,12 @@ stages CPU destinations through an unpinned ring and copies them synchronously.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -95,12 +94,6 @@ BATCH_SHARE = 4
 #: in a buffer and in device memory go as one copy (an MoE checkpoint's gate and up rows of each
 #: expert: on the CPU test ring, Qwen3-MoE with 4 x 128 experts, 1 563 copies -> 1 059)
 RAW_COPIES = True
-#: the raw copies of one :meth:`StagingRing._copy` (a batch of reads: several regions) go to the
-#: device in one ``cudaMemcpyBatchAsync`` call (CUDA runtime 12.8 or later; earlier ones copy region
-#: by region) instead of one ``cudaMemcpyAsync`` each. Off by default: opt in (``True``) for
-#: measurement (``bench/gpu/load_gpu.py --ring default:B``); on the CPU test ring the same code
-#: path copies each batch's regions in turn.
-BATCH_COPIES = False
 
 
 def _pieces(out: torch.Tensor, start: int, limit: int) -> Iterator[tuple[torch.Tensor, int]]:
@@ -216,11 +209,11 @@ _HOST_TO_DEVICE = 1  # cudaMemcpyKind cudaMemcpyHostToDevice
 
 
 @functools.lru_cache(maxsize=None)
-def _cudart() -> Any:
-    """The CUDA runtime torch loaded (found among the process's mapped libraries) as a
-    ``ctypes.PyDLL`` - its functions called with the interpreter lock held (a few microseconds,
-    no hand-over to the read threads) - or ``None`` where this process maps no ``libcudart`` (a
-    torch that links it statically, or no CUDA)."""
+def _cuda_memcpy_async() -> Optional[Callable[[int, int, int, int, int], int]]:
+    """``cudaMemcpyAsync(dst, src, count, kind, stream) -> cudaError_t`` of the CUDA runtime torch
+    loaded (found among the process's mapped libraries), called with the interpreter lock held
+    (``ctypes.PyDLL``: a few microseconds, no hand-over to the read threads); ``None`` where this
+    process maps no ``libcudart`` (a torch that links it statically, or no CUDA)."""
     import ctypes
     import os
 
@@ -230,79 +223,13 @@ def _cudart() -> Any:
     except OSError:
         return None
     path = next((p for p in sorted(paths) if os.path.basename(p).startswith("libcudart.so")), None)
-    return None if path is None else ctypes.PyDLL(path)
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_memcpy_async() -> Optional[Callable[[int, int, int, int, int], int]]:
-    """``cudaMemcpyAsync(dst, src, count, kind, stream) -> cudaError_t`` of :func:`_cudart`, or
-    ``None`` without one."""
-    import ctypes
-
-    lib = _cudart()
-    if lib is None:
+    if path is None:
         return None
+    lib = ctypes.PyDLL(path)
     fn = lib.cudaMemcpyAsync
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     fn.restype = ctypes.c_int
     return fn
-
-
-#: a batch copy's function: ``(copies as (destination, source, bytes), stream) -> cudaError_t``
-BatchCopy = Callable[[Sequence[tuple[int, int, int]], int], int]
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_memcpy_batch_async() -> Optional[BatchCopy]:
-    """``cudaMemcpyBatchAsync`` of :func:`_cudart` for host-to-device copies out of pinned memory,
-    in stream order (``cudaMemcpySrcAccessOrderStream``: the copies read their sources when the
-    stream reaches them, as ``cudaMemcpyAsync`` does), as a :data:`BatchCopy`; ``None`` without a
-    CUDA runtime of 12.8 or later. (12.8 - 12.9 take a ``failIdx`` argument before the stream,
-    13.0 and later do not.)"""
-    import ctypes
-
-    lib = _cudart()
-    if lib is None:
-        return None
-    version = ctypes.c_int(0)
-    if lib.cudaRuntimeGetVersion(ctypes.byref(version)) != 0 or version.value < 12080:
-        return None
-    fn = getattr(lib, "cudaMemcpyBatchAsync", None)
-    if fn is None:
-        return None
-
-    class MemLocation(ctypes.Structure):  # cudaMemLocation
-        _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-    class Attributes(ctypes.Structure):  # cudaMemcpyAttributes
-        _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", MemLocation), ("dstLocHint", MemLocation),
-                    ("flags", ctypes.c_uint)]  # fmt: skip
-
-    attributes = Attributes(srcAccessOrder=1)  # cudaMemcpySrcAccessOrderStream, for every copy
-    first = (ctypes.c_size_t * 1)(0)  # the attributes apply from copy 0 on
-    failed = ctypes.c_size_t(0)
-    with_fail_index = version.value < 13000
-    pointers, sizes = ctypes.c_void_p, ctypes.c_size_t
-    fn.restype = ctypes.c_int
-
-    def batch(copies: Sequence[tuple[int, int, int]], stream: int) -> int:
-        n = len(copies)
-        dsts = (pointers * n)(*[c[0] for c in copies])
-        srcs = (pointers * n)(*[c[1] for c in copies])
-        counts = (sizes * n)(*[c[2] for c in copies])
-        if with_fail_index:
-            return fn(dsts, srcs, counts, sizes(n), ctypes.byref(attributes), first, sizes(1), ctypes.byref(failed),
-                      ctypes.c_void_p(stream))  # fmt: skip
-        return fn(dsts, srcs, counts, sizes(n), ctypes.byref(attributes), first, sizes(1), ctypes.c_void_p(stream))
-
-    return batch
-
-
-def _host_memmove_batch(copies: Sequence[tuple[int, int, int]], stream: int) -> int:
-    """:func:`_cuda_memcpy_batch_async`'s signature on host memory (a CPU ring's batch copies)."""
-    for destination, source, count in copies:
-        _host_memmove(destination, source, count, _HOST_TO_DEVICE, stream)
-    return 0
 
 
 def _host_memmove(dst: int, src: int, count: int, kind: int, stream: int) -> int:
@@ -386,7 +313,6 @@ class StagingRing:
         self._events: list[Optional[torch.cuda.Event]] = []
         self._stream: Optional[torch.cuda.Stream] = None
         self._raw: Optional[Callable[[int, int, int, int, int], int]] = None  # RAW_COPIES' cudaMemcpyAsync
-        self._raw_batch: Optional[BatchCopy] = None  # BATCH_COPIES' cudaMemcpyBatchAsync
         self._device: Optional[torch.device] = None
         self._pending: deque[_Piece] = deque()
         self._batch: Optional[_Batch] = None  # the newest regions, reads not yet submitted
@@ -525,7 +451,6 @@ class StagingRing:
             self.wait()
         finally:
             self._ring, self._events, self._stream, self._device, self._raw = [], [], None, None, None
-            self._raw_batch = None
             self._addresses, self._views = [], {}
             self._current = self._used = 0
 
@@ -556,9 +481,6 @@ class StagingRing:
             self._raw = _cuda_memcpy_async() if self._pinned else None
         else:
             self._raw = _host_memmove
-        self._raw_batch = None
-        if self._raw is not None and BATCH_COPIES:
-            self._raw_batch = _cuda_memcpy_batch_async() if cuda else _host_memmove_batch
 
     def _allocate(self, index: int) -> None:
         """Allocate buffer ``index`` of the ring."""
@@ -611,60 +533,36 @@ class StagingRing:
         raise error
 
     def _copy(self, pieces: list[_Piece]) -> None:
-        """Copy regions whose reads are done to their destinations (oldest first; on CUDA on the
-        side stream, an event recorded after the last copy out of each buffer). Raw regions that
-        follow each other both in the buffer and in device memory (an expert's gate and up rows,
-        read one after the other into the halves of its ``linear_fc1``) go as one copy; with
-        :data:`BATCH_COPIES`, the raw copies between two events or staged copies go in one call."""
-        stream = self._stream
-        batch: list[tuple[int, int, int]] = []  # raw copies not yet dispatched (BATCH_COPIES)
-        with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
-            runs = _raw_runs(pieces)
-            for i, (piece, nbytes) in enumerate(runs):
-                if piece.staged is None:  # a raw copy (RAW_COPIES): the interpreter lock kept
-                    if self._raw_batch is not None:
-                        batch.append((piece.destination.data_ptr(), piece.address, nbytes))
+        """Copy regions whose reads are done to their destinations (oldest first; on the side stream,
+        an event recorded after the last copy out of each buffer). Raw regions that follow each
+        other both in the buffer and in device memory (an expert's gate and up rows, read one after
+        the other into the halves of its ``linear_fc1``) go as one copy."""
+        with torch.no_grad():
+            if self._stream is None:
+                for piece, nbytes in _raw_runs(pieces):
+                    if piece.staged is None:
+                        self._raw_copy(piece, 0, nbytes)
                     else:
-                        self._raw_copy(piece, 0 if stream is None else stream.cuda_stream, nbytes)
-                else:
-                    self._batch_copy(batch)
-                    self._staged_copy(piece)
-                if stream is None:
-                    continue
-                # the buffer's reuse waits for its last copy: a buffer's regions are consecutive in
-                # the queue, so only a region with none of its buffer behind it records the event
-                # (a run of raw regions lies in one buffer: its last region's is its own)
-                after = runs[i + 1][0] if i + 1 < len(runs) else (self._pending[0] if self._pending else None)
-                if after is None or after.buffer != piece.buffer:
-                    self._batch_copy(batch)
-                    self._events[piece.buffer] = stream.record_event()
-            self._batch_copy(batch)
-
-    def _staged_copy(self, piece: _Piece) -> None:
-        """Copy a region that is not raw through torch (on the side stream when on CUDA)."""
-        if self._stream is None:
-            piece.destination.copy_(_cut(piece.staged, piece.rows))
-        elif piece.rows is None:
-            piece.destination.copy_(piece.staged, non_blocking=True)
-        else:  # whole rows to the device as they are, cut there (a strided host source would be
-            # made contiguous on the host first, synchronously)
-            rows = torch.empty_like(piece.staged, device=self._device)
-            rows.copy_(piece.staged, non_blocking=True)
-            piece.destination.copy_(_cut(rows, piece.rows))
-
-    def _batch_copy(self, batch: list[tuple[int, int, int]]) -> None:
-        """Dispatch the raw copies gathered in ``batch`` (:data:`BATCH_COPIES`) in one call, and
-        empty it."""
-        if not batch:
-            return
-        assert self._raw_batch is not None
-        stream = 0 if self._stream is None else self._stream.cuda_stream
-        error = self._raw_batch(batch, stream) if len(batch) > 1 else self._raw(batch[0][0], batch[0][1], batch[0][2],  # type: ignore[misc]
-                                                                                _HOST_TO_DEVICE, stream)  # fmt: skip
-        if error:
-            raise RuntimeError(f"cudaMemcpyBatchAsync of {len(batch)} staged regions ({sum(c[2] for c in batch)} bytes)"
-                               f" failed: cudaError_t {error}")  # fmt: skip
-        batch.clear()
+                        piece.destination.copy_(_cut(piece.staged, piece.rows))
+                return
+            with torch.cuda.stream(self._stream):
+                runs = _raw_runs(pieces)
+                for i, (piece, nbytes) in enumerate(runs):
+                    if piece.staged is None:  # a raw copy (RAW_COPIES): the interpreter lock kept
+                        self._raw_copy(piece, self._stream.cuda_stream, nbytes)
+                    elif piece.rows is None:
+                        piece.destination.copy_(piece.staged, non_blocking=True)
+                    else:  # whole rows to the device as they are, cut there (a strided host source
+                        # would be made contiguous on the host first, synchronously)
+                        rows = torch.empty_like(piece.staged, device=self._device)
+                        rows.copy_(piece.staged, non_blocking=True)
+                        piece.destination.copy_(_cut(rows, piece.rows))
+                    # the buffer's reuse waits for its last copy: a buffer's regions are consecutive in
+                    # the queue, so only a region with none of its buffer behind it records the event
+                    # (a run of raw regions lies in one buffer: its last region's is its own)
+                    after = runs[i + 1][0] if i + 1 < len(runs) else (self._pending[0] if self._pending else None)
+                    if after is None or after.buffer != piece.buffer:
+                        self._events[piece.buffer] = self._stream.record_event()
 
     def _raw_copy(self, piece: _Piece, stream: int, nbytes: int) -> None:
         """Copy ``nbytes`` from a raw region (:data:`RAW_COPIES`) on by its bytes - the region, or a
