@@ -503,7 +503,17 @@ _PLACEHOLDER = re.compile(r"\{(layer|expert)\}")
 
 
 def _fill(template: str, **values: int) -> str:
-    return _PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), template)
+    """``template`` with its ``{layer}`` / ``{expert}`` placeholders filled from ``values``;
+    ``KeyError`` naming a placeholder that has no value. (String replacement: a model with
+    thousands of expert tensors fills their names at every first load and export.)"""
+    if "{" not in template:
+        return template
+    for key, value in values.items():
+        template = template.replace("{" + key + "}", str(value))
+    missing = _PLACEHOLDER.search(template)
+    if missing is not None:
+        raise KeyError(missing.group(1))
+    return template
 
 
 @dataclass(frozen=True)
@@ -864,6 +874,8 @@ def grouped_expert_name(name: str) -> Optional[str]:
 def resolve_mcore_name(name: str, existing: set[str]) -> Optional[str]:
     """``name`` if the model has it, else its fused-norm alias (and / or its MTP-layer alias, or its
     grouped-experts name) if the model has that, else None."""
+    if name in existing:  # (the first candidate below: most names are the model's own)
+        return name
     candidates = [name]
     for canonical, alias in MTP_LAYER_ALIASES.items():
         if name.startswith("mtp.") and canonical in name:
