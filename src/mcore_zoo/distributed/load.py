@@ -62,22 +62,22 @@ def load_hf_weights(
         raise ValueError(f"replicas={replicas!r}; use 'broadcast' or 'read'")
     handle = handle_of(model)
     handle.check_current()  # before any IO
-    own = not isinstance(checkpoint, HFCheckpoint)
-    quantization = handle.arch_config.checkpoint_quantization
-    if own:  # FP8 blocks: dequantized as they are read (mcore_zoo.weights.fp8)
-        ckpt = open_hf_checkpoint(checkpoint, handle.arch_config, allow_torch_load=allow_torch_load)
-    else:
-        ckpt = dequantizing_view(checkpoint, handle.arch_config)
-    if quantization is not None and quantization.get("quant_method") == "mxfp4":
-        handle.mxfp4_source = ckpt  # which tensors were MXFP4 blocks (export)
-    if quantization is not None and quantization.get("quant_method") == "fp8":
-        handle.fp8_source = ckpt  # which tensors were quantized, and their scales (export)
-    try:
-        with collector_paused():  # no collection of the whole process's objects inside the load
+    with collector_paused():  # no collection of the whole process's objects inside the load (the opening included)
+        own = not isinstance(checkpoint, HFCheckpoint)
+        quantization = handle.arch_config.checkpoint_quantization
+        if own:  # FP8 blocks: dequantized as they are read (mcore_zoo.weights.fp8)
+            ckpt = open_hf_checkpoint(checkpoint, handle.arch_config, allow_torch_load=allow_torch_load)
+        else:
+            ckpt = dequantizing_view(checkpoint, handle.arch_config)
+        if quantization is not None and quantization.get("quant_method") == "mxfp4":
+            handle.mxfp4_source = ckpt  # which tensors were MXFP4 blocks (export)
+        if quantization is not None and quantization.get("quant_method") == "fp8":
+            handle.fp8_source = ckpt  # which tensors were quantized, and their scales (export)
+        try:
             return _load(handle, ckpt, own, replicas)
-    finally:
-        if own:
-            ckpt.close()
+        finally:
+            if own:
+                ckpt.close()
 
 
 def _load(handle: ModelHandle, ckpt: Any, own: bool, replicas: str) -> LoadReport:
