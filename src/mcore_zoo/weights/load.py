@@ -189,15 +189,15 @@ def read_rule_into(ckpt: HFCheckpoint, b: BoundRule, param: torch.Tensor, ctx: T
 
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
-    """A block in which Python's cyclic garbage collector does not run (it is switched back on
-    when the block exits, if it was on). A load allocates a few short-lived objects per tensor
-    (regions, futures, views), which count towards the collector's thresholds; a full collection
-    that the model's construction made due then runs inside the load, walking every object of the
-    process with the loading thread holding the interpreter lock while the read threads wait for
-    it (measured on the 2-core CPU machine: one of 441 ms in a 180 ms load of a Qwen3-MoE model
-    loaded repeatedly in one process). Objects freed by reference counting - nearly all a load
-    makes - are freed as before; the collection itself runs after the block, when the next
-    allocation crosses a threshold."""
+    """A block in which Python's cyclic garbage collector does not run - process-wide, as Python
+    has one collector - switched back on when the block exits if it was on. A full collection
+    that the model's construction made due would otherwise run inside the load, at one of the
+    load's own allocations, walking every object of the process with the interpreter lock held
+    while the read threads wait for it: on the 2-core CPU machine the first load of a Qwen3-MoE
+    model (4 x 128 experts) after building it paid one of 0.41 - 0.55 s in a 0.80 - 1.01 s load
+    (``bench/first_load.py``, docs/benchmarks.md). Objects freed by reference counting - nearly
+    all a load makes - are freed as before; the due collection runs later, at an allocation after
+    the block."""
     import gc
 
     enabled = gc.isenabled()
