@@ -22,6 +22,31 @@ from pathlib import Path
 from typing import Any
 
 
+class Collections:
+    """Python's cyclic-collector runs while it is installed (``with Collections() as runs:``):
+    :meth:`summary` gives, per generation, how many ran and their seconds."""
+
+    def __init__(self) -> None:
+        self.runs: list[list[Any]] = []  # [generation, seconds]
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self.runs.append([info["generation"], time.perf_counter()])
+        elif self.runs:
+            self.runs[-1][1] = time.perf_counter() - self.runs[-1][1]
+
+    def __enter__(self) -> "Collections":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        return {f"gen{g}": {"runs": sum(1 for r in self.runs if r[0] == g), "s": sum(r[1] for r in self.runs if r[0] == g)}
+                for g in range(3)}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--experts", type=int, default=128)
@@ -41,23 +66,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = ReferenceCheckpoints(lambda name: Path(tmp) / name)(get_registry().get(arch), case_config(arch, overrides))
         model = mcore_zoo.build_model(path, backend="local")
-        runs: list[list[Any]] = []
-
-        def collected(phase: str, info: dict[str, Any]) -> None:
-            if phase == "start":
-                runs.append([info["generation"], time.perf_counter()])
-            elif runs:
-                runs[-1][1] = time.perf_counter() - runs[-1][1]
-
-        gc.callbacks.append(collected)
-        wall, cpu = time.perf_counter(), time.thread_time()
-        report = mcore_zoo.load_hf_weights(model, path)
-        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
-        gc.callbacks.remove(collected)
+        with Collections() as collections:
+            wall, cpu = time.perf_counter(), time.thread_time()
+            report = mcore_zoo.load_hf_weights(model, path)
+            wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
     result = {
         "load_s": wall, "main_thread_cpu_s": cpu, "tensors": report.tensors_read,
-        "collections": {f"gen{g}": {"runs": sum(1 for r in runs if r[0] == g), "s": sum(r[1] for r in runs if r[0] == g)}
-                        for g in range(3)},
+        "collections": collections.summary(),
         "source": str(Path(mcore_zoo.__file__).resolve().parent),
     }  # fmt: skip
     line = json.dumps(result)

@@ -455,26 +455,16 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
     ring_bytes = staging.BUFFERS * staging.BUFFER_BYTES
     _barrier()
     rss = _rss()
-    collections: list[list[float]] = []  # the cyclic collector's runs inside the load: [generation, seconds]
+    from first_load import Collections  # bench/: the cyclic collector's runs inside the load
 
-    def collected(phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            collections.append([info["generation"], time.perf_counter()])
-        elif collections:
-            collections[-1][1] = time.perf_counter() - collections[-1][1]
-
-    import gc
-
-    gc.callbacks.append(collected)
-    t0, main_cpu0, cpu0 = time.perf_counter(), time.thread_time(), time.process_time()
-    replicas = "read" if args.parallel == "ep" else "broadcast"  # EP: every rank reads its share, as the floor
-    report = mcore_zoo.load_hf_weights(model, args.ckpt, replicas=replicas)
-    main_cpu_s, cpu_s = time.thread_time() - main_cpu0, time.process_time() - cpu0  # before the barrier's wait
-    gc.callbacks.remove(collected)
+    with Collections() as collections:
+        t0, main_cpu0, cpu0 = time.perf_counter(), time.thread_time(), time.process_time()
+        replicas = "read" if args.parallel == "ep" else "broadcast"  # EP: every rank reads its share, as the floor
+        report = mcore_zoo.load_hf_weights(model, args.ckpt, replicas=replicas)
+        main_cpu_s, cpu_s = time.thread_time() - main_cpu0, time.process_time() - cpu0  # before the barrier's wait
     _barrier()
     load_s = time.perf_counter() - t0
-    load_gc = {f"gen{g}": {"runs": sum(1 for c in collections if c[0] == g),
-                           "s": sum(c[1] for c in collections if c[0] == g)} for g in range(3)}  # fmt: skip
+    load_gc = collections.summary()
     above = rss["peak"]() - rss["before"]
     host_stats = getattr(torch.cuda, "host_memory_stats", None)
     pinned = {}
