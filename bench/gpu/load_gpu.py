@@ -615,7 +615,7 @@ def _launch(args: argparse.Namespace, phase: str, world: int, tag: str, parallel
         base = os.environ.get("LOAD_GPU_BASE_SRC")
         if not base:
             raise SystemExit(f"ring {ring!r}: ':o' needs LOAD_GPU_BASE_SRC (the other tree's src directory)")
-        env["PYTHONPATH"] = os.pathsep.join([base, env.get("PYTHONPATH", "")])
+        env["PYTHONPATH"] = os.pathsep.join([base, *filter(None, [env.get("PYTHONPATH")])])  # no empty entry (the cwd)
     if world > 1:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // world)))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), *worker]
