@@ -39,7 +39,9 @@ each measurement in a fresh process, alternating the order between rounds:
   cProfile, after the timed one, and the statistics go into the raw results (``profile``);
   ``--breakdown``: they run once more with timers around the load's steps on the main thread
   (:func:`timed_load`: wall time inside the weight map, the staging ring's calls, waits on reads and
-  on CUDA events, and outside all of them), into ``breakdown``.
+  on CUDA events, and outside all of them), into ``breakdown``; ``--breakdown first`` times the
+  timed load itself instead, with the steps only a process's first load takes (binding the rules,
+  the checks, the ring's pinned buffers).
 
 TP2 ranks time between barriers; the job time is the slower rank's. Per round, the ratio is the
 floor's time / the load's time (1.0: the load runs at the floor); medians and min - max over the
@@ -460,7 +462,13 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
     with Collections() as collections:
         t0, main_cpu0, cpu0 = time.perf_counter(), time.thread_time(), time.process_time()
         replicas = "read" if args.parallel == "ep" else "broadcast"  # EP: every rank reads its share, as the floor
-        report = mcore_zoo.load_hf_weights(model, args.ckpt, replicas=replicas)
+        if args.breakdown == "first":  # the timed load itself under the timers (load_s includes them)
+            reports: list[Any] = []
+            first_breakdown = timed_load(lambda: reports.append(mcore_zoo.load_hf_weights(model, args.ckpt, replicas=replicas)),
+                                         first=True)  # fmt: skip
+            report = reports[0]
+        else:
+            report = mcore_zoo.load_hf_weights(model, args.ckpt, replicas=replicas)
         main_cpu_s, cpu_s = time.thread_time() - main_cpu0, time.process_time() - cpu0  # before the barrier's wait
     _barrier()
     load_s = time.perf_counter() - t0
@@ -497,8 +505,11 @@ def phase_zoo(args: argparse.Namespace) -> dict[str, Any]:
         stats.sort_stats("cumulative").print_stats(30)
         stats.sort_stats("tottime").print_stats(20)
         result["profile"] = text.getvalue()
-    if args.breakdown:
-        result["breakdown"] = timed_load(lambda: mcore_zoo.load_hf_weights(model, args.ckpt, replicas=replicas))
+    if args.breakdown == "first":
+        result["breakdown"] = dict(first_breakdown, of="the timed load (the process's first)")
+    elif args.breakdown:
+        result["breakdown"] = dict(timed_load(lambda: mcore_zoo.load_hf_weights(model, args.ckpt, replicas=replicas)),
+                                   of="a second load, after the timed one")  # fmt: skip
     if args.verify:  # bitwise against the mapping path (the staging ring refusing every destination)
         loaded = [p.detach().clone() for p in params]
         mapping = staging.MappingPath()
@@ -530,10 +541,21 @@ TIMED = (
     ("torch.cuda", "Event", "synchronize", "wait: CUDA events"),
     ("torch.cuda", "Stream", "synchronize", "wait: side stream"),
 )
+#: ``--breakdown first`` also times the steps a load takes once (owner ``None``: a function of the
+#: module, as the loading module calls it)
+TIMED_FIRST = (
+    ("mcore_zoo.distributed.load", None, "open_hf_checkpoint", "open checkpoint (headers)"),
+    ("mcore_zoo.handle", "ModelHandle", "rule_steps", "bind rules (rule_steps)"),
+    ("mcore_zoo.distributed.load", None, "plan_load", "plan_load (checks)"),
+    ("mcore_zoo.distributed.load", None, "rule_views", "rule_views"),
+    ("mcore_zoo.weights.staging", "StagingRing", "_start", "ring.start (stream, first buffer)"),
+    ("mcore_zoo.weights.staging", "StagingRing", "_allocate", "ring.allocate (pinned buffer)"),
+)
 
 
-def timed_load(load: Any) -> dict[str, Any]:
-    """Run ``load()`` with wall-clock timers around :data:`TIMED` (main thread only; other
+def timed_load(load: Any, first: bool = False) -> dict[str, Any]:
+    """Run ``load()`` with wall-clock timers around :data:`TIMED` (and :data:`TIMED_FIRST` when
+    ``first``: the process's first load, which binds the rules and allocates the ring) (main thread only; other
     threads' calls run untimed): per label its calls, inclusive and exclusive seconds (exclusive:
     less the timed calls inside it); ``outside`` is the load's time in none of them (the weight
     map's own Python: rules, views, checks). The wrappers cost about a microsecond per call."""
@@ -568,8 +590,9 @@ def timed_load(load: Any) -> dict[str, Any]:
 
         setattr(owner, attribute, timed)
 
-    for module, owner, attribute, label in TIMED:
-        wrap(getattr(importlib.import_module(module), owner), attribute, label)
+    for module, owner, attribute, label in TIMED + (TIMED_FIRST if first else ()):
+        target = importlib.import_module(module)
+        wrap(target if owner is None else getattr(target, owner), attribute, label)
     try:
         stack.append(0.0)
         t0, cpu0 = time.perf_counter(), time.thread_time()
@@ -609,7 +632,7 @@ def _launch(args: argparse.Namespace, phase: str, world: int, tag: str, parallel
     if args.profile_now and phase == "zoo":  # the first round only
         worker += ["--profile"]
     if args.breakdown_now and phase == "zoo":
-        worker += ["--breakdown"]
+        worker += ["--breakdown", args.breakdown]
     env = dict(os.environ)
     if "o" in options:  # the load of another source tree (its src/ first on the path), measured in the same run
         base = os.environ.get("LOAD_GPU_BASE_SRC")
@@ -727,7 +750,7 @@ def markdown(result: dict[str, Any]) -> str:
             if not b:
                 continue
             parts = sorted(b["timed"].items(), key=lambda kv: -kv[1]["exclusive_s"])
-            lines += ["", f"Main thread of {tag}, rank {rank['rank']} (timed load {b['load_s']:.3f} s, main-thread CPU "
+            lines += ["", f"Main thread of {tag}, rank {rank['rank']} ({b.get('of', 'a second load')}: {b['load_s']:.3f} s, main-thread CPU "
                       f"{b['main_thread_cpu_s']:.3f} s): outside the timed calls {b['outside_s']:.3f} s; exclusive s (calls): "
                       + ", ".join(f"{label} {v['exclusive_s']:.3f} ({v['calls']})" for label, v in parts)]  # fmt: skip
     failed = [f"{tag} (rc {r['rc']})" for rnd in result["raw"] for tag, r in rnd.items() if not r["ok"]]
@@ -836,9 +859,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true",
                    help="the first round's zoo processes load once more under cProfile (after the timed load); the"
                         " statistics go into the raw results ('profile')")
-    p.add_argument("--breakdown", action="store_true",
-                   help="the first round's zoo processes load once more with timers around the load's steps on the"
-                        " main thread (timed_load); into the raw results ('breakdown')")
+    p.add_argument("--breakdown", nargs="?", const="again", choices=("again", "first"), default=None,
+                   help="timers around the load's steps on the main thread (timed_load), in the first round's zoo"
+                        " processes, into the raw results ('breakdown'): 'again' (the default) times one more load"
+                        " after the timed one; 'first' times the timed load itself, with the steps only a first load"
+                        " takes (binding the rules, the checks, the ring's pinned buffers): its load_s then includes"
+                        " the timers, about a microsecond per call")
     p.add_argument("--phase", choices=("write", "floor", "zoo"), help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--verify-this", dest="verify_rank", action="store_true", help=argparse.SUPPRESS)

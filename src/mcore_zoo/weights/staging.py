@@ -57,7 +57,9 @@ from . import pread
 #: it loaded at 0.90 / 0.93 of the read + copy floor at TP1 / TP2 where 4 x 64 MiB with one in
 #: flight reached 0.88 / 0.82, with a quarter of the host memory; in a sweep on a shared host
 #: 4 x 64 MiB with three in flight reached 0.82 / 1.06 against this ring's 0.94 / 1.15, and smaller
-#: buffers (8 x 8, 16 x 4 MiB) loaded the MoE checkpoint slower (docs/benchmarks.md)
+#: buffers (8 x 8, 16 x 4 MiB) loaded the MoE checkpoint slower; a deeper ring (8 x 16 MiB, seven in
+#: flight) was ahead at EP1 in two of three one-round comparisons on H200 hosts (2026-11-28), behind
+#: in the third and never ahead at EP2 or on the 8B-shaped checkpoint (docs/benchmarks.md)
 BUFFERS = 4
 BUFFER_BYTES = 16 << 20
 #: how many buffers' worth of reads may be in flight besides the newest region's (at most
