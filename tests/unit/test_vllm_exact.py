@@ -237,6 +237,75 @@ def test_the_router_keeps_the_kernels_weights_where_replayed_routes_agree():
     assert torch.all(weights[:, 0] >= weights[:, 1])  # the kernel's slot order: descending weight
 
 
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_the_grouped_sigmoid_router_chooses_and_weighs_as_transformers_deepseek_v3(renormalize):
+    """The stand-in of vLLM's ``grouped_topk`` (sigmoid scores, score-correction bias for the choice,
+    expert groups) against transformers' ``DeepseekV3TopkRouter`` on the same fp32 logits: the same
+    experts, weights within 1e-6 (the kernel's sigmoid is ``0.5 tanh(x / 2) + 0.5``: its error is a few
+    fp32 ulps of 0.5, absolute, where ``1 / (1 + exp(-x))`` keeps small scores to their own ulps), the
+    routed scale left to the block's output, slots in descending biased score."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    config = DeepseekV3Config(hidden_size=32, n_routed_experts=32, num_experts_per_tok=4, n_group=8, topk_group=3,
+                              norm_topk_prob=renormalize, routed_scaling_factor=2.5)  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    router = DeepseekV3TopkRouter(config)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+        router.e_score_correction_bias.copy_(torch.randn(32, generator=g) * 0.3)
+    x = torch.randn(64, 32, generator=g)
+    logits, hf_weights, hf_ids = router(x)
+    with use_kernels(ReferenceKernels()):
+        weights, ids = vllm_ops.moe_grouped_topk(logits, 4, num_groups=8, topk_group=3, renormalize=renormalize,
+                                                 bias=router.e_score_correction_bias)  # fmt: skip
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    order, hf_order = ids.long().sort(dim=-1), hf_ids.sort(dim=-1)
+    assert torch.equal(order.values, hf_order.values)
+    ours = weights.gather(1, order.indices) * 2.5
+    theirs = hf_weights.gather(1, hf_order.indices)
+    assert (ours - theirs).abs().max() < 1e-6
+    biased = torch.sigmoid(logits) + router.e_score_correction_bias
+    chosen = biased.gather(1, ids.long())
+    assert torch.all(chosen[:, :-1] >= chosen[:, 1:])
+    groups = ids.long() // 4  # 32 experts in 8 groups
+    assert all(len(set(row.tolist())) <= 3 for row in groups)
+
+
+def test_the_grouped_router_has_a_correct_backward_and_replays_routes():
+    """fp64 gradcheck of the grouped router's weights (with and without renormalisation, with
+    replayed routes); replayed routes that are the kernel's choice keep its weights bit for bit,
+    others get the renormalised unbiased scores; bad groupings are refused naming the numbers."""
+    g = torch.Generator().manual_seed(4)
+    bias = torch.randn(12, generator=g) * 0.2
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_(True)
+
+    with use_kernels(ReferenceKernels()):
+        for renormalize in (True, False):
+            _gradcheck(lambda x, r=renormalize: vllm_ops.moe_grouped_topk(x, 3, num_groups=4, topk_group=2, renormalize=r,
+                                                                          bias=bias)[0], rand(5, 12))  # fmt: skip
+        routes = torch.tensor([[0, 1, 2], [11, 5, 3], [3, 4, 5], [1, 0, 9], [2, 7, 6]])
+        _gradcheck(lambda x: vllm_ops.moe_grouped_topk(x, 3, num_groups=4, topk_group=2, renormalize=True, bias=bias,
+                                                       routes=routes)[0], rand(5, 12))  # fmt: skip
+        logits = torch.randn(6, 12, dtype=torch.bfloat16, generator=g)
+        weights, ids = vllm_ops.moe_grouped_topk(logits, 3, num_groups=4, topk_group=2, renormalize=True, bias=bias)
+        replay = ids.clone().long()
+        replay[2] = torch.tensor([11, 0, 5]) if ids[2].tolist() != [11, 0, 5] else torch.tensor([1, 2, 3])
+        replayed, replayed_ids = vllm_ops.moe_grouped_topk(logits, 3, num_groups=4, topk_group=2, renormalize=True,
+                                                           bias=bias, routes=replay)  # fmt: skip
+        assert torch.equal(replayed_ids, replay.to(torch.int32))
+        keep = torch.arange(6) != 2
+        assert torch.equal(replayed[keep], weights[keep])
+        want = torch.sigmoid(logits[2].float())[replay[2]]
+        assert torch.allclose(replayed[2], want / want.sum(), rtol=1e-6)
+        with pytest.raises(ZooError, match="12 experts in 5 groups"):
+            vllm_ops.moe_grouped_topk(logits, 3, num_groups=5, topk_group=2, renormalize=True, bias=bias)
+        with pytest.raises(ZooError, match="top-7 of the 6 experts"):
+            vllm_ops.moe_grouped_topk(logits, 7, num_groups=4, topk_group=2, renormalize=True, bias=bias)
+
+
 def test_qwen3_moe_matches_hf_exact_and_every_expert_gets_a_gradient(reference_checkpoint, hf_reference, mpu):
     """fp32 with the torch stand-ins: the vllm-exact Qwen3-MoE (vLLM's router and fused experts on
     mcore's router and sequential experts' parameters, a dense MLP layer among the MoE layers) gives

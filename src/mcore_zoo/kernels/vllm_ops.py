@@ -164,6 +164,17 @@ class VLLMKernels:
         weights, ids, _ = fused_topk(logits, logits.contiguous(), top_k, renormalize)
         return weights, ids
 
+    def moe_grouped_topk(self, logits: torch.Tensor, top_k: int, num_groups: int, topk_group: int,
+                         renormalize: bool, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``(weights fp32 [n, k], experts int32 [n, k])`` of the sigmoid group-limited router with a
+        score-correction bias (DeepSeek-V3): vLLM's ``fused_grouped_topk`` - the CUDA
+        ``grouped_topk`` kernel its ``GroupedTopKRouter`` calls in that case - without the routed
+        scale (vLLM applies it to the block's output)."""
+        from vllm.model_executor.layers.fused_moe.router.grouped_topk_router import fused_grouped_topk
+
+        return fused_grouped_topk(logits, logits, top_k, renormalize, bias, num_expert_group=num_groups,
+                                  topk_group=topk_group, scoring_func="sigmoid", routed_scaling_factor=1.0)  # fmt: skip
+
     def moe_config(self, w13_shape: tuple, w2_shape: tuple, top_k: int, num_tokens: int) -> dict:
         """The Triton fused-MoE kernel's tile config as ``TritonExperts`` picks it; under
         ``VLLM_BATCH_INVARIANT=1`` vLLM's fixed one (``get_default_config``: BLOCK 64 / 64 / 32,
@@ -278,6 +289,16 @@ class ReferenceKernels:
         probs = torch.softmax(_acc(logits), dim=-1)
         ids = torch.topk(probs, top_k, dim=-1).indices.to(torch.int32)  # descending, as the kernel
         return _routing_weights(_acc(logits), ids, renormalize), ids
+
+    def moe_grouped_topk(self, logits: torch.Tensor, top_k: int, num_groups: int, topk_group: int,
+                         renormalize: bool, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        biased = _sigmoid_scores(logits) + bias.float()  # selection only
+        n, experts = biased.shape
+        groups = biased.view(n, num_groups, experts // num_groups).topk(min(2, experts // num_groups), dim=-1).values.sum(-1)
+        keep = torch.zeros_like(groups, dtype=torch.bool).scatter(1, groups.topk(topk_group, dim=-1).indices, True)
+        masked = biased.masked_fill(~keep.repeat_interleave(experts // num_groups, dim=1), float("-inf"))
+        ids = masked.topk(top_k, dim=-1).indices.to(torch.int32)  # descending biased score, as the kernel
+        return _grouped_weights(logits, ids, renormalize), ids
 
     def moe_config(self, w13_shape: tuple, w2_shape: tuple, top_k: int, num_tokens: int) -> dict:
         return dict(MOE_BATCH_INVARIANT_CONFIG)
@@ -669,6 +690,71 @@ def moe_topk_softmax(logits: torch.Tensor, top_k: int, *, renormalize: bool,
     the kernel's own choice keeps the kernel's weights, any other gets the same formula in torch
     ops (fp32). Differentiable in ``logits`` (softmax over all experts, gathered, renormalised)."""
     return _MoETopK.apply(logits, int(top_k), bool(renormalize), routes)
+
+
+def _sigmoid_scores(logits: torch.Tensor) -> torch.Tensor:
+    """The grouped router's scores in fp32: ``0.5 * tanh(0.5 x) + 0.5``, the form vLLM's
+    ``grouped_topk`` kernel computes the sigmoid in (differentiable)."""
+    return 0.5 * torch.tanh(0.5 * _acc(logits)) + 0.5
+
+
+def _grouped_weights(logits: torch.Tensor, ids: torch.Tensor, renormalize: bool) -> torch.Tensor:
+    """The unbiased scores of the chosen ``ids [n, k]``, divided by their sum (+ 1e-20, as the
+    kernel) when ``renormalize``: fp32 ``[n, k]`` (differentiable in ``logits``)."""
+    weights = _sigmoid_scores(logits).gather(1, ids.long())
+    return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) if renormalize else weights
+
+
+class _MoEGroupedTopK(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, top_k: int, num_groups: int, topk_group: int, renormalize: bool,
+                bias: torch.Tensor, routes: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        weights, ids = kernels().moe_grouped_topk(logits, top_k, num_groups, topk_group, renormalize, bias)
+        if routes is not None:  # replayed experts: the kernel's weights where it chose the same ones
+            routes = routes.to(device=ids.device, dtype=ids.dtype)
+            same = (ids == routes).all(dim=-1, keepdim=True)
+            weights = torch.where(same, weights, _grouped_weights(logits, routes, renormalize).to(weights.dtype))
+            ids = routes
+        ctx.save_for_backward(logits, ids)
+        ctx.renormalize = renormalize
+        ctx.mark_non_differentiable(ids)
+        return weights, ids
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _ids_grad: Any) -> tuple[Optional[torch.Tensor], ...]:
+        logits, ids = ctx.saved_tensors
+        (gl,) = _fp32_grads(lambda x: _grouped_weights(x, ids, ctx.renormalize), (logits,), ctx.needs_input_grad[:1], grad)
+        return gl, None, None, None, None, None, None
+
+
+def moe_grouped_topk(logits: torch.Tensor, top_k: int, *, num_groups: int, topk_group: int, renormalize: bool,
+                     bias: torch.Tensor, routes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """vLLM's sigmoid group-limited router with a score-correction bias (DeepSeek-V3's
+    ``noaux_tc``; vLLM's CUDA ``grouped_topk``) on ``logits [n, E]`` (the model dtype: vLLM's gate
+    GEMM) and ``bias`` fp32 ``[E]`` (``e_score_correction_bias``):
+
+    1. scores ``s = 0.5 * tanh(0.5 * logits) + 0.5`` in fp32; ``s + bias`` chooses, ``s`` weighs;
+    2. the ``E / num_groups`` experts of each group score the group by the sum of their two best
+       biased scores; the ``topk_group`` best groups stay;
+    3. the ``top_k`` best experts by biased score among them, in descending order (the slot order
+       of the block's sum);
+    4. their unbiased scores, divided by their sum (+ 1e-20) when ``renormalize``.
+
+    ``(weights fp32 [n, k], experts int32 [n, k])``, without ``routed_scaling_factor``: vLLM multiplies
+    the block's output by it (``apply_routed_scale_to_output``). ``routes [n, k]``: use these
+    experts (routing replay); a token whose routes are the kernel's own choice keeps the kernel's
+    weights, any other gets step 4 in torch ops (fp32). Differentiable in ``logits`` (step 4; the
+    bias only selects)."""
+    experts = logits.shape[-1]
+    if num_groups < 1 or experts % num_groups or not 0 < topk_group <= num_groups:
+        raise ZooError(f"moe_grouped_topk: {experts} experts in {num_groups} groups, {topk_group} of them kept: the"
+                       " groups must divide the experts and keep at least one group")  # fmt: skip
+    if top_k > topk_group * (experts // num_groups):
+        raise ZooError(f"moe_grouped_topk: top-{top_k} of the {topk_group * (experts // num_groups)} experts in the"
+                       f" {topk_group} kept groups")  # fmt: skip
+    if bias.shape != (experts,):
+        raise ZooError(f"moe_grouped_topk: bias of shape {tuple(bias.shape)} for {experts} experts")
+    return _MoEGroupedTopK.apply(logits, int(top_k), int(num_groups), int(topk_group), bool(renormalize), bias, routes)
 
 
 class _MoEGemm(torch.autograd.Function):
