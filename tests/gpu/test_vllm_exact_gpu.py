@@ -177,7 +177,7 @@ def decode_vs_prefill(head_size: int, max_q: int = 1, heads: int = 8, groups: in
     q = torch.randn(total, heads, head_size, device=dev, dtype=torch.bfloat16)
     k = torch.randn(total, groups, head_size, device=dev, dtype=torch.bfloat16)
     v = torch.randn(total, groups, head_size, device=dev, dtype=torch.bfloat16)
-    cache_k, cache_v, table, seqused, cu = _paged(k, v, lens)
+    cache_k, cache_v, table, seqused, cu = _paged(k, v, lengths=lens)
     scale = head_size**-0.5
     pack = _fa(q, cache_k, cache_v, cu, int(lens.max()), seqused, int(lens.max()), table, scale)
     seq = torch.repeat_interleave(torch.arange(len(lengths), device=dev), lens.long())
@@ -376,6 +376,56 @@ def grouped_topk_check() -> dict:
     return result
 
 
+def mla_check() -> dict:
+    """vLLM's absorbed MLA attention (``VLLMKernels.mla_absorbed_attention``: Triton ``bmm``,
+    FlashAttention-3 with ``q_v`` over the paged latents) at DeepSeek-V3's head sizes (16 heads of
+    128 + 64, latent 512, value 128), bf16, on a pack of 512, 300, 100 and 37 tokens: its distance
+    to the torch stand-in, and whether each sequence's rows have the same bits packed and alone
+    (the premise of matching the engine whatever shares its steps)."""
+    from mcore_zoo.kernels import vllm_ops
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    heads, nope, rope, rank, v = 16, 128, 64, 512, 128
+    lengths = [512, 300, 100, 37]
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(torch.bfloat16)
+
+    t = sum(lengths)
+    inputs = [rand(t, heads, nope), rand(t, heads, rope), rand(t, rank), rand(t, rope),
+              rand(heads, nope, rank, scale=nope ** -0.5), rand(heads, rank, v, scale=rank ** -0.5)]  # fmt: skip
+    scale = (nope + rope) ** -0.5
+    packed = {}
+    for tag, table in (("vllm", vllm_ops.VLLMKernels()), ("reference", vllm_ops.ReferenceKernels())):
+        with vllm_ops.use_kernels(table):
+            packed[tag] = vllm_ops.mla_absorbed_attention(*inputs, torch.tensor(lengths, device="cuda"), scale=scale)
+    alone, start = [], 0
+    with vllm_ops.use_kernels(vllm_ops.VLLMKernels()):
+        for n in lengths:
+            part = [x[start : start + n] for x in inputs[:4]] + inputs[4:]
+            alone.append(vllm_ops.mla_absorbed_attention(*part, torch.tensor([n], device="cuda"), scale=scale))
+            start += n
+    alone_rows = torch.cat(alone)
+    same = (packed["vllm"] == alone_rows).reshape(t, -1).all(-1)
+    diff = (packed["vllm"].float() - packed["reference"].float()).abs()
+    return {"rows": t, "rows_bitwise_packed_vs_alone": int(same.sum()),
+            "max_abs_vs_reference": float(diff.max()), "max_abs_output": float(packed["reference"].float().abs().max())}  # fmt: skip
+
+
+def test_absorbed_mla_attention_on_vllms_kernels():
+    """vLLM's absorbed MLA kernels as the profile calls them: close to the torch stand-in (a wrong
+    argument would be far off), and every row of a packed sequence bitwise equal to the same
+    sequence run alone."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from .conftest import run_check
+
+    r = run_check(__file__, "mla", env={"VLLM_BATCH_INVARIANT": "1"})
+    print(f"\nabsorbed MLA attention, vLLM kernels: {r}")
+    assert r["max_abs_vs_reference"] < 0.02 * r["max_abs_output"] + 0.02
+    assert r["rows_bitwise_packed_vs_alone"] == r["rows"]
+
+
 def test_the_grouped_router_stand_in_chooses_as_vllms_kernel():
     """The CPU tests' stand-in of vLLM's ``grouped_topk`` (sigmoid scores, bias, groups; DeepSeek-V3's
     and Kimi-K2's published router shapes): the same experts in the same slot order as the CUDA
@@ -397,5 +447,7 @@ if __name__ == "__main__":
         print(json.dumps(check(*sys.argv[2:5])))
     elif sys.argv[1] == "grouped-topk":
         print(json.dumps(grouped_topk_check()))
+    elif sys.argv[1] == "mla":
+        print(json.dumps(mla_check()))
     else:  # speed ARCH OUT_DIR (with VLLM_BATCH_INVARIANT=1)
         print(json.dumps(speed(*sys.argv[2:4])))

@@ -71,7 +71,7 @@ def test_paged_layout_puts_every_token_in_its_sequences_blocks():
 
     lengths = torch.tensor([3, PAGE_SIZE + 2, 1])
     k = torch.arange(int(lengths.sum()), dtype=torch.float32)[:, None, None].expand(-1, 2, 4).contiguous()
-    cache_k, cache_v, table, seqused, cu = _paged(k, k + 1000, lengths)
+    cache_k, cache_v, table, seqused, cu = _paged(k, k + 1000, lengths=lengths)
     assert cache_k.shape == (1 + 2 + 1, PAGE_SIZE, 2, 4) and table.dtype == torch.int32 and table.shape == (3, 2)
     for i, n in enumerate(lengths.tolist()):
         for j in range(n):
@@ -199,6 +199,83 @@ def test_the_head_follows_the_engines_model_runner(monkeypatch, reference_checkp
         heads = [uses_vllm_logprob_head(mcore_zoo.handle_of(mcore_zoo.build_model(c, backend="portable", numerics=n)))
                  for c, n in ((moe, "vllm-exact"), (dense, "vllm-exact"), (moe, "default"))]  # fmt: skip
     assert heads == ["v1", "v2", None]
+
+
+# ---------------------------------------------------------------------------- multi-head latent attention
+def _deepseek_attention():
+    """transformers' ``DeepseekV3Attention`` (query LoRA, YaRN, interleaved RoPE, sdpa) in fp64 with
+    random weights, and its rotary embedding."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+
+    config = DeepseekV3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+                              kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                              rope_interleave=True, max_position_embeddings=256,
+                              rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                               "original_max_position_embeddings": 64, "mscale": 1.0,
+                                               "mscale_all_dim": 1.0})  # fmt: skip
+    config._attn_implementation = "sdpa"  # in fp64 throughout (eager takes its softmax in fp32)
+    torch.manual_seed(5)
+    attn = DeepseekV3Attention(config, 0).double()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(0, 0.3)
+    return config, attn, DeepseekV3RotaryEmbedding(config)
+
+
+def test_absorbed_mla_attention_is_transformers_deepseek_v3_attention():
+    """The absorbed form (``vllm_ops.mla_absorbed_attention`` on ``W_UK`` / ``W_UV`` cut from
+    ``kv_b_proj``, the stand-in kernels) on a pack of two sequences equals transformers'
+    ``DeepseekV3Attention`` run on each sequence alone (its up-projected keys and values, sdpa),
+    fp64; the query / latent steps before the attention are transformers' own modules."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
+
+    config, attn, rotary = _deepseek_attention()
+    heads, nope, rope, v = 4, 8, 4, 6
+    lengths = [7, 3]
+    x = torch.randn(sum(lengths), 64, dtype=torch.float64)
+    want, parts, start = [], {"q_nope": [], "q_pe": [], "kv_c": [], "k_pe": []}, 0
+    for n in lengths:
+        h = x[start : start + n][None]
+        position_ids = torch.arange(n)[None]
+        cos, sin = (t.double() for t in rotary(h, position_ids))
+        mask = torch.full((1, 1, n, n), float("-inf"), dtype=torch.float64).triu(1)
+        want.append(attn(h, (cos, sin), mask)[0][0])
+        q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(h))).view(1, n, heads, nope + rope).transpose(1, 2)
+        q_nope, q_pe = q.split([nope, rope], dim=-1)
+        kv_c, k_pe = attn.kv_a_proj_with_mqa(h).split([16, rope], dim=-1)
+        q_pe, k_pe = apply_rotary_pos_emb_interleave(q_pe, k_pe.view(1, 1, n, rope), cos, sin)
+        parts["q_nope"].append(q_nope[0].transpose(0, 1))
+        parts["q_pe"].append(q_pe[0].transpose(0, 1))
+        parts["kv_c"].append(attn.kv_a_layernorm(kv_c)[0])
+        parts["k_pe"].append(k_pe[0, 0])
+        start += n
+    w_uk_t, w_uv = vllm_ops.mla_absorbed_weights(attn.kv_b_proj.weight, heads, nope, v)
+    with use_kernels(ReferenceKernels()):
+        out = vllm_ops.mla_absorbed_attention(*(torch.cat(parts[k]) for k in ("q_nope", "q_pe", "kv_c", "k_pe")),
+                                              w_uk_t, w_uv, torch.tensor(lengths), scale=attn.scaling)  # fmt: skip
+    got = attn.o_proj(out.reshape(out.shape[0], -1))
+    torch.testing.assert_close(got, torch.cat(want), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ZooError, match="is not 4 heads"):
+        vllm_ops.mla_absorbed_weights(attn.kv_b_proj.weight, 4, nope, v + 1)
+
+
+def test_absorbed_mla_attention_has_a_correct_backward():
+    """fp64 gradcheck of every input of the absorbed MLA attention (queries, latents, both up
+    projection parts) over a pack of two sequences; the up projection's gradient reaches it through
+    ``mla_absorbed_weights``' views."""
+    g = torch.Generator().manual_seed(6)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_(True)
+
+    lengths = torch.tensor([3, 2])
+    with use_kernels(ReferenceKernels()):
+        _gradcheck(lambda qn, qp, kc, kp, wk, wv: vllm_ops.mla_absorbed_attention(qn, qp, kc, kp, wk, wv, lengths, scale=0.4),
+                   rand(5, 2, 3), rand(5, 2, 2), rand(5, 4), rand(5, 2), rand(2, 3, 4), rand(2, 4, 3))  # fmt: skip
+        fixed = [rand(*shape).detach() for shape in ((5, 2, 3), (5, 2, 2), (5, 4), (5, 2))]
+        _gradcheck(lambda w: vllm_ops.mla_absorbed_attention(*fixed, *vllm_ops.mla_absorbed_weights(w, 2, 3, 3), lengths,
+                                                             scale=0.4), rand(2 * (3 + 3), 4))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- mixture of experts

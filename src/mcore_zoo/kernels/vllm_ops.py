@@ -141,7 +141,7 @@ class VLLMKernels:
         from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
         from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-        cache_k, cache_v, table, seqused, cu = _paged(k, v, lengths)
+        cache_k, cache_v, table, seqused, cu = _paged(k, v, lengths=lengths)
         out = torch.empty_like(q)
         descale = torch.ones(1, dtype=torch.float32, device=q.device).expand(lengths.numel(), k.shape[1])
         flash_attn_varlen_func(
@@ -152,6 +152,28 @@ class VLLMKernels:
             k_descale=descale, v_descale=descale, num_splits=1,
         )  # fmt: skip
         return out
+
+    def mla_absorbed_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                               w_uk_t: torch.Tensor, w_uv: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+        """MLA attention in its absorbed form, as vLLM's ``FLASH_ATTN_MLA`` backend computes every
+        token of a step whose requests have at most 512 query tokens (``forward_mqa``): the
+        batch-invariant Triton ``bmm`` of ``q_nope`` and ``W_UK``, FlashAttention-3 with ``q_v`` over
+        a paged latent cache (``[kv_c | k_pe]`` per token, one head), the ``bmm`` with ``W_UV``.
+        Shapes: see :func:`mla_absorbed_attention`."""
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+        w_uk_t, w_uv = w_uk_t.contiguous(), w_uv.contiguous()  # vLLM keeps copies of them
+        ql_nope = self._bi.bmm_batch_invariant(q_nope.transpose(0, 1), w_uk_t).transpose(0, 1)  # [T, N, L]
+        latent = torch.cat([kv_c, k_pe], dim=-1)[:, None, :]
+        cache, table, seqused, cu = _paged(latent, lengths=lengths)
+        cache = cache[:, :, 0, :]  # [blocks, PAGE_SIZE, L + R]
+        rank = kv_c.shape[-1]
+        attn = flash_attn_varlen_func(
+            q=q_pe, k=cache[..., rank:].unsqueeze(-2), v=cache[..., :rank].unsqueeze(-2), q_v=ql_nope,
+            max_seqlen_q=int(lengths.max()), cu_seqlens_q=cu, max_seqlen_k=int(lengths.max()), seqused_k=seqused,
+            block_table=table, softmax_scale=scale, causal=True, fa_version=3, num_splits=1,
+        )  # fmt: skip
+        return self._bi.bmm_batch_invariant(attn.transpose(0, 1), w_uv).transpose(0, 1)  # [T, N, V]
 
     # ---- MoE (unquantized, TP1): the path of vLLM's ``FusedMoE`` with ``TritonExperts``
     def moe_topk_softmax(self, logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,9 +244,11 @@ class VLLMKernels:
         return out
 
 
-def _paged(k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Packed ``k / v [T, g, d]`` -> paged caches ``[blocks, PAGE_SIZE, g, d]``, the int32 block table
-    ``[B, max_blocks]``, ``seqused_k`` int32 ``[B]`` and ``cu_seqlens_q`` int32 ``[B + 1]``."""
+def _paged(*per_token: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Packed per-token tensors (``k / v [T, g, d]``; MLA: the latents ``[T, 1, L + R]``) -> one paged
+    cache ``[blocks, PAGE_SIZE, ...]`` each, then the int32 block table ``[B, max_blocks]``,
+    ``seqused_k`` int32 ``[B]`` and ``cu_seqlens_q`` int32 ``[B + 1]``."""
+    k = per_token[0]
     device = k.device
     lengths = lengths.to(device=device, dtype=torch.int32)
     blocks = (lengths + PAGE_SIZE - 1) // PAGE_SIZE
@@ -238,12 +262,12 @@ def _paged(k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> tuple[tor
     cu[1:] = torch.cumsum(lengths, 0)
     pos = torch.arange(k.shape[0], device=device) - cu[:-1].long()[seq]
     slot = first.long()[seq] * PAGE_SIZE + pos
-    cache_k = k.new_zeros(total * PAGE_SIZE, *k.shape[1:])
-    cache_v = v.new_zeros(total * PAGE_SIZE, *v.shape[1:])
-    cache_k[slot] = k
-    cache_v[slot] = v
-    shape = (total, PAGE_SIZE, *k.shape[1:])
-    return cache_k.view(shape), cache_v.view(shape), table, lengths, cu
+    caches = []
+    for t in per_token:
+        cache = t.new_zeros(total * PAGE_SIZE, *t.shape[1:])
+        cache[slot] = t
+        caches.append(cache.view(total, PAGE_SIZE, *t.shape[1:]))
+    return (*caches, table, lengths, cu)
 
 
 class ReferenceKernels:
@@ -284,6 +308,12 @@ class ReferenceKernels:
     def paged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                         scale: float, window: Optional[int]) -> torch.Tensor:  # fmt: skip
         return _reference_attention(q, k, v, lengths, scale, window)
+
+    def mla_absorbed_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                               w_uk_t: torch.Tensor, w_uv: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+        ql_nope = torch.einsum("tnp,npl->tnl", _acc(q_nope), _acc(w_uk_t)).to(q_nope.dtype)
+        attn = _reference_latent_attention(ql_nope, q_pe, kv_c, k_pe, lengths, scale).to(q_nope.dtype)
+        return torch.einsum("tnl,nlv->tnv", _acc(attn), _acc(w_uv)).to(q_nope.dtype)
 
     def moe_topk_softmax(self, logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         probs = torch.softmax(_acc(logits), dim=-1)
@@ -340,6 +370,30 @@ def _reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leng
         outs.append((probs @ vs).transpose(0, 1))
         start += n
     return torch.cat(outs).to(q.dtype)
+
+
+def _reference_latent_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                                lengths: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+    """Causal attention over the latents per packed sequence in fp32 (fp64 stays), differentiable:
+    scores ``scale * (q_pe . k_pe + ql_nope . kv_c)``, values ``kv_c``. ``ql_nope [T, N, L]``,
+    ``q_pe [T, N, R]``, ``kv_c [T, L]``, ``k_pe [T, R]`` -> ``[T, N, L]``."""
+    outs, start = [], 0
+    for n in lengths.tolist():
+        rows = slice(start, start + n)
+        qn, qp, kc, kp = _acc(ql_nope[rows]), _acc(q_pe[rows]), _acc(kv_c[rows]), _acc(k_pe[rows])
+        scores = (torch.einsum("tnr,sr->nts", qp, kp) + torch.einsum("tnl,sl->nts", qn, kc)) * scale
+        i = torch.arange(n, device=ql_nope.device)
+        probs = torch.softmax(scores.masked_fill(i[None, :] > i[:, None], float("-inf")), dim=-1)
+        outs.append(torch.einsum("nts,sl->tnl", probs, kc))
+        start += n
+    return torch.cat(outs)
+
+
+def _mla_reference(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                   w_uk_t: torch.Tensor, w_uv: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+    """:func:`mla_absorbed_attention` in one precision (the inputs' accumulation dtype), differentiable."""
+    ql_nope = torch.einsum("tnp,npl->tnl", q_nope, w_uk_t)
+    return torch.einsum("tnl,nlv->tnv", _reference_latent_attention(ql_nope, q_pe, kv_c, k_pe, lengths, scale), w_uv)
 
 
 def _acc(t: torch.Tensor) -> torch.Tensor:
@@ -637,6 +691,49 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.
     """Causal attention of packed sequences (``q [T, h, d]``, ``k / v [T, g, d]``, ``lengths`` [B])
     with vLLM's FlashAttention prefill; backward by recomputation (see :func:`_differentiable_attention`)."""
     return _Attention.apply(q, k, v, lengths, float(scale), window)
+
+
+class _MLAAbsorbed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                w_uk_t: torch.Tensor, w_uv: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+        ctx.save_for_backward(q_nope, q_pe, kv_c, k_pe, w_uk_t, w_uv, lengths)
+        ctx.scale = scale
+        return kernels().mla_absorbed_attention(q_nope, q_pe, kv_c, k_pe, w_uk_t, w_uv, lengths, scale)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        *inputs, lengths = ctx.saved_tensors
+        grads = _fp32_grads(lambda *t: _mla_reference(*t, lengths, ctx.scale), tuple(inputs), ctx.needs_input_grad[:6], grad)
+        return (*grads, None, None)
+
+
+def mla_absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                           w_uk_t: torch.Tensor, w_uv: torch.Tensor, lengths: torch.Tensor, *, scale: float) -> torch.Tensor:  # fmt: skip
+    """Multi-head latent attention of packed causal sequences in the absorbed form vLLM's MLA
+    backend computes (see :meth:`VLLMKernels.mla_absorbed_attention`):
+    ``out = (softmax(scale * (q_pe . k_pe + (q_nope W_UK) . kv_c)) kv_c) W_UV`` per head.
+
+    ``q_nope [T, N, P]`` and ``q_pe [T, N, R]`` (after RoPE): the query's two parts per head;
+    ``kv_c [T, L]`` the normalised latent and ``k_pe [T, R]`` the shared RoPE key (after RoPE);
+    ``w_uk_t [N, P, L]`` / ``w_uv [N, L, V]`` the up projection's key and value parts per head
+    (:func:`mla_absorbed_weights`); ``lengths`` int ``[B]`` the sequences, back to back.
+    Returns ``[T, N, V]`` in the inputs' dtype. Equal in exact arithmetic to attention over the
+    up-projected keys ``[kv_c W_UK^T | k_pe]`` and values ``kv_c W_UV``, not in bits. Backward: that
+    same formula in fp32, recomputed."""
+    return _MLAAbsorbed.apply(q_nope, q_pe, kv_c, k_pe, w_uk_t, w_uv, lengths, float(scale))
+
+
+def mla_absorbed_weights(kv_up: torch.Tensor, heads: int, nope: int, v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(W_UK_T [N, P, L], W_UV [N, L, V])`` as views of the up projection's weight ``kv_up``
+    ``[N * (P + V), L]`` (rows per head ``[k_nope (P) | v (V)]``: HF's ``kv_b_proj``, Megatron-Core's
+    ``linear_kv_up_proj``), as vLLM's MLA layer derives them after loading; differentiable (the
+    gradients reach ``kv_up``)."""
+    rank = kv_up.shape[-1]
+    if kv_up.shape[0] != heads * (nope + v):
+        raise ZooError(f"mla_absorbed_weights: up projection {tuple(kv_up.shape)} is not {heads} heads x ({nope} + {v}) rows")
+    w_uk, w_uv = kv_up.t().view(rank, heads, nope + v).split([nope, v], dim=-1)
+    return w_uk.permute(1, 2, 0), w_uv.transpose(0, 1)
 
 
 # ---------------------------------------------------------------------------- mixture of experts
