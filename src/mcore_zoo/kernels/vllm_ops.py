@@ -757,25 +757,29 @@ def _slot_rows(n: int, k: int, per_slot: bool, device: torch.device) -> torch.Te
     return rows if per_slot else rows // k
 
 
-class _MoETopK(torch.autograd.Function):
+class _RouterTopK(torch.autograd.Function):
+    """A router's top-k: ``choose(logits) -> (weights fp32 [n, k], experts int32 [n, k])`` (the
+    kernel) and ``weigh(logits, experts)``, the weights' formula in torch ops (differentiable): the
+    weights of replayed routes that are not the kernel's choice, and the backward (fp32)."""
+
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, top_k: int, renormalize: bool,
+    def forward(ctx: Any, logits: torch.Tensor, choose: Any, weigh: Any,
                 routes: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        weights, ids = kernels().moe_topk_softmax(logits, top_k, renormalize)
+        weights, ids = choose(logits)
         if routes is not None:  # replayed experts: the kernel's weights where it chose the same ones
             routes = routes.to(device=ids.device, dtype=ids.dtype)
             same = (ids == routes).all(dim=-1, keepdim=True)
-            weights = torch.where(same, weights, _routing_weights(_acc(logits), routes, renormalize).to(weights.dtype))
+            weights = torch.where(same, weights, weigh(_acc(logits), routes).to(weights.dtype))
             ids = routes
         ctx.save_for_backward(logits, ids)
-        ctx.renormalize = renormalize
+        ctx.weigh = weigh
         ctx.mark_non_differentiable(ids)
         return weights, ids
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, _ids_grad: Any) -> tuple[Optional[torch.Tensor], ...]:
         logits, ids = ctx.saved_tensors
-        (gl,) = _fp32_grads(lambda x: _routing_weights(x, ids, ctx.renormalize), (logits,), ctx.needs_input_grad[:1], grad)
+        (gl,) = _fp32_grads(lambda x: ctx.weigh(x, ids), (logits,), ctx.needs_input_grad[:1], grad)
         return gl, None, None, None
 
 
@@ -786,7 +790,8 @@ def moe_topk_softmax(logits: torch.Tensor, top_k: int, *, renormalize: bool,
     ``renormalize``. ``routes [n, k]``: use these experts (routing replay); a token whose routes are
     the kernel's own choice keeps the kernel's weights, any other gets the same formula in torch
     ops (fp32). Differentiable in ``logits`` (softmax over all experts, gathered, renormalised)."""
-    return _MoETopK.apply(logits, int(top_k), bool(renormalize), routes)
+    return _RouterTopK.apply(logits, lambda x: kernels().moe_topk_softmax(x, int(top_k), bool(renormalize)),
+                             lambda x, ids: _routing_weights(x, ids, bool(renormalize)), routes)  # fmt: skip
 
 
 def _sigmoid_scores(logits: torch.Tensor) -> torch.Tensor:
@@ -800,28 +805,6 @@ def _grouped_weights(logits: torch.Tensor, ids: torch.Tensor, renormalize: bool)
     kernel) when ``renormalize``: fp32 ``[n, k]`` (differentiable in ``logits``)."""
     weights = _sigmoid_scores(logits).gather(1, ids.long())
     return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) if renormalize else weights
-
-
-class _MoEGroupedTopK(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, top_k: int, num_groups: int, topk_group: int, renormalize: bool,
-                bias: torch.Tensor, routes: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        weights, ids = kernels().moe_grouped_topk(logits, top_k, num_groups, topk_group, renormalize, bias)
-        if routes is not None:  # replayed experts: the kernel's weights where it chose the same ones
-            routes = routes.to(device=ids.device, dtype=ids.dtype)
-            same = (ids == routes).all(dim=-1, keepdim=True)
-            weights = torch.where(same, weights, _grouped_weights(logits, routes, renormalize).to(weights.dtype))
-            ids = routes
-        ctx.save_for_backward(logits, ids)
-        ctx.renormalize = renormalize
-        ctx.mark_non_differentiable(ids)
-        return weights, ids
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor, _ids_grad: Any) -> tuple[Optional[torch.Tensor], ...]:
-        logits, ids = ctx.saved_tensors
-        (gl,) = _fp32_grads(lambda x: _grouped_weights(x, ids, ctx.renormalize), (logits,), ctx.needs_input_grad[:1], grad)
-        return gl, None, None, None, None, None, None
 
 
 def moe_grouped_topk(logits: torch.Tensor, top_k: int, *, num_groups: int, topk_group: int, renormalize: bool,
@@ -851,7 +834,10 @@ def moe_grouped_topk(logits: torch.Tensor, top_k: int, *, num_groups: int, topk_
                        f" {topk_group} kept groups")  # fmt: skip
     if bias.shape != (experts,):
         raise ZooError(f"moe_grouped_topk: bias of shape {tuple(bias.shape)} for {experts} experts")
-    return _MoEGroupedTopK.apply(logits, int(top_k), int(num_groups), int(topk_group), bool(renormalize), bias, routes)
+    def choose(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return kernels().moe_grouped_topk(x, int(top_k), int(num_groups), int(topk_group), bool(renormalize), bias)
+
+    return _RouterTopK.apply(logits, choose, lambda x, ids: _grouped_weights(x, ids, bool(renormalize)), routes)
 
 
 class _MoEGemm(torch.autograd.Function):
