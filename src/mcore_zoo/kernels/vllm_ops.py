@@ -834,6 +834,7 @@ def moe_grouped_topk(logits: torch.Tensor, top_k: int, *, num_groups: int, topk_
                        f" {topk_group} kept groups")  # fmt: skip
     if bias.shape != (experts,):
         raise ZooError(f"moe_grouped_topk: bias of shape {tuple(bias.shape)} for {experts} experts")
+
     def choose(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return kernels().moe_grouped_topk(x, int(top_k), int(num_groups), int(topk_group), bool(renormalize), bias)
 
