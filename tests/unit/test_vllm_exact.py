@@ -40,7 +40,9 @@ def test_every_op_has_a_correct_backward():
             _gradcheck(lambda x, w: vllm_ops.rms_norm(x, w, 1e-6, residual=residual), rand(3, 2, 8), rand(8))
         cache = vllm_ops.VLLMRope.reference(torch.tensor([1.0, 0.1], dtype=torch.float64), 16, 4, torch.float64, torch.device("cpu"))
         positions = torch.tensor([0, 5, 1, 15, 7])
-        _gradcheck(lambda x: vllm_ops.rotary(x, positions, cache.cos_sin_cache, 4), rand(5, 3 * 4))
+        for neox in (True, False):  # NeoX halves, GPT-J pairs; the whole head and a rotated part of it
+            _gradcheck(lambda x, n=neox: vllm_ops.rotary(x, positions, cache.cos_sin_cache, 4, neox=n), rand(5, 3 * 4))
+            _gradcheck(lambda x, n=neox: vllm_ops.rotary(x, positions, cache.cos_sin_cache, 6, neox=n), rand(5, 2 * 6))
         _gradcheck(vllm_ops.silu_and_mul, rand(3, 2, 10))
         targets = torch.tensor([1, -1, 6, 0])
 
@@ -258,6 +260,31 @@ def test_absorbed_mla_attention_is_transformers_deepseek_v3_attention():
     torch.testing.assert_close(got, torch.cat(want), rtol=1e-12, atol=1e-12)
     with pytest.raises(ZooError, match="is not 4 heads"):
         vllm_ops.mla_absorbed_weights(attn.kv_b_proj.weight, 4, nope, v + 1)
+
+
+def test_gpt_j_rotary_is_transformers_interleaved_deepseek_rope():
+    """``vllm_ops.rotary(neox=False)`` (vLLM's GPT-J-style RoPE, the one it applies to DeepSeek's
+    ``q_pe`` / ``k_pe``) on transformers' YaRN cos / sin equals transformers'
+    ``apply_rotary_pos_emb_interleave`` bit for bit (fp64) once its output is put back in the
+    interleaved order (transformers returns the rotated pairs as halves; the attention scores,
+    dot products over both, are the same)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
+
+    _, _, rotary_embedding = _deepseek_attention()
+    n, heads, d = 9, 3, 4
+    positions = torch.arange(n)
+    cos, sin = (t.double()[0] for t in rotary_embedding(torch.zeros(1, n, 1, dtype=torch.float64), positions[None]))
+    cache = torch.cat([cos[:, : d // 2], sin[:, : d // 2]], dim=-1)  # transformers' halves are the frequencies twice
+    q = torch.randn(n, heads, d, dtype=torch.float64)
+    k = torch.randn(n, 1, d, dtype=torch.float64)
+    want_q, want_k = apply_rotary_pos_emb_interleave(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
+    order = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
+    with use_kernels(ReferenceKernels()):
+        got_q = vllm_ops.rotary(q.reshape(n, -1), positions, cache, d, neox=False).view(n, heads, d)
+        got_k = vllm_ops.rotary(k.reshape(n, -1), positions, cache, d, neox=False).view(n, 1, d)
+    assert torch.equal(got_q[..., order], want_q[0].transpose(0, 1))
+    assert torch.equal(got_k[..., order], want_k[0].transpose(0, 1))
+    assert not torch.equal(got_q, want_q[0].transpose(0, 1))  # the layouts do differ
 
 
 def test_absorbed_mla_attention_has_a_correct_backward():

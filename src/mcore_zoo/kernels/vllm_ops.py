@@ -98,14 +98,16 @@ class VLLMKernels:
             self._ops.fused_add_rms_norm(out[start:end], residual[start:end], weight, eps)
         return out
 
-    def rotary(self, positions: torch.Tensor, x: torch.Tensor, head_size: int, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-        """NeoX-style RoPE of ``x [n, heads * head_size]`` at ``positions [n]``: vLLM's
+    def rotary(self, positions: torch.Tensor, x: torch.Tensor, head_size: int, cos_sin_cache: torch.Tensor,
+               neox: bool = True) -> torch.Tensor:  # fmt: skip
+        """RoPE of ``x [n, heads * head_size]`` at ``positions [n]``, NeoX style (halves) or GPT-J
+        style (``neox=False``: adjacent pairs, DeepSeek's MLA): vLLM's
         ``RotaryEmbedding.forward_static``, the torch ops its engine runs under ``enforce_eager`` in
-        batch-invariant mode (the RoPE custom op is not enabled there; measured on vLLM 0.26:
-        ``forward_native``), in the model dtype."""
+        batch-invariant mode (the RoPE custom op is not enabled there; measured on vLLM 0.26 for the
+        dense models: ``forward_native``), in the model dtype."""
         from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
-        out, _ = RotaryEmbedding.forward_static(positions, x, None, head_size, cos_sin_cache.shape[-1], cos_sin_cache, True)
+        out, _ = RotaryEmbedding.forward_static(positions, x, None, head_size, cos_sin_cache.shape[-1], cos_sin_cache, neox)
         return out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -287,13 +289,11 @@ class ReferenceKernels:
         inv = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return (xf * inv).to(x.dtype) * weight
 
-    def rotary(self, positions: torch.Tensor, x: torch.Tensor, head_size: int, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    def rotary(self, positions: torch.Tensor, x: torch.Tensor, head_size: int, cos_sin_cache: torch.Tensor,
+               neox: bool = True) -> torch.Tensor:  # fmt: skip
         cos, sin = cos_sin_cache[positions].to(x.dtype).chunk(2, dim=-1)  # [n, rot / 2]
-        t = x.reshape(x.shape[0], -1, head_size)
-        half = cos.shape[-1]
-        x1, x2, rest = t[..., :half], t[..., half : 2 * half], t[..., 2 * half :]
         c, s = cos[:, None, :], sin[:, None, :]
-        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, rest], dim=-1).reshape(x.shape)
+        return _rotate(x.reshape(x.shape[0], -1, head_size), c, s, neox).reshape(x.shape)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
@@ -517,30 +517,42 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: boo
     return _RMSNorm.apply(x, weight, float(eps), bool(residual))
 
 
+def _rotate(t: torch.Tensor, c: torch.Tensor, s: torch.Tensor, neox: bool) -> torch.Tensor:
+    """``t [n, h, head_size]``'s first ``2 * c.shape[-1]`` dims rotated by the angles whose cos / sin
+    are ``c`` / ``s`` (``[n, 1, rot / 2]``), the rest passed through: pairs ``(i, i + rot / 2)``
+    (NeoX) or ``(2i, 2i + 1)`` (GPT-J), in ``t``'s dtype, as vLLM's ``ApplyRotaryEmb.forward_static``."""
+    half = c.shape[-1]
+    rot, rest = t[..., : 2 * half], t[..., 2 * half :]
+    x1, x2 = (rot[..., :half], rot[..., half:]) if neox else (rot[..., ::2], rot[..., 1::2])
+    o1, o2 = x1 * c - x2 * s, x2 * c + x1 * s
+    rotated = torch.cat([o1, o2], dim=-1) if neox else torch.stack([o1, o2], dim=-1).flatten(-2)
+    return torch.cat([rotated, rest], dim=-1)
+
+
 class _Rotary(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, head_size: int) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, head_size: int,
+                neox: bool) -> torch.Tensor:  # fmt: skip
         ctx.save_for_backward(positions, cache)
-        ctx.head_size = head_size
-        return kernels().rotary(positions, x, head_size, cache)
+        ctx.head_size, ctx.neox = head_size, neox
+        return kernels().rotary(positions, x, head_size, cache, neox)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         positions, cache = ctx.saved_tensors
-        # the rotation by -angle: [g1 c + g2 s, g2 c - g1 s] (fp32, cast to the gradient's dtype)
+        # the rotation by -angle (fp32, cast to the gradient's dtype)
         cos, sin = _acc(cache[positions]).chunk(2, dim=-1)
         g = _acc(grad).reshape(grad.shape[0], -1, ctx.head_size)
-        half = cos.shape[-1]
-        c, s = cos[:, None, :], sin[:, None, :]
-        g1, g2, rest = g[..., :half], g[..., half : 2 * half], g[..., 2 * half :]
-        gx = torch.cat([g1 * c + g2 * s, g2 * c - g1 * s, rest], dim=-1)
-        return gx.reshape(grad.shape).to(grad.dtype), None, None, None
+        gx = _rotate(g, cos[:, None, :], -sin[:, None, :], ctx.neox)
+        return gx.reshape(grad.shape).to(grad.dtype), None, None, None, None
 
 
-def rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, head_size: int) -> torch.Tensor:
-    """NeoX-style RoPE of ``x [n, heads * head_size]`` (vLLM's kernel; ``cos_sin_cache [P, rot]``
-    as vLLM builds it: ``cat(cos, sin)`` in the model dtype)."""
-    return _Rotary.apply(x, positions, cos_sin_cache, int(head_size))
+def rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, head_size: int, *,
+           neox: bool = True) -> torch.Tensor:  # fmt: skip
+    """RoPE of ``x [n, heads * head_size]`` at ``positions [n]`` (vLLM's kernel; ``cos_sin_cache
+    [P, rot]`` as vLLM builds it: ``cat(cos, sin)``): NeoX style, or GPT-J style (``neox=False``,
+    adjacent pairs, as vLLM rotates DeepSeek's MLA)."""
+    return _Rotary.apply(x, positions, cos_sin_cache, int(head_size), bool(neox))
 
 
 class _SiluAndMul(torch.autograd.Function):
