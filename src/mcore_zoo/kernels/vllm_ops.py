@@ -374,19 +374,13 @@ def _reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leng
 
 def _reference_latent_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                                 lengths: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
-    """Causal attention over the latents per packed sequence in fp32 (fp64 stays), differentiable:
-    scores ``scale * (q_pe . k_pe + ql_nope . kv_c)``, values ``kv_c``. ``ql_nope [T, N, L]``,
-    ``q_pe [T, N, R]``, ``kv_c [T, L]``, ``k_pe [T, R]`` -> ``[T, N, L]``."""
-    outs, start = [], 0
-    for n in lengths.tolist():
-        rows = slice(start, start + n)
-        qn, qp, kc, kp = _acc(ql_nope[rows]), _acc(q_pe[rows]), _acc(kv_c[rows]), _acc(k_pe[rows])
-        scores = (torch.einsum("tnr,sr->nts", qp, kp) + torch.einsum("tnl,sl->nts", qn, kc)) * scale
-        i = torch.arange(n, device=ql_nope.device)
-        probs = torch.softmax(scores.masked_fill(i[None, :] > i[:, None], float("-inf")), dim=-1)
-        outs.append(torch.einsum("nts,sl->tnl", probs, kc))
-        start += n
-    return torch.cat(outs)
+    """Causal attention over the latents per packed sequence (:func:`_reference_attention`: fp32,
+    fp64 stays, differentiable): scores ``scale * (q_pe . k_pe + ql_nope . kv_c)`` - one dot product
+    of ``[ql_nope | q_pe]`` with the shared key ``[kv_c | k_pe]`` - values ``kv_c``. ``ql_nope
+    [T, N, L]``, ``q_pe [T, N, R]``, ``kv_c [T, L]``, ``k_pe [T, R]`` -> ``[T, N, L]``."""
+    q = torch.cat([_acc(ql_nope), _acc(q_pe)], dim=-1)
+    k = torch.cat([_acc(kv_c), _acc(k_pe)], dim=-1)[:, None, :]
+    return _reference_attention(q, k, _acc(kv_c)[:, None, :], lengths, scale, None)
 
 
 def _mla_reference(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
