@@ -1,7 +1,8 @@
 """``vllm-exact``: the trainer's log-probs bit-identical to vLLM's batch-invariant mode, on the GPU.
 
-For each dense built-in and Qwen3-MoE (random weights at a real head size, bf16; the MoE with 8
-experts, top-2, and vLLM's MoE dispatch reported): the zoo model is built with
+For each dense built-in, Qwen3-MoE and DeepSeek-V3 (random weights at a real head size, bf16; the
+MoEs with 8 experts, top-2, and vLLM's MoE dispatch reported; DeepSeek-V3 with its MLA head sizes
+on the ``FLASH_ATTN_MLA`` backend, ``long_prefill_token_threshold=512``): the zoo model is built with
 ``numerics="vllm-exact"`` and exported; an in-process ``vllm.LLM`` (``VLLM_BATCH_INVARIANT=1``,
 ``enforce_eager=True``, FlashAttention, 16-token KV blocks) loads the export and samples
 continuations with their log-probs (decode steps, batched). The zoo then runs one packed forward
@@ -41,7 +42,20 @@ ARCHS = [
     # 8 experts, top-2, norm_topk_prob; layer 1 a dense MLP (the example config's mlp_only_layers)
     ("Qwen3MoeForCausalLM", {"head_dim": 128, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 704,
                              "norm_topk_prob": True, "output_router_logits": False}),
+    # DeepSeek-V3's head sizes (query LoRA, latent 512, nope 128 + rope 64, value 128) and YaRN; 8
+    # experts in 4 groups (2 kept), top-2, a shared expert, routed scale 2.5; layer 0 dense
+    ("DeepseekV3ForCausalLM", {"num_key_value_heads": 8, "q_lora_rank": 384, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+                               "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                               "n_group": 4, "topk_group": 2, "n_shared_experts": 1, "moe_intermediate_size": 704,
+                               "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+                               "num_nextn_predict_layers": 0, "max_position_embeddings": 163840,
+                               "rope_scaling": {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                                                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}),
 ]
+#: engine arguments an architecture needs besides the test's: DeepSeek's MLA on the FlashAttention-3
+#: MLA backend, every step's requests capped at 512 query tokens (every token then takes the
+#: absorbed path the profile computes; docs/rollout.md)
+ENGINE_ARGS = {"DeepseekV3ForCausalLM": {"attention_backend": "FLASH_ATTN_MLA", "long_prefill_token_threshold": 512}}
 KNOWN_GAPS: dict = {}
 SIZES = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 8, "num_key_value_heads": 2,
          "num_hidden_layers": 4, "vocab_size": 32000, "max_position_embeddings": 4096}  # fmt: skip
@@ -82,17 +96,20 @@ def _probe(llm, model, seq) -> dict:
                 h, r = out
                 store.append((h + r).detach().clone())
             worker._probe["hooks"].append(layer.register_forward_hook(hook))
-        rope = inner.layers[0].self_attn.rotary_emb.cos_sin_cache
-        return rope.detach().clone()
+        rotary = inner.layers[0].self_attn.rotary_emb
+        worker._probe["rotary"] = {"class": type(rotary).__name__, "forward": getattr(getattr(rotary, "_forward_method", None), "__name__", None),
+                                   "use_flashinfer": getattr(rotary, "use_flashinfer", None), "cache_dtype": str(rotary.cos_sin_cache.dtype),
+                                   "neox": getattr(rotary, "is_neox_style", None)}  # fmt: skip
+        return rotary.cos_sin_cache.detach().clone()
 
     def collect(worker):
         for h in worker._probe["hooks"]:
             h.remove()
-        return worker._probe["layers"]
+        return worker._probe["layers"], worker._probe["rotary"]
 
     engine_rope = llm.collective_rpc(install)[0]
     llm.generate([TokensPrompt(prompt_token_ids=seq.tolist())], SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
-    engine_layers = llm.collective_rpc(collect)[0]
+    engine_layers, engine_rotary = llm.collective_rpc(collect)[0]
     mine = []
     handles = [layer.register_forward_hook(lambda _m, _i, out: mine.append(out[0] if isinstance(out, tuple) else out))
                for layer in model.decoder.layers]  # fmt: skip
@@ -104,12 +121,18 @@ def _probe(llm, model, seq) -> dict:
     n = min(ours.shape[0], engine_rope.shape[0])
     report = {"rope_cache_equal": bool(torch.equal(ours[:n], engine_rope[:n].to(ours.dtype))),
               "rope_cache_max_abs": float((ours[:n].float() - engine_rope[:n].float()).abs().max()),
-              "layers_equal": [], "layers_max_abs": []}  # fmt: skip
+              "engine_rotary": engine_rotary, "layers_equal": [], "layers_max_abs": []}  # fmt: skip
     for a, b in zip(mine, engine_layers[: len(mine)]):
         a = a.reshape(-1, a.shape[-1])[: b.shape[0]]
         report["layers_equal"].append(bool(torch.equal(a, b)))
         report["layers_max_abs"].append(float((a.float() - b.float()).abs().max()))
     return report
+
+
+def attention_impl(worker) -> list:
+    """The classes of the engine's attention implementations (a ``collective_rpc`` function)."""
+    model = worker._zoo_model()
+    return sorted({type(m.impl).__name__ for m in model.modules() if hasattr(m, "impl")})
 
 
 def moe_dispatch(worker) -> dict:
@@ -228,12 +251,16 @@ def check(ckpt: str, arch: str, out_dir: str) -> dict:
     result: dict = {"arch": arch}
     model = mcore_zoo.build_model(ckpt, backend="local", numerics="vllm-exact", params_dtype=torch.bfloat16, load=ckpt)
     export = os.path.join(out_dir, "export")
-    mcore_zoo.save_hf_checkpoint(model, export, dtype=torch.bfloat16)
+    # in the parameters' own dtypes, as a refit sends them: DeepSeek's score-correction bias stays
+    # fp32 (the engine keeps it in fp32; rounded to bf16 it would choose other experts than the trainer)
+    mcore_zoo.save_hf_checkpoint(model, export)
     vocab = mcore_zoo.handle_of(model).arch_config.vocab_size
     prompts = random_sequences(PROMPTS, vocab, seed=7)
+    engine_args = {"attention_backend": "FLASH_ATTN", **ENGINE_ARGS.get(arch, {})}
     llm = vllm.LLM(model=export, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, seed=0,
                    max_model_len=512, gpu_memory_utilization=0.3, enable_prefix_caching=False, block_size=16,
-                   attention_backend="FLASH_ATTN", worker_extension_cls=VLLM_WORKER_EXTENSION)  # fmt: skip
+                   worker_extension_cls=VLLM_WORKER_EXTENSION, **engine_args)  # fmt: skip
+    result["engine_args"] = engine_args
     sampled = _sample(llm, prompts)
     full = [torch.cat([p, g]) for p, (g, _, _) in zip(prompts, sampled)]
     out = mcore_zoo.packed_forward(model, [s.cuda() for s in full])  # THD, one pack
@@ -251,6 +278,7 @@ def check(ckpt: str, arch: str, out_dir: str) -> dict:
     result.update(generated_tokens=gen_n, generated_bitwise=gen_eq, generated_max_abs=gen_max,
                   prompt_tokens=prompt_n, prompt_bitwise=prompt_eq, prompt_max_abs=prompt_max)  # fmt: skip
     result["engine_runner"] = llm.collective_rpc(lambda w: type(w.model_runner).__module__ + "." + type(w.model_runner).__name__)[0]
+    result["engine_attention"] = llm.collective_rpc(attention_impl)[0]
     if mcore_zoo.handle_of(model).arch_config.moe is not None:
         try:
             result["moe_dispatch"] = llm.collective_rpc(moe_dispatch)[0]
@@ -408,22 +436,58 @@ def mla_check() -> dict:
     alone_rows = torch.cat(alone)
     same = (packed["vllm"] == alone_rows).reshape(t, -1).all(-1)
     diff = (packed["vllm"].float() - packed["reference"].float()).abs()
+    decode = _mla_decode_rows(inputs, lengths, scale)
+    last = torch.tensor(lengths, device="cuda").cumsum(0) - 1
     return {"rows": t, "rows_bitwise_packed_vs_alone": int(same.sum()),
-            "max_abs_vs_reference": float(diff.max()), "max_abs_output": float(packed["reference"].float().abs().max())}  # fmt: skip
+            "max_abs_vs_reference": float(diff.max()), "max_abs_output": float(packed["reference"].float().abs().max()),
+            "decode_rows_bitwise": int((decode == packed["vllm"][last]).reshape(len(lengths), -1).all(-1).sum()),
+            "decode_rows": len(lengths), "decode_max_abs": float((decode.float() - packed["vllm"][last].float()).abs().max())}  # fmt: skip
+
+
+def _mla_decode_rows(inputs: list, lengths: list, scale: float) -> torch.Tensor:
+    """Each sequence's last row as a decode step computes it: one query per sequence
+    (``max_seqlen_q=1``) over the paged latents of the whole sequence - vLLM's ``forward_mqa``
+    for a batch of decodes, the kernels of ``VLLMKernels.mla_absorbed_attention``."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    from mcore_zoo.kernels import vllm_ops
+
+    bi = vllm_ops.VLLMKernels()._bi
+    q_nope, q_pe, kv_c, k_pe, w_uk_t, w_uv = inputs
+    lens = torch.tensor(lengths, device="cuda", dtype=torch.int32)
+    cache, table, seqused, _ = vllm_ops._paged(torch.cat([kv_c, k_pe], dim=-1)[:, None, :], lengths=lens)
+    cache = cache[:, :, 0, :]
+    last = lens.long().cumsum(0) - 1
+    rank = kv_c.shape[-1]
+    ql = bi.bmm_batch_invariant(q_nope[last].transpose(0, 1), w_uk_t.contiguous()).transpose(0, 1)
+    cu = torch.arange(len(lengths) + 1, device="cuda", dtype=torch.int32)
+    attn = flash_attn_varlen_func(
+        q=q_pe[last], k=cache[..., rank:].unsqueeze(-2), v=cache[..., :rank].unsqueeze(-2), q_v=ql, max_seqlen_q=1,
+        cu_seqlens_q=cu, max_seqlen_k=int(lens.max()), seqused_k=seqused, block_table=table, softmax_scale=scale,
+        causal=True, fa_version=3, num_splits=1,
+    )  # fmt: skip
+    return bi.bmm_batch_invariant(attn.transpose(0, 1), w_uv.contiguous()).transpose(0, 1)
 
 
 def test_absorbed_mla_attention_on_vllms_kernels():
     """vLLM's absorbed MLA kernels as the profile calls them: close to the torch stand-in (a wrong
-    argument would be far off), and every row of a packed sequence bitwise equal to the same
-    sequence run alone."""
+    argument would be far off), every row of a packed sequence bitwise equal to the same sequence
+    run alone, and each sequence's last row computed as a decode step (one query over its cached
+    latents) bitwise equal to its prefill row - what lets the profile compute sampled tokens as a
+    prefill (measured on an H200, 2026-11-28: 949 / 949 and 4 / 4)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from .conftest import run_check
 
     r = run_check(__file__, "mla", env={"VLLM_BATCH_INVARIANT": "1"})
     print(f"\nabsorbed MLA attention, vLLM kernels: {r}")
+    out = os.environ.get("MCORE_ZOO_GPU_RESULTS")
+    if out:
+        with open(os.path.join(out, "vllm-exact-mla-kernels.json"), "w") as f:
+            json.dump(r, f, indent=1)
     assert r["max_abs_vs_reference"] < 0.02 * r["max_abs_output"] + 0.02
     assert r["rows_bitwise_packed_vs_alone"] == r["rows"]
+    assert r["decode_rows_bitwise"] == r["decode_rows"]
 
 
 def test_the_grouped_router_stand_in_chooses_as_vllms_kernel():
@@ -437,6 +501,10 @@ def test_the_grouped_router_stand_in_chooses_as_vllms_kernel():
 
     r = run_check(__file__, "grouped-topk", env={"VLLM_BATCH_INVARIANT": "1"})
     print(f"\ngrouped top-k, vLLM kernel vs stand-in: {r}")
+    out = os.environ.get("MCORE_ZOO_GPU_RESULTS")
+    if out:
+        with open(os.path.join(out, "vllm-exact-grouped-topk.json"), "w") as f:
+            json.dump(r, f, indent=1)
     for name, c in r.items():
         assert c["rows_same_experts"] >= 0.999 * c["rows"], name
         assert c["weights_max_abs_on_those"] < 1e-6, name

@@ -135,7 +135,7 @@ def test_vllm_exact_refuses_what_it_does_not_reproduce(reference_checkpoint, mpu
     with use_kernels(ReferenceKernels()), pytest.raises(ZooError, match="backend 'local' or 'portable'"):
         mcore_zoo.build_model(ckpt, backend="te", numerics=VLLM_EXACT)
     moe = reference_checkpoint("MixtralForCausalLM", {"num_hidden_layers": 2})  # MoE: Qwen3-MoE's block only
-    with use_kernels(ReferenceKernels()), pytest.raises(ZooError, match="MoE block of Qwen3MoeForCausalLM only"):
+    with use_kernels(ReferenceKernels()), pytest.raises(ZooError, match="MoE block of Qwen3MoeForCausalLM, DeepseekV3ForCausalLM only"):
         mcore_zoo.build_model(moe, backend="portable", numerics=VLLM_EXACT)
     # head size 16: vLLM's decode steps are not its prefill there; refused unless accepted by the knob
     with use_kernels(ReferenceKernels()), pytest.raises(ZooError, match="head size 16.*vllm_decode='prefill'"):
@@ -439,11 +439,49 @@ def test_qwen3_moe_matches_hf_exact_and_every_expert_gets_a_gradient(reference_c
         assert (grads["vllm-exact"][name] - g).abs().max() <= 1e-5 * max(1.0, g.abs().max().item()), name
 
 
+def test_deepseek_v3_matches_transformers_and_hf_exact_gradients(reference_checkpoint, hf_reference, mpu):
+    """fp32 with the torch stand-ins: the vllm-exact DeepSeek-V3 (vLLM's MLA layer - fused q / kv
+    down GEMM, latent norms, GPT-J RoPE on a YaRN cache, absorbed attention - its grouped sigmoid
+    router with the score-correction bias, routed scale on the output and the shared expert added,
+    a dense first layer) gives transformers' eager log-probs and hf-exact's gradients up to fp32
+    rounding (the dense decoders' bounds: 2e-5 on log-probs, 1e-5 of the largest gradient). SBHD
+    (a batch of equal lengths) gives the THD pack's values. Every parameter gets a gradient but the
+    score-correction bias, which only chooses."""
+    arch = "DeepseekV3ForCausalLM"
+    ckpt = reference_checkpoint(arch, {"num_hidden_layers": 3, "n_group": 4, "topk_group": 2})
+    hf = hf_reference(arch, ckpt)
+    vocab = hf.config.vocab_size
+    seqs = random_sequences([11, 6, 15], vocab)
+    with torch.no_grad():
+        want = [torch.log_softmax(hf(s[None]).logits[0, :-1].float(), -1).gather(-1, s[1:, None]).squeeze(-1) for s in seqs]
+
+    def loss_fn(t):
+        return torch.where(t.mask, -t.logprobs, 0.0).sum(), {}
+
+    grads, model = _against_hf_exact(ckpt, seqs, want, loss_fn)
+    layers = model.decoder.layers
+    assert type(layers[0].self_attention).__name__ == "VLLMMLASelfAttention"
+    assert type(layers[0].mlp).__name__ == "VLLMMLP" and type(layers[1].mlp).__name__ == "VLLMMoELayer"  # first_k_dense_replace
+    assert layers[1].mlp.router.groups == (4, 2) and layers[1].mlp.shared_experts is not None
+    assert set(grads["vllm-exact"]) == set(grads["hf-exact"])
+    assert {n for n, p in model.named_parameters()} - set(grads["vllm-exact"]) <= {
+        n for n, _ in model.named_parameters() if n.endswith("expert_bias")}  # fmt: skip
+    for name, g in grads["hf-exact"].items():
+        assert (grads["vllm-exact"][name] - g).abs().max() <= 1e-5 * max(1.0, g.abs().max().item()), name
+    with use_kernels(ReferenceKernels()), torch.no_grad():  # SBHD: positions 0 .. s - 1 of each row
+        batch = torch.stack(random_sequences([9, 9], vocab, seed=3))
+        sbhd = model(batch, torch.arange(9)[None].expand(2, -1), None)
+        thd = mcore_zoo.packed_forward(model, list(batch), return_logits=True, return_logprobs=False).logits
+    for row, logits in zip(sbhd, thd):
+        assert torch.allclose(row, logits, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("arch, reason", [
-    ("DeepseekV3ForCausalLM", "multi-head latent attention"),
+    ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM only"),
+    ("GlmMoeDsaForCausalLM", "DeepseekV3ForCausalLM only"),
     ("GptOssForCausalLM", "gpt-oss"),
     ("Qwen2MoeForCausalLM", "shared-expert"),
-    ("MixtralForCausalLM", "Qwen3MoeForCausalLM only"),
+    ("MixtralForCausalLM", "Qwen3MoeForCausalLM, DeepseekV3ForCausalLM only"),
 ])  # fmt: skip
 def test_vllm_exact_refuses_moe_it_does_not_reproduce_by_name(arch, reason, reference_checkpoint, mpu):
     ckpt = reference_checkpoint(arch, {"num_hidden_layers": 2})
@@ -477,6 +515,31 @@ def test_vllm_exact_moe_takes_the_engines_layouts_and_refuses_others(reference_c
         check_moe_supported(arch, layout(2, sequence_parallel=True), VLLM_EXACT)
     with pytest.raises(ZooError, match="grouped_experts=False"):
         check_moe_supported(arch, SimpleNamespace(), VLLM_EXACT.with_knobs(grouped_experts=True))
+
+
+@pytest.mark.parametrize("config_file", ["deepseek-v3.json", "kimi-k2-instruct.json"])
+def test_vllm_exact_refuses_the_widths_where_vllm_switches_kernels_by_token_count(config_file):
+    """At DeepSeek-V3's and Kimi-K2's published widths vLLM 0.26 runs the fused q / kv down GEMM
+    (2112 x 7168) and the router GEMM with kernels chosen by the step's token count: refused, naming
+    both. The GPU test's width (hidden 1024) has neither; a published config at TP2 is refused for
+    its MLA first."""
+    import json
+    from types import SimpleNamespace
+
+    from mcore_zoo.specs.vllm_exact import check_supported, token_count_kernels
+
+    from ..conftest import CONFIGS
+
+    raw = json.loads((CONFIGS / config_file).read_text())
+    arch = mcore_zoo.lookup(raw).config_from_hf(raw)
+    found = token_count_kernels(arch)
+    assert len(found) == 2 and "2112 x 7168" in found[0] and "x 7168: dsv3_router_gemm" in found[1]
+    with pytest.raises(ZooError, match="dsv3_fused_a_gemm or cuBLAS.*dsv3_router_gemm"):
+        check_supported(arch, SimpleNamespace(), VLLM_EXACT)
+    with pytest.raises(ZooError, match="multi-head latent attention at tensor_model_parallel_size=1 only, got 2"):
+        check_supported(arch, SimpleNamespace(tensor_model_parallel_size=2), VLLM_EXACT)
+    narrow = mcore_zoo.lookup(raw).config_from_hf(dict(raw, hidden_size=1024))
+    assert token_count_kernels(narrow) == []
 
 
 def _moe_block_inputs(dtype, n=37, hidden=32, inter=24, experts=8, k=3, seed=5):

@@ -940,13 +940,21 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
 @dataclass
 class VLLMRope:
     """vLLM's RoPE for one model: its ``cos_sin_cache`` (built by vLLM's ``get_rope`` on the GPU in
-    the model dtype, as the engine builds it) and the head size."""
+    the model dtype, as the engine builds it), the head size and the pair layout (``neox``: NeoX
+    halves; ``False``: GPT-J adjacent pairs, DeepSeek's MLA)."""
 
     cos_sin_cache: torch.Tensor
     head_size: int
+    neox: bool = True
 
     @classmethod
-    def from_hf_config(cls, hf_config: dict, head_size: int, dtype: torch.dtype, device: torch.device) -> "VLLMRope":
+    def from_hf_config(cls, hf_config: dict, head_size: int, dtype: torch.dtype, device: torch.device, *,
+                       mla: bool = False) -> "VLLMRope":  # fmt: skip
+        """The engine's cache for ``hf_config``. ``mla``: the RoPE of DeepSeek's MLA layer
+        (``deepseek_v2.py``'s ``DeepseekV2MLAAttention``): ``head_size`` = ``qk_rope_head_dim``,
+        GPT-J pairs, a scaled ``rope_type`` rewritten to ``deepseek_yarn``
+        (``DeepseekScalingRotaryEmbedding``: its cache ``cat(cos, sin) * mscale`` over
+        ``original_max_position_embeddings * factor`` positions)."""
         import transformers
         from vllm.model_executor.layers.rotary_embedding import get_rope
 
@@ -957,22 +965,34 @@ class VLLMRope:
         config = transformers.AutoConfig.for_model(hf_config["model_type"], **{k: v for k, v in hf_config.items() if k != "model_type"})
         if patch_rope_parameters is not None:
             patch_rope_parameters(config)
+        parameters = getattr(config, "rope_parameters", None)
+        if mla and parameters and parameters.get("rope_type", "default") != "default":
+            parameters = dict(parameters)  # as DeepseekV2MLAAttention rewrites it
+            parameters["rope_type"] = "deepseek_yarn" if parameters.get("apply_yarn_scaling", True) else "deepseek_llama_scaling"
         from vllm.config import VllmConfig, set_current_vllm_config
 
         with set_current_vllm_config(VllmConfig()), torch.device(device):  # vLLM's custom ops need a config
             rope = get_rope(head_size, max_position=int(getattr(config, "max_position_embeddings", 8192)),
-                            is_neox_style=True, rope_parameters=getattr(config, "rope_parameters", None), dtype=dtype)  # fmt: skip
-        return cls(rope.cos_sin_cache.to(device=device, dtype=dtype), head_size)
+                            is_neox_style=not mla, rope_parameters=parameters, dtype=dtype)  # fmt: skip
+        return cls(rope.cos_sin_cache.to(device=device, dtype=dtype), head_size, not mla)
 
     @classmethod
     def reference(cls, inv_freq: torch.Tensor, max_positions: int, head_size: int, dtype: torch.dtype,
-                  device: torch.device) -> "VLLMRope":  # fmt: skip
-        """The cache as vLLM's base ``RotaryEmbedding`` builds it from ``inv_freq`` (``cat(cos, sin)``
-        of ``positions x inv_freq`` in fp32, cast to ``dtype``), on any device: for
-        :class:`ReferenceKernels` runs."""
+                  device: torch.device, *, scale: float = 1.0, neox: bool = True) -> "VLLMRope":  # fmt: skip
+        """The cache as vLLM's ``RotaryEmbedding`` builds it from ``inv_freq`` (``cat(cos, sin)``
+        of ``positions x inv_freq`` in fp32, times ``scale`` (YaRN's attention factor, as
+        ``DeepseekScalingRotaryEmbedding`` applies it) where it is not 1, cast to ``dtype``), on any
+        device: for :class:`ReferenceKernels` runs."""
         t = torch.arange(max_positions, dtype=torch.float32, device=device)
         freqs = torch.einsum("i,j -> ij", t, inv_freq.to(device=device, dtype=torch.float32))
-        return cls(torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype), head_size)
+        cos, sin = freqs.cos(), freqs.sin()
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        return cls(torch.cat((cos, sin), dim=-1).to(dtype), head_size, neox)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """:func:`rotary` of ``x [n, heads * head_size]`` at ``positions [n]`` with this cache."""
+        return rotary(x, positions, self.cos_sin_cache, self.head_size, neox=self.neox)
 
     def apply(self, t: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
         """RoPE of Megatron-Core's ``t``: THD ``[T, (1,) h, d]`` with ``cu_seqlens`` (positions restart at
@@ -990,4 +1010,4 @@ class VLLMRope:
         if rows != t.numel() // (shape[-1] * shape[-2]):
             raise ZooError(f"vllm-exact RoPE: {rows} positions for a query / key of shape {tuple(shape)}")
         flat = t.reshape(rows, -1)
-        return rotary(flat, positions, self.cos_sin_cache, self.head_size).view(shape)
+        return self.rotate(flat, positions).view(shape)

@@ -56,16 +56,28 @@ rank routes every token, the Triton kernel writes zeros for the slots of other r
 (``expert_map`` -1) and, with no all-to-all at data parallel 1 (``use_all2all_kernels``), the same
 all-reduce sums the ranks; the trainer's layout is TP N x EP N at expert-TP 1.
 
+DeepSeek-V3 (``DeepseekV3ForCausalLM``: multi-head latent attention, the grouped sigmoid router,
+a shared expert): :func:`vllm_mla_attention_class` computes the attention in the absorbed form of
+vLLM's ``FLASH_ATTN_MLA`` backend (the form every token takes when the engine caps a step's
+requests at 512 query tokens, ``long_prefill_token_threshold=512``); :class:`VLLMRouter` runs
+vLLM's ``grouped_topk`` kernel; :meth:`VLLMMoELayer.combine` scales the routed sum by
+``routed_scaling_factor`` and adds the shared expert as vLLM's ``MoERunner`` does.
+
 Scope (refused otherwise, naming the reason): dense RMSNorm + SwiGLU + NeoX RoPE decoders (the
-dense built-ins) at any TP, and Qwen3-MoE (softmax top-k router, no shared expert) at TP1 or at
-the two TP N layouts above; context parallel size 1, no sequence parallelism. Measured against
-engines of the same layout (H100s, 2026-11-27, bench/gpu/vllm_exact_tp.py): every decoder layer
-bitwise at TP1; at TP1, TP2 and TP2 x EP2 every sampled and prompt log-prob bitwise, with the
-log-prob head following the engine's model runner (docs/rollout.md).
+dense built-ins) at any TP, Qwen3-MoE (softmax top-k router, no shared expert) at TP1 or at the two
+TP N layouts above, and DeepSeek-V3 at TP1 at widths where vLLM keeps its batch-invariant GEMMs
+(:func:`token_count_kernels`: not DeepSeek-V3's / Kimi-K2's own 7168); context parallel size 1,
+no sequence parallelism. Measured against engines of the same layout (H100s, 2026-11-27,
+bench/gpu/vllm_exact_tp.py): every decoder layer bitwise at TP1; at TP1, TP2 and TP2 x EP2 every
+sampled and prompt log-prob bitwise, with the log-prob head following the engine's model runner;
+DeepSeek-V3 at TP1 (H200, 2026-11-28, bench/gpu/vllm_exact_batch_probe.py): every layer's
+attention, MoE and output bitwise alone and batched, every sampled and prompt log-prob bitwise
+(docs/rollout.md).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -228,6 +240,103 @@ class VLLMAttention(PortableAttention):
         return f"heads={self.heads}, groups={self.groups}, window={self.window}, kernel=vllm flash-attention (paged)"
 
 
+@functools.lru_cache(maxsize=None)
+def vllm_mla_attention_class() -> type:
+    """:class:`VLLMMLASelfAttention`: the MLA layer of ``vllm-exact`` (built once; it extends the zoo's
+    ``MLASelfAttention`` subclass, :func:`mcore_zoo.families.mla.spec.mla_attention_class`)."""
+    from ..families.mla.spec import mla_attention_class
+
+    class VLLMMLASelfAttention(mla_attention_class()):  # type: ignore[misc, valid-type]
+        """DeepSeek's multi-head latent attention as vLLM's ``DeepseekV2MLAAttention`` computes it with
+        the ``FLASH_ATTN_MLA`` backend in batch-invariant mode, for tokens of steps whose requests
+        have at most 512 query tokens (the engine started with ``long_prefill_token_threshold=512``:
+        then every token, prompt or sampled, takes this path; docs/rollout.md)::
+
+            [q_c | kv_c | k_pe] = linear(x, [W_q_a; W_kv_a])   # fused_qkv_a_proj: one GEMM (q_lora_rank)
+            q = linear(rms_norm(q_c), W_q_b)                    # Triton norm (eps: rms_norm_eps), [n, N, P + R]
+            kv_c = rms_norm(kv_c)                               # Triton norm; k_pe is not normalised
+            q_pe, k_pe = rotary(q_pe), rotary(k_pe)             # GPT-J pairs, vLLM's cos / sin cache
+            o = mla_absorbed_attention(q_nope, q_pe, kv_c, k_pe, W_UK_T, W_UV)  # bmm, FA3 q_v, bmm
+            out = linear(o, W_o)                                # o_proj
+
+        Without a query LoRA the query is ``linear(x, W_q)`` and the latent ``linear(x, W_kv_a)``, two
+        GEMMs. The parameters are Megatron-Core's MLA layer's (``linear_q_down_proj``,
+        ``q_layernorm``, ``linear_q_up_proj``, ``linear_kv_down_proj``, ``kv_layernorm``,
+        ``linear_kv_up_proj``, ``linear_proj``), so the checkpoint mapping is the MLA family's own;
+        ``W_UK_T`` / ``W_UV`` are views of ``linear_kv_up_proj.weight``
+        (:func:`vllm_ops.mla_absorbed_weights`). The softmax scale is HF's (the same Python float
+        vLLM computes: ``(P + R) ** -0.5 * mscale ** 2``). Tensor parallel size 1.
+
+        ``forward(hidden_states [s, b, H] | THD [t, 1, H], attention_mask, ..., packed_seq_params)
+        -> (output of the same layout, bias)``; positions restart at every sequence of a THD pack
+        (its padded bounds, as the other vllm-exact attention), or run ``0 .. s - 1`` per SBHD row."""
+
+        def __init__(self, config: Any, submodules: Any, layer_number: int, **kwargs: Any) -> None:
+            super().__init__(config, submodules, layer_number, **kwargs)
+            for name in ("linear_q_down_proj", "linear_q_up_proj", "linear_q_proj", "linear_kv_down_proj",
+                         "linear_kv_up_proj", "linear_proj"):  # fmt: skip
+                linear = getattr(self, name, None)
+                if getattr(linear, "bias", None) is not None:
+                    raise ZooError(f"numerics 'vllm-exact': MLA {name} has a bias (vLLM's DeepSeek layer has none)")
+            tp = getattr(self.linear_kv_up_proj, "tp_group", None)
+            if tp is not None and tp.size() > 1:
+                raise ZooError("numerics 'vllm-exact' computes multi-head latent attention at tensor parallel size 1"
+                               f" only (got {tp.size()})")  # fmt: skip
+
+        def forward(self, hidden_states: torch.Tensor, attention_mask: Any = None, *args: Any,
+                    packed_seq_params: Any = None, **kwargs: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:  # fmt: skip
+            if args or any(kwargs.get(k) is not None for k in ("key_value_states", "inference_context", "inference_params")):
+                raise ZooError("numerics 'vllm-exact': MLA runs training forwards only (no key-value states, no"
+                               " inference context)")  # fmt: skip
+            if self.training and self.config.attention_dropout:
+                raise ZooError("numerics 'vllm-exact': attention dropout must be 0 (vLLM has none)")
+            cfg = self.config
+            rope = getattr(cfg, "zoo_vllm_rope", None)
+            if rope is None:
+                raise ZooError("numerics 'vllm-exact': the MLA layer has no vLLM RoPE cache (build the model with"
+                               " mcore_zoo.build_model)")  # fmt: skip
+            thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+            hidden = hidden_states.shape[-1]
+            if thd:
+                cu = packed_seq_params.cu_seqlens_q_padded
+                cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+                lengths = cu.diff()
+                lengths = lengths[lengths > 0]
+                x = hidden_states.reshape(-1, hidden)
+                starts = torch.repeat_interleave(cu[:-1].long(), cu.diff().long())
+                positions = torch.arange(x.shape[0], device=x.device) - starts.to(x.device)
+            else:
+                s, b = hidden_states.shape[0], hidden_states.shape[1]
+                x = hidden_states.transpose(0, 1).reshape(b * s, hidden)  # sequences back to back
+                lengths = torch.full((b,), s, dtype=torch.int32, device=x.device)
+                positions = torch.arange(s, device=x.device).repeat(b)
+            n = x.shape[0]
+            heads = self.num_attention_heads_per_partition
+            nope, pe, v = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
+            latent = cfg.kv_lora_rank
+            if cfg.q_lora_rank is not None:
+                fused = torch.cat([self.linear_q_down_proj.weight, self.linear_kv_down_proj.weight])
+                q_c, kv_c, k_pe = vllm_ops.linear(x, fused).split([cfg.q_lora_rank, latent, pe], dim=-1)
+                q = vllm_ops.linear(self.q_layernorm(q_c), self.linear_q_up_proj.weight)
+            else:
+                kv_c, k_pe = vllm_ops.linear(x, self.linear_kv_down_proj.weight).split([latent, pe], dim=-1)
+                q = vllm_ops.linear(x, self.linear_q_proj.weight)
+            q_nope, q_pe = q.view(n, heads, nope + pe).split([nope, pe], dim=-1)
+            kv_c = self.kv_layernorm(kv_c)
+            q_pe = rope.rotate(q_pe.reshape(n, heads * pe), positions).view(n, heads, pe)
+            k_pe = rope.rotate(k_pe.contiguous(), positions)
+            w_uk_t, w_uv = vllm_ops.mla_absorbed_weights(self.linear_kv_up_proj.weight, heads, nope, v)
+            o = vllm_ops.mla_absorbed_attention(q_nope, q_pe, kv_c, k_pe, w_uk_t, w_uv, lengths, scale=self.softmax_scale)
+            out, bias = self.linear_proj(o.reshape(n, heads * v))
+            if not thd:
+                out = out.view(b, s, -1).transpose(0, 1).contiguous()
+            else:
+                out = out.view(*hidden_states.shape[:-1], -1)
+            return out, bias
+
+    return VLLMMLASelfAttention
+
+
 class VLLMRouter(TopKRouter):
     """Megatron-Core's ``TopKRouter`` (same ``weight``, same routing replay object) computing the
     routing as vLLM's ``FusedMoE`` does: the logits by vLLM's GEMM in the model dtype (vLLM's gate
@@ -235,32 +344,52 @@ class VLLMRouter(TopKRouter):
     experts and weights by vLLM's ``topk_softmax`` kernel (:func:`vllm_ops.moe_topk_softmax`).
 
     ``renormalize``: divide the top-k weights by their sum (``norm_topk_prob``, vLLM's
-    ``renormalize``). ``forward(x [n, H]) -> (weights fp32 [n, k], routing_map bool [n, E], experts int32 [n, k])``:
+    ``renormalize``). ``groups = (n_group, topk_group)``: DeepSeek-V3's router instead - sigmoid
+    scores, the score-correction bias (Megatron-Core's ``expert_bias``, fp32) for the choice only,
+    expert groups, vLLM's ``grouped_topk`` kernel (:func:`vllm_ops.moe_grouped_topk`), the weights
+    without ``routed_scaling_factor`` (:class:`VLLMMoELayer` scales the block's output). ``forward(x [n, H]) -> (weights fp32 [n, k], routing_map bool [n, E], experts int32 [n, k])``:
     the experts in the kernel's slot order, which is the order the block sums them in. With routing
     replay (``moe_enable_routing_replay``) the router records / replays its experts through
     Megatron-Core's ``RouterReplay`` (:mod:`mcore_zoo.routing`); replayed experts that are the
     kernel's own choice keep the kernel's weights bit for bit."""
 
-    def __init__(self, config: Any, pg_collection: Any = None, *, renormalize: bool, **router_kwargs: Any) -> None:
+    def __init__(self, config: Any, pg_collection: Any = None, *, renormalize: bool,
+                 groups: Optional[tuple[int, int]] = None, **router_kwargs: Any) -> None:  # fmt: skip
         # router_kwargs: what the release's MoELayer passes besides (megatron-core 0.19: is_mtp_layer)
         super().__init__(config=config, pg_collection=pg_collection, **router_kwargs)
         self.renormalize = bool(renormalize)
+        self.groups = groups
+        if groups is not None and getattr(self, "expert_bias", None) is None:
+            raise ZooError("numerics 'vllm-exact': the grouped sigmoid router needs the score-correction bias"
+                           " (moe_router_enable_expert_bias)")  # fmt: skip
+
+    def _topk(self, logits: torch.Tensor, topk: int, routes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's top-k kernel of this router (``routes``: replayed experts)."""
+        if self.groups is None:
+            return vllm_ops.moe_topk_softmax(logits, topk, renormalize=self.renormalize, routes=routes)
+        groups, kept = self.groups
+        return vllm_ops.moe_grouped_topk(logits, topk, num_groups=groups, topk_group=kept, renormalize=self.renormalize,
+                                         bias=self.expert_bias, routes=routes)  # fmt: skip
 
     def forward(self, input: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
         x = input.reshape(-1, input.shape[-1])
         logits = vllm_ops.linear(x, self.weight.to(x.dtype))
-        renormalize = self.renormalize
         routes = None
         replay = getattr(self, "router_replay", None)
         if replay is not None:
             def select(scores: torch.Tensor, topk: int, *_: Any, **__: Any) -> tuple[torch.Tensor, torch.Tensor]:
-                weights, ids = vllm_ops.moe_topk_softmax(scores, topk, renormalize=renormalize)
+                weights, ids = self._topk(scores, topk)
                 return weights, ids.long()
 
             _, routes = replay.get_replay_topk(logits.detach(), self.topk, None, None, select)
-        weights, ids = vllm_ops.moe_topk_softmax(logits, self.topk, renormalize=renormalize, routes=routes)
+        weights, ids = self._topk(logits, self.topk, routes)
         routing_map = torch.zeros(x.shape[0], self.num_experts, dtype=torch.bool, device=x.device)
-        return weights, routing_map.scatter(1, ids.long(), True), ids
+        routing_map = routing_map.scatter(1, ids.long(), True)
+        counts = getattr(self, "local_tokens_per_expert", None)
+        if counts is not None and torch.is_grad_enabled():  # what Megatron-Core's bias update reads
+            with torch.no_grad():
+                counts += routing_map.sum(dim=0)
+        return weights, routing_map, ids
 
 
 class VLLMMoELayer(MoELayer):
@@ -307,7 +436,7 @@ class VLLMMoELayer(MoELayer):
         w13, w2 = self.stacked_expert_weights()
         group = self.block_reduce_group()
         if group is None:
-            return vllm_ops.fused_experts(x, w13, w2, weights, ids).view(hidden_states.shape), None
+            return self.combine(x, vllm_ops.fused_experts(x, w13, w2, weights, ids)).view(hidden_states.shape), None
         from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
         from ..distributed.collectives import tree_order_all_reduce
@@ -315,7 +444,25 @@ class VLLMMoELayer(MoELayer):
         x = copy_to_tensor_model_parallel_region(x, group=group)
         weights = copy_to_tensor_model_parallel_region(weights, group=group)
         partial = vllm_ops.fused_experts(x, w13, w2, weights, ids, expert_map=self.expert_map(ids.device))
-        return tree_order_all_reduce(partial, group).view(hidden_states.shape), None
+        return tree_order_all_reduce(self.combine(x, partial), group).view(hidden_states.shape), None
+
+    def combine(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """The block's output (this rank's partial under TP) as vLLM's ``MoERunner`` forms it from
+        the routed experts' sum ``routed [n, H]``: times ``routed_scaling_factor`` (a model-dtype
+        tensor times a Python float, where the factor is not 1), then the shared expert's output
+        added (``shared + routed``, model dtype) - before the TP all-reduce. The shared expert is
+        vLLM's ``DeepseekV2MLP`` on Megatron-Core's ``shared_experts`` weights (this rank's shards):
+        ``linear_fc2(silu_and_mul(linear_fc1(x)))`` on vLLM's GEMM and activation kernels."""
+        scale = getattr(self.config, "moe_router_topk_scaling_factor", None)
+        if scale is not None and scale != 1.0:
+            routed = routed * scale
+        shared = getattr(self, "shared_experts", None)
+        if shared is None:
+            return routed
+        if getattr(shared, "use_shared_expert_gate", False):
+            raise ZooError("numerics 'vllm-exact' has no gated shared expert (Qwen2-MoE's sigmoid gate)")
+        h = vllm_ops.silu_and_mul(vllm_ops.linear(x, shared.linear_fc1.weight))
+        return vllm_ops.linear(h, shared.linear_fc2.weight) + routed
 
     def block_reduce_group(self) -> Any:
         """The group whose partial block outputs are summed: the tensor-parallel group (``None`` at
@@ -373,10 +520,8 @@ class VLLMMoELayer(MoELayer):
 
 def moe_submodule(arch: Any, pieces: dict[str, Any]) -> Any:
     """The ``TransformerLayerSubmodules.mlp`` of a ``vllm-exact`` MoE layer: :class:`VLLMMoELayer`
-    with :class:`VLLMRouter` and Megatron-Core's sequential experts of ``pieces``' linears (their
-    weights are what the fused kernels read)."""
-    import functools
-
+    with :class:`VLLMRouter` (grouped for a sigmoid router) and Megatron-Core's sequential experts
+    and shared experts of ``pieces``' linears (their weights are what vLLM's kernels read)."""
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.moe_layer import MoESubmodules
@@ -385,9 +530,17 @@ def moe_submodule(arch: Any, pieces: dict[str, Any]) -> Any:
     from ..compat import patch_moe_utils_without_te
 
     patch_moe_utils_without_te()
+    moe = arch.moe
     linears = MLPSubmodules(linear_fc1=pieces["linear_fc1"], linear_fc2=pieces["linear_fc2"])
-    router = functools.partial(VLLMRouter, renormalize=arch.moe.normalize_topk)
-    submodules = MoESubmodules(experts=ModuleSpec(module=SequentialMLP, submodules=linears), router=router)
+    groups = (moe.num_groups or 1, moe.group_topk or 1) if moe.router_score_function == "sigmoid" else None
+    router = functools.partial(VLLMRouter, renormalize=moe.normalize_topk, groups=groups)
+    shared = None
+    if moe.shared_expert_ffn_hidden_size:  # its weights only: VLLMMoELayer.combine computes it
+        from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+        shared = ModuleSpec(module=SharedExpertMLP, submodules=linears)
+    submodules = MoESubmodules(experts=ModuleSpec(module=SequentialMLP, submodules=linears), shared_experts=shared,
+                               router=router)  # fmt: skip
     if hasattr(MLP, "as_mlp_submodule"):  # 0.19: builder partials (see compat.mlp_submodule)
         return functools.partial(VLLMMoELayer, submodules=submodules)
     return ModuleSpec(module=VLLMMoELayer, submodules=submodules)
@@ -415,8 +568,7 @@ def check_supported(arch: Any, config: Any, numerics: Any) -> None:
     profile ``numerics`` (its ``vllm_decode`` knob)."""
     name = arch.architecture
     if arch.mla is not None:
-        raise ZooError(f"{name}: numerics 'vllm-exact' covers dense decoders and Qwen3-MoE: no kernels for"
-                       " multi-head latent attention (MLA, DeepSeek-V3) yet")  # fmt: skip
+        check_mla_supported(arch, config)
     if arch.moe is not None:
         check_moe_supported(arch, config, numerics)
     if arch.normalization != "RMSNorm":
@@ -424,7 +576,9 @@ def check_supported(arch: Any, config: Any, numerics: Any) -> None:
     if not getattr(config, "gated_linear_unit", False) or getattr(config, "activation_func", None) is not torch.nn.functional.silu:
         raise ZooError(f"{name}: numerics 'vllm-exact' needs a SwiGLU MLP (vLLM's silu_and_mul)")
     head_size = getattr(config, "kv_channels", None) or arch.head_dim
-    if numerics.vllm_decode == "exact" and not vllm_ops.decode_equals_prefill(head_size):
+    # MLA: every token takes the absorbed kernel; a one-query decode step there equals the prefill
+    # (measured on an H200 at DeepSeek-V3's head sizes: tests/gpu/test_vllm_exact_gpu.py)
+    if arch.mla is None and numerics.vllm_decode == "exact" and not vllm_ops.decode_equals_prefill(head_size):
         raise ZooError(
             f"{name}: numerics 'vllm-exact' cannot reproduce vLLM's decode steps at head size {head_size}: at head"
             " sizes <= 64 vLLM's FlashAttention-3 computes a one-query decode step with another tiling than a"
@@ -442,32 +596,95 @@ def check_supported(arch: Any, config: Any, numerics: Any) -> None:
         raise ZooError(f"{name}: numerics 'vllm-exact' supports context_parallel_size=1 only, got {config.context_parallel_size}")
     if getattr(config, "sequence_parallel", False):
         raise ZooError(f"{name}: numerics 'vllm-exact' does not support sequence parallelism")
-    if getattr(config, "rotary_interleaved", False):
-        raise ZooError(f"{name}: numerics 'vllm-exact' implements NeoX-style RoPE only")
+    if arch.mla is None and getattr(config, "rotary_interleaved", False):
+        raise ZooError(f"{name}: numerics 'vllm-exact' implements NeoX-style RoPE for the dense attention")
 
 
-#: the MoE architectures whose block :class:`VLLMMoELayer` computes as vLLM does
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+#: the multi-head latent attention architectures whose layer :func:`vllm_mla_attention_class` computes as vLLM does
+MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+
+
+def check_mla_supported(arch: Any, config: Any) -> None:
+    """Refuse, naming the reason, an MLA model the ``vllm-exact`` layer does not compute as vLLM's
+    ``DeepseekV2MLAAttention`` does: architectures other than DeepSeek-V3's, DeepSeek sparse
+    attention, RoPE other than GPT-J pairs with default or YaRN scaling, tensor parallelism."""
+    name, mla = arch.architecture, arch.mla
+    if name not in MLA_ARCHITECTURES:
+        raise ZooError(f"{name}: numerics 'vllm-exact' computes the multi-head latent attention of"
+                       f" {', '.join(MLA_ARCHITECTURES)} only")  # fmt: skip
+    if mla.indexer is not None:
+        raise ZooError(f"{name}: numerics 'vllm-exact' has no kernels for DeepSeek sparse attention (the lightning"
+                       " indexer) yet")  # fmt: skip
+    if not mla.rope_interleave or mla.rope_complex:
+        raise ZooError(f"{name}: numerics 'vllm-exact' rotates MLA's rope dims as GPT-J pairs (vLLM's"
+                       " is_neox_style=False); this model's RoPE is another")  # fmt: skip
+    if arch.rope.rope_type not in ("default", "yarn"):
+        raise ZooError(f"{name}: numerics 'vllm-exact' builds MLA's RoPE cache for rope_type default or yarn"
+                       f" (vLLM's deepseek_yarn), not {arch.rope.rope_type!r}")  # fmt: skip
+    tp = getattr(config, "tensor_model_parallel_size", 1) or 1
+    if tp != 1:
+        raise ZooError(f"{name}: numerics 'vllm-exact' computes multi-head latent attention at"
+                       f" tensor_model_parallel_size=1 only, got {tp}")  # fmt: skip
+    switches = token_count_kernels(arch)
+    if switches:
+        raise ZooError(f"{name}: at this width vLLM 0.26 picks {' and '.join(switches)} by the step's token count, not"
+                       " its batch-invariant GEMM: the engine itself gives a token other bits in a step of up to 16"
+                       " tokens than in a larger one, so numerics 'vllm-exact' cannot reproduce every token")  # fmt: skip
+
+
+#: (out, in) of the fused q / kv down projection for which vLLM's DeepSeek layer runs
+#: ``dsv3_fused_a_gemm`` (up to 16 tokens) or cuBLAS (``DeepSeekV2FusedQkvAProjLinear``)
+MIN_LATENCY_A_GEMM = (2112, 7168)
+#: (hidden, experts) for which vLLM's ``GateLinear`` runs ``dsv3_router_gemm`` up to 16 tokens
+DSV3_ROUTER_GEMM = {(7168, 256), (7168, 384), (6144, 256)}
+
+
+def token_count_kernels(arch: Any) -> list[str]:
+    """The GEMMs vLLM 0.26 (bf16, Hopper / Blackwell) runs with a kernel chosen by the step's token
+    count for ``arch`` (``deepseek_v2.py``, ``fused_moe/router/gate_linear.py``): they exist only at
+    DeepSeek-V3's / Kimi-K2's / GLM-5's own widths. Empty for every other width."""
+    mla, moe, found = arch.mla, arch.moe, []
+    hidden = arch.hidden_size
+    if mla is not None and mla.q_lora_rank is not None:
+        fused = mla.q_lora_rank + mla.kv_lora_rank + mla.qk_rope_head_dim
+        if (fused, hidden) == MIN_LATENCY_A_GEMM:
+            found.append(f"the fused q / kv down projection ({fused} x {hidden}: dsv3_fused_a_gemm or cuBLAS)")
+    if moe is not None and (hidden, moe.num_experts) in DSV3_ROUTER_GEMM:
+        found.append(f"the router GEMM ({moe.num_experts} x {hidden}: dsv3_router_gemm)")
+    return found
+
+
+#: the MoE architectures whose block :class:`VLLMMoELayer` computes as vLLM does, and their router:
+#: ``"softmax"`` (vLLM's ``topk_softmax``) or ``"grouped-sigmoid"`` (its ``grouped_topk``: sigmoid
+#: scores, score-correction bias, expert groups; ``routed_scaling_factor`` on the output)
+MOE_ARCHITECTURES = {"Qwen3MoeForCausalLM": "softmax", "DeepseekV3ForCausalLM": "grouped-sigmoid"}
 
 
 def check_moe_supported(arch: Any, config: Any, numerics: Any) -> None:
     """Refuse, naming the reason, an MoE model or layout whose block the ``vllm-exact`` forward does
-    not compute as vLLM does: architectures other than Qwen3-MoE's router and experts, and parallel
-    layouts other than vLLM's at data parallel 1 (TP N with expert TP N, or TP N with expert
-    parallel N and expert TP 1; no sequence parallelism)."""
+    not compute as vLLM does: architectures other than Qwen3-MoE's and DeepSeek-V3's router and
+    experts, gated shared experts, and parallel layouts other than vLLM's at data parallel 1 (TP N
+    with expert TP N, or TP N with expert parallel N and expert TP 1; no sequence parallelism)."""
     name, moe = arch.architecture, arch.moe
     if moe.softmax_over_topk or moe.clamped_swiglu is not None:
         raise ZooError(f"{name}: numerics 'vllm-exact' has no kernels for gpt-oss's MoE (softmax over the top-k"
                        " logits, clamped SwiGLU experts with biases) yet")  # fmt: skip
-    if moe.shared_expert_ffn_hidden_size:
-        raise ZooError(f"{name}: numerics 'vllm-exact' has no shared-expert MoE yet (vLLM runs the shared expert"
-                       " beside the fused experts): Qwen3-MoE only")  # fmt: skip
-    if name not in MOE_ARCHITECTURES:
+    if moe.shared_expert_gate:
+        raise ZooError(f"{name}: numerics 'vllm-exact' has no gated shared-expert MoE yet (Qwen2-MoE's sigmoid"
+                       " gate on the shared expert)")  # fmt: skip
+    router = MOE_ARCHITECTURES.get(name)
+    if router is None:
         raise ZooError(f"{name}: numerics 'vllm-exact' computes the MoE block of {', '.join(MOE_ARCHITECTURES)} only"
-                       " (softmax top-k router, SwiGLU experts, no shared expert)")  # fmt: skip
-    if moe.router_score_function != "softmax" or moe.router_expert_bias or moe.num_groups or moe.topk_scaling_factor:
-        raise ZooError(f"{name}: numerics 'vllm-exact' implements vLLM's plain softmax top-k router only (no"
-                       " sigmoid scores, expert bias, expert groups or scaling)")  # fmt: skip
+                       " (softmax top-k or DeepSeek-V3's grouped sigmoid router, SwiGLU experts)")  # fmt: skip
+    if router == "softmax" and (moe.router_score_function != "softmax" or moe.router_expert_bias or moe.num_groups
+                                or moe.topk_scaling_factor or moe.shared_expert_ffn_hidden_size):  # fmt: skip
+        raise ZooError(f"{name}: numerics 'vllm-exact' implements vLLM's plain softmax top-k router for this"
+                       " architecture (no sigmoid scores, expert bias, expert groups, scaling or shared expert)")  # fmt: skip
+    if router == "grouped-sigmoid" and (moe.router_score_function != "sigmoid" or not moe.router_expert_bias
+                                        or moe.group_score_topk != 2 or moe.group_mask_value != float("-inf")):  # fmt: skip
+        raise ZooError(f"{name}: numerics 'vllm-exact' implements vLLM's grouped_topk router for this architecture:"
+                       " sigmoid scores with the score-correction bias, groups scored by their best two, the"
+                       " other groups masked out")  # fmt: skip
     if moe.aux_loss_coeff:
         raise ZooError(f"{name}: numerics 'vllm-exact' routes as vLLM's inference kernel, which has no"
                        f" load-balancing loss: set router_aux_loss_coef=0 (got {moe.aux_loss_coeff})")  # fmt: skip
@@ -491,7 +708,8 @@ def check_moe_supported(arch: Any, config: Any, numerics: Any) -> None:
 
 def install(model: torch.nn.Module, arch: Any, config: Any, dtype: torch.dtype) -> None:
     """Finish a ``vllm-exact`` GPTModel: its output layer on vLLM's GEMM and its RoPE on vLLM's
-    kernel and cos / sin cache (``config.zoo_vllm_rope``, read by the RoPE hook)."""
+    kernel and cos / sin cache (``config.zoo_vllm_rope``, read by the RoPE hook, or by the MLA
+    layers: GPT-J pairs of ``qk_rope_head_dim``)."""
     from .rope_dispatch import install as install_rope_dispatch
 
     reference = vllm_ops.using_reference()  # tests: torch kernels, no vLLM
@@ -501,7 +719,9 @@ def install(model: torch.nn.Module, arch: Any, config: Any, dtype: torch.dtype) 
     if head is not None and type(head) is ColumnParallelLinear:
         head.__class__ = VLLMColumnParallelLinear  # same module, vLLM's GEMM (no state changes)
     rotary = getattr(model, "rotary_pos_emb", None)
-    if rotary is not None and getattr(config, "zoo_vllm_rope", None) is None:
+    if arch.mla is not None and getattr(config, "zoo_vllm_rope", None) is None:  # read by VLLMMLASelfAttention
+        config.zoo_vllm_rope = _mla_rope(arch, dtype, reference, next(model.parameters()).device)
+    elif rotary is not None and getattr(config, "zoo_vllm_rope", None) is None:
         if reference:
             device = next(model.parameters()).device
             config.zoo_vllm_rope = vllm_ops.VLLMRope.reference(rotary.inv_freq, arch.max_position_embeddings,
@@ -511,3 +731,17 @@ def install(model: torch.nn.Module, arch: Any, config: Any, dtype: torch.dtype) 
                 dict(arch.hf_config), arch.head_dim, dtype, torch.device("cuda", torch.cuda.current_device())
             )
     install_rope_dispatch()  # vLLM's RoPE for a config carrying zoo_vllm_rope
+
+
+def _mla_rope(arch: Any, dtype: torch.dtype, reference: bool, device: torch.device) -> vllm_ops.VLLMRope:
+    """MLA's RoPE cache: vLLM's (``get_rope`` on the GPU, ``deepseek_yarn``), or for the torch
+    stand-ins the same formula on transformers' frequencies and YaRN attention factor."""
+    rot = arch.mla.qk_rope_head_dim
+    if not reference:
+        return vllm_ops.VLLMRope.from_hf_config(dict(arch.hf_config), rot, dtype,
+                                                torch.device("cuda", torch.cuda.current_device()), mla=True)  # fmt: skip
+    from ..config.rope import inv_freq
+
+    freqs, scaling = inv_freq(arch.rope, rot, arch.max_position_embeddings)
+    return vllm_ops.VLLMRope.reference(freqs, arch.max_position_embeddings, rot, dtype, device, scale=float(scaling),
+                                       neox=False)  # fmt: skip

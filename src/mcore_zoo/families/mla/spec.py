@@ -299,11 +299,17 @@ def mla_attention_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile
     from megatron.core.tensor_parallel import ColumnParallelLinear
     from megatron.core.transformer.identity_op import IdentityOp
 
-    norm = _fixed_eps_norm(pieces["qk_norm"], arch.mla.latent_norm_eps)
+    module = mla_attention_class()
+    eps = arch.mla.latent_norm_eps
+    if numerics.kernels == "vllm":  # vLLM's MLA layer (mcore_zoo.specs.vllm_exact), its latent norms at rms_norm_eps
+        from mcore_zoo.specs.vllm_exact import vllm_mla_attention_class
+
+        module, eps = vllm_mla_attention_class(), arch.norm_eps
+    norm = _fixed_eps_norm(pieces["qk_norm"], eps)
     column, row = pieces["linear_qkv"], pieces["linear_proj"]
     down = ColumnParallelLinear  # MLA accepts only mcore's own classes for the down projections (no biases)
     return ModuleSpec(
-        module=mla_attention_class(),
+        module=module,
         params={"attn_mask_type": AttnMaskType.causal, "arch": arch},
         submodules=MLASelfAttentionSubmodules(
             linear_q_proj=column,
