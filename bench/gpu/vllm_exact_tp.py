@@ -29,6 +29,9 @@ Qwen3-MoE (the GPU test's MoE case: 8 experts, top-2)::
     torchrun --standalone --nproc_per_node 2 bench/gpu/vllm_exact_tp.py --arch Qwen3MoeForCausalLM --out /tmp/tp2-moe.json
     torchrun --standalone --nproc_per_node 2 bench/gpu/vllm_exact_tp.py --arch Qwen3MoeForCausalLM --ep 2 --out /tmp/ep2-moe.json
 
+DeepSeek-V3 (``--arch DeepseekV3ForCausalLM``, the test's engine arguments: ``FLASH_ATTN_MLA``,
+``long_prefill_token_threshold=512``) runs the same way; not measured at TP2 yet.
+
 At TP2 the engine splits every expert's intermediate dimension over the two ranks and the trainer
 is built with ``Parallelism(tp=2)`` (expert-TP follows TP); ``--ep 2`` starts the engine with
 ``enable_expert_parallel=True`` (four whole experts per rank) and builds the trainer with
@@ -67,7 +70,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
     import vllm
-    from test_vllm_exact_gpu import ARCHS, PROMPTS, SIZES, _sample
+    from test_vllm_exact_gpu import ARCHS, ENGINE_ARGS, PROMPTS, SIZES, _sample
 
     import mcore_zoo
     from mcore_zoo.parity.reference import write_reference_checkpoint
@@ -91,13 +94,13 @@ def main() -> None:
         model = mcore_zoo.build_model(ckpt, backend="local", numerics="vllm-exact", params_dtype=torch.bfloat16, load=ckpt,
                                       parallel=parallel)  # fmt: skip
         export = os.path.join(tmp, "export")
-        mcore_zoo.save_hf_checkpoint(model, export, dtype=torch.bfloat16, overwrite=True)
+        mcore_zoo.save_hf_checkpoint(model, export, overwrite=True)  # the parameters' dtypes, as a refit sends them
         if dist.is_initialized():
             dist.barrier()
         kwargs = dict(model=export, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, seed=0,
                       max_model_len=512, gpu_memory_utilization=0.3, enable_prefix_caching=False, block_size=16,
-                      attention_backend="FLASH_ATTN", worker_extension_cls=VLLM_WORKER_EXTENSION,
-                      tensor_parallel_size=args.tp)  # fmt: skip
+                      worker_extension_cls=VLLM_WORKER_EXTENSION, tensor_parallel_size=args.tp,
+                      **{"attention_backend": "FLASH_ATTN", **ENGINE_ARGS.get(arch, {})})  # fmt: skip
         if args.tp > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
         if args.ep > 1:

@@ -4,8 +4,9 @@ the logits gathered before the log-prob kernel. Log-probs against transformers' 
 gradients against the single-process ``vllm-exact`` model (fp32: only the summation order of the
 row-parallel layers differs). Qwen3-MoE likewise at TP2 (every expert's intermediate dimension
 split, expert-TP 2) and at TP2 with expert parallelism 2 (whole experts split, expert-TP 1): the
-layouts of vLLM's TP2 engine without and with ``enable_expert_parallel``. Bitwise agreement with
-a TP2 vLLM engine needs two GPUs: bench/gpu/vllm_exact_tp.py."""
+layouts of vLLM's TP2 engine without and with ``enable_expert_parallel``; DeepSeek-V3 (MLA, the
+grouped router and shared expert) at TP2. Bitwise agreement with a TP2 vLLM engine needs two GPUs:
+bench/gpu/vllm_exact_tp.py."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ MOE_ARCH = "Qwen3MoeForCausalLM"
 MOE_OVERRIDES = {"num_hidden_layers": 3}
 #: vLLM's TP2 engine without / with enable_expert_parallel, as the trainer's layout: (tp, ep, etp)
 MOE_LAYOUTS = {"moe-tp2": (2, 1, 2), "moe-tp2-ep2": (2, 2, 1)}
+#: DeepSeek-V3's example config: MLA with a query LoRA, a dense first layer, 8 experts in 4 groups
+MLA_ARCH = "DeepseekV3ForCausalLM"
+MLA_OVERRIDES = {"num_hidden_layers": 3, "n_group": 4, "topk_group": 2}
 
 
 def _tp2_seqs() -> list:
@@ -55,6 +59,7 @@ def two_rank_runs(reference_checkpoint) -> SharedLaunch:
         "chain": (_chain_reduce_on_ranks, CHAIN_SHAPE),
         **{name: (_run, str(reference_checkpoint(MOE_ARCH, MOE_OVERRIDES)), *layout, _moe_seqs())
            for name, layout in MOE_LAYOUTS.items()},
+        "mla-tp2": (_run, str(reference_checkpoint(MLA_ARCH, MLA_OVERRIDES)), 2, _moe_seqs()),
     }, backend="gloo")  # fmt: skip
 
 
@@ -200,6 +205,34 @@ def test_vllm_exact_qwen3_moe_at_tp2_and_ep2_matches_transformers_and_its_tp1_gr
         assert rank0["grads"][name].shape == g.shape, (name, rank0["grads"][name].shape, g.shape)
         assert torch.equal(rank0["grads"][name], rank1["grads"][name]), name
         assert g.abs().max() > 0, name
+        assert (rank0["grads"][name] - g).abs().max() <= 1e-5 * max(1.0, g.abs().max().item()), name
+
+
+def test_vllm_exact_deepseek_v3_at_tp2_matches_transformers_and_its_tp1_gradients(reference_checkpoint, hf_reference,
+                                                                                 two_rank_runs):  # fmt: skip
+    """DeepSeek-V3 at TP2 as vLLM's TP2 engine splits it: the MLA down projections' outputs whole on
+    both ranks, the query up projection and the absorbed key / value weights by heads, ``o_proj``'s
+    partial sums all-reduced; the MoE blocks' routed experts at expert-TP 2 with the shared expert's
+    shards, routed scale and shared expert added to the partial before the block's all-reduce.
+    Both ranks' log-probs the same and within 2e-5 of transformers' eager model; every gradient
+    (the down projections' and the latent norms' included) that of the single-process model."""
+    ckpt = reference_checkpoint(MLA_ARCH, MLA_OVERRIDES)
+    seqs = _moe_seqs()
+    rank0, rank1 = two_rank_runs["mla-tp2"]
+    (single,) = launch(_run, 1, str(ckpt), 1, seqs)
+    assert {"VLLMMLASelfAttention", "VLLMMoELayer", "VLLMRouter", "VLLMRowParallelLinear"} <= rank0["kinds"]
+    assert single["block_reduces"] == 0 and rank0["block_reduces"] == rank1["block_reduces"] == 2  # layers 1 and 2
+    hf = hf_reference(MLA_ARCH, ckpt)
+    with torch.no_grad():
+        for s, a, b in zip(seqs, rank0["logprobs"], rank1["logprobs"]):
+            want = torch.log_softmax(hf(s[None]).logits[0, :-1].float(), -1).gather(-1, s[1:, None]).squeeze(-1)
+            assert torch.equal(a, b)
+            assert (a - want).abs().max() <= 2e-5
+    assert set(rank0["grads"]) == set(single["grads"])
+    assert any("kv_a_proj_with_mqa" in n for n in single["grads"]) and any("shared_experts" in n for n in single["grads"])
+    for name, g in single["grads"].items():
+        assert rank0["grads"][name].shape == g.shape, (name, rank0["grads"][name].shape, g.shape)
+        assert torch.equal(rank0["grads"][name], rank1["grads"][name]), name
         assert (rank0["grads"][name] - g).abs().max() <= 1e-5 * max(1.0, g.abs().max().item()), name
 
 

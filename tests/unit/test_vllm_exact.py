@@ -521,8 +521,7 @@ def test_vllm_exact_moe_takes_the_engines_layouts_and_refuses_others(reference_c
 def test_vllm_exact_refuses_the_widths_where_vllm_switches_kernels_by_token_count(config_file):
     """At DeepSeek-V3's and Kimi-K2's published widths vLLM 0.26 runs the fused q / kv down GEMM
     (2112 x 7168) and the router GEMM with kernels chosen by the step's token count: refused, naming
-    both. The GPU test's width (hidden 1024) has neither; a published config at TP2 is refused for
-    its MLA first."""
+    both. The same configs at hidden 1024 (the GPU test's width) have neither and are accepted at TP8."""
     import json
     from types import SimpleNamespace
 
@@ -536,10 +535,10 @@ def test_vllm_exact_refuses_the_widths_where_vllm_switches_kernels_by_token_coun
     assert len(found) == 2 and "2112 x 7168" in found[0] and "x 7168: dsv3_router_gemm" in found[1]
     with pytest.raises(ZooError, match="dsv3_fused_a_gemm or cuBLAS.*dsv3_router_gemm"):
         check_supported(arch, SimpleNamespace(), VLLM_EXACT)
-    with pytest.raises(ZooError, match="multi-head latent attention at tensor_model_parallel_size=1 only, got 2"):
-        check_supported(arch, SimpleNamespace(tensor_model_parallel_size=2), VLLM_EXACT)
     narrow = mcore_zoo.lookup(raw).config_from_hf(dict(raw, hidden_size=1024))
     assert token_count_kernels(narrow) == []
+    check_supported(narrow, SimpleNamespace(tensor_model_parallel_size=8, gated_linear_unit=True,
+                                            activation_func=torch.nn.functional.silu), VLLM_EXACT)  # vLLM TP8
 
 
 def _moe_block_inputs(dtype, n=37, hidden=32, inter=24, experts=8, k=3, seed=5):

@@ -65,8 +65,10 @@ vLLM's ``grouped_topk`` kernel; :meth:`VLLMMoELayer.combine` scales the routed s
 
 Scope (refused otherwise, naming the reason): dense RMSNorm + SwiGLU + NeoX RoPE decoders (the
 dense built-ins) at any TP, Qwen3-MoE (softmax top-k router, no shared expert) at TP1 or at the two
-TP N layouts above, and DeepSeek-V3 at TP1 at widths where vLLM keeps its batch-invariant GEMMs
-(:func:`token_count_kernels`: not DeepSeek-V3's / Kimi-K2's own 7168); context parallel size 1,
+TP N layouts above, and DeepSeek-V3 at TP1 or TP N with expert-TP N (its MLA split as vLLM's TP
+engine splits it; measured against an engine at TP1, checked on the CPU at TP2) at widths where
+vLLM keeps its batch-invariant GEMMs (:func:`token_count_kernels`: not DeepSeek-V3's / Kimi-K2's
+own 7168); context parallel size 1,
 no sequence parallelism. Measured against engines of the same layout (H100s, 2026-11-27,
 bench/gpu/vllm_exact_tp.py): every decoder layer bitwise at TP1; at TP1, TP2 and TP2 x EP2 every
 sampled and prompt log-prob bitwise, with the log-prob head following the engine's model runner;
@@ -265,7 +267,10 @@ def vllm_mla_attention_class() -> type:
         ``linear_kv_up_proj``, ``linear_proj``), so the checkpoint mapping is the MLA family's own;
         ``W_UK_T`` / ``W_UV`` are views of ``linear_kv_up_proj.weight``
         (:func:`vllm_ops.mla_absorbed_weights`). The softmax scale is HF's (the same Python float
-        vLLM computes: ``(P + R) ** -0.5 * mscale ** 2``). Tensor parallel size 1.
+        vLLM computes: ``(P + R) ** -0.5 * mscale ** 2``). Under tensor parallelism the layer is
+        split as vLLM's TP engine splits it: the down projections' outputs whole on every rank
+        (:meth:`_whole_down`), the query up projection and ``W_UK_T`` / ``W_UV`` by heads,
+        ``o_proj`` by input columns with its partial sums all-reduced (:class:`VLLMRowParallelLinear`).
 
         ``forward(hidden_states [s, b, H] | THD [t, 1, H], attention_mask, ..., packed_seq_params)
         -> (output of the same layout, bias)``; positions restart at every sequence of a THD pack
@@ -279,9 +284,7 @@ def vllm_mla_attention_class() -> type:
                 if getattr(linear, "bias", None) is not None:
                     raise ZooError(f"numerics 'vllm-exact': MLA {name} has a bias (vLLM's DeepSeek layer has none)")
             tp = getattr(self.linear_kv_up_proj, "tp_group", None)
-            if tp is not None and tp.size() > 1:
-                raise ZooError("numerics 'vllm-exact' computes multi-head latent attention at tensor parallel size 1"
-                               f" only (got {tp.size()})")  # fmt: skip
+            self._zoo_tp_group = tp if tp is not None and tp.size() > 1 else None
 
         def forward(self, hidden_states: torch.Tensor, attention_mask: Any = None, *args: Any,
                     packed_seq_params: Any = None, **kwargs: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:  # fmt: skip
@@ -314,17 +317,26 @@ def vllm_mla_attention_class() -> type:
             heads = self.num_attention_heads_per_partition
             nope, pe, v = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
             latent = cfg.kv_lora_rank
-            if cfg.q_lora_rank is not None:
+            group = self._zoo_tp_group
+            if group is not None:  # the replicated input's gradient: summed over the ranks' shares
+                from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+                x = copy_to_tensor_model_parallel_region(x, group=group)
+            if cfg.q_lora_rank is not None and group is None:
                 fused = torch.cat([self.linear_q_down_proj.weight, self.linear_kv_down_proj.weight])
                 q_c, kv_c, k_pe = vllm_ops.linear(x, fused).split([cfg.q_lora_rank, latent, pe], dim=-1)
                 q = vllm_ops.linear(self.q_layernorm(q_c), self.linear_q_up_proj.weight)
+            elif cfg.q_lora_rank is not None:
+                q_c = self.q_layernorm(self._whole_down(x, self.linear_q_down_proj.weight))
+                q = vllm_ops.linear(self._heads_share(q_c), self.linear_q_up_proj.weight)
+                kv_c, k_pe = self._whole_down(x, self.linear_kv_down_proj.weight).split([latent, pe], dim=-1)
             else:
-                kv_c, k_pe = vllm_ops.linear(x, self.linear_kv_down_proj.weight).split([latent, pe], dim=-1)
+                kv_c, k_pe = self._whole_down(x, self.linear_kv_down_proj.weight).split([latent, pe], dim=-1)
                 q = vllm_ops.linear(x, self.linear_q_proj.weight)
             q_nope, q_pe = q.view(n, heads, nope + pe).split([nope, pe], dim=-1)
-            kv_c = self.kv_layernorm(kv_c)
+            kv_c = self._heads_share(self.kv_layernorm(kv_c))
             q_pe = rope.rotate(q_pe.reshape(n, heads * pe), positions).view(n, heads, pe)
-            k_pe = rope.rotate(k_pe.contiguous(), positions)
+            k_pe = self._heads_share(rope.rotate(k_pe.contiguous(), positions))
             w_uk_t, w_uv = vllm_ops.mla_absorbed_weights(self.linear_kv_up_proj.weight, heads, nope, v)
             o = vllm_ops.mla_absorbed_attention(q_nope, q_pe, kv_c, k_pe, w_uk_t, w_uv, lengths, scale=self.softmax_scale)
             out, bias = self.linear_proj(o.reshape(n, heads * v))
@@ -333,6 +345,32 @@ def vllm_mla_attention_class() -> type:
             else:
                 out = out.view(*hidden_states.shape[:-1], -1)
             return out, bias
+
+        def _whole_down(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            """A down projection's whole output ``[n, out]`` on every rank, as vLLM's replicated
+            ``fused_qkv_a_proj`` / ``kv_a_proj_with_mqa`` computes it: under TP this rank's rows
+            (Megatron-Core splits the weight) by vLLM's GEMM, gathered over TP. Each output column
+            is then the dot product the whole GEMM computes for it; that the batch-invariant GEMM's
+            bits do not depend on the number of columns is its fixed tiling's premise, not measured
+            on a GPU for this split. Backward: each rank keeps its columns' gradient (whole:
+            :meth:`_heads_share` summed it over TP where the heads split)."""
+            y = vllm_ops.linear(x, weight)
+            if self._zoo_tp_group is None:
+                return y
+            from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+            return gather_from_tensor_model_parallel_region(y, group=self._zoo_tp_group)
+
+        def _heads_share(self, t: torch.Tensor) -> torch.Tensor:
+            """A replicated tensor (normalised latent, RoPE'd ``k_pe``, normalised ``q_c``) entering
+            this rank's heads: identity forward; backward under TP, its gradient (this rank's heads'
+            share) summed over TP, so every replicated step before it - the latent norms' weights
+            included - gets the whole gradient on every rank."""
+            if self._zoo_tp_group is None:
+                return t
+            from ..families.mla.spec import sum_grad_over_tp
+
+            return sum_grad_over_tp(t, self._zoo_tp_group)
 
     return VLLMMLASelfAttention
 
@@ -607,7 +645,8 @@ MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 def check_mla_supported(arch: Any, config: Any) -> None:
     """Refuse, naming the reason, an MLA model the ``vllm-exact`` layer does not compute as vLLM's
     ``DeepseekV2MLAAttention`` does: architectures other than DeepSeek-V3's, DeepSeek sparse
-    attention, RoPE other than GPT-J pairs with default or YaRN scaling, tensor parallelism."""
+    attention, RoPE other than GPT-J pairs with default or YaRN scaling, the widths where vLLM
+    picks GEMM kernels by token count (:func:`token_count_kernels`)."""
     name, mla = arch.architecture, arch.mla
     if name not in MLA_ARCHITECTURES:
         raise ZooError(f"{name}: numerics 'vllm-exact' computes the multi-head latent attention of"
@@ -621,10 +660,6 @@ def check_mla_supported(arch: Any, config: Any) -> None:
     if arch.rope.rope_type not in ("default", "yarn"):
         raise ZooError(f"{name}: numerics 'vllm-exact' builds MLA's RoPE cache for rope_type default or yarn"
                        f" (vLLM's deepseek_yarn), not {arch.rope.rope_type!r}")  # fmt: skip
-    tp = getattr(config, "tensor_model_parallel_size", 1) or 1
-    if tp != 1:
-        raise ZooError(f"{name}: numerics 'vllm-exact' computes multi-head latent attention at"
-                       f" tensor_model_parallel_size=1 only, got {tp}")  # fmt: skip
     switches = token_count_kernels(arch)
     if switches:
         raise ZooError(f"{name}: at this width vLLM 0.26 picks {' and '.join(switches)} by the step's token count, not"
