@@ -417,10 +417,23 @@ def test_qwen3_moe_matches_hf_exact_and_every_expert_gets_a_gradient(reference_c
     softmax top-k and expert sums in another op order: a few fp32 ulps of the activations; the
     bounds are the dense decoders' above, 2e-5 on log-probs and 1e-5 of the largest gradient;
     measured: 1e-6 and 2e-6); every expert's fc1 / fc2 and the router weight get a gradient."""
-    ckpt = reference_checkpoint("Qwen3MoeForCausalLM", {"num_hidden_layers": 3})
-    hf = hf_reference("Qwen3MoeForCausalLM", ckpt)
-    vocab = hf.config.vocab_size
-    seqs = random_sequences([11, 6, 15], vocab)
+    grads, model = _moe_against_transformers(reference_checkpoint, hf_reference, "Qwen3MoeForCausalLM", {"num_hidden_layers": 3})
+    layers = model.decoder.layers
+    assert type(layers[0].mlp).__name__ == "VLLMMoELayer" and type(layers[0].mlp.router).__name__ == "VLLMRouter"
+    assert type(layers[1].mlp).__name__ == "VLLMMLP"  # mlp_only_layers: [1]
+    assert type(layers[0].input_layernorm).__name__ == "VLLMRMSNorm"
+    expert_params = [n for n, _ in model.named_parameters() if ".experts." in n or ".router." in n]
+    assert expert_params and all(n in grads and grads[n].abs().sum() > 0 for n in expert_params)
+
+
+def _moe_against_transformers(reference_checkpoint, hf_reference, arch: str, overrides: dict) -> tuple:
+    """An MoE checkpoint of ``arch`` as ``vllm-exact`` and ``hf-exact`` (torch stand-ins, fp32) on a
+    pack of 11, 6 and 15 tokens: both within 2e-5 of transformers' eager log-probs, the same
+    parameters with gradients, ``vllm-exact``'s within 1e-5 of ``hf-exact``'s largest. Returns
+    ``(vllm-exact's gradients, the vllm-exact model)``."""
+    ckpt = reference_checkpoint(arch, overrides)
+    hf = hf_reference(arch, ckpt)
+    seqs = random_sequences([11, 6, 15], hf.config.vocab_size)
     with torch.no_grad():
         want = [torch.log_softmax(hf(s[None]).logits[0, :-1].float(), -1).gather(-1, s[1:, None]).squeeze(-1) for s in seqs]
 
@@ -428,15 +441,10 @@ def test_qwen3_moe_matches_hf_exact_and_every_expert_gets_a_gradient(reference_c
         return torch.where(t.mask, -t.logprobs, 0.0).sum(), {}
 
     grads, model = _against_hf_exact(ckpt, seqs, want, loss_fn)
-    layers = model.decoder.layers
-    assert type(layers[0].mlp).__name__ == "VLLMMoELayer" and type(layers[0].mlp.router).__name__ == "VLLMRouter"
-    assert type(layers[1].mlp).__name__ == "VLLMMLP"  # mlp_only_layers: [1]
-    assert type(layers[0].input_layernorm).__name__ == "VLLMRMSNorm"
-    expert_params = [n for n, _ in model.named_parameters() if ".experts." in n or ".router." in n]
-    assert expert_params and all(n in grads["vllm-exact"] and grads["vllm-exact"][n].abs().sum() > 0 for n in expert_params)
     assert set(grads["vllm-exact"]) == set(grads["hf-exact"])
     for name, g in grads["hf-exact"].items():
         assert (grads["vllm-exact"][name] - g).abs().max() <= 1e-5 * max(1.0, g.abs().max().item()), name
+    return grads["vllm-exact"], model
 
 
 def test_deepseek_v3_matches_transformers_and_hf_exact_gradients(reference_checkpoint, hf_reference, mpu):
@@ -445,29 +453,16 @@ def test_deepseek_v3_matches_transformers_and_hf_exact_gradients(reference_check
     router with the score-correction bias, routed scale on the output and the shared expert added,
     a dense first layer) gives transformers' eager log-probs and hf-exact's gradients up to fp32
     rounding (the dense decoders' bounds: 2e-5 on log-probs, 1e-5 of the largest gradient). SBHD
-    (a batch of equal lengths) gives the THD pack's values. Every parameter gets a gradient but the
-    score-correction bias, which only chooses."""
-    arch = "DeepseekV3ForCausalLM"
-    ckpt = reference_checkpoint(arch, {"num_hidden_layers": 3, "n_group": 4, "topk_group": 2})
-    hf = hf_reference(arch, ckpt)
-    vocab = hf.config.vocab_size
-    seqs = random_sequences([11, 6, 15], vocab)
-    with torch.no_grad():
-        want = [torch.log_softmax(hf(s[None]).logits[0, :-1].float(), -1).gather(-1, s[1:, None]).squeeze(-1) for s in seqs]
-
-    def loss_fn(t):
-        return torch.where(t.mask, -t.logprobs, 0.0).sum(), {}
-
-    grads, model = _against_hf_exact(ckpt, seqs, want, loss_fn)
+    (a batch of equal lengths) gives the THD pack's values. Every parameter gets a gradient (the
+    score-correction bias is a buffer: it only chooses)."""
+    grads, model = _moe_against_transformers(reference_checkpoint, hf_reference, "DeepseekV3ForCausalLM",
+                                             {"num_hidden_layers": 3, "n_group": 4, "topk_group": 2})  # fmt: skip
+    vocab = model.vocab_size
     layers = model.decoder.layers
     assert type(layers[0].self_attention).__name__ == "VLLMMLASelfAttention"
     assert type(layers[0].mlp).__name__ == "VLLMMLP" and type(layers[1].mlp).__name__ == "VLLMMoELayer"  # first_k_dense_replace
     assert layers[1].mlp.router.groups == (4, 2) and layers[1].mlp.shared_experts is not None
-    assert set(grads["vllm-exact"]) == set(grads["hf-exact"])
-    assert {n for n, p in model.named_parameters()} - set(grads["vllm-exact"]) <= {
-        n for n, _ in model.named_parameters() if n.endswith("expert_bias")}  # fmt: skip
-    for name, g in grads["hf-exact"].items():
-        assert (grads["vllm-exact"][name] - g).abs().max() <= 1e-5 * max(1.0, g.abs().max().item()), name
+    assert set(grads) == {n for n, _ in model.named_parameters()}
     with use_kernels(ReferenceKernels()), torch.no_grad():  # SBHD: positions 0 .. s - 1 of each row
         batch = torch.stack(random_sequences([9, 9], vocab, seed=3))
         sbhd = model(batch, torch.arange(9)[None].expand(2, -1), None)
