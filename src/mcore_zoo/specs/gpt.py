@@ -207,7 +207,10 @@ def gpt_layer_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile, *,
         mlp = mlp_submodule(p["linear_fc1"], p["linear_fc2"], module=p.get("mlp"))
     qk_norm = p["qk_norm"] if arch.qk_norm else IdentityOp
     if arch.mla is not None:  # DeepSeek multi-head latent attention (mcore_zoo.families.mla.spec)
-        from ..families.mla.spec import mla_attention_spec
+        if numerics.kernels == "vllm":  # vLLM's absorbed MLA layer
+            from .vllm_exact import mla_attention_spec
+        else:
+            from ..families.mla.spec import mla_attention_spec
 
         attention = mla_attention_spec(arch, backend, numerics, attention_pieces)
         if arch.mla.indexer is not None:  # DeepSeek sparse attention (mcore_zoo.families.dsa.spec)

@@ -375,6 +375,15 @@ def vllm_mla_attention_class() -> type:
     return VLLMMLASelfAttention
 
 
+def mla_attention_spec(arch: Any, backend: str, numerics: Any, pieces: dict[str, Any]) -> Any:
+    """The ``self_attention`` spec of a ``vllm-exact`` MLA layer: the MLA family's
+    (:func:`mcore_zoo.families.mla.spec.mla_attention_spec`) built as :class:`VLLMMLASelfAttention`,
+    its latent norms at ``rms_norm_eps`` (vLLM builds them so; transformers at 1e-6)."""
+    from ..families.mla.spec import mla_attention_spec as family_spec
+
+    return family_spec(arch, backend, numerics, pieces, module=vllm_mla_attention_class(), latent_norm_eps=arch.norm_eps)
+
+
 class VLLMRouter(TopKRouter):
     """Megatron-Core's ``TopKRouter`` (same ``weight``, same routing replay object) computing the
     routing as vLLM's ``FusedMoE`` does: the logits by vLLM's GEMM in the model dtype (vLLM's gate

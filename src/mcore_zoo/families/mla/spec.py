@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -278,8 +278,11 @@ def _fixed_eps_norm(norm: Any, eps: float) -> Any:
     return LatentNorm
 
 
-def mla_attention_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile, pieces: dict[str, Any]) -> Any:
-    """The ``self_attention`` ``ModuleSpec`` of an MLA layer (``pieces``: the backend's modules)."""
+def mla_attention_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile, pieces: dict[str, Any], *,
+                       module: Any = None, latent_norm_eps: Optional[float] = None) -> Any:  # fmt: skip
+    """The ``self_attention`` ``ModuleSpec`` of an MLA layer (``pieces``: the backend's modules).
+    ``module``: a subclass of :func:`mla_attention_class`'s to build instead (``vllm-exact``'s);
+    ``latent_norm_eps``: the latent norms' epsilon (default: HF's, ``arch.mla.latent_norm_eps``)."""
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -299,12 +302,8 @@ def mla_attention_spec(arch: ArchConfig, backend: str, numerics: NumericsProfile
     from megatron.core.tensor_parallel import ColumnParallelLinear
     from megatron.core.transformer.identity_op import IdentityOp
 
-    module = mla_attention_class()
-    eps = arch.mla.latent_norm_eps
-    if numerics.kernels == "vllm":  # vLLM's MLA layer (mcore_zoo.specs.vllm_exact), its latent norms at rms_norm_eps
-        from mcore_zoo.specs.vllm_exact import vllm_mla_attention_class
-
-        module, eps = vllm_mla_attention_class(), arch.norm_eps
+    module = mla_attention_class() if module is None else module
+    eps = arch.mla.latent_norm_eps if latent_norm_eps is None else latent_norm_eps
     norm = _fixed_eps_norm(pieces["qk_norm"], eps)
     column, row = pieces["linear_qkv"], pieces["linear_proj"]
     down = ColumnParallelLinear  # MLA accepts only mcore's own classes for the down projections (no biases)
