@@ -937,6 +937,14 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
 
 
 # ---------------------------------------------------------------------------- RoPE tables
+def sequence_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Each token's position in its sequence (int64 ``[T]``, on ``cu_seqlens``' device) for a pack
+    whose sequences have the bounds ``cu_seqlens`` (int ``[B + 1]``): ``0 .. n - 1`` per sequence."""
+    lengths = cu_seqlens.diff().long()
+    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
+    return torch.arange(int(lengths.sum()), device=cu_seqlens.device) - starts
+
+
 @dataclass
 class VLLMRope:
     """vLLM's RoPE for one model: its ``cos_sin_cache`` (built by vLLM's ``get_rope`` on the GPU in
@@ -999,10 +1007,8 @@ class VLLMRope:
         every sequence), or SBHD ``[s, b, h, d]`` (positions ``0 .. s - 1``)."""
         shape = t.shape
         if cu_seqlens is not None:
-            lengths = cu_seqlens.diff().long()
-            starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
-            positions = torch.arange(int(lengths.sum()), device=t.device) - starts.to(t.device)
-            rows = int(lengths.sum())
+            positions = sequence_positions(cu_seqlens).to(t.device)
+            rows = positions.numel()
         else:
             s, b = shape[0], shape[1]
             positions = torch.arange(s, device=t.device).repeat_interleave(b)

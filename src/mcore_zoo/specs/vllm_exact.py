@@ -196,6 +196,28 @@ class VLLMMLP(MLP):
         return self.linear_fc2(vllm_ops.silu_and_mul(x))
 
 
+def _thd_bounds(packed_seq_params: Any) -> Optional[torch.Tensor]:
+    """A THD pack's sequence bounds (int ``cu_seqlens`` ``[B + 1]``; the padded ones where the pack
+    has them: a sequence's padding follows its real tokens, which never see it), or ``None`` for
+    SBHD input."""
+    if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+        return None
+    cu = packed_seq_params.cu_seqlens_q_padded
+    return packed_seq_params.cu_seqlens_q if cu is None else cu
+
+
+def _thd_lengths(cu: torch.Tensor) -> torch.Tensor:
+    """The lengths of the pack's non-empty sequences (the attention kernels' ``lengths``)."""
+    lengths = cu.diff()
+    return lengths[lengths > 0]
+
+
+def _sbhd_rows(t: torch.Tensor) -> torch.Tensor:
+    """``[s, b, ...]`` -> ``[b * s, ...]``: the batch's sequences back to back."""
+    s, b = t.shape[0], t.shape[1]
+    return t.transpose(0, 1).reshape(b * s, *t.shape[2:])
+
+
 class VLLMAttention(PortableAttention):
     """Core attention with vLLM's FlashAttention prefill (paged KV cache, ``num_splits=1``).
 
@@ -220,22 +242,16 @@ class VLLMAttention(PortableAttention):
             raise NotImplementedError("vllm-exact attention does not take an attention bias")
         if self.training and self.dropout_p:
             raise ZooError("numerics 'vllm-exact': attention dropout must be 0 (vLLM has none)")
-        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+        cu = _thd_bounds(packed_seq_params)
+        if cu is not None:
             if query.dim() == 4:
                 query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
-            cu = packed_seq_params.cu_seqlens_q_padded
-            cu = packed_seq_params.cu_seqlens_q if cu is None else cu
-            lengths = cu.diff()
-            keep = lengths > 0
-            out = vllm_ops.attention(query, key, value, lengths[keep], scale=self.scale, window=self.window)
+            out = vllm_ops.attention(query, key, value, _thd_lengths(cu), scale=self.scale, window=self.window)
             return out.reshape(out.shape[0], -1)
         s, b = query.shape[0], query.shape[1]
-
-        def rows(t: torch.Tensor) -> torch.Tensor:  # [s, b, h, d] -> [b * s, h, d]
-            return t.transpose(0, 1).reshape(b * s, *t.shape[2:])
-
         lengths = torch.full((b,), s, dtype=torch.int32, device=query.device)
-        out = vllm_ops.attention(rows(query), rows(key), rows(value), lengths, scale=self.scale, window=self.window)
+        out = vllm_ops.attention(_sbhd_rows(query), _sbhd_rows(key), _sbhd_rows(value), lengths, scale=self.scale,
+                                 window=self.window)  # fmt: skip
         return out.view(b, s, -1).transpose(0, 1).contiguous()
 
     def extra_repr(self) -> str:
@@ -298,19 +314,15 @@ def vllm_mla_attention_class() -> type:
             if rope is None:
                 raise ZooError("numerics 'vllm-exact': the MLA layer has no vLLM RoPE cache (build the model with"
                                " mcore_zoo.build_model)")  # fmt: skip
-            thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
-            hidden = hidden_states.shape[-1]
+            cu = _thd_bounds(packed_seq_params)
+            thd = cu is not None
             if thd:
-                cu = packed_seq_params.cu_seqlens_q_padded
-                cu = packed_seq_params.cu_seqlens_q if cu is None else cu
-                lengths = cu.diff()
-                lengths = lengths[lengths > 0]
-                x = hidden_states.reshape(-1, hidden)
-                starts = torch.repeat_interleave(cu[:-1].long(), cu.diff().long())
-                positions = torch.arange(x.shape[0], device=x.device) - starts.to(x.device)
+                x = hidden_states.reshape(-1, hidden_states.shape[-1])
+                lengths = _thd_lengths(cu)
+                positions = vllm_ops.sequence_positions(cu).to(x.device)
             else:
                 s, b = hidden_states.shape[0], hidden_states.shape[1]
-                x = hidden_states.transpose(0, 1).reshape(b * s, hidden)  # sequences back to back
+                x = _sbhd_rows(hidden_states)
                 lengths = torch.full((b,), s, dtype=torch.int32, device=x.device)
                 positions = torch.arange(s, device=x.device).repeat(b)
             n = x.shape[0]
