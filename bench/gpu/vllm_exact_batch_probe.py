@@ -107,14 +107,12 @@ def _logprob_positions(llm, model, prompts: list) -> dict:
     sampled = _sample(llm, prompts)
     store = llm.collective_rpc(_engine_take)[0]
     full = [torch.cat([p, g]) for p, (g, _, _) in zip(prompts, sampled)]
+    norm_rows = {}
     with torch.no_grad():
         out = mcore_zoo.packed_forward(model, [s.cuda() for s in full], return_logits=True)
-        only = mcore_zoo.packed_forward(model, [p.cuda() for p in prompts], return_logits=True)
-    norm_rows = {}
-    hook = model.decoder.final_layernorm.register_forward_hook(lambda _m, _i, o: norm_rows.setdefault("x", o.detach().clone()))
-    with torch.no_grad():
-        mcore_zoo.packed_forward(model, [p.cuda() for p in prompts])
-    hook.remove()
+        hook = model.decoder.final_layernorm.register_forward_hook(lambda _m, _i, o: norm_rows.setdefault("x", o.detach().clone()))
+        only = mcore_zoo.packed_forward(model, [p.cuda() for p in prompts], return_logits=True)  # its final norm kept
+        hook.remove()
     result: dict = {"engine_logits_calls": [list(t.shape) for t in store["logits"][:6]],
                     "engine_norm_calls": [list(t.shape) for t in store["norm"][:6]]}  # fmt: skip
     zoo_norm = norm_rows["x"].reshape(-1, norm_rows["x"].shape[-1])

@@ -139,23 +139,35 @@ def _moe_rank_state(model, seqs: list, logprobs: list, grads: dict) -> dict:
     return found
 
 
+def _logprobs_match_transformers(hf, seqs: list, rank0: dict, rank1: dict) -> None:
+    """Both ranks' log-probs equal, and within 2e-5 of transformers' eager model's."""
+    with torch.no_grad():
+        for s, a, b in zip(seqs, rank0["logprobs"], rank1["logprobs"]):
+            want = torch.log_softmax(hf(s[None]).logits[0, :-1].float(), -1).gather(-1, s[1:, None]).squeeze(-1)
+            assert torch.equal(a, b)  # every TP rank returns the same log-probs
+            assert (a - want).abs().max() <= 2e-5
+
+
+def _grads_match_tp1(rank0: dict, rank1: dict, single: dict, *, nonzero: bool = False) -> None:
+    """The same gradients (whole, under HF names) on both ranks, each within 1e-5 of the largest of
+    the single-process model's; ``nonzero``: none of them all zero."""
+    assert set(rank0["grads"]) == set(single["grads"])
+    for name, g in single["grads"].items():
+        assert rank0["grads"][name].shape == g.shape, (name, rank0["grads"][name].shape, g.shape)
+        assert torch.equal(rank0["grads"][name], rank1["grads"][name]), name
+        if nonzero:
+            assert g.abs().max() > 0, name
+        assert (rank0["grads"][name] - g).abs().max() <= 1e-5 * max(1.0, g.abs().max().item()), name
+
+
 def test_vllm_exact_tp2_matches_transformers_and_its_tp1_gradients(reference_checkpoint, hf_reference, two_rank_runs):
     ckpt = reference_checkpoint("Qwen2ForCausalLM", TP2_OVERRIDES)
     seqs = _tp2_seqs()
     rank0, rank1 = two_rank_runs["tp2"]
     (single,) = launch(_run, 1, str(ckpt), 1, seqs)
     assert {"VLLMColumnParallelLinear", "VLLMRowParallelLinear", "VLLMAttention"} <= rank0["kinds"]
-    hf = hf_reference("Qwen2ForCausalLM", ckpt)
-    with torch.no_grad():
-        for s, a, b in zip(seqs, rank0["logprobs"], rank1["logprobs"]):
-            want = torch.log_softmax(hf(s[None]).logits[0, :-1].float(), -1).gather(-1, s[1:, None]).squeeze(-1)
-            assert torch.equal(a, b)  # every TP rank returns the same log-probs
-            assert (a - want).abs().max() <= 2e-5
-    assert set(rank0["grads"]) == set(single["grads"])
-    for name, g in single["grads"].items():
-        assert rank0["grads"][name].shape == g.shape, (name, rank0["grads"][name].shape, g.shape)
-        assert torch.equal(rank0["grads"][name], rank1["grads"][name]), name
-        assert (rank0["grads"][name] - g).abs().max() <= 1e-5 * max(1.0, g.abs().max().item()), name
+    _logprobs_match_transformers(hf_reference("Qwen2ForCausalLM", ckpt), seqs, rank0, rank1)
+    _grads_match_tp1(rank0, rank1, single)
 
 
 @pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
@@ -176,12 +188,7 @@ def test_vllm_exact_qwen3_moe_at_tp2_and_ep2_matches_transformers_and_its_tp1_gr
     (single,) = launch(_run, 1, str(ckpt), 1, seqs)
     assert {"VLLMMoELayer", "VLLMRouter", "VLLMRowParallelLinear"} <= rank0["kinds"]
     assert single["block_reduces"] == 0 and rank0["block_reduces"] == rank1["block_reduces"] == 2  # layers 1 and 3
-    hf = hf_reference(MOE_ARCH, ckpt)
-    with torch.no_grad():
-        for s, a, b in zip(seqs, rank0["logprobs"], rank1["logprobs"]):
-            want = torch.log_softmax(hf(s[None]).logits[0, :-1].float(), -1).gather(-1, s[1:, None]).squeeze(-1)
-            assert torch.equal(a, b)
-            assert (a - want).abs().max() <= 2e-5
+    _logprobs_match_transformers(hf_reference(MOE_ARCH, ckpt), seqs, rank0, rank1)
     # each rank holds what vLLM's rank holds: at TP2 rows [r * I/2, (r + 1) * I/2) of every expert's gate
     # and up (w13 = [gate shard; up shard]) and those columns of down; at EP2 experts [4r, 4r + 4) whole
     from safetensors.torch import load_file
@@ -199,13 +206,8 @@ def test_vllm_exact_qwen3_moe_at_tp2_and_ep2_matches_transformers_and_its_tp1_gr
             assert torch.equal(fc2, down[:, rows].to(fc2.dtype)), (layout, r, e)
     # routing replay: the recorded experts replayed give the same log-probs and gradients bit for bit
     assert all(rank["replay_logprobs_bitwise"] and rank["replay_grads_bitwise"] for rank in (rank0, rank1, single))
-    assert set(rank0["grads"]) == set(single["grads"])
     assert any(".mlp.experts." in n for n in single["grads"]) and any(".mlp.gate." in n for n in single["grads"])
-    for name, g in single["grads"].items():
-        assert rank0["grads"][name].shape == g.shape, (name, rank0["grads"][name].shape, g.shape)
-        assert torch.equal(rank0["grads"][name], rank1["grads"][name]), name
-        assert g.abs().max() > 0, name
-        assert (rank0["grads"][name] - g).abs().max() <= 1e-5 * max(1.0, g.abs().max().item()), name
+    _grads_match_tp1(rank0, rank1, single, nonzero=True)
 
 
 def test_vllm_exact_deepseek_v3_at_tp2_matches_transformers_and_its_tp1_gradients(reference_checkpoint, hf_reference,
@@ -222,18 +224,9 @@ def test_vllm_exact_deepseek_v3_at_tp2_matches_transformers_and_its_tp1_gradient
     (single,) = launch(_run, 1, str(ckpt), 1, seqs)
     assert {"VLLMMLASelfAttention", "VLLMMoELayer", "VLLMRouter", "VLLMRowParallelLinear"} <= rank0["kinds"]
     assert single["block_reduces"] == 0 and rank0["block_reduces"] == rank1["block_reduces"] == 2  # layers 1 and 2
-    hf = hf_reference(MLA_ARCH, ckpt)
-    with torch.no_grad():
-        for s, a, b in zip(seqs, rank0["logprobs"], rank1["logprobs"]):
-            want = torch.log_softmax(hf(s[None]).logits[0, :-1].float(), -1).gather(-1, s[1:, None]).squeeze(-1)
-            assert torch.equal(a, b)
-            assert (a - want).abs().max() <= 2e-5
-    assert set(rank0["grads"]) == set(single["grads"])
+    _logprobs_match_transformers(hf_reference(MLA_ARCH, ckpt), seqs, rank0, rank1)
     assert any("kv_a_proj_with_mqa" in n for n in single["grads"]) and any("shared_experts" in n for n in single["grads"])
-    for name, g in single["grads"].items():
-        assert rank0["grads"][name].shape == g.shape, (name, rank0["grads"][name].shape, g.shape)
-        assert torch.equal(rank0["grads"][name], rank1["grads"][name]), name
-        assert (rank0["grads"][name] - g).abs().max() <= 1e-5 * max(1.0, g.abs().max().item()), name
+    _grads_match_tp1(rank0, rank1, single)
 
 
 # --- TP4: the row-parallel partial sums added in NCCL's tree order (vLLM's batch-invariant mode) ---
