@@ -476,9 +476,14 @@ def test_vllm_worker_extension_refuses_direct_writes_into_a_relaid_out_moe(mpu, 
 
 def test_vllm_worker_extension_converts_into_engine_dtypes(mpu, reference_checkpoint):
     """bf16 shards into an engine whose router and correction bias are fp32 (vLLM's GLM-4.5):
-    ``copy_`` upcasts exactly as vLLM's default loader does with the bf16 export."""
+    ``copy_`` upcasts the bf16 router weight exactly as vLLM's default loader does with the bf16
+    export; the correction bias (a checkpoint-state buffer) is sent in its own fp32, unrounded."""
     _, model, config, hf = _setup(reference_checkpoint, "Glm4MoeForCausalLM", {})
-    want = vllm_engine_tensors({k: v.to(torch.bfloat16) for k, v in hf.items()}, config, 1)[0]
+    biases = [k for k in hf if k.endswith("e_score_correction_bias")]
+    assert biases and all(hf[k].dtype == torch.float32 for k in biases)
+    assert any(not torch.equal(hf[k].to(torch.bfloat16).float(), hf[k]) for k in biases)  # rounding would show
+    sent = {k: v if k in biases else v.to(torch.bfloat16) for k, v in hf.items()}
+    want = vllm_engine_tensors(sent, config, 1)[0]
     fp32 = [k for k in want if k.endswith(("mlp.gate.weight", "e_score_correction_bias"))]
     assert fp32
     for k in fp32:
@@ -669,12 +674,14 @@ def test_refit_follows_parameters_the_trainer_replaced(mpu, reference_checkpoint
 @pytest.mark.parametrize("tp", [1, 2])
 def test_stream_and_local_sources_write_the_same_engine(mpu, reference_checkpoint, monkeypatch, tp):
     """The export stream (any layout; forced here at TP1) and the local source, into the vLLM
-    worker (raw shards, packed and in-process) and the dict adapter, with and without a cast."""
+    worker (raw shards, packed and in-process) and the dict adapter, with and without a cast (which
+    leaves the fp32 score-correction bias, a checkpoint-state buffer, as it is)."""
     from mcore_zoo.rollout import program
 
     _, model, config, hf = _setup(reference_checkpoint, "Glm4MoeForCausalLM", {})
     for dtype in (None, torch.bfloat16):
-        want = vllm_engine_tensors({k: v.to(dtype or v.dtype) for k, v in hf.items()}, config, tp)
+        kept = lambda k, v: v.dtype if k.endswith("e_score_correction_bias") else (dtype or v.dtype)  # noqa: E731
+        want = vllm_engine_tensors({k: v.to(kept(k, v)) for k, v in hf.items()}, config, tp)
         for source in ("local", "stream"):
             monkeypatch.setattr(program, "local_source", lambda handle, s=source: s == "local")
             for transport in ("inproc", "ipc"):

@@ -59,6 +59,23 @@ def test_export_casts_dtype_and_records_it(mpu, reference_checkpoint, tmp_path):
     assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
 
 
+def test_export_dtype_keeps_fp32_score_correction_bias(mpu, reference_checkpoint, tmp_path):
+    """``dtype`` casts the parameters; the router's fp32 score-correction bias (a checkpoint-state
+    buffer) is written unrounded, as published DeepSeek-V3 checkpoints store it and transformers
+    loads it (its ``_keep_in_fp32_modules_strict``)."""
+    ckpt = reference_checkpoint("DeepseekV3ForCausalLM")
+    source = _hf_state(ckpt)
+    biases = sorted(k for k in source if k.endswith("e_score_correction_bias"))
+    assert biases and all(source[k].dtype == torch.float32 for k in biases)
+    assert any(not torch.equal(source[k].to(torch.bfloat16).float(), source[k]) for k in biases)
+    model = mcore_zoo.build_model(ckpt, backend="local", load=ckpt)
+    mcore_zoo.save_hf_checkpoint(model, tmp_path / "bf16", dtype=torch.bfloat16)
+    state = _hf_state(tmp_path / "bf16")
+    for k in biases:
+        assert state[k].dtype == torch.float32 and torch.equal(state[k], source[k]), k
+    assert {t.dtype for k, t in state.items() if k not in biases} == {torch.bfloat16}
+
+
 def test_load_from_in_memory_state_dict(mpu, reference_checkpoint, hf_reference):
     ckpt = reference_checkpoint("Qwen3ForCausalLM")
     hf = hf_reference("Qwen3ForCausalLM", ckpt)

@@ -265,7 +265,8 @@ def iter_hf_weights(
     global ranks receive tensors; the others yield nothing (a model-parallel group without any of
     them does no work at all). ``gather_tp=False``: each rank yields the pieces it holds, for its
     own pipeline stage only, without communication. Tensors are detached; ``dtype`` casts them
-    (before any transfer). ``grads=True`` yields the parameters' gradients under HF names instead
+    (before any transfer), except checkpoint-state buffers, which keep their dtype (an MoE
+    router's fp32 score-correction bias, as published checkpoints and vLLM hold it). ``grads=True`` yields the parameters' gradients under HF names instead
     (gradient parity checks).
     """
     handle = handle_of(model)
@@ -325,6 +326,10 @@ def save_hf_checkpoint(
     ``quantization_config`` kept): the loaded bytes again while every block is still on its FP4
     grid (an untrained model, any dtype); a tensor off the grid (trained weights) is refused by
     name, as MXFP4 quantization of arbitrary values is not what transformers writes.
+
+    ``dtype``: the parameters' tensors are written in it; checkpoint-state buffers keep theirs (the
+    fp32 ``e_score_correction_bias`` of DeepSeek-V3-style routers, as published checkpoints store it
+    and transformers and vLLM load it: a rounded bias would choose other experts).
 
     Any layout: in a multi-process job every rank of the model calls it (every rank of the job, or
     the model's ranks when it is placed on part of the job); global rank ``writer_rank`` (default:

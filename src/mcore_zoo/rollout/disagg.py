@@ -51,7 +51,7 @@ from ..distributed.shared_buffers import SharedBuffer, shared_empty
 from ..errors import ZooError
 from ..handle import handle_of
 from ..model_groups import refuse_part_of_job
-from ..weights.export import aligned_nbytes, export_rule, export_views, hf_copies
+from ..weights.export import aligned_nbytes, export_dtype, export_rule, export_views, hf_copies
 from ..weights.rules import narrow, narrow_view, split_shapes
 from .adapter import EngineAdapter, RefitBucket
 from .engine_format import EngineFormat, get_engine_format
@@ -245,7 +245,7 @@ class DisaggSender:
         for i in self._exported_steps[index]:
             step = self.steps[i]
             gather = tp_gather(step) if step.ctx.tp_size > 1 else None
-            dtype = self.plan.dtype
+            dtype = export_dtype(step, self.plan.dtype)  # a checkpoint-state buffer keeps its own
             out[i] = {name: (t if dtype is None else t.to(dtype))
                       for name, t in export_rule(step.bound, step.tensor().detach(), step.ctx, gather)}  # fmt: skip
         return out

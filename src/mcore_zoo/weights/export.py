@@ -59,7 +59,9 @@ def stage_hf_weights(
     tensors of the shapes and dtypes the real iteration would yield (gathered shapes where a
     gather is given), without reading a parameter or communicating (export planning).
     ``grads=True`` yields the parameters' ``.grad`` instead (a parameter without a gradient raises;
-    checkpoint-state buffers such as an MoE router's ``expert_bias`` are left out).
+    checkpoint-state buffers such as an MoE router's ``expert_bias`` are left out). ``dtype`` casts
+    what the parameters export; a checkpoint-state buffer keeps its own dtype (the fp32
+    ``e_score_correction_bias``, as published checkpoints and vLLM hold it).
     """
     copies_of = copies or {}
     stacks = ExpertStacks()
@@ -69,6 +71,7 @@ def stage_hf_weights(
         if local is None:
             continue
         ctx = step.ctx
+        cast = export_dtype(step, dtype)
         gather = gather_for(step) if gather_for is not None else None
         if gather is not None and meta:
             gather = _meta_gather(ctx.tp_size)
@@ -78,7 +81,7 @@ def stage_hf_weights(
             pairs = zip(step.ep_rules, parts)
         for rb, tensor in pairs:
             for name, piece in stacks.add(rb, ctx, export_rule(rb, tensor, ctx, gather)):
-                piece = piece.to(dtype) if dtype is not None else piece
+                piece = piece.to(cast) if cast is not None else piece
                 yield name, piece
                 for copy in copies_of.get(name, ()):  # e.g. an MTP layer's embed_tokens / shared_head.head
                     yield copy, piece
@@ -116,6 +119,14 @@ class ExpertStacks:
             raise ZooError(f"export: {name!r} stacks every expert, but only experts {sorted(parts)} were exported"
                            " (export experts gathered over expert parallelism)")  # fmt: skip
 
+
+
+def export_dtype(step: RuleStep, dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    """The dtype an export asked for ``dtype`` casts ``step``'s tensors to: ``dtype`` for a
+    parameter, ``None`` (its own dtype) for a checkpoint-state buffer - an MoE router's fp32
+    score-correction bias, which published checkpoints store and engines keep in fp32 (a rounded
+    bias chooses other experts)."""
+    return dtype if isinstance(step.tensor(), torch.nn.Parameter) else None
 
 
 def _local_tensor(step: RuleStep, *, meta: bool, grads: bool) -> Optional[torch.Tensor]:
