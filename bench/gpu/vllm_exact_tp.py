@@ -30,7 +30,8 @@ Qwen3-MoE (the GPU test's MoE case: 8 experts, top-2)::
     torchrun --standalone --nproc_per_node 2 bench/gpu/vllm_exact_tp.py --arch Qwen3MoeForCausalLM --ep 2 --out /tmp/ep2-moe.json
 
 DeepSeek-V3 (``--arch DeepseekV3ForCausalLM``, the test's engine arguments: ``FLASH_ATTN_MLA``,
-``long_prefill_token_threshold=512``) runs the same way; not measured at TP2 yet.
+``long_prefill_token_threshold=512``) runs the same way (TP2 and TP2 x EP2 bitwise on two H200s,
+docs/parity/vllm-gpu/vllm-exact/README.md).
 
 At TP2 the engine splits every expert's intermediate dimension over the two ranks and the trainer
 is built with ``Parallelism(tp=2)`` (expert-TP follows TP); ``--ep 2`` starts the engine with
