@@ -45,8 +45,15 @@ MODELS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "mixtral-8x7b": ("mixtral-8x7b-v0.1.json", {"num_hidden_layers": 2}, {}),
     "deepseek-v3": ("deepseek-v3.json", {"num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": 64},
                     {"n_routed_experts": 16}),
-    # the wider widths: Qwen3-235B-A22B (all 128 experts), Kimi-K2 (64 of its 384 routed experts)
+    # the wider widths: Qwen3-235B-A22B (all 128 experts), Mixtral-8x22B, Kimi-K2 (64 of its 384 routed experts)
     "qwen3-235b-a22b": ("qwen3-235b-a22b.json", {"num_hidden_layers": 2}, {"num_experts": 16}),
+    # Mixtral-8x22B's widths (hidden 6144, 48 / 8 heads of 128, experts of 16384, vocabulary 32768) on the
+    # published Mixtral config of this directory
+    "mixtral-8x22b": ("mixtral-8x7b-v0.1.json", {"num_hidden_layers": 2, "hidden_size": 6144, "intermediate_size": 16384,
+                                                 "num_attention_heads": 48, "vocab_size": 32768,
+                                                 "max_position_embeddings": 65536},
+                      {"hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 4, "num_key_value_heads": 2,
+                       "vocab_size": 512}),
     "kimi-k2": ("kimi-k2-instruct.json", {"num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": 64},
                 {"n_routed_experts": 16}),
 }

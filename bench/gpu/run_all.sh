@@ -368,12 +368,12 @@ fi
 
 if [[ " $phases " == *" moe-exact-packs "* ]]; then
   # hf-exact MoE on local (split-K off) on mixed THD packs (512, 300, 100, 37 and 16 x 64) at the full
-  # width of Qwen3-30B-A3B, Mixtral-8x7B, DeepSeek-V3 (64 of the 256 routed experts), Qwen3-235B-A22B
+  # width of Qwen3-30B-A3B, Mixtral-8x7B, DeepSeek-V3 (64 of the 256 routed experts), Qwen3-235B-A22B, Mixtral-8x22B
   # and Kimi-K2 (64 of the 384 routed experts), 2 layers, bf16:
   # each sequence packed and alone against transformers (grouped_mm and eager experts) on it alone,
   # bit for bit, first divergent site and max |dlogit| where not (bench/gpu/moe_exact_packs.py; one
   # report per model). The CPU dry run: MOE_PACKS_ARGS="--device cpu --tiny"
-  for m in qwen3-30b-a3b mixtral-8x7b deepseek-v3 qwen3-235b-a22b kimi-k2; do
+  for m in qwen3-30b-a3b mixtral-8x7b deepseek-v3 qwen3-235b-a22b mixtral-8x22b kimi-k2; do
     run "moe-exact-packs-$m" "${MOE_PACKS_TIMEOUT:-600}" "${nosplit[@]}" $py bench/gpu/moe_exact_packs.py --models "$m" \
         --out "$out/moe-exact-packs/$m" ${MOE_PACKS_ARGS:-}
   done
