@@ -266,8 +266,9 @@ def iter_hf_weights(
     them does no work at all). ``gather_tp=False``: each rank yields the pieces it holds, for its
     own pipeline stage only, without communication. Tensors are detached; ``dtype`` casts them
     (before any transfer), except checkpoint-state buffers, which keep their dtype (an MoE
-    router's fp32 score-correction bias, as published checkpoints and vLLM hold it). ``grads=True`` yields the parameters' gradients under HF names instead
-    (gradient parity checks).
+    router's fp32 score-correction bias, as published checkpoints and vLLM hold it).
+    ``grads=True`` yields the parameters' gradients under HF names instead (gradient parity
+    checks).
     """
     handle = handle_of(model)
     if gather_tp:
