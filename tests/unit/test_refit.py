@@ -680,8 +680,8 @@ def test_stream_and_local_sources_write_the_same_engine(mpu, reference_checkpoin
 
     _, model, config, hf = _setup(reference_checkpoint, "Glm4MoeForCausalLM", {})
     for dtype in (None, torch.bfloat16):
-        kept = lambda k, v: v.dtype if k.endswith("e_score_correction_bias") else (dtype or v.dtype)  # noqa: E731
-        want = vllm_engine_tensors({k: v.to(kept(k, v)) for k, v in hf.items()}, config, tp)
+        sent = {k: v if dtype is None or k.endswith("e_score_correction_bias") else v.to(dtype) for k, v in hf.items()}
+        want = vllm_engine_tensors(sent, config, tp)
         for source in ("local", "stream"):
             monkeypatch.setattr(program, "local_source", lambda handle, s=source: s == "local")
             for transport in ("inproc", "ipc"):
