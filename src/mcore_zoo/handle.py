@@ -34,7 +34,9 @@ import torch
 from .errors import ZooError
 from .placement import Placement
 from .weights.export import exports
-from .weights.rules import BoundRule, RuleStep, TransformContext, WeightMap, bind_steps, check_partition_dim
+from .weights.rules import (
+    BoundRule, RuleStep, TransformContext, WeightMap, bind_steps, check_partition_dim, parameters_and_state_buffers,
+)  # fmt: skip
 
 if TYPE_CHECKING:  # pragma: no cover
     from .architecture import Architecture
@@ -152,8 +154,16 @@ class ModelHandle:
             moe = self.arch_config.moe
             local = None if moe is None else moe.num_experts // self.placement.ep
             offset = 0 if local is None else self.placement.ep_rank * local
-            self._bound[key] = self.weight_map.bind(chunk, expert_offset=offset, num_local_experts=local, check=True)
+            parameters, buffers = parameters_and_state_buffers(chunk)  # one walk for the rules and the names
+            self._derived[("parameter_names", key)] = tuple(parameters)
+            self._bound[key] = self.weight_map.bind(chunk, expert_offset=offset, num_local_experts=local, check=True,
+                                                    tensors={**parameters, **buffers})  # fmt: skip
         return self._bound[key]
+
+    def parameter_names(self, chunk: torch.nn.Module) -> tuple[str, ...]:
+        """The names of ``chunk``'s parameters, in ``named_parameters()`` order (cached until a chunk is
+        attached): what :func:`~mcore_zoo.weights.load.plan_load` checks every rule covers."""
+        return self.derived(("parameter_names", id(chunk)), lambda: tuple(n for n, _ in chunk.named_parameters()))
 
     def derived(self, key: Any, make: Callable[[], Any]) -> Any:
         """``make()``, computed on the first call for ``key`` and kept until a chunk is attached

@@ -110,6 +110,11 @@ def _header_file(path: Path, header: dict, data: bytes = b"") -> Path:
         ({"dtype": "F8_E4M3", "shape": [4, 4], "data_offsets": [0, 16]}, r"quantized checkpoints are not supported \(F8_E4M3\)"),
         ({"dtype": "F8_E5M2", "shape": [4, 4], "data_offsets": [0, 16]}, r"quantized checkpoints are not supported \(F8_E5M2\)"),
         ("not an entry", "malformed entry"),
+        ({"shape": [4, 1], "data_offsets": [0, 16]}, "malformed entry"),  # no dtype
+        ({"dtype": "X99", "shape": [4, 1], "data_offsets": [0, 16]}, "malformed entry"),  # no safetensors dtype
+        ({"dtype": ["F32"], "shape": [4, 1], "data_offsets": [0, 16]}, "malformed entry"),
+        ({"dtype": "F32", "shape": [4, 1], "data_offsets": [0, 16, 16]}, "malformed entry"),
+        ({"dtype": "F32", "shape": [-4, -1], "data_offsets": [0, 16]}, "do not hold F32"),
     ],
 )
 def test_malformed_header_values_are_named(tmp_path, entry, message):
@@ -117,6 +122,15 @@ def test_malformed_header_values_are_named(tmp_path, entry, message):
     with pytest.raises(CheckpointFormatError, match=message):
         HFCheckpoint(tmp_path)
     assert "w" in str(pytest.raises(CheckpointFormatError, HFCheckpoint, tmp_path).value) and path
+
+
+def test_a_malformed_entry_after_a_good_one_of_its_dtype_is_named(tmp_path):
+    """The dtype checks run once per dtype: an entry after a well-formed one of the same dtype is
+    still checked whole."""
+    _header_file(tmp_path / "model.safetensors", {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                                                  "b": {"dtype": "F32", "shape": [True], "data_offsets": [16, 20]}}, b"\0" * 20)  # fmt: skip
+    with pytest.raises(CheckpointFormatError, match="tensor 'b': malformed entry"):
+        HFCheckpoint(tmp_path)
 
 
 def test_quantized_dtype_refused_even_when_readable(tmp_path, monkeypatch):

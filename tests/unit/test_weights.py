@@ -162,6 +162,33 @@ def test_unmapped_parameter_would_stay_random_and_is_refused(mpu, reference_chec
         mcore_zoo.load_hf_weights(model, ckpt)
 
 
+def test_model_tensors_are_named_parameters_then_checkpoint_state_buffers(mpu, reference_checkpoint):
+    """One walk of the module tree gives what ``named_parameters()`` and ``named_buffers()`` give:
+    the same names in the same order, a tensor or module reached twice counted once under its
+    first name, then the routers' ``expert_bias`` buffers."""
+    from mcore_zoo.weights.rules import model_tensors
+
+    model = mcore_zoo.build_model(reference_checkpoint("DeepseekV3ForCausalLM"), backend="local")
+    shared = torch.nn.Linear(2, 2)
+    model.extra_a, model.extra_b = shared, shared  # one module under two names
+    model.decoder.extra_weight = shared.weight  # one parameter under two names
+    want = dict(model.named_parameters())
+    want.update({n: b for n, b in model.named_buffers() if n.endswith(".expert_bias")})
+    got = model_tensors(model)
+    assert list(got) == list(want) and all(got[n] is want[n] for n in want)
+    assert "extra_b.weight" not in got and ("decoder.extra_weight" in got) != ("extra_a.weight" in got)
+    assert sum(n.endswith(".expert_bias") for n in got) >= 1
+
+
+def test_a_rule_whose_hf_name_has_a_placeholder_its_mcore_name_lacks_is_refused(mpu, reference_checkpoint):
+    from mcore_zoo.weights.rules import rule
+
+    wmap = handle_of(mcore_zoo.build_model(reference_checkpoint("LlamaForCausalLM"), backend="local")).weight_map
+    bad = WeightMap(wmap.arch, [rule("decoder.final_layernorm.weight", "model.layers.{layer}.norm.weight")])
+    with pytest.raises(KeyError, match="layer"):
+        bad.expand_full()
+
+
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
 def test_corrupt_safetensors_is_a_clear_error(mpu, reference_checkpoint, tmp_path, damage):
     ckpt = _copy(reference_checkpoint("LlamaForCausalLM"), tmp_path / "c")

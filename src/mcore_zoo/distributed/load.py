@@ -84,7 +84,7 @@ def _load(handle: ModelHandle, ckpt: Any, own: bool, replicas: str) -> LoadRepor
     """:func:`load_hf_weights`' plan and reads, from the opened checkpoint ``ckpt`` (``own``:
     opened by the load from a path)."""
     chunks = [(chunk, handle.rule_steps(chunk)) for chunk in handle.chunks]
-    plan, ignored = plan_load(handle.weight_map, ckpt, chunks)
+    plan, ignored = plan_load(handle.weight_map, ckpt, chunks, [handle.parameter_names(chunk) for chunk, _ in chunks])
     rank = handle.placement.rank
     report = LoadReport(ignored=ignored, absent=absent_tensors(handle.weight_map, ckpt.keys()))
     # every parameter and the views its sources are read into, made before the first read (rule_views)

@@ -119,10 +119,6 @@ def unsupported_dtype(name: Any) -> Optional[str]:
     return None
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _short(value: Any, limit: int = 120) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
@@ -175,27 +171,30 @@ def read_safetensors_header(path: Path, file: Optional[str] = None) -> dict[str,
     if not isinstance(header, dict):
         raise bad("header is not a JSON object")
     base, entries, spans = 8 + length, {}, []
+    file = file or path.name
+    itemsizes: dict[Any, int] = {}  # safetensors dtype name -> item size, once per dtype (checked once)
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        if not isinstance(meta, dict):
+        if type(meta) is not dict:
             raise bad(f"tensor {name!r}: malformed entry {_short(meta)}")
-        quantized = unsupported_dtype(meta.get("dtype"))
-        if quantized and meta.get("dtype") not in _DTYPES:  # readable ones are refused by HFCheckpoint
-            raise bad(f"tensor {name!r}: {quantized}")
-        try:
-            dtype, raw_shape, offsets = _DTYPES[meta["dtype"]], meta["shape"], meta["data_offsets"]
-            if not isinstance(raw_shape, list) or not all(_is_int(n) for n in raw_shape):
-                raise ValueError
-            if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(n) for n in offsets):
-                raise ValueError
-        except (KeyError, TypeError, ValueError):
+        dtype_name, raw_shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+        itemsize = itemsizes.get(dtype_name) if type(dtype_name) is str else None
+        if itemsize is None:
+            quantized = unsupported_dtype(dtype_name)
+            if quantized and dtype_name not in _DTYPES:  # readable ones are refused by HFCheckpoint
+                raise bad(f"tensor {name!r}: {quantized}")
+            if type(dtype_name) is str and dtype_name in _DTYPES:
+                itemsize = itemsizes[dtype_name] = _itemsize(_DTYPES[dtype_name])
+        # JSON integers are exactly int (never bool, which is an int too)
+        if (itemsize is None or type(raw_shape) is not list or not all(type(n) is int for n in raw_shape)
+                or type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int or type(offsets[1]) is not int):  # fmt: skip
             raise bad(f"tensor {name!r}: malformed entry {_short(meta)} (dtype a safetensors name, shape and"
-                      " data_offsets lists of integers)") from None
+                      " data_offsets lists of integers)")  # fmt: skip
         shape, (begin, end) = tuple(raw_shape), offsets
-        if any(n < 0 for n in shape) or not 0 <= begin <= end or end - begin != math.prod(shape) * _itemsize(dtype):
-            raise bad(f"tensor {name!r}: data_offsets {[begin, end]} do not hold {meta['dtype']} {list(shape)}")
-        entries[name] = TensorEntry(file or path.name, dtype, shape, base + begin, meta["dtype"])
+        if min(shape, default=0) < 0 or not 0 <= begin <= end or end - begin != math.prod(shape) * itemsize:
+            raise bad(f"tensor {name!r}: data_offsets {[begin, end]} do not hold {dtype_name} {list(shape)}")
+        entries[name] = TensorEntry(file, _DTYPES[dtype_name], shape, base + begin, dtype_name)
         spans.append((begin, end, name))
     spans.sort()
     position = 0
@@ -269,10 +268,13 @@ class HFCheckpoint:
                 self._fds[file] = os.open(full, os.O_RDONLY)
             except OSError as exc:
                 raise CheckpointFormatError(str(full), f"{type(exc).__name__}: {exc.strerror}") from exc
+            refused = {}  # dtype name -> its refusal (None: readable), once per dtype
             for key, entry in entries.items():
-                quantized = unsupported_dtype(entry.dtype_name)
-                if quantized and not (allow_fp8 and entry.dtype_name in _FP8_READABLE):
-                    raise CheckpointFormatError(str(full), f"tensor {key!r}: {quantized}")
+                if entry.dtype_name not in refused:
+                    quantized = unsupported_dtype(entry.dtype_name)
+                    refused[entry.dtype_name] = quantized if quantized and not (allow_fp8 and entry.dtype_name in _FP8_READABLE) else None
+                if refused[entry.dtype_name] is not None:
+                    raise CheckpointFormatError(str(full), f"tensor {key!r}: {refused[entry.dtype_name]}")
                 if key in self._where:
                     raise CheckpointFormatError(str(full), f"tensor {key!r} also in {self._where[key]}")
                 self._where[key] = file

@@ -124,12 +124,14 @@ def absent_tensors(wmap: WeightMap, names: set[str]) -> dict[str, str]:
     return {n: reason for n, reason in wmap.optional_hf_names().items() if n not in names}
 
 
-def plan_load(weight_map: WeightMap, checkpoint: HFCheckpoint,
-              chunks: Sequence[tuple[torch.nn.Module, Sequence[RuleStep]]]) -> tuple[list[list[RuleStep]], dict[str, str]]:  # fmt: skip
+def plan_load(weight_map: WeightMap, checkpoint: HFCheckpoint, chunks: Sequence[tuple[torch.nn.Module, Sequence[RuleStep]]],
+              parameter_names: Optional[Sequence[Sequence[str]]] = None) -> tuple[list[list[RuleStep]], dict[str, str]]:  # fmt: skip
     """All checks of the module docstring, for each chunk and its rule steps (every bound rule of
     it: :meth:`~mcore_zoo.handle.ModelHandle.rule_steps`); returns the steps to read, per chunk, and
     the ignored tensors. Rules whose sources are absent by request (``Rule.absent``) are left out
-    of the plan: their parameters keep their explicit initialisation."""
+    of the plan: their parameters keep their explicit initialisation. ``parameter_names``: per
+    chunk, the names of its parameters when the caller has them
+    (:meth:`~mcore_zoo.handle.ModelHandle.parameter_names`), else read off ``named_parameters()``."""
     ignored = check_coverage(weight_map, checkpoint.keys(), str(checkpoint.path))
     absent = absent_tensors(weight_map, checkpoint.keys())
     check_tied_output(weight_map, checkpoint)
@@ -140,7 +142,8 @@ def plan_load(weight_map: WeightMap, checkpoint: HFCheckpoint,
     for index, (chunk, steps) in enumerate(chunks):
         covered = {s.bound.mcore for s in steps}
         prefix = f"chunk{index}." if len(chunks) > 1 else ""
-        unmapped += [prefix + n for n, _ in chunk.named_parameters() if n not in covered]
+        names = parameter_names[index] if parameter_names is not None else [n for n, _ in chunk.named_parameters()]
+        unmapped += [prefix + n for n in names if n not in covered]
         steps = [s for s in steps if not any(n in absent for n in s.bound.hf)]
         for s in steps:
             _check_bound_shapes(s.bound, s.tensor().shape, s.ctx, checkpoint.shape, expected)

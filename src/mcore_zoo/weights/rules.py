@@ -29,7 +29,7 @@ import functools
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -83,6 +83,25 @@ def strided_layout(base: torch.Tensor, view: torch.Tensor) -> Optional[tuple[tup
     ``view`` of ``base`` from; ``None`` when ``view`` is all of ``base`` (no view to make)."""
     layout = (tuple(view.shape), tuple(view.stride()), view.storage_offset() - base.storage_offset())
     return None if layout == (tuple(base.shape), tuple(base.stride()), 0) else layout
+
+
+class _computed_once:
+    """A read-only attribute computed on first access and kept in the instance's ``__dict__``
+    (later reads find it there, not here): ``functools.cached_property`` without its lock, which
+    Python 3.11 takes on every first access - thousands per load of an MoE model's bound rules."""
+
+    def __init__(self, compute: Callable[[Any], Any]) -> None:
+        self.compute, self.name = compute, compute.__name__
+        self.__doc__ = compute.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance: Any, owner: Optional[type] = None) -> Any:
+        if instance is None:
+            return self
+        value = instance.__dict__[self.name] = self.compute(instance)
+        return value
 
 
 @dataclass(frozen=True)
@@ -442,9 +461,20 @@ class Rule:
     note: str = ""
     absent: str = ""
 
-    @functools.cached_property
+    @_computed_once
     def tp_axes(self) -> tuple[Optional[int], ...]:
         return tuple(s.tp_axis for s in self.sources)
+
+    @_computed_once
+    def selects(self) -> tuple[Optional[tuple[int, int, int]], ...]:
+        """Per source, its ``Source.select`` range (a bound expert's slice of a stacked-experts
+        tensor: :attr:`BoundRule.selects`)."""
+        return tuple(s.select for s in self.sources)
+
+    @_computed_once
+    def stacked(self) -> tuple[bool, ...]:
+        """Per source, whether it is one expert's slice of a stacked-experts HF tensor."""
+        return tuple(s.expert_axis is not None for s in self.sources)
 
 
 def rule(
@@ -516,6 +546,16 @@ def _fill(template: str, **values: int) -> str:
     return template
 
 
+def _check_placeholders(hf: Sequence[str], has_layer: bool, has_expert: bool) -> None:
+    """``KeyError`` naming a placeholder of a rule's HF names that its mcore name lacks
+    (``has_layer`` / ``has_expert``: the expansion would have no value for it), as :func:`_fill`
+    raises."""
+    for template in hf:
+        for match in _PLACEHOLDER.finditer(template):
+            if not (has_layer if match.group(1) == "layer" else has_expert):
+                raise KeyError(match.group(1))
+
+
 @dataclass(frozen=True)
 class BoundRule:
     """A rule with its placeholders filled: one concrete mcore parameter and its HF tensors."""
@@ -546,22 +586,23 @@ class BoundRule:
     def tp_axes(self) -> tuple[Optional[int], ...]:
         return self.rule.tp_axes
 
-    # selects / stacked: computed once per bound rule (a load asks each several times per
-    # parameter; the dataclass is frozen, its fields never change)
-    @functools.cached_property
+    # computed once per bound rule (a load asks several times per parameter; the dataclass is
+    # frozen, its fields never change) - the rule's own unless a source stacks the experts
+    @_computed_once
     def selects(self) -> tuple[Optional[tuple[int, int, int]], ...]:
         """Per source, its range of the HF tensor: ``Source.select``, or the bound expert's slice
         of a stacked-experts tensor (``Source.expert_axis``)."""
+        if self.expert is None or not any(self.rule.stacked):
+            return self.rule.selects
         return tuple(
-            (s.expert_axis, self.expert, self.expert + 1) if s.expert_axis is not None and self.expert is not None
-            else s.select
+            (s.expert_axis, self.expert, self.expert + 1) if s.expert_axis is not None else s.select
             for s in self.rule.sources
         )  # fmt: skip
 
-    @functools.cached_property
+    @property
     def stacked(self) -> tuple[bool, ...]:
         """Per source, whether it is one expert's slice of a stacked-experts HF tensor."""
-        return tuple(s.expert_axis is not None for s in self.rule.sources)
+        return self.rule.stacked
 
     def tp_slice(self, source: int, rank: int = 0, size: int = 1) -> TPSlice:
         """Rank ``rank`` of ``size``'s slice of source ``source`` (its TP axis and select range)."""
@@ -624,33 +665,34 @@ class WeightMap:
         return list(cached[1])
 
     def _expand(self, layers: Iterable[int], layer_to_global: Optional[Mapping[int, int]], experts: Optional[Mapping[int, int]] = None) -> Iterable[BoundRule]:
+        """The bound rules of local ``layers`` (global index ``layer_to_global[i]``, or ``i``) and
+        local ``experts`` (``{local: global}``, default every expert). Names are filled by string
+        replacement, the layer's index once per rule and layer, then the expert's (a model with
+        thousands of expert tensors expands them at every first load)."""
         layers = list(layers)
         num_experts = self.arch.moe.num_experts if self.arch.moe else 0
-        expert_map = experts if experts is not None else {e: e for e in range(num_experts)}
+        expert_items = list((experts if experts is not None else {e: e for e in range(num_experts)}).items())
         for r in self.rules:
             has_layer = "{layer}" in r.mcore
             has_expert = "{expert}" in r.mcore
-            layer_iter = layers if has_layer else [None]
-            for local_layer in layer_iter:
-                global_layer = (
-                    None
-                    if local_layer is None
-                    else (layer_to_global[local_layer] if layer_to_global is not None else local_layer)
-                )
-                kind = "moe" if has_expert else r.layer_kind
-                if has_layer and not self._layer_is(kind, global_layer):
+            templates = tuple(s.hf for s in r.sources)
+            _check_placeholders(templates, has_layer, has_expert)
+            kind = "moe" if has_expert else r.layer_kind
+            for local_layer in layers if has_layer else [None]:
+                if local_layer is None:
+                    global_layer, mcore, hf = None, r.mcore, templates
+                else:
+                    global_layer = layer_to_global[local_layer] if layer_to_global is not None else local_layer
+                    if not self._layer_is(kind, global_layer):
+                        continue
+                    mcore = r.mcore.replace("{layer}", str(local_layer))
+                    hf = tuple(t.replace("{layer}", str(global_layer)) for t in templates)
+                if not has_expert:
+                    yield BoundRule(r, mcore, hf, global_layer, None)
                     continue
-                expert_iter = expert_map.items() if has_expert else [(None, None)]
-                for local_e, global_e in expert_iter:
-                    mvals = {"layer": local_layer, "expert": local_e}
-                    hvals = {"layer": global_layer, "expert": global_e}
-                    yield BoundRule(
-                        r,
-                        _fill(r.mcore, **{k: v for k, v in mvals.items() if v is not None}),
-                        tuple(_fill(s.hf, **{k: v for k, v in hvals.items() if v is not None}) for s in r.sources),
-                        global_layer,
-                        global_e,
-                    )
+                for local_e, global_e in expert_items:
+                    yield BoundRule(r, mcore.replace("{expert}", str(local_e)),
+                                    tuple(t.replace("{expert}", str(global_e)) for t in hf), global_layer, global_e)  # fmt: skip
 
     def _layer_is(self, kind: str, global_layer: Optional[int]) -> bool:
         """Whether a rule of ``layer_kind`` ``kind`` applies to global layer ``global_layer``: the MLP
@@ -722,7 +764,7 @@ class WeightMap:
 
     # ------------------------------------------------------------------ binding to a model
     def bind(self, module: torch.nn.Module, *, expert_offset: int = 0, num_local_experts: Optional[int] = None,
-             check: bool = False) -> list[BoundRule]:  # fmt: skip
+             check: bool = False, tensors: Optional[Mapping[str, torch.Tensor]] = None) -> list[BoundRule]:  # fmt: skip
         """Bound rules for the parameters that exist in ``module`` (one GPTModel chunk).
 
         Local layer ``i`` maps to the global HF layer ``decoder.layers[i].layer_number - 1``. Rules
@@ -730,8 +772,9 @@ class WeightMap:
         layer under tied embeddings) are dropped; mcore names are resolved through
         :data:`FUSED_NORM_ALIASES` when the backend fuses norms. ``check``: each rule's TP axes
         are checked against its parameter's ``partition_dim`` (:func:`check_partition_dim`).
+        ``tensors``: :func:`model_tensors` of ``module``, when the caller has it already.
         """
-        params = model_tensors(module)
+        params = model_tensors(module) if tensors is None else tensors
         names = set(params)
         layers = _decoder_layers(module)
         layer_map = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
@@ -744,7 +787,7 @@ class WeightMap:
             name = resolve_mcore_name(b.mcore, names)
             if name is None:
                 continue
-            bound.append(BoundRule(b.rule, name, b.hf, b.layer, b.expert))
+            bound.append(b if name == b.mcore else BoundRule(b.rule, name, b.hf, b.layer, b.expert))
         for b in bound if check else ():
             check_partition_dim(b, params[b.mcore])
         return bound
@@ -769,12 +812,39 @@ def check_partition_dim(b: BoundRule, param: torch.Tensor) -> None:
 
 def model_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What a rule may target: every parameter, and the buffers that hold checkpoint state (MoE
-    routers' ``expert_bias``, HF ``e_score_correction_bias``). Only parameters must have a rule."""
-    tensors: dict[str, torch.Tensor] = dict(module.named_parameters())
-    for name, buffer in module.named_buffers():
-        if name.endswith(".expert_bias"):
-            tensors[name] = buffer
-    return tensors
+    routers' ``expert_bias``, HF ``e_score_correction_bias``). Only parameters must have a rule.
+    The parameters first, then the buffers (:func:`parameters_and_state_buffers`)."""
+    parameters, buffers = parameters_and_state_buffers(module)
+    parameters.update(buffers)
+    return parameters
+
+
+def parameters_and_state_buffers(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(parameters, buffers)`` of :func:`model_tensors`, apart: the names and order of
+    ``named_parameters()`` (a tensor reached under two names counted once, under its first), and
+    the checkpoint-state buffers, from one walk of the module tree instead of one per kind (a
+    model with thousands of expert modules walks them at every first load)."""
+    parameters: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    seen_modules: set[int] = set()
+    seen_tensors: set[int] = set()
+    stack: list[tuple[str, torch.nn.Module]] = [("", module)]
+    while stack:  # pre-order, children in registration order: named_modules()'s order
+        prefix, current = stack.pop()
+        if id(current) in seen_modules:
+            continue
+        seen_modules.add(id(current))
+        dot = prefix + "." if prefix else ""
+        for name, param in current._parameters.items():
+            if param is not None and id(param) not in seen_tensors:
+                seen_tensors.add(id(param))
+                parameters[dot + name] = param
+        buffer = current._buffers.get("expert_bias") if prefix else None
+        if buffer is not None and id(buffer) not in seen_tensors:
+            seen_tensors.add(id(buffer))
+            buffers[dot + "expert_bias"] = buffer
+        stack.extend((dot + name, child) for name, child in reversed(current._modules.items()) if child is not None)
+    return parameters, buffers
 
 
 class TensorRef:

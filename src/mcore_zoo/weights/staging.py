@@ -41,6 +41,7 @@ stages CPU destinations through an unpinned ring and copies them synchronously.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections import deque
@@ -314,6 +315,7 @@ class StagingRing:
         self._views: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (buffer, dtype): the buffer as that dtype
         self._events: list[Optional[torch.cuda.Event]] = []
         self._stream: Optional[torch.cuda.Stream] = None
+        self._stream_handle = 0  # the side stream's cudaStream_t
         self._raw: Optional[Callable[[int, int, int, int, int], int]] = None  # RAW_COPIES' cudaMemcpyAsync
         self._device: Optional[torch.device] = None
         self._pending: deque[_Piece] = deque()
@@ -477,6 +479,7 @@ class StagingRing:
         if cuda:
             self._stream = torch.cuda.Stream(device=device)
             self._stream.wait_stream(torch.cuda.current_stream(device))
+            self._stream_handle = self._stream.cuda_stream
         if not RAW_COPIES:
             self._raw = None
         elif cuda:  # from pinned buffers only (a pageable source would make the copy synchronous)
@@ -547,11 +550,15 @@ class StagingRing:
                     else:
                         piece.destination.copy_(_cut(piece.staged, piece.rows))
                 return
-            with torch.cuda.stream(self._stream):
-                runs = _raw_runs(pieces)
+            runs = _raw_runs(pieces)
+            # torch copies are queued on the side stream as the current stream; raw copies name it,
+            # and need only its device current (no stream switch when every region is raw and the
+            # device is current: most of an MoE model's small tensors)
+            switch = torch.cuda.current_device() != self._device.index or any(piece.staged is not None for piece, _ in runs)
+            with torch.cuda.stream(self._stream) if switch else contextlib.nullcontext():
                 for i, (piece, nbytes) in enumerate(runs):
                     if piece.staged is None:  # a raw copy (RAW_COPIES): the interpreter lock kept
-                        self._raw_copy(piece, self._stream.cuda_stream, nbytes)
+                        self._raw_copy(piece, self._stream_handle, nbytes)
                     elif piece.rows is None:
                         piece.destination.copy_(piece.staged, non_blocking=True)
                     else:  # whole rows to the device as they are, cut there (a strided host source
